@@ -1,0 +1,26 @@
+"""Builds the optional crop-aware JPEG decoder (libjpeg-turbo); the pipeline falls back to
+simplejpeg when it cannot be built (no compiler or no libjpeg headers)."""
+
+from setuptools import Extension, setup
+from setuptools.command.build_ext import build_ext
+
+
+class OptionalBuildExt(build_ext):
+  def run(self):
+    try:
+      super().run()
+    except Exception as e:  # noqa: BLE001 - any build failure means "use the fallback"
+      print(f"WARNING: crop-aware JPEG decoder not built ({e}); using simplejpeg")
+
+  def build_extension(self, ext):
+    try:
+      super().build_extension(ext)
+    except Exception as e:  # noqa: BLE001
+      print(f"WARNING: {ext.name} not built ({e}); using simplejpeg")
+
+
+setup(
+    ext_modules=[Extension("pipeline._jpeg", ["pipeline/_jpeg.c"], libraries=["jpeg"],
+                           extra_compile_args=["-O3"], optional=True)],
+    cmdclass={"build_ext": OptionalBuildExt},
+)
