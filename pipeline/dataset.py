@@ -1,0 +1,302 @@
+"""`make_dataset`: ArrayRecord shards -> batches of uint8 images, as a Grain dataset.
+
+The chain, in Grain terms:
+
+    MapDataset of batch positions (sampling.Sampler: shuffle per epoch, repeat, slice)
+      .map(BatchLoader)        read the batch's records in one call, then parse, decode the
+                               crop window, flip and resize each image on a thread pool,
+                               straight into one preallocated array (a fused map + batch)
+      .to_iter_dataset(...)    a few batches in flight on Grain's prefetch threads
+      [.mp_prefetch(...)]      optional worker processes
+
+Every buffer sits inside Grain's iterator, whose state is the next batch position, so
+`get_state()`/`set_state()` resume exactly. Decoders release the GIL, so threads give
+parallel decode with no pickling, no shared memory and instant start.
+"""
+
+from __future__ import annotations
+
+import bisect
+import concurrent.futures
+import dataclasses
+import os
+import threading
+
+import grain
+import numpy as np
+from absl import logging
+from etils import epath
+
+from pipeline import augment, decode, manifest as manifest_lib, records
+from pipeline.sampling import PAD, Sampler
+
+
+class BadRecordError(ValueError):
+  """A record that cannot be used; the message names its shard file and index."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Transform:
+  """What happens to each image: the train (random) or eval (deterministic) recipe."""
+
+  image_size: int = 224
+  train: bool = True
+  area_range: tuple[float, float] = (0.08, 1.0)
+  aspect_range: tuple[float, float] = (3 / 4, 4 / 3)
+  flip: bool = True
+  crop_fraction: float = 0.875  # eval: centre crop of this share of the shorter side
+  dct_scaling: bool = True
+
+  def box(self, h: int, w: int, rng: np.random.Generator) -> augment.Box:
+    if self.train:
+      return augment.random_resized_crop_box(h, w, rng, self.area_range, self.aspect_range)
+    return augment.center_crop_box(h, w, self.crop_fraction)
+
+  def __call__(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
+    h, w = decode.image_size(data)
+    box = self.box(h, w, rng)
+    scale = augment.dct_scale(box, self.image_size) if self.dct_scaling else 1
+    image = augment.resize(decode.decode_crop(data, box, scale), self.image_size)
+    if self.train and self.flip and rng.random() < 0.5:
+      image = augment.flip_lr(image)
+    return image
+
+  def from_cache(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """The cheap half applied to a cached decoded image (random crop and flip)."""
+    y, x, ch, cw = self.box(*image.shape[:2], rng)
+    out = augment.resize(image[y:y + ch, x:x + cw], self.image_size)
+    if self.train and self.flip and rng.random() < 0.5:
+      out = augment.flip_lr(out)
+    return out
+
+
+class _Shards:
+  """Maps a global record index to (shard file, index in shard) for error messages."""
+
+  def __init__(self, paths: list[epath.Path], counts: list[int]):
+    self.names = [p.name for p in paths]
+    self.starts = np.cumsum([0] + counts[:-1]).tolist()
+
+  def where(self, index: int) -> str:
+    s = bisect.bisect_right(self.starts, index) - 1
+    return f"{self.names[s]} record {index - self.starts[s]}"
+
+
+class BatchLoader:
+  """Loads one batch: batched read, then parse/decode/augment on a thread pool.
+
+  Picklable (for worker processes): the thread pool and cache are made on first use.
+  """
+
+  def __init__(self, source, shards: _Shards, sampler: Sampler, transform: Transform, *,
+               batch_size: int, num_classes: int, keys: records.Keys, seed: int,
+               num_threads: int, on_error: str, cache_mb: float, with_mask: bool):
+    self.source, self.shards, self.sampler, self.transform = source, shards, sampler, transform
+    self.batch_size, self.num_classes, self.keys, self.seed = batch_size, num_classes, keys, seed
+    self.num_threads, self.on_error, self.with_mask = num_threads, on_error, with_mask
+    self.cache_bytes = int(cache_mb * 2**20)
+    self._init_runtime()
+
+  def _init_runtime(self):
+    self._pool = None
+    self._lock = threading.Lock()
+    self._cache: dict[int, np.ndarray] = {}
+    self._cache_used = 0
+    self.skipped = 0
+
+  def __getstate__(self):
+    state = self.__dict__.copy()
+    for k in ("_pool", "_lock", "_cache", "_cache_used", "skipped"):
+      state.pop(k)
+    return state
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._init_runtime()
+
+  def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+    with self._lock:
+      if self._pool is None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            self.num_threads, thread_name_prefix="pipeline-decode")
+      return self._pool
+
+  def _image(self, index: int, data: bytes, rng: np.random.Generator) -> np.ndarray:
+    if not self.cache_bytes:
+      return self.transform(data, rng)
+    cached = self._cache.get(index)
+    if cached is None:
+      size = round(self.transform.image_size / self.transform.crop_fraction)
+      cached = augment.resize_shorter(decode.decode(data), size)
+      with self._lock:
+        if self._cache_used + cached.nbytes <= self.cache_bytes:
+          self._cache[index] = cached
+          self._cache_used += cached.nbytes
+    return self.transform.from_cache(cached, rng)
+
+  def _load_one(self, index: int, epoch: int, record: bytes) -> tuple[np.ndarray, int]:
+    try:
+      data, label, _ = records.parse(record, self.keys)
+      rng = np.random.default_rng([self.seed, epoch, index])
+      image = self._image(index, data, rng)
+    except (records.RecordError, decode.DecodeError) as e:
+      raise BadRecordError(f"{self.shards.where(index)}: {e}") from None
+    if not 0 <= label < self.num_classes:
+      raise BadRecordError(f"{self.shards.where(index)}: label {label} outside "
+                           f"[0, {self.num_classes}) of the manifest's classes")
+    return image, label
+
+  def __call__(self, batch: int) -> dict[str, np.ndarray]:
+    first = batch * self.batch_size
+    positions = range(first, min(first + self.batch_size, len(self.sampler)))
+    indices = [self.sampler.record_index(p) for p in positions]
+    epochs = [self.sampler.epoch(p) for p in positions]
+    real = [i for i in indices if i != PAD]
+    recs = dict(zip(real, self.source.__getitems__(real))) if real else {}
+    n, size = len(indices), self.transform.image_size
+    images = np.zeros((n, size, size, 3), np.uint8)
+    labels = np.zeros((n,), np.int32)
+    mask = np.array([i != PAD for i in indices])
+
+    def load(slot: int) -> None:
+      index = indices[slot]
+      if index == PAD:
+        return
+      try:
+        images[slot], labels[slot] = self._load_one(index, epochs[slot], recs[index])
+      except BadRecordError as e:
+        if self.on_error == "raise":
+          raise
+        logging.warning("skipping %s", e)
+        mask[slot] = False
+        with self._lock:
+          self.skipped += 1
+
+    list(self._executor().map(load, range(n)))
+    if not self.with_mask:
+      _fill_skipped(images, labels, mask)
+      return {"image": images, "label": labels}
+    return {"image": images, "label": labels, "mask": mask}
+
+
+def _fill_skipped(images: np.ndarray, labels: np.ndarray, mask: np.ndarray) -> None:
+  """Train batches keep their shape: a skipped slot repeats a good example of the batch."""
+  bad = np.flatnonzero(~mask)
+  good = np.flatnonzero(mask)
+  if len(bad) and not len(good):
+    raise BadRecordError("every record of a batch was bad; see the warnings above")
+  for k, slot in enumerate(bad):
+    images[slot], labels[slot] = images[good[k % len(good)]], labels[good[k % len(good)]]
+
+
+def default_threads() -> int:
+  """Decode threads: one per core (decoders release the GIL)."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def _process_shard(shard_index, shard_count) -> tuple[int, int]:
+  if shard_index is None or shard_count is None:
+    import jax  # pylint: disable=g-import-not-at-top
+
+    return jax.process_index(), jax.process_count()
+  return shard_index, shard_count
+
+
+def make_dataset(
+    data_dir,
+    split: str = "train",
+    *,
+    batch_size: int,
+    train: bool = True,
+    seed: int = 0,
+    image_size: int = 224,
+    num_epochs: int | None = None,
+    shuffle: bool | None = None,
+    shard_index: int | None = None,
+    shard_count: int | None = None,
+    drop_remainder: bool | None = None,
+    num_threads: int | None = None,
+    prefetch: int = 2,
+    num_workers: int = 0,
+    cache_mb: float = 0,
+    on_error: str = "raise",
+    keys: records.Keys | None = None,
+    normalize: bool = False,
+    area_range: tuple[float, float] = (0.08, 1.0),
+    aspect_range: tuple[float, float] = (3 / 4, 4 / 3),
+    crop_fraction: float = 0.875,
+    dct_scaling: bool = True,
+) -> grain.IterDataset:
+  """Batches {"image": uint8[B, S, S, 3], "label": int32[B]} (+ "mask": bool[B] in eval).
+
+  Args:
+    data_dir: a converted dataset (holds manifest.json); local path or mounted bucket.
+    split: the manifest split to read.
+    batch_size: examples per batch *of this process*.
+    train: random-resized-crop + flip, shuffled, repeated forever, drops the remainder;
+      otherwise centre crop, in order, one epoch, padded with mask=False examples so every
+      process yields the same number of batches and every record counts exactly once.
+    seed: seeds the shuffle (a new order per epoch) and the augmentation.
+    num_epochs: None repeats forever (train default); eval default is 1.
+    shard_index, shard_count: this process's slice; default jax.process_index()/count().
+    drop_remainder: drop the last partial batch of a finite stream (default: train).
+    num_threads: decode threads (default: one per core).
+    prefetch: batches prepared ahead (each on its own thread).
+    num_workers: >0 adds Grain worker processes (each with `num_threads` threads).
+    cache_mb: >0 keeps decoded images (shorter side image_size/crop_fraction) in RAM up to
+      this budget; the random crop then runs on the cached pixels ("map, cache, map").
+    on_error: "raise" (default) or "skip" a bad record; errors name the shard and record.
+    keys: feature keys of the records (default: the manifest's).
+    normalize: host-side float32 in [-1, 1] (default: uint8; normalize on device instead).
+  """
+  if on_error not in ("raise", "skip"):
+    raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
+  if batch_size < 1:
+    raise ValueError(f"batch_size must be positive, got {batch_size}")
+  data_dir = epath.Path(data_dir)
+  meta = manifest_lib.load(data_dir)
+  paths = meta.shard_paths(data_dir, split)
+  counts = [s.num_records for s in meta.splits[split].shards]
+  shard_index, shard_count = _process_shard(shard_index, shard_count)
+  sampler = Sampler(
+      num_records=meta.splits[split].num_records,
+      seed=seed,
+      shuffle=train if shuffle is None else shuffle,
+      num_epochs=num_epochs if num_epochs is not None else (None if train else 1),
+      shard_index=shard_index,
+      shard_count=shard_count,
+      remainder="drop" if train else "pad",
+  )
+  transform = Transform(image_size=image_size, train=train, area_range=area_range,
+                        aspect_range=aspect_range, crop_fraction=crop_fraction,
+                        dct_scaling=dct_scaling)
+  loader = BatchLoader(
+      grain.sources.ArrayRecordDataSource([os.fspath(p) for p in paths]),
+      _Shards(paths, counts), sampler, transform, batch_size=batch_size,
+      num_classes=meta.num_classes, keys=keys or meta.keys, seed=seed,
+      num_threads=num_threads or default_threads(), on_error=on_error, cache_mb=cache_mb,
+      with_mask=not train)
+  drop = train if drop_remainder is None else drop_remainder
+  num_batches = (len(sampler) // batch_size if drop or sampler.num_epochs is None
+                 else -(-len(sampler) // batch_size))
+  ds = grain.MapDataset.range(num_batches).map(loader)
+  if normalize:
+    ds = ds.map(_normalize_host)
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch),
+                                            prefetch_buffer_size=max(1, prefetch)))
+  if num_workers > 0:
+    _ensure_absl_flags_parsed()
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+  return it
+
+
+def _normalize_host(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  return {**batch, "image": batch["image"].astype(np.float32) / 127.5 - 1.0}
+
+
+def _ensure_absl_flags_parsed() -> None:
+  """Grain workers read absl flags; unparsed flags crash them (grain #1355)."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()

@@ -1,0 +1,89 @@
+"""Image decoding: read the size from the header, then decode only the crop window.
+
+JPEGs go through `pipeline._jpeg` (libjpeg-turbo with `jpeg_crop_scanline` and
+`jpeg_skip_scanlines`, DCT scaling, GIL released), the equivalent of tf.data's
+`decode_and_crop_jpeg`. If the extension was not built, simplejpeg decodes the whole image.
+Other formats (PNG, GIF, CMYK JPEG, ...) fall back to Pillow. Output is always uint8 RGB.
+"""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import simplejpeg
+from PIL import Image
+
+try:
+  from pipeline import _jpeg
+except ImportError:  # built without libjpeg headers: full decode, then crop
+  _jpeg = None
+
+MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb limit
+
+
+class DecodeError(ValueError):
+  """Image bytes that cannot be decoded."""
+
+
+def _is_jpeg(data: bytes) -> bool:
+  return data[:3] == b"\xff\xd8\xff"
+
+
+def image_size(data: bytes) -> tuple[int, int]:
+  """(height, width) from the header alone; refuses decompression bombs."""
+  try:
+    if _is_jpeg(data):
+      h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+    else:
+      with Image.open(io.BytesIO(data)) as im:
+        w, h = im.size
+  except Exception as e:  # noqa: BLE001 - any header failure is a bad image
+    raise DecodeError(f"unreadable image header ({type(e).__name__}: {e})") from None
+  if h * w > MAX_PIXELS:
+    raise DecodeError(f"{w}x{h} image exceeds the {MAX_PIXELS}-pixel limit")
+  if h < 1 or w < 1:
+    raise DecodeError(f"empty image ({w}x{h})")
+  return h, w
+
+
+def _pil_rgb(data: bytes) -> np.ndarray:
+  try:
+    with Image.open(io.BytesIO(data)) as im:
+      im.seek(0)
+      if im.mode not in ("RGB", "L"):
+        im = im.convert("RGBA").convert("RGB") if "A" in im.mode or im.mode == "P" else im
+      return np.asarray(im.convert("RGB"))
+  except Exception as e:  # noqa: BLE001
+    raise DecodeError(f"cannot decode image ({type(e).__name__}: {e})") from None
+
+
+def decode_crop(data: bytes, box: tuple[int, int, int, int], scale: int = 1) -> np.ndarray:
+  """Decodes window `box` = (y, x, h, w) at 1/`scale` resolution (1, 2, 4 or 8) as uint8 RGB."""
+  y, x, h, w = box
+  if _is_jpeg(data):
+    if _jpeg is not None:
+      try:
+        buf, oh, ow = _jpeg.decode_crop(data, y, x, h, w, scale)
+        return np.frombuffer(buf, np.uint8).reshape(oh, ow, 3)
+      except ValueError as e:
+        if "color conversion" not in str(e):  # CMYK/YCCK: Pillow converts them
+          raise DecodeError(str(e)) from None
+    else:
+      try:
+        img = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True,
+                                     min_height=h // scale, min_width=w // scale)
+        f = img.shape[0] / image_size(data)[0]
+        return img[int(y * f):int(y * f) + max(1, int(h * f)),
+                   int(x * f):int(x * f) + max(1, int(w * f))]
+      except ValueError as e:
+        if "colorspace" not in str(e).lower():
+          raise DecodeError(str(e)) from None
+  img = _pil_rgb(data)
+  return img[y:y + h, x:x + w]
+
+
+def decode(data: bytes) -> np.ndarray:
+  """Decodes a whole image as uint8 RGB (any format Pillow reads)."""
+  h, w = image_size(data)
+  return decode_crop(data, (0, 0, h, w))
