@@ -1,0 +1,27 @@
+"""`python -m pipeline.bench COMMAND ...`: each command is a module of this package."""
+
+import importlib
+import sys
+
+COMMANDS = {
+    "throughput": "the pipeline's images/s, first batch, peak RSS, per-stage costs",
+    "peers": "the pipeline vs tf.data (tuned per its guide), same photos, one table",
+    "device": "host pipeline alone vs through the device-put prefetch iterator",
+    "convert": "conversion images/s and MB/s vs a sequential converter",
+    "study": "the tf.data guide's artificial study, rebuilt on Grain, with timelines",
+    "all": "everything above on one dataset; writes REPORT.md",
+}
+
+
+def main() -> None:
+  if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help") or sys.argv[1] not in COMMANDS:
+    print("usage: python -m pipeline.bench COMMAND [--help]\n\ncommands:")
+    for name, what in COMMANDS.items():
+      print(f"  {name:11s} {what}")
+    sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
+  module = importlib.import_module(f"pipeline.bench.{sys.argv[1].replace('-', '_')}")
+  module.main(sys.argv[2:])
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,95 @@
+"""How we measure a loader: first-batch latency, steady-state images/s, peak RSS.
+
+Throughput counts only batches after the first (steady state); the first batch's latency
+(from creating the iterator) is its own number. Peak RSS is sampled for this process and
+its children (worker processes), so a loader with workers pays for them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import platform
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import psutil
+
+
+@dataclasses.dataclass
+class Result:
+  name: str
+  images_per_sec: float
+  first_batch_s: float
+  peak_rss_mb: float
+  images: int
+  seconds: float
+
+  def row(self) -> str:
+    return (f"{self.name:28s} {self.images_per_sec:9.0f} img/s   first batch "
+            f"{self.first_batch_s:6.2f} s   peak RSS {self.peak_rss_mb:7.0f} MB")
+
+
+class RssSampler:
+  """Samples the RSS of this process tree every `interval` seconds; keeps the peak."""
+
+  def __init__(self, interval: float = 0.05):
+    self.interval, self.peak = interval, 0
+    self._stop = threading.Event()
+    self._thread = threading.Thread(target=self._run, daemon=True)
+
+  def _sample(self) -> int:
+    me = psutil.Process()
+    total = me.memory_info().rss
+    for child in me.children(recursive=True):
+      try:
+        total += child.memory_info().rss
+      except psutil.Error:
+        pass
+    return total
+
+  def _run(self):
+    while not self._stop.is_set():
+      self.peak = max(self.peak, self._sample())
+      self._stop.wait(self.interval)
+
+  def __enter__(self):
+    self._thread.start()
+    return self
+
+  def __exit__(self, *exc):
+    self._stop.set()
+    self._thread.join()
+    self.peak = max(self.peak, self._sample())
+
+
+def run(name: str, make_iterator: Callable[[], Iterator], batch_size: int,
+        num_images: int) -> Result:
+  """Times `num_images` images (after the first batch) from a fresh iterator."""
+  with RssSampler() as rss:
+    start = time.perf_counter()
+    it = make_iterator()
+    next(it)
+    first = time.perf_counter()
+    seen = 0
+    while seen < num_images:
+      next(it)
+      seen += batch_size
+    end = time.perf_counter()
+    close = getattr(it, "close", None)
+    if close:
+      close()
+  return Result(name, seen / (end - first), first - start, rss.peak / 2**20, seen, end - first)
+
+
+def machine() -> str:
+  """A line naming the machine, printed beside every figure."""
+  return (f"{platform.node()}: {psutil.cpu_count()} CPUs "
+          f"({len(psutil.Process().cpu_affinity())} usable), "
+          f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, {platform.processor() or platform.machine()}")
+
+
+def write_json(path, payload) -> None:
+  with open(path, "w") as f:
+    json.dump(payload, f, indent=2)

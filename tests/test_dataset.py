@@ -1,0 +1,277 @@
+"""The Grain pipeline: sampling, determinism, exact resume, crops, bad records, labels."""
+
+import hashlib
+import io
+import math
+
+import numpy as np
+import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
+from PIL import Image
+
+import pipeline
+from pipeline import augment, decode, manifest, records
+from pipeline.dataset import BadRecordError
+from pipeline.sampling import PAD, Sampler
+
+
+def fingerprints(batches) -> list[str]:
+  """One hash per real example (eval images are a pure function of the record)."""
+  out = []
+  for b in batches:
+    mask = b.get("mask", np.ones(len(b["label"]), bool))
+    out += [hashlib.sha1(img.tobytes()).hexdigest() for img, m in zip(b["image"], mask) if m]
+  return out
+
+
+def take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def assert_same_batches(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+
+
+def jpeg(seed: int, size=(90, 120)) -> bytes:
+  rng = np.random.default_rng(seed)
+  arr = rng.integers(0, 255, (*size, 3), np.uint8)
+  buf = io.BytesIO()
+  Image.fromarray(arr).save(buf, "JPEG", quality=90)
+  return buf.getvalue()
+
+
+def write_dataset(path, recs: list[bytes], classes=("a", "b")) -> str:
+  """A one-shard dataset holding exactly `recs` (for records the converter would refuse)."""
+  path.mkdir(parents=True, exist_ok=True)
+  name = "train.array_record-00000-of-00001"
+  w = ArrayRecordWriter(str(path / name), "group_size:1")
+  for r in recs:
+    w.write(r)
+  w.close()
+  sha = hashlib.sha256((path / name).read_bytes()).hexdigest()
+  split = manifest.Split(len(recs), [manifest.Shard(name, len(recs), sha)])
+  manifest.save(manifest.Manifest(list(classes), {"train": split}), path)
+  return str(path)
+
+
+# --- sampling: a pure function of (seed, position) ---------------------------------------
+
+
+@pytest.mark.parametrize("n", [1, 7, 64])
+def test_every_record_once_per_epoch_and_new_order_each_epoch(n):
+  s = Sampler(n, seed=3, num_epochs=3)
+  epochs = [[s.record_index(e * n + j) for j in range(n)] for e in range(3)]
+  for order in epochs:
+    assert sorted(order) == list(range(n))
+  if n > 5:
+    assert epochs[0] != epochs[1] != epochs[2]
+
+
+@pytest.mark.parametrize("n,procs", [(10, 3), (64, 4), (5, 5)])
+def test_process_slices_are_disjoint_and_complete_with_padding(n, procs):
+  for epoch in range(2):
+    seen = []
+    for k in range(procs):
+      s = Sampler(n, seed=1, num_epochs=2, shard_index=k, shard_count=procs, remainder="pad")
+      assert s.per_epoch == math.ceil(n / procs)
+      seen += [s.record_index(epoch * s.per_epoch + j) for j in range(s.per_epoch)]
+    real = [i for i in seen if i != PAD]
+    assert sorted(real) == list(range(n))
+    assert len(seen) - len(real) == procs * math.ceil(n / procs) - n
+
+
+def test_drop_remainder_slices_are_disjoint_and_equal_sized():
+  n, procs = 10, 3
+  parts = [Sampler(n, seed=1, shard_index=k, shard_count=procs) for k in range(procs)]
+  assert all(p.per_epoch == 3 for p in parts)
+  seen = [p.record_index(j) for p in parts for j in range(3)]
+  assert len(set(seen)) == 9 and PAD not in seen
+
+
+def test_sampler_rejects_bad_arguments():
+  with pytest.raises(ValueError, match="shard_index"):
+    Sampler(10, shard_index=2, shard_count=2)
+  with pytest.raises(ValueError, match="cannot feed"):
+    Sampler(2, shard_count=3)
+
+
+# --- crop geometry and decode -------------------------------------------------------------
+
+
+def test_random_resized_crop_stays_within_area_and_aspect_ranges():
+  rng = np.random.default_rng(0)
+  for h, w in [(390, 470), (500, 333), (224, 224), (1000, 120)]:
+    for _ in range(500):
+      y, x, ch, cw = augment.random_resized_crop_box(h, w, rng)
+      assert 0 <= y and y + ch <= h and 0 <= x and x + cw <= w
+      if (h, w) != (1000, 120):  # the extreme shape needs the documented fallback
+        assert 0.08 * 0.97 <= ch * cw / (h * w) <= 1.0
+        assert 3 / 4 * 0.97 <= cw / ch <= 4 / 3 * 1.03
+
+
+def test_crop_fallback_is_centred_and_in_ratio():
+  rng = np.random.default_rng(0)
+  y, x, ch, cw = augment.random_resized_crop_box(1000, 120, rng, area=(0.99, 1.0))
+  assert (cw, x) == (120, 0) and ch == 160 and y == (1000 - 160) // 2
+
+
+def test_crop_decode_matches_full_decode_and_dct_scaling_halves():
+  data = jpeg(0, (240, 320))
+  full = decode.decode(data)
+  crop = decode.decode_crop(data, (16, 32, 128, 160))
+  assert crop.shape == (128, 160, 3)
+  assert np.abs(crop.astype(int) - full[16:144, 32:192]).mean() < 2
+  assert augment.dct_scale((0, 0, 240, 320), 112) == 2
+  assert augment.dct_scale((0, 0, 240, 320), 224) == 1
+  half = decode.decode_crop(data, (0, 0, 240, 320), scale=2)
+  assert half.shape == (120, 160, 3)
+
+
+def test_decode_refuses_garbage_and_truncated_jpeg():
+  with pytest.raises(decode.DecodeError):
+    decode.decode(b"not an image at all")
+  data = jpeg(1, (240, 320))
+  with pytest.raises(decode.DecodeError):
+    decode.decode_crop(data[: len(data) // 2], (0, 0, 240, 320))
+
+
+# --- the dataset ------------------------------------------------------------------------
+
+
+def test_train_batches_have_the_documented_form(photos_dir):
+  ds = pipeline.make_dataset(photos_dir, batch_size=8, image_size=64, shard_index=0,
+                             shard_count=1)
+  b = next(iter(ds))
+  assert b["image"].shape == (8, 64, 64, 3) and b["image"].dtype == np.uint8
+  assert b["label"].shape == (8,) and b["label"].dtype == np.int32
+  classes = manifest.load(photos_dir).num_classes
+  assert b["label"].min() >= 0 and b["label"].max() < classes
+
+
+def test_eval_covers_every_record_exactly_once_per_epoch(photos_dir):
+  n = manifest.load(photos_dir).splits["train"].num_records
+  ds = pipeline.make_dataset(photos_dir, "train", batch_size=5, train=False, image_size=32,
+                             shuffle=True, num_epochs=2, shard_index=0, shard_count=1)
+  batches = list(ds)
+  prints = fingerprints(batches)
+  assert len(prints) == 2 * n
+  first, second = prints[:n], prints[n:]
+  assert sorted(first) == sorted(second) and len(set(first)) == n
+  assert first != second  # a new order each epoch
+
+
+def test_processes_read_disjoint_slices_that_cover_the_split(photos_dir):
+  n = manifest.load(photos_dir).splits["validation"].num_records
+  per_process = []
+  for k in range(3):
+    ds = pipeline.make_dataset(photos_dir, "validation", batch_size=4, train=False,
+                               image_size=32, shard_index=k, shard_count=3)
+    batches = list(ds)
+    per_process.append(fingerprints(batches))
+    assert len(batches) == math.ceil(math.ceil(n / 3) / 4)  # the same count on every process
+  together = sum(per_process, [])
+  assert len(together) == n and len(set(together)) == n
+
+
+def test_same_seed_same_batches_whatever_the_thread_count(photos_dir):
+  def run(threads, seed=0):
+    ds = pipeline.make_dataset(photos_dir, batch_size=6, image_size=48, seed=seed,
+                               num_threads=threads, shard_index=0, shard_count=1)
+    return take(iter(ds), 4)
+
+  one = run(1)
+  assert_same_batches(one, run(3))
+  other = run(1, seed=1)
+  assert not np.array_equal(one[0]["image"], other[0]["image"])
+
+
+def test_exact_resume_mid_epoch(photos_dir):
+  ds = pipeline.make_dataset(photos_dir, batch_size=7, image_size=40, shard_index=0,
+                             shard_count=1)
+  it = iter(ds)
+  take(it, 3)
+  state = it.get_state()
+  expected = take(it, 5)
+  resumed = iter(ds)
+  resumed.set_state(state)
+  assert_same_batches(expected, take(resumed, 5))
+
+
+def test_eval_transform_is_deterministic_and_centred(photos_dir):
+  def run():
+    return list(pipeline.make_dataset(photos_dir, "validation", batch_size=8, train=False,
+                                      image_size=32, shard_index=0, shard_count=1))
+
+  assert_same_batches(run(), run())
+
+
+def test_cache_serves_later_epochs_from_memory(photos_dir):
+  ds = pipeline.make_dataset(photos_dir, "validation", batch_size=4, image_size=32,
+                             cache_mb=64, shard_index=0, shard_count=1, num_epochs=3)
+  batches = list(ds)
+  n = manifest.load(photos_dir).splits["validation"].num_records
+  assert sum(len(b["label"]) for b in batches) == 4 * (3 * n // 4)  # drop_remainder
+  assert all(b["image"].shape[1:] == (32, 32, 3) for b in batches)
+
+
+def test_host_normalization_gives_floats_in_minus_one_one(photos_dir):
+  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, normalize=True,
+                             shard_index=0, shard_count=1)
+  img = next(iter(ds))["image"]
+  assert img.dtype == np.float32 and img.min() >= -1.0 and img.max() <= 1.0
+
+
+def test_bad_records_raise_naming_shard_and_index(tmp_path):
+  good = [records.encode(jpeg(i), i % 2) for i in range(6)]
+  recs = good[:3] + [records.encode(b"\xff\xd8\xffgarbage", 0)] + good[3:]
+  data = write_dataset(tmp_path / "bad", recs)
+  ds = pipeline.make_dataset(data, batch_size=7, train=False, image_size=32, shard_index=0,
+                             shard_count=1)
+  with pytest.raises(BadRecordError, match=r"train\.array_record-00000-of-00001 record 3"):
+    list(ds)
+
+
+def test_bad_records_are_skipped_and_counted_when_asked(tmp_path):
+  good = [records.encode(jpeg(i), i % 2) for i in range(6)]
+  missing_key = records.encode(jpeg(9), 1, keys=records.Keys(image="other"))
+  recs = good[:2] + [b"\x00\x01not a proto", missing_key] + good[2:]
+  data = write_dataset(tmp_path / "bad", recs)
+  eval_batches = list(pipeline.make_dataset(data, batch_size=8, train=False, image_size=32,
+                                            on_error="skip", shard_index=0, shard_count=1))
+  assert sum(int(b["mask"].sum()) for b in eval_batches) == 6
+  train = next(iter(pipeline.make_dataset(data, batch_size=8, image_size=32, on_error="skip",
+                                          shard_index=0, shard_count=1)))
+  assert train["image"].shape[0] == 8 and "mask" not in train
+
+
+def test_out_of_range_label_is_an_error(tmp_path):
+  data = write_dataset(tmp_path / "labels", [records.encode(jpeg(i), 5) for i in range(4)])
+  ds = pipeline.make_dataset(data, batch_size=2, image_size=32, shard_index=0, shard_count=1)
+  with pytest.raises(BadRecordError, match=r"label 5 outside \[0, 2\)"):
+    next(iter(ds))
+
+
+def test_other_key_names_are_read(tmp_path):
+  keys = records.TFDS_KEYS
+  recs = [records.encode(jpeg(i), i % 2, f"{i}.jpg", keys=keys) for i in range(4)]
+  data = write_dataset(tmp_path / "tfds", recs)
+  ds = pipeline.make_dataset(data, batch_size=4, image_size=32, keys=keys, train=False,
+                             shard_index=0, shard_count=1)
+  assert list(next(iter(ds))["label"]) == [0, 1, 0, 1]
+
+
+@pytest.mark.slow
+def test_worker_processes_give_the_same_batches_for_the_same_worker_count(photos_dir):
+  def run():
+    ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, num_workers=2,
+                               shard_index=0, shard_count=1)
+    it = iter(ds)
+    out = take(it, 3)
+    it.close()
+    return out
+
+  assert_same_batches(run(), run())
