@@ -225,6 +225,7 @@ def make_dataset(
     area_range: tuple[float, float] = (0.08, 1.0),
     aspect_range: tuple[float, float] = (3 / 4, 4 / 3),
     crop_fraction: float = 0.875,
+    flip: bool = True,
     dct_scaling: bool = True,
 ) -> grain.IterDataset:
   """Batches {"image": uint8[B, S, S, 3], "label": int32[B]} (+ "mask": bool[B] in eval).
@@ -248,6 +249,9 @@ def make_dataset(
     on_error: "raise" (default) or "skip" a bad record; errors name the shard and record.
     keys: feature keys of the records (default: the manifest's).
     normalize: host-side float32 in [-1, 1] (default: uint8; normalize on device instead).
+    area_range, aspect_range, flip: the train crop (share of area, w/h) and random flip.
+    crop_fraction: eval centre crop as a share of the shorter side.
+    dct_scaling: decode JPEGs at 1/2, 1/4, 1/8 when the crop is that much larger.
   """
   if on_error not in ("raise", "skip"):
     raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
@@ -269,7 +273,7 @@ def make_dataset(
   )
   transform = Transform(image_size=image_size, train=train, area_range=area_range,
                         aspect_range=aspect_range, crop_fraction=crop_fraction,
-                        dct_scaling=dct_scaling)
+                        flip=flip, dct_scaling=dct_scaling)
   loader = BatchLoader(
       grain.sources.ArrayRecordDataSource([os.fspath(p) for p in paths]),
       _Shards(paths, counts), sampler, transform, batch_size=batch_size,
