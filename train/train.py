@@ -53,8 +53,10 @@ def make_mesh(config) -> jax.sharding.Mesh:
 
 
 def schedule(config) -> optax.Schedule:
+  """Linear warmup, then cosine decay to zero at num_steps."""
   return optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, config.warmup_steps, max(config.num_steps, 1))
+      0.0, config.learning_rate, config.warmup_steps,
+      max(config.num_steps, config.warmup_steps + 1))
 
 
 def make_optimizer(config) -> optax.GradientTransformation:

@@ -1,0 +1,102 @@
+"""Training: exact resume after SIGKILL, SIGTERM checkpoints, a run on 8 devices."""
+
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import pytest
+
+from train import train
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def train_cmd(workdir, data_dir, *overrides):
+  return [sys.executable, "-m", "train", "--config", str(ROOT / "configs/default.py"),
+          "--workdir", str(workdir), f"--config.data_dir={data_dir}",
+          "--config.batch_size=32", "--config.log_every=2", "--config.eval_every=1000",
+          "--config.synthetic_steps=2", *overrides]
+
+
+def env():
+  # One CPU device per run keeps the subprocesses quick; the 8-device run is in-process.
+  e = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
+  e["PYTHONPATH"] = str(ROOT)
+  return e
+
+
+def summary(workdir):
+  return json.loads((pathlib.Path(workdir) / "summary.json").read_text())
+
+
+def wait_for(predicate, proc, timeout=240):
+  deadline = time.time() + timeout
+  while not predicate():
+    assert proc.poll() is None, proc.stdout.read() if proc.stdout else "training exited early"
+    assert time.time() < deadline, "timed out waiting for training"
+    time.sleep(0.05)
+
+
+def test_input_bound_verdict_uses_the_profiler_thresholds():
+  assert train.verdict(0.25) == "input-bound"
+  assert train.verdict(0.20) == "input-bound"
+  assert train.verdict(0.07) == "moderately input-bound"
+  assert train.verdict(0.049) == "not input-bound"
+
+
+def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path):
+  steps = ["--config.num_steps=12", "--config.checkpoint_every=4"]
+  subprocess.run(train_cmd(tmp_path / "whole", digits_dir, *steps), env=env(), check=True,
+                 capture_output=True, cwd=ROOT, timeout=600)
+
+  killed = tmp_path / "killed"
+  proc = subprocess.Popen(train_cmd(killed, digits_dir, *steps), env=env(), cwd=ROOT,
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  wait_for(lambda: (killed / "checkpoints" / "8").exists(), proc)
+  proc.send_signal(signal.SIGKILL)
+  proc.wait()
+  assert not (killed / "summary.json").exists()
+  done = subprocess.run(train_cmd(killed, digits_dir, *steps), env=env(), cwd=ROOT,
+                        capture_output=True, text=True, timeout=600)
+  assert done.returncode == 0, done.stderr[-3000:]
+  assert "resumed from step" in done.stderr + done.stdout
+  assert summary(killed)["params_sha256"] == summary(tmp_path / "whole")["params_sha256"]
+  assert summary(killed)["steps"] == 12
+
+
+def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(digits_dir, tmp_path):
+  steps = ["--config.num_steps=400", "--config.checkpoint_every=1000"]
+  proc = subprocess.Popen(train_cmd(tmp_path, digits_dir, *steps), env=env(), cwd=ROOT,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  lines = []
+  wait_for(lambda: lines.append(proc.stdout.readline()) or "step      4" in lines[-1], proc)
+  proc.send_signal(signal.SIGTERM)
+  out = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 143, out[-3000:]
+  saved = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+  assert saved and 4 <= saved[0] < 400
+  assert f"saved checkpoint at step {saved[0]}" in out
+
+
+def test_short_run_on_eight_devices(digits_dir, tmp_path):
+  assert jax.device_count() == 8
+  from configs import default
+
+  config = default.get_config()
+  config.data_dir = str(digits_dir)
+  config.batch_size = 32
+  config.num_steps = 4
+  config.log_every = 2
+  config.eval_every = 1000
+  config.checkpoint_every = 1000
+  config.synthetic_steps = 1
+  result = train.train_and_evaluate(config, tmp_path)
+  assert result["devices"] == 8 and result["steps"] == 4
+  assert result["eval_examples"] == 60  # the whole validation split, each example once
+  assert 0.0 <= result["eval_top1"] <= result["eval_top5"] <= 1.0
+  assert (tmp_path / "checkpoints" / "4").exists()
