@@ -4,6 +4,8 @@ PY      := .venv/bin/python
 STAMP   := .venv/.installed
 DATA    := data
 ARGS    ?=
+CONFIG  ?= configs/default.py
+WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 
 .PHONY: setup data convert train bench test test-slow lint clean
 
@@ -21,8 +23,8 @@ data: $(STAMP)  ## build the built-in datasets (digits, photos) from images inst
 convert: $(STAMP)  ## convert a dataset: make convert ARGS="images SRC OUT"; no ARGS: the built-in set
 	$(if $(ARGS),$(PY) -m pipeline.convert $(ARGS),$(PY) -m pipeline.convert builtin $(DATA))
 
-train: data  ## train the default config (MobileNet on built-in digits) on this machine
-	$(PY) -m train --config configs/default.py --workdir runs/default $(ARGS)
+train: data  ## train CONFIG (default: MobileNet on the built-in digits); re-run resumes
+	$(PY) -m train --config $(CONFIG) --workdir $(WORKDIR) $(ARGS)
 
 bench: data  ## benchmarks on the built-in photos; writes bench/REPORT.md
 	$(PY) -m pipeline.bench all $(DATA)/photos --out bench $(ARGS)

@@ -26,6 +26,7 @@ def get_config() -> ml_collections.ConfigDict:
   c.alpha = 0.25
   c.depth_multiplier = 1
   c.dropout = 1e-3
+  c.bn_momentum = 0.9        # Keras' 0.999 needs thousands of steps for eval statistics
   c.compute_dtype = "float32"
 
   # Optimization.

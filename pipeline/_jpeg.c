@@ -1,8 +1,9 @@
 /* Crop-aware JPEG decode on libjpeg-turbo: the `decode_and_crop_jpeg` of tf.data.
  *
- * decode_crop(data, y, x, h, w, scale_denom) decodes only the rows and iMCU columns
+ * decode_crop(data, y, x, h, w, scale_denom, fast_dct) decodes only the rows and iMCU columns
  * that the window (in full-resolution pixels) needs, at 1/scale_denom resolution (DCT
- * scaling), and returns (rgb_bytes, height, width). The GIL is released while decoding.
+ * scaling; fast_dct picks JDCT_IFAST, tf.data's default), and returns (rgb_bytes, height,
+ * width). The GIL is released while decoding.
  * Errors raise ValueError with libjpeg's message; warnings (corrupt data that libjpeg can
  * still decode) are ignored, as tf.data does.
  */
@@ -32,7 +33,7 @@ static void on_message(j_common_ptr cinfo, int level) {
 /* Decodes the window into a malloc'd RGB buffer; runs without the GIL. Returns 0 on
  * success, or -1 with `message` set. */
 static int decode_window(const unsigned char *buf, unsigned long len, int y, int x, int h,
-                         int w, int denom, unsigned char **out, int *out_h, int *out_w,
+                         int w, int denom, int fast_dct, unsigned char **out, int *out_h, int *out_w,
                          char *message) {
   struct jpeg_decompress_struct cinfo;
   error_mgr err;
@@ -61,6 +62,7 @@ static int decode_window(const unsigned char *buf, unsigned long len, int y, int
   cinfo.out_color_space = JCS_RGB;
   cinfo.scale_num = 1;
   cinfo.scale_denom = denom;
+  cinfo.dct_method = fast_dct ? JDCT_IFAST : JDCT_ISLOW;
   jpeg_start_decompress(&cinfo);
   /* The window in scaled coordinates, clipped to the scaled image. */
   int sy = y / denom, sx = x / denom, oh = h / denom, ow = w / denom;
@@ -102,10 +104,10 @@ static int decode_window(const unsigned char *buf, unsigned long len, int y, int
 
 static PyObject *decode_crop(PyObject *self, PyObject *args) {
   Py_buffer data;
-  int y, x, h, w, denom, oh = 0, ow = 0, status;
+  int y, x, h, w, denom, fast_dct = 0, oh = 0, ow = 0, status;
   unsigned char *result = NULL;
   char message[JMSG_LENGTH_MAX] = {0};
-  if (!PyArg_ParseTuple(args, "y*iiiii", &data, &y, &x, &h, &w, &denom)) return NULL;
+  if (!PyArg_ParseTuple(args, "y*iiiii|p", &data, &y, &x, &h, &w, &denom, &fast_dct)) return NULL;
   if (denom != 1 && denom != 2 && denom != 4 && denom != 8) {
     PyBuffer_Release(&data);
     PyErr_SetString(PyExc_ValueError, "scale_denom must be 1, 2, 4 or 8");
@@ -113,7 +115,7 @@ static PyObject *decode_crop(PyObject *self, PyObject *args) {
   }
   Py_BEGIN_ALLOW_THREADS
   status = decode_window((const unsigned char *)data.buf, (unsigned long)data.len, y, x, h, w,
-                         denom, &result, &oh, &ow, message);
+                         denom, fast_dct, &result, &oh, &ow, message);
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&data);
   if (status != 0) {
@@ -128,7 +130,7 @@ static PyObject *decode_crop(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_crop", decode_crop, METH_VARARGS,
-     "decode_crop(data, y, x, h, w, scale_denom) -> (rgb bytes, height, width)"},
+     "decode_crop(data, y, x, h, w, scale_denom, fast_dct=False) -> (rgb bytes, height, width)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg",

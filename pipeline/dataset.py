@@ -27,7 +27,7 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from pipeline import augment, decode, manifest as manifest_lib, records
+from pipeline import augment, decode, lifecycle, manifest as manifest_lib, records
 from pipeline.sampling import PAD, Sampler
 
 
@@ -291,7 +291,7 @@ def make_dataset(
   if num_workers > 0:
     _ensure_absl_flags_parsed()
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-  return it
+  return lifecycle.ClosedAtExit(it)
 
 
 def _normalize_host(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

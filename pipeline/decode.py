@@ -58,20 +58,24 @@ def _pil_rgb(data: bytes) -> np.ndarray:
     raise DecodeError(f"cannot decode image ({type(e).__name__}: {e})") from None
 
 
-def decode_crop(data: bytes, box: tuple[int, int, int, int], scale: int = 1) -> np.ndarray:
-  """Decodes window `box` = (y, x, h, w) at 1/`scale` resolution (1, 2, 4 or 8) as uint8 RGB."""
+def decode_crop(data: bytes, box: tuple[int, int, int, int], scale: int = 1,
+                fast_dct: bool = False) -> np.ndarray:
+  """Decodes window `box` = (y, x, h, w) at 1/`scale` resolution (1, 2, 4 or 8) as uint8 RGB.
+
+  `fast_dct` uses libjpeg's fast integer IDCT (tf.data's default), slightly less exact.
+  """
   y, x, h, w = box
   if _is_jpeg(data):
     if _jpeg is not None:
       try:
-        buf, oh, ow = _jpeg.decode_crop(data, y, x, h, w, scale)
+        buf, oh, ow = _jpeg.decode_crop(data, y, x, h, w, scale, fast_dct)
         return np.frombuffer(buf, np.uint8).reshape(oh, ow, 3)
       except ValueError as e:
         if "color conversion" not in str(e):  # CMYK/YCCK: Pillow converts them
           raise DecodeError(str(e)) from None
     else:
       try:
-        img = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True,
+        img = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, fastdct=fast_dct,
                                      min_height=h // scale, min_width=w // scale)
         f = img.shape[0] / image_size(data)[0]
         return img[int(y * f):int(y * f) + max(1, int(h * f)),

@@ -14,6 +14,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pipeline import lifecycle
+
 MASK_KEY = "mask"
 IMAGE_KEY = "image"
 
@@ -62,7 +64,8 @@ def device_prefetch(
     raise ValueError(f"depth must be >= 0, got {depth}.")
   put = DevicePutIterDataset(dataset, mesh, data_axis=data_axis, remainder=remainder,
                              normalize=normalize, batch_size=batch_size)
-  return grain.experimental.ThreadPrefetchIterDataset(put, prefetch_buffer_size=depth)
+  return lifecycle.ClosedAtExit(
+      grain.experimental.ThreadPrefetchIterDataset(put, prefetch_buffer_size=depth))
 
 
 class DevicePutIterDataset(grain.IterDataset):

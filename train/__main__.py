@@ -37,4 +37,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  flags.FLAGS.set_default("verbosity", -1)  # warnings and up; --verbosity=0 for Orbax's info
   app.run(main)

@@ -26,7 +26,6 @@ import ml_collections
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from absl import logging
 from etils import epath
 from flax import nnx
 
@@ -183,7 +182,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
 
   model = models.create_model(
       config.model, num_classes, alpha=config.alpha, depth_multiplier=config.depth_multiplier,
-      dropout=config.dropout, dtype=config.compute_dtype, rngs=nnx.Rngs(config.seed))
+      dropout=config.dropout, bn_momentum=config.bn_momentum, dtype=config.compute_dtype,
+      rngs=nnx.Rngs(config.seed))
   optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
@@ -202,7 +202,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         state=ocp.args.StandardRestore(abstract),
         data=grain.checkpoint.CheckpointRestore(train_it)))
     state = restored.state
-    logging.info("resumed from step %d", step)
+    if is_chief:
+      print(f"resumed from step {step} ({workdir / 'checkpoints'})", flush=True)
 
   def save(at: int) -> None:
     manager.save(at, args=ocp.args.Composite(

@@ -1,0 +1,59 @@
+"""Iterators closed at interpreter exit, so users never see Grain's shutdown noise.
+
+Grain iterators still alive when Python exits print errors from `__del__` (their modules
+are already torn down; grain #1031) and leak shared-memory warnings. Datasets returned by
+this library register each iterator they create and close the live ones at exit.
+"""
+
+from __future__ import annotations
+
+import atexit
+import weakref
+
+import grain
+
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+
+
+class ClosedAtExit(grain.IterDataset):
+  """Passes `parent` through; its iterators are closed at interpreter exit if still open."""
+
+  def __init__(self, parent: grain.IterDataset):
+    super().__init__(parent)
+
+  def __iter__(self) -> grain.DatasetIterator:
+    it = self._parent.__iter__()
+    _LIVE.add(it)
+    return it
+
+  def __str__(self) -> str:
+    return "ClosedAtExit"
+
+
+def _chain(it) -> list:
+  """The iterator and every Grain iterator it holds (its parents), outermost first."""
+  seen, todo = [], [it]
+  while todo:
+    node = todo.pop()
+    if any(node is s for s in seen):
+      continue
+    seen.append(node)
+    for value in vars(node).values():
+      values = value if isinstance(value, (list, tuple)) else [value]
+      todo += [v for v in values if isinstance(v, grain.DatasetIterator)]
+  return seen
+
+
+def _noop() -> None:
+  pass
+
+
+@atexit.register
+def _close_live_iterators() -> None:
+  for it in list(_LIVE):
+    try:
+      it.close()
+    except Exception:  # noqa: BLE001 - best effort at shutdown
+      pass
+    for node in _chain(it):  # their __del__ would close again, after modules are gone
+      node.close = _noop
