@@ -1,5 +1,8 @@
-"""Builds the optional crop-aware JPEG decoder (libjpeg-turbo); the pipeline falls back to
-simplejpeg when it cannot be built (no compiler or no libjpeg headers)."""
+"""Builds the optional crop-aware JPEG decoder against the libjpeg API headers.
+
+It is not linked to a libjpeg: `pipeline.decode` loads one at import time (Pillow's bundled
+libjpeg-turbo 3, else the system's), so the build needs only a compiler and jpeglib.h. The
+pipeline falls back to simplejpeg when it cannot be built."""
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
@@ -20,7 +23,7 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("pipeline._jpeg", ["pipeline/_jpeg.c"], libraries=["jpeg"],
+    ext_modules=[Extension("pipeline._jpeg", ["pipeline/_jpeg.c"],
                            extra_compile_args=["-O3"], optional=True)],
     cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -7,5 +7,6 @@ def get_config():
   c = imagenet_mobilenet_v1.get_config()
   c.model = "mobilenet_v2"
   c.dropout = 0.2
+  c.bn_momentum = 0.999
   c.weight_decay = 4e-5
   return c

@@ -16,7 +16,6 @@ parallel decode with no pickling, no shared memory and instant start.
 
 from __future__ import annotations
 
-import bisect
 import concurrent.futures
 import dataclasses
 import os
@@ -29,6 +28,7 @@ from etils import epath
 
 from pipeline import augment, decode, lifecycle, manifest as manifest_lib, records
 from pipeline.sampling import PAD, Sampler
+from pipeline.source import ShardedSource
 
 
 class BadRecordError(ValueError):
@@ -46,40 +46,33 @@ class Transform:
   flip: bool = True
   crop_fraction: float = 0.875  # eval: centre crop of this share of the shorter side
   dct_scaling: bool = True
+  fast_dct: bool = False  # libjpeg's fast integer IDCT (tf.data's default)
 
   def box(self, h: int, w: int, rng: np.random.Generator) -> augment.Box:
     if self.train:
       return augment.random_resized_crop_box(h, w, rng, self.area_range, self.aspect_range)
     return augment.center_crop_box(h, w, self.crop_fraction)
 
-  def __call__(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
-    h, w = decode.image_size(data)
-    box = self.box(h, w, rng)
+  def decode(self, data: bytes, box: augment.Box) -> np.ndarray:
+    """Decodes only the crop window, DCT-scaled when it is that much larger than the target."""
     scale = augment.dct_scale(box, self.image_size) if self.dct_scaling else 1
-    image = augment.resize(decode.decode_crop(data, box, scale), self.image_size)
+    return decode.decode_crop(data, box, scale, self.fast_dct)
+
+  def finish(self, crop: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """Resizes a decoded crop to the target size and flips it at random (train)."""
+    image = augment.resize(crop, self.image_size)
     if self.train and self.flip and rng.random() < 0.5:
       image = augment.flip_lr(image)
     return image
 
+  def __call__(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
+    box = self.box(*decode.image_size(data), rng)
+    return self.finish(self.decode(data, box), rng)
+
   def from_cache(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     """The cheap half applied to a cached decoded image (random crop and flip)."""
     y, x, ch, cw = self.box(*image.shape[:2], rng)
-    out = augment.resize(image[y:y + ch, x:x + cw], self.image_size)
-    if self.train and self.flip and rng.random() < 0.5:
-      out = augment.flip_lr(out)
-    return out
-
-
-class _Shards:
-  """Maps a global record index to (shard file, index in shard) for error messages."""
-
-  def __init__(self, paths: list[epath.Path], counts: list[int]):
-    self.names = [p.name for p in paths]
-    self.starts = np.cumsum([0] + counts[:-1]).tolist()
-
-  def where(self, index: int) -> str:
-    s = bisect.bisect_right(self.starts, index) - 1
-    return f"{self.names[s]} record {index - self.starts[s]}"
+    return self.finish(image[y:y + ch, x:x + cw], rng)
 
 
 class BatchLoader:
@@ -88,10 +81,10 @@ class BatchLoader:
   Picklable (for worker processes): the thread pool and cache are made on first use.
   """
 
-  def __init__(self, source, shards: _Shards, sampler: Sampler, transform: Transform, *,
+  def __init__(self, source: ShardedSource, sampler: Sampler, transform: Transform, *,
                batch_size: int, num_classes: int, keys: records.Keys, seed: int,
                num_threads: int, on_error: str, cache_mb: float, with_mask: bool):
-    self.source, self.shards, self.sampler, self.transform = source, shards, sampler, transform
+    self.source, self.sampler, self.transform = source, sampler, transform
     self.batch_size, self.num_classes, self.keys, self.seed = batch_size, num_classes, keys, seed
     self.num_threads, self.on_error, self.with_mask = num_threads, on_error, with_mask
     self.cache_bytes = int(cache_mb * 2**20)
@@ -140,9 +133,9 @@ class BatchLoader:
       rng = np.random.default_rng([self.seed, epoch, index])
       image = self._image(index, data, rng)
     except (records.RecordError, decode.DecodeError) as e:
-      raise BadRecordError(f"{self.shards.where(index)}: {e}") from None
+      raise BadRecordError(f"{self.source.where(index)}: {e}") from None
     if not 0 <= label < self.num_classes:
-      raise BadRecordError(f"{self.shards.where(index)}: label {label} outside "
+      raise BadRecordError(f"{self.source.where(index)}: label {label} outside "
                            f"[0, {self.num_classes}) of the manifest's classes")
     return image, label
 
@@ -152,7 +145,7 @@ class BatchLoader:
     indices = [self.sampler.record_index(p) for p in positions]
     epochs = [self.sampler.epoch(p) for p in positions]
     real = [i for i in indices if i != PAD]
-    recs = dict(zip(real, self.source.__getitems__(real))) if real else {}
+    recs = dict(zip(real, self.source.read(real))) if real else {}
     n, size = len(indices), self.transform.image_size
     images = np.zeros((n, size, size, 3), np.uint8)
     labels = np.zeros((n,), np.int32)
@@ -227,6 +220,7 @@ def make_dataset(
     crop_fraction: float = 0.875,
     flip: bool = True,
     dct_scaling: bool = True,
+    fast_dct: bool = False,
 ) -> grain.IterDataset:
   """Batches {"image": uint8[B, S, S, 3], "label": int32[B]} (+ "mask": bool[B] in eval).
 
@@ -252,6 +246,7 @@ def make_dataset(
     area_range, aspect_range, flip: the train crop (share of area, w/h) and random flip.
     crop_fraction: eval centre crop as a share of the shorter side.
     dct_scaling: decode JPEGs at 1/2, 1/4, 1/8 when the crop is that much larger.
+    fast_dct: libjpeg's fast integer IDCT, as tf.data uses by default (slightly less exact).
   """
   if on_error not in ("raise", "skip"):
     raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
@@ -273,10 +268,9 @@ def make_dataset(
   )
   transform = Transform(image_size=image_size, train=train, area_range=area_range,
                         aspect_range=aspect_range, crop_fraction=crop_fraction,
-                        flip=flip, dct_scaling=dct_scaling)
+                        flip=flip, dct_scaling=dct_scaling, fast_dct=fast_dct)
   loader = BatchLoader(
-      grain.sources.ArrayRecordDataSource([os.fspath(p) for p in paths]),
-      _Shards(paths, counts), sampler, transform, batch_size=batch_size,
+      ShardedSource(paths, counts), sampler, transform, batch_size=batch_size,
       num_classes=meta.num_classes, keys=keys or meta.keys, seed=seed,
       num_threads=num_threads or default_threads(), on_error=on_error, cache_mb=cache_mb,
       with_mask=not train)

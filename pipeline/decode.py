@@ -8,16 +8,37 @@ Other formats (PNG, GIF, CMYK JPEG, ...) fall back to Pillow. Output is always u
 
 from __future__ import annotations
 
+import ctypes
+import glob
 import io
+import os
 
 import numpy as np
+import PIL
 import simplejpeg
 from PIL import Image
 
-try:
-  from pipeline import _jpeg
-except ImportError:  # built without libjpeg headers: full decode, then crop
-  _jpeg = None
+
+def _load_extension():
+  """Imports `_jpeg` after loading a libjpeg for it: Pillow's bundled libjpeg-turbo 3
+  (as fast as simplejpeg's, 15% faster than Debian's 2.1), else the system's."""
+  bundled = glob.glob(os.path.join(os.path.dirname(PIL.__file__), os.pardir, "pillow.libs",
+                                   "libjpeg*.so*"))
+  for lib in sorted(bundled) + ["libjpeg.so.62", "libjpeg.so"]:
+    try:
+      ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
+      break
+    except OSError:
+      continue
+  try:
+    from pipeline import _jpeg  # pylint: disable=g-import-not-at-top
+
+    return _jpeg
+  except ImportError:  # not built, or no libjpeg found: simplejpeg decodes whole images
+    return None
+
+
+_jpeg = _load_extension()
 
 MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb limit
 

@@ -86,4 +86,4 @@ def save(manifest: Manifest, data_dir) -> None:
   path = epath.Path(data_dir) / FILENAME
   tmp = path.parent / f".{FILENAME}.tmp-{os.getpid()}"
   tmp.write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
-  tmp.rename(path)
+  tmp.replace(path)

@@ -7,6 +7,8 @@ COMMANDS = {
     "throughput": "the pipeline's images/s, first batch, peak RSS, per-stage costs",
     "peers": "the pipeline vs tf.data (tuned per its guide), same photos, one table",
     "device": "host pipeline alone vs through the device-put prefetch iterator",
+    "storage": "one file per image vs ArrayRecord shards, sequential and random, warm/cold",
+    "ceiling": "the cores' raw JPEG decode rate (full and DCT-scaled) on the same photos",
     "convert": "conversion images/s and MB/s vs a sequential converter",
     "study": "the tf.data guide's artificial study, rebuilt on Grain, with timelines",
     "all": "everything above on one dataset; writes REPORT.md",

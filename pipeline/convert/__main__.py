@@ -1,0 +1,151 @@
+"""`python -m pipeline.convert`: image folders, TFRecords and TFDS datasets to ArrayRecord.
+
+  python -m pipeline.convert images SRC OUT [--val-fraction 0.1] [--workers 8]
+  python -m pipeline.convert tfrecord 'train-*.tfrecord' OUT --num-classes 1000
+  python -m pipeline.convert tfds imagenet2012 OUT --data-dir ~/tensorflow_datasets
+  python -m pipeline.convert verify OUT
+  python -m pipeline.convert builtin data
+  python -m pipeline.convert images SRC OUT --runner DirectRunner   # Apache Beam
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pipeline import records
+from pipeline.convert import checks, shards
+
+
+def _common(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--split", default="train", help="split name (default: train)")
+  p.add_argument("--shard-size-mb", type=float, default=shards.DEFAULT_SHARD_SIZE_MB,
+                 help="target shard size in MiB (default: %(default)s)")
+  p.add_argument("--workers", type=int, default=None,
+                 help="worker processes (default: all cores)")
+  p.add_argument("--max-pixels", type=int, default=checks.MAX_PIXELS,
+                 help="images with more pixels are skipped as decompression bombs")
+  p.add_argument("--no-progress", dest="progress", action="store_false",
+                 help="no progress bar")
+
+
+def _beam(p: argparse.ArgumentParser) -> None:
+  p.add_argument("--runner", default=None,
+                 help="run as an Apache Beam pipeline on this runner (DirectRunner, "
+                      "DataflowRunner, FlinkRunner, SparkRunner); other unknown flags go "
+                      "to Beam's PipelineOptions")
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = argparse.ArgumentParser(prog="python -m pipeline.convert", description=__doc__,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = parser.add_subparsers(dest="command", required=True)
+
+  p = sub.add_parser("images", help="an image folder SRC/CLASS/IMAGE")
+  p.add_argument("src", help="image folder laid out as SRC/CLASS/IMAGE")
+  p.add_argument("out", help="output folder for shards and manifest.json")
+  p.add_argument("--val-fraction", type=float, default=0.0,
+                 help="also write a 'validation' split with this fraction of each class")
+  p.add_argument("--seed", type=int, default=0, help="seed of the split and record order")
+  p.add_argument("--label-map", default=None,
+                 help="JSON {class: label} or one class name per line (line = label)")
+  p.add_argument("--max-size", type=int, default=None,
+                 help="re-encode images whose shorter side exceeds this many pixels")
+  p.add_argument("--follow-symlinks", action="store_true",
+                 help="follow symlinks that point outside SRC")
+  _common(p)
+  _beam(p)
+
+  p = sub.add_parser("tfrecord", help="TFRecord files of tf.train.Example, bytes copied")
+  p.add_argument("pattern", help="glob of TFRecord files (quote it)")
+  p.add_argument("out", help="output folder")
+  group = p.add_mutually_exclusive_group(required=True)
+  group.add_argument("--num-classes", type=int, help="labels must lie in [0, N)")
+  group.add_argument("--classes", help="file with one class name per line (line = label)")
+  p.add_argument("--keys", default=None,
+                 help="IMAGE,LABEL[,FILENAME] feature keys (default: detected)")
+  _common(p)
+  _beam(p)
+
+  p = sub.add_parser("tfds", help="a TFDS dataset prepared in a local data dir")
+  p.add_argument("name", help="dataset name, e.g. imagenet2012 or mnist:3.0.1")
+  p.add_argument("out", help="output folder")
+  p.add_argument("--data-dir", required=True, help="TFDS data dir holding the prepared data")
+  _common(p)
+  p.set_defaults(split=None)
+
+  p = sub.add_parser("verify", help="re-read and check a converted dataset")
+  p.add_argument("out", help="converted dataset folder (holding manifest.json)")
+  p.add_argument("--workers", type=int, default=None, help="worker processes")
+  p.add_argument("--no-progress", dest="progress", action="store_false")
+
+  p = sub.add_parser("builtin", help="build the built-in digits and photos datasets")
+  p.add_argument("data_dir", nargs="?", default="data", help="default: data")
+  p.add_argument("--workers", type=int, default=None, help="worker processes")
+  p.add_argument("--no-progress", dest="progress", action="store_false")
+  return parser
+
+
+def _keys(text: str | None) -> records.Keys | None:
+  if text is None:
+    return None
+  parts = text.split(",")
+  if len(parts) not in (2, 3):
+    raise ValueError(f"--keys wants IMAGE,LABEL[,FILENAME], got {text!r}")
+  return records.Keys(*parts)
+
+
+def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
+  """Runs one command; returns the exit status."""
+  from pipeline.convert import beam, builtin, images, tfds, tfrecord, verify  # fast --help
+  common = {"shard_size_mb": getattr(args, "shard_size_mb", None),
+            "max_pixels": getattr(args, "max_pixels", None)}
+  if args.command == "images":
+    kwargs = dict(split=args.split, val_fraction=args.val_fraction, seed=args.seed,
+                  label_map=args.label_map, max_size=args.max_size,
+                  follow_symlinks=args.follow_symlinks, **common)
+    if args.runner:
+      m = beam.convert_images(args.src, args.out, runner=args.runner,
+                              pipeline_args=beam_args, **kwargs)
+    else:
+      m = images.convert(args.src, args.out, workers=args.workers, progress=args.progress,
+                         **kwargs)
+  elif args.command == "tfrecord":
+    kwargs = dict(split=args.split, keys=_keys(args.keys), num_classes=args.num_classes,
+                  classes=args.classes, **common)
+    if args.runner:
+      m = beam.convert_tfrecord(args.pattern, args.out, runner=args.runner,
+                                pipeline_args=beam_args, **kwargs)
+    else:
+      m = tfrecord.convert(args.pattern, args.out, workers=args.workers,
+                           progress=args.progress, **kwargs)
+  elif args.command == "tfds":
+    m = tfds.convert(args.name, args.out, data_dir=args.data_dir, split=args.split,
+                     workers=args.workers, progress=args.progress, **common)
+  elif args.command == "verify":
+    report = verify.verify(args.out, workers=args.workers, progress=args.progress)
+    print(report)
+    return 0 if report.ok else 1
+  else:
+    for name, m in builtin.build(args.data_dir, workers=args.workers,
+                                 progress=args.progress).items():
+      print(f"{args.data_dir}/{name}: {shards.summary(m)}")
+    return 0
+  print(f"{args.out}: {shards.summary(m)}")
+  return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+  parser = _parser()
+  args, rest = parser.parse_known_args(argv)
+  if rest and not getattr(args, "runner", None):
+    parser.error(f"unrecognized arguments: {' '.join(rest)}")
+  try:
+    return _run(args, rest)
+  except (ValueError, KeyError, OSError) as e:  # bad input: a clear message, no traceback
+    print(f"error: {e}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+  sys.exit(main())

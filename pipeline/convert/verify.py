@@ -1,0 +1,137 @@
+"""`verify OUT`: re-reads every shard and checks it against manifest.json.
+
+Checks each shard's existence, sha256 and record count, parses every record, checks every
+label against the class count and fully decodes every image. Problems name the shard and
+record index; the CLI exits non-zero if there is any.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import tqdm
+from array_record.python import array_record_module
+
+from pipeline import manifest as manifest_lib
+from pipeline import records
+from pipeline.convert import checks, shards
+
+_RANGE = 256  # records per verification task
+_READ_ERRORS = (RuntimeError, ValueError, OSError)
+
+
+@dataclasses.dataclass
+class Report:
+  """What `verify` found: records read per split and every problem, one line each."""
+
+  data_dir: str
+  num_records: dict[str, int]
+  problems: list[str]
+
+  @property
+  def ok(self) -> bool:
+    return not self.problems
+
+  def __str__(self) -> str:
+    counts = ", ".join(f"{s}: {n}" for s, n in self.num_records.items())
+    head = f"{self.data_dir}: {counts} records; "
+    if self.ok:
+      return head + "OK"
+    lines = [head + f"{len(self.problems)} problems:"]
+    return "\n".join(lines + [f"  {p}" for p in self.problems])
+
+
+def _check_file(path: str, shard: manifest_lib.Shard) -> tuple[bool, list[str]]:
+  """Shard-level checks (present, sha256, record count): (readable, problems)."""
+  if not os.path.exists(path):
+    return False, [f"{shard.file}: missing"]
+  problems = []
+  if (digest := shards.sha256_file(path)) != shard.sha256:
+    problems.append(f"{shard.file}: sha256 {digest[:12]}... != manifest {shard.sha256[:12]}...")
+  try:
+    reader = array_record_module.ArrayRecordReader(path)
+    count = reader.num_records()
+    reader.close()
+  except _READ_ERRORS as e:  # what the C++ reader raises on a damaged file
+    return False, problems + [f"{shard.file}: unreadable ArrayRecord file ({e})"]
+  if count != shard.num_records:
+    problems.append(f"{shard.file}: {count} records, manifest says {shard.num_records}")
+  return True, problems
+
+
+def _check_record(data: bytes, keys: records.Keys, num_classes: int) -> str | None:
+  try:
+    image, label, _ = records.parse(data, keys)
+  except records.RecordError as e:
+    return str(e)
+  if not 0 <= label < num_classes:
+    return f"label {label} out of range [0, {num_classes})"
+  try:
+    checks.decode_rgb(image)
+  except (checks.BadImage, ValueError) as e:
+    return f"image does not decode ({e})"
+  return None
+
+
+def _check_range(task: tuple[str, int, int], *, data_dir: str, keys: records.Keys,
+                 num_classes: int, shard_info: dict[str, manifest_lib.Shard]
+                 ) -> tuple[int, list[str]]:
+  """Worker: (records read, problems) for records [start, stop) of a shard."""
+  name, start, stop = task
+  path = os.path.join(data_dir, name)
+  readable, problems = _check_file(path, shard_info[name]) if start == 0 else (True, [])
+  if not readable:
+    return 0, problems
+  read = 0
+  try:
+    reader = array_record_module.ArrayRecordReader(path)
+  except _READ_ERRORS:  # reported by the task that starts at record 0
+    return 0, problems
+  try:
+    for index in range(start, min(stop, reader.num_records())):
+      try:
+        data = reader.read([index])[0]
+      except _READ_ERRORS as e:
+        problems.append(f"{name} record {index}: unreadable ({e})")
+        continue
+      read += 1
+      if (problem := _check_record(data, keys, num_classes)) is not None:
+        problems.append(f"{name} record {index}: {problem}")
+    reader.close()
+  except _READ_ERRORS as e:  # a damaged file can fail in close() as well
+    problems.append(f"{name}: unreadable after record {start + read} ({e})")
+  return read, problems
+
+
+def verify(out: str | os.PathLike, *, workers: int | None = None,
+           progress: bool = True) -> Report:
+  """Checks every shard and record of the dataset in `out` against its manifest."""
+  out = os.fspath(out)
+  try:
+    m = manifest_lib.load(out)
+  except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
+    return Report(out, {}, [f"manifest: {e}"])
+  info = {s.file: s for split in m.splits.values() for s in split.shards}
+  tasks = [(s.file, a, a + _RANGE) for split in m.splits.values() for s in split.shards
+           for a in range(0, max(s.num_records, 1), _RANGE)]
+  work = functools.partial(_check_range, data_dir=out, keys=m.keys,
+                           num_classes=m.num_classes, shard_info=info)
+  read: dict[str, int] = {}
+  problems: list[str] = []
+  if not m.classes:
+    problems.append("manifest: no classes")
+  for split, s in m.splits.items():
+    if s.num_records != sum(sh.num_records for sh in s.shards):
+      problems.append(f"manifest: split {split} has {s.num_records} records but its shards "
+                      f"hold {sum(sh.num_records for sh in s.shards)}")
+  split_of = {s.file: name for name, split in m.splits.items() for s in split.shards}
+  workers = min(workers or os.cpu_count() or 1, len(tasks))
+  with tqdm.tqdm(total=sum(s.num_records for s in info.values()), desc=f"verify {out}",
+                 unit="record", disable=not progress, dynamic_ncols=True) as bar:
+    for (name, _, _), (count, found) in zip(tasks, shards.ordered_map(work, tasks, workers)):
+      read[split_of[name]] = read.get(split_of[name], 0) + count
+      problems += found
+      bar.update(count)
+  return Report(out, {name: read.get(name, 0) for name in m.splits}, problems)

@@ -1,0 +1,43 @@
+"""Shared fixtures: small built-in datasets, converted once per test session.
+
+`photos_dir`: 64 ImageNet-like JPEGs (~470x390, 4 classes), splits train (48) and
+validation (16). `digits_dir`: 300 scikit-learn digits (32x32 RGB JPEGs, 10 classes),
+splits train (240) and validation (60). Both are folders holding manifest.json and shards;
+the raw image folders are `photos_raw` and `digits_raw`.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import pytest
+
+from pipeline.convert import builtin, images
+
+
+@pytest.fixture(scope="session")
+def photos_raw(tmp_path_factory) -> pathlib.Path:
+  raw = tmp_path_factory.mktemp("photos") / "raw"
+  builtin.make_photos(raw, num_images=64, seed=0, num_classes=4, workers=1)
+  return raw
+
+
+@pytest.fixture(scope="session")
+def photos_dir(photos_raw) -> pathlib.Path:
+  out = photos_raw.parent / "data"
+  images.convert(photos_raw, out, val_fraction=0.25, seed=0, workers=1, progress=False)
+  return out
+
+
+@pytest.fixture(scope="session")
+def digits_raw(tmp_path_factory) -> pathlib.Path:
+  raw = tmp_path_factory.mktemp("digits") / "raw"
+  builtin.make_digits(raw, num_images=300)
+  return raw
+
+
+@pytest.fixture(scope="session")
+def digits_dir(digits_raw) -> pathlib.Path:
+  out = digits_raw.parent / "data"
+  images.convert(digits_raw, out, val_fraction=0.2, seed=0, workers=1, progress=False)
+  return out

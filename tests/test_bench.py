@@ -1,0 +1,149 @@
+"""Benchmarks at tiny sizes: each runs end to end and reports well-formed, sane figures.
+
+No speed is asserted here (the machines are shared); `make bench` measures.
+"""
+
+import importlib.util
+import json
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+from pipeline.bench import all as bench_all
+from pipeline.bench import ceiling, peers, storage, throughput
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def test_ceiling_decodes_every_image_whole_and_scaled(photos_dir, tmp_path):
+  out = tmp_path / "ceiling.json"
+  result = ceiling.main([str(photos_dir), "--images", "8", "--repeats", "1", "--threads", "2",
+                         "--json", str(out)])
+  assert result["images"] == 8 and result["mean_megapixels"] > 0.1
+  combos = {(r["decoder"], r["scale"], r["threads"]) for r in result["rows"]}
+  assert combos == {(d, s, t) for d in ceiling.decoders() for s in ("1/1", "1/2") for t in (1, 2)}
+  assert all(r["images_per_sec"] > 0 and r["megapixels_per_sec"] > 0 for r in result["rows"])
+  assert set(result["ceiling_images_per_sec"]) == {"1/1", "1/2"}
+  saved = json.loads(out.read_text())
+  assert saved["command"].startswith("python -m pipeline.bench ceiling") and saved["machine"]
+
+
+def test_storage_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_path):
+  work = tmp_path / "tmp"
+  work.mkdir()
+  result = storage.main([str(photos_dir), "--repeats", "1", "--batch-size", "8",
+                         "--threads", "2", "--tmp-dir", str(work), "--json",
+                         str(tmp_path / "s.json")])
+  assert list(work.iterdir()) == []  # the one-file-per-image copy is gone
+  rows = result["rows"]
+  assert len(rows) == 4 * 2 * 2  # readers x orders x cache states
+  assert {r["records"] for r in rows} == {48}
+  assert all(r["records_per_sec"] > 0 and r["mb_per_sec"] > 0 for r in rows)
+  # Files hold the JPEG bytes; shards hold them inside Examples (a little more).
+  assert 0 < result["files_mb"] <= result["shards_mb"]
+  assert all(r["cached_share_before"] == 1.0 for r in rows if r["cache"] == "warm")
+  if result["filesystem"]["files"] not in ("tmpfs", "ramfs", "overlay"):
+    assert all(r["cached_share_before"] < 0.5 for r in rows if r["cache"] == "cold")
+
+
+def test_page_cache_share_follows_reads_and_eviction(tmp_path):
+  path = tmp_path / "blob"
+  path.write_bytes(os.urandom(1 << 20))  # dirty pages: evict() writes them back first
+  path.read_bytes()
+  assert storage.cached_share([str(path)]) == 1.0
+  storage.evict([str(path)])
+  if storage.filesystem(str(path)) not in ("tmpfs", "ramfs", "overlay"):
+    assert storage.cached_share([str(path)]) < 0.5
+
+
+def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
+  out = throughput.main([str(photos_dir), "--epochs", "0.5", "--batch-size", "8",
+                         "--image-size", "64", "--json", str(tmp_path / "t.json")])
+  assert out["images_per_sec"] > 0 and out["first_batch_s"] > 0 and out["peak_rss_mb"] > 0
+  assert out["images"] >= 24
+  stages = out["stages_ms_per_image"]
+  assert {"read", "parse", "decode", "resize_flip", "batch"} <= stages.keys()
+  assert all(v >= 0 for v in stages.values()) and stages["decode"] > 0
+
+
+def test_peers_runs_each_contender_in_its_own_process(photos_dir, tmp_path):
+  out = tmp_path / "p.json"
+  results = peers.main([str(photos_dir), "--loaders", "pipeline", "--epochs", "0.5",
+                        "--batch-size", "8", "--image-size", "64", "--json", str(out)])
+  assert [r["name"] for r in results] == ["pipeline"]
+  assert results[0]["images_per_sec"] > 0
+  assert results[0]["command"].startswith("python -m pipeline.bench throughput")  # a child
+  assert json.loads(out.read_text())["results"] == results
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="peers extra")
+def test_peers_tfdata_reads_the_same_records(photos_dir):
+  results = peers.main([str(photos_dir), "--loaders", "tfdata", "--epochs", "0.5",
+                        "--batch-size", "8", "--image-size", "64"])
+  assert results and results[0]["name"] == "tfdata" and results[0]["images_per_sec"] > 0
+
+
+def test_device_bench_prints_its_figures():
+  proc = subprocess.run([sys.executable, "-m", "pipeline.bench", "device", "--source",
+                         "premade", "--batches", "2", "--rounds", "1", "--batch", "4"],
+                        cwd=ROOT, capture_output=True, text=True, check=True,
+                        env={**os.environ, "TQDM_DISABLE": "1"})
+  figures = json.loads(proc.stdout.strip().splitlines()[-1])
+  assert figures["host"]["images_per_s"] > 0 and figures["device"]["images_per_s"] > 0
+  assert figures["ratio"] > 0
+
+
+def check_report(report: str, names: list[str]) -> None:
+  """A section per benchmark, each with the machine and the command beside its figures
+  (or saying that the benchmark does not exist in this version)."""
+  steps = [s for s in bench_all.STEPS if s.name in names]
+  summary, *sections = report.split("\n## ")[1:]
+  assert summary.startswith("Summary\n\n- ")  # the headline figures come first
+  assert [s.split("\n")[0] for s in sections] == [s.title for s in steps]
+  for step, section in zip(steps, sections):
+    if step.available():
+      assert "*Machine: " in section and "Command: `python -m " in section, section
+    else:
+      assert "Not run: " in section
+  assert "Not reported" not in report
+
+
+def test_all_writes_a_report_with_machine_and_command_beside_every_figure(photos_dir, tmp_path):
+  out = tmp_path / "bench"
+  names = ["ceiling", "throughput", "doctor"]
+  report = bench_all.main([str(photos_dir), "--out", str(out), "--quick",
+                           "--only", ",".join(names)]).read_text()
+  check_report(report, names)
+  assert "of the cores' raw full-decode rate" in report  # throughput quoted against ceiling
+  assert "- Doctor: bottleneck " in report
+  assert "Bottleneck: **" in report
+  assert (out / "doctor_timeline.png").read_bytes()[:4] == b"\x89PNG"
+  assert "](doctor_timeline.png)" in report
+
+
+@pytest.mark.slow
+def test_all_runs_every_benchmark(photos_dir, tmp_path):
+  out = tmp_path / "bench"
+  report = bench_all.main([str(photos_dir), "--out", str(out), "--quick"]).read_text()
+  check_report(report, [s.name for s in bench_all.STEPS])
+  for picture in ("storage.png", "throughput.png"):
+    assert (out / picture).read_bytes()[:4] == b"\x89PNG" and f"]({picture})" in report
+
+
+def test_all_reports_a_failing_benchmark_and_goes_on(tmp_path):
+  out = tmp_path / "bench"
+  report = bench_all.main([str(tmp_path / "missing"), "--out", str(out),
+                           "--only", "ceiling"]).read_text()
+  assert "Not reported: ceiling failed" in report
+  assert "manifest.json not found" in (out / "ceiling.log").read_text()
+
+
+@pytest.mark.parametrize("module", [storage, ceiling, bench_all])
+def test_cli_help(module, capsys):
+  with pytest.raises(SystemExit) as exit_:
+    module.main(["--help"])
+  assert exit_.value.code == 0 and "usage: python -m pipeline.bench" in capsys.readouterr().out

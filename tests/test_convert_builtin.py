@@ -1,0 +1,63 @@
+"""Built-in datasets: digits and ImageNet-like photos made from images packages ship."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from PIL import Image
+
+from pipeline import manifest
+from pipeline.convert import __main__ as cli
+from pipeline.convert import builtin, verify
+
+
+def test_digits_are_small_rgb_jpegs_in_class_folders(tmp_path):
+  assert builtin.make_digits(tmp_path, num_images=50) == 50
+  files = sorted(tmp_path.rglob("*.jpg"))
+  assert len(files) == 50
+  assert sorted(p.name for p in tmp_path.iterdir()) == [str(d) for d in range(10)]
+  with Image.open(files[0]) as im:
+    assert (im.format, im.mode, im.size) == ("JPEG", "RGB", (32, 32))
+
+
+def test_photos_are_imagenet_like_and_reproducible(tmp_path):
+  builtin.make_photos(tmp_path / "a", num_images=6, seed=3, num_classes=3, workers=1)
+  builtin.make_photos(tmp_path / "b", num_images=6, seed=3, num_classes=3, workers=2)
+  builtin.make_photos(tmp_path / "c", num_images=6, seed=4, num_classes=3, workers=1)
+  files = sorted((tmp_path / "a").rglob("*.jpg"))
+  assert sorted(p.name for p in (tmp_path / "a").iterdir()) == ["astronaut", "chelsea", "coffee"]
+  assert len(files) == 6
+  for f in files:
+    with Image.open(f) as im:
+      assert im.format == "JPEG" and im.mode == "RGB"
+      assert 430 <= im.width <= 510 and 350 <= im.height <= 430
+    assert 40_000 < f.stat().st_size < 200_000
+    assert f.read_bytes() == (tmp_path / "b" / f.relative_to(tmp_path / "a")).read_bytes()
+  assert files[0].read_bytes() != (tmp_path / "c" / files[0].relative_to(tmp_path / "a")
+                                   ).read_bytes()
+
+
+def test_every_command_has_help(capsys):
+  for command in ([], ["images"], ["tfrecord"], ["tfds"], ["verify"], ["builtin"]):
+    with pytest.raises(SystemExit) as exit_info:
+      cli.main(command + ["--help"])
+    assert exit_info.value.code == 0
+    assert "usage: python -m pipeline.convert" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_build_makes_both_datasets_once(tmp_path):
+  made = builtin.build(tmp_path, progress=False)
+  assert made["digits"].num_classes == 10
+  assert made["digits"].splits["train"].num_records + made["digits"].splits[
+      "validation"].num_records == 1797
+  assert made["photos"].num_classes == len(builtin.PHOTO_SOURCES)
+  assert sum(s.num_records for s in made["photos"].splits.values()) == 1000
+  for name in ("digits", "photos"):
+    assert verify.verify(tmp_path / name, progress=False).ok
+  start = time.monotonic()
+  assert builtin.build(tmp_path, progress=False) == made
+  assert time.monotonic() - start < 30  # nothing regenerated or rewritten
+  assert manifest.load(tmp_path / "photos").created_by["source"] == str(tmp_path / "raw" /
+                                                                         "photos")

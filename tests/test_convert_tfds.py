@@ -1,0 +1,88 @@
+"""`pipeline.convert.tfds`: a locally prepared TFDS dataset becomes our shards, bytes copied."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import tensorflow_datasets as tfds
+from array_record.python import array_record_module
+from PIL import Image
+
+from pipeline import manifest, records
+from pipeline.convert import tfds as convert_tfds
+
+
+class TinyShapes(tfds.core.GeneratorBasedBuilder):
+  """Three classes of small random JPEG images, prepared without TensorFlow."""
+
+  VERSION = tfds.core.Version("1.0.0")
+
+  def _info(self):
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict({
+        "image": tfds.features.Image(shape=(None, None, 3), encoding_format="jpeg"),
+        "label": tfds.features.ClassLabel(names=["circle", "square", "star"]),
+        "file_name": tfds.features.Text()}))
+
+  def _split_generators(self, dl_manager):
+    return {"train": self._generate_examples(12), "test": self._generate_examples(5)}
+
+  def _generate_examples(self, n):
+    rng = np.random.default_rng(n)
+    for i in range(n):
+      jpeg = io.BytesIO()  # encoded here: TFDS would encode arrays with TensorFlow
+      Image.fromarray(rng.integers(0, 255, (24, 32, 3), dtype=np.uint8)).save(jpeg, "JPEG")
+      jpeg.seek(0)
+      yield i, {"image": jpeg, "label": i % 3, "file_name": f"img{i}.jpg"}
+
+
+# TFDS looks up the code path of builders defined in packages through the optional
+# `importlib_resources` backport; a top-level module name takes its plain-file route.
+TinyShapes.__module__ = "tiny_shapes"
+
+
+def tfds_records(builder, split) -> list[bytes]:
+  """The serialized examples TFDS stored, read straight from its files in order."""
+  out = []
+  for path in builder.info.splits[split].filepaths:
+    if builder.info.file_format.value == "array_record":
+      reader = array_record_module.ArrayRecordReader(str(path))
+      out += reader.read_all()
+      reader.close()
+    else:
+      from pipeline.convert import tfrecord
+      with open(path, "rb") as f:
+        out += [tfrecord.read_record(f, str(path), i, *span)
+                for i, span in enumerate(tfrecord.scan(str(path)))]
+  return out
+
+
+@pytest.mark.parametrize("file_format", [
+    "array_record",
+    # Slow only where TensorFlow is installed: TFDS then writes TFRecords through it.
+    pytest.param("tfrecord", marks=pytest.mark.slow)])
+def test_prepared_tfds_dataset_converts_with_its_classes_and_keys(tmp_path, file_format):
+  builder = TinyShapes(data_dir=str(tmp_path / "tfds"), file_format=file_format)
+  builder.download_and_prepare()
+  m = convert_tfds.convert("tiny_shapes", tmp_path / "out", data_dir=tmp_path / "tfds",
+                           workers=1, progress=False)
+  assert m.classes == ["circle", "square", "star"]
+  assert m.keys == records.Keys(image="image", label="label", filename="file_name")
+  assert {s: m.splits[s].num_records for s in m.splits} == {"train": 12, "test": 5}
+  for split in ("train", "test"):
+    stored = []
+    for path in m.shard_paths(tmp_path / "out", split):
+      reader = array_record_module.ArrayRecordReader(str(path))
+      stored += reader.read_all()
+      reader.close()
+    assert stored == tfds_records(builder, split)
+    assert sorted(records.parse(r, m.keys)[2] for r in stored) == sorted(
+        f"img{i}.jpg" for i in range(len(stored)))
+  one = convert_tfds.convert("tiny_shapes", tmp_path / "one", data_dir=tmp_path / "tfds",
+                             split="test", workers=1, progress=False)
+  assert list(one.splits) == ["test"]
+  with pytest.raises(KeyError, match="split 'nope' not in"):
+    convert_tfds.convert("tiny_shapes", tmp_path / "x", data_dir=tmp_path / "tfds",
+                         split="nope", progress=False)
+  assert manifest.load(tmp_path / "out").created_by["tool"] == "pipeline.convert tfds"

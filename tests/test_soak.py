@@ -1,0 +1,140 @@
+"""Soak: many epochs over a small set, with restarts, while RSS, files and threads are measured.
+
+A training run lasts days, so a leak of a few KiB per batch or one thread, file handle or
+shared-memory block per restart adds up. The soak trains on the digits for a bounded time,
+restores the iterator from its saved state every few seconds (a checkpoint restart) and runs
+a fresh eval pass each round, sampling resources throughout; after warm-up they must stay
+flat: the last quarter of the run may not exceed the second quarter by more than a bound.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import os
+import statistics
+import time
+
+import psutil
+import pytest
+
+import pipeline
+
+BATCH = 16
+RSS_BOUND_MB = 32  # a leak of 1 KiB per batch shows up within a minute at ~500 batches/s
+FD_BOUND, THREAD_BOUND, SHM_BOUND = 2, 2, 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Sample:
+  seconds: float
+  batches: int
+  rss_mb: float  # this process and its workers
+  fds: int
+  threads: int
+  children: int  # worker processes (multiprocessing's resource tracker not counted)
+  shm: int  # shared-memory blocks created since the start (Grain's worker outputs)
+
+
+def _shm() -> set[str]:
+  return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+
+
+def soak(data_dir, seconds: float, *, num_workers: int, restart_every_s: float
+         ) -> tuple[list[Sample], Sample]:
+  """Trains for `seconds`, restarting from the saved state and evaluating every round.
+
+  Returns the samples taken while training and one taken after everything was closed.
+  """
+  me = psutil.Process()
+  shm_before = _shm()
+
+  def sample(start: float, batches: int) -> Sample:
+    rss = fds = threads = workers = 0
+    for p in [me] + me.children(recursive=True):
+      try:
+        rss, fds, threads = (rss + p.memory_info().rss, fds + p.num_fds(),
+                             threads + p.num_threads())
+        workers += p != me and "resource_tracker" not in " ".join(p.cmdline())
+      except psutil.NoSuchProcess:
+        pass
+    return Sample(time.monotonic() - start, batches, rss / 2**20, fds, threads, workers,
+                  len(_shm() - shm_before))
+
+  def train():
+    return pipeline.make_dataset(data_dir, batch_size=BATCH, image_size=24, num_threads=2,
+                                 num_workers=num_workers, shard_index=0, shard_count=1)
+
+  start, batches, samples = time.monotonic(), 0, []
+  it = iter(train())
+  while time.monotonic() - start < seconds:
+    round_start = time.monotonic()
+    while time.monotonic() - round_start < restart_every_s:
+      for _ in range(20):
+        next(it)
+      batches += 20
+      samples.append(sample(start, batches))
+    state = it.get_state()  # a checkpoint, then a restart from it
+    it.close()
+    it = iter(train())
+    it.set_state(state)
+    evaluation = iter(pipeline.make_dataset(data_dir, "validation", batch_size=BATCH,
+                                            train=False, image_size=24, num_threads=2,
+                                            shard_index=0, shard_count=1))
+    assert sum(int(b["mask"].sum()) for b in evaluation) == 60
+    evaluation.close()
+  it.close()
+  del it, evaluation
+  gc.collect()
+  time.sleep(1)  # workers exit and unlink their last blocks
+  return samples, sample(start, batches)
+
+
+def assert_flat(samples: list[Sample]) -> None:
+  """The last quarter may not exceed the second (after warm-up) by more than the bounds."""
+  q = len(samples) // 4
+  assert q >= 3, f"only {len(samples)} samples"
+  warm, late = samples[q:2 * q], samples[-q:]
+
+  def peak(window, field):
+    return max(getattr(s, field) for s in window)
+
+  rss_growth = (statistics.median(s.rss_mb for s in late)
+                - statistics.median(s.rss_mb for s in warm))
+  assert rss_growth <= RSS_BOUND_MB, samples
+  assert peak(late, "fds") <= peak(warm, "fds") + FD_BOUND, samples
+  assert peak(late, "threads") <= peak(warm, "threads") + THREAD_BOUND, samples
+  assert peak(late, "children") <= peak(warm, "children"), samples
+  assert peak(late, "shm") <= peak(warm, "shm") + SHM_BOUND, samples
+
+
+def summary(samples: list[Sample], num_records: int) -> str:
+  first, last = samples[0], samples[-1]
+  return (f"{last.seconds:.0f} s, {last.batches * BATCH / num_records:.0f} epochs; "
+          f"RSS {first.rss_mb:.0f}->{last.rss_mb:.0f} MiB (peak "
+          f"{max(s.rss_mb for s in samples):.0f}), fds {first.fds}->{last.fds}, threads "
+          f"{first.threads}->{last.threads}, children {last.children}, new shm {last.shm}")
+
+
+def test_short_soak_with_thread_decoding_stays_flat(digits_dir):
+  samples, closed = soak(digits_dir, 10, num_workers=0, restart_every_s=1)
+  print(summary(samples, 240))
+  assert_flat(samples)
+  assert closed.threads <= samples[0].threads + THREAD_BOUND
+
+
+@pytest.mark.slow
+def test_soak_with_thread_decoding_stays_flat(digits_dir):
+  samples, closed = soak(digits_dir, 60, num_workers=0, restart_every_s=3)
+  print(summary(samples, 240))
+  assert_flat(samples)
+  assert closed.threads <= samples[0].threads + THREAD_BOUND
+
+
+@pytest.mark.slow
+def test_soak_with_worker_processes_stays_flat(digits_dir):
+  samples, closed = soak(digits_dir, 90, num_workers=2, restart_every_s=15)
+  print(summary(samples, 240))
+  assert_flat(samples)
+  assert min(s.children for s in samples) == 2
+  assert closed.children == 0 and closed.shm == 0  # nothing left behind after close
