@@ -5,7 +5,8 @@
 """
 
 from pipeline.dataset import BadRecordError, make_dataset
-from pipeline.manifest import Manifest, load as load_manifest
+from pipeline.manifest import Manifest
+from pipeline.manifest import load as load_manifest
 from pipeline.records import Keys
 
 __version__ = "0.1.0"

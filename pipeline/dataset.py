@@ -26,7 +26,8 @@ import numpy as np
 from absl import logging
 from etils import epath
 
-from pipeline import augment, decode, lifecycle, manifest as manifest_lib, records
+from pipeline import augment, decode, lifecycle, records
+from pipeline import manifest as manifest_lib
 from pipeline.sampling import PAD, Sampler
 from pipeline.source import ShardedSource
 

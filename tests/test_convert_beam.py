@@ -8,7 +8,7 @@ from pipeline.convert import images, tfrecord
 
 beam = pytest.importorskip("apache_beam", reason="optional extra: pip install '.[beam]'")
 
-from pipeline.convert import beam as convert_beam  # needs apache_beam
+from pipeline.convert import beam as convert_beam  # noqa: E402 - needs apache_beam
 
 
 def same_files(a, b) -> None:

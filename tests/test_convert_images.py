@@ -227,7 +227,7 @@ def test_label_map_orders_classes_and_rejects_bad_maps(tmp_path):
   m = images.convert(tmp_path / "src", tmp_path / "out", label_map=json_map, workers=1,
                      progress=False)
   assert m.classes == ["dog", "cat", "bird"]
-  assert {f: l for _, l, f in read_split(tmp_path / "out", "train")} == {"cat/x.jpg": 1,
+  assert {f: label for _, label, f in read_split(tmp_path / "out", "train")} == {"cat/x.jpg": 1,
                                                                         "dog/x.jpg": 0}
   text_map = tmp_path / "map.txt"
   text_map.write_text("dog\ncat\n")

@@ -8,10 +8,12 @@ address-space limit and a timeout catch runaway allocations and hangs.
 
 from __future__ import annotations
 
+import hashlib
 import io
 import json
 import os
 import pathlib
+import random
 import resource
 import select
 import signal
@@ -23,12 +25,14 @@ import zlib
 
 import numpy as np
 import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
-from pipeline import decode, records
-from pipeline.dataset import Transform
+import pipeline
+from pipeline import decode, manifest, records
+from pipeline.dataset import BadRecordError, Transform
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SANDBOX_MEMORY = 3 << 30  # address space of the sandbox: a pixel-limited image fits
@@ -417,6 +421,56 @@ def test_a_segfault_in_the_sandbox_fails_the_check_instead_of_pytest(sandbox):
   with pytest.raises(AssertionError, match="SIGSEGV"):
     check_answer(answer, IMAGES["png"])
   assert "results" in sandbox.run(IMAGES["png"])
+
+
+# --- the whole pipeline on a shard of mutated records --------------------------------------
+
+
+def write_split(path: pathlib.Path, recs: list[bytes], classes: list[str]) -> None:
+  """A one-shard dataset of exactly `recs`, bypassing the converter's checks."""
+  path.mkdir(parents=True)
+  name = "train.array_record-00000-of-00001"
+  writer = ArrayRecordWriter(str(path / name), "group_size:1,uncompressed")
+  for r in recs:
+    writer.write(r)
+  writer.close()
+  sha = hashlib.sha256((path / name).read_bytes()).hexdigest()
+  split = manifest.Split(len(recs), [manifest.Shard(name, len(recs), sha)])
+  manifest.save(manifest.Manifest(classes, {"train": split}), path)
+
+
+def test_the_pipeline_serves_exactly_the_records_that_decode(tmp_path):
+  """Runs after the sandbox tests above: by now these decode paths are known not to crash."""
+  rng = random.Random(0)
+  recs = []
+  for i in range(40):
+    name = sorted(IMAGES)[i % len(IMAGES)]
+    data, edits = bytearray(IMAGES[name]), rng.choice([0, 0, 1, 3])
+    for _ in range(edits):
+      data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
+    rec = records.encode(bytes(data), i % 3, f"{i}.{name}")
+    recs.append(rec[:rng.randrange(len(rec))] if i % 13 == 5 else rec)
+  expected = {}  # index -> hash of the eval image, for the records that parse and decode
+  for i, rec in enumerate(recs):
+    try:
+      image = Transform(OUT, train=False)(records.parse(rec)[0], np.random.default_rng())
+      expected[i] = hashlib.sha1(image.tobytes()).hexdigest()
+    except (records.RecordError, decode.DecodeError):
+      pass
+  assert 10 < len(expected) < 40
+  write_split(tmp_path / "data", recs, ["a", "b", "c"])
+
+  def dataset(on_error):
+    return pipeline.make_dataset(tmp_path / "data", batch_size=8, train=False, image_size=OUT,
+                                 num_threads=2, on_error=on_error, shard_index=0,
+                                 shard_count=1)
+
+  served = [hashlib.sha1(image.tobytes()).hexdigest()
+            for b in dataset("skip") for image, real in zip(b["image"], b["mask"]) if real]
+  assert served == list(expected.values())
+  first_bad = min(set(range(40)) - set(expected))
+  with pytest.raises(BadRecordError, match=f"00001 record {first_bad}:"):
+    list(dataset("raise"))
 
 
 if __name__ == "__main__":

@@ -9,7 +9,6 @@ import sys
 import time
 
 import jax
-import pytest
 
 from train import train
 

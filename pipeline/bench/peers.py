@@ -28,8 +28,8 @@ from pipeline.bench import measure
 
 def _tfrecord_copy(data_dir: str, split: str) -> str:
   """Writes the split's records once as TFRecord files beside the shards; returns a glob."""
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   import grain  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
 
   meta = manifest_lib.load(data_dir)
   out = epath.Path(data_dir) / "peers-tfrecord"

@@ -15,7 +15,8 @@ import time
 
 import numpy as np
 
-from pipeline import augment, decode, manifest as manifest_lib, records
+from pipeline import augment, decode, records
+from pipeline import manifest as manifest_lib
 from pipeline.bench import measure
 
 LOADERS = ("pipeline", "grain-baseline", "tfdata", "torch")
