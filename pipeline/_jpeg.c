@@ -4,8 +4,9 @@
  * that the window (in full-resolution pixels) needs, at 1/scale_denom resolution (DCT
  * scaling; fast_dct picks JDCT_IFAST, tf.data's default), and returns (rgb_bytes, height,
  * width). The GIL is released while decoding.
- * Errors raise ValueError with libjpeg's message; warnings (corrupt data that libjpeg can
- * still decode) are ignored, as tf.data does.
+ * Errors raise ValueError with libjpeg's message. Warnings (corrupt data that libjpeg
+ * would paper over with grey, e.g. a truncated file) are errors too: a record is either
+ * decoded faithfully or reported.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>

@@ -29,7 +29,7 @@ from etils import epath
 from pipeline import augment, decode, lifecycle, records
 from pipeline import manifest as manifest_lib
 from pipeline.sampling import PAD, Sampler
-from pipeline.source import ShardedSource
+from pipeline.source import CorruptRecordsError, ShardedSource
 
 
 class BadRecordError(ValueError):
@@ -128,7 +128,23 @@ class BatchLoader:
           self._cache_used += cached.nbytes
     return self.transform.from_cache(cached, rng)
 
-  def _load_one(self, index: int, epoch: int, record: bytes) -> tuple[np.ndarray, int]:
+  def _read(self, indices: list[int]) -> dict[int, bytes | CorruptRecordsError]:
+    """One batched read; after a corrupt chunk, one read per record names the bad ones."""
+    try:
+      return dict(zip(indices, self.source.read(indices)))
+    except CorruptRecordsError:
+      out = {}
+      for i in indices:
+        try:
+          out[i] = self.source.read([i])[0]
+        except CorruptRecordsError as e:
+          out[i] = e
+      return out
+
+  def _load_one(self, index: int, epoch: int, record: bytes | CorruptRecordsError
+                ) -> tuple[np.ndarray, int]:
+    if isinstance(record, CorruptRecordsError):
+      raise BadRecordError(f"{self.source.where(index)}: corrupt record ({record})")
     try:
       data, label, _ = records.parse(record, self.keys)
       rng = np.random.default_rng([self.seed, epoch, index])
@@ -146,7 +162,7 @@ class BatchLoader:
     indices = [self.sampler.record_index(p) for p in positions]
     epochs = [self.sampler.epoch(p) for p in positions]
     real = [i for i in indices if i != PAD]
-    recs = dict(zip(real, self.source.read(real))) if real else {}
+    recs = self._read(real) if real else {}
     n, size = len(indices), self.transform.image_size
     images = np.zeros((n, size, size, 3), np.uint8)
     labels = np.zeros((n,), np.int32)
@@ -286,7 +302,46 @@ def make_dataset(
   if num_workers > 0:
     _ensure_absl_flags_parsed()
     it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
-  return lifecycle.ClosedAtExit(it)
+  stream = {"shard_index": shard_index, "shard_count": shard_count, "seed": seed,
+            "batch_size": batch_size, "num_records": sampler.num_records}
+  return lifecycle.ClosedAtExit(_StreamCheck(it, stream))
+
+
+class _StreamCheck(grain.IterDataset):
+  """Tags iterator states with the stream they index, and refuses a state of another stream.
+
+  A state is a batch position in one process's stream: restored with another shard_count,
+  shard_index, seed or batch size it would silently read other records.
+  """
+
+  def __init__(self, parent: grain.IterDataset, stream: dict):
+    super().__init__(parent)
+    self._stream = stream
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _StreamCheckIterator(self._parent.__iter__(), self._stream)
+
+
+class _StreamCheckIterator(grain.DatasetIterator):
+
+  def __init__(self, parent: grain.DatasetIterator, stream: dict):
+    super().__init__(parent)
+    self._stream = stream
+
+  def __next__(self):
+    return next(self._parent)
+
+  def get_state(self) -> dict:
+    return {**self._parent.get_state(), "stream": self._stream}
+
+  def set_state(self, state: dict) -> None:
+    saved = state.get("stream", self._stream)  # states saved before this check still load
+    if saved != self._stream:
+      diff = ", ".join(f"{k} {saved.get(k)} in the state, {v} here"
+                       for k, v in self._stream.items() if saved.get(k) != v)
+      raise ValueError(f"iterator state of another stream ({diff}): resume with the same "
+                       "shard_index/shard_count, seed and batch_size")
+    self._parent.set_state({k: v for k, v in state.items() if k != "stream"})
 
 
 def _normalize_host(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -41,6 +41,9 @@ def _load_extension():
 _jpeg = _load_extension()
 
 MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb limit
+# Raster formats only: Pillow would hand EPS/PS to Ghostscript if it were installed.
+FORMATS = ("JPEG", "PNG", "GIF", "BMP", "WEBP", "TIFF", "PPM", "TGA", "ICO", "JPEG2000", "AVIF",
+           "PSD", "PCX", "SGI", "QOI")
 
 
 class DecodeError(ValueError):
@@ -57,7 +60,7 @@ def image_size(data: bytes) -> tuple[int, int]:
     if _is_jpeg(data):
       h, w, _, _ = simplejpeg.decode_jpeg_header(data)
     else:
-      with Image.open(io.BytesIO(data)) as im:
+      with Image.open(io.BytesIO(data), formats=FORMATS) as im:
         w, h = im.size
   except Exception as e:  # noqa: BLE001 - any header failure is a bad image
     raise DecodeError(f"unreadable image header ({type(e).__name__}: {e})") from None
@@ -70,7 +73,7 @@ def image_size(data: bytes) -> tuple[int, int]:
 
 def _pil_rgb(data: bytes) -> np.ndarray:
   try:
-    with Image.open(io.BytesIO(data)) as im:
+    with Image.open(io.BytesIO(data), formats=FORMATS) as im:
       im.seek(0)
       if im.mode not in ("RGB", "L"):
         im = im.convert("RGBA").convert("RGB") if "A" in im.mode or im.mode == "P" else im

@@ -62,7 +62,10 @@ def parse(record: bytes, keys: Keys = DEFAULT_KEYS) -> tuple[bytes, int, str]:
 
 def detect_keys(record: bytes) -> Keys:
   """Guesses which known schema a record uses (ours, TFDS's or data/category/name)."""
-  feature = tf_example_pb2.Example.FromString(record).features.feature
+  try:
+    feature = tf_example_pb2.Example.FromString(record).features.feature
+  except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
+    raise RecordError(f"not a tf.train.Example ({type(e).__name__}: {e})") from None
   for keys in KNOWN_KEYS:
     if keys.image in feature and keys.label in feature:
       return keys

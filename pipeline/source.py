@@ -19,6 +19,10 @@ from etils import epath
 READER_OPTIONS = "readahead_buffer_size:0"  # random access: no read-ahead
 
 
+class CorruptRecordsError(OSError):
+  """Records that fail Riegeli's checksums in a shard that opened fine."""
+
+
 class ShardedSource:
   """Records of several shards, addressed by a global index in shard order."""
 
@@ -59,11 +63,18 @@ class ShardedSource:
   def _reader(self, shard: int):
     with self._lock:
       if self._readers[shard] is None:
+        expected = self.starts[shard + 1] - self.starts[shard]
         try:
-          self._readers[shard] = array_record_module.ArrayRecordReader(
-              self.paths[shard], READER_OPTIONS)
+          reader = array_record_module.ArrayRecordReader(self.paths[shard], READER_OPTIONS)
+          found = reader.num_records() if reader.ok() else None
+          if found != expected:
+            reader.close()  # a reader that failed to open raises its error here
         except Exception as e:  # noqa: BLE001 - array_record raises plain RuntimeErrors
           raise OSError(f"cannot open shard {self.paths[shard]}: {e}") from None
+        if found != expected:
+          raise OSError(f"shard {self.paths[shard]} holds {found} records, the manifest "
+                        f"{expected}: it changed after conversion")
+        self._readers[shard] = reader
       return self._readers[shard]
 
   def read(self, indices: Sequence[int]) -> list[bytes]:
@@ -79,7 +90,7 @@ class ShardedSource:
       except OSError:
         raise
       except Exception as e:  # noqa: BLE001
-        raise OSError(f"cannot read {self.names[shard]} records "
+        raise CorruptRecordsError(f"cannot read {self.names[shard]} records "
                       f"{sorted(local for local, _ in items)[:8]}...: {e}") from None
       for (_, slot), rec in zip(items, recs):
         out[slot] = rec

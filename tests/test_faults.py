@@ -24,6 +24,7 @@ from hypothesis import strategies as st
 
 import pipeline
 from pipeline.dataset import BadRecordError
+from pipeline.source import ShardedSource
 
 SHARD = "validation.array_record-00000-of-00001"
 
@@ -94,9 +95,11 @@ def damaged(digits_dir, tmp_path) -> pathlib.Path:
   return tmp_path / "data"
 
 
-def flip_byte_in_record(shard: pathlib.Path, index: int) -> None:
+def flip_byte_in_record(data_dir: pathlib.Path, index: int) -> None:
   """Flips one bit in the middle of record `index` (uncompressed shards hold it verbatim)."""
-  record = grain.sources.ArrayRecordDataSource([str(shard)])[index]
+  shard = data_dir / SHARD
+  n = pipeline.load_manifest(data_dir).splits["validation"].num_records
+  record = ShardedSource([shard], [n]).read([index])[0]
   data = bytearray(shard.read_bytes())
   at = data.find(record)
   assert at > 0 and data.find(record, at + 1) == -1
@@ -112,52 +115,40 @@ def eval_dataset(data, on_error: str = "raise") -> grain.IterDataset:
 def hashes(batches) -> list[str]:
   """One hash per real example, in order (eval images are a function of the record)."""
   return [hashlib.sha1(image.tobytes()).hexdigest()
-          for b in batches for image, real in zip(b["image"], b["mask"]) if real]
+          for b in batches for image, real in zip(b["image"], b["mask"], strict=True) if real]
 
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
-def test_a_truncated_shard_is_refused_before_any_batch(damaged, on_error):
+def test_a_truncated_shard_fails_its_first_read_naming_the_shard(damaged, on_error):
+  """Not a bad record but a bad file: it raises whatever `on_error` says."""
   shard = damaged / SHARD
   os.truncate(shard, shard.stat().st_size * 2 // 3)
-  with pytest.raises((RuntimeError, BadRecordError), match="Riegeli|array_record|shard"):
-    list(eval_dataset(damaged, on_error))
-
-
-@pytest.mark.xfail(strict=True, reason="bug: ArrayRecordDataSource fails at open with a Riegeli "
-                   "'Failed to read RiegeliPostscript' message that names no file (reported)")
-def test_a_truncated_shard_error_names_the_shard(damaged):
-  shard = damaged / SHARD
-  os.truncate(shard, shard.stat().st_size // 2)
-  with pytest.raises(Exception, match=SHARD):
-    eval_dataset(damaged)
+  it = iter(eval_dataset(damaged, on_error))
+  with pytest.raises(OSError, match=SHARD):
+    next(it)
 
 
 def test_a_bit_flipped_record_is_never_served(damaged, digits_dir):
   """Riegeli hashes every chunk: a flipped bit is an error (or a skip), never other pixels."""
   truth = hashes(eval_dataset(digits_dir))
-  flip_byte_in_record(damaged / SHARD, 17)
-  with pytest.raises((RuntimeError, BadRecordError), match="hash mismatch"):
+  flip_byte_in_record(damaged, 17)
+  with pytest.raises((OSError, BadRecordError), match="hash mismatch"):
     list(eval_dataset(damaged, "raise"))
   try:
     served = hashes(eval_dataset(damaged, "skip"))
-  except RuntimeError:  # today: the corrupt chunk fails its batch even with "skip"
+  except OSError:  # today: the corrupt chunk fails its whole batch even with "skip"
     return
   assert served == truth[:17] + truth[18:]
 
 
-@pytest.mark.xfail(strict=True, reason="bug: a corrupt chunk fails the whole batched read with "
-                   "Riegeli's RuntimeError (byte offsets, no shard or index) and on_error is "
-                   "not applied (reported, with a fix for BatchLoader.__call__)")
 def test_a_bit_flipped_record_raises_naming_shard_and_index(damaged):
-  flip_byte_in_record(damaged / SHARD, 17)
+  flip_byte_in_record(damaged, 17)
   with pytest.raises(BadRecordError, match=f"{SHARD} record 17"):
     list(eval_dataset(damaged, "raise"))
 
 
-@pytest.mark.xfail(strict=True, reason="bug: on_error='skip' does not skip a record whose "
-                   "chunk is corrupt (same cause as above)")
 def test_a_bit_flipped_record_is_skipped_when_asked(damaged):
-  flip_byte_in_record(damaged / SHARD, 17)
+  flip_byte_in_record(damaged, 17)
   n = pipeline.load_manifest(damaged).splits["validation"].num_records
   assert len(hashes(eval_dataset(damaged, "skip"))) == n - 1
 
@@ -169,16 +160,16 @@ def test_any_flipped_bit_in_a_shard_is_detected_or_harmless(digits_dir, tmp_path
                                                             offset, bit):
   """Where a bit flips (header, index, record, padding) the reader raises or reads true."""
   original = digits_dir / SHARD
-  records = grain.sources.ArrayRecordDataSource([str(original)])
-  truth = records.__getitems__(list(range(len(records))))
+  n = pipeline.load_manifest(digits_dir).splits["validation"].num_records
+  truth = ShardedSource([original], [n]).read(range(n))
   data = bytearray(original.read_bytes())
   data[int(offset * len(data))] ^= 1 << bit
   copy = tmp_path_factory.mktemp("flip") / SHARD
   copy.write_bytes(bytes(data))
   try:
-    damaged = grain.sources.ArrayRecordDataSource([str(copy)])
-    read = [damaged[i] for i in range(len(damaged))]
-  except RuntimeError as e:
-    assert "Riegeli" in str(e)
+    source = ShardedSource([copy], [n])
+    read = [source.read([i])[0] for i in range(n)]  # one by one: the index may be damaged
+  except OSError as e:
+    assert SHARD in str(e) and "Riegeli" in str(e)
     return
   assert read == truth

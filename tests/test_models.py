@@ -1,7 +1,8 @@
 """MobileNet V1/V2: Keras' parameter counts and BatchNorm settings, shapes, modes, training.
 
 Shape and count checks trace the models abstractly (`nnx.eval_shape`), so every alpha is
-cheap; the behavioural checks run real arrays through alpha 0.25 models on 32x32 images.
+cheap; behaviour runs alpha 0.25 models on 32x32 images. The slow test loads Keras' weights
+and compares outputs, when TensorFlow (the `peers` extra) is installed.
 """
 
 from __future__ import annotations
@@ -34,11 +35,37 @@ def images(batch: int = 2, size: int = 32, seed: int = 0) -> jax.Array:
   return jax.random.uniform(jax.random.key(seed), (batch, size, size, 3), minval=-1, maxval=1)
 
 
+@nnx.jit
+def forward(model: nnx.Module, x: jax.Array) -> jax.Array:
+  return model(x)
+
+
+def load_keras_weights(keras_model, model: nnx.Module) -> None:
+  """Copies a Keras MobileNet's weights into ours: layers with weights pair up in order."""
+  units = [model.stem]
+  for block in model.blocks:
+    names = ("depthwise", "pointwise") if hasattr(block, "pointwise") else (
+      "expand", "depthwise", "project")
+    units += [getattr(block, n) for n in names if getattr(block, n) is not None]
+  units += [model.head] if hasattr(model, "head") else []
+  layers = [layer for layer in keras_model.layers if layer.get_weights()]
+  assert len(layers) == 2 * len(units) + 1
+  for unit, conv, bn in zip(units, layers[0:-1:2], layers[1:-1:2]):
+    (kernel,) = conv.get_weights()  # a depthwise (3, 3, C, 1) kernel is our (3, 3, 1, C)
+    unit.conv.kernel[...] = jnp.asarray(kernel).reshape(unit.conv.kernel.shape)
+    for variable, value in zip((unit.bn.scale, unit.bn.bias, unit.bn.mean, unit.bn.var),
+                               bn.get_weights()):
+      variable[...] = jnp.asarray(value)
+  kernel, bias = layers[-1].get_weights()
+  model.classifier.kernel[...] = jnp.asarray(kernel).reshape(model.classifier.kernel.shape)
+  model.classifier.bias[...] = jnp.asarray(bias)
+
+
 @pytest.fixture(scope="module")
 def small_models() -> dict[str, nnx.Module]:
   """One alpha-0.25, 10-class model per architecture, built once; tests work on clones.
 
-  An "rbg" key: eager init compiles a sampler per kernel shape, threefry's cost twice as much.
+  Eager init compiles a sampler per kernel shape; an "rbg" key compiles in half threefry's time.
   """
   return {
     name: models.create_model(
@@ -81,9 +108,15 @@ def test_unknown_model_name_is_rejected_with_the_choices():
     models.create_model("resnet50", 10, rngs=nnx.Rngs(0))
 
 
-@nnx.jit
-def forward(model: nnx.Module, x: jax.Array) -> jax.Array:
-  return model(x)
+def test_v2_takes_the_shared_config_but_no_real_depth_multiplier():
+  def build(depth_multiplier: int) -> nnx.Module:
+    return models.create_model(
+      "mobilenet_v2", 10, depth_multiplier=depth_multiplier, rngs=nnx.Rngs(0)
+    )
+
+  assert models.count_params(nnx.eval_shape(lambda: build(1))) == 2_270_794  # Keras, 10 classes
+  with pytest.raises(ValueError, match="depth multiplier"):
+    build(2)
 
 
 @pytest.mark.parametrize("name", sorted(models.MODELS))
@@ -146,3 +179,36 @@ def test_one_adam_step_reduces_the_loss_and_moves_statistics_as_keras(
   )
   after = train_step(model, optimizer, x, labels)  # the loss the first step left behind
   assert np.isfinite(before) and after < before - 0.1
+
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", sorted(models.MODELS))
+def test_outputs_and_statistics_match_keras_with_the_same_weights(small_models, name):
+  tf = pytest.importorskip("tensorflow")
+  build = {"mobilenet_v1": tf.keras.applications.MobileNet,
+           "mobilenet_v2": tf.keras.applications.MobileNetV2}[name]
+  extra = {"dropout": 0.0} if name == "mobilenet_v1" else {}
+  # 34x34 makes the first stride-2 depthwise input odd (17x17), where V1's fixed
+  # ((0, 1), (0, 1)) padding and V2's `correct_pad` ((1, 1), (1, 1)) part ways.
+  keras_model = build(input_shape=(34, 34, 3), alpha=0.25, weights=None, classes=10,
+                      classifier_activation=None, **extra)
+  rng = np.random.default_rng(0)
+  for layer in keras_model.layers:  # random BatchNorm weights and statistics, not 1 and 0
+    if isinstance(layer, tf.keras.layers.BatchNormalization):
+      layer.set_weights([rng.uniform(0.5, 1.5, w.shape) if i in (0, 3) else
+                         rng.normal(0, 0.2, w.shape) for i, w in enumerate(layer.get_weights())])
+  model = nnx.clone(small_models[name])
+  load_keras_weights(keras_model, model)
+  x = np.asarray(images(batch=4, size=34))
+
+  model.eval()
+  expected = keras_model(x, training=False).numpy()
+  np.testing.assert_allclose(forward(model, x), expected, atol=1e-5 * np.abs(expected).max())
+  model.train()
+  expected = keras_model(x, training=True).numpy()  # batch statistics; moves Keras' means
+  np.testing.assert_allclose(forward(model, x), expected, atol=1e-4 * np.abs(expected).max())
+  keras_stem_bn = next(layer for layer in keras_model.layers
+                       if isinstance(layer, tf.keras.layers.BatchNormalization))
+  np.testing.assert_allclose(model.stem.bn.mean[...], keras_stem_bn.moving_mean.numpy(),
+                             rtol=1e-5, atol=1e-6)

@@ -29,7 +29,7 @@ def main(argv):
     jax.distributed.initialize()
   if CACHE.value:
     jax.config.update("jax_compilation_cache_dir", CACHE.value)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 1.0)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
   from train import train  # pylint: disable=g-import-not-at-top
 
   config = flags.FLAGS.config

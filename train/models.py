@@ -19,8 +19,7 @@ Dtype = Any
 
 IN_CHANNELS = 3  # RGB, as the Keras models expect.
 BN_EPSILON = 1e-3  # Keras BatchNormalization's default; MobileNetV2 also sets it explicitly.
-# Keras' kernel initializer. Flax's default truncated normal also costs seconds of XLA
-# compilation per kernel shape on CPU (half a minute per model); uniform costs little.
+# Keras' initializer for Conv2D, DepthwiseConv2D and Dense kernels (biases start at zero in both).
 KERNEL_INIT = nnx.initializers.glorot_uniform()
 
 # MobileNet V1 after the stem: (pointwise filters, stride) of Keras blocks conv_dw_1..13.
@@ -211,10 +210,13 @@ def create_model(
 ) -> nnx.Module:
   """Builds a model by config name; `dtype`/`param_dtype` may be strings such as "bfloat16".
 
-  Other keywords go to the constructor (depth_multiplier, dropout, bn_momentum).
+  Other keywords go to the constructor (depth_multiplier, dropout, bn_momentum). One config
+  schema serves both models, so V2 accepts depth_multiplier=1, its only (implicit) value.
   """
   if name not in MODELS:
     raise ValueError(f"unknown model {name!r}; choose one of {sorted(MODELS)}")
+  if name == "mobilenet_v2" and kw.pop("depth_multiplier", 1) != 1:
+    raise ValueError("mobilenet_v2 has no depth multiplier; use depth_multiplier=1")
   for key in ("dtype", "param_dtype"):
     if key in kw:
       kw[key] = jnp.dtype(kw[key])

@@ -183,7 +183,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   model = models.create_model(
       config.model, num_classes, alpha=config.alpha, depth_multiplier=config.depth_multiplier,
       dropout=config.dropout, bn_momentum=config.bn_momentum, dtype=config.compute_dtype,
-      rngs=nnx.Rngs(config.seed))
+      rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))  # rbg: 3x faster init on CPU
   optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())

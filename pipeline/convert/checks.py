@@ -19,6 +19,8 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
+from pipeline import decode
+
 MAX_PIXELS = 89_478_485  # Pillow's own decompression-bomb threshold
 REENCODE_QUALITY = 95
 _JPEG_MAGIC = b"\xff\xd8\xff"
@@ -68,7 +70,7 @@ def _decode_pil(data: bytes, max_pixels: int) -> tuple[Image.Image, str]:
   try:
     with warnings.catch_warnings():
       warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-      im = Image.open(io.BytesIO(data))
+      im = Image.open(io.BytesIO(data), formats=decode.FORMATS)  # no EPS/Ghostscript
     _check_pixels(*im.size, max_pixels)
     kind = f"{(im.format or 'unknown').lower()} {im.mode}"
     im.load()
