@@ -129,7 +129,41 @@ static PyObject *decode_crop(PyObject *self, PyObject *args) {
   return Py_BuildValue("(Nii)", out, oh, ow);
 }
 
+/* (height, width) from the SOF marker, without libjpeg and without releasing the GIL:
+ * it reads a few bytes, so handing the GIL to another thread would cost more. */
+static PyObject *header(PyObject *self, PyObject *args) {
+  Py_buffer data;
+  if (!PyArg_ParseTuple(args, "y*", &data)) return NULL;
+  const unsigned char *b = (const unsigned char *)data.buf;
+  Py_ssize_t n = data.len, i = 2;
+  long h = -1, w = -1;
+  if (n < 4 || b[0] != 0xFF || b[1] != 0xD8) i = n;  /* not a JPEG */
+  while (i + 3 < n) {
+    if (b[i] != 0xFF) break;  /* lost sync: corrupt header */
+    unsigned char m = b[i + 1];
+    if (m == 0xFF) { i++; continue; }  /* fill byte */
+    if (m == 0xD8 || (m >= 0xD0 && m <= 0xD7) || m == 0x01) { i += 2; continue; }
+    if (m == 0xD9 || m == 0xDA) break;  /* end of image or start of scan before any SOF */
+    Py_ssize_t len = ((Py_ssize_t)b[i + 2] << 8) | b[i + 3];
+    int sof = m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC;
+    if (sof && i + 8 < n) {
+      h = ((long)b[i + 5] << 8) | b[i + 6];
+      w = ((long)b[i + 7] << 8) | b[i + 8];
+      break;
+    }
+    if (len < 2) break;
+    i += 2 + len;
+  }
+  PyBuffer_Release(&data);
+  if (h <= 0 || w <= 0) {
+    PyErr_SetString(PyExc_ValueError, "no JPEG frame header (SOF) with a valid size");
+    return NULL;
+  }
+  return Py_BuildValue("(ll)", h, w);
+}
+
 static PyMethodDef methods[] = {
+    {"header", header, METH_VARARGS, "header(data) -> (height, width) of a JPEG"},
     {"decode_crop", decode_crop, METH_VARARGS,
      "decode_crop(data, y, x, h, w, scale_denom, fast_dct=False) -> (rgb bytes, height, width)"},
     {NULL, NULL, 0, NULL}};

@@ -58,13 +58,17 @@ def dct_scale(box: Box, size: int) -> int:
   return 1
 
 
-def resize(image: np.ndarray, size: int) -> np.ndarray:
-  """Resizes to size x size: bilinear, or area averaging when shrinking by more than 2x."""
+def resize(image: np.ndarray, size: int, out: np.ndarray | None = None) -> np.ndarray:
+  """Resizes to size x size (into `out` if given): bilinear, or area averaging when
+  shrinking by more than 2x."""
   h, w = image.shape[:2]
   if (h, w) == (size, size):
-    return np.ascontiguousarray(image)
+    if out is None:
+      return np.ascontiguousarray(image)
+    out[...] = image
+    return out
   interp = cv2.INTER_AREA if min(h, w) > 2 * size else cv2.INTER_LINEAR
-  return cv2.resize(image, (size, size), interpolation=interp)
+  return cv2.resize(image, (size, size), dst=out, interpolation=interp)
 
 
 def resize_shorter(image: np.ndarray, size: int) -> np.ndarray:
@@ -77,5 +81,6 @@ def resize_shorter(image: np.ndarray, size: int) -> np.ndarray:
                     interpolation=cv2.INTER_AREA)
 
 
-def flip_lr(image: np.ndarray) -> np.ndarray:
-  return image[:, ::-1]
+def flip_lr(image: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+  """Mirrors left-right (in place when `out` is `image`)."""
+  return cv2.flip(image, 1, dst=out)

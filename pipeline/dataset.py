@@ -59,21 +59,25 @@ class Transform:
     scale = augment.dct_scale(box, self.image_size) if self.dct_scaling else 1
     return decode.decode_crop(data, box, scale, self.fast_dct)
 
-  def finish(self, crop: np.ndarray, rng: np.random.Generator) -> np.ndarray:
-    """Resizes a decoded crop to the target size and flips it at random (train)."""
-    image = augment.resize(crop, self.image_size)
+  def finish(self, crop: np.ndarray, rng: np.random.Generator,
+             out: np.ndarray | None = None) -> np.ndarray:
+    """Resizes a decoded crop to the target size (into `out`, e.g. its slot of the batch)
+    and flips it at random (train)."""
+    image = augment.resize(crop, self.image_size, out)
     if self.train and self.flip and rng.random() < 0.5:
-      image = augment.flip_lr(image)
+      image = augment.flip_lr(image, out=image)
     return image
 
-  def __call__(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
+  def __call__(self, data: bytes, rng: np.random.Generator,
+               out: np.ndarray | None = None) -> np.ndarray:
     box = self.box(*decode.image_size(data), rng)
-    return self.finish(self.decode(data, box), rng)
+    return self.finish(self.decode(data, box), rng, out)
 
-  def from_cache(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+  def from_cache(self, image: np.ndarray, rng: np.random.Generator,
+                 out: np.ndarray | None = None) -> np.ndarray:
     """The cheap half applied to a cached decoded image (random crop and flip)."""
     y, x, ch, cw = self.box(*image.shape[:2], rng)
-    return self.finish(image[y:y + ch, x:x + cw], rng)
+    return self.finish(image[y:y + ch, x:x + cw], rng, out)
 
 
 class BatchLoader:
@@ -115,9 +119,10 @@ class BatchLoader:
             self.num_threads, thread_name_prefix="pipeline-decode")
       return self._pool
 
-  def _image(self, index: int, data: bytes, rng: np.random.Generator) -> np.ndarray:
+  def _image(self, index: int, data: bytes, rng: np.random.Generator, out: np.ndarray) -> None:
     if not self.cache_bytes:
-      return self.transform(data, rng)
+      self.transform(data, rng, out)
+      return
     cached = self._cache.get(index)
     if cached is None:
       size = round(self.transform.image_size / self.transform.crop_fraction)
@@ -126,7 +131,7 @@ class BatchLoader:
         if self._cache_used + cached.nbytes <= self.cache_bytes:
           self._cache[index] = cached
           self._cache_used += cached.nbytes
-    return self.transform.from_cache(cached, rng)
+    self.transform.from_cache(cached, rng, out)
 
   def _read(self, indices: list[int]) -> dict[int, bytes | CorruptRecordsError]:
     """One batched read; after a corrupt chunk, one read per record names the bad ones."""
@@ -141,20 +146,20 @@ class BatchLoader:
           out[i] = e
       return out
 
-  def _load_one(self, index: int, epoch: int, record: bytes | CorruptRecordsError
-                ) -> tuple[np.ndarray, int]:
+  def _load_one(self, index: int, epoch: int, record: bytes | CorruptRecordsError,
+                out: np.ndarray) -> int:
+    """Decodes record `index` into `out` (its slot of the batch); returns its label."""
     if isinstance(record, CorruptRecordsError):
       raise BadRecordError(f"{self.source.where(index)}: corrupt record ({record})")
     try:
       data, label, _ = records.parse(record, self.keys)
-      rng = np.random.default_rng([self.seed, epoch, index])
-      image = self._image(index, data, rng)
+      if not 0 <= label < self.num_classes:
+        raise BadRecordError(f"{self.source.where(index)}: label {label} outside "
+                             f"[0, {self.num_classes}) of the manifest's classes")
+      self._image(index, data, np.random.default_rng([self.seed, epoch, index]), out)
     except (records.RecordError, decode.DecodeError) as e:
       raise BadRecordError(f"{self.source.where(index)}: {e}") from None
-    if not 0 <= label < self.num_classes:
-      raise BadRecordError(f"{self.source.where(index)}: label {label} outside "
-                           f"[0, {self.num_classes}) of the manifest's classes")
-    return image, label
+    return label
 
   def __call__(self, batch: int) -> dict[str, np.ndarray]:
     first = batch * self.batch_size
@@ -168,21 +173,26 @@ class BatchLoader:
     labels = np.zeros((n,), np.int32)
     mask = np.array([i != PAD for i in indices])
 
-    def load(slot: int) -> None:
-      index = indices[slot]
-      if index == PAD:
-        return
-      try:
-        images[slot], labels[slot] = self._load_one(index, epochs[slot], recs[index])
-      except BadRecordError as e:
-        if self.on_error == "raise":
-          raise
-        logging.warning("skipping %s", e)
-        mask[slot] = False
-        with self._lock:
-          self.skipped += 1
+    def load(slots: range) -> None:
+      for slot in slots:
+        index = indices[slot]
+        if index == PAD:
+          continue
+        try:
+          labels[slot] = self._load_one(index, epochs[slot], recs[index], images[slot])
+        except BadRecordError as e:
+          if self.on_error == "raise":
+            raise
+          logging.warning("skipping %s", e)
+          images[slot] = 0
+          mask[slot] = False
+          with self._lock:
+            self.skipped += 1
 
-    list(self._executor().map(load, range(n)))
+    # A few contiguous runs of slots per thread: fewer futures and GIL hand-offs than one
+    # task per image, still balanced across threads.
+    step = max(1, -(-n // (4 * self.num_threads)))
+    list(self._executor().map(load, [range(k, min(k + step, n)) for k in range(0, n, step)]))
     if not self.with_mask:
       _fill_skipped(images, labels, mask)
       return {"image": images, "label": labels}

@@ -58,7 +58,7 @@ def image_size(data: bytes) -> tuple[int, int]:
   """(height, width) from the header alone; refuses decompression bombs."""
   try:
     if _is_jpeg(data):
-      h, w, _, _ = simplejpeg.decode_jpeg_header(data)
+      h, w = _jpeg.header(data) if _jpeg else simplejpeg.decode_jpeg_header(data)[:2]
     else:
       with Image.open(io.BytesIO(data), formats=FORMATS) as im:
         w, h = im.size

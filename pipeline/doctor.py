@@ -299,15 +299,15 @@ class _TimedTransform:
       raise AttributeError(name)
     return getattr(self.transform, name)
 
-  def __call__(self, data: bytes, rng: np.random.Generator) -> np.ndarray:
+  def __call__(self, data: bytes, rng: np.random.Generator, out=None) -> np.ndarray:
     with self.recorder.span("decode"):
       crop, _ = _decode(self.transform, data, rng)
     with self.recorder.span("augment"):
-      return self.transform.finish(crop, rng)
+      return self.transform.finish(crop, rng, out)
 
-  def from_cache(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+  def from_cache(self, image: np.ndarray, rng: np.random.Generator, out=None) -> np.ndarray:
     with self.recorder.span("augment (cached)"):
-      return self.transform.from_cache(image, rng)
+      return self.transform.from_cache(image, rng, out)
 
 
 def instrument(ds, recorder: timeline.Recorder) -> None:

@@ -52,9 +52,9 @@ def test_slow_map_is_named_augment_and_more_threads_than_cores_recommended(
     photos_dir, monkeypatch):
   resize = augment.resize
 
-  def slow_resize(image, size):  # an augmentation that waits 15 ms (GIL released)
+  def slow_resize(image, size, out=None):  # an augmentation that waits 15 ms (GIL released)
     time.sleep(0.015)
-    return resize(image, size)
+    return resize(image, size, out)
 
   monkeypatch.setattr(augment, "resize", slow_resize)
   d = quick(settings(photos_dir, num_threads=2))
