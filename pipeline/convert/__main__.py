@@ -145,6 +145,13 @@ def main(argv: list[str] | None = None) -> int:
   except (ValueError, KeyError, OSError) as e:  # bad input: a clear message, no traceback
     print(f"error: {e}", file=sys.stderr)
     return 2
+  except RuntimeError as e:
+    if "write() failed" not in str(e):
+      raise
+    # array_record reports ENOSPC/EFBIG as a RuntimeError: finished shards are kept.
+    print(f"error: cannot write a shard ({e}).\nFinished shards are kept; free some space "
+          "and re-run the same command to resume.", file=sys.stderr)
+    return 1
 
 
 if __name__ == "__main__":
