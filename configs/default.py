@@ -31,7 +31,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Optimization.
   c.batch_size = 128         # global, over all processes
-  c.num_steps = 600
+  c.num_steps = 450
   c.optimizer = "adamw"
   c.learning_rate = 3e-3
   c.warmup_steps = 50
@@ -44,7 +44,7 @@ def get_config() -> ml_collections.ConfigDict:
 
   # Bookkeeping.
   c.log_every = 50
-  c.eval_every = 300
+  c.eval_every = 225
   c.checkpoint_every = 200
   c.keep_checkpoints = 2
   c.synthetic_steps = 20     # steps timed on an on-device batch to measure input wait
