@@ -102,7 +102,9 @@ def assert_flat(samples: list[Sample]) -> None:
   rss_growth = (statistics.median(s.rss_mb for s in late)
                 - statistics.median(s.rss_mb for s in warm))
   assert rss_growth <= RSS_BOUND_MB, samples
-  assert peak(late, "fds") <= peak(warm, "fds") + FD_BOUND, samples
+  # Medians for file descriptors: a restart briefly holds the old and new workers' pipes.
+  assert (statistics.median(s.fds for s in late)
+          <= statistics.median(s.fds for s in warm) + FD_BOUND), samples
   assert peak(late, "threads") <= peak(warm, "threads") + THREAD_BOUND, samples
   assert peak(late, "children") <= peak(warm, "children"), samples
   assert peak(late, "shm") <= peak(warm, "shm") + SHM_BOUND, samples
