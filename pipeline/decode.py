@@ -99,9 +99,11 @@ def decode_crop(data: bytes, box: tuple[int, int, int, int], scale: int = 1,
           raise DecodeError(str(e)) from None
     else:
       try:
+        full_h, full_w = image_size(data)  # simplejpeg scales the whole image, then we crop
         img = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, fastdct=fast_dct,
-                                     min_height=h // scale, min_width=w // scale)
-        f = img.shape[0] / image_size(data)[0]
+                                     min_height=-(-full_h // scale),
+                                     min_width=-(-full_w // scale))
+        f = img.shape[0] / full_h
         return img[int(y * f):int(y * f) + max(1, int(h * f)),
                    int(x * f):int(x * f) + max(1, int(w * f))]
       except ValueError as e:
