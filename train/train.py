@@ -118,7 +118,9 @@ def params_checksum(state) -> str:
   return h.hexdigest()
 
 
-def datasets(config, mesh, num_classes):
+def datasets(config, mesh):
+  """The train iterator, and a function giving a fresh pass over the eval split (the eval
+  dataset is made once, so its RAM cache, if any, serves every pass)."""
   local_batch, rest = divmod(config.batch_size, jax.process_count())
   if rest:
     raise ValueError(f"batch_size {config.batch_size} must divide by the "
@@ -129,14 +131,12 @@ def datasets(config, mesh, num_classes):
       config.data_dir, config.train_split, train=True, area_range=tuple(config.area_range),
       flip=config.flip, cache_mb=config.cache_mb, **common)
 
-  def eval_iter():
-    ds = pipeline.make_dataset(config.data_dir, config.eval_split, train=False,
-                               cache_mb=config.cache_mb, **common)
-    return iter(pipeline.device_prefetch(ds, mesh, depth=config.device_depth,
-                                         batch_size=local_batch))
-
+  eval_ds = pipeline.device_prefetch(
+      pipeline.make_dataset(config.data_dir, config.eval_split, train=False,
+                            cache_mb=config.cache_mb, **common),
+      mesh, depth=config.device_depth, batch_size=local_batch)
   train_it = iter(pipeline.device_prefetch(train_ds, mesh, depth=config.device_depth))
-  return train_it, eval_iter
+  return train_it, lambda: iter(eval_ds)
 
 
 def evaluate(eval_step, state, eval_iter) -> dict[str, float]:
@@ -189,7 +189,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   state = jax.device_put(state, replicated)
   train_step, eval_step = make_steps(graphdef, num_classes, config)
-  train_it, eval_iter = datasets(config, mesh, num_classes)
+  train_it, eval_iter = datasets(config, mesh)
 
   manager = ocp.CheckpointManager(
       workdir / "checkpoints",
