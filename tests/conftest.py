@@ -8,10 +8,13 @@ the raw image folders are `photos_raw` and `digits_raw`.
 
 from __future__ import annotations
 
+import hashlib
 import pathlib
 
 import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
 
+from pipeline import manifest
 from pipeline.convert import builtin, images
 
 
@@ -41,3 +44,23 @@ def digits_dir(digits_raw) -> pathlib.Path:
   out = digits_raw.parent / "data"
   images.convert(digits_raw, out, val_fraction=0.2, seed=0, workers=1, progress=False)
   return out
+
+
+@pytest.fixture
+def write_dataset():
+  """Writes a one-shard split "train" holding exactly the given records, bypassing the
+  converter's checks (for records it would refuse); returns the dataset folder."""
+
+  def write(path: pathlib.Path, recs: list[bytes], classes=("a", "b")) -> str:
+    path.mkdir(parents=True, exist_ok=True)
+    name = "train.array_record-00000-of-00001"
+    writer = ArrayRecordWriter(str(path / name), "group_size:1,uncompressed")
+    for r in recs:
+      writer.write(r)
+    writer.close()
+    sha = hashlib.sha256((path / name).read_bytes()).hexdigest()
+    split = manifest.Split(len(recs), [manifest.Shard(name, len(recs), sha)])
+    manifest.save(manifest.Manifest(list(classes), {"train": split}), path)
+    return str(path)
+
+  return write

@@ -6,7 +6,6 @@ import math
 
 import numpy as np
 import pytest
-from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
 
 import pipeline
@@ -42,20 +41,6 @@ def jpeg(seed: int, size=(90, 120)) -> bytes:
   buf = io.BytesIO()
   Image.fromarray(arr).save(buf, "JPEG", quality=90)
   return buf.getvalue()
-
-
-def write_dataset(path, recs: list[bytes], classes=("a", "b")) -> str:
-  """A one-shard dataset holding exactly `recs` (for records the converter would refuse)."""
-  path.mkdir(parents=True, exist_ok=True)
-  name = "train.array_record-00000-of-00001"
-  w = ArrayRecordWriter(str(path / name), "group_size:1")
-  for r in recs:
-    w.write(r)
-  w.close()
-  sha = hashlib.sha256((path / name).read_bytes()).hexdigest()
-  split = manifest.Split(len(recs), [manifest.Shard(name, len(recs), sha)])
-  manifest.save(manifest.Manifest(list(classes), {"train": split}), path)
-  return str(path)
 
 
 # --- sampling: a pure function of (seed, position) ---------------------------------------
@@ -235,7 +220,7 @@ def test_host_normalization_gives_floats_in_minus_one_one(photos_dir):
   assert img.dtype == np.float32 and img.min() >= -1.0 and img.max() <= 1.0
 
 
-def test_bad_records_raise_naming_shard_and_index(tmp_path):
+def test_bad_records_raise_naming_shard_and_index(tmp_path, write_dataset):
   good = [records.encode(jpeg(i), i % 2) for i in range(6)]
   recs = good[:3] + [records.encode(b"\xff\xd8\xffgarbage", 0)] + good[3:]
   data = write_dataset(tmp_path / "bad", recs)
@@ -245,7 +230,7 @@ def test_bad_records_raise_naming_shard_and_index(tmp_path):
     list(ds)
 
 
-def test_bad_records_are_skipped_and_counted_when_asked(tmp_path):
+def test_bad_records_are_skipped_and_counted_when_asked(tmp_path, write_dataset):
   good = [records.encode(jpeg(i), i % 2) for i in range(6)]
   missing_key = records.encode(jpeg(9), 1, keys=records.Keys(image="other"))
   recs = good[:2] + [b"\x00\x01not a proto", missing_key] + good[2:]
@@ -258,14 +243,14 @@ def test_bad_records_are_skipped_and_counted_when_asked(tmp_path):
   assert train["image"].shape[0] == 8 and "mask" not in train
 
 
-def test_out_of_range_label_is_an_error(tmp_path):
+def test_out_of_range_label_is_an_error(tmp_path, write_dataset):
   data = write_dataset(tmp_path / "labels", [records.encode(jpeg(i), 5) for i in range(4)])
   ds = pipeline.make_dataset(data, batch_size=2, image_size=32, shard_index=0, shard_count=1)
   with pytest.raises(BadRecordError, match=r"label 5 outside \[0, 2\)"):
     next(iter(ds))
 
 
-def test_other_key_names_are_read(tmp_path):
+def test_other_key_names_are_read(tmp_path, write_dataset):
   keys = records.TFDS_KEYS
   recs = [records.encode(jpeg(i), i % 2, f"{i}.jpg", keys=keys) for i in range(4)]
   data = write_dataset(tmp_path / "tfds", recs)

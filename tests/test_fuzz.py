@@ -25,13 +25,12 @@ import zlib
 
 import numpy as np
 import pytest
-from array_record.python.array_record_module import ArrayRecordWriter
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from PIL import Image
 
 import pipeline
-from pipeline import decode, manifest, records
+from pipeline import decode, records
 from pipeline.dataset import BadRecordError, Transform
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -425,20 +424,7 @@ def test_a_segfault_in_the_sandbox_fails_the_check_instead_of_pytest(sandbox):
 # --- the whole pipeline on a shard of mutated records --------------------------------------
 
 
-def write_split(path: pathlib.Path, recs: list[bytes], classes: list[str]) -> None:
-  """A one-shard dataset of exactly `recs`, bypassing the converter's checks."""
-  path.mkdir(parents=True)
-  name = "train.array_record-00000-of-00001"
-  writer = ArrayRecordWriter(str(path / name), "group_size:1,uncompressed")
-  for r in recs:
-    writer.write(r)
-  writer.close()
-  sha = hashlib.sha256((path / name).read_bytes()).hexdigest()
-  split = manifest.Split(len(recs), [manifest.Shard(name, len(recs), sha)])
-  manifest.save(manifest.Manifest(classes, {"train": split}), path)
-
-
-def test_the_pipeline_serves_exactly_the_records_that_decode(tmp_path):
+def test_the_pipeline_serves_exactly_the_records_that_decode(tmp_path, write_dataset):
   """Runs after the sandbox tests above: by now these decode paths are known not to crash."""
   rng = random.Random(0)
   recs = []
@@ -457,7 +443,7 @@ def test_the_pipeline_serves_exactly_the_records_that_decode(tmp_path):
     except (records.RecordError, decode.DecodeError):
       pass
   assert 10 < len(expected) < 40
-  write_split(tmp_path / "data", recs, ["a", "b", "c"])
+  write_dataset(tmp_path / "data", recs, ["a", "b", "c"])
 
   def dataset(on_error):
     return pipeline.make_dataset(tmp_path / "data", batch_size=8, train=False, image_size=OUT,
