@@ -12,8 +12,8 @@ import sys
 
 import pytest
 
-from pipeline.bench import all as bench_all
-from pipeline.bench import ceiling, peers, storage, throughput
+from bench import all as bench_all
+from bench import ceiling, peers, storage, throughput
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

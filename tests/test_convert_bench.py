@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from pipeline.bench import convert as bench_convert
+from bench import convert_speed as bench_convert
 
 
 def test_reports_rates_for_every_contender_on_the_same_images(photos_dir, tmp_path, capsys):

@@ -14,7 +14,8 @@ import pytest
 
 import pipeline.dataset
 import pipeline.source
-from pipeline import augment, doctor
+from bench import doctor
+from pipeline import augment
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

@@ -9,8 +9,8 @@ import threading
 
 import pytest
 
-from pipeline import timeline
-from pipeline.bench import study
+from bench import timeline
+from bench import study
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 

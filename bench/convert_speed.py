@@ -22,7 +22,7 @@ from PIL import Image
 
 from pipeline import manifest as manifest_lib
 from pipeline import records
-from pipeline.bench import measure
+from bench import measure
 from pipeline.convert import images, shards
 
 

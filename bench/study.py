@@ -23,8 +23,8 @@ import grain
 import numpy as np
 import tqdm
 
-from pipeline import timeline
-from pipeline.bench import measure
+from bench import timeline
+from bench import measure
 
 
 @dataclasses.dataclass(frozen=True)

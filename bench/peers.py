@@ -23,7 +23,7 @@ import tempfile
 from etils import epath
 
 from pipeline import manifest as manifest_lib
-from pipeline.bench import measure
+from bench import measure
 
 
 def _tfrecord_copy(data_dir: str, split: str) -> str:

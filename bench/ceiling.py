@@ -23,7 +23,7 @@ import tqdm
 
 from pipeline import decode, records
 from pipeline import manifest as manifest_lib
-from pipeline.bench import measure
+from bench import measure
 from pipeline.dataset import default_threads
 
 SCALES = (1, 2)

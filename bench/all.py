@@ -27,8 +27,8 @@ import tqdm
 from matplotlib import figure
 
 from pipeline import manifest as manifest_lib
-from pipeline.bench import ceiling, measure, storage
-from pipeline.bench.__main__ import COMMANDS
+from bench import ceiling, measure, storage
+from bench.__main__ import COMMANDS, MODULES
 
 
 @dataclasses.dataclass
@@ -39,10 +39,11 @@ class Step:
   title: str
   argv: Callable[[argparse.Namespace, pathlib.Path], list[str]]
   section: Callable[[pathlib.Path, dict, str], str]
-  module: str = ""  # default pipeline.bench.NAME; the doctor lives in pipeline.doctor
+  module: str = ""  # default bench.NAME; the doctor lives in bench.doctor
 
   def available(self) -> bool:
-    return importlib.util.find_spec(self.module or f"pipeline.bench.{self.name}") is not None
+    module = self.module.replace("pipeline.", "bench.") or f"bench.{MODULES.get(self.name, self.name)}"
+    return importlib.util.find_spec(module) is not None
 
   def command(self, args, out) -> list[str]:
     """The user-facing command (python -m pipeline.bench NAME ...)."""
@@ -54,7 +55,7 @@ class Step:
     """What runs: the dispatcher where it knows the command, else the module itself."""
     if self.module or self.name in COMMANDS:
       return [sys.executable] + self.command(args, out)[1:]
-    return [sys.executable, "-m", f"pipeline.bench.{self.name}"] + self.argv(args, out)
+    return [sys.executable, "-m", f"bench.{self.name}"] + self.argv(args, out)
 
 
 def _q(args, full, quick) -> str:

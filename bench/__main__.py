@@ -1,7 +1,9 @@
-"""`python -m pipeline.bench COMMAND ...`: each command is a module of this package."""
+"""`python -m pipeline.bench COMMAND ...` (or `python -m bench`): each command is a module here."""
 
 import importlib
 import sys
+
+MODULES = {"convert": "convert_speed", "device": "device_feed"}  # command -> module
 
 COMMANDS = {
     "throughput": "the pipeline's images/s, first batch, peak RSS, per-stage costs",
@@ -21,7 +23,8 @@ def main() -> None:
     for name, what in COMMANDS.items():
       print(f"  {name:11s} {what}")
     sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
-  module = importlib.import_module(f"pipeline.bench.{sys.argv[1].replace('-', '_')}")
+  name = sys.argv[1].replace("-", "_")
+  module = importlib.import_module(f"bench.{MODULES.get(name, name)}")
   module.main(sys.argv[2:])
 
 

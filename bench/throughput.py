@@ -16,7 +16,7 @@ import numpy as np
 
 from pipeline import augment, decode, records
 from pipeline import manifest as manifest_lib
-from pipeline.bench import measure
+from bench import measure
 from pipeline.source import ShardedSource
 
 LOADERS = ("pipeline", "grain-baseline", "tfdata", "torch")
@@ -66,7 +66,7 @@ def make_loader(name: str, args) -> callable:
         args.data_dir, args.split, batch_size=args.batch_size, image_size=args.image_size,
         shard_index=0, shard_count=1, num_threads=args.threads, prefetch=args.prefetch,
         num_workers=args.workers))
-  from pipeline.bench import peers  # pylint: disable=g-import-not-at-top
+  from bench import peers  # pylint: disable=g-import-not-at-top
 
   return peers.make_loader(name, args)
 

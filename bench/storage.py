@@ -29,7 +29,7 @@ import tqdm
 
 from pipeline import manifest as manifest_lib
 from pipeline import records
-from pipeline.bench import measure
+from bench import measure
 from pipeline.dataset import default_threads
 
 _libc = ctypes.CDLL(None, use_errno=True)

@@ -1,0 +1,18 @@
+"""Runs a tool of the repository's `bench/` folder, or says in one line where to run it from."""
+
+import importlib
+import sys
+
+
+def run(module: str) -> None:
+  try:
+    tool = importlib.import_module(module)
+  except ModuleNotFoundError as e:
+    if e.name not in ("bench", module):
+      sys.exit(f"error: {module} needs {e.name!r}: pip install -e '.[bench]' in the checkout")
+    sys.exit(f"error: {module.split('.')[0]}/ is a folder of the repository, not of the installed "
+             "package: run this from a checkout (git clone ...; cd grain-pipeline)")
+  if module.endswith("__main__"):
+    tool.main()
+  else:
+    tool.main(sys.argv[1:])

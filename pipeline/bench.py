@@ -1,0 +1,6 @@
+"""Entry point `python -m pipeline.bench COMMAND ...`: the benchmarks live in the repo's `bench/`."""
+
+from pipeline._tools import run
+
+if __name__ == "__main__":
+  run("bench.__main__")

@@ -1,1 +1,0 @@
-"""Benchmarks: `python -m pipeline.bench COMMAND --help`."""
