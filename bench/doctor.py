@@ -69,11 +69,16 @@ class Settings:
     return self.num_threads or default_threads()
 
   def dataset(self) -> grain.IterDataset:
-    return make_dataset(
-        self.data_dir, self.train_split, batch_size=self.batch_size, train=True,
-        seed=self.seed, image_size=self.image_size, shard_index=0, shard_count=1,
-        num_threads=self.threads, prefetch=self.prefetch, cache_mb=self.cache_mb,
-        area_range=tuple(self.area_range), flip=self.flip, dct_scaling=self.dct_scaling)
+    return make_dataset(self.data_dir,
+                        self.train_split,
+                        batch_size=self.batch_size,
+                        train=True,
+                        seed=self.seed,
+                        image_size=self.image_size,
+                        shard_index=0,
+                        shard_count=1,
+                        performance=dict(num_threads=self.threads, prefetch=self.prefetch, cache_mb=self.cache_mb, dct_scaling=self.dct_scaling),
+                        augment=dict(area_range=tuple(self.area_range), flip=self.flip))
 
 
 @dataclasses.dataclass

@@ -62,10 +62,13 @@ def make_loader(name: str, args) -> callable:
   if name == "pipeline":
     from pipeline import dataset  # pylint: disable=g-import-not-at-top
 
-    return lambda: iter(dataset.make_dataset(
-        args.data_dir, args.split, batch_size=args.batch_size, image_size=args.image_size,
-        shard_index=0, shard_count=1, num_threads=args.threads, prefetch=args.prefetch,
-        num_workers=args.workers))
+    return lambda: iter(dataset.make_dataset(args.data_dir,
+                                             args.split,
+                                             batch_size=args.batch_size,
+                                             image_size=args.image_size,
+                                             shard_index=0,
+                                             shard_count=1,
+                                             performance=dict(num_threads=args.threads, prefetch=args.prefetch, num_workers=args.workers)))
   from bench import peers  # pylint: disable=g-import-not-at-top
 
   return peers.make_loader(name, args)

@@ -6,12 +6,13 @@
 
 from pipeline.dataset import BadRecordError, make_dataset
 from pipeline.manifest import Manifest
+from pipeline.options import Augment, Performance
 from pipeline.manifest import load as load_manifest
 from pipeline.records import Keys
 
 __version__ = "0.1.0"
-__all__ = ["BadRecordError", "Keys", "Manifest", "device_prefetch", "load_manifest",
-           "make_dataset", "normalize_images"]
+__all__ = ["Augment", "BadRecordError", "Keys", "Manifest", "Performance", "device_prefetch",
+           "load_manifest", "make_dataset", "normalize_images"]
 
 
 def __getattr__(name: str):

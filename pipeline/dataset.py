@@ -20,14 +20,16 @@ import concurrent.futures
 import dataclasses
 import os
 import threading
+from collections.abc import Mapping
 
 import grain
 import numpy as np
 from absl import logging
 from etils import epath
 
-from pipeline import augment, decode, lifecycle, records
+from pipeline import augment, decode, lifecycle, options, records
 from pipeline import manifest as manifest_lib
+from pipeline.options import Augment, Performance
 from pipeline.sampling import PAD, Sampler
 from pipeline.source import CorruptRecordsError, ShardedSource
 
@@ -232,22 +234,14 @@ def make_dataset(
     image_size: int = 224,
     num_epochs: int | None = None,
     shuffle: bool | None = None,
+    drop_remainder: bool | None = None,
     shard_index: int | None = None,
     shard_count: int | None = None,
-    drop_remainder: bool | None = None,
-    num_threads: int | None = None,
-    prefetch: int = 2,
-    num_workers: int = 0,
-    cache_mb: float = 0,
-    on_error: str = "raise",
+    augment: Augment | Mapping | None = None,
     keys: records.Keys | None = None,
     normalize: bool = False,
-    area_range: tuple[float, float] = (0.08, 1.0),
-    aspect_range: tuple[float, float] = (3 / 4, 4 / 3),
-    crop_fraction: float = 0.875,
-    flip: bool = True,
-    dct_scaling: bool = True,
-    fast_dct: bool = False,
+    on_error: str = "raise",
+    performance: Performance | Mapping | None = None,
 ) -> grain.IterDataset:
   """Batches {"image": uint8[B, S, S, 3], "label": int32[B]} (+ "mask": bool[B] in eval).
 
@@ -259,21 +253,17 @@ def make_dataset(
       otherwise centre crop, in order, one epoch, padded with mask=False examples so every
       process yields the same number of batches and every record counts exactly once.
     seed: seeds the shuffle (a new order per epoch) and the augmentation.
+    image_size: S, the side of the square output images.
     num_epochs: None repeats forever (train default); eval default is 1.
-    shard_index, shard_count: this process's slice; default jax.process_index()/count().
+    shuffle: default `train`.
     drop_remainder: drop the last partial batch of a finite stream (default: train).
-    num_threads: decode threads (default: one per core).
-    prefetch: batches prepared ahead (each on its own thread).
-    num_workers: >0 adds Grain worker processes (each with `num_threads` threads).
-    cache_mb: >0 keeps decoded images (shorter side image_size/crop_fraction) in RAM up to
-      this budget; the random crop then runs on the cached pixels ("map, cache, map").
-    on_error: "raise" (default) or "skip" a bad record; errors name the shard and record.
+    shard_index, shard_count: this process's slice; default jax.process_index()/count().
+    augment: the crop, flip and resize filter (`pipeline.Augment` or a dict of its fields).
     keys: feature keys of the records (default: the manifest's).
     normalize: host-side float32 in [-1, 1] (default: uint8; normalize on device instead).
-    area_range, aspect_range, flip: the train crop (share of area, w/h) and random flip.
-    crop_fraction: eval centre crop as a share of the shorter side.
-    dct_scaling: decode JPEGs at 1/2, 1/4, 1/8 when the crop is that much larger.
-    fast_dct: libjpeg's fast integer IDCT, as tf.data uses by default (slightly less exact).
+    on_error: "raise" (default) or "skip" a bad record; errors name the shard and record.
+    performance: threads, worker processes, prefetch, RAM cache, DCT scaling
+      (`pipeline.Performance` or a dict of its fields); never changes what a batch holds.
   """
   if on_error not in ("raise", "skip"):
     raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
@@ -293,13 +283,18 @@ def make_dataset(
       shard_count=shard_count,
       remainder="drop" if train else "pad",
   )
-  transform = Transform(image_size=image_size, train=train, area_range=area_range,
-                        aspect_range=aspect_range, crop_fraction=crop_fraction,
-                        flip=flip, dct_scaling=dct_scaling, fast_dct=fast_dct)
+  aug = options.coerce(Augment, augment)
+  perf = options.coerce(Performance, performance)
+  if image_size < 1:
+    raise ValueError(f"image_size must be positive, got {image_size}")
+  transform = Transform(image_size=image_size, train=train, area_range=aug.area_range,
+                        aspect_range=aug.aspect_range, crop_fraction=aug.eval_fraction(image_size),
+                        flip=aug.flip, dct_scaling=perf.dct_scaling, fast_dct=perf.fast_dct)
   loader = BatchLoader(
       ShardedSource(paths, counts), sampler, transform, batch_size=batch_size,
       num_classes=meta.num_classes, keys=keys or meta.keys, seed=seed,
-      num_threads=num_threads or default_threads(), on_error=on_error, cache_mb=cache_mb,
+      num_threads=perf.num_threads or default_threads(), on_error=on_error,
+      cache_mb=perf.cache_mb,
       with_mask=not train)
   drop = train if drop_remainder is None else drop_remainder
   num_batches = (len(sampler) // batch_size if drop or sampler.num_epochs is None
@@ -307,11 +302,11 @@ def make_dataset(
   ds = grain.MapDataset.range(num_batches).map(loader)
   if normalize:
     ds = ds.map(_normalize_host)
-  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=max(1, prefetch),
-                                            prefetch_buffer_size=max(1, prefetch)))
-  if num_workers > 0:
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=perf.prefetch,
+                                            prefetch_buffer_size=perf.prefetch))
+  if perf.num_workers:
     _ensure_absl_flags_parsed()
-    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=num_workers))
+    it = it.mp_prefetch(grain.MultiprocessingOptions(num_workers=perf.num_workers))
   stream = {"shard_index": shard_index, "shard_count": shard_count, "seed": seed,
             "batch_size": batch_size, "num_records": sampler.num_records}
   return lifecycle.ClosedAtExit(_StreamCheck(it, stream))

@@ -36,10 +36,17 @@ def main() -> None:
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
   jax.distributed.initialize(f"localhost:{args.port}", num_processes=args.num_processes,
                              process_id=args.process_id)
-  ds = pipeline.make_dataset(args.data, args.split, batch_size=args.batch_size, train=False,
-                             shuffle=True, num_epochs=2, seed=SEED, image_size=IMAGE_SIZE,
-                             num_threads=1, shard_index=jax.process_index(),
-                             shard_count=jax.process_count())
+  ds = pipeline.make_dataset(args.data,
+                             args.split,
+                             batch_size=args.batch_size,
+                             train=False,
+                             shuffle=True,
+                             num_epochs=2,
+                             seed=SEED,
+                             image_size=IMAGE_SIZE,
+                             shard_index=jax.process_index(),
+                             shard_count=jax.process_count(),
+                             performance=dict(num_threads=1))
   it = iter(ds)
   out = {"process_index": jax.process_index(), "process_count": jax.process_count()}
   out["batches"] = []

@@ -174,8 +174,13 @@ def test_processes_read_disjoint_slices_that_cover_the_split(photos_dir):
 
 def test_same_seed_same_batches_whatever_the_thread_count(photos_dir):
   def run(threads, seed=0):
-    ds = pipeline.make_dataset(photos_dir, batch_size=6, image_size=48, seed=seed,
-                               num_threads=threads, shard_index=0, shard_count=1)
+    ds = pipeline.make_dataset(photos_dir,
+                               batch_size=6,
+                               image_size=48,
+                               seed=seed,
+                               shard_index=0,
+                               shard_count=1,
+                               performance=dict(num_threads=threads))
     return take(iter(ds), 4)
 
   one = run(1)
@@ -205,8 +210,14 @@ def test_eval_transform_is_deterministic_and_centred(photos_dir):
 
 
 def test_cache_serves_later_epochs_from_memory(photos_dir):
-  ds = pipeline.make_dataset(photos_dir, "validation", batch_size=4, image_size=32,
-                             cache_mb=64, shard_index=0, shard_count=1, num_epochs=3)
+  ds = pipeline.make_dataset(photos_dir,
+                             "validation",
+                             batch_size=4,
+                             image_size=32,
+                             shard_index=0,
+                             shard_count=1,
+                             num_epochs=3,
+                             performance=dict(cache_mb=64))
   batches = list(ds)
   n = manifest.load(photos_dir).splits["validation"].num_records
   assert sum(len(b["label"]) for b in batches) == 4 * (3 * n // 4)  # drop_remainder
@@ -262,8 +273,12 @@ def test_other_key_names_are_read(tmp_path, write_dataset):
 @pytest.mark.slow
 def test_worker_processes_give_the_same_batches_for_the_same_worker_count(photos_dir):
   def run():
-    ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, num_workers=2,
-                               shard_index=0, shard_count=1)
+    ds = pipeline.make_dataset(photos_dir,
+                               batch_size=4,
+                               image_size=32,
+                               shard_index=0,
+                               shard_count=1,
+                               performance=dict(num_workers=2))
     it = iter(ds)
     out = take(it, 3)
     it.close()

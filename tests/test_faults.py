@@ -53,9 +53,13 @@ def spawned_workers(before: set[int]) -> list[psutil.Process]:
 @pytest.mark.timeout(300)
 def test_a_killed_worker_raises_promptly_and_a_restart_resumes_exactly(digits_dir):
   def dataset(workers: int) -> grain.IterDataset:
-    return pipeline.make_dataset(digits_dir, batch_size=8, image_size=16, seed=1,
-                                 num_threads=1, num_workers=workers, shard_index=0,
-                                 shard_count=1)
+    return pipeline.make_dataset(digits_dir,
+                                 batch_size=8,
+                                 image_size=16,
+                                 seed=1,
+                                 shard_index=0,
+                                 shard_count=1,
+                                 performance=dict(num_threads=1, num_workers=workers))
 
   expected = take(iter(dataset(0)), 12)  # workers only change where batches are made
   before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -108,8 +112,15 @@ def flip_byte_in_record(data_dir: pathlib.Path, index: int) -> None:
 
 
 def eval_dataset(data, on_error: str = "raise") -> grain.IterDataset:
-  return pipeline.make_dataset(data, "validation", batch_size=16, train=False, image_size=16,
-                               num_threads=1, on_error=on_error, shard_index=0, shard_count=1)
+  return pipeline.make_dataset(data,
+                               "validation",
+                               batch_size=16,
+                               train=False,
+                               image_size=16,
+                               on_error=on_error,
+                               shard_index=0,
+                               shard_count=1,
+                               performance=dict(num_threads=1))
 
 
 def hashes(batches) -> list[str]:

@@ -446,9 +446,14 @@ def test_the_pipeline_serves_exactly_the_records_that_decode(tmp_path, write_dat
   write_dataset(tmp_path / "data", recs, ["a", "b", "c"])
 
   def dataset(on_error):
-    return pipeline.make_dataset(tmp_path / "data", batch_size=8, train=False, image_size=OUT,
-                                 num_threads=2, on_error=on_error, shard_index=0,
-                                 shard_count=1)
+    return pipeline.make_dataset(tmp_path / "data",
+                                 batch_size=8,
+                                 train=False,
+                                 image_size=OUT,
+                                 on_error=on_error,
+                                 shard_index=0,
+                                 shard_count=1,
+                                 performance=dict(num_threads=2))
 
   served = [hashlib.sha1(image.tobytes()).hexdigest()
             for b in dataset("skip") for image, real in zip(b["image"], b["mask"], strict=True) if real]

@@ -92,9 +92,16 @@ def by_epoch(results: list[dict], num_processes: int) -> list[list[str]]:
 
 def stream(data, state: dict, shard_index: int, shard_count: int) -> list[list[str | None]]:
   """The rest of a process's stream after `state`, as the worker writes it."""
-  ds = pipeline.make_dataset(data, batch_size=BATCH, train=False, shuffle=True, num_epochs=2,
-                             seed=SEED, image_size=IMAGE_SIZE, num_threads=1,
-                             shard_index=shard_index, shard_count=shard_count)
+  ds = pipeline.make_dataset(data,
+                             batch_size=BATCH,
+                             train=False,
+                             shuffle=True,
+                             num_epochs=2,
+                             seed=SEED,
+                             image_size=IMAGE_SIZE,
+                             shard_index=shard_index,
+                             shard_count=shard_count,
+                             performance=dict(num_threads=1))
   it = iter(ds)
   it.set_state(json.loads(json.dumps(state)))
   return [[hashlib.sha1(image.tobytes()).hexdigest() if real else None

@@ -62,8 +62,12 @@ def soak(data_dir, seconds: float, *, num_workers: int, restart_every_s: float
                   len(_shm() - shm_before))
 
   def train():
-    return pipeline.make_dataset(data_dir, batch_size=BATCH, image_size=24, num_threads=2,
-                                 num_workers=num_workers, shard_index=0, shard_count=1)
+    return pipeline.make_dataset(data_dir,
+                                 batch_size=BATCH,
+                                 image_size=24,
+                                 shard_index=0,
+                                 shard_count=1,
+                                 performance=dict(num_threads=2, num_workers=num_workers))
 
   start, batches, samples = time.monotonic(), 0, []
   it = iter(train())
@@ -78,9 +82,14 @@ def soak(data_dir, seconds: float, *, num_workers: int, restart_every_s: float
     it.close()
     it = iter(train())
     it.set_state(state)
-    evaluation = iter(pipeline.make_dataset(data_dir, "validation", batch_size=BATCH,
-                                            train=False, image_size=24, num_threads=2,
-                                            shard_index=0, shard_count=1))
+    evaluation = iter(pipeline.make_dataset(data_dir,
+                                            "validation",
+                                            batch_size=BATCH,
+                                            train=False,
+                                            image_size=24,
+                                            shard_index=0,
+                                            shard_count=1,
+                                            performance=dict(num_threads=2)))
     assert sum(int(b["mask"].sum()) for b in evaluation) == 60
     evaluation.close()
   it.close()

@@ -125,15 +125,15 @@ def datasets(config, mesh):
   if rest:
     raise ValueError(f"batch_size {config.batch_size} must divide by the "
                      f"{jax.process_count()} processes")
-  common = dict(batch_size=local_batch, image_size=config.image_size, seed=config.seed,
-                num_threads=config.num_threads or None, prefetch=config.prefetch)
+  common = dict(batch_size=local_batch, image_size=config.image_size, seed=config.seed)
+  performance = dict(num_threads=config.num_threads or None, prefetch=config.prefetch,
+                     cache_mb=config.cache_mb)
   train_ds = pipeline.make_dataset(
-      config.data_dir, config.train_split, train=True, area_range=tuple(config.area_range),
-      flip=config.flip, cache_mb=config.cache_mb, **common)
-
+      config.data_dir, config.train_split, train=True, performance=performance,
+      augment=dict(area_range=tuple(config.area_range), flip=config.flip), **common)
   eval_ds = pipeline.device_prefetch(
       pipeline.make_dataset(config.data_dir, config.eval_split, train=False,
-                            cache_mb=config.cache_mb, **common),
+                            performance=performance, **common),
       mesh, depth=config.device_depth, batch_size=local_batch)
   train_it = iter(pipeline.device_prefetch(train_ds, mesh, depth=config.device_depth))
   return train_it, lambda: iter(eval_ds)

@@ -1,0 +1,100 @@
+"""The two groups of `make_dataset` settings that are not about *which* data: how each image is
+cropped (`Augment`) and how fast the pipeline runs (`Performance`).
+
+Both are frozen dataclasses; `make_dataset` also takes them as plain dicts (e.g. from a
+`config.input` block), so a config names exactly these fields.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+
+@dataclasses.dataclass(frozen=True)
+class Augment:
+  """The built-in image head: crop window, flip, resize filter.
+
+  Train: Inception random-resized-crop (share of the area in `area_range`, aspect w/h
+  log-uniform in `aspect_range`) and a random left-right flip. Eval: the centre square of
+  `crop_fraction` of the shorter side (or, with `crop_padding`, of image_size /
+  (image_size + crop_padding), as Flax's ImageNet example). Either way resized to `image_size` with `interpolation`.
+  """
+
+  area_range: tuple[float, float] = (0.08, 1.0)
+  aspect_range: tuple[float, float] = (3 / 4, 4 / 3)
+  flip: bool = True
+  crop_fraction: float = 0.875
+  crop_padding: int | None = None  # Flax's eval crop: image_size / (image_size + crop_padding)
+  interpolation: str = "bilinear"
+
+  def eval_fraction(self, image_size: int) -> float:
+    if self.crop_padding is None:
+      return self.crop_fraction
+    return image_size / (image_size + self.crop_padding)
+
+  def __post_init__(self):
+    lo, hi = self.area_range
+    if not 0 < lo <= hi <= 1:
+      raise ValueError(f"augment.area_range must satisfy 0 < low <= high <= 1, got {self.area_range}")
+    lo, hi = self.aspect_range
+    if not 0 < lo <= hi:
+      raise ValueError(f"augment.aspect_range must satisfy 0 < low <= high, got {self.aspect_range}")
+    if not 0 < self.crop_fraction <= 1:
+      raise ValueError(f"augment.crop_fraction must be in (0, 1], got {self.crop_fraction}")
+    if self.crop_padding is not None and self.crop_padding < 0:
+      raise ValueError(f"augment.crop_padding must be >= 0, got {self.crop_padding}")
+    if self.interpolation not in INTERPOLATIONS:
+      raise ValueError(f"augment.interpolation must be one of {INTERPOLATIONS}, "
+                       f"got {self.interpolation!r}")
+
+
+INTERPOLATIONS = ("bilinear", "bicubic")
+
+
+@dataclasses.dataclass(frozen=True)
+class Performance:
+  """How the work is spread and how much is kept; none of it changes a batch's content.
+
+  num_threads / num_workers: decode threads per process and Grain worker processes
+  (None: chosen for this host, see `pipeline.parallelism`). prefetch: batches in flight per
+  process. cache_mb: RAM for decoded images ("map, cache, map"). dct_scaling: decode at 1/2,
+  1/4, 1/8 when the crop is that much larger than the target. fast_dct: libjpeg's fast
+  integer IDCT (tf.data's default; slightly less exact, so it does change pixels a little).
+  """
+
+  num_threads: int | None = None
+  num_workers: int | None = None
+  prefetch: int = 2
+  cache_mb: float = 0.0
+  dct_scaling: bool = True
+  fast_dct: bool = False
+
+  def __post_init__(self):
+    for name in ("num_threads", "num_workers"):
+      value = getattr(self, name)
+      if value is not None and (not isinstance(value, int) or value < (name == "num_threads")):
+        raise ValueError(f"performance.{name} must be None or an integer >= "
+                         f"{int(name == 'num_threads')}, got {value!r}")
+    if self.prefetch < 1:
+      raise ValueError(f"performance.prefetch must be >= 1, got {self.prefetch}")
+    if self.cache_mb < 0:
+      raise ValueError(f"performance.cache_mb must be >= 0, got {self.cache_mb}")
+
+
+def coerce(cls, value: Any):
+  """`value` as a `cls`: None gives the defaults, a dict (or ConfigDict) its fields."""
+  if value is None:
+    return cls()
+  if isinstance(value, cls):
+    return value
+  if isinstance(value, Mapping) or hasattr(value, "to_dict"):
+    fields = dict(value.to_dict() if hasattr(value, "to_dict") else value)
+    known = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(fields) - known)
+    if unknown:
+      raise ValueError(f"unknown {cls.__name__} field(s) {unknown}; known: {sorted(known)}")
+    fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
+    return cls(**fields)
+  raise TypeError(f"expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
