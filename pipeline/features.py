@@ -116,11 +116,11 @@ def _resolve(name: str, spec: Feature, sample: bytes | None) -> Feature:
     raise ValueError(f"feature {name!r}: give its dtype, e.g. pipeline.Feature("
                      f"{spec.key!r}, dtype='int32'), or a sample record to read it from")
   feature = _feature_map(sample)
-  if spec.key not in feature or feature[spec.key].WhichOneof("kind") is None:
-    raise ValueError(f"feature {name!r}: key {spec.key!r} is not in the sample record "
-                     f"(it has {sorted(feature)})")
-  kind = feature[spec.key].WhichOneof("kind")
-  count = len(getattr(feature[spec.key], kind).value)
+  kind = feature[spec.key].WhichOneof("kind") if spec.key in feature else None
+  count = len(getattr(feature[spec.key], kind).value) if kind else 0
+  if not count:
+    raise ValueError(f"feature {name!r}: key {spec.key!r} has no values in the sample record "
+                     f"(it has {sorted(feature)}); give its dtype")
   shape = spec.shape
   if spec.max_length is None and shape == () and count != 1:
     shape = (count,)
@@ -210,11 +210,12 @@ def _feature_map(record: bytes):
 
 
 def _values(spec: Feature, feature) -> list | None:
-  """The record's values for `spec`, or None when it lacks the key (or holds no list)."""
+  """The record's values for `spec`, or None when it lacks the key or holds an empty list
+  (of any type: writers cannot always tell an empty list's type)."""
   if spec.key not in feature:
     return None
   kind = feature[spec.key].WhichOneof("kind")
-  if kind is None:
+  if kind is None or not getattr(feature[spec.key], kind).value:
     return None
   expected = _LISTS[spec.numpy_dtype.kind]
   if kind != expected:
