@@ -82,7 +82,7 @@ def test_orbax_saves_the_iterator_beside_the_model_state_and_resumes_it(digits_d
   train = pipeline.input(digits_dir, "train", global_batch_size=16, seed=3, **FAST)
   state = {"w": np.zeros(3, np.float32)}
   manager = ocp.CheckpointManager(tmp_path / "ckpt")
-  for step in range(1, 3):
+  for _ in range(2):
     next(train)
     state = {"w": state["w"] + 1}
   manager.save(2, args=ocp.args.Composite(
