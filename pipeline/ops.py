@@ -278,8 +278,8 @@ class Mixup:
   """mixup (Zhang et al. 2018) on a host batch: each row becomes lam * itself + (1 - lam) *
   a partner row, lam ~ Beta(alpha, alpha) once per batch, partners a random permutation.
 
-  Output keys: "image" keeps its dtype (uint8 mixes in float32 and rounds, as timm's fast
-  collate); "label" becomes soft, float32[B, num_classes] summing to 1 (int labels are
+  Output keys: "image" keeps its dtype (uint8 rounds, as timm's fast-collate mixup, so the
+  host still moves uint8); "label" becomes soft, float32[B, num_classes] summing to 1 (int labels are
   one-hot first; soft ones mix as they are). With a "mask" (eval, padding), only real rows
   mix, with each other; padding rows stay as they were.
   """
@@ -301,11 +301,13 @@ class Mixup:
     partner = np.arange(rows)
     partner[real] = real[rng.permutation(len(real))]
     image = np.asarray(batch["image"])
-    mixed = lam * image.astype(np.float32) + (1 - lam) * image[partner].astype(np.float32)
-    if np.issubdtype(image.dtype, np.integer):
-      mixed = np.rint(mixed)
-    return {**batch, "image": mixed.astype(image.dtype),
-            "label": lam * labels + (1 - lam) * labels[partner]}
+    if image.dtype == np.uint8:  # OpenCV: rounded and saturated, ~2x numpy's speed
+      flat = np.ascontiguousarray(image).reshape(rows, -1)
+      mixed = cv2.addWeighted(flat, float(lam), flat[partner], float(1 - lam), 0)
+      mixed = mixed.reshape(image.shape)
+    else:
+      mixed = (lam * image + (1 - lam) * image[partner]).astype(image.dtype)
+    return {**batch, "image": mixed, "label": lam * labels + (1 - lam) * labels[partner]}
 
   def _soft(self, labels: np.ndarray) -> np.ndarray:
     if labels.ndim == 2:
