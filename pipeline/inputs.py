@@ -42,7 +42,8 @@ def input(
     mesh, data_axis, layout, depth: where batches go (see `device_prefetch`); default mesh:
       every device on one "data" axis. layout="pmap": [devices, rows per device, ...].
     train: default: the split's name starts with "train". Train streams shuffle, augment
-      and repeat; eval streams are one ordered pass, padded, with a "mask" (1 real, 0 pad).
+      and repeat, in full batches of "image" and "label"; eval streams are one ordered pass,
+      the last batch padded, with a "mask" (1 real, 0 pad) in every batch.
     normalize, dtype: on the device, `image` becomes (pixels - mean) / std as `dtype`
       ("minus_one_one", "zero_one", "imagenet" or (mean, std) in pixel units); default:
       uint8 as stored.
@@ -64,14 +65,15 @@ def input(
   batch_size = global_batch_size // shard_count
   layout_.check(batch_size)
   keywords = {"shard_index": shard_index, "shard_count": shard_count, **make_dataset_keywords}
-  meta = manifest_lib.load(epath.Path(data_dir))
-  host = dataset.make_dataset(data_dir, split, batch_size=batch_size, train=train, **keywords)
-  fed = device.device_prefetch(host, mesh, data_axis=data_axis, depth=depth, remainder="pad",
-                               normalize=normalize, dtype=dtype, batch_size=batch_size,
-                               layout=layout)
-  num_examples = meta.splits[split].num_records
   drop = keywords.get("drop_remainder")
   drop = train if drop is None else drop
+  meta = manifest_lib.load(epath.Path(data_dir))
+  host = dataset.make_dataset(data_dir, split, batch_size=batch_size, train=train, **keywords)
+  # Streams that drop their remainder only ever hold full batches: no mask to add.
+  fed = device.device_prefetch(host, mesh, data_axis=data_axis, depth=depth,
+                               remainder="drop" if drop else "pad", normalize=normalize,
+                               dtype=dtype, batch_size=batch_size, layout=layout)
+  num_examples = meta.splits[split].num_records
   per_process = (num_examples // keywords["shard_count"] if train
                  else math.ceil(num_examples / keywords["shard_count"]))
   steps = per_process // batch_size if drop else math.ceil(per_process / batch_size)

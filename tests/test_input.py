@@ -31,6 +31,7 @@ def test_train_input_knows_its_sizes_and_feeds_global_batches(digits_dir):
   batch = next(train)
   assert batch["image"].shape == (16, 16, 16, 3) and batch["image"].dtype == np.uint8
   assert batch["image"].sharding.spec == P("data") and batch["label"].shape == (16,)
+  assert set(batch) == {"image", "label"}  # full batches need no mask
   assert isinstance(train, grain.DatasetIterator) and iter(train) is train
   train.close()
 
