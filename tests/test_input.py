@@ -1,5 +1,11 @@
 """pipeline.input: one call from a converted dataset to device batches, with its sizes."""
 
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
 import grain
 import jax
 import numpy as np
@@ -13,6 +19,7 @@ try:  # Must precede the first JAX operation of the pytest process (see test_dev
 except RuntimeError:
   pass
 
+ROOT = pathlib.Path(__file__).resolve().parent.parent
 P = jax.sharding.PartitionSpec
 FAST = {"image_size": 16, "performance": {"num_threads": 2}}
 
@@ -100,3 +107,34 @@ def test_orbax_saves_the_iterator_beside_the_model_state_and_resumes_it(digits_d
                                 expected)
   resumed.close()
   manager.close()
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_each_read_their_share_of_every_global_batch(digits_dir, tmp_path):
+  port = free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, str(ROOT / "tests" / "multihost_input_worker.py"), f"--process_id={i}",
+       f"--port={port}", f"--data_dir={digits_dir}", f"--out={tmp_path / f'{i}.npz'}"],
+      cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  for p in procs:
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+  seen = [np.load(tmp_path / f"{i}.npz") for i in range(2)]
+  got = seen[0]
+  assert int(got["train_local_rows"]) == 8  # 16 over 2 processes
+  # The global batch is both processes' rows: 16 different examples.
+  assert len(set(got["train_image_sum"].tolist())) == 16
+  np.testing.assert_array_equal(got["train_label"], seen[1]["train_label"])
+  # Eval: 60 examples, 30 per process, each counted once: 4 steps of 16 (the last padded).
+  assert int(got["eval_steps"]) == 4 and int(got["eval_real"]) == 60
+  # pmap: [8 devices, 2 rows]; a psum over all devices of both processes.
+  assert tuple(got["pmap_shape"]) == (8, 2)
+  assert int(got["pmap_psum"]) == int(got["pmap_label"].sum())
+  np.testing.assert_array_equal(got["pmap_label"].reshape(-1), got["train_label"])
+  assert "does not divide over the 2 processes" in str(got["error"])
