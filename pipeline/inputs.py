@@ -15,6 +15,7 @@ import math
 from typing import Any, Literal
 
 import grain
+import jax
 from etils import epath
 
 from pipeline import dataset, device
@@ -26,7 +27,7 @@ def input(
     split: str = "train",
     *,
     global_batch_size: int,
-    mesh=None,
+    mesh: jax.sharding.Mesh | None = None,
     train: bool | None = None,
     layout: Literal["global", "pmap"] = "global",
     normalize: device.Normalize = None,
@@ -56,14 +57,14 @@ def input(
   if not isinstance(global_batch_size, int) or global_batch_size < 1:
     raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
   train = split.startswith("train") if train is None else train
-  layout_ = device.make_layout(mesh, data_axis, layout)
-  shard_index, shard_count = layout_.shard
+  where = device.make_layout(mesh, data_axis, layout)
+  shard_index, shard_count = where.shard
   if global_batch_size % shard_count:
     raise ValueError(f"global_batch_size {global_batch_size} does not divide over the "
                      f"{shard_count} processes that feed the data axis: make it a multiple "
                      f"of {shard_count}")
   batch_size = global_batch_size // shard_count
-  layout_.check(batch_size)
+  where.check(batch_size)
   keywords = {"shard_index": shard_index, "shard_count": shard_count, **make_dataset_keywords}
   drop = keywords.get("drop_remainder")
   drop = train if drop is None else drop
