@@ -142,7 +142,7 @@ def register(name: str, kind: Kind):
 
 def build(spec: str | Sequence[str | Callable] | None, kind: Kind, **context) -> tuple:
   """The ops a spec names: a "|"-separated string of registered ops with literal arguments,
-  or a sequence of such strings and op callables (kept as they are).
+  an op callable, or a sequence of such strings and callables (kept as they are).
 
   `context` (e.g. num_classes, image_size) fills a factory's parameters of those names
   that the spec left out, as big_vision's `kwargs_extra`.
@@ -151,7 +151,10 @@ def build(spec: str | Sequence[str | Callable] | None, kind: Kind, **context) ->
     raise ValueError(f"kind must be 'image' or 'batch', got {kind!r}")
   if spec is None:
     return ()
-  items = spec.split("|") if isinstance(spec, str) else list(spec)
+  if isinstance(spec, str):
+    items = spec.split("|")
+  else:
+    items = [spec] if callable(spec) else list(spec)
   ops = []
   for item in items:
     if callable(item):

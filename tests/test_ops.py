@@ -186,6 +186,7 @@ def test_a_spec_string_names_registered_ops_with_literal_arguments():
   np.testing.assert_array_equal(built[1](photo(0), None), 255 - photo(0))
   mine = lambda image, rng: image
   assert ops.build(["color_jitter", mine], "image") == (ops.ColorJitter(), mine)
+  assert ops.build(ops.Mixup(0.3, 2), "batch") == (ops.Mixup(0.3, 2),)
   # Context fills what the spec leaves out (the manifest's class count, say).
   assert ops.build("mixup(0.5)", "batch", num_classes=10) == (ops.Mixup(0.5, 10),)
   assert ops.build("mixup(0.5, num_classes=3)", "batch", num_classes=10)[0].num_classes == 3
