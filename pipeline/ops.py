@@ -282,9 +282,9 @@ class Mixup:
   a partner row, lam ~ Beta(alpha, alpha) once per batch, partners a random permutation.
 
   Output keys: "image" keeps its dtype (uint8 rounds, as timm's fast-collate mixup, so the
-  host still moves uint8); "label" becomes soft, float32[B, num_classes] summing to 1 (int labels are
-  one-hot first; soft ones mix as they are). With a "mask" (eval, padding), only real rows
-  mix, with each other; padding rows stay as they were.
+  host still moves uint8); "label" becomes soft, float32[B, num_classes] summing to 1 (int
+  labels are one-hot first; soft ones mix as they are). With a "mask" (eval, padding), only
+  real rows mix, with each other; padding rows stay as they were.
   """
 
   alpha: float = 0.2
