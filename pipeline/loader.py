@@ -133,6 +133,8 @@ class _Batch:
     self.real = indices != PAD
     self.bad = np.zeros(n, bool)
     self.records = _read(loader.source, indices)
+    self.native_records = [r if isinstance(r, bytes) else None for r in self.records]
+    self.corrupt = [s for s, r in enumerate(self.records) if isinstance(r, CorruptRecordsError)]
     self.features = None
     if loader.features:
       from pipeline import features as features_lib
@@ -155,13 +157,12 @@ class _Batch:
     todo = range(start, stop)
     native = decode.native()
     if native is not None and not loader.cache_bytes:
-      recs = [r if isinstance(r, bytes) else None for r in self.records]
       handed_back = native.decode_batch(
-          recs, self.epochs, self.indices, self.images, self.labels, start, stop, loader.seed,
+          self.native_records, self.epochs, self.indices, self.images, self.labels, start, stop, loader.seed,
           loader.keys.image.encode(), loader.keys.label.encode(), loader.head.image_size,
           loader.head.native_params(), loader._emulate_ns)
       todo = [slot for slot, _, _ in handed_back]
-      todo += [s for s in range(start, stop) if isinstance(self.records[s], CorruptRecordsError)]
+      todo += [s for s in self.corrupt if start <= s < stop]
     for slot in todo:
       if self.real[slot]:
         self._python_slot(slot)
