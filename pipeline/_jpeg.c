@@ -1,14 +1,15 @@
-/* The native half of the pipeline: per-batch parse, crop-aware JPEG decode and resize.
+/* The native half of the pipeline: per-batch Example parse and crop-aware JPEG decode.
  *
  * decode_batch(...) takes a chunk of a batch's records and, with the GIL released once for
  * the whole chunk, for each record: finds the image bytes and the label in the serialized
- * tf.train.Example (no copy), reads the JPEG header, draws the crop window from a counter-based
- * hash of (seed, epoch, record index) (so a record's augmentation does not depend on threads,
- * workers or the resume point), decodes only that window (libjpeg-turbo's jpeg_crop_scanline
- * and jpeg_skip_scanlines, DCT-scaled when the window is >= 2x the target: tf.data's
- * decode_and_crop_jpeg), and resizes it (separable fixed-point filter, flipped on the way)
- * straight into its slot of the caller's batch array. Records it cannot take (not a JPEG, CMYK,
- * an unusual Example) are returned for the Python path; broken ones with libjpeg's message.
+ * tf.train.Example (no copy), reads the JPEG header, draws the crop window and the flip from a
+ * counter-based hash of (seed, epoch, record index) (so a record's augmentation does not
+ * depend on threads, workers or the resume point), and decodes only that window
+ * (libjpeg-turbo's jpeg_crop_scanline and jpeg_skip_scanlines, DCT-scaled when the window is
+ * >= 2x the target: tf.data's decode_and_crop_jpeg), mirrored on the way, into the caller's
+ * arena. The caller resizes each window into its batch slot (OpenCV). Records it cannot take
+ * (not a JPEG, CMYK, an unusual Example) are handed back for the Python path; broken ones with
+ * libjpeg's message.
  *
  * Warnings (corrupt data that libjpeg would paper over with grey, e.g. a truncated file) are
  * errors: a record is either decoded faithfully or reported.
@@ -47,7 +48,7 @@ static double uniform(uint64_t key, uint64_t k) {
 /* ------------------------------------------------------------------ crop geometry */
 
 typedef struct {
-  int train, flip, dct_scaling, fast_dct, bicubic, size;
+  int train, flip, dct_scaling, fast_dct, size;
   double area_lo, area_hi, log_ratio_lo, log_ratio_hi, crop_fraction;
 } params_t;
 
@@ -227,14 +228,16 @@ static int jpeg_size(const uint8_t *b, size_t n, long *h, long *w) {
   return *h > 0 && *w > 0 ? 0 : -1;
 }
 
-/* A growable buffer, reused across the images of a chunk. */
+/* A buffer reused across images: growable, or `fixed` (a caller's slot) and never grown. */
 typedef struct {
   uint8_t *p;
   size_t n;
+  int fixed;
 } scratch_t;
 
 static uint8_t *reserve(scratch_t *s, size_t n) {
   if (n > s->n) {
+    if (s->fixed) return NULL;
     uint8_t *p = realloc(s->p, n);
     if (p == NULL) return NULL;
     s->p = p, s->n = n;
@@ -242,11 +245,12 @@ static uint8_t *reserve(scratch_t *s, size_t n) {
   return s->p;
 }
 
-/* Decodes window (y, x, h, w) at 1/denom into `buf` (RGB, rows of `*out_w`). 0 on success;
- * -1 with `message`; -2 when libjpeg cannot give RGB (CMYK/YCCK: the caller converts). */
+/* Decodes window (y, x, h, w) at 1/denom into `buf` (RGB, rows of `*out_w`), mirrored if
+ * `flip`. 0 on success; -1 with `message`; -2 when libjpeg cannot give RGB (CMYK/YCCK: the
+ * caller converts); -3 when `buf` cannot hold it. */
 static int decode_window(const uint8_t *data, size_t len, long y, long x, long h, long w, int denom,
-                         int fast_dct, scratch_t *buf, scratch_t *rows, int *out_h, int *out_w,
-                         char *message) {
+                         int fast_dct, int flip, scratch_t *buf, scratch_t *rows, int *out_h,
+                         int *out_w, char *message) {
   struct jpeg_decompress_struct cinfo;
   error_mgr err;
   volatile int status = -1;
@@ -289,18 +293,28 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   /* jpeg_crop_scanline widens the columns to iMCU boundaries: xoff <= sx. */
   JDIMENSION xoff = (JDIMENSION)sx, cw = (JDIMENSION)ow;
   if (cw < cinfo.output_width) jpeg_crop_scanline(&cinfo, &xoff, &cw);
-  /* Decode whole row groups (cw wide), then drop the columns left of the window in place. */
+  /* Decode whole row groups (cw wide), then drop the columns left of the window in place
+   * (mirrored if `flip`). */
   size_t full = (size_t)cw * 3, n = (size_t)ow * 3, shift = (size_t)(sx - xoff) * 3;
   uint8_t *result = reserve(buf, (size_t)oh * full);
   JSAMPROW *rowp = (JSAMPROW *)reserve(rows, sizeof(JSAMPROW) * (size_t)oh);
   if (result == NULL || rowp == NULL) {
-    snprintf(err.message, sizeof(err.message), "out of memory");
+    status = -3;
+    snprintf(err.message, sizeof(err.message), "out of memory, or the window exceeds its slot");
     longjmp(err.jump, 1);
   }
   for (long r = 0; r < oh; r++) rowp[r] = result + (size_t)r * full;
   if (sy > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)sy);
   for (long r = 0; r < oh;) r += jpeg_read_scanlines(&cinfo, rowp + r, (JDIMENSION)(oh - r));
-  for (long r = 0; r < oh; r++) memmove(result + (size_t)r * n, rowp[r] + shift, n);
+  for (long r = 0; r < oh; r++) {
+    uint8_t *to = result + (size_t)r * n;
+    memmove(to, rowp[r] + shift, n);
+    for (long a = 0, b = ow - 1; flip && a < b; a++, b--)
+      for (int c = 0; c < 3; c++) {
+        uint8_t t = to[3 * a + c];
+        to[3 * a + c] = to[3 * b + c], to[3 * b + c] = t;
+      }
+  }
   if (err.pub.num_warnings > 0) {
     (*err.pub.format_message)((j_common_ptr)&cinfo, err.message);
     longjmp(err.jump, 1);
@@ -309,107 +323,6 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   jpeg_destroy_decompress(&cinfo);
   *out_h = (int)oh, *out_w = (int)ow;
   return 0;
-}
-
-/* ------------------------------------------------------------------ resize */
-
-#define PRECISION 22
-
-static double triangle(double x) {
-  x = fabs(x);
-  return x < 1.0 ? 1.0 - x : 0.0;
-}
-
-static double cubic(double x) { /* Keys, a = -0.5 (PIL, tf.image.resize bicubic) */
-  const double a = -0.5;
-  x = fabs(x);
-  if (x < 1.0) return ((a + 2.0) * x - (a + 3.0)) * x * x + 1;
-  if (x < 2.0) return (((x - 5) * x + 8) * x - 4) * a;
-  return 0.0;
-}
-
-/* Fixed-point taps of a 1-D resize from n_in to n_out samples (pixel centres at +0.5). The
- * filter widens with the scale only when shrinking 2x or more (antialiasing where plain
- * bilinear/bicubic would alias; below 2x it matches cv2/tf.image.resize). first[i] is the
- * first input sample of output i, taps[i * k ...] its k weights. */
-static int make_taps(int n_in, int n_out, int bicubic, int *k_out, int **first, int32_t **taps) {
-  double scale = (double)n_in / n_out, fscale = scale >= 2.0 ? scale : 1.0;
-  double support = (bicubic ? 2.0 : 1.0) * fscale;
-  int k = (int)ceil(support) * 2 + 1;
-  double *w = malloc(sizeof(double) * k);
-  *first = malloc(sizeof(int) * n_out);
-  *taps = calloc((size_t)n_out * k, sizeof(int32_t));
-  if (w == NULL || *first == NULL || *taps == NULL) {
-    free(w);
-    return -1;
-  }
-  for (int i = 0; i < n_out; i++) {
-    double centre = (i + 0.5) * scale, total = 0.0;
-    int lo = (int)floor(centre - support + 0.5), hi = (int)floor(centre + support + 0.5);
-    if (lo < 0) lo = 0;
-    if (hi > n_in) hi = n_in;
-    if (hi - lo > k) hi = lo + k;
-    for (int j = lo; j < hi; j++) total += w[j - lo] = (bicubic ? cubic : triangle)((j + 0.5 - centre) / fscale);
-    if (total == 0.0) { /* upscaling right at an edge: nearest sample */
-      lo = (int)fmin(fmax(floor(centre), 0), n_in - 1), hi = lo + 1, w[0] = total = 1.0;
-    }
-    (*first)[i] = lo;
-    for (int j = lo; j < hi; j++)
-      (*taps)[(size_t)i * k + (j - lo)] = (int32_t)lround(w[j - lo] / total * (1 << PRECISION));
-  }
-  free(w);
-  *k_out = k;
-  return 0;
-}
-
-static uint8_t clip8(int32_t v) {
-  v >>= PRECISION;
-  return v < 0 ? 0 : v > 255 ? 255 : (uint8_t)v;
-}
-
-/* Resizes an h x w RGB image (rows of `stride` bytes) to size x size into `out`, mirrored
- * left-right if `flip`. Rows first (a contiguous, vectorizable pass), then columns. */
-static int resize_rgb(const uint8_t *src, int h, int w, size_t stride, int size, int bicubic,
-                      int flip, uint8_t *out, scratch_t *tmp_buf) {
-  int kv, kh, *fv = NULL, *fh = NULL;
-  int32_t *tv = NULL, *th = NULL;
-  size_t row = (size_t)w * 3;
-  int rc = -1;
-  if (make_taps(h, size, bicubic, &kv, &fv, &tv) || make_taps(w, size, bicubic, &kh, &fh, &th))
-    goto done;
-  uint8_t *tmp = reserve(tmp_buf, (size_t)size * row + sizeof(int32_t) * row);
-  if (tmp == NULL) goto done;
-  int32_t *acc = (int32_t *)(tmp + (size_t)size * row);
-  for (int i = 0; i < size; i++) { /* vertical: size rows of w pixels */
-    for (size_t c = 0; c < row; c++) acc[c] = 1 << (PRECISION - 1);
-    for (int j = 0; j < kv; j++) {
-      int32_t t = tv[(size_t)i * kv + j];
-      if (t == 0) continue;
-      const uint8_t *s = src + (size_t)(fv[i] + j) * stride;
-      for (size_t c = 0; c < row; c++) acc[c] += s[c] * t;
-    }
-    uint8_t *d = tmp + (size_t)i * row;
-    for (size_t c = 0; c < row; c++) d[c] = clip8(acc[c]);
-  }
-  for (int i = 0; i < size; i++) { /* horizontal: each row to size pixels */
-    const uint8_t *s = tmp + (size_t)i * row;
-    uint8_t *d = out + (size_t)i * size * 3;
-    for (int x = 0; x < size; x++) {
-      int32_t r = 1 << (PRECISION - 1), g = r, b = r;
-      const int32_t *t = th + (size_t)x * kh;
-      const uint8_t *p = s + (size_t)fh[x] * 3;
-      for (int j = 0; j < kh; j++, p += 3) {
-        if (t[j] == 0) continue;
-        r += p[0] * t[j], g += p[1] * t[j], b += p[2] * t[j];
-      }
-      uint8_t *q = d + (size_t)(flip ? size - 1 - x : x) * 3;
-      q[0] = clip8(r), q[1] = clip8(g), q[2] = clip8(b);
-    }
-  }
-  rc = 0;
-done:
-  free(fv), free(fh), free(tv), free(th);
-  return rc;
 }
 
 /* ------------------------------------------------------------------ the batch path */
@@ -430,13 +343,13 @@ static void sleep_ns(long ns) {
   }
 }
 
-/* One image, without the GIL: parse, header, box, decode, resize into `out`. */
+/* One image, without the GIL: parse, header, window, decode (mirrored) into its arena slot. */
 static void load_one(item_t *it, const params_t *p, const char *ik, size_t ikl, const char *lk,
-                     size_t lkl, uint64_t seed, long emulate_ns, uint8_t *out, int64_t *label,
-                     scratch_t *buf, scratch_t *rows, scratch_t *tmp) {
+                     size_t lkl, uint64_t seed, long emulate_ns, scratch_t *slot, int32_t *dims,
+                     int64_t *label, scratch_t *rows) {
   span_t image = {NULL, NULL};
   long h, w, box[4];
-  int oh, ow;
+  int oh = 0, ow = 0;
   if (parse_example(it->data, it->len, ik, ikl, lk, lkl, &image, label) ||
       jpeg_size(image.p, (size_t)(image.end - image.p), &h, &w) || (double)h * w > 89478485.0) {
     it->status = PYTHON_PATH; /* the Python path names the problem, or takes the format */
@@ -446,25 +359,24 @@ static void load_one(item_t *it, const params_t *p, const char *ik, size_t ikl, 
   crop_box(p, h, w, key, box);
   if (emulate_ns > 0) {
     sleep_ns(emulate_ns);
+    dims[0] = dims[1] = 1;
     return;
   }
   int rc = decode_window(image.p, (size_t)(image.end - image.p), box[0], box[1], box[2], box[3],
-                         dct_denom(p, box), p->fast_dct, buf, rows, &oh, &ow, it->message);
-  if (rc == -2) {
+                         dct_denom(p, box), p->fast_dct, flip_of(p, key), slot, rows, &oh, &ow,
+                         it->message);
+  if (rc == -2 || rc == -3) {
     it->status = PYTHON_PATH;
   } else if (rc != 0) {
     it->status = BROKEN;
-  } else if (resize_rgb(buf->p, oh, ow, (size_t)ow * 3, p->size, p->bicubic, flip_of(p, key), out,
-                        tmp)) {
-    it->status = BROKEN;
-    snprintf(it->message, MSG, "out of memory");
   }
+  dims[0] = oh, dims[1] = ow;
 }
 
 static int get_params(PyObject *t, params_t *p) {
   double area_lo, area_hi, ratio_lo, ratio_hi;
-  if (!PyArg_ParseTuple(t, "ppppp(dd)(dd)d", &p->train, &p->flip, &p->dct_scaling, &p->fast_dct,
-                        &p->bicubic, &area_lo, &area_hi, &ratio_lo, &ratio_hi, &p->crop_fraction))
+  if (!PyArg_ParseTuple(t, "pppp(dd)(dd)d", &p->train, &p->flip, &p->dct_scaling, &p->fast_dct,
+                        &area_lo, &area_hi, &ratio_lo, &ratio_hi, &p->crop_fraction))
     return -1;
   p->area_lo = area_lo, p->area_hi = area_hi;
   p->log_ratio_lo = log(ratio_lo), p->log_ratio_hi = log(ratio_hi);
@@ -473,43 +385,50 @@ static int get_params(PyObject *t, params_t *p) {
 
 static int writable(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t n, const char *what) {
   if (PyObject_GetBuffer(o, b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) return -1;
-  if (b->len != itemsize * n) {
-    PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, expected %zd", what, b->len, itemsize * n);
+  if (b->len < itemsize * n) {
+    PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", what, b->len, itemsize * n);
     PyBuffer_Release(b);
     return -1;
   }
   return 0;
 }
 
+/* decode_batch(records, epochs, indices, labels, dims, arena, slot_bytes, start, stop, seed,
+ * image_key, label_key, size, params, emulate_ns): records [start, stop) of a batch; record i's
+ * mirrored crop window goes to arena[(i - start) * slot_bytes:] as dims[i] = (rows, cols) RGB
+ * pixels, its label to labels[i]. Returns [(i, status, message)] of the records it hands back:
+ * status 1 (the Python path takes it) or 2 (broken, with libjpeg's message). */
 static PyObject *decode_batch(PyObject *self, PyObject *args) {
-  PyObject *recs, *epochs_o, *indices_o, *out_o, *labels_o, *params_o;
-  Py_buffer out, labels, epochs, indices;
+  PyObject *recs, *epochs_o, *indices_o, *labels_o, *dims_o, *arena_o, *params_o;
+  Py_buffer labels, dims, arena, epochs, indices;
   const char *ik, *lk;
-  Py_ssize_t ikl, lkl, start, stop;
+  Py_ssize_t ikl, lkl, start, stop, slot_bytes;
   unsigned long long seed;
   int size;
   long emulate_ns;
   params_t p;
-  if (!PyArg_ParseTuple(args, "O!OOOOnnKy#y#iOl", &PyList_Type, &recs, &epochs_o, &indices_o,
-                        &out_o, &labels_o, &start, &stop, &seed, &ik, &ikl, &lk, &lkl, &size,
-                        &params_o, &emulate_ns) ||
+  if (!PyArg_ParseTuple(args, "O!OOOOOnnnKy#y#iOl", &PyList_Type, &recs, &epochs_o, &indices_o,
+                        &labels_o, &dims_o, &arena_o, &slot_bytes, &start, &stop, &seed, &ik, &ikl,
+                        &lk, &lkl, &size, &params_o, &emulate_ns) ||
       get_params(params_o, &p))
     return NULL;
   p.size = size;
-  Py_ssize_t n = PyList_GET_SIZE(recs), pixels = (Py_ssize_t)size * size * 3;
-  if (start < 0 || stop > n || start > stop || size < 1) {
-    PyErr_SetString(PyExc_ValueError, "bad chunk or size");
+  Py_ssize_t n = PyList_GET_SIZE(recs);
+  if (start < 0 || stop > n || start > stop || size < 1 || slot_bytes < 3) {
+    PyErr_SetString(PyExc_ValueError, "bad chunk, size or slot");
     return NULL;
   }
-  if (writable(out_o, &out, 1, n * pixels, "out")) return NULL;
-  if (writable(labels_o, &labels, 8, n, "labels")) goto release_out;
-  if (PyObject_GetBuffer(epochs_o, &epochs, PyBUF_C_CONTIGUOUS)) goto release_labels;
+  if (writable(labels_o, &labels, 8, n, "labels")) return NULL;
+  if (writable(dims_o, &dims, 8, n, "dims")) goto release_labels;
+  if (writable(arena_o, &arena, slot_bytes, stop - start, "arena")) goto release_dims;
+  if (PyObject_GetBuffer(epochs_o, &epochs, PyBUF_C_CONTIGUOUS)) goto release_arena;
   if (PyObject_GetBuffer(indices_o, &indices, PyBUF_C_CONTIGUOUS)) goto release_epochs;
+  item_t *items = NULL;
   if (epochs.len != 8 * n || indices.len != 8 * n) {
     PyErr_SetString(PyExc_ValueError, "epochs and indices must be int64[n]");
     goto release_all;
   }
-  item_t *items = calloc((size_t)(stop - start) + 1, sizeof(item_t));
+  items = calloc((size_t)(stop - start) + 1, sizeof(item_t));
   if (items == NULL) {
     PyErr_NoMemory();
     goto release_all;
@@ -518,110 +437,57 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
     PyObject *r = PyList_GET_ITEM(recs, i);
     item_t *it = &items[i - start];
     it->epoch = ((int64_t *)epochs.buf)[i], it->index = ((int64_t *)indices.buf)[i];
-    if (r == Py_None) continue; /* padding: left as it is */
+    if (r == Py_None) continue; /* padding, or a record that failed to read */
     if (!PyBytes_Check(r)) {
       PyErr_Format(PyExc_TypeError, "record %zd is %s, not bytes", i, Py_TYPE(r)->tp_name);
-      free(items);
       goto release_all;
     }
     it->data = (const uint8_t *)PyBytes_AS_STRING(r), it->len = (size_t)PyBytes_GET_SIZE(r);
   }
   Py_BEGIN_ALLOW_THREADS
-  scratch_t buf = {0}, rows = {0}, tmp = {0};
+  scratch_t rows = {0};
   for (Py_ssize_t i = start; i < stop; i++) {
     item_t *it = &items[i - start];
+    scratch_t slot = {(uint8_t *)arena.buf + (i - start) * slot_bytes, (size_t)slot_bytes, 1};
     if (it->data != NULL)
-      load_one(it, &p, ik, (size_t)ikl, lk, (size_t)lkl, seed, emulate_ns,
-               (uint8_t *)out.buf + i * pixels, (int64_t *)labels.buf + i, &buf, &rows, &tmp);
+      load_one(it, &p, ik, (size_t)ikl, lk, (size_t)lkl, seed, emulate_ns, &slot,
+               (int32_t *)dims.buf + 2 * i, (int64_t *)labels.buf + i, &rows);
   }
-  free(buf.p), free(rows.p), free(tmp.p);
+  free(rows.p);
   Py_END_ALLOW_THREADS
-  PyObject *failed = PyList_New(0);
-  for (Py_ssize_t i = start; failed != NULL && i < stop; i++) {
+  PyObject *handed_back = PyList_New(0);
+  for (Py_ssize_t i = start; handed_back != NULL && i < stop; i++) {
     item_t *it = &items[i - start];
     if (it->status == OK) continue;
     PyObject *t = Py_BuildValue("(nis)", i, it->status, it->message);
-    if (t == NULL || PyList_Append(failed, t)) Py_CLEAR(failed);
+    if (t == NULL || PyList_Append(handed_back, t)) Py_CLEAR(handed_back);
     Py_XDECREF(t);
   }
   free(items);
-  PyBuffer_Release(&indices), PyBuffer_Release(&epochs);
-  PyBuffer_Release(&labels), PyBuffer_Release(&out);
-  return failed;
+  PyBuffer_Release(&indices), PyBuffer_Release(&epochs), PyBuffer_Release(&arena);
+  PyBuffer_Release(&dims), PyBuffer_Release(&labels);
+  return handed_back;
 release_all:
+  free(items);
   PyBuffer_Release(&indices);
 release_epochs:
   PyBuffer_Release(&epochs);
+release_arena:
+  PyBuffer_Release(&arena);
+release_dims:
+  PyBuffer_Release(&dims);
 release_labels:
   PyBuffer_Release(&labels);
-release_out:
-  PyBuffer_Release(&out);
   return NULL;
 }
 
-/* crop_boxes(hw int64[n, 2], epochs int64[n], indices int64[n], seed, params, size) ->
- * (boxes int64[n, 4] as bytes, flips bytes): the same windows and flips decode_batch draws,
- * for the Python paths (cached images, other formats). */
-static PyObject *crop_boxes(PyObject *self, PyObject *args) {
-  Py_buffer hw, epochs, indices;
-  unsigned long long seed;
-  PyObject *params_o;
-  int size;
-  params_t p;
-  if (!PyArg_ParseTuple(args, "y*y*y*KOi", &hw, &epochs, &indices, &seed, &params_o, &size))
-    return NULL;
-  PyObject *result = NULL;
-  Py_ssize_t n = epochs.len / 8;
-  if (get_params(params_o, &p)) goto done;
-  p.size = size;
-  if (hw.len != 16 * n || indices.len != 8 * n) {
-    PyErr_SetString(PyExc_ValueError, "hw must be int64[n, 2], epochs and indices int64[n]");
-    goto done;
-  }
-  PyObject *boxes = PyBytes_FromStringAndSize(NULL, 32 * n), *flips = PyBytes_FromStringAndSize(NULL, n);
-  if (boxes == NULL || flips == NULL) {
-    Py_XDECREF(boxes), Py_XDECREF(flips);
-    goto done;
-  }
-  for (Py_ssize_t i = 0; i < n; i++) {
-    const int64_t *s = (const int64_t *)hw.buf + 2 * i;
-    uint64_t key = example_key(seed, ((uint64_t *)epochs.buf)[i], ((uint64_t *)indices.buf)[i]);
-    long box[4];
-    crop_box(&p, (long)s[0], (long)s[1], key, box);
-    for (int j = 0; j < 4; j++) ((int64_t *)PyBytes_AS_STRING(boxes))[4 * i + j] = box[j];
-    PyBytes_AS_STRING(flips)[i] = (char)flip_of(&p, key);
-  }
-  result = Py_BuildValue("(NN)", boxes, flips);
-done:
-  PyBuffer_Release(&hw), PyBuffer_Release(&epochs), PyBuffer_Release(&indices);
-  return result;
-}
-
-/* resize_into(src uint8[h, w, 3], out uint8[size, size, 3], bicubic, flip): the batch path's
- * resize for images decoded elsewhere (GIL released). */
-static PyObject *resize_into(PyObject *self, PyObject *args) {
-  PyObject *src_o, *out_o;
-  Py_buffer src, out;
-  int h, w, size, bicubic, flip, rc;
-  if (!PyArg_ParseTuple(args, "OiiOipp", &src_o, &h, &w, &out_o, &size, &bicubic, &flip))
-    return NULL;
-  if (PyObject_GetBuffer(src_o, &src, PyBUF_C_CONTIGUOUS)) return NULL;
-  if (src.len != (Py_ssize_t)h * w * 3 || h < 1 || w < 1 || size < 1) {
-    PyBuffer_Release(&src);
-    PyErr_SetString(PyExc_ValueError, "src must be uint8[h, w, 3] with h, w >= 1");
-    return NULL;
-  }
-  if (writable(out_o, &out, 1, (Py_ssize_t)size * size * 3, "out")) {
-    PyBuffer_Release(&src);
-    return NULL;
-  }
+/* wait(microseconds): a GIL-free wait, standing in for pixel work in benchmarks. */
+static PyObject *wait(PyObject *self, PyObject *args) {
+  double us;
+  if (!PyArg_ParseTuple(args, "d", &us)) return NULL;
   Py_BEGIN_ALLOW_THREADS
-  scratch_t tmp = {0};
-  rc = resize_rgb(src.buf, h, w, (size_t)w * 3, size, bicubic, flip, out.buf, &tmp);
-  free(tmp.p);
+  if (us > 0) sleep_ns((long)(us * 1000));
   Py_END_ALLOW_THREADS
-  PyBuffer_Release(&src), PyBuffer_Release(&out);
-  if (rc) return PyErr_NoMemory();
   Py_RETURN_NONE;
 }
 
@@ -638,8 +504,8 @@ static PyObject *decode_crop(PyObject *self, PyObject *args) {
     return NULL;
   }
   Py_BEGIN_ALLOW_THREADS
-  status = decode_window(data.buf, (size_t)data.len, y, x, h, w, denom, fast_dct, &buf, &rows, &oh,
-                         &ow, message);
+  status = decode_window(data.buf, (size_t)data.len, y, x, h, w, denom, fast_dct, 0, &buf, &rows,
+                         &oh, &ow, message);
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&data);
   free(rows.p);
@@ -670,19 +536,16 @@ static PyObject *header(PyObject *self, PyObject *args) {
 
 static PyMethodDef methods[] = {
     {"decode_batch", decode_batch, METH_VARARGS,
-     "decode_batch(records, epochs, indices, out, labels, start, stop, seed, image_key, "
-     "label_key, size, params, emulate_ns) -> [(slot, status, message)] of records not loaded"},
-    {"crop_boxes", crop_boxes, METH_VARARGS,
-     "crop_boxes(hw, epochs, indices, seed, params, size) -> (boxes bytes, flips bytes)"},
-    {"resize_into", resize_into, METH_VARARGS,
-     "resize_into(src, h, w, out, size, bicubic, flip): resize (and mirror) into out"},
+     "decode_batch(records, epochs, indices, labels, dims, arena, slot_bytes, start, stop, seed, "
+     "image_key, label_key, size, params, emulate_ns) -> [(i, status, message)] handed back"},
+    {"wait", wait, METH_VARARGS, "wait(microseconds): sleep without the GIL (benchmarks)"},
     {"header", header, METH_VARARGS, "header(data) -> (height, width) of a JPEG"},
     {"decode_crop", decode_crop, METH_VARARGS,
      "decode_crop(data, y, x, h, w, scale_denom, fast_dct=False) -> (rgb bytes, height, width)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg",
-                                    "Per-batch parse, crop-aware JPEG decode and resize.", -1,
+                                    "Per-batch parse and crop-aware JPEG decode.", -1,
                                     methods};
 
 PyMODINIT_FUNC PyInit__jpeg(void) { return PyModule_Create(&module); }

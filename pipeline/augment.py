@@ -4,8 +4,8 @@ Crop windows are chosen from the header's size *before* decoding, so the decoder
 touches the pixels the crop needs. Every random draw of an example comes from a counter-based
 hash of (seed, epoch, record index): a record's crop and flip do not depend on threads,
 workers or where a run resumed. The native batch path (`pipeline/_jpeg.c`) draws the same
-windows; this module is the Python path (cached images, other formats, no C extension), and
-`tests/test_dataset.py` checks that both agree.
+windows and flips; this module is the Python path (cached images, other formats, no C
+extension), and `tests/test_dataset.py` checks that both give identical images.
 """
 
 from __future__ import annotations
@@ -60,8 +60,16 @@ class Head:
 
   def native_params(self) -> tuple:
     """The parameter tuple of `_jpeg.decode_batch` and `_jpeg.crop_boxes`."""
-    return (self.train, self.flip, self.dct_scaling, self.fast_dct, self.bicubic,
-            tuple(self.area_range), tuple(self.aspect_range), self.crop_fraction)
+    return (self.train, self.flip, self.dct_scaling, self.fast_dct, tuple(self.area_range),
+            tuple(self.aspect_range), self.crop_fraction)
+
+  def slot_bytes(self) -> int:
+    """Room for one decoded window in the native path's arena: after DCT scaling the shorter
+    side is < 2 x image_size (unless the image is 16x larger than that) and the longer at most
+    the widest aspect allowed longer; larger windows take the Python path."""
+    widest = max(self.aspect_range[1], 1 / self.aspect_range[0]) if self.train else 1.0
+    short = 2 * self.image_size + 16  # + an iMCU of the columns libjpeg widens to
+    return short * (int(short * widest) + 32) * 3
 
   def box(self, h: int, w: int, key: int) -> Box:
     if self.train:
@@ -75,15 +83,17 @@ class Head:
     return dct_scale(box, self.image_size) if self.dct_scaling else 1
 
   def __call__(self, data: bytes, key: int, out: np.ndarray | None = None) -> np.ndarray:
-    """The Python path for encoded bytes: header, window, decode the window, resize, flip."""
+    """The Python path for encoded bytes: header, window, decode the window, flip, resize."""
     box = self.box(*decode.image_size(data), key)
     crop = decode.decode_crop(data, box, self.dct_scale(box), self.fast_dct)
-    return resize(crop, self.image_size, out, flip=self.flips(key), bicubic=self.bicubic)
+    return resize(crop[:, ::-1] if self.flips(key) else crop, self.image_size, out,
+                  bicubic=self.bicubic)
 
   def from_decoded(self, image: np.ndarray, key: int, out: np.ndarray | None = None) -> np.ndarray:
     """The same on already decoded pixels (the RAM cache)."""
     y, x, ch, cw = self.box(*image.shape[:2], key)
-    return resize(image[y:y + ch, x:x + cw], self.image_size, out, flip=self.flips(key),
+    crop = image[y:y + ch, x:x + cw]
+    return resize(crop[:, ::-1] if self.flips(key) else crop, self.image_size, out,
                   bicubic=self.bicubic)
 
 
@@ -133,19 +143,13 @@ def dct_scale(box: Box, size: int) -> int:
   return 1
 
 
-def resize(image: np.ndarray, size: int, out: np.ndarray | None = None, *, flip: bool = False,
+def resize(image: np.ndarray, size: int, out: np.ndarray | None = None, *,
            bicubic: bool = False) -> np.ndarray:
-  """Resizes to size x size (into `out` if given), mirrored if `flip`: the native path's
-  filter (bilinear or bicubic; antialiased when shrinking 2x or more), OpenCV's without it."""
-  out = np.empty((size, size, 3), np.uint8) if out is None else out
-  image = np.ascontiguousarray(image)
-  if decode.native() is not None:
-    decode.native().resize_into(image, image.shape[0], image.shape[1], out, size, bicubic, flip)
-    return out
-  shrink = min(image.shape[:2]) > 2 * size
-  interp = cv2.INTER_AREA if shrink else cv2.INTER_CUBIC if bicubic else cv2.INTER_LINEAR
-  cv2.resize(image, (size, size), dst=out, interpolation=interp)
-  return cv2.flip(out, 1, dst=out) if flip else out
+  """Resizes to size x size (into `out` if given): bilinear (or bicubic), or area averaging
+  when shrinking by more than 2x."""
+  interp = (cv2.INTER_AREA if min(image.shape[:2]) > 2 * size
+            else cv2.INTER_CUBIC if bicubic else cv2.INTER_LINEAR)
+  return cv2.resize(np.ascontiguousarray(image), (size, size), dst=out, interpolation=interp)
 
 
 def resize_shorter(image: np.ndarray, size: int) -> np.ndarray:

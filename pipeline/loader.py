@@ -31,8 +31,9 @@ from pipeline import augment, decode, records
 from pipeline.sampling import PAD, Sampler
 from pipeline.source import CorruptRecordsError, ShardedSource
 
-# Benchmarks only: replace each image's decode + resize by a GIL-free wait of this many
-# microseconds (everything else stays real), to measure one process's ceiling on many cores.
+# Benchmarks only: "D[,R]" replaces each image's decode by a GIL-free wait of D microseconds
+# inside the native call and its resize by a wait of R (one call per image, as the resize),
+# everything else staying real: one process's ceiling on a host with many more cores.
 EMULATE_ENV = "PIPELINE_EMULATE_DECODE_US"
 SKIPPED_KEY = "_skipped"  # per-batch skip count; `pipeline.dataset` sums and removes it
 PYTHON_PATH = 1
@@ -56,6 +57,8 @@ class BatchLoader:
     self.image_ops, self.batch_ops, self.features = tuple(image_ops), tuple(batch_ops), features
     self.cache_bytes = int(cache_mb * 2**20)
     self.shared_memory = False
+    self.slot_bytes = head.slot_bytes()
+    self.key_bytes = (keys.image.encode(), keys.label.encode())
     self._init_runtime()
 
   def _init_runtime(self):
@@ -63,15 +66,23 @@ class BatchLoader:
     self._lock = threading.Lock()
     self._cache: dict[int, np.ndarray] = {}
     self._cache_used = 0
-    self._emulate_ns = int(float(os.environ.get(EMULATE_ENV) or 0) * 1000)
+    self._local = threading.local()
+    self.emulate_ns = _emulation()
 
   def __getstate__(self):
     return {k: v for k, v in self.__dict__.items()
-            if k not in ("_pool", "_lock", "_cache", "_cache_used", "_emulate_ns")}
+            if k not in ("_pool", "_lock", "_cache", "_cache_used", "_local", "emulate_ns")}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
     self._init_runtime()
+
+  def arena(self, slots: int) -> np.ndarray:
+    """This thread's buffer for `slots` decoded windows (kept: no page faults per batch)."""
+    arena = getattr(self._local, "arena", None)
+    if arena is None or len(arena) < slots * self.slot_bytes:
+      arena = self._local.arena = np.empty(slots * self.slot_bytes, np.uint8)
+    return arena
 
   def enable_shared_memory_output(self) -> None:
     """Batches go straight into shared memory, which Grain's workers then send uncopied."""
@@ -130,6 +141,7 @@ class _Batch:
     self.images = SharedMemoryArray(shape, np.uint8) if loader.shared_memory else np.empty(
         shape, np.uint8)
     self.labels = np.zeros(n, np.int64)
+    self.dims = np.zeros((n, 2), np.int32)
     self.real = indices != PAD
     self.bad = np.zeros(n, bool)
     self.records = _read(loader.source, indices)
@@ -157,12 +169,7 @@ class _Batch:
     todo = range(start, stop)
     native = decode.native()
     if native is not None and not loader.cache_bytes:
-      handed_back = native.decode_batch(
-          self.native_records, self.epochs, self.indices, self.images, self.labels, start, stop, loader.seed,
-          loader.keys.image.encode(), loader.keys.label.encode(), loader.head.image_size,
-          loader.head.native_params(), loader._emulate_ns)
-      todo = [slot for slot, _, _ in handed_back]
-      todo += [s for s in self.corrupt if start <= s < stop]
+      todo = self._native(native, start, stop)
     for slot in todo:
       if self.real[slot]:
         self._python_slot(slot)
@@ -170,6 +177,30 @@ class _Batch:
       for slot in range(start, stop):
         if self.real[slot] and not self.bad[slot]:
           self._extras(slot)
+
+  def _native(self, native, start: int, stop: int) -> list[int]:
+    """One GIL-free call decodes the chunk's windows into this thread's arena; each is then
+    resized into its slot. Returns the slots for the Python path."""
+    loader, head = self.loader, self.loader.head
+    arena = loader.arena(stop - start)
+    handed_back = native.decode_batch(
+        self.native_records, self.epochs, self.indices, self.labels, self.dims, arena,
+        loader.slot_bytes, start, stop, loader.seed, loader.key_bytes[0], loader.key_bytes[1],
+        head.image_size, head.native_params(), loader.emulate_ns[0])
+    todo = [slot for slot, _, _ in handed_back] + [
+        s for s in self.corrupt if start <= s < stop]
+    skip = set(todo)
+    for slot in range(start, stop):
+      if not self.real[slot] or slot in skip:
+        continue
+      if any(loader.emulate_ns):
+        native.wait(loader.emulate_ns[1] / 1000)
+        continue
+      h, w = self.dims[slot]
+      offset = (slot - start) * loader.slot_bytes
+      window = arena[offset:offset + h * w * 3].reshape(h, w, 3)
+      augment.resize(window, head.image_size, self.images[slot], bicubic=head.bicubic)
+    return todo
 
   def _python_slot(self, slot: int) -> None:
     record = self.records[slot]
@@ -226,6 +257,14 @@ class _Batch:
       batch = ops.apply_batch(loader.batch_ops, batch, ops.batch_rng(loader.seed, batch_index))
     batch[SKIPPED_KEY] = np.int64((self.real & self.bad).sum())
     return batch
+
+
+def _emulation() -> tuple[int, int]:
+  """(decode, resize) nanoseconds from EMULATE_ENV; (0, 0) when unset."""
+  value = os.environ.get(EMULATE_ENV, "")
+  parts = [float(v) for v in value.split(",") if v.strip()] if value else []
+  decode_us, resize_us = (parts + [0.0, 0.0])[:2]
+  return int(decode_us * 1000), int(resize_us * 1000)
 
 
 def _read(source: ShardedSource, indices: np.ndarray) -> list:

@@ -162,9 +162,11 @@ def _native_batch(record: bytes, seed: int) -> list:
   native = decode.native()
   if native is None:
     return []
-  images, labels = np.empty((2, OUT, OUT, 3), np.uint8), np.zeros(2, np.int64)
+  labels = np.zeros(2, np.int64)
   index = np.array([seed, 0], np.int64)
-  return native.decode_batch([record, None], index, index, images, labels, 0, 2, seed,
+  dims, arena = np.zeros((2, 2), np.int32), np.empty(2 * augment.Head(OUT).slot_bytes(), np.uint8)
+  return native.decode_batch([record, None], index, index, labels, dims, arena,
+                             augment.Head(OUT).slot_bytes(), 0, 2, seed,
                              b"image/encoded", b"image/class/label", OUT,
                              augment.Head(OUT).native_params(), 0)
 
