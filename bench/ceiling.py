@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -21,9 +22,9 @@ import numpy as np
 import simplejpeg
 import tqdm
 
+from bench import measure
 from pipeline import decode, records
 from pipeline import manifest as manifest_lib
-from bench import measure
 from pipeline.dataset import default_threads
 
 SCALES = (1, 2)
@@ -114,6 +115,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-  import sys
-
-  main(sys.argv[1:])
+  measure.run_cli(main, sys.argv[1:])

@@ -20,9 +20,9 @@ import time
 import psutil
 from PIL import Image
 
+from bench import measure
 from pipeline import manifest as manifest_lib
 from pipeline import records
-from bench import measure
 from pipeline.convert import images, shards
 
 

@@ -18,6 +18,7 @@ import numpy as np
 import simplejpeg
 import tqdm
 
+from bench import measure
 from pipeline.device import device_prefetch
 
 SIZE = 224
@@ -44,7 +45,7 @@ def host_pipeline(source: str, batch: int, threads: int) -> grain.IterDataset:
   return ds.to_iter_dataset(options).batch(batch)
 
 
-def measure(ds: grain.IterDataset, batches: int, block, bar: tqdm.tqdm) -> tuple[float, float]:
+def time_run(ds: grain.IterDataset, batches: int, block, bar: tqdm.tqdm) -> tuple[float, float]:
   """Returns (first-batch seconds, steady-state images/s after the first batch)."""
   start = time.perf_counter()
   it = iter(ds)
@@ -92,7 +93,7 @@ def main(argv: list[str]) -> None:
     for _ in range(args.rounds):
       for name, (ds, block) in variants.items():
         bar.set_description(name)
-        runs[name].append(measure(ds, args.batches, block, bar))
+        runs[name].append(time_run(ds, args.batches, block, bar))
   result = {name: {"images_per_s": statistics.median(r for _, r in rs),
                    "first_batch_s": statistics.median(f for f, _ in rs)}
             for name, rs in runs.items()}
@@ -112,4 +113,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  measure.run_cli(main, sys.argv[1:])

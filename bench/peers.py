@@ -22,14 +22,14 @@ import tempfile
 
 from etils import epath
 
-from pipeline import manifest as manifest_lib
 from bench import measure
+from pipeline import manifest as manifest_lib
 
 
 def _tfrecord_copy(data_dir: str, split: str) -> str:
   """Writes the split's records once as TFRecord files beside the shards; returns a glob."""
-  import grain  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import grain
+  import tensorflow as tf
 
   meta = manifest_lib.load(data_dir)
   out = epath.Path(data_dir) / "peers-tfrecord"
@@ -48,7 +48,7 @@ def _tfrecord_copy(data_dir: str, split: str) -> str:
 
 
 def _tfdata(args):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
 
   tf.config.set_visible_devices([], "GPU")
   keys = manifest_lib.load(args.data_dir).keys
@@ -90,12 +90,12 @@ class _PilTransform:
     self.keys, self.size = keys, size
 
   def random_map(self, record, rng):
-    import io  # pylint: disable=g-import-not-at-top
+    import io
 
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from PIL import Image  # pylint: disable=g-import-not-at-top
+    import numpy as np
+    from PIL import Image
 
-    from pipeline import augment, records  # pylint: disable=g-import-not-at-top
+    from pipeline import augment, records
 
     data, label, _ = records.parse(record, self.keys)
     im = Image.open(io.BytesIO(data)).convert("RGB")
@@ -107,8 +107,8 @@ class _PilTransform:
 
 
 def _grain_baseline(args):
-  import grain  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  import grain
+  from absl import flags
 
   flags.FLAGS.mark_as_parsed()
   meta = manifest_lib.load(args.data_dir)
@@ -131,10 +131,10 @@ def _grain_baseline(args):
 
 
 def _torch(args):
-  import grain  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
-  from torchvision.transforms import v2  # pylint: disable=g-import-not-at-top
+  import grain
+  import numpy as np
+  import torch
+  from torchvision.transforms import v2
 
   meta = manifest_lib.load(args.data_dir)
   paths = [os.fspath(p) for p in meta.shard_paths(args.data_dir, args.split)]
@@ -149,9 +149,9 @@ def _torch(args):
       return meta.splits[args.split].num_records
 
     def __getitem__(self, i):
-      from torchvision.io import decode_jpeg  # pylint: disable=g-import-not-at-top
+      from torchvision.io import decode_jpeg
 
-      from pipeline import records  # pylint: disable=g-import-not-at-top
+      from pipeline import records
 
       if self.source is None:
         self.source = grain.sources.ArrayRecordDataSource(paths)
@@ -179,7 +179,7 @@ def make_loader(name: str, args):
 
 
 def _available(module: str) -> bool:
-  import importlib.util  # pylint: disable=g-import-not-at-top
+  import importlib.util
 
   return importlib.util.find_spec(module) is not None
 

@@ -19,6 +19,7 @@ import ctypes
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -27,9 +28,9 @@ import grain
 import numpy as np
 import tqdm
 
+from bench import measure
 from pipeline import manifest as manifest_lib
 from pipeline import records
-from bench import measure
 from pipeline.dataset import default_threads
 
 _libc = ctypes.CDLL(None, use_errno=True)
@@ -211,6 +212,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-  import sys
-
-  main(sys.argv[1:])
+  measure.run_cli(main, sys.argv[1:])

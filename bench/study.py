@@ -4,7 +4,7 @@ Sleeps stand in for I/O and compute exactly as in the guide's notebook: a file t
 to open and 15 ms per record, a map 30 ms, a training step 10 ms. Each of the guide's
 pipelines (naive, prefetch, interleave, map, cache, vectorized map, the optimized chain)
 is built from Grain's own datasets, timed, compared with the guide's printed figure and
-with the theoretical minimum of its schedule, and drawn as a timeline (PNG and SVG).
+with the theoretical minimum of its schedule, and drawn as a timeline (PNG).
 """
 
 from __future__ import annotations
@@ -17,14 +17,14 @@ import pathlib
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from importlib import metadata
 from typing import Any
 
 import grain
 import numpy as np
 import tqdm
 
-from bench import timeline
-from bench import measure
+from bench import measure, timeline
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,7 +81,8 @@ class ArtificialFile(grain.IterDataset):
     self.params, self.recorder = params, recorder
 
   def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-    """Keeps records `sl` (strided) or block `sl.start` of `sl.step` (sequential): Grain's sharding."""
+    """Grain's sharding: keeps records `sl` (strided) or block `sl.start` of `sl.step`
+    (sequential)."""
     if sequential_slice:
       n, k = len(self.records), sl.step
       self.records = self.records[sl.start * n // k:(sl.start + 1) * n // k]
@@ -258,7 +259,8 @@ def _cache(p: Params, rec: timeline.Recorder) -> float:
 
 def _cache_min(p: Params) -> float:
   # The first epoch reads and maps; the others only train on cached elements.
-  return p.open + p.records * (p.read + p.map + p.train) + (p.cache_epochs - 1) * p.records * p.train
+  first = p.open + p.records * (p.read + p.map + p.train)
+  return first + (p.cache_epochs - 1) * p.records * p.train
 
 
 def _naive_chain(p: Params, rec: timeline.Recorder) -> float:
@@ -381,7 +383,7 @@ class Result:
 def run_study(params: Params, names: Sequence[str], out: pathlib.Path,
               repeats: int = 1) -> list[Result]:
   """Runs the named variants, keeps each one's fastest of `repeats` runs (noise only adds
-  time to sleeps), and draws its timeline to out/NAME.png and out/NAME.svg."""
+  time to sleeps), and draws its timeline to out/NAME.png."""
   out.mkdir(parents=True, exist_ok=True)
   results = []
   with tqdm.tqdm(total=len(names) * repeats, desc="study", unit="run") as bar:
@@ -394,7 +396,7 @@ def run_study(params: Params, names: Sequence[str], out: pathlib.Path,
       seconds, events = min(runs, key=lambda run: run[0])
       minimum = variant.minimum(params) if variant.minimum else None
       results.append(Result(variant, seconds, minimum, events))
-      timeline.draw(events, out / f"{name}.png", out / f"{name}.svg",
+      timeline.draw(events, out / f"{name}.png",
                     f"{variant.title}: {seconds:.3f} s"
                     + (f" (minimum {minimum:.3f} s)" if minimum else ""))
   return results
@@ -457,20 +459,15 @@ How to read this:
 def write_results(path: pathlib.Path, results: Sequence[Result], command: str,
                   show_published: bool, load: float) -> None:
   """RESULTS.md: machine, command, the table, the speed-ups, the notes, the pictures."""
-  pictures = "\n\n".join(f"### {r.variant.title}\n\n![{r.variant.name}]({r.variant.name}.svg)"
+  pictures = "\n\n".join(f"### {r.variant.title}\n\n![{r.variant.name}]({r.variant.name}.png)"
                          for r in results)
   path.write_text(
       "# The tf.data guide's artificial study, rebuilt on Grain\n\n"
       f"Machine: {measure.machine()}; load average {load:.1f} at the start; "
-      f"Python {sys.version.split()[0]}, grain {_grain_version()}.\n\n"
+      f"Python {sys.version.split()[0]}, grain {metadata.version('grain')}.\n\n"
       f"Command: `{command}` (each variant's fastest run counts)\n\n"
       f"{table(results, show_published)}\n\n" + "\n".join(f"{s}\n" for s in summary(results))
       + f"\n{NOTES}\n## Timelines\n\n{pictures}\n")
-
-
-def _grain_version() -> str:
-  from importlib import metadata  # pylint: disable=g-import-not-at-top
-  return metadata.version("grain")
 
 
 def main(argv: list[str]) -> None:
@@ -479,7 +476,7 @@ def main(argv: list[str]) -> None:
       description="The tf.data guide's artificial study (prefetch, interleave, parallel map, "
       "cache, vectorized map, the optimized chain) rebuilt on Grain: prints measured vs "
       "guide vs theoretical-minimum seconds, writes OUT/RESULTS.md and a timeline per "
-      "variant (OUT/NAME.png, OUT/NAME.svg).")
+      "variant (OUT/NAME.png).")
   parser.add_argument("--out", required=True, type=pathlib.Path,
                       help="directory for RESULTS.md and the timeline pictures")
   parser.add_argument("--scale", type=float, default=1.0,
@@ -506,4 +503,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  measure.run_cli(main, sys.argv[1:])

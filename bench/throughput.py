@@ -10,13 +10,14 @@ what one image costs in read, parse, header+crop choice, decode, resize+flip and
 from __future__ import annotations
 
 import argparse
+import sys
 import time
 
 import numpy as np
 
+from bench import measure
 from pipeline import augment, decode, records
 from pipeline import manifest as manifest_lib
-from bench import measure
 from pipeline.source import ShardedSource
 
 LOADERS = ("pipeline", "grain-baseline", "tfdata", "torch")
@@ -24,7 +25,7 @@ LOADERS = ("pipeline", "grain-baseline", "tfdata", "torch")
 
 def stage_breakdown(data_dir: str, split: str, image_size: int, sample: int = 256) -> dict:
   """Milliseconds per image for each stage run alone on one thread."""
-  from pipeline.dataset import Transform  # pylint: disable=g-import-not-at-top
+  from pipeline.dataset import Transform
 
   meta = manifest_lib.load(data_dir)
   source = ShardedSource(meta.shard_paths(data_dir, split),
@@ -60,7 +61,7 @@ def stage_breakdown(data_dir: str, split: str, image_size: int, sample: int = 25
 def make_loader(name: str, args) -> callable:
   """A zero-argument function returning a fresh batch iterator for contender `name`."""
   if name == "pipeline":
-    from pipeline import dataset  # pylint: disable=g-import-not-at-top
+    from pipeline import dataset
 
     return lambda: iter(dataset.make_dataset(args.data_dir,
                                              args.split,
@@ -69,7 +70,7 @@ def make_loader(name: str, args) -> callable:
                                              shard_index=0,
                                              shard_count=1,
                                              performance=dict(num_threads=args.threads, prefetch=args.prefetch, num_workers=args.workers)))
-  from bench import peers  # pylint: disable=g-import-not-at-top
+  from bench import peers
 
   return peers.make_loader(name, args)
 
@@ -111,6 +112,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-  import sys
-
-  main(sys.argv[1:])
+  measure.run_cli(main, sys.argv[1:])

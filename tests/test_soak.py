@@ -32,12 +32,18 @@ class Sample:
   rss_mb: float  # this process and its workers
   fds: int
   threads: int
-  children: int  # worker processes (multiprocessing's resource tracker not counted)
+  workers: int  # Grain's worker processes (not multiprocessing's helpers)
   shm: int  # shared-memory blocks created since the start (Grain's worker outputs)
 
 
 def _shm() -> set[str]:
   return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+
+
+def _is_worker(process: psutil.Process) -> bool:
+  """Grain starts its workers with spawn; helpers do not run spawn's entry point: the
+  resource tracker, or the forkserver an earlier conversion in this process left running."""
+  return "multiprocessing.spawn import spawn_main" in " ".join(process.cmdline())
 
 
 def soak(data_dir, seconds: float, *, num_workers: int, restart_every_s: float
@@ -55,7 +61,7 @@ def soak(data_dir, seconds: float, *, num_workers: int, restart_every_s: float
       try:
         rss, fds, threads = (rss + p.memory_info().rss, fds + p.num_fds(),
                              threads + p.num_threads())
-        workers += p != me and "resource_tracker" not in " ".join(p.cmdline())
+        workers += p != me and _is_worker(p)
       except psutil.NoSuchProcess:
         pass
     return Sample(time.monotonic() - start, batches, rss / 2**20, fds, threads, workers,
@@ -115,7 +121,7 @@ def assert_flat(samples: list[Sample]) -> None:
   assert (statistics.median(s.fds for s in late)
           <= statistics.median(s.fds for s in warm) + FD_BOUND), samples
   assert peak(late, "threads") <= peak(warm, "threads") + THREAD_BOUND, samples
-  assert peak(late, "children") <= peak(warm, "children"), samples
+  assert peak(late, "workers") <= peak(warm, "workers"), samples
   assert peak(late, "shm") <= peak(warm, "shm") + SHM_BOUND, samples
 
 
@@ -124,7 +130,7 @@ def summary(samples: list[Sample], num_records: int) -> str:
   return (f"{last.seconds:.0f} s, {last.batches * BATCH / num_records:.0f} epochs; "
           f"RSS {first.rss_mb:.0f}->{last.rss_mb:.0f} MiB (peak "
           f"{max(s.rss_mb for s in samples):.0f}), fds {first.fds}->{last.fds}, threads "
-          f"{first.threads}->{last.threads}, children {last.children}, new shm {last.shm}")
+          f"{first.threads}->{last.threads}, workers {last.workers}, new shm {last.shm}")
 
 
 def test_short_soak_with_thread_decoding_stays_flat(digits_dir):
@@ -147,5 +153,5 @@ def test_soak_with_worker_processes_stays_flat(digits_dir):
   samples, closed = soak(digits_dir, 90, num_workers=2, restart_every_s=15)
   print(summary(samples, 240))
   assert_flat(samples)
-  assert min(s.children for s in samples) == 2
-  assert closed.children == 0 and closed.shm == 0  # nothing left behind after close
+  assert min(s.workers for s in samples) == 2
+  assert closed.workers == 0 and closed.shm == 0  # nothing left behind after close
