@@ -74,8 +74,14 @@ class Step:
     return ["python", *base, *self.argv(args, out)]
 
 
-def _q(args, full, quick) -> str:
-  return str(quick if args.quick else full)
+def _flags(args, **values) -> list[str]:
+  """`--name value` options; a (full, quick) pair gives the value by --quick."""
+  flags = []
+  for name, value in values.items():
+    if isinstance(value, tuple):
+      value = value[args.quick]
+    flags += [f"--{name.replace('_', '-')}", str(value)]
+  return flags
 
 
 # ---------------------------------------------------------------- sections
@@ -93,78 +99,108 @@ def _ceiling(out: Outputs, info, command) -> str:
 def _storage(out: Outputs, info, command) -> str:
   fs = info["filesystem"]
   picture = out.pictures / "storage.png"
-  _bars(picture, "storage: records/s (higher is better)",
-        {f"{r['reader']}, {r['order']}, {r['cache']}": r["records_per_sec"] for r in info["rows"]})
-  return (f"{info['records']} records: {info['files_mb']} MB as one file per image "
-          f"({fs['files']}), {info['shards_mb']} MB in {info['shards']} ArrayRecord shard(s) "
-          f"({fs['shards']}); {'same' if fs['same_device'] else 'different'} device. "
-          "Warm rows read with every page in the page cache; cold rows after dropping the "
-          "files' pages with posix_fadvise(DONTNEED), the cached share measured by mincore "
-          "just before.\n\n"
-          f"{storage.table(info['rows'])}\n\n![storage]({out.link(picture)})\n\n"
-          f"{_figure_line(info, command)}")
+  _bars(
+    picture,
+    "storage: records/s (higher is better)",
+    {f"{r['reader']}, {r['order']}, {r['cache']}": r["records_per_sec"] for r in info["rows"]},
+  )
+  return (
+    f"{info['records']} records: {info['files_mb']} MB as one file per image "
+    f"({fs['files']}), {info['shards_mb']} MB in {info['shards']} ArrayRecord shard(s) "
+    f"({fs['shards']}); {'same' if fs['same_device'] else 'different'} device. "
+    "Warm rows read with every page in the page cache; cold rows after dropping the "
+    "files' pages with posix_fadvise(DONTNEED), the cached share measured by mincore "
+    "just before.\n\n"
+    f"{storage.table(info['rows'])}\n\n![storage]({out.link(picture)})\n\n"
+    f"{_figure_line(info, command)}"
+  )
 
 
 def _throughput(out: Outputs, info, command) -> str:
-  lines = ["| images/s | first batch (s) | peak RSS (MB) | images timed |",
-           "|---:|---:|---:|---:|",
-           (f"| {info['images_per_sec']:.0f} | {info['first_batch_s']:.2f} | "
-            f"{info['peak_rss_mb']:.0f} | {info['images']} |")]
+  lines = [
+    "| images/s | first batch (s) | peak RSS (MB) | images timed |",
+    "|---:|---:|---:|---:|",
+    (
+      f"| {info['images_per_sec']:.0f} | {info['first_batch_s']:.2f} | "
+      f"{info['peak_rss_mb']:.0f} | {info['images']} |"
+    ),
+  ]
   ceil = _load(out.work / "ceiling.json")
   if ceil:
     full = ceil["ceiling_images_per_sec"]["1/1"]
-    lines.append(f"\nThat is **{info['images_per_sec'] / full:.0%}** of the cores' raw full-"
-                 f"decode rate ({full:.0f} img/s, `ceiling` below), while also parsing, "
-                 "cropping, resizing, flipping and batching.")
+    lines.append(
+      f"\nThat is **{info['images_per_sec'] / full:.0%}** of the cores' raw full-"
+      f"decode rate ({full:.0f} img/s, `ceiling` below), while also parsing, "
+      "cropping, resizing, flipping and batching."
+    )
   stages = info.get("stages_ms_per_image")
   if stages:
-    lines += ["\nPer image, each stage alone on one thread (ms):\n",
-              "| " + " | ".join(stages) + " |", "|" + "---:|" * len(stages),
-              "| " + " | ".join(f"{v:.3f}" for v in stages.values()) + " |"]
+    lines += [
+      "\nPer image, each stage alone on one thread (ms):\n",
+      "| " + " | ".join(stages) + " |",
+      "|" + "---:|" * len(stages),
+      "| " + " | ".join(f"{v:.3f}" for v in stages.values()) + " |",
+    ]
   return "\n".join(lines) + f"\n\n{_figure_line(info, command)}"
 
 
 def _peers(out: Outputs, info, command) -> str:
   rows = info["results"]
   base = next((r for r in rows if r["name"] == "tfdata"), None)
-  lines = ["| loader | images/s | first batch (s) | peak RSS (MB) | throughput vs tf.data |",
-           "|---|---:|---:|---:|---:|"]
+  lines = [
+    "| loader | images/s | first batch (s) | peak RSS (MB) | throughput vs tf.data |",
+    "|---|---:|---:|---:|---:|",
+  ]
   for r in rows:
     ratio = f"x{r['images_per_sec'] / base['images_per_sec']:.2f}" if base else "—"
-    lines.append(f"| {r['name']} | {r['images_per_sec']:.0f} | {r['first_batch_s']:.2f} | "
-                 f"{r['peak_rss_mb']:.0f} | {ratio} |")
+    lines.append(
+      f"| {r['name']} | {r['images_per_sec']:.0f} | {r['first_batch_s']:.2f} | "
+      f"{r['peak_rss_mb']:.0f} | {ratio} |"
+    )
   bars = {r["name"]: r["images_per_sec"] for r in rows}
   ceil = _load(out.work / "ceiling.json")
   if ceil:
-    bars.update({f"ceiling: decode {k} only": v
-                 for k, v in ceil["ceiling_images_per_sec"].items()})
+    bars.update({f"ceiling: decode {k} only": v for k, v in ceil["ceiling_images_per_sec"].items()})
   picture = out.pictures / "throughput.png"
   _bars(picture, "images/s, same photos and augmentation", bars)
-  return ("\n".join(lines) + f"\n\n![throughput]({out.link(picture)})\n\n"
-          + _figure_line(info, command))
+  return (
+    "\n".join(lines) + f"\n\n![throughput]({out.link(picture)})\n\n" + _figure_line(info, command)
+  )
 
 
 def _device(out: Outputs, info, command) -> str:
   names = [k for k in ("host", "host_prefetch", "device") if k in info]
   lines = ["| variant | images/s | first batch (s) |", "|---|---:|---:|"]
-  lines += [f"| {n} | {info[n]['images_per_s']:.0f} | {info[n]['first_batch_s']:.2f} |"
-            for n in names]
-  lines.append(f"\ndevice / host: {info['ratio']:.3f}; device / host_prefetch: "
-               f"{info['transfer_ratio']:.3f}; backend {info['setup']['backend']}, "
-               f"{info['setup']['devices']} device(s).")
+  lines += [
+    f"| {n} | {info[n]['images_per_s']:.0f} | {info[n]['first_batch_s']:.2f} |" for n in names
+  ]
+  lines.append(
+    f"\ndevice / host: {info['ratio']:.3f}; device / host_prefetch: "
+    f"{info['transfer_ratio']:.3f}; backend {info['setup']['backend']}, "
+    f"{info['setup']['devices']} device(s)."
+  )
   return "\n".join(lines) + f"\n\n{_figure_line(info, command)}"
 
 
 def _doctor(out: Outputs, info, command) -> str:
   recs = info["recommendations"]
-  lines = [(f"Bottleneck: **{info['bottleneck']}** ({info['limit']}); measured "
-            f"{info['run']['images_per_sec']:.0f} img/s, model {info['predicted']:.0f} img/s.")]
-  lines += [f"- {r['field']} {r['current']} -> {r['proposed']}: expected "
-            f"{r['expected_images_per_sec']:.0f} img/s (x{r['gain']:.2f})" for r in recs]
+  lines = [
+    (
+      f"Bottleneck: **{info['bottleneck']}** ({info['limit']}); measured "
+      f"{info['run']['images_per_sec']:.0f} img/s, model {info['predicted']:.0f} img/s."
+    )
+  ]
+  lines += [
+    f"- {r['field']} {r['current']} -> {r['proposed']}: expected "
+    f"{r['expected_images_per_sec']:.0f} img/s (x{r['gain']:.2f})"
+    for r in recs
+  ]
   log = (out.work / "doctor.log").read_text()
-  return ("\n".join(lines) + f"\n\n```\n{log.strip()}\n```\n\n"
-          f"![doctor timeline]({out.link(out.pictures / 'doctor_timeline.png')})\n\n"
-          + _figure_line(info, command))
+  return (
+    "\n".join(lines) + f"\n\n```\n{log.strip()}\n```\n\n"
+    f"![doctor timeline]({out.link(out.pictures / 'doctor_timeline.png')})\n\n"
+    + _figure_line(info, command)
+  )
 
 
 def _log_section(out: Outputs, info, command, name) -> str:
@@ -174,21 +210,28 @@ def _log_section(out: Outputs, info, command, name) -> str:
 
 
 def _study(out: Outputs, info, command) -> str:
-  pictures = " ".join(f"![{n}]({out.link(out.study / f'{n}.png')})"
-                      for n in ("naive_chain", "optimized_chain")
-                      if (out.study / f"{n}.png").exists())
+  pictures = " ".join(
+    f"![{n}]({out.link(out.study / f'{n}.png')})"
+    for n in ("naive_chain", "optimized_chain")
+    if (out.study / f"{n}.png").exists()
+  )
   log = (out.work / "study.log").read_text().strip()
   results = out.link(out.study / "RESULTS.md")
-  return (f"{log}\n\n{pictures}\n\nEvery variant's timeline: [{results}]({results}).\n\n"
-          f"{_figure_line(info, command)}")
+  return (
+    f"{log}\n\n{pictures}\n\nEvery variant's timeline: [{results}]({results}).\n\n"
+    f"{_figure_line(info, command)}"
+  )
 
 
 def _bars(path: pathlib.Path, title: str, values: dict[str, float]) -> None:
   fig = figure.Figure(figsize=(9, 0.6 + 0.32 * len(values)))
   ax = fig.subplots()
   names = list(values)[::-1]
-  ax.barh(names, [values[n] for n in names],
-          color=["#bbbbbb" if n.startswith("ceiling") else "#4c72b0" for n in names])
+  ax.barh(
+    names,
+    [values[n] for n in names],
+    color=["#bbbbbb" if n.startswith("ceiling") else "#4c72b0" for n in names],
+  )
   for y, n in enumerate(names):
     ax.text(values[n], y, f" {values[n]:.0f}", va="center", fontsize=8)
   ax.set_title(title)
@@ -205,34 +248,74 @@ def _load(path: pathlib.Path) -> dict | None:
 
 
 STEPS = [
-    Step("ceiling", "Ceiling: the cores' raw JPEG decode rate",
-         lambda a, o: [a.data_dir, "--images", _q(a, 400, 40), "--repeats", _q(a, 2, 1),
-                       "--json", str(o.work / "ceiling.json")], _ceiling),
-    Step("storage", "Storage: one file per image vs ArrayRecord shards",
-         lambda a, o: [a.data_dir, "--repeats", _q(a, 2, 1),
-                       "--json", str(o.work / "storage.json")],
-         _storage),
-    Step("throughput", "Throughput of the pipeline, with the per-stage breakdown",
-         lambda a, o: [a.data_dir, "--epochs", _q(a, 3, 0.5), "--batch-size", _q(a, 128, 16),
-                       "--json", str(o.work / "throughput.json")], _throughput),
-    Step("peers", "Peers: tf.data (tuned per its guide), Grain baseline, PyTorch",
-         lambda a, o: [a.data_dir, "--epochs", _q(a, 3, 0.5), "--batch-size", _q(a, 128, 16),
-                       "--json", str(o.work / "peers.json")], _peers),
-    Step("device", "Device feeding: host pipeline alone vs through device_prefetch",
-         lambda a, o: ["--batches", _q(a, 20, 3), "--rounds", _q(a, 3, 1),
-                       "--batch", _q(a, 128, 16)], _device),
-    Step("convert", "Conversion: images/s and MB/s",
-         lambda a, o: [a.data_dir, "--repeats", _q(a, 2, 1),
-                       "--json", str(o.work / "convert.json")],
-         lambda o, i, c: _log_section(o, i, c, "convert")),
-    Step("study", "The tf.data guide's artificial study on Grain",
-         lambda a, o: ["--out", str(o.study), "--repeats", _q(a, 3, 1),
-                       "--scale", _q(a, 1.0, 0.2)], _study),
-    Step("doctor", "The doctor on the default settings",
-         lambda a, o: [a.data_dir, "--seconds", _q(a, 5, 1), "--sample", _q(a, 128, 16),
-                       "--batch-size", _q(a, 128, 16),
-                       "--timeline", str(o.pictures / "doctor_timeline.png"),
-                       "--json", str(o.work / "doctor.json")], _doctor, module="pipeline.doctor"),
+  Step(
+    "ceiling",
+    "Ceiling: the cores' raw JPEG decode rate",
+    lambda a, o: [
+      a.data_dir,
+      *_flags(a, images=(400, 40), repeats=(2, 1), json=o.work / "ceiling.json"),
+    ],
+    _ceiling,
+  ),
+  Step(
+    "storage",
+    "Storage: one file per image vs ArrayRecord shards",
+    lambda a, o: [a.data_dir, *_flags(a, repeats=(2, 1), json=o.work / "storage.json")],
+    _storage,
+  ),
+  Step(
+    "throughput",
+    "Throughput of the pipeline, with the per-stage breakdown",
+    lambda a, o: [
+      a.data_dir,
+      *_flags(a, epochs=(3, 0.5), batch_size=(128, 16), json=o.work / "throughput.json"),
+    ],
+    _throughput,
+  ),
+  Step(
+    "peers",
+    "Peers: tf.data (tuned per its guide), Grain baseline, PyTorch",
+    lambda a, o: [
+      a.data_dir,
+      *_flags(a, epochs=(3, 0.5), batch_size=(128, 16), json=o.work / "peers.json"),
+    ],
+    _peers,
+  ),
+  Step(
+    "device",
+    "Device feeding: host pipeline alone vs through device_prefetch",
+    lambda a, o: _flags(a, batches=(20, 3), rounds=(3, 1), batch=(128, 16)),
+    _device,
+  ),
+  Step(
+    "convert",
+    "Conversion: images/s and MB/s",
+    lambda a, o: [a.data_dir, *_flags(a, repeats=(2, 1), json=o.work / "convert.json")],
+    lambda o, i, c: _log_section(o, i, c, "convert"),
+  ),
+  Step(
+    "study",
+    "The tf.data guide's artificial study on Grain",
+    lambda a, o: _flags(a, out=o.study, repeats=(3, 1), scale=(1.0, 0.2)),
+    _study,
+  ),
+  Step(
+    "doctor",
+    "The doctor on the default settings",
+    lambda a, o: [
+      a.data_dir,
+      *_flags(
+        a,
+        seconds=(5, 1),
+        sample=(128, 16),
+        batch_size=(128, 16),
+        timeline=o.pictures / "doctor_timeline.png",
+        json=o.work / "doctor.json",
+      ),
+    ],
+    _doctor,
+    module="pipeline.doctor",
+  ),
 ]
 
 
@@ -244,8 +327,14 @@ def run_step(step: Step, args, out: Outputs) -> tuple[dict, str]:
   log = out.work / f"{step.name}.log"
   start = time.perf_counter()
   env = {**os.environ, "TQDM_DISABLE": "1"}
-  proc = subprocess.run([sys.executable, *command[1:]], stdout=subprocess.PIPE,
-                        stderr=subprocess.STDOUT, text=True, check=False, env=env)
+  proc = subprocess.run(
+    [sys.executable, *command[1:]],
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    check=False,
+    env=env,
+  )
   log.write_text(proc.stdout)
   if proc.returncode:
     last = proc.stdout.strip().splitlines()[-1:] or [""]
@@ -261,18 +350,24 @@ def run_step(step: Step, args, out: Outputs) -> tuple[dict, str]:
 
 def _header(args, argv, load: float) -> str:
   try:
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
-                            text=True, check=False).stdout.strip() or "unknown"
+    commit = (
+      subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=False
+      ).stdout.strip()
+      or "unknown"
+    )
   except OSError:
     commit = "unknown"
-  return (f"# Benchmarks\n\nWritten by `python -m pipeline.bench all {' '.join(argv)}` on "
-          f"{datetime.datetime.now().isoformat(timespec='minutes')} (commit {commit}).\n\n"
-          f"Machine: {measure.machine()}; Python {platform.python_version()}, grain "
-          f"{metadata.version('grain')}; load average {load:.1f} at the start (figures from a "
-          "shared machine are noisy: compare ratios within one run, not against other runs).\n"
-          f"Data: `{args.data_dir}`; {_cached(args.data_dir)} of its shards' pages were in the "
-          "page cache at the start (mincore), so every benchmark but storage's cold rows "
-          "reads from a warm cache.\n")
+  return (
+    f"# Benchmarks\n\nWritten by `python -m pipeline.bench all {' '.join(argv)}` on "
+    f"{datetime.datetime.now().isoformat(timespec='minutes')} (commit {commit}).\n\n"
+    f"Machine: {measure.machine()}; Python {platform.python_version()}, grain "
+    f"{metadata.version('grain')}; load average {load:.1f} at the start (figures from a "
+    "shared machine are noisy: compare ratios within one run, not against other runs).\n"
+    f"Data: `{args.data_dir}`; {_cached(args.data_dir)} of its shards' pages were in the "
+    "page cache at the start (mincore), so every benchmark but storage's cold rows "
+    "reads from a warm cache.\n"
+  )
 
 
 def _cached(data_dir: str) -> str:
@@ -289,48 +384,80 @@ def _summary(out: pathlib.Path) -> str:
   lines = []
   tp, ceil = _load(out / "throughput.json"), _load(out / "ceiling.json")
   if tp:
-    share = (f", {tp['images_per_sec'] / ceil['ceiling_images_per_sec']['1/1']:.0%} of the "
-             "cores' raw full-decode rate" if ceil else "")
-    lines.append(f"- Pipeline: {tp['images_per_sec']:.0f} img/s{share}; first batch "
-                 f"{tp['first_batch_s']:.2f} s; peak RSS {tp['peak_rss_mb']:.0f} MB.")
+    share = (
+      f", {tp['images_per_sec'] / ceil['ceiling_images_per_sec']['1/1']:.0%} of the "
+      "cores' raw full-decode rate"
+      if ceil
+      else ""
+    )
+    lines.append(
+      f"- Pipeline: {tp['images_per_sec']:.0f} img/s{share}; first batch "
+      f"{tp['first_batch_s']:.2f} s; peak RSS {tp['peak_rss_mb']:.0f} MB."
+    )
   peers = _load(out / "peers.json")
   by = {r["name"]: r for r in peers["results"]} if peers else {}
   if "pipeline" in by and "tfdata" in by:
     a, b = by["pipeline"], by["tfdata"]
-    lines.append(f"- vs tf.data tuned per its guide: throughput x"
-                 f"{a['images_per_sec'] / b['images_per_sec']:.2f}, first batch x"
-                 f"{a['first_batch_s'] / b['first_batch_s']:.2f}, peak RSS x"
-                 f"{a['peak_rss_mb'] / b['peak_rss_mb']:.2f}.")
+    lines.append(
+      f"- vs tf.data tuned per its guide: throughput x"
+      f"{a['images_per_sec'] / b['images_per_sec']:.2f}, first batch x"
+      f"{a['first_batch_s'] / b['first_batch_s']:.2f}, peak RSS x"
+      f"{a['peak_rss_mb'] / b['peak_rss_mb']:.2f}."
+    )
   st = _load(out / "storage.json")
   if st:
-    cold = {r["reader"]: r["records_per_sec"] for r in st["rows"]
-            if r["cache"] == "cold" and r["order"] == "random"}
-    lines.append("- Random reads, cold cache (records/s): " + "; ".join(
-        f"{k}: {v:.0f}" for k, v in cold.items()) + ".")
+    cold = {
+      r["reader"]: r["records_per_sec"]
+      for r in st["rows"]
+      if r["cache"] == "cold" and r["order"] == "random"
+    }
+    lines.append(
+      "- Random reads, cold cache (records/s): "
+      + "; ".join(f"{k}: {v:.0f}" for k, v in cold.items())
+      + "."
+    )
   doc = _load(out / "doctor.json")
   if doc:
-    recs = "; ".join(f"{r['field']} {r['current']} -> {r['proposed']} (x{r['gain']:.2f})"
-                     for r in doc["recommendations"]) or "no change"
+    recs = (
+      "; ".join(
+        f"{r['field']} {r['current']} -> {r['proposed']} (x{r['gain']:.2f})"
+        for r in doc["recommendations"]
+      )
+      or "no change"
+    )
     lines.append(f"- Doctor: bottleneck {doc['bottleneck']}; recommends {recs}.")
   study = out / "study.log"
   if study.exists():
-    lines += [f"- Study: {x}" for x in study.read_text().splitlines()
-              if x.startswith("Optimized chain")]
+    lines += [
+      f"- Study: {x}" for x in study.read_text().splitlines() if x.startswith("Optimized chain")
+    ]
   return "## Summary\n\n" + "\n".join(lines) + "\n" if lines else ""
 
 
 def main(argv: list[str]) -> pathlib.Path:
-  p = argparse.ArgumentParser(prog="python -m pipeline.bench all", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m pipeline.bench all",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("data_dir", help="a converted dataset, e.g. data/photos (make data)")
-  p.add_argument("--out", default="runs/bench",
-                 help="directory for the JSON figures and logs, and (without --refresh) "
-                 "REPORT.md, the pictures and the study (default: runs/bench)")
-  p.add_argument("--refresh", action="store_true",
-                 help="rewrite the committed report: bench/REPORT.md, docs/bench/*.png and "
-                 "docs/study/ (every benchmark, full size)")
-  p.add_argument("--only", default=",".join(s.name for s in STEPS),
-                 help="comma-separated subset of: " + ", ".join(s.name for s in STEPS))
+  p.add_argument(
+    "--out",
+    default="runs/bench",
+    help="directory for the JSON figures and logs, and (without --refresh) "
+    "REPORT.md, the pictures and the study (default: runs/bench)",
+  )
+  p.add_argument(
+    "--refresh",
+    action="store_true",
+    help="rewrite the committed report: bench/REPORT.md, docs/bench/*.png and "
+    "docs/study/ (every benchmark, full size)",
+  )
+  p.add_argument(
+    "--only",
+    default=",".join(s.name for s in STEPS),
+    help="comma-separated subset of: " + ", ".join(s.name for s in STEPS),
+  )
   p.add_argument("--quick", action="store_true", help="tiny sizes: checks the plumbing only")
   args = p.parse_args(argv)
   names = [n.strip() for n in args.only.split(",") if n.strip()]
@@ -338,8 +465,10 @@ def main(argv: list[str]) -> pathlib.Path:
   if unknown:
     p.error(f"unknown benchmarks {unknown}")
   if args.refresh and (args.quick or len(names) < len(STEPS)):
-    p.error("--refresh rewrites the whole committed report: run every benchmark at full "
-            "size (without --quick and --only)")
+    p.error(
+      "--refresh rewrites the whole committed report: run every benchmark at full "
+      "size (without --quick and --only)"
+    )
   out = Outputs.at(pathlib.Path(args.out), args.refresh)
   for folder in (out.work, out.report.parent, out.pictures):
     folder.mkdir(parents=True, exist_ok=True)

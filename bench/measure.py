@@ -30,8 +30,10 @@ class Result:
   seconds: float
 
   def row(self) -> str:
-    return (f"{self.name:28s} {self.images_per_sec:9.0f} img/s   first batch "
-            f"{self.first_batch_s:6.2f} s   peak RSS {self.peak_rss_mb:7.0f} MB")
+    return (
+      f"{self.name:28s} {self.images_per_sec:9.0f} img/s   first batch "
+      f"{self.first_batch_s:6.2f} s   peak RSS {self.peak_rss_mb:7.0f} MB"
+    )
 
 
 class RssSampler:
@@ -69,8 +71,9 @@ class RssSampler:
     self.peak = max(self.peak, self._sample())
 
 
-def run(name: str, make_iterator: Callable[[], Iterator], batch_size: int,
-        num_images: int) -> Result:
+def run(
+  name: str, make_iterator: Callable[[], Iterator], batch_size: int, num_images: int
+) -> Result:
   """Times `num_images` images (after the first batch) from a fresh iterator."""
   with RssSampler() as rss:
     start = time.perf_counter()
@@ -90,10 +93,12 @@ def run(name: str, make_iterator: Callable[[], Iterator], batch_size: int,
 
 def machine() -> str:
   """A line naming the machine, printed beside every figure."""
-  return (f"{platform.node()}: {psutil.cpu_count()} CPUs "
-          f"({len(psutil.Process().cpu_affinity())} usable), "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
-          f"{platform.processor() or platform.machine()}")
+  return (
+    f"{platform.node()}: {psutil.cpu_count()} CPUs "
+    f"({len(psutil.Process().cpu_affinity())} usable), "
+    f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
+    f"{platform.processor() or platform.machine()}"
+  )
 
 
 def write_json(path, payload) -> None:

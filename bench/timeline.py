@@ -22,6 +22,7 @@ from matplotlib import figure, patches
 @dataclasses.dataclass(frozen=True)
 class Event:
   """One piece of work: `stage` ran on `worker` from `start` to `end` (perf_counter s)."""
+
   stage: str
   worker: str
   start: float
@@ -105,8 +106,13 @@ def draw(events: Sequence[Event], path: str | os.PathLike[str], title: str) -> N
   for (worker, stage), spans in bars.items():
     row = len(workers) - 1 - workers.index(worker)
     # Bar edges would hide dense rows.
-    ax.broken_barh(spans, (row + 0.1, 0.8), color=colors(stages.index(stage) % 10),
-                   edgecolor="black", linewidth=0.3 if len(spans) < 300 else 0)
+    ax.broken_barh(
+      spans,
+      (row + 0.1, 0.8),
+      color=colors(stages.index(stage) % 10),
+      edgecolor="black",
+      linewidth=0.3 if len(spans) < 300 else 0,
+    )
   ax.set_yticks([row + 0.5 for row in range(len(workers))], workers[::-1])
   ax.set_ylim(0, len(workers))
   ax.set_xlim(0, end * 1.01)

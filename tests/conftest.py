@@ -79,7 +79,13 @@ def run_python():
   exit status."""
 
   def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, "TQDM_DISABLE": "1"})
+    return subprocess.run(
+      [sys.executable, *args],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      env={**os.environ, "TQDM_DISABLE": "1"},
+    )
 
   return run

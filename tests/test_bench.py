@@ -20,8 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_ceiling_decodes_every_image_whole_and_scaled(photos_dir, tmp_path):
   out = tmp_path / "ceiling.json"
-  result = ceiling.main([str(photos_dir), "--images", "8", "--repeats", "1", "--threads", "2",
-                         "--json", str(out)])
+  result = ceiling.main(
+    [str(photos_dir), "--images", "8", "--repeats", "1", "--threads", "2", "--json", str(out)]
+  )
   assert result["images"] == 8 and result["mean_megapixels"] > 0.1
   combos = {(r["decoder"], r["scale"], r["threads"]) for r in result["rows"]}
   assert combos == {(d, s, t) for d in ceiling.decoders() for s in ("1/1", "1/2") for t in (1, 2)}
@@ -34,9 +35,21 @@ def test_ceiling_decodes_every_image_whole_and_scaled(photos_dir, tmp_path):
 def test_storage_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_path):
   work = tmp_path / "tmp"
   work.mkdir()
-  result = storage.main([str(photos_dir), "--repeats", "1", "--batch-size", "8",
-                         "--threads", "2", "--tmp-dir", str(work), "--json",
-                         str(tmp_path / "s.json")])
+  result = storage.main(
+    [
+      str(photos_dir),
+      "--repeats",
+      "1",
+      "--batch-size",
+      "8",
+      "--threads",
+      "2",
+      "--tmp-dir",
+      str(work),
+      "--json",
+      str(tmp_path / "s.json"),
+    ]
+  )
   assert list(work.iterdir()) == []  # the one-file-per-image copy is gone
   rows = result["rows"]
   assert len(rows) == 4 * 2 * 2  # readers x orders x cache states
@@ -60,8 +73,19 @@ def test_page_cache_share_follows_reads_and_eviction(tmp_path):
 
 
 def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
-  out = throughput.main([str(photos_dir), "--epochs", "0.5", "--batch-size", "8",
-                         "--image-size", "64", "--json", str(tmp_path / "t.json")])
+  out = throughput.main(
+    [
+      str(photos_dir),
+      "--epochs",
+      "0.5",
+      "--batch-size",
+      "8",
+      "--image-size",
+      "64",
+      "--json",
+      str(tmp_path / "t.json"),
+    ]
+  )
   assert out["images_per_sec"] > 0 and out["first_batch_s"] > 0 and out["peak_rss_mb"] > 0
   assert out["images"] >= 24
   stages = out["stages_ms_per_image"]
@@ -71,8 +95,21 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
 
 def test_peers_runs_each_contender_in_its_own_process(photos_dir, tmp_path):
   out = tmp_path / "p.json"
-  results = peers.main([str(photos_dir), "--loaders", "pipeline", "--epochs", "0.5",
-                        "--batch-size", "8", "--image-size", "64", "--json", str(out)])
+  results = peers.main(
+    [
+      str(photos_dir),
+      "--loaders",
+      "pipeline",
+      "--epochs",
+      "0.5",
+      "--batch-size",
+      "8",
+      "--image-size",
+      "64",
+      "--json",
+      str(out),
+    ]
+  )
   assert [r["name"] for r in results] == ["pipeline"]
   assert results[0]["images_per_sec"] > 0
   assert results[0]["command"].startswith("python -m pipeline.bench throughput")  # a child
@@ -82,14 +119,36 @@ def test_peers_runs_each_contender_in_its_own_process(photos_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="peers extra")
 def test_peers_tfdata_reads_the_same_records(photos_dir):
-  results = peers.main([str(photos_dir), "--loaders", "tfdata", "--epochs", "0.5",
-                        "--batch-size", "8", "--image-size", "64"])
+  results = peers.main(
+    [
+      str(photos_dir),
+      "--loaders",
+      "tfdata",
+      "--epochs",
+      "0.5",
+      "--batch-size",
+      "8",
+      "--image-size",
+      "64",
+    ]
+  )
   assert results and results[0]["name"] == "tfdata" and results[0]["images_per_sec"] > 0
 
 
 def test_device_bench_prints_its_figures(run_python):
-  proc = run_python("-m", "pipeline.bench", "device", "--source", "premade", "--batches", "2",
-                    "--rounds", "1", "--batch", "4")
+  proc = run_python(
+    "-m",
+    "pipeline.bench",
+    "device",
+    "--source",
+    "premade",
+    "--batches",
+    "2",
+    "--rounds",
+    "1",
+    "--batch",
+    "4",
+  )
   assert proc.returncode == 0, proc.stderr
   figures = json.loads(proc.stdout.strip().splitlines()[-1])
   assert figures["host"]["images_per_s"] > 0 and figures["device"]["images_per_s"] > 0
@@ -116,8 +175,9 @@ def pictures(markdown: pathlib.Path) -> list[pathlib.Path]:
 def test_all_writes_a_report_with_machine_and_command_beside_every_figure(photos_dir, tmp_path):
   out = tmp_path / "bench"
   names = ["ceiling", "throughput", "doctor"]
-  report = bench_all.main([str(photos_dir), "--out", str(out), "--quick",
-                           "--only", ",".join(names)]).read_text()
+  report = bench_all.main(
+    [str(photos_dir), "--out", str(out), "--quick", "--only", ",".join(names)]
+  ).read_text()
   check_report(report, names)
   assert "of the cores' raw full-decode rate" in report  # throughput quoted against ceiling
   assert "- Doctor: bottleneck " in report
@@ -138,8 +198,9 @@ def test_all_runs_every_benchmark(photos_dir, tmp_path):
 
 def test_all_reports_a_failing_benchmark_and_goes_on(tmp_path):
   out = tmp_path / "bench"
-  report = bench_all.main([str(tmp_path / "missing"), "--out", str(out),
-                           "--only", "ceiling"]).read_text()
+  report = bench_all.main(
+    [str(tmp_path / "missing"), "--out", str(out), "--only", "ceiling"]
+  ).read_text()
   assert "Not reported: ceiling failed (exit 1): " in report
   assert "manifest.json not found" in report.split("Not reported: ")[1].split("\n")[0]
   assert "manifest.json not found" in (out / "ceiling.log").read_text()
@@ -171,9 +232,13 @@ def test_committed_pictures_are_pngs_under_docs_and_every_shown_one_exists():
   shown = [p for page in pages for p in pictures(page)]
   assert shown and all(p.is_file() for p in shown), [p for p in shown if not p.is_file()]
   generated = {".git", ".venv", "data", "runs", "build"}  # not in the repository
-  kept = [p for top in ROOT.iterdir() if top.name not in generated
-          for p in ([top] if top.is_file() else top.rglob("*"))
-          if p.suffix.lower() in (".png", ".svg", ".jpg", ".jpeg", ".gif")]
+  kept = [
+    p
+    for top in ROOT.iterdir()
+    if top.name not in generated
+    for p in ([top] if top.is_file() else top.rglob("*"))
+    if p.suffix.lower() in (".png", ".svg", ".jpg", ".jpeg", ".gif")
+  ]
   assert kept and all(p.suffix == ".png" and p.is_relative_to(ROOT / "docs") for p in kept), kept
 
 
@@ -193,8 +258,18 @@ def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_pyth
   proc = run_python("-c", "import sys, pipeline; print(*sorted(sys.modules))")
   loaded = {name.split(".")[0] for name in proc.stdout.split()}
   assert proc.returncode == 0 and "pipeline" in loaded
-  tools = {"bench", "train", "configs", "matplotlib", "sklearn", "skimage", "tensorboardX",
-           "flax", "optax", "ml_collections"}
+  tools = {
+    "bench",
+    "train",
+    "configs",
+    "matplotlib",
+    "sklearn",
+    "skimage",
+    "tensorboardX",
+    "flax",
+    "optax",
+    "ml_collections",
+  }
   assert not loaded & tools, loaded & tools
 
 

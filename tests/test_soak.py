@@ -46,8 +46,9 @@ def _is_worker(process: psutil.Process) -> bool:
   return "multiprocessing.spawn import spawn_main" in " ".join(process.cmdline())
 
 
-def soak(data_dir, seconds: float, *, num_workers: int, restart_every_s: float
-         ) -> tuple[list[Sample], Sample]:
+def soak(
+  data_dir, seconds: float, *, num_workers: int, restart_every_s: float
+) -> tuple[list[Sample], Sample]:
   """Trains for `seconds`, restarting from the saved state and evaluating every round.
 
   Returns the samples taken while training and one taken after everything was closed.
@@ -59,21 +60,33 @@ def soak(data_dir, seconds: float, *, num_workers: int, restart_every_s: float
     rss = fds = threads = workers = 0
     for p in [me] + me.children(recursive=True):
       try:
-        rss, fds, threads = (rss + p.memory_info().rss, fds + p.num_fds(),
-                             threads + p.num_threads())
+        rss, fds, threads = (
+          rss + p.memory_info().rss,
+          fds + p.num_fds(),
+          threads + p.num_threads(),
+        )
         workers += p != me and _is_worker(p)
       except psutil.NoSuchProcess:
         pass
-    return Sample(time.monotonic() - start, batches, rss / 2**20, fds, threads, workers,
-                  len(_shm() - shm_before))
+    return Sample(
+      time.monotonic() - start,
+      batches,
+      rss / 2**20,
+      fds,
+      threads,
+      workers,
+      len(_shm() - shm_before),
+    )
 
   def train():
-    return pipeline.make_dataset(data_dir,
-                                 batch_size=BATCH,
-                                 image_size=24,
-                                 shard_index=0,
-                                 shard_count=1,
-                                 performance=dict(num_threads=2, num_workers=num_workers))
+    return pipeline.make_dataset(
+      data_dir,
+      batch_size=BATCH,
+      image_size=24,
+      shard_index=0,
+      shard_count=1,
+      performance=dict(num_threads=2, num_workers=num_workers),
+    )
 
   start, batches, samples = time.monotonic(), 0, []
   it = iter(train())
@@ -88,14 +101,18 @@ def soak(data_dir, seconds: float, *, num_workers: int, restart_every_s: float
     it.close()
     it = iter(train())
     it.set_state(state)
-    evaluation = iter(pipeline.make_dataset(data_dir,
-                                            "validation",
-                                            batch_size=BATCH,
-                                            train=False,
-                                            image_size=24,
-                                            shard_index=0,
-                                            shard_count=1,
-                                            performance=dict(num_threads=2)))
+    evaluation = iter(
+      pipeline.make_dataset(
+        data_dir,
+        "validation",
+        batch_size=BATCH,
+        train=False,
+        image_size=24,
+        shard_index=0,
+        shard_count=1,
+        performance=dict(num_threads=2),
+      )
+    )
     assert sum(int(b["mask"].sum()) for b in evaluation) == 60
     evaluation.close()
   it.close()
@@ -109,17 +126,17 @@ def assert_flat(samples: list[Sample]) -> None:
   """The last quarter may not exceed the second (after warm-up) by more than the bounds."""
   q = len(samples) // 4
   assert q >= 3, f"only {len(samples)} samples"
-  warm, late = samples[q:2 * q], samples[-q:]
+  warm, late = samples[q : 2 * q], samples[-q:]
 
   def peak(window, field):
     return max(getattr(s, field) for s in window)
 
-  rss_growth = (statistics.median(s.rss_mb for s in late)
-                - statistics.median(s.rss_mb for s in warm))
+  rss_growth = statistics.median(s.rss_mb for s in late) - statistics.median(s.rss_mb for s in warm)
   assert rss_growth <= RSS_BOUND_MB, samples
   # Medians for file descriptors: a restart briefly holds the old and new workers' pipes.
-  assert (statistics.median(s.fds for s in late)
-          <= statistics.median(s.fds for s in warm) + FD_BOUND), samples
+  assert (
+    statistics.median(s.fds for s in late) <= statistics.median(s.fds for s in warm) + FD_BOUND
+  ), samples
   assert peak(late, "threads") <= peak(warm, "threads") + THREAD_BOUND, samples
   assert peak(late, "workers") <= peak(warm, "workers"), samples
   assert peak(late, "shm") <= peak(warm, "shm") + SHM_BOUND, samples
@@ -127,10 +144,12 @@ def assert_flat(samples: list[Sample]) -> None:
 
 def summary(samples: list[Sample], num_records: int) -> str:
   first, last = samples[0], samples[-1]
-  return (f"{last.seconds:.0f} s, {last.batches * BATCH / num_records:.0f} epochs; "
-          f"RSS {first.rss_mb:.0f}->{last.rss_mb:.0f} MiB (peak "
-          f"{max(s.rss_mb for s in samples):.0f}), fds {first.fds}->{last.fds}, threads "
-          f"{first.threads}->{last.threads}, workers {last.workers}, new shm {last.shm}")
+  return (
+    f"{last.seconds:.0f} s, {last.batches * BATCH / num_records:.0f} epochs; "
+    f"RSS {first.rss_mb:.0f}->{last.rss_mb:.0f} MiB (peak "
+    f"{max(s.rss_mb for s in samples):.0f}), fds {first.fds}->{last.fds}, threads "
+    f"{first.threads}->{last.threads}, workers {last.workers}, new shm {last.shm}"
+  )
 
 
 def test_short_soak_with_thread_decoding_stays_flat(digits_dir):

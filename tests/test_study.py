@@ -11,8 +11,13 @@ from PIL import Image
 from bench import study, timeline
 
 # The guide's study with every cost halved and smaller chains: about 3 s for all of it.
-SMALL = dataclasses.replace(study.Params().scaled(0.5), chain_records=10, chain_epochs=2,
-                            fast_elements=2000, picture_elements=256)
+SMALL = dataclasses.replace(
+  study.Params().scaled(0.5),
+  chain_records=10,
+  chain_epochs=2,
+  fast_elements=2000,
+  picture_elements=256,
+)
 
 
 def fastest(name: str, repeats: int = 2) -> tuple[float, list[timeline.Event]]:
@@ -35,15 +40,15 @@ def records(files: dict[int, int], epochs: int) -> collections.Counter:
 
 P = SMALL
 EXPECTED_TRAINING = {
-    "naive": records({0: P.records}, P.epochs),
-    "prefetch": records({0: P.records}, P.epochs),
-    "sequential_interleave": records(dict(enumerate(study.GUIDE_INTERLEAVE_SIZES)), P.epochs),
-    "parallel_interleave": records(dict(enumerate(study.GUIDE_INTERLEAVE_SIZES)), P.epochs),
-    "sequential_map": records({0: P.records}, P.epochs),
-    "parallel_map": records({0: P.records}, P.epochs),
-    "cache": records({0: P.records}, P.cache_epochs),
-    "naive_chain": records({0: P.chain_records, 1: P.chain_records}, P.chain_epochs),
-    "optimized_chain": records({0: P.chain_records, 1: P.chain_records}, P.chain_epochs),
+  "naive": records({0: P.records}, P.epochs),
+  "prefetch": records({0: P.records}, P.epochs),
+  "sequential_interleave": records(dict(enumerate(study.GUIDE_INTERLEAVE_SIZES)), P.epochs),
+  "parallel_interleave": records(dict(enumerate(study.GUIDE_INTERLEAVE_SIZES)), P.epochs),
+  "sequential_map": records({0: P.records}, P.epochs),
+  "parallel_map": records({0: P.records}, P.epochs),
+  "cache": records({0: P.records}, P.cache_epochs),
+  "naive_chain": records({0: P.chain_records, 1: P.chain_records}, P.chain_epochs),
+  "optimized_chain": records({0: P.chain_records, 1: P.chain_records}, P.chain_epochs),
 }
 
 
@@ -92,8 +97,12 @@ def test_sequential_variants_do_all_their_work_on_the_main_thread():
 def test_cache_reads_and_maps_only_in_the_first_epoch():
   _, events = fastest("cache", repeats=1)
   stages = collections.Counter(e.stage for e in events)
-  assert stages == {"open": 1, "read": P.records, "map": P.records,
-                    "train": P.records * P.cache_epochs}
+  assert stages == {
+    "open": 1,
+    "read": P.records,
+    "map": P.records,
+    "train": P.records * P.cache_epochs,
+  }
 
 
 def test_vectorized_map_maps_once_per_batch_and_scalar_map_once_per_element():
@@ -152,8 +161,18 @@ def test_draw_writes_a_png_with_one_row_per_worker(tmp_path):
 
 
 def test_cli_writes_results_table_and_timelines(tmp_path, capsys):
-  study.main(["--out", str(tmp_path), "--scale", "0.2", "--repeats", "1",
-              "--variants", "naive,parallel_interleave"])
+  study.main(
+    [
+      "--out",
+      str(tmp_path),
+      "--scale",
+      "0.2",
+      "--repeats",
+      "1",
+      "--variants",
+      "naive,parallel_interleave",
+    ]
+  )
   results = (tmp_path / "RESULTS.md").read_text()
   assert "| naive |" in results and "| parallel_interleave |" in results
   assert "--scale 0.2" in results
