@@ -45,7 +45,7 @@ format: $(STAMP)  ## rewrite the sources in the project's format
 	$(PY) -m ruff check --fix --select I $(SOURCES)
 
 lint: $(STAMP)  ## format and lint checks; pylint is not run, so no pylint comments either
-	$(PY) -m ruff format --check $(SOURCES)
+	$(PY) -m ruff format --check --output-format concise $(SOURCES)
 	$(PY) -m ruff check $(SOURCES)
 	@! grep -rn --include='*.py' 'pylint:' $(SOURCES) || (echo "pylint comments: pylint is not run"; false)
 
