@@ -25,16 +25,13 @@ LOADERS = ("pipeline", "grain-baseline", "tfdata", "torch")
 
 def stage_breakdown(data_dir: str, split: str, image_size: int, sample: int = 256) -> dict:
   """Milliseconds per image for each stage run alone on one thread."""
-  from pipeline.dataset import Transform
-
   meta = manifest_lib.load(data_dir)
   source = ShardedSource(
     meta.shard_paths(data_dir, split), [s.num_records for s in meta.splits[split].shards]
   )
   n = min(sample, len(source))
   idx = np.random.default_rng(0).permutation(len(source))[:n].tolist()
-  rng = np.random.default_rng(0)
-  t = Transform(image_size=image_size)
+  head = augment.Head(image_size=image_size)
   ms = {}
 
   def timed(name, fn, items):
@@ -47,14 +44,18 @@ def stage_breakdown(data_dir: str, split: str, image_size: int, sample: int = 25
   recs = source.read(idx)  # batched, as the pipeline reads
   ms["read"] = (time.perf_counter() - start) / n * 1e3
   parsed = timed("parse", lambda r: records.parse(r, meta.keys)[0], recs)
-  boxes = timed("crop_choice", lambda d: t.box(*decode.image_size(d), rng), parsed)
+  keys = iter(range(n))
+  boxes = timed(
+    "crop_choice", lambda d: head.box(*decode.image_size(d), augment.example_key(0, 0, next(keys))),
+    parsed,
+  )
   crops = timed(
     "decode",
     lambda db: decode.decode_crop(db[0], db[1], augment.dct_scale(db[1], image_size)),
     list(zip(parsed, boxes)),
   )
   timed("decode_full_image", decode.decode, parsed)
-  outs = timed("resize_flip", lambda c: augment.flip_lr(augment.resize(c, image_size)), crops)
+  outs = timed("resize_flip", lambda c: augment.resize(c[:, ::-1], image_size), crops)
   start = time.perf_counter()
   np.stack(outs)
   ms["batch"] = (time.perf_counter() - start) / n * 1e3
