@@ -26,7 +26,7 @@ _LAZY = {"device_prefetch": "device", "normalize_images": "device", "input": "in
 def __getattr__(name: str):
   """Device feeding imports JAX, so it loads on first use (workers stay light)."""
   if name in _LAZY:
-    import importlib  # pylint: disable=g-import-not-at-top
+    import importlib
 
     return getattr(importlib.import_module(f"pipeline.{_LAZY[name]}"), name)
   raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
