@@ -87,11 +87,13 @@ def main(argv: list[str] | None = None) -> int:
                      "there first, or pass --make-digits N\n")
     make_digits(args.data_dir, args.make_digits)
 
+  filename = pipeline.Feature("image/filename", dtype="bytes", max_bytes=64)
   common = dict(global_batch_size=args.batch_size, image_size=args.image_size,
-                normalize="minus_one_one", features={"filename": "image/filename"})
+                normalize="minus_one_one", features={"filename": filename})
+  num_classes = pipeline.load_manifest(args.data_dir).num_classes
   train = pipeline.input(args.data_dir, "train", **common,
-                         image_ops=["color_jitter(0.3, 0.3, 0.3)", cutout],
-                         batch_ops="mixup(0.2)")  # num_classes comes from the manifest
+                         ops=[pipeline.ColorJitter(0.3, 0.3, 0.3), cutout],
+                         batch_ops=[pipeline.Mixup(0.2, num_classes)])
   val = pipeline.input(args.data_dir, "validation", **common)
 
   model = SmallCNN(train.num_classes, nnx.Rngs(0))

@@ -64,35 +64,17 @@ def _name(op) -> str:
   return getattr(op, "__name__", None) or type(op).__name__
 
 
-def _describe(x: np.ndarray) -> str:
-  return f"{x.dtype}{list(x.shape)}"
-
-
-def apply(image_ops: Sequence[ImageOp], image: np.ndarray, rng: np.random.Generator,
-          out: np.ndarray | None = None) -> np.ndarray:
-  """Runs `image_ops` in order on one image; with `out` (its slot of the batch array) writes
-  the result there and checks it has the slot's shape and dtype, as every image must."""
+def apply(image_ops: Sequence[ImageOp], image: np.ndarray,
+          rng: np.random.Generator) -> np.ndarray:
+  """Runs `image_ops` in order on one image. They may change its shape and dtype, but the
+  loader stacks a batch's images, so every image must come out alike."""
   for op in image_ops:
     result = op(image, rng)
     if not isinstance(result, np.ndarray):
       raise OpError(f"image op {_name(op)} returned {type(result).__name__}, not a numpy "
                     "array (an op returns the new image)")
     image = result
-  if out is not None:
-    if image.shape != out.shape or image.dtype != out.dtype:
-      raise OpError(f"image ops returned {_describe(image)} for one image and "
-                    f"{_describe(out)} for another: every image of a batch must come out "
-                    "with the same shape and dtype")
-    out[...] = image
-    return out
   return image
-
-
-def output_like(image_ops: Sequence[ImageOp], image_size: int, channels: int = 3) -> np.ndarray:
-  """What `image_ops` make of a uint8 image of the output size (a zero image, a fixed
-  generator): the shape and dtype to allocate a batch of their results with."""
-  image = np.zeros((image_size, image_size, channels), np.uint8)
-  return apply(image_ops, image, example_rng(0, 0, 0))
 
 
 def apply_batch(batch_ops: Sequence[BatchOp], batch: Mapping[str, np.ndarray],
@@ -229,7 +211,8 @@ class ColorJitter:
 
   def __call__(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-      raise OpError(f"color_jitter needs uint8 HxWx3 RGB images, got {_describe(image)}")
+      raise OpError(f"color_jitter needs uint8 HxWx3 RGB images, got "
+                    f"{image.dtype}{list(image.shape)}")
     # Every draw happens whatever is switched off, so one setting never shifts another's.
     factors = [rng.uniform(max(0.0, 1 - x), 1 + x)
                for x in (self.brightness, self.contrast, self.saturation)]

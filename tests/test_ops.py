@@ -94,23 +94,15 @@ def test_ops_run_in_order_and_may_change_shape_and_dtype():
   scale = lambda image, rng: image.astype(np.float32) / 255
   out = ops.apply([crop, scale], photo(0), ops.example_rng(0, 0, 0))
   assert out.shape == (8, 8, 3) and out.dtype == np.float32
-  like = ops.output_like([crop, scale], image_size=24)
-  assert like.shape == (8, 8, 3) and like.dtype == np.float32
-  slot = np.zeros((8, 8, 3), np.float32)
-  ops.apply([crop, scale], photo(0), ops.example_rng(0, 0, 0), out=slot)
-  np.testing.assert_array_equal(slot, out)
+  np.testing.assert_array_equal(out, photo(0)[:8, :8] / np.float32(255))
 
 
-def test_op_contract_breaches_name_the_op():
+def test_an_op_that_returns_no_array_is_named():
   def in_place(image, rng):
     image[:] = 0
 
   with pytest.raises(ops.OpError, match="in_place returned NoneType"):
     ops.apply([in_place], photo(0), ops.example_rng(0, 0, 0))
-  odd = lambda image, rng: image[: int(rng.integers(4, 8))]
-  slot = np.zeros((24, 24, 3), np.uint8)
-  with pytest.raises(ops.OpError, match="same shape and dtype"):
-    ops.apply([odd], photo(0), ops.example_rng(0, 0, 0), out=slot)
 
 
 def batch_of(rows: int, num_classes: int, mask=None) -> dict:
