@@ -109,7 +109,8 @@ class _PilTransform:
 
     data, label, _ = records.parse(record, self.keys)
     im = Image.open(io.BytesIO(data)).convert("RGB")
-    y, x, h, w = augment.random_resized_crop_box(im.height, im.width, rng)
+    key = int(rng.integers(2**63))
+    y, x, h, w = augment.random_resized_crop_box(im.height, im.width, key)
     im = im.resize((self.size, self.size), Image.BILINEAR, box=(x, y, x + w, y + h))
     if rng.random() < 0.5:
       im = im.transpose(Image.FLIP_LEFT_RIGHT)
