@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pipeline.convert import images, verify
+from pipeline.convert import images, shards, verify
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--shard-size-mb", "0.5", "--val-fraction", "0.1", "--no-progress"]
@@ -80,7 +80,9 @@ def test_disk_full_fails_clearly_leaves_nothing_complete_looking_and_resumes(big
   assert "File too large" in full.stderr or "No space" in full.stderr, full.stderr[-2000:]
   assert "Traceback" not in full.stderr and "re-run the same command" in full.stderr
   assert not (out / "manifest.json").exists()
-  listed = [p for p in out.glob("*.array_record-*") if not p.name.startswith(".")]
+  assert not list(out.glob("*.array_record-*"))  # nothing is swapped into OUT before the end
+  listed = [p for p in (out / shards.BUILD_DIR).glob("*.array_record-*")
+            if not p.name.startswith(".")]
   for shard in listed:  # whatever was renamed into place is a complete shard; the rest
     # (the shard being written) stays under a hidden temporary name
     assert shard.read_bytes() == (whole / shard.name).read_bytes(), shard.name

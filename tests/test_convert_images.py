@@ -173,16 +173,17 @@ def test_bad_inputs_are_skipped_with_reasons_and_odd_ones_reencoded(messy, tmp_p
   assert skipped["dog/link_out.jpg"].startswith("symlink outside the source folder")
   assert skipped["empty_class/"] == "empty class folder"
   assert skipped["stray.jpg"] == "not in a class folder"
-  assert len(skipped) == 9
+  assert skipped["dog/link_in.jpg"].startswith("same file as cat/good.jpg in class cat")
+  assert len(skipped) == 10
   assert m.classes == ["cat", "dog", "empty_class"]
 
   stored = {f: (image, label) for image, label, f in read_split(tmp_path / "out", "train")}
   assert sorted(stored) == ["cat/cmyk.jpg", "cat/good.jpg", "cat/gray.jpg", "cat/png_named.jpg",
                             "cat/progressive.jpg", "cat/real.png", "cat/rotated.jpg",
-                            "dog/link_in.jpg", "dog/ok.jpg"]
+                            "dog/ok.jpg"]
   for name in ("cat/good.jpg", "cat/gray.jpg", "cat/progressive.jpg", "cat/rotated.jpg"):
     assert stored[name][0] == (messy / name).read_bytes()  # untouched, EXIF tag and all
-  assert stored["dog/link_in.jpg"] == ((messy / "cat/good.jpg").read_bytes(), 1)
+  assert stored["cat/good.jpg"][1] == 0  # its one label, not also dog's through the link
   reencoded = {r["path"]: r["reason"] for r in m.created_by["reencoded"]}
   assert sorted(reencoded) == ["cat/cmyk.jpg", "cat/png_named.jpg", "cat/real.png"]
   assert reencoded["cat/cmyk.jpg"].startswith("jpeg CMYK")
@@ -191,14 +192,14 @@ def test_bad_inputs_are_skipped_with_reasons_and_odd_ones_reencoded(messy, tmp_p
     image = Image.open(io.BytesIO(stored[name][0]))
     assert (image.format, image.mode, image.size) == ("JPEG", "RGB", (60, 40))
   line = shards.summary(m)
-  assert "train: 9 records" in line and "skipped 9" in line and "re-encoded 3" in line
+  assert "train: 8 records" in line and "skipped 10" in line and "re-encoded 3" in line
   assert "2 decompression bomb" in line and "1 empty class folder" in line
 
 
 def test_symlinks_outside_source_are_followed_only_when_asked(messy, tmp_path):
   m = images.convert(messy, tmp_path / "out", follow_symlinks=True, workers=1, progress=False)
   assert "dog/link_out.jpg" not in {s["path"] for s in m.skipped}
-  assert m.splits["train"].num_records == 10
+  assert m.splits["train"].num_records == 9
 
 
 def test_max_size_reencodes_only_large_images(tmp_path):
@@ -213,6 +214,7 @@ def test_max_size_reencodes_only_large_images(tmp_path):
 
 def test_pixel_limit_is_configurable(tmp_path):
   write(tmp_path / "src" / "a" / "x.jpg", jpeg((400, 500, 3)))
+  write(tmp_path / "src" / "a" / "y.jpg", jpeg((40, 60, 3)))
   m = images.convert(tmp_path / "src", tmp_path / "out", max_pixels=100_000, workers=1,
                      progress=False)
   assert m.skipped == [{"path": "a/x.jpg",
@@ -270,20 +272,20 @@ def test_resume_after_sigkill_keeps_finished_shards_and_matches(photos_raw, tmp_
     for f in photos_raw.rglob("*.jpg"):
       (src / f.parent.name).mkdir(parents=True, exist_ok=True)
       os.link(f, src / f.parent.name / f"{i:02d}_{f.name}")
-  out, progress = tmp_path / "killed", tmp_path / "killed" / shards.PROGRESS_DIR
+  out, build = tmp_path / "killed", tmp_path / "killed" / shards.BUILD_DIR
   child = subprocess.Popen(
       [sys.executable, "-m", "pipeline.convert", "images", str(src), str(out),
        "--shard-size-mb", "0.5", "--workers", "1", "--val-fraction", "0.1", "--no-progress"],
       cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   deadline = time.monotonic() + 120
   while time.monotonic() < deadline and child.poll() is None:
-    if progress.is_dir() and len(list(progress.glob("train*.json"))) >= 3:
+    if build.is_dir() and len(list(build.glob("train*.done"))) >= 3:
       break
     time.sleep(0.002)
   child.send_signal(signal.SIGKILL)
   child.wait()
   assert not (out / "manifest.json").exists(), "the conversion finished before the kill"
-  done = {p.stem: (out / p.stem).stat().st_mtime_ns for p in progress.glob("*.json")}
+  done = {p.stem: (build / p.stem).stat().st_mtime_ns for p in build.glob("*.done")}
   assert len(done) >= 3
 
   resumed = images.convert(src, out, shard_size_mb=0.5, val_fraction=0.1, workers=2,
@@ -301,7 +303,8 @@ def test_resume_after_sigkill_keeps_finished_shards_and_matches(photos_raw, tmp_
 
 def test_stale_shards_of_an_earlier_conversion_are_removed(photos_raw, tmp_path):
   images.convert(photos_raw, tmp_path / "out", shard_size_mb=1, workers=1, progress=False)
-  m = images.convert(photos_raw, tmp_path / "out", shard_size_mb=4, workers=1, progress=False)
+  m = images.convert(photos_raw, tmp_path / "out", shard_size_mb=4, workers=1, progress=False,
+                     overwrite=True)
   assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
       ["manifest.json"] + [s.file for s in m.splits["train"].shards])
 

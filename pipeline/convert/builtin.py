@@ -14,11 +14,11 @@ import shutil
 from collections.abc import Callable
 
 import numpy as np
-import tqdm
 from PIL import Image, ImageEnhance, ImageFilter
 
 from pipeline import manifest as manifest_lib
 from pipeline.convert import images, shards
+from pipeline.convert.progress import Progress
 
 DIGITS_SIZE = 32
 PHOTO_SIZE = (470, 390)  # width, height: the mean of ImageNet's training images is ~400x350
@@ -61,12 +61,14 @@ def make_digits(directory: str | os.PathLike, num_images: int | None = None,
   from sklearn.datasets import load_digits
   digits = load_digits()
   count = len(digits.images) if num_images is None else min(num_images, len(digits.images))
-  for i in tqdm.trange(count, desc="make digits", unit="image", disable=not progress):
-    pixels = (digits.images[i] * (255.0 / 16.0)).round().astype(np.uint8)
-    im = Image.fromarray(pixels).resize((DIGITS_SIZE, DIGITS_SIZE), Image.BICUBIC)
-    folder = os.path.join(directory, str(digits.target[i]))
-    os.makedirs(folder, exist_ok=True)
-    im.convert("RGB").save(os.path.join(folder, f"{i:04d}.jpg"), quality=95)
+  with Progress(count, "make digits", "image", progress) as bar:
+    for i in range(count):
+      pixels = (digits.images[i] * (255.0 / 16.0)).round().astype(np.uint8)
+      im = Image.fromarray(pixels).resize((DIGITS_SIZE, DIGITS_SIZE), Image.BICUBIC)
+      folder = os.path.join(directory, str(digits.target[i]))
+      os.makedirs(folder, exist_ok=True)
+      im.convert("RGB").save(os.path.join(folder, f"{i:04d}.jpg"), quality=95)
+      bar.update(1)
   return count
 
 
@@ -124,8 +126,7 @@ def make_photos(directory: str | os.PathLike, num_images: int = 1000, seed: int 
   work = functools.partial(_write_photos, directory=os.fspath(directory), names=names,
                            seed=seed)
   workers = min(workers or os.cpu_count() or 1, len(tasks))
-  with tqdm.tqdm(total=num_images, desc="make photos", unit="image",
-                 disable=not progress) as bar:
+  with Progress(num_images, "make photos", "image", progress) as bar:
     for done in shards.ordered_map(work, tasks, workers):
       bar.update(done)
   return num_images
@@ -144,7 +145,8 @@ def _make_once(directory: str, make: Callable[[str], int]) -> None:
 def build(data_dir: str | os.PathLike, *, workers: int | None = None,
           progress: bool = True) -> dict[str, manifest_lib.Manifest]:
   """Creates DATA/raw/{digits,photos} and converts them to DATA/digits and DATA/photos
-  (splits train and validation); work already done is skipped."""
+  (splits train and validation); work already done is skipped, and datasets made from the
+  same raw folders by an earlier version are rebuilt."""
   data_dir = os.fspath(data_dir)
   makers = {"digits": make_digits, "photos": functools.partial(make_photos, workers=workers)}
   manifests = {}
@@ -153,5 +155,14 @@ def build(data_dir: str | os.PathLike, *, workers: int | None = None,
     _make_once(raw, functools.partial(make, progress=progress))
     manifests[name] = images.convert(raw, out, val_fraction=VAL_FRACTION, seed=0,
                                      shard_size_mb=SHARD_SIZE_MB, workers=workers,
-                                     progress=progress)
+                                     progress=progress, overwrite=_made_from(out, raw))
   return manifests
+
+
+def _made_from(out: str, raw: str) -> bool:
+  """Whether `out` holds a dataset converted from `raw` (one this command made before, which
+  it may rebuild), rather than something else it must not replace."""
+  try:
+    return manifest_lib.load(out).created_by.get("source") == os.path.abspath(raw)
+  except (FileNotFoundError, manifest_lib.ManifestError):
+    return False

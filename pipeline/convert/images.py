@@ -18,6 +18,10 @@ from pipeline import __version__, records
 from pipeline import manifest as manifest_lib
 from pipeline.convert import checks, shards
 
+VALIDATION = "validation"  # the split `val_fraction` makes
+TOOL_FOLDERS = frozenset({"__MACOSX", "@eaDir", "$RECYCLE.BIN", "System Volume Information",
+                          "lost+found"})
+
 
 class LabelMapError(ValueError):
   """A label map that does not number the classes 0..N-1, or a folder missing from it."""
@@ -56,6 +60,11 @@ def _inside(path: str, root: str) -> bool:
   return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
 
 
+def _ignored(name: str) -> bool:
+  """Hidden entries and the folders tools leave behind are never classes or images."""
+  return name.startswith(".") or name in TOOL_FOLDERS
+
+
 def _link_problem(entry: os.DirEntry, root: str, follow_symlinks: bool) -> str | None:
   """Why a symlink is not followed (broken, or leading outside SRC unless asked), or None."""
   if not entry.is_symlink():
@@ -68,40 +77,85 @@ def _link_problem(entry: os.DirEntry, root: str, follow_symlinks: bool) -> str |
   return None
 
 
-def scan(src: str, follow_symlinks: bool = False
-         ) -> tuple[dict[str, list[str]], list[dict[str, str]]]:
-  """Lists image files per class folder (sorted relative paths) and what was left out."""
+def _scan(src: str, follow_symlinks: bool, exclude: Sequence[str]
+          ) -> tuple[dict[str, list[tuple[str, os.stat_result]]], list[dict[str, str]]]:
+  """Image files per class folder (sorted relative paths and their stat) and what was left
+  out. Each file (by inode) gets one label: a link or hard link into another class is
+  skipped, and a class folder linking to another folder of SRC is not a class."""
   root = os.path.realpath(src)
-  by_class: dict[str, list[str]] = {}
+  excluded = {os.path.realpath(p) for p in exclude}
+  by_class: dict[str, list[tuple[str, os.stat_result]]] = {}
   skipped: list[dict[str, str]] = []
-  visited = {root}
+  found: list[tuple[str, str, os.stat_result, bool]] = []  # class, path, stat, not via a link
 
-  def walk(path: str, rel: str, files: list[str]) -> None:
+  def walk(path: str, rel: str, name: str, canonical: bool) -> None:
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
       rel_path = os.path.join(rel, entry.name)
-      if problem := _link_problem(entry, root, follow_symlinks):
+      if _ignored(entry.name):
+        skipped.append({"path": rel_path, "reason": "hidden or tool file or folder"})
+      elif problem := _link_problem(entry, root, follow_symlinks):
         skipped.append({"path": rel_path, "reason": problem})
       elif entry.is_dir():
-        if (real := os.path.realpath(entry.path)) in visited:
-          skipped.append({"path": rel_path, "reason": "symlink loop: folder already listed"})
+        real = os.path.realpath(entry.path)
+        if real in excluded:
+          continue
+        if real in visited:
+          skipped.append({"path": rel_path, "reason": "symlink to a folder already listed"})
         else:
           visited.add(real)
-          walk(entry.path, rel_path, files)
+          walk(entry.path, rel_path, name, canonical and not entry.is_symlink())
       elif entry.is_file():
-        files.append(rel_path)
+        found.append((name, rel_path, entry.stat(), canonical and not entry.is_symlink()))
       else:
         skipped.append({"path": rel_path, "reason": "not a regular file"})
 
+  classes, visited = [], {root}
   for entry in sorted(os.scandir(src), key=lambda e: e.name):
-    if problem := _link_problem(entry, root, follow_symlinks):
+    real = os.path.realpath(entry.path)
+    if real in excluded:
+      continue
+    if _ignored(entry.name):
+      skipped.append({"path": entry.name, "reason": "hidden or tool folder, not a class"})
+    elif problem := _link_problem(entry, root, follow_symlinks):
       skipped.append({"path": entry.name, "reason": problem})
+    elif entry.is_dir() and entry.is_symlink() and _inside(real, root):
+      skipped.append({"path": entry.name, "reason": f"symlink to {os.path.relpath(real, root)} "
+                      "in the source folder, whose images are listed there once"})
+    elif entry.is_dir() and real in visited:
+      skipped.append({"path": entry.name, "reason": "symlink to a folder already listed"})
+    elif entry.is_dir() and any(os.path.lexists(os.path.join(entry.path, name))
+                                for name in (manifest_lib.FILENAME, manifest_lib.BUILD_DIR)):
+      skipped.append({"path": entry.name, "reason": "a converted dataset, not a class"})
     elif entry.is_dir():
-      visited.add(os.path.realpath(entry.path))
-      by_class[entry.name] = []
-      walk(entry.path, entry.name, by_class[entry.name])
+      visited.add(real)
+      classes.append(entry)
     else:
       skipped.append({"path": entry.name, "reason": "not in a class folder"})
+  for entry in classes:
+    by_class[entry.name] = []
+    walk(entry.path, entry.name, entry.name, not entry.is_symlink())
+
+  def identity(rel: str, st: os.stat_result) -> tuple[int, int] | str:
+    return (st.st_dev, st.st_ino) if st.st_ino else os.path.realpath(os.path.join(src, rel))
+
+  owner: dict[tuple[int, int] | str, tuple[str, str]] = {}
+  for name, rel, st, _ in sorted(found, key=lambda f: not f[3]):  # real files first
+    owner.setdefault(identity(rel, st), (name, rel))
+  for name, rel, st, _ in found:
+    first_class, first = owner[identity(rel, st)]
+    if first_class == name:
+      by_class[name].append((rel, st))
+    else:
+      skipped.append({"path": rel, "reason": f"same file as {first} in class {first_class}; "
+                      "an image gets one label"})
   return by_class, skipped
+
+
+def scan(src: str, follow_symlinks: bool = False, exclude: Sequence[str] = ()
+         ) -> tuple[dict[str, list[str]], list[dict[str, str]]]:
+  """Lists image files per class folder (sorted relative paths) and what was left out."""
+  by_class, skipped = _scan(src, follow_symlinks, exclude)
+  return {name: [rel for rel, _ in files] for name, files in by_class.items()}, skipped
 
 
 def process(task: tuple[tuple[str, int], ...], *, src: str, keys: records.Keys,
@@ -120,24 +174,38 @@ def process(task: tuple[tuple[str, int], ...], *, src: str, keys: records.Keys,
   return outcomes
 
 
-def _split_files(by_class: dict[str, list[str]], label_of: dict[str, int],
-                 val_fraction: float, seed: int, split: str
-                 ) -> dict[str, list[tuple[str, int]]]:
+def _split_files(by_class: dict[str, list[tuple[str, os.stat_result]]],
+                 label_of: dict[str, int], val_fraction: float, seed: int, split: str
+                 ) -> dict[str, list[tuple[str, int, os.stat_result]]]:
   """Per-class seeded split into (train, validation), then a seeded shuffle of each split."""
   rng = np.random.default_rng(seed)
-  out: dict[str, list[tuple[str, int]]] = {split: []}
+  out: dict[str, list[tuple[str, int, os.stat_result]]] = {split: []}
   if val_fraction > 0:
-    out["validation"] = []
+    out[VALIDATION] = []
   for name in sorted(by_class):
-    files = [(f, label_of[name]) for f in by_class[name]]
+    files = [(f, label_of[name], st) for f, st in by_class[name]]
     order = rng.permutation(len(files))
     num_val = round(len(files) * val_fraction) if val_fraction > 0 else 0
     if num_val:
-      out["validation"] += [files[i] for i in sorted(order[:num_val])]
+      out[VALIDATION] += [files[i] for i in sorted(order[:num_val])]
     out[split] += [files[i] for i in sorted(order[num_val:])]
   for items in out.values():
     items[:] = [items[i] for i in rng.permutation(len(items))]
   return out
+
+
+def _check_arguments(split: str, val_fraction: float, max_size: int | None,
+                     max_pixels: int) -> None:
+  shards.check_split_name(split)
+  if not 0.0 <= val_fraction < 1.0:
+    raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
+  if val_fraction > 0 and split == VALIDATION:
+    raise ValueError(f"split {split!r} is the name of the split val_fraction makes; "
+                     "choose another --split")
+  if max_size is not None and max_size < 1:
+    raise ValueError(f"max_size must be a positive number of pixels, got {max_size}")
+  if max_pixels < 1:
+    raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
 
 
 def plan(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train",
@@ -146,13 +214,18 @@ def plan(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train"
          shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, max_size: int | None = None,
          max_pixels: int = checks.MAX_PIXELS, follow_symlinks: bool = False,
          keys: records.Keys = records.DEFAULT_KEYS) -> shards.Job:
-  """Scans `src`, numbers its classes, splits and orders its files and plans the shards."""
+  """Scans `src`, numbers its classes, splits and orders its files and plans the shards.
+
+  `out` is left out of the scan when it lies inside `src`.
+  """
   src, out = os.fspath(src), os.fspath(out)
+  _check_arguments(split, val_fraction, max_size, max_pixels)
+  shard_bytes = shards.shard_bytes(shard_size_mb)
   if not os.path.isdir(src):
     raise FileNotFoundError(f"image folder {src} not found")
-  if not 0.0 <= val_fraction < 1.0:
-    raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-  by_class, skipped = scan(src, follow_symlinks)
+  if os.path.realpath(out) == os.path.realpath(src):
+    raise ValueError(f"the output folder must not be the image folder {src} itself")
+  by_class, skipped = _scan(src, follow_symlinks, exclude=[out])
   if label_map is not None:
     classes = load_label_map(label_map)
     unknown = sorted(set(by_class) - set(classes))
@@ -167,13 +240,11 @@ def plan(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train"
               for name in sorted(by_class) if not by_class[name]]
   label_of = {name: i for i, name in enumerate(classes)}
   split_items = _split_files(by_class, label_of, val_fraction, seed, split)
-  shard_bytes = int(shard_size_mb * (1 << 20))
   plans, inputs = [], []
   for name, items in split_items.items():
-    stats = [os.stat(os.path.join(src, rel)) for rel, _ in items]
-    plans += shards.plan_split(name, items, [s.st_size for s in stats], shard_bytes)
-    inputs.append([name, [(rel, label, s.st_size, s.st_mtime_ns)
-                          for (rel, label), s in zip(items, stats)]])
+    plans += shards.plan_split(name, [(rel, label) for rel, label, _ in items],
+                               [st.st_size for _, _, st in items], shard_bytes)
+    inputs.append([name, [(rel, label, st.st_size, st.st_mtime_ns) for rel, label, st in items]])
   args = {"split": split, "val_fraction": val_fraction, "seed": seed,
           "label_map": None if label_map is None else str(label_map),
           "shard_size_mb": shard_size_mb, "max_size": max_size, "max_pixels": max_pixels,
@@ -194,14 +265,18 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "tra
             shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, workers: int | None = None,
             max_size: int | None = None, max_pixels: int = checks.MAX_PIXELS,
             follow_symlinks: bool = False, keys: records.Keys = records.DEFAULT_KEYS,
-            progress: bool = True) -> manifest_lib.Manifest:
+            progress: bool = True, overwrite: bool = False) -> manifest_lib.Manifest:
   """Converts an image folder to ArrayRecord shards and manifest.json in `out`.
 
   With `val_fraction` > 0 it writes splits `split` and "validation" (split per class).
-  Re-running after an interruption keeps finished shards; the result is the same.
+  Into a dataset already in `out` it adds the splits (classes must match); splits of
+  another conversion are replaced only with `overwrite`. Re-running after an interruption
+  keeps finished shards; the result is the same.
   """
+  shards.check_workers(workers)
   job = plan(src, out, split=split, val_fraction=val_fraction, seed=seed, label_map=label_map,
              shard_size_mb=shard_size_mb, max_size=max_size, max_pixels=max_pixels,
              follow_symlinks=follow_symlinks, keys=keys)
   name = os.path.basename(os.path.normpath(os.fspath(src)))
-  return shards.run(job, workers=workers, progress=progress, desc=f"convert {name}")
+  return shards.run(job, workers=workers, progress=progress, desc=f"convert {name}",
+                    overwrite=overwrite)

@@ -31,12 +31,19 @@ def _keys_and_classes(info) -> tuple[records.Keys, list[str]]:
 def convert(name: str, out: str | os.PathLike, *, data_dir: str | os.PathLike,
             split: str | Sequence[str] | None = None,
             shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, workers: int | None = None,
-            max_pixels: int = checks.MAX_PIXELS, progress: bool = True
-            ) -> manifest_lib.Manifest:
+            max_pixels: int = checks.MAX_PIXELS, progress: bool = True,
+            overwrite: bool = False) -> manifest_lib.Manifest:
   """Converts the prepared TFDS dataset `name` (e.g. "imagenet2012" or "mnist:3.0.1").
 
   `split` picks one split or several (default: all); records keep their TFDS order.
+  Splits of another conversion already in `out` are replaced only with `overwrite`.
   """
+  shards.check_workers(workers)
+  shards.shard_bytes(shard_size_mb)
+  if max_pixels < 1:
+    raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
+  if "://" not in os.fspath(data_dir) and not os.path.isdir(data_dir):
+    raise FileNotFoundError(f"TFDS data dir {os.fspath(data_dir)} not found")
   import tensorflow_datasets as tfds
   builder = tfds.builder(name, data_dir=os.fspath(data_dir))
   info = builder.info
@@ -50,6 +57,7 @@ def convert(name: str, out: str | os.PathLike, *, data_dir: str | os.PathLike,
   for s in names:
     if s not in info.splits:
       raise KeyError(f"split {s!r} not in {info.full_name}; it has {sorted(info.splits)}")
+    shards.check_split_name(s)
     items, sizes = [], []
     for path, count in zip(info.splits[s].filepaths, info.splits[s].shard_lengths):
       files.append(os.fspath(path))
@@ -70,4 +78,5 @@ def convert(name: str, out: str | os.PathLike, *, data_dir: str | os.PathLike,
   job = tfrecord.copy_job(split_items, files, out, classes=classes, keys=keys,
                           created_by=created_by, shard_size_mb=shard_size_mb,
                           max_pixels=max_pixels)
-  return shards.run(job, workers=workers, progress=progress, desc=f"convert {name}")
+  return shards.run(job, workers=workers, progress=progress, desc=f"convert {name}",
+                    overwrite=overwrite)

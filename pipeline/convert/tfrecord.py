@@ -196,7 +196,7 @@ def copy_job(split_items: dict[str, tuple[list[tuple], list[int]]], files: list[
              created_by: dict[str, Any], shard_size_mb: float, max_pixels: int
              ) -> shards.Job:
   """Plans copying records located by `_read_task` items, per split in order, to `out`."""
-  shard_bytes = int(shard_size_mb * (1 << 20))
+  shard_bytes = shards.shard_bytes(shard_size_mb)
   plans = [p for split, (items, sizes) in split_items.items()
            for p in shards.plan_split(split, items, sizes, shard_bytes)]
   stats = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
@@ -215,6 +215,10 @@ def plan(pattern: str | Sequence[str], out: str | os.PathLike, *, split: str = "
          shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
          max_pixels: int = checks.MAX_PIXELS) -> shards.Job:
   """Lists the TFRecord files (glob, sorted), checks record headers and plans the shards."""
+  shards.check_split_name(split)
+  shards.shard_bytes(shard_size_mb)
+  if max_pixels < 1:
+    raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
   patterns = [pattern] if isinstance(pattern, str) else [os.fspath(p) for p in pattern]
   files = sorted({f for p in patterns for f in glob.glob(p)})
   if not files:
@@ -249,13 +253,16 @@ def convert(pattern: str | Sequence[str], out: str | os.PathLike, *, split: str 
             keys: records.Keys | None = None, num_classes: int | None = None,
             classes: str | os.PathLike | Sequence[str] | None = None,
             shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, workers: int | None = None,
-            max_pixels: int = checks.MAX_PIXELS, progress: bool = True
-            ) -> manifest_lib.Manifest:
+            max_pixels: int = checks.MAX_PIXELS, progress: bool = True,
+            overwrite: bool = False) -> manifest_lib.Manifest:
   """Copies the records of TFRecord files (glob, sorted) into ArrayRecord shards in `out`.
 
   Record bytes are unchanged and keep their order. Keys are detected from the first record
-  unless given; labels must lie in [0, num_classes).
+  unless given; labels must lie in [0, num_classes). Adds the split to a dataset already in
+  `out` (same classes); replaces one of another conversion only with `overwrite`.
   """
+  shards.check_workers(workers)
   job = plan(pattern, out, split=split, keys=keys, num_classes=num_classes, classes=classes,
              shard_size_mb=shard_size_mb, max_pixels=max_pixels)
-  return shards.run(job, workers=workers, progress=progress, desc="convert tfrecord")
+  return shards.run(job, workers=workers, progress=progress, desc="convert tfrecord",
+                    overwrite=overwrite)
