@@ -63,6 +63,9 @@ def tfds_records(builder, split) -> list[bytes]:
     # Slow only where TensorFlow is installed: TFDS then writes TFRecords through it.
     pytest.param("tfrecord", marks=pytest.mark.slow)])
 def test_prepared_tfds_dataset_converts_with_its_classes_and_keys(tmp_path, file_format):
+  if file_format == "tfrecord":
+    pytest.importorskip("tensorflow", reason="TFDS writes TFRecord datasets only through "
+                        "TensorFlow (extra: peers)")
   builder = TinyShapes(data_dir=str(tmp_path / "tfds"), file_format=file_format)
   builder.download_and_prepare()
   m = convert_tfds.convert("tiny_shapes", tmp_path / "out", data_dir=tmp_path / "tfds",
@@ -77,6 +80,8 @@ def test_prepared_tfds_dataset_converts_with_its_classes_and_keys(tmp_path, file
       stored += reader.read_all()
       reader.close()
     assert stored == tfds_records(builder, split)
+    assert [s.bytes for s in m.splits[split].shards] == [
+        p.stat().st_size for p in m.shard_paths(tmp_path / "out", split)]
     assert sorted(records.parse(r, m.keys)[2] for r in stored) == sorted(
         f"img{i}.jpg" for i in range(len(stored)))
   one = convert_tfds.convert("tiny_shapes", tmp_path / "one", data_dir=tmp_path / "tfds",
