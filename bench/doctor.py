@@ -642,7 +642,7 @@ def main(argv: list[str] | None = None) -> Diagnosis:
     start = min(e.start for e in events)
     shown = d.consumer_run or d.run  # the recorded run: start-up, then 1.5 s of it
     window = [e for e in events if e.start < start + shown.first_batch_s + 1.5]
-    timeline.draw(window, args.timeline, None,
+    timeline.draw(window, args.timeline,
                   f"{settings.data_dir}: {d.run.images_per_sec:.0f} img/s, "
                   f"bottleneck {d.bottleneck}")
     print(f"timeline: {args.timeline}")
