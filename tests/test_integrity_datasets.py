@@ -340,3 +340,38 @@ def test_every_converter_records_each_shards_size(photos_dir, tmp_path):
     for split in data["splits"].values():
       for shard in split["shards"]:
         assert shard["bytes"] == (out / shard["file"]).stat().st_size
+
+
+def test_a_flat_val_folder_with_a_labels_csv_adds_the_validation_split(photos_raw, tmp_path,
+                                                                        capsys):
+  out, val = tmp_path / "out", tmp_path / "val"
+  images.convert(photos_raw, out, workers=1, progress=False)
+  val.mkdir()
+  rows = ["ImageId,PredictionString"]  # ImageNet's LOC_val_solution.csv: header, boxes
+  for i, cls in enumerate(CLASSES * 2):
+    shutil.copy(sorted((photos_raw / cls).glob("*.jpg"))[i // 4], val / f"val_{i:05d}.JPEG")
+    rows.append(f"val_{i:05d},{cls} 10 20 110 120 {cls} 5 5 50 50")
+  rows.append("val_99999,rocket 1 2 3 4")  # a row whose file is not there
+  shutil.copy(sorted((photos_raw / "rocket").glob("*.jpg"))[0], val / "unlabelled.JPEG")
+  (tmp_path / "val.csv").write_text("\n".join(rows) + "\n")
+  added = main(capsys, "images", val, out, "--split", "validation", "--labels",
+               tmp_path / "val.csv", "--workers", "1", "--no-progress")
+  assert added.returncode == 0, added.stderr
+  m = manifest.load(out)
+  assert m.splits["validation"].num_records == 8 and m.classes == CLASSES
+  assert {"path": "unlabelled.JPEG", "reason": "not in the labels file",
+          "split": "validation"} in m.skipped
+  got = {}
+  for path in manifest.checked_shards(out, m, "validation", verify="sha256"):
+    for r in read_shard(path):
+      _, label, filename = records.parse(r, m.keys)
+      got[filename] = m.classes[label]
+  assert got == {f"val_{i:05d}.JPEG": cls for i, cls in enumerate(CLASSES * 2)}
+
+  for text, message in [("val_00000,rocket\nx,coffee\nval_00000,chelsea\n",
+                         "line 3: val_00000 is labelled both 'rocket' and 'chelsea'"),
+                        ("val_00000,rocket\nval_00000.JPEG,coffee\n",
+                         "labels val_00000.JPEG both coffee and rocket")]:
+    (tmp_path / "twice.csv").write_text(text)
+    refused = main(capsys, "images", val, tmp_path / "x", "--labels", tmp_path / "twice.csv")
+    assert refused.returncode == 2 and message in one_line(refused.stderr)

@@ -3,6 +3,7 @@
   python -m pipeline.convert images SRC OUT [--val-fraction 0.1] [--workers 8]
   python -m pipeline.convert images train/ OUT && \\
       python -m pipeline.convert images val/ OUT --split validation    # ImageNet layout
+      # (a flat val/: add --labels LOC_val_solution.csv)
   python -m pipeline.convert tfrecord 'train-*.tfrecord' OUT --num-classes 1000
   python -m pipeline.convert tfds imagenet2012 OUT --data-dir ~/tensorflow_datasets
   python -m pipeline.convert verify OUT
@@ -99,6 +100,10 @@ def _parser() -> argparse.ArgumentParser:
                  help="re-encode images whose shorter side exceeds this many pixels")
   p.add_argument("--follow-symlinks", action="store_true",
                  help="follow symlinks that point outside SRC")
+  p.add_argument("--labels", default=None,
+                 help="SRC is a flat folder and this CSV names each file's class: FILE,CLASS "
+                      "rows (header, extension and extra words optional), e.g. ImageNet's "
+                      "LOC_val_solution.csv")
   _common(p)
   _beam(p)
 
@@ -167,7 +172,7 @@ def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
   if args.command == "images":
     kwargs = dict(split=args.split, val_fraction=args.val_fraction, seed=args.seed,
                   label_map=args.label_map, max_size=args.max_size,
-                  follow_symlinks=args.follow_symlinks, **common)
+                  follow_symlinks=args.follow_symlinks, labels=args.labels, **common)
     if args.runner:
       m = beam.convert_images(args.src, args.out, runner=args.runner,
                               pipeline_args=beam_args, **kwargs)

@@ -7,6 +7,7 @@ from that order and the file sizes, so output bytes do not depend on `workers`.
 
 from __future__ import annotations
 
+import csv
 import functools
 import json
 import os
@@ -25,6 +26,10 @@ TOOL_FOLDERS = frozenset({"__MACOSX", "@eaDir", "$RECYCLE.BIN", "System Volume I
 
 class LabelMapError(ValueError):
   """A label map that does not number the classes 0..N-1, or a folder missing from it."""
+
+
+class LabelsError(ValueError):
+  """A labels file (FILE,CLASS rows) that cannot be read or labels a file twice."""
 
 
 def load_label_map(label_map: str | os.PathLike | Mapping[str, int] | Sequence[str]
@@ -77,11 +82,33 @@ def _link_problem(entry: os.DirEntry, root: str, follow_symlinks: bool) -> str |
   return None
 
 
-def _scan(src: str, follow_symlinks: bool, exclude: Sequence[str]
+def load_labels(path: str | os.PathLike) -> dict[str, str]:
+  """{file: class} from CSV rows FILE,CLASS[...]; the class is the first word of the second
+  column, so ImageNet's LOC_val_solution.csv reads as is. A file may omit its extension."""
+  labels: dict[str, str] = {}
+  with open(path, newline="") as f:
+    for line, row in enumerate(csv.reader(f), 1):
+      if not any(cell.strip() for cell in row):
+        continue
+      if len(row) < 2 or not row[0].strip() or not row[1].split():
+        raise LabelsError(f"labels file {os.fspath(path)} line {line}: wants FILE,CLASS, "
+                          f"got {','.join(row)[:80]!r}")
+      name, cls = row[0].strip(), row[1].split()[0]
+      if labels.setdefault(name, cls) != cls:
+        raise LabelsError(f"labels file {os.fspath(path)} line {line}: {name} is labelled "
+                          f"both {labels[name]!r} and {cls!r}")
+  return labels
+
+
+def _scan(src: str, follow_symlinks: bool, exclude: Sequence[str],
+          labels: Mapping[str, str] | None = None
           ) -> tuple[dict[str, list[tuple[str, os.stat_result]]], list[dict[str, str]]]:
-  """Image files per class folder (sorted relative paths and their stat) and what was left
-  out. Each file (by inode) gets one label: a link or hard link into another class is
-  skipped, and a class folder linking to another folder of SRC is not a class."""
+  """Image files per class (sorted relative paths and their stat) and what was left out.
+
+  Classes are SRC's folders, or with `labels` ({file: class}) every file under SRC gets
+  its class from there. Each file (by inode) gets one label: a link or hard link into
+  another class is skipped, and a class folder linking to another folder of SRC is not a
+  class."""
   root = os.path.realpath(src)
   excluded = {os.path.realpath(p) for p in exclude}
   by_class: dict[str, list[tuple[str, os.stat_result]]] = {}
@@ -101,6 +128,8 @@ def _scan(src: str, follow_symlinks: bool, exclude: Sequence[str]
           continue
         if real in visited:
           skipped.append({"path": rel_path, "reason": "symlink to a folder already listed"})
+        elif _is_dataset(entry.path):
+          skipped.append({"path": rel_path, "reason": "a converted dataset"})
         else:
           visited.add(real)
           walk(entry.path, rel_path, name, canonical and not entry.is_symlink())
@@ -109,31 +138,15 @@ def _scan(src: str, follow_symlinks: bool, exclude: Sequence[str]
       else:
         skipped.append({"path": rel_path, "reason": "not a regular file"})
 
-  classes, visited = [], {root}
-  for entry in sorted(os.scandir(src), key=lambda e: e.name):
-    real = os.path.realpath(entry.path)
-    if real in excluded:
-      continue
-    if _ignored(entry.name):
-      skipped.append({"path": entry.name, "reason": "hidden or tool folder, not a class"})
-    elif problem := _link_problem(entry, root, follow_symlinks):
-      skipped.append({"path": entry.name, "reason": problem})
-    elif entry.is_dir() and entry.is_symlink() and _inside(real, root):
-      skipped.append({"path": entry.name, "reason": f"symlink to {os.path.relpath(real, root)} "
-                      "in the source folder, whose images are listed there once"})
-    elif entry.is_dir() and real in visited:
-      skipped.append({"path": entry.name, "reason": "symlink to a folder already listed"})
-    elif entry.is_dir() and any(os.path.lexists(os.path.join(entry.path, name))
-                                for name in (manifest_lib.FILENAME, manifest_lib.BUILD_DIR)):
-      skipped.append({"path": entry.name, "reason": "a converted dataset, not a class"})
-    elif entry.is_dir():
-      visited.add(real)
-      classes.append(entry)
-    else:
-      skipped.append({"path": entry.name, "reason": "not in a class folder"})
-  for entry in classes:
-    by_class[entry.name] = []
-    walk(entry.path, entry.name, entry.name, not entry.is_symlink())
+  visited = {root}
+  if labels is not None:
+    walk(src, "", "", True)
+    found[:] = _labelled(found, labels, skipped)
+    by_class.update((name, []) for name in sorted({name for name, *_ in found}))
+  else:
+    for entry in _class_folders(src, root, excluded, visited, follow_symlinks, skipped):
+      by_class[entry.name] = []
+      walk(entry.path, entry.name, entry.name, not entry.is_symlink())
 
   def identity(rel: str, st: os.stat_result) -> tuple[int, int] | str:
     return (st.st_dev, st.st_ino) if st.st_ino else os.path.realpath(os.path.join(src, rel))
@@ -149,6 +162,54 @@ def _scan(src: str, follow_symlinks: bool, exclude: Sequence[str]
       skipped.append({"path": rel, "reason": f"same file as {first} in class {first_class}; "
                       "an image gets one label"})
   return by_class, skipped
+
+
+def _class_folders(src: str, root: str, excluded: set[str], visited: set[str],
+                   follow_symlinks: bool, skipped: list[dict[str, str]]) -> list[os.DirEntry]:
+  """SRC's folders that are classes (their real paths join `visited`); the rest is skipped."""
+  classes = []
+  for entry in sorted(os.scandir(src), key=lambda e: e.name):
+    real = os.path.realpath(entry.path)
+    if real in excluded:
+      continue
+    if _ignored(entry.name):
+      skipped.append({"path": entry.name, "reason": "hidden or tool folder, not a class"})
+    elif problem := _link_problem(entry, root, follow_symlinks):
+      skipped.append({"path": entry.name, "reason": problem})
+    elif entry.is_dir() and entry.is_symlink() and _inside(real, root):
+      skipped.append({"path": entry.name, "reason": f"symlink to {os.path.relpath(real, root)} "
+                      "in the source folder, whose images are listed there once"})
+    elif entry.is_dir() and real in visited:
+      skipped.append({"path": entry.name, "reason": "symlink to a folder already listed"})
+    elif entry.is_dir() and _is_dataset(entry.path):
+      skipped.append({"path": entry.name, "reason": "a converted dataset, not a class"})
+    elif entry.is_dir():
+      visited.add(real)
+      classes.append(entry)
+    else:
+      skipped.append({"path": entry.name, "reason": "not in a class folder"})
+  return classes
+
+
+def _is_dataset(path: str) -> bool:
+  return any(os.path.lexists(os.path.join(path, name))
+             for name in (manifest_lib.FILENAME, manifest_lib.BUILD_DIR))
+
+
+def _labelled(found: list[tuple[str, str, os.stat_result, bool]], labels: Mapping[str, str],
+              skipped: list[dict[str, str]]) -> list[tuple[str, str, os.stat_result, bool]]:
+  """Gives each found file its class from `labels` (by path, or path without extension)."""
+  out = []
+  for _, rel, st, canonical in found:
+    names = {labels.get(rel), labels.get(os.path.splitext(rel)[0])} - {None}
+    if len(names) > 1:
+      raise LabelsError(f"the labels file labels {rel} both {' and '.join(sorted(names))}")
+    name = names.pop() if names else None
+    if name is None:
+      skipped.append({"path": rel, "reason": "not in the labels file"})
+    else:
+      out.append((name, rel, st, canonical))
+  return out
 
 
 def scan(src: str, follow_symlinks: bool = False, exclude: Sequence[str] = ()
@@ -213,10 +274,12 @@ def plan(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train"
          label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
          shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, max_size: int | None = None,
          max_pixels: int = checks.MAX_PIXELS, follow_symlinks: bool = False,
-         keys: records.Keys = records.DEFAULT_KEYS) -> shards.Job:
+         keys: records.Keys = records.DEFAULT_KEYS,
+         labels: str | os.PathLike | None = None) -> shards.Job:
   """Scans `src`, numbers its classes, splits and orders its files and plans the shards.
 
-  `out` is left out of the scan when it lies inside `src`.
+  `out` is left out of the scan when it lies inside `src`. With `labels` (a CSV of
+  FILE,CLASS rows) `src` is a flat folder, such as ImageNet's `val/`.
   """
   src, out = os.fspath(src), os.fspath(out)
   _check_arguments(split, val_fraction, max_size, max_pixels)
@@ -225,7 +288,8 @@ def plan(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train"
     raise FileNotFoundError(f"image folder {src} not found")
   if os.path.realpath(out) == os.path.realpath(src):
     raise ValueError(f"the output folder must not be the image folder {src} itself")
-  by_class, skipped = _scan(src, follow_symlinks, exclude=[out])
+  by_class, skipped = _scan(src, follow_symlinks, [out],
+                            None if labels is None else load_labels(labels))
   if label_map is not None:
     classes = load_label_map(label_map)
     unknown = sorted(set(by_class) - set(classes))
@@ -235,7 +299,8 @@ def plan(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train"
   else:
     classes = sorted(by_class)
   if not classes:
-    raise ValueError(f"no class folders in {src} (expected SRC/CLASS/IMAGE)")
+    raise ValueError(f"no class folders in {src} (expected SRC/CLASS/IMAGE)" if labels is None
+                     else f"no file in {src} is named in the labels file {labels}")
   skipped += [{"path": name + "/", "reason": "empty class folder"}
               for name in sorted(by_class) if not by_class[name]]
   label_of = {name: i for i, name in enumerate(classes)}
@@ -248,7 +313,7 @@ def plan(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train"
   args = {"split": split, "val_fraction": val_fraction, "seed": seed,
           "label_map": None if label_map is None else str(label_map),
           "shard_size_mb": shard_size_mb, "max_size": max_size, "max_pixels": max_pixels,
-          "follow_symlinks": follow_symlinks}
+          "follow_symlinks": follow_symlinks, "labels": None if labels is None else str(labels)}
   return shards.Job(
       out=out, plans=plans,
       process=functools.partial(process, src=src, keys=keys, max_size=max_size,
@@ -265,10 +330,12 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "tra
             shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, workers: int | None = None,
             max_size: int | None = None, max_pixels: int = checks.MAX_PIXELS,
             follow_symlinks: bool = False, keys: records.Keys = records.DEFAULT_KEYS,
-            progress: bool = True, overwrite: bool = False) -> manifest_lib.Manifest:
+            labels: str | os.PathLike | None = None, progress: bool = True,
+            overwrite: bool = False) -> manifest_lib.Manifest:
   """Converts an image folder to ArrayRecord shards and manifest.json in `out`.
 
   With `val_fraction` > 0 it writes splits `split` and "validation" (split per class).
+  With `labels`, a CSV of FILE,CLASS rows, `src` is a flat folder (ImageNet's `val/`).
   Into a dataset already in `out` it adds the splits (classes must match); splits of
   another conversion are replaced only with `overwrite`. Re-running after an interruption
   keeps finished shards; the result is the same.
@@ -276,7 +343,7 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "tra
   shards.check_workers(workers)
   job = plan(src, out, split=split, val_fraction=val_fraction, seed=seed, label_map=label_map,
              shard_size_mb=shard_size_mb, max_size=max_size, max_pixels=max_pixels,
-             follow_symlinks=follow_symlinks, keys=keys)
+             follow_symlinks=follow_symlinks, keys=keys, labels=labels)
   name = os.path.basename(os.path.normpath(os.fspath(src)))
   return shards.run(job, workers=workers, progress=progress, desc=f"convert {name}",
                     overwrite=overwrite)
