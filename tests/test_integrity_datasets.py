@@ -375,3 +375,16 @@ def test_a_flat_val_folder_with_a_labels_csv_adds_the_validation_split(photos_ra
     (tmp_path / "twice.csv").write_text(text)
     refused = main(capsys, "images", val, tmp_path / "x", "--labels", tmp_path / "twice.csv")
     assert refused.returncode == 2 and message in one_line(refused.stderr)
+
+
+def test_temporary_files_of_killed_runs_are_removed_and_nothing_else(photos_raw, tmp_path):
+  out = tmp_path / "out"
+  out.mkdir()
+  leftovers = [".manifest.json.tmp-4242", ".train.array_record-00000-of-00003.tmp-77",
+               ".convert-progress/train.array_record-00000-of-00003.json"]
+  for name in leftovers:
+    (out / name).parent.mkdir(exist_ok=True)
+    (out / name).write_text("left by a killed run")
+  (out / ".notes.tmp-mine").write_text("the user's")
+  images.convert(photos_raw, out, workers=1, progress=False)
+  assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".notes.tmp-mine"]

@@ -1,8 +1,11 @@
 """Image folders (`SRC/CLASS/IMAGE`, the ImageNet layout) to ArrayRecord shards.
 
-Classes are numbered in sorted order or by a label map. Files are split (per class, seeded)
-and put in a seeded shuffled order so every shard mixes classes; the shard plan is fixed
-from that order and the file sizes, so output bytes do not depend on `workers`.
+Classes are the class folders, numbered in sorted order or by a label map; hidden and tool
+folders, the output folder and other converted datasets are not classes, and no file gets
+two labels through links. A flat folder with a labels CSV (ImageNet's `val/`) works too.
+Files are split (per class, seeded) and put in a seeded shuffled order so every shard mixes
+classes; the shard plan is fixed from that order and the file sizes, so output bytes do not
+depend on `workers`.
 """
 
 from __future__ import annotations

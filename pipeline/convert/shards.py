@@ -47,6 +47,8 @@ LOCK_FILE = ".convert.lock"
 _PLAN_FILE = "plan.json"  # the fingerprint of the job the build folder belongs to
 _SWAP_FILE = "swap.json"  # the finished manifest and the old shards to remove: the commit
 _OLD_PROGRESS_DIR = ".convert-progress"  # resume state of earlier versions, inside OUT
+# What `manifest.save` and earlier versions' shard writers leave behind when killed.
+_TEMPORARY = re.compile(r"\.(manifest\.json|[\w-]+\.array_record-\d+-of-\d+)\.tmp-\d+")
 _TASK_BYTES = 4 << 20  # work sent to a worker at a time
 _TASK_ITEMS = 256
 _WORKER_MODULES = ["pipeline.convert.builtin", "pipeline.convert.images",
@@ -350,7 +352,7 @@ def _check_can_join(job: Job, old: manifest_lib.Manifest, kept: list[str]) -> No
 def _remove_stale_files(out: str) -> None:
   """Temporary files of killed runs in OUT, and the resume state of earlier versions."""
   for entry in os.scandir(out):
-    if entry.name.startswith(".") and ".tmp-" in entry.name and entry.is_file():
+    if _TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
       os.unlink(entry.path)
   shutil.rmtree(os.path.join(out, _OLD_PROGRESS_DIR), ignore_errors=True)
 
