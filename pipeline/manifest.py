@@ -65,8 +65,9 @@ class Manifest:
   def shard_paths(self, data_dir, split: str) -> list[epath.Path]:
     """Paths of a split's shards, in order; a clear error names a missing split."""
     if split not in self.splits:
-      raise KeyError(f"split {split!r} not in {epath.Path(data_dir) / FILENAME}; "
-                     f"it has {sorted(self.splits)}")
+      raise KeyError(
+        f"split {split!r} not in {epath.Path(data_dir) / FILENAME}; it has {sorted(self.splits)}"
+      )
     return [epath.Path(data_dir) / s.file for s in self.splits[split].shards]
 
   def to_json(self) -> dict[str, Any]:
@@ -116,9 +117,10 @@ def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
   splits = {}
   for name, s in _field(d, "splits", dict, where).items():
     shards = _field(s, "shards", list, f"{where} split {name!r}")
-    splits[name] = Split(_count(s, "num_records", f"{where} split {name!r}"),
-                         [_shard(sh, f"{where} split {name!r} shard {i}")
-                          for i, sh in enumerate(shards)])
+    splits[name] = Split(
+      _count(s, "num_records", f"{where} split {name!r}"),
+      [_shard(sh, f"{where} split {name!r} shard {i}") for i, sh in enumerate(shards)],
+    )
   keys = d.get("keys", {})
   try:
     keys = Keys(**keys)
@@ -127,8 +129,13 @@ def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
   skipped, created_by = d.get("skipped", []), d.get("created_by", {})
   if not isinstance(skipped, list) or not isinstance(created_by, dict):
     raise ManifestError(f"{where}: skipped must be a list and created_by an object")
-  return Manifest(classes=list(classes), splits=splits, skipped=list(skipped), keys=keys,
-                  created_by=dict(created_by))
+  return Manifest(
+    classes=list(classes),
+    splits=splits,
+    skipped=list(skipped),
+    keys=keys,
+    created_by=dict(created_by),
+  )
 
 
 def _is_local(path: epath.Path) -> bool:
@@ -153,10 +160,12 @@ def load(data_dir) -> Manifest:
   except FileNotFoundError:
     if _is_local(path) and os.path.isdir(os.path.join(os.fspath(data_dir), BUILD_DIR)):
       raise FileNotFoundError(
-          f"{path} not found: a conversion into {data_dir} is running or was interrupted; "
-          "re-run it to finish") from None
-    raise FileNotFoundError(f"{path} not found: convert the dataset first "
-                            "(python -m pipeline.convert --help)") from None
+        f"{path} not found: a conversion into {data_dir} is running or was interrupted; "
+        "re-run it to finish"
+      ) from None
+    raise FileNotFoundError(
+      f"{path} not found: convert the dataset first (python -m pipeline.convert --help)"
+    ) from None
   if size is None:
     raise ManifestError(f"{path} is not a regular file")
   try:
@@ -182,8 +191,7 @@ def _sha256(path: epath.Path) -> str:
   return h.hexdigest()
 
 
-def checked_shards(data_dir, meta: Manifest, split: str,
-                   verify: str = "size") -> list[epath.Path]:
+def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -> list[epath.Path]:
   """The split's shard paths after checking them against the manifest, for a reader to open.
 
   Always: the split exists and its `num_records` is the sum of its shards' counts.
@@ -199,8 +207,9 @@ def checked_shards(data_dir, meta: Manifest, split: str,
   s = meta.splits[split]
   total = sum(sh.num_records for sh in s.shards)
   if s.num_records != total:
-    raise ManifestError(f"{where}: split {split!r} says {s.num_records} records but its "
-                        f"shards hold {total}")
+    raise ManifestError(
+      f"{where}: split {split!r} says {s.num_records} records but its shards hold {total}"
+    )
   paths = [epath.Path(data_dir) / sh.file for sh in s.shards]
   if verify == "none":
     return paths
@@ -212,9 +221,12 @@ def checked_shards(data_dir, meta: Manifest, split: str,
     if size is None:
       raise ManifestError(f"shard {path} is not a regular file")
     if sh.bytes is not None and size != sh.bytes:
-      raise ManifestError(f"shard {path} has {size} bytes, {where} says {sh.bytes}: "
-                          "it changed after conversion")
+      raise ManifestError(
+        f"shard {path} has {size} bytes, {where} says {sh.bytes}: it changed after conversion"
+      )
     if verify == "sha256" and (digest := _sha256(path)) != sh.sha256:
-      raise ManifestError(f"shard {path} has sha256 {digest[:12]}..., {where} says "
-                          f"{sh.sha256[:12]}...: it changed after conversion")
+      raise ManifestError(
+        f"shard {path} has sha256 {digest[:12]}..., {where} says "
+        f"{sh.sha256[:12]}...: it changed after conversion"
+      )
   return paths

@@ -40,8 +40,10 @@ def test_hidden_and_tool_folders_are_not_classes(tmp_path):
   write(src / "cat" / "._c2.jpg", b"\x00\x05\x16\x07 AppleDouble")
   m = images.convert(src, tmp_path / "out", workers=1, progress=False)
   assert m.classes == ["cat", "dog"]
-  assert stored(tmp_path / "out") == {**{f"cat/c{i}.jpg": "cat" for i in range(3)},
-                                      **{f"dog/d{i}.jpg": "dog" for i in range(3)}}
+  assert stored(tmp_path / "out") == {
+    **{f"cat/c{i}.jpg": "cat" for i in range(3)},
+    **{f"dog/d{i}.jpg": "dog" for i in range(3)},
+  }
   skipped = {s["path"]: s["reason"] for s in m.skipped}
   for name in (".ipynb_checkpoints", "__MACOSX"):
     assert skipped[name] == "hidden or tool folder, not a class"
@@ -84,8 +86,11 @@ def test_an_image_linked_from_another_class_keeps_its_one_label(tmp_path):
   os.symlink(src / "dog", src / "cat" / "more_dogs")
   m = images.convert(src, tmp_path / "out", workers=1, progress=False)
   got = stored(tmp_path / "out")
-  assert got == {**{f"cat/c{i}.jpg": "cat" for i in range(3)},
-                 **{f"dog/d{i}.jpg": "dog" for i in range(3)}, "zebra/z0.jpg": "zebra"}
+  assert got == {
+    **{f"cat/c{i}.jpg": "cat" for i in range(3)},
+    **{f"dog/d{i}.jpg": "dog" for i in range(3)},
+    "zebra/z0.jpg": "zebra",
+  }
   skipped = {s["path"]: s["reason"] for s in m.skipped}
   assert skipped["dog/link_to_cat.jpg"].startswith("same file as cat/c0.jpg in class cat")
   assert skipped["dog/hardlink_to_cat.jpg"].startswith("same file as cat/c1.jpg in class cat")

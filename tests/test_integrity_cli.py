@@ -42,11 +42,13 @@ def one_line(text: str) -> str:
 def damaged(photos_dir, tmp_path) -> pathlib.Path:
   data = shutil.copytree(photos_dir, tmp_path / "damaged")
   text = (data / manifest.FILENAME).read_text()
-  (data / manifest.FILENAME).write_text(text[:len(text) // 2])
+  (data / manifest.FILENAME).write_text(text[: len(text) // 2])
   return data
 
 
-@pytest.mark.parametrize("args, message", [
+@pytest.mark.parametrize(
+  "args, message",
+  [
     ([], "the following arguments are required: command"),
     (["images"], "the following arguments are required: src, out"),
     (["images", "{tmp}/nope", "{tmp}/out"], "image folder {tmp}/nope not found"),
@@ -59,13 +61,14 @@ def damaged(photos_dir, tmp_path) -> pathlib.Path:
     (["verify", "{tmp}/nope"], "{tmp}/nope/manifest.json not found"),
     (["verify", "{photos}", "--workers", "-1"], "--workers: -1 is outside"),
     (["builtin", "{tmp}/a_file"], "a_file"),
-])
-def test_usage_errors_are_one_line_with_exit_status_2(photos_raw, tmp_path, capsys, args,
-                                                      message):
+  ],
+)
+def test_usage_errors_are_one_line_with_exit_status_2(photos_raw, tmp_path, capsys, args, message):
   (tmp_path / "a_file").write_text("not a folder")
   fill = {"tmp": tmp_path, "photos": photos_raw}
-  code, out, err = main(capsys, *[a.format(**fill) for a in args], *(["--no-progress"] if args
-                                                                      else []))
+  code, out, err = main(
+    capsys, *[a.format(**fill) for a in args], *(["--no-progress"] if args else [])
+  )
   assert code == 2
   assert message.format(**fill) in one_line(err)
 
@@ -81,16 +84,30 @@ def test_in_a_new_process_too_and_verbose_shows_the_traceback(tmp_path):
   plain = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
   assert plain.returncode == 2
   assert one_line(plain.stderr) == f"error: image folder {tmp_path / 'nope'} not found"
-  verbose = subprocess.run(args + ["--verbose"], cwd=ROOT, capture_output=True, text=True,
-                           timeout=120)
+  verbose = subprocess.run(
+    args + ["--verbose"], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
   assert verbose.returncode != 0
   assert "Traceback" in verbose.stderr and "FileNotFoundError" in verbose.stderr
 
 
 def test_progress_is_a_line_per_tenth_when_not_on_a_terminal(photos_raw, tmp_path):
-  result = subprocess.run([*CONVERT, "images", str(photos_raw), str(tmp_path / "out"),
-                           "--shard-size-mb", "0.2", "--workers", "1"], cwd=ROOT,
-                          capture_output=True, text=True, timeout=300)
+  result = subprocess.run(
+    [
+      *CONVERT,
+      "images",
+      str(photos_raw),
+      str(tmp_path / "out"),
+      "--shard-size-mb",
+      "0.2",
+      "--workers",
+      "1",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert result.returncode == 0, result.stderr
   assert "\r" not in result.stderr
   lines = result.stderr.strip().splitlines()
@@ -101,9 +118,21 @@ def test_progress_is_a_line_per_tenth_when_not_on_a_terminal(photos_raw, tmp_pat
 def test_progress_is_a_bar_on_a_terminal(photos_raw, tmp_path):
   controller, terminal = pty.openpty()
   fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # rows, cols
-  child = subprocess.Popen([*CONVERT, "images", str(photos_raw), str(tmp_path / "out"),
-                            "--shard-size-mb", "0.2", "--workers", "1"], cwd=ROOT,
-                           stdout=subprocess.DEVNULL, stderr=terminal)
+  child = subprocess.Popen(
+    [
+      *CONVERT,
+      "images",
+      str(photos_raw),
+      str(tmp_path / "out"),
+      "--shard-size-mb",
+      "0.2",
+      "--workers",
+      "1",
+    ],
+    cwd=ROOT,
+    stdout=subprocess.DEVNULL,
+    stderr=terminal,
+  )
   os.close(terminal)
   shown = b""
   while True:

@@ -36,8 +36,9 @@ def edit(data_dir, change) -> None:
 
 def in_a_process(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
   """Runs `code` in a new process: a call that would block forever fails on the timeout."""
-  return subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout)
+  return subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+  )
 
 
 def test_a_good_dataset_passes_every_level(dataset):
@@ -48,8 +49,11 @@ def test_a_good_dataset_passes_every_level(dataset):
 
 
 def test_a_missing_split_names_the_splits_there(dataset):
-  with pytest.raises(manifest.ManifestError, match=r"split 'test' not in .*manifest.json; "
-                     r"it has \['train', 'validation'\]"):
+  with pytest.raises(
+    manifest.ManifestError,
+    match=r"split 'test' not in .*manifest.json; "
+    r"it has \['train', 'validation'\]",
+  ):
     manifest.checked_shards(dataset, manifest.load(dataset), "test")
 
 
@@ -66,12 +70,13 @@ def test_a_fifo_in_place_of_a_shard_is_refused_without_opening_it(dataset):
   shard.unlink()
   os.mkfifo(shard)
   result = in_a_process(
-      "from pipeline import manifest\n"
-      f"m = manifest.load({str(dataset)!r})\n"
-      "try:\n"
-      f"  manifest.checked_shards({str(dataset)!r}, m, 'train', verify='sha256')\n"
-      "except manifest.ManifestError as e:\n"
-      "  print(e)\n")
+    "from pipeline import manifest\n"
+    f"m = manifest.load({str(dataset)!r})\n"
+    "try:\n"
+    f"  manifest.checked_shards({str(dataset)!r}, m, 'train', verify='sha256')\n"
+    "except manifest.ManifestError as e:\n"
+    "  print(e)\n"
+  )
   assert result.stdout.strip() == f"shard {shard} is not a regular file", result.stderr
 
 
@@ -98,8 +103,10 @@ def test_changed_bytes_of_the_same_size_are_caught_by_sha256_only(dataset):
 def test_a_split_count_that_is_not_its_shards_sum_is_refused(dataset, num_records):
   edit(dataset, lambda d: d["splits"]["train"].update(num_records=num_records))
   for level in ("none", "size"):
-    with pytest.raises(manifest.ManifestError,
-                       match=f"split 'train' says {num_records} records but its shards hold 48"):
+    with pytest.raises(
+      manifest.ManifestError,
+      match=f"split 'train' says {num_records} records but its shards hold 48",
+    ):
       manifest.checked_shards(dataset, manifest.load(dataset), "train", verify=level)
 
 
@@ -126,14 +133,19 @@ def test_a_truncated_manifest_is_a_manifest_error_naming_the_file(dataset):
     manifest.load(dataset)
 
 
-@pytest.mark.parametrize("change, message", [
+@pytest.mark.parametrize(
+  "change, message",
+  [
     (lambda d: d.pop("splits"), "missing field 'splits'"),
     (lambda d: d["splits"]["train"].update(num_records="48"), "field 'num_records' is '48'"),
-    (lambda d: d["splits"]["train"]["shards"][0].update(file="../../etc/passwd"),
-     "not a file name in the dataset folder"),
+    (
+      lambda d: d["splits"]["train"]["shards"][0].update(file="../../etc/passwd"),
+      "not a file name in the dataset folder",
+    ),
     (lambda d: d.update(keys={"picture": "x"}), "keys .* are not image/label/filename"),
     (lambda d: d.update(format="grain-pipeline/9"), "format 'grain-pipeline/9' is not"),
-])
+  ],
+)
 def test_an_invalid_manifest_is_a_manifest_error_naming_the_file(dataset, change, message):
   edit(dataset, change)
   with pytest.raises(manifest.ManifestError, match=message) as error:
@@ -146,11 +158,12 @@ def test_a_fifo_in_place_of_the_manifest_is_refused(dataset):
   (dataset / manifest.FILENAME).unlink()
   os.mkfifo(dataset / manifest.FILENAME)
   result = in_a_process(
-      "from pipeline import manifest\n"
-      "try:\n"
-      f"  manifest.load({str(dataset)!r})\n"
-      "except manifest.ManifestError as e:\n"
-      "  print(e)\n")
+    "from pipeline import manifest\n"
+    "try:\n"
+    f"  manifest.load({str(dataset)!r})\n"
+    "except manifest.ManifestError as e:\n"
+    "  print(e)\n"
+  )
   assert result.stdout.strip().endswith("manifest.json is not a regular file"), result.stderr
 
 
@@ -158,9 +171,22 @@ def test_verify_reports_a_fifo_in_place_of_a_shard_and_does_not_hang(dataset):
   shard = shard_of(dataset, "validation")
   shard.unlink()
   os.mkfifo(shard)
-  result = subprocess.run([sys.executable, "-m", "pipeline.convert", "verify", str(dataset),
-                           "--no-progress", "--workers", "1"], cwd=ROOT, capture_output=True,
-                          text=True, timeout=120)
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pipeline.convert",
+      "verify",
+      str(dataset),
+      "--no-progress",
+      "--workers",
+      "1",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
   assert result.returncode == 1
   assert f"{shard.name}: not a regular file" in result.stdout
 
@@ -175,5 +201,6 @@ def test_verify_of_a_dataset_without_records_is_not_ok(dataset):
 def test_verify_checks_recorded_sizes(dataset):
   edit(dataset, lambda d: d["splits"]["train"]["shards"][0].update(bytes=1))
   problems = verify.verify(dataset, workers=1, progress=False).problems
-  assert problems == [f"{shard_of(dataset).name}: {shard_of(dataset).stat().st_size} bytes, "
-                      "manifest says 1"]
+  assert problems == [
+    f"{shard_of(dataset).name}: {shard_of(dataset).stat().st_size} bytes, manifest says 1"
+  ]

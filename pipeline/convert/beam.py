@@ -34,8 +34,13 @@ from pipeline import manifest as manifest_lib
 from pipeline.convert import images, shards, tfrecord
 
 
-def run(job: shards.Job, *, runner: str = "DirectRunner", pipeline_args: Sequence[str] = (),
-        overwrite: bool = False) -> manifest_lib.Manifest:
+def run(
+  job: shards.Job,
+  *,
+  runner: str = "DirectRunner",
+  pipeline_args: Sequence[str] = (),
+  overwrite: bool = False,
+) -> manifest_lib.Manifest:
   """Writes a planned job's unfinished shards with Beam, then swaps the result into OUT."""
   import apache_beam as beam
   from apache_beam.options.pipeline_options import PipelineOptions
@@ -47,24 +52,43 @@ def run(job: shards.Job, *, runner: str = "DirectRunner", pipeline_args: Sequenc
     worker_job = dataclasses.replace(job, plans=[])  # each element carries its own plan
     options = PipelineOptions(list(pipeline_args), runner=runner)
     with beam.Pipeline(options=options) as p:
-      _ = (p
-           | "Plan" >> beam.Create(todo)
-           | "Spread" >> beam.Reshuffle()
-           | "WriteShard" >> beam.Map(lambda plan: shards.write_shard(worker_job, plan)))
+      _ = (
+        p
+        | "Plan" >> beam.Create(todo)
+        | "Spread" >> beam.Reshuffle()
+        | "WriteShard" >> beam.Map(lambda plan: shards.write_shard(worker_job, plan))
+      )
     return shards.finish(job)
 
 
-def convert_images(src: str | os.PathLike, out: str | os.PathLike, *,
-                   runner: str = "DirectRunner", pipeline_args: Sequence[str] = (),
-                   overwrite: bool = False, **kwargs: Any) -> manifest_lib.Manifest:
+def convert_images(
+  src: str | os.PathLike,
+  out: str | os.PathLike,
+  *,
+  runner: str = "DirectRunner",
+  pipeline_args: Sequence[str] = (),
+  overwrite: bool = False,
+  **kwargs: Any,
+) -> manifest_lib.Manifest:
   """`images.convert` on Beam; `kwargs` are `images.plan`'s (split, val_fraction, ...)."""
-  return run(images.plan(src, out, **kwargs), runner=runner, pipeline_args=pipeline_args,
-             overwrite=overwrite)
+  return run(
+    images.plan(src, out, **kwargs), runner=runner, pipeline_args=pipeline_args, overwrite=overwrite
+  )
 
 
-def convert_tfrecord(pattern: str | Sequence[str], out: str | os.PathLike, *,
-                     runner: str = "DirectRunner", pipeline_args: Sequence[str] = (),
-                     overwrite: bool = False, **kwargs: Any) -> manifest_lib.Manifest:
+def convert_tfrecord(
+  pattern: str | Sequence[str],
+  out: str | os.PathLike,
+  *,
+  runner: str = "DirectRunner",
+  pipeline_args: Sequence[str] = (),
+  overwrite: bool = False,
+  **kwargs: Any,
+) -> manifest_lib.Manifest:
   """`tfrecord.convert` on Beam; `kwargs` are `tfrecord.plan`'s (split, num_classes, ...)."""
-  return run(tfrecord.plan(pattern, out, **kwargs), runner=runner,
-             pipeline_args=pipeline_args, overwrite=overwrite)
+  return run(
+    tfrecord.plan(pattern, out, **kwargs),
+    runner=runner,
+    pipeline_args=pipeline_args,
+    overwrite=overwrite,
+  )

@@ -23,8 +23,9 @@ from pipeline import manifest as manifest_lib
 from pipeline.convert import checks, shards
 
 VALIDATION = "validation"  # the split `val_fraction` makes
-TOOL_FOLDERS = frozenset({"__MACOSX", "@eaDir", "$RECYCLE.BIN", "System Volume Information",
-                          "lost+found"})
+TOOL_FOLDERS = frozenset(
+  {"__MACOSX", "@eaDir", "$RECYCLE.BIN", "System Volume Information", "lost+found"}
+)
 
 
 class LabelMapError(ValueError):
@@ -35,8 +36,7 @@ class LabelsError(ValueError):
   """A labels file (FILE,CLASS rows) that cannot be read or labels a file twice."""
 
 
-def load_label_map(label_map: str | os.PathLike | Mapping[str, int] | Sequence[str]
-                   ) -> list[str]:
+def load_label_map(label_map: str | os.PathLike | Mapping[str, int] | Sequence[str]) -> list[str]:
   """Class names in label order from a JSON {name: label} file, a names-per-line file,
   a mapping or a list; labels must be exactly 0..N-1."""
   source = "label map"
@@ -55,11 +55,11 @@ def load_label_map(label_map: str | os.PathLike | Mapping[str, int] | Sequence[s
     if not isinstance(label, int) or isinstance(label, bool):
       raise LabelMapError(f"{source}: label of class {name!r} is {label!r}, not an integer")
     if not 0 <= label < len(label_map):
-      raise LabelMapError(f"{source}: label {label} of class {name!r} is out of range "
-                          f"[0, {len(label_map)})")
+      raise LabelMapError(
+        f"{source}: label {label} of class {name!r} is out of range [0, {len(label_map)})"
+      )
     if classes[label] is not None:
-      raise LabelMapError(f"{source}: label {label} used by both {classes[label]!r} "
-                          f"and {name!r}")
+      raise LabelMapError(f"{source}: label {label} used by both {classes[label]!r} and {name!r}")
     classes[label] = name
   return classes  # every slot is filled: N distinct labels in [0, N)
 
@@ -94,18 +94,21 @@ def load_labels(path: str | os.PathLike) -> dict[str, str]:
       if not any(cell.strip() for cell in row):
         continue
       if len(row) < 2 or not row[0].strip() or not row[1].split():
-        raise LabelsError(f"labels file {os.fspath(path)} line {line}: wants FILE,CLASS, "
-                          f"got {','.join(row)[:80]!r}")
+        raise LabelsError(
+          f"labels file {os.fspath(path)} line {line}: wants FILE,CLASS, got {','.join(row)[:80]!r}"
+        )
       name, cls = row[0].strip(), row[1].split()[0]
       if labels.setdefault(name, cls) != cls:
-        raise LabelsError(f"labels file {os.fspath(path)} line {line}: {name} is labelled "
-                          f"both {labels[name]!r} and {cls!r}")
+        raise LabelsError(
+          f"labels file {os.fspath(path)} line {line}: {name} is labelled "
+          f"both {labels[name]!r} and {cls!r}"
+        )
   return labels
 
 
-def _scan(src: str, follow_symlinks: bool, exclude: Sequence[str],
-          labels: Mapping[str, str] | None = None
-          ) -> tuple[dict[str, list[tuple[str, os.stat_result]]], list[dict[str, str]]]:
+def _scan(
+  src: str, follow_symlinks: bool, exclude: Sequence[str], labels: Mapping[str, str] | None = None
+) -> tuple[dict[str, list[tuple[str, os.stat_result]]], list[dict[str, str]]]:
   """Image files per class (sorted relative paths and their stat) and what was left out.
 
   Classes are SRC's folders, or with `labels` ({file: class}) every file under SRC gets
@@ -162,13 +165,23 @@ def _scan(src: str, follow_symlinks: bool, exclude: Sequence[str],
     if first_class == name:
       by_class[name].append((rel, st))
     else:
-      skipped.append({"path": rel, "reason": f"same file as {first} in class {first_class}; "
-                      "an image gets one label"})
+      skipped.append(
+        {
+          "path": rel,
+          "reason": f"same file as {first} in class {first_class}; an image gets one label",
+        }
+      )
   return by_class, skipped
 
 
-def _class_folders(src: str, root: str, excluded: set[str], visited: set[str],
-                   follow_symlinks: bool, skipped: list[dict[str, str]]) -> list[os.DirEntry]:
+def _class_folders(
+  src: str,
+  root: str,
+  excluded: set[str],
+  visited: set[str],
+  follow_symlinks: bool,
+  skipped: list[dict[str, str]],
+) -> list[os.DirEntry]:
   """SRC's folders that are classes (their real paths join `visited`); the rest is skipped."""
   classes = []
   for entry in sorted(os.scandir(src), key=lambda e: e.name):
@@ -180,8 +193,13 @@ def _class_folders(src: str, root: str, excluded: set[str], visited: set[str],
     elif problem := _link_problem(entry, root, follow_symlinks):
       skipped.append({"path": entry.name, "reason": problem})
     elif entry.is_dir() and entry.is_symlink() and _inside(real, root):
-      skipped.append({"path": entry.name, "reason": f"symlink to {os.path.relpath(real, root)} "
-                      "in the source folder, whose images are listed there once"})
+      skipped.append(
+        {
+          "path": entry.name,
+          "reason": f"symlink to {os.path.relpath(real, root)} "
+          "in the source folder, whose images are listed there once",
+        }
+      )
     elif entry.is_dir() and real in visited:
       skipped.append({"path": entry.name, "reason": "symlink to a folder already listed"})
     elif entry.is_dir() and _is_dataset(entry.path):
@@ -195,12 +213,17 @@ def _class_folders(src: str, root: str, excluded: set[str], visited: set[str],
 
 
 def _is_dataset(path: str) -> bool:
-  return any(os.path.lexists(os.path.join(path, name))
-             for name in (manifest_lib.FILENAME, manifest_lib.BUILD_DIR))
+  return any(
+    os.path.lexists(os.path.join(path, name))
+    for name in (manifest_lib.FILENAME, manifest_lib.BUILD_DIR)
+  )
 
 
-def _labelled(found: list[tuple[str, str, os.stat_result, bool]], labels: Mapping[str, str],
-              skipped: list[dict[str, str]]) -> list[tuple[str, str, os.stat_result, bool]]:
+def _labelled(
+  found: list[tuple[str, str, os.stat_result, bool]],
+  labels: Mapping[str, str],
+  skipped: list[dict[str, str]],
+) -> list[tuple[str, str, os.stat_result, bool]]:
   """Gives each found file its class from `labels` (by path, or path without extension)."""
   out = []
   for _, rel, st, canonical in found:
@@ -215,15 +238,22 @@ def _labelled(found: list[tuple[str, str, os.stat_result, bool]], labels: Mappin
   return out
 
 
-def scan(src: str, follow_symlinks: bool = False, exclude: Sequence[str] = ()
-         ) -> tuple[dict[str, list[str]], list[dict[str, str]]]:
+def scan(
+  src: str, follow_symlinks: bool = False, exclude: Sequence[str] = ()
+) -> tuple[dict[str, list[str]], list[dict[str, str]]]:
   """Lists image files per class folder (sorted relative paths) and what was left out."""
   by_class, skipped = _scan(src, follow_symlinks, exclude)
   return {name: [rel for rel, _ in files] for name, files in by_class.items()}, skipped
 
 
-def process(task: tuple[tuple[str, int], ...], *, src: str, keys: records.Keys,
-            max_size: int | None, max_pixels: int) -> list[shards.Outcome]:
+def process(
+  task: tuple[tuple[str, int], ...],
+  *,
+  src: str,
+  keys: records.Keys,
+  max_size: int | None,
+  max_pixels: int,
+) -> list[shards.Outcome]:
   """Worker: reads, checks and encodes each (relative path, label) of a task."""
   outcomes: list[shards.Outcome] = []
   for rel, label in task:
@@ -238,9 +268,13 @@ def process(task: tuple[tuple[str, int], ...], *, src: str, keys: records.Keys,
   return outcomes
 
 
-def _split_files(by_class: dict[str, list[tuple[str, os.stat_result]]],
-                 label_of: dict[str, int], val_fraction: float, seed: int, split: str
-                 ) -> dict[str, list[tuple[str, int, os.stat_result]]]:
+def _split_files(
+  by_class: dict[str, list[tuple[str, os.stat_result]]],
+  label_of: dict[str, int],
+  val_fraction: float,
+  seed: int,
+  split: str,
+) -> dict[str, list[tuple[str, int, os.stat_result]]]:
   """Per-class seeded split into (train, validation), then a seeded shuffle of each split."""
   rng = np.random.default_rng(seed)
   out: dict[str, list[tuple[str, int, os.stat_result]]] = {split: []}
@@ -258,27 +292,37 @@ def _split_files(by_class: dict[str, list[tuple[str, os.stat_result]]],
   return out
 
 
-def _check_arguments(split: str, val_fraction: float, max_size: int | None,
-                     max_pixels: int) -> None:
+def _check_arguments(
+  split: str, val_fraction: float, max_size: int | None, max_pixels: int
+) -> None:
   shards.check_split_name(split)
   if not 0.0 <= val_fraction < 1.0:
     raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
   if val_fraction > 0 and split == VALIDATION:
-    raise ValueError(f"split {split!r} is the name of the split val_fraction makes; "
-                     "choose another --split")
+    raise ValueError(
+      f"split {split!r} is the name of the split val_fraction makes; choose another --split"
+    )
   if max_size is not None and max_size < 1:
     raise ValueError(f"max_size must be a positive number of pixels, got {max_size}")
   if max_pixels < 1:
     raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
 
 
-def plan(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train",
-         val_fraction: float = 0.0, seed: int = 0,
-         label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
-         shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, max_size: int | None = None,
-         max_pixels: int = checks.MAX_PIXELS, follow_symlinks: bool = False,
-         keys: records.Keys = records.DEFAULT_KEYS,
-         labels: str | os.PathLike | None = None) -> shards.Job:
+def plan(
+  src: str | os.PathLike,
+  out: str | os.PathLike,
+  *,
+  split: str = "train",
+  val_fraction: float = 0.0,
+  seed: int = 0,
+  label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
+  max_size: int | None = None,
+  max_pixels: int = checks.MAX_PIXELS,
+  follow_symlinks: bool = False,
+  keys: records.Keys = records.DEFAULT_KEYS,
+  labels: str | os.PathLike | None = None,
+) -> shards.Job:
   """Scans `src`, numbers its classes, splits and orders its files and plans the shards.
 
   `out` is left out of the scan when it lies inside `src`. With `labels` (a CSV of
@@ -291,50 +335,89 @@ def plan(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train"
     raise FileNotFoundError(f"image folder {src} not found")
   if os.path.realpath(out) == os.path.realpath(src):
     raise ValueError(f"the output folder must not be the image folder {src} itself")
-  by_class, skipped = _scan(src, follow_symlinks, [out],
-                            None if labels is None else load_labels(labels))
+  by_class, skipped = _scan(
+    src, follow_symlinks, [out], None if labels is None else load_labels(labels)
+  )
   if label_map is not None:
     classes = load_label_map(label_map)
     unknown = sorted(set(by_class) - set(classes))
     if unknown:
-      raise LabelMapError(f"class folders {unknown} in {src} are not in the label map "
-                          f"(it has {len(classes)} classes)")
+      raise LabelMapError(
+        f"class folders {unknown} in {src} are not in the label map (it has {len(classes)} classes)"
+      )
   else:
     classes = sorted(by_class)
   if not classes:
-    raise ValueError(f"no class folders in {src} (expected SRC/CLASS/IMAGE)" if labels is None
-                     else f"no file in {src} is named in the labels file {labels}")
-  skipped += [{"path": name + "/", "reason": "empty class folder"}
-              for name in sorted(by_class) if not by_class[name]]
+    raise ValueError(
+      f"no class folders in {src} (expected SRC/CLASS/IMAGE)"
+      if labels is None
+      else f"no file in {src} is named in the labels file {labels}"
+    )
+  skipped += [
+    {"path": name + "/", "reason": "empty class folder"}
+    for name in sorted(by_class)
+    if not by_class[name]
+  ]
   label_of = {name: i for i, name in enumerate(classes)}
   split_items = _split_files(by_class, label_of, val_fraction, seed, split)
   plans, inputs = [], []
   for name, items in split_items.items():
-    plans += shards.plan_split(name, [(rel, label) for rel, label, _ in items],
-                               [st.st_size for _, _, st in items], shard_bytes)
+    plans += shards.plan_split(
+      name,
+      [(rel, label) for rel, label, _ in items],
+      [st.st_size for _, _, st in items],
+      shard_bytes,
+    )
     inputs.append([name, [(rel, label, st.st_size, st.st_mtime_ns) for rel, label, st in items]])
-  args = {"split": split, "val_fraction": val_fraction, "seed": seed,
-          "label_map": None if label_map is None else str(label_map),
-          "shard_size_mb": shard_size_mb, "max_size": max_size, "max_pixels": max_pixels,
-          "follow_symlinks": follow_symlinks, "labels": None if labels is None else str(labels)}
+  args = {
+    "split": split,
+    "val_fraction": val_fraction,
+    "seed": seed,
+    "label_map": None if label_map is None else str(label_map),
+    "shard_size_mb": shard_size_mb,
+    "max_size": max_size,
+    "max_pixels": max_pixels,
+    "follow_symlinks": follow_symlinks,
+    "labels": None if labels is None else str(labels),
+  }
   return shards.Job(
-      out=out, plans=plans,
-      process=functools.partial(process, src=src, keys=keys, max_size=max_size,
-                                max_pixels=max_pixels),
-      fp=shards.fingerprint(__version__, args, classes, keys, inputs), classes=classes,
-      splits=list(split_items), keys=keys, skipped=skipped,
-      created_by={"tool": "pipeline.convert images", "version": __version__, "args": args,
-                  "source": os.path.abspath(src)})
+    out=out,
+    plans=plans,
+    process=functools.partial(
+      process, src=src, keys=keys, max_size=max_size, max_pixels=max_pixels
+    ),
+    fp=shards.fingerprint(__version__, args, classes, keys, inputs),
+    classes=classes,
+    splits=list(split_items),
+    keys=keys,
+    skipped=skipped,
+    created_by={
+      "tool": "pipeline.convert images",
+      "version": __version__,
+      "args": args,
+      "source": os.path.abspath(src),
+    },
+  )
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train",
-            val_fraction: float = 0.0, seed: int = 0,
-            label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
-            shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, workers: int | None = None,
-            max_size: int | None = None, max_pixels: int = checks.MAX_PIXELS,
-            follow_symlinks: bool = False, keys: records.Keys = records.DEFAULT_KEYS,
-            labels: str | os.PathLike | None = None, progress: bool = True,
-            overwrite: bool = False) -> manifest_lib.Manifest:
+def convert(
+  src: str | os.PathLike,
+  out: str | os.PathLike,
+  *,
+  split: str = "train",
+  val_fraction: float = 0.0,
+  seed: int = 0,
+  label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
+  workers: int | None = None,
+  max_size: int | None = None,
+  max_pixels: int = checks.MAX_PIXELS,
+  follow_symlinks: bool = False,
+  keys: records.Keys = records.DEFAULT_KEYS,
+  labels: str | os.PathLike | None = None,
+  progress: bool = True,
+  overwrite: bool = False,
+) -> manifest_lib.Manifest:
   """Converts an image folder to ArrayRecord shards and manifest.json in `out`.
 
   With `val_fraction` > 0 it writes splits `split` and "validation" (split per class).
@@ -344,9 +427,21 @@ def convert(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "tra
   keeps finished shards; the result is the same.
   """
   shards.check_workers(workers)
-  job = plan(src, out, split=split, val_fraction=val_fraction, seed=seed, label_map=label_map,
-             shard_size_mb=shard_size_mb, max_size=max_size, max_pixels=max_pixels,
-             follow_symlinks=follow_symlinks, keys=keys, labels=labels)
+  job = plan(
+    src,
+    out,
+    split=split,
+    val_fraction=val_fraction,
+    seed=seed,
+    label_map=label_map,
+    shard_size_mb=shard_size_mb,
+    max_size=max_size,
+    max_pixels=max_pixels,
+    follow_symlinks=follow_symlinks,
+    keys=keys,
+    labels=labels,
+  )
   name = os.path.basename(os.path.normpath(os.fspath(src)))
-  return shards.run(job, workers=workers, progress=progress, desc=f"convert {name}",
-                    overwrite=overwrite)
+  return shards.run(
+    job, workers=workers, progress=progress, desc=f"convert {name}", overwrite=overwrite
+  )

@@ -19,8 +19,7 @@ class Progress:
   def __init__(self, total: int, desc: str, unit: str, enabled: bool = True):
     self.total, self.desc, self.unit, self.done = total, desc, unit, 0
     on_tty = enabled and sys.stderr.isatty()
-    self._bar = tqdm.tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True,
-                          disable=not on_tty)
+    self._bar = tqdm.tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=not on_tty)
     self._lines = enabled and not on_tty and total > 0
     self._step = 0
 
@@ -30,8 +29,11 @@ class Progress:
     step = self.done * _STEPS // self.total if self.total else _STEPS
     if self._lines and step > self._step:
       self._step = step
-      print(f"{self.desc}: {100 * self.done // self.total}% ({self.done}/{self.total} "
-            f"{self.unit}s)", file=sys.stderr, flush=True)
+      print(
+        f"{self.desc}: {100 * self.done // self.total}% ({self.done}/{self.total} {self.unit}s)",
+        file=sys.stderr,
+        flush=True,
+      )
 
   def close(self) -> None:
     self._bar.close()

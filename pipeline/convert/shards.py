@@ -51,8 +51,12 @@ _OLD_PROGRESS_DIR = ".convert-progress"  # resume state of earlier versions, ins
 _TEMPORARY = re.compile(r"\.(manifest\.json|[\w-]+\.array_record-\d+-of-\d+)\.tmp-\d+")
 _TASK_BYTES = 4 << 20  # work sent to a worker at a time
 _TASK_ITEMS = 256
-_WORKER_MODULES = ["pipeline.convert.builtin", "pipeline.convert.images",
-                   "pipeline.convert.tfrecord", "pipeline.convert.verify"]
+_WORKER_MODULES = [
+  "pipeline.convert.builtin",
+  "pipeline.convert.images",
+  "pipeline.convert.tfrecord",
+  "pipeline.convert.verify",
+]
 
 # What a worker returns per input: (serialized record or None, skipped entry or None,
 # re-encoded entry or None); entries are {"path": ..., "reason": ...}.
@@ -91,15 +95,20 @@ def shard_name(split: str, index: int, count: int) -> str:
 
 def shard_bytes(shard_size_mb: float) -> int:
   """The target shard size in bytes; anything but a positive number is a ValueError."""
-  if (isinstance(shard_size_mb, bool) or not isinstance(shard_size_mb, (int, float))
-      or not math.isfinite(shard_size_mb) or shard_size_mb <= 0):
+  if (
+    isinstance(shard_size_mb, bool)
+    or not isinstance(shard_size_mb, (int, float))
+    or not math.isfinite(shard_size_mb)
+    or shard_size_mb <= 0
+  ):
     raise ValueError(f"shard_size_mb must be a positive number of MiB, got {shard_size_mb!r}")
   return max(1, int(shard_size_mb * (1 << 20)))
 
 
 def check_workers(workers: int | None) -> None:
-  if workers is not None and (isinstance(workers, bool) or not isinstance(workers, int)
-                              or workers < 1):
+  if workers is not None and (
+    isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+  ):
     raise ValueError(f"workers must be a positive integer, got {workers!r}")
 
 
@@ -109,8 +118,9 @@ def check_split_name(split: str) -> None:
     raise ValueError(f"split name {split!r} must be letters, digits, '_' or '-'")
 
 
-def plan_split(split: str, items: Sequence[Any], sizes: Sequence[int],
-               shard_bytes: int) -> list[ShardPlan]:
+def plan_split(
+  split: str, items: Sequence[Any], sizes: Sequence[int], shard_bytes: int
+) -> list[ShardPlan]:
   """Cuts a split's items, in order, into contiguous shards of about `shard_bytes` each."""
   if not items:
     return []
@@ -122,8 +132,8 @@ def plan_split(split: str, items: Sequence[Any], sizes: Sequence[int],
     cuts.append(min(max(cut, cuts[-1] + 1), len(items) - (count - k)))
   cuts.append(len(items))
   return [
-      ShardPlan(split, shard_name(split, i, count), tuple(items[a:b]), tuple(sizes[a:b]))
-      for i, (a, b) in enumerate(itertools.pairwise(cuts))
+    ShardPlan(split, shard_name(split, i, count), tuple(items[a:b]), tuple(sizes[a:b]))
+    for i, (a, b) in enumerate(itertools.pairwise(cuts))
   ]
 
 
@@ -197,8 +207,9 @@ def _load_done(out: str, name: str, fp: str) -> ShardResult | None:
 
 
 def _mark_done(out: str, result: ShardResult, fp: str) -> None:
-  _write_json(_marker_path(out, result.name),
-              {"fingerprint": fp, "result": dataclasses.asdict(result)})
+  _write_json(
+    _marker_path(out, result.name), {"fingerprint": fp, "result": dataclasses.asdict(result)}
+  )
 
 
 @contextlib.contextmanager
@@ -220,12 +231,17 @@ def locked(out: str) -> Iterator[None]:
       holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
       os.close(fd)
       if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
-        raise ConversionError(f"{out} is being converted by another process (pid {holder}); "
-                              "wait for it to finish or stop it") from None
+        raise ConversionError(
+          f"{out} is being converted by another process (pid {holder}); "
+          "wait for it to finish or stop it"
+        ) from None
       if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
         raise
-      warnings.warn(f"{out}: this file system has no locks; make sure no other conversion "
-                    "writes into it at the same time", stacklevel=3)
+      warnings.warn(
+        f"{out}: this file system has no locks; make sure no other conversion "
+        "writes into it at the same time",
+        stacklevel=3,
+      )
       yield
       return
     try:
@@ -251,7 +267,7 @@ def _tasks(plan: ShardPlan) -> Iterator[tuple[Any, ...]]:
   for i, size in enumerate(plan.sizes):
     nbytes += size
     if nbytes >= _TASK_BYTES or i + 1 - start >= _TASK_ITEMS:
-      yield plan.items[start:i + 1]
+      yield plan.items[start : i + 1]
       start, nbytes = i + 1, 0
   if start < len(plan.items):
     yield plan.items[start:]
@@ -319,8 +335,9 @@ def _load_existing(out: str, overwrite: bool) -> manifest_lib.Manifest | None:
   except manifest_lib.ManifestError as e:
     if overwrite:
       return None
-    raise ConversionError(f"{out} holds a damaged dataset ({e}); pass --overwrite to "
-                          "replace it") from None
+    raise ConversionError(
+      f"{out} holds a damaged dataset ({e}); pass --overwrite to replace it"
+    ) from None
 
 
 def _intact(out: str, m: manifest_lib.Manifest, splits: Sequence[str]) -> bool:
@@ -386,8 +403,10 @@ def start(job: Job, overwrite: bool = False) -> manifest_lib.Manifest | None:
   if os.path.exists(os.path.join(build_dir(out), _SWAP_FILE)):
     swap_in(out)
   if empty := [s for s in job.splits if not any(p.split == s for p in job.plans)]:
-    raise ConversionError(f"split {empty[0]!r} would hold no records (skipped "
-                          f"{len(job.skipped)}: {_reasons(job.skipped) or 'nothing'})")
+    raise ConversionError(
+      f"split {empty[0]!r} would hold no records (skipped "
+      f"{len(job.skipped)}: {_reasons(job.skipped) or 'nothing'})"
+    )
   _remove_stale_files(out)
   old = _load_existing(out, overwrite)
   if old is not None:
@@ -397,15 +416,19 @@ def start(job: Job, overwrite: bool = False) -> manifest_lib.Manifest | None:
       return old
     clash = [s for s in job.splits if s in old.splits and made.get(s) != job.fp]
     if clash and not overwrite:
-      raise ConversionError(f"{out} already holds split(s) {clash} of another conversion; "
-                            "pass --overwrite to replace them, or convert into another folder")
+      raise ConversionError(
+        f"{out} already holds split(s) {clash} of another conversion; "
+        "pass --overwrite to replace them, or convert into another folder"
+      )
     if kept := [s for s in old.splits if s not in job.splits]:
       _check_can_join(job, old, kept)
   elif not overwrite:
     names = [p.name for p in job.plans] + [manifest_lib.FILENAME]
     if taken := [n for n in names if os.path.lexists(os.path.join(out, n))]:
-      raise ConversionError(f"{out} holds files this conversion would replace ({taken[0]}, "
-                            "not part of a dataset); pass --overwrite or choose another folder")
+      raise ConversionError(
+        f"{out} holds files this conversion would replace ({taken[0]}, "
+        "not part of a dataset); pass --overwrite or choose another folder"
+      )
   _prepare_build(job)
   return None
 
@@ -449,8 +472,9 @@ def write_shard(job: Job, plan: ShardPlan) -> str:
   return plan.name
 
 
-def run(job: Job, *, workers: int | None, progress: bool, desc: str,
-        overwrite: bool = False) -> manifest_lib.Manifest:
+def run(
+  job: Job, *, workers: int | None, progress: bool, desc: str, overwrite: bool = False
+) -> manifest_lib.Manifest:
   """Writes every shard not already done, then swaps the result into OUT.
 
   With at least as many shards to write as workers, each worker writes whole shards (no
@@ -486,8 +510,9 @@ def _reasons(skipped: list[dict[str, str]]) -> str:
   return ", ".join(f"{n} {r}" for r, n in sorted(counts.items()))
 
 
-def _merge(old: manifest_lib.Manifest, kept: list[str], new: manifest_lib.Manifest,
-           entry: dict[str, Any]) -> manifest_lib.Manifest:
+def _merge(
+  old: manifest_lib.Manifest, kept: list[str], new: manifest_lib.Manifest, entry: dict[str, Any]
+) -> manifest_lib.Manifest:
   """`old`'s `kept` splits, plus `new`'s; provenance and skipped files follow their splits."""
   provenance = _provenance(old)
   survivors = []
@@ -502,9 +527,12 @@ def _merge(old: manifest_lib.Manifest, kept: list[str], new: manifest_lib.Manife
 
   tag = ",".join(new.splits)
   return manifest_lib.Manifest(
-      classes=old.classes, splits={**{s: old.splits[s] for s in kept}, **new.splits},
-      skipped=[s for s in old.skipped if keep(s)] + [{**s, "split": tag} for s in new.skipped],
-      keys=old.keys, created_by={**survivors[0], "added": survivors[1:] + [entry]})
+    classes=old.classes,
+    splits={**{s: old.splits[s] for s in kept}, **new.splits},
+    skipped=[s for s in old.skipped if keep(s)] + [{**s, "split": tag} for s in new.skipped],
+    keys=old.keys,
+    created_by={**survivors[0], "added": survivors[1:] + [entry]},
+  )
 
 
 def finish(job: Job) -> manifest_lib.Manifest:
@@ -515,28 +543,38 @@ def finish(job: Job) -> manifest_lib.Manifest:
     raise RuntimeError(f"{job.out}: shards not written: {missing[:5]}...")
   by_split = {s: manifest_lib.Split(0, []) for s in job.splits}
   for plan, r in zip(job.plans, results):
-    by_split[plan.split].shards.append(
-        manifest_lib.Shard(r.name, r.num_records, r.sha256, r.size))
+    by_split[plan.split].shards.append(manifest_lib.Shard(r.name, r.num_records, r.sha256, r.size))
     by_split[plan.split].num_records += r.num_records
-  skipped = sorted(list(job.skipped) + [s for r in results for s in r.skipped],
-                   key=lambda s: (s["path"], s["reason"]))
+  skipped = sorted(
+    list(job.skipped) + [s for r in results for s in r.skipped],
+    key=lambda s: (s["path"], s["reason"]),
+  )
   if empty := [s for s, split in by_split.items() if split.num_records == 0]:
     shutil.rmtree(build_dir(job.out), ignore_errors=True)
-    raise ConversionError(f"split {empty[0]!r} would hold no records (skipped "
-                          f"{len(skipped)}: {_reasons(skipped) or 'nothing'})")
+    raise ConversionError(
+      f"split {empty[0]!r} would hold no records (skipped "
+      f"{len(skipped)}: {_reasons(skipped) or 'nothing'})"
+    )
   reencoded = sorted((n for r in results for n in r.reencoded), key=lambda s: s["path"])
-  entry = {**job.created_by, "splits": list(job.splits), "fingerprint": job.fp,
-           "reencoded": reencoded}
-  m = manifest_lib.Manifest(classes=list(job.classes), splits=by_split, skipped=skipped,
-                            keys=job.keys, created_by=entry)
+  entry = {
+    **job.created_by,
+    "splits": list(job.splits),
+    "fingerprint": job.fp,
+    "reencoded": reencoded,
+  }
+  m = manifest_lib.Manifest(
+    classes=list(job.classes), splits=by_split, skipped=skipped, keys=job.keys, created_by=entry
+  )
   old = _load_existing(job.out, overwrite=True)
   if old is not None and (kept := [s for s in old.splits if s not in job.splits]):
     m = _merge(old, kept, m, entry)
   files = {sh.file for s in m.splits.values() for sh in s.shards}
-  remove = [] if old is None else sorted(
-      {sh.file for s in old.splits.values() for sh in s.shards} - files)
-  _write_json(os.path.join(build_dir(job.out), _SWAP_FILE),
-              {"manifest": m.to_json(), "remove": remove})
+  remove = (
+    [] if old is None else sorted({sh.file for s in old.splits.values() for sh in s.shards} - files)
+  )
+  _write_json(
+    os.path.join(build_dir(job.out), _SWAP_FILE), {"manifest": m.to_json(), "remove": remove}
+  )
   swap_in(job.out)
   return m
 
@@ -567,8 +605,9 @@ def swap_in(out: str) -> None:
 
 def summary(m: manifest_lib.Manifest) -> str:
   """One line: records per split, shards, skipped files by reason, re-encoded images."""
-  parts = [f"{name}: {s.num_records} records in {len(s.shards)} shards"
-           for name, s in m.splits.items()]
+  parts = [
+    f"{name}: {s.num_records} records in {len(s.shards)} shards" for name, s in m.splits.items()
+  ]
   reasons = _reasons(m.skipped)
   line = f"{'; '.join(parts)}; {len(m.classes)} classes; skipped {len(m.skipped)}"
   line += f" ({reasons})" if reasons else ""

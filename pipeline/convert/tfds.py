@@ -17,10 +17,10 @@ from pipeline.convert import checks, shards, tfrecord
 
 def _keys_and_classes(info) -> tuple[records.Keys, list[str]]:
   import tensorflow_datasets as tfds
+
   features = info.features
   image = next((k for k, f in features.items() if isinstance(f, tfds.features.Image)), None)
-  label = next((k for k, f in features.items() if isinstance(f, tfds.features.ClassLabel)),
-               None)
+  label = next((k for k, f in features.items() if isinstance(f, tfds.features.ClassLabel)), None)
   if image is None or label is None:
     found = {k: type(f).__name__ for k, f in features.items()}
     raise ValueError(f"{info.full_name}: needs an Image and a ClassLabel feature, has {found}")
@@ -28,11 +28,18 @@ def _keys_and_classes(info) -> tuple[records.Keys, list[str]]:
   return records.Keys(image=image, label=label, filename=filename), list(features[label].names)
 
 
-def convert(name: str, out: str | os.PathLike, *, data_dir: str | os.PathLike,
-            split: str | Sequence[str] | None = None,
-            shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, workers: int | None = None,
-            max_pixels: int = checks.MAX_PIXELS, progress: bool = True,
-            overwrite: bool = False) -> manifest_lib.Manifest:
+def convert(
+  name: str,
+  out: str | os.PathLike,
+  *,
+  data_dir: str | os.PathLike,
+  split: str | Sequence[str] | None = None,
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
+  workers: int | None = None,
+  max_pixels: int = checks.MAX_PIXELS,
+  progress: bool = True,
+  overwrite: bool = False,
+) -> manifest_lib.Manifest:
   """Converts the prepared TFDS dataset `name` (e.g. "imagenet2012" or "mnist:3.0.1").
 
   `split` picks one split or several (default: all); records keep their TFDS order.
@@ -45,6 +52,7 @@ def convert(name: str, out: str | os.PathLike, *, data_dir: str | os.PathLike,
   if "://" not in os.fspath(data_dir) and not os.path.isdir(data_dir):
     raise FileNotFoundError(f"TFDS data dir {os.fspath(data_dir)} not found")
   import tensorflow_datasets as tfds
+
   builder = tfds.builder(name, data_dir=os.fspath(data_dir))
   info = builder.info
   if not info.splits:
@@ -71,12 +79,29 @@ def convert(name: str, out: str | os.PathLike, *, data_dir: str | os.PathLike,
       else:
         raise ValueError(f"{info.full_name}: unsupported file format {file_format}")
     split_items[s] = (items, sizes)
-  args = {"name": name, "data_dir": os.fspath(data_dir), "split": names,
-          "shard_size_mb": shard_size_mb, "max_pixels": max_pixels}
-  created_by = {"tool": "pipeline.convert tfds", "version": __version__, "args": args,
-                "source": f"{info.full_name} in {os.path.abspath(data_dir)}"}
-  job = tfrecord.copy_job(split_items, files, out, classes=classes, keys=keys,
-                          created_by=created_by, shard_size_mb=shard_size_mb,
-                          max_pixels=max_pixels)
-  return shards.run(job, workers=workers, progress=progress, desc=f"convert {name}",
-                    overwrite=overwrite)
+  args = {
+    "name": name,
+    "data_dir": os.fspath(data_dir),
+    "split": names,
+    "shard_size_mb": shard_size_mb,
+    "max_pixels": max_pixels,
+  }
+  created_by = {
+    "tool": "pipeline.convert tfds",
+    "version": __version__,
+    "args": args,
+    "source": f"{info.full_name} in {os.path.abspath(data_dir)}",
+  }
+  job = tfrecord.copy_job(
+    split_items,
+    files,
+    out,
+    classes=classes,
+    keys=keys,
+    created_by=created_by,
+    shard_size_mb=shard_size_mb,
+    max_pixels=max_pixels,
+  )
+  return shards.run(
+    job, workers=workers, progress=progress, desc=f"convert {name}", overwrite=overwrite
+  )

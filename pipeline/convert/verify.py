@@ -84,9 +84,14 @@ def _check_record(data: bytes, keys: records.Keys, num_classes: int) -> str | No
   return None
 
 
-def _check_range(task: tuple[str, int, int], *, data_dir: str, keys: records.Keys,
-                 num_classes: int, shard_info: dict[str, manifest_lib.Shard]
-                 ) -> tuple[int, list[str]]:
+def _check_range(
+  task: tuple[str, int, int],
+  *,
+  data_dir: str,
+  keys: records.Keys,
+  num_classes: int,
+  shard_info: dict[str, manifest_lib.Shard],
+) -> tuple[int, list[str]]:
   """Worker: (records read, problems) for records [start, stop) of a shard."""
   name, start, stop = task
   path = os.path.join(data_dir, name)
@@ -117,8 +122,7 @@ def _check_range(task: tuple[str, int, int], *, data_dir: str, keys: records.Key
   return read, problems
 
 
-def verify(out: str | os.PathLike, *, workers: int | None = None,
-           progress: bool = True) -> Report:
+def verify(out: str | os.PathLike, *, workers: int | None = None, progress: bool = True) -> Report:
   """Checks every shard and record of the dataset in `out` against its manifest."""
   out = os.fspath(out)
   try:
@@ -126,10 +130,15 @@ def verify(out: str | os.PathLike, *, workers: int | None = None,
   except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
     return Report(out, {}, [f"manifest: {e}"])
   info = {s.file: s for split in m.splits.values() for s in split.shards}
-  tasks = [(s.file, a, a + _RANGE) for split in m.splits.values() for s in split.shards
-           for a in range(0, max(s.num_records, 1), _RANGE)]
-  work = functools.partial(_check_range, data_dir=out, keys=m.keys,
-                           num_classes=m.num_classes, shard_info=info)
+  tasks = [
+    (s.file, a, a + _RANGE)
+    for split in m.splits.values()
+    for s in split.shards
+    for a in range(0, max(s.num_records, 1), _RANGE)
+  ]
+  work = functools.partial(
+    _check_range, data_dir=out, keys=m.keys, num_classes=m.num_classes, shard_info=info
+  )
   read: dict[str, int] = {}
   problems: list[str] = []
   if not m.classes:
@@ -138,14 +147,17 @@ def verify(out: str | os.PathLike, *, workers: int | None = None,
     problems.append("manifest: no splits")
   for split, s in m.splits.items():
     if s.num_records != sum(sh.num_records for sh in s.shards):
-      problems.append(f"manifest: split {split} has {s.num_records} records but its shards "
-                      f"hold {sum(sh.num_records for sh in s.shards)}")
+      problems.append(
+        f"manifest: split {split} has {s.num_records} records but its shards "
+        f"hold {sum(sh.num_records for sh in s.shards)}"
+      )
     if s.num_records == 0:
       problems.append(f"manifest: split {split} has no records")
   split_of = {s.file: name for name, split in m.splits.items() for s in split.shards}
   workers = min(workers or os.cpu_count() or 1, len(tasks))
-  with Progress(sum(s.num_records for s in info.values()), f"verify {out}", "record",
-                progress) as bar:
+  with Progress(
+    sum(s.num_records for s in info.values()), f"verify {out}", "record", progress
+  ) as bar:
     for (name, _, _), (count, found) in zip(tasks, shards.ordered_map(work, tasks, workers)):
       read[split_of[name]] = read.get(split_of[name], 0) + count
       problems += found
