@@ -54,6 +54,7 @@ def make_dataset(
     keys: records.Keys | None = None,
     normalize: bool = False,
     on_error: str = "raise",
+    verify: str = "size",
     performance: Performance | Mapping | None = None,
 ) -> grain.IterDataset:
   """Batches {"image": uint8[B, S, S, 3], "label": int32[B]} (+ "mask": bool[B] in eval).
@@ -79,6 +80,9 @@ def make_dataset(
     keys: feature keys of the records (default: the manifest's).
     normalize: host-side float32 in [-1, 1] (default: uint8; normalize on device instead).
     on_error: "raise" (default) or "skip" a bad record; errors name the shard and record.
+      The skip count is `iterator.skipped`, also in `get_state()["skipped"]`.
+    verify: what is checked of the shards at open against the manifest: "size" (regular
+      files, sizes, record counts), "sha256" (also every byte), or "none".
     performance: threads, worker processes, prefetch, RAM cache, DCT scaling
       (`pipeline.Performance` or a dict of its fields); never changes what a batch holds.
   """
@@ -88,7 +92,7 @@ def make_dataset(
     raise ValueError(f"batch_size must be positive, got {batch_size}")
   data_dir = epath.Path(data_dir)
   meta = manifest_lib.load(data_dir)
-  paths = meta.shard_paths(data_dir, split)
+  paths = manifest_lib.checked_shards(data_dir, meta, split, verify=verify)
   counts = [s.num_records for s in meta.splits[split].shards]
   shard_index, shard_count = _process_shard(shard_index, shard_count)
   sampler = Sampler(

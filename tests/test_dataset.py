@@ -450,3 +450,24 @@ def test_a_failing_custom_op_names_the_record(photos_dir):
                              shard_count=1, ops=[broken])
   with pytest.raises(ValueError, match=r"array_record-\d+-of-\d+ record \d+: RuntimeError: boom"):
     next(iter(ds))
+
+
+def test_make_dataset_refuses_shards_that_disagree_with_the_manifest(tmp_path, photos_dir):
+  import json
+  import os
+  import shutil
+
+  data = tmp_path / "copy"
+  shutil.copytree(photos_dir, data)
+  path = data / "manifest.json"
+  meta = json.loads(path.read_text())
+  meta["splits"]["validation"]["num_records"] -= 3  # edited down: would serve fewer records
+  path.write_text(json.dumps(meta))
+  with pytest.raises(manifest.ManifestError, match="validation"):
+    pipeline.make_dataset(data, "validation", batch_size=4, shard_index=0, shard_count=1)
+  shutil.copy(photos_dir / "manifest.json", path)
+  shard = data / meta["splits"]["train"]["shards"][0]["file"]
+  shard.unlink()
+  os.mkfifo(shard)  # would hang a reader that opened it
+  with pytest.raises(manifest.ManifestError, match=shard.name):
+    pipeline.make_dataset(data, "train", batch_size=4, shard_index=0, shard_count=1)
