@@ -1,0 +1,157 @@
+"""How many worker processes and decode threads per process a host should run, and why.
+
+One process's decode threads scale until the per-image work that holds the GIL fills one
+core: past that, more threads only add GIL hand-offs. A many-core host therefore runs Grain
+worker processes (`mp_prefetch`) with a few threads each, and the main process only
+receives their batches. A small model turns measured per-image costs into the images/s
+each resource allows (per image, in microseconds; T threads per process, W workers, C cores):
+
+    threads   max(W, 1) * T / cpu                 each thread decodes its images in turn
+    gil       max(W, 1) / (gil * handoff(T))      handoff(T) = 1 + HANDOFF * (T - 1)
+    cores     C / (cpu + [send + receive + touch if W > 0])
+    send      W / send                            each worker ships its batches one at a time
+    receive   1 / receive                         the main process receives every batch
+
+`project` is the smallest, `plan` the fewest processes (then threads) within 3% of the best
+plan for the host, and `python -m pipeline.bench scaling` measures the costs below.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """Per-image costs in microseconds (a 224 px train image, batch 128) and a worker's RSS."""
+
+  cpu_us: float  # all CPU of one image in the process that decodes it (one thread)
+  gil_us: float  # of which holding the GIL (read, parse, crop box, RNG, Python, Grain)
+  handoff: float  # extra GIL time per image for each thread beyond the first
+  send_us: float  # a worker's CPU shipping an image to the main process (shared memory)
+  receive_us: float  # the main process's GIL-held CPU receiving it
+  touch_us: float  # the main process's GIL-free CPU mapping its pages (e.g. device_put)
+  worker_mb: float  # a worker's RSS before its batches (imports incl. jax, Grain)
+  wait_us: float = 0.0  # off-CPU time of a thread per image (slow storage); 0 on local disk
+
+
+# Measured on 2 cores (Xeon, shared) with `python -m pipeline.bench scaling data/photos`
+# (802 photos ~450x400, batch 128, 224 px, train): cpu_us is the process CPU per image at
+# one thread; gil_us and handoff fit img/s at 1-32 threads with decode and resize replaced
+# by GIL-free waits; send_us is a worker's CPU per image beyond the same work in one
+# process; receive_us and touch_us the main process's CPU per image with 2 workers.
+# worker_mb: a worker's RSS under `python -m train` with batch 8 at 64 px (280 MB; jax is
+# imported by Grain itself).
+COSTS = Costs(cpu_us=1280.0, gil_us=200.0, handoff=0.03, send_us=150.0, receive_us=20.0,
+              touch_us=15.0, worker_mb=300.0)
+WORKER_BATCHES = 4  # batches a worker holds beyond its prefetch (measured: 5.7 at prefetch 2)
+MEMORY_SHARE = 0.5  # of the available memory the workers may take
+NEAR_BEST = 0.97  # a plan this close to the best rate counts as the best
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Grain worker processes (0: decode in this process) and decode threads per process."""
+
+  workers: int
+  threads: int
+  why: str = ""
+
+  def describe(self) -> str:
+    where = (f"{self.workers} worker processes x {self.threads} decode threads"
+             if self.workers else f"no worker processes, {self.threads} decode threads")
+    return f"{where} ({self.why})" if self.why else where
+
+
+def available_cores() -> int:
+  """The cores this process may run on."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def available_memory() -> int:
+  """Bytes of memory available to new processes: MemAvailable (free plus reclaimable page
+  cache), or free pages where /proc/meminfo is missing."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def handoff_factor(threads: int, handoff: float) -> float:
+  return 1.0 + handoff * max(0, threads - 1)
+
+
+def limits(cores: int, costs: Costs, plan: Plan) -> dict[str, float]:
+  """Images/s each resource allows a host of `cores` cores running `plan` (see above)."""
+  w, t = plan.workers, plan.threads
+  processes = max(w, 1)
+  cpu = costs.cpu_us + (costs.send_us + costs.receive_us + costs.touch_us if w else 0.0)
+  out = {"threads": processes * t * 1e6 / (costs.cpu_us + costs.wait_us),
+         "gil": processes * 1e6 / (costs.gil_us * handoff_factor(t, costs.handoff)),
+         "cores": cores * 1e6 / cpu}
+  if w:
+    out["send"] = w * 1e6 / max(costs.send_us, 1e-3)
+    out["receive"] = 1e6 / max(costs.receive_us, 1e-3)
+  return out
+
+
+def project(cores: int, costs: Costs, plan: Plan) -> float:
+  """The images/s a host of `cores` cores delivers with `plan`: the smallest limit."""
+  return min(limits(cores, costs, plan).values())
+
+
+def bound(cores: int, costs: Costs, plan: Plan) -> str:
+  """The resource that sets `project`'s rate."""
+  lim = limits(cores, costs, plan)
+  return min(lim, key=lim.get)
+
+
+def plan(cores: int | None = None, *, num_workers: int | None = None,
+         num_threads: int | None = None, costs: Costs = COSTS,
+         memory_bytes: int | None = None, batch_bytes: int = 0, prefetch: int = 2) -> Plan:
+  """Worker processes x decode threads for a host of `cores` cores (default: this one's).
+
+  Settings you give (`num_workers`, `num_threads`) are kept; the others are chosen by
+  `project`. Memory budget: each worker takes `costs.worker_mb` plus `prefetch +
+  WORKER_BATCHES` batches of `batch_bytes`, and the workers together at most half of
+  `memory_bytes` (default: the memory available now); threads never outnumber the cores.
+  On 2 cores this is today's fast path: no workers, one thread per core.
+  """
+  cores = cores or available_cores()
+  if num_workers is not None and num_threads is not None:
+    return Plan(num_workers, num_threads, "set by you")
+  memory = available_memory() if memory_bytes is None else memory_bytes
+  per_worker = costs.worker_mb * 2**20 + (prefetch + WORKER_BATCHES) * batch_bytes
+  max_workers = min(cores, int(MEMORY_SHARE * memory // per_worker))
+  workers = [num_workers] if num_workers is not None else range(max_workers + 1)
+  candidates = []
+  for w in workers:
+    top = cores if w == 0 else max(1, cores // w)
+    for t in [num_threads] if num_threads is not None else range(1, top + 1):
+      candidates.append((project(cores, costs, Plan(w, t)), w, t))
+  best = max(rate for rate, _, _ in candidates)
+  rate, w, t = min((c for c in candidates if c[0] >= NEAR_BEST * best), key=lambda c: c[1:])
+  given = (" (num_workers set by you)" if num_workers is not None else
+           " (num_threads set by you)" if num_threads is not None else "")
+  memory_note = (f", memory for at most {max_workers} workers"
+                 if num_workers is None and w == max_workers < cores else "")
+  why = (f"auto for {cores} cores{given}: projected {rate:,.0f} img/s, bound by "
+         f"{bound(cores, costs, Plan(w, t))}{memory_note}")
+  return Plan(w, t, why)
+
+
+_announced: set[Plan] = set()
+
+
+def announce(chosen: Plan) -> None:
+  """Prints the plan once per process (make_dataset calls this for every dataset)."""
+  if chosen not in _announced:
+    _announced.add(chosen)
+    print(f"pipeline: {chosen.describe()}; override with performance.num_workers / "
+          "num_threads", file=sys.stderr, flush=True)
