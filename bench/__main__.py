@@ -13,6 +13,7 @@ COMMANDS = {
     "ceiling": "the cores' raw JPEG decode rate (full and DCT-scaled) on the same photos",
     "convert": "conversion images/s and MB/s vs a sequential converter",
     "study": "the tf.data guide's artificial study, rebuilt on Grain, with timelines",
+    "scaling": "one process's ceiling (GIL), worker costs, projected img/s on many-core hosts",
     "all": "everything above on one dataset; writes REPORT.md",
 }
 
