@@ -108,7 +108,7 @@ def measure_in_child(spec: dict, runs: list[tuple[int, int]], emulate_us: float 
   env = {k: v for k, v in os.environ.items() if k != EMULATE}
   if emulate_us is not None:
     env[EMULATE] = f"{emulate_us:.1f}"
-  env["PYTHONPATH"] = os.pathsep.join([str(ROOT)] + [env["PYTHONPATH"]] * ("PYTHONPATH" in env))
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   child = json.dumps({**spec, "runs": runs})
   proc = subprocess.run([sys.executable, "-m", "bench.scaling", "--child", child],
                         capture_output=True, text=True, check=False, env=env, cwd=ROOT)

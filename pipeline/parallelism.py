@@ -49,6 +49,7 @@ COSTS = Costs(cpu_us=1280.0, gil_us=200.0, handoff=0.03, send_us=150.0, receive_
 WORKER_BATCHES = 4  # batches a worker holds beyond its prefetch (measured: 5.7 at prefetch 2)
 MEMORY_SHARE = 0.5  # of the available memory the workers may take
 NEAR_BEST = 0.97  # a plan this close to the best rate counts as the best
+SMALL_HOST = 2  # cores up to which no workers are chosen: their start-up and memory never pay
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,14 +122,16 @@ def plan(cores: int | None = None, *, num_workers: int | None = None,
   `project`. Memory budget: each worker takes `costs.worker_mb` plus `prefetch +
   WORKER_BATCHES` batches of `batch_bytes`, and the workers together at most half of
   `memory_bytes` (default: the memory available now); threads never outnumber the cores.
-  On 2 cores this is today's fast path: no workers, one thread per core.
+  Up to SMALL_HOST cores it is the fast path whatever the costs: no workers, one thread
+  per core.
   """
   cores = cores or available_cores()
   if num_workers is not None and num_threads is not None:
     return Plan(num_workers, num_threads, "set by you")
   memory = available_memory() if memory_bytes is None else memory_bytes
   per_worker = costs.worker_mb * 2**20 + (prefetch + WORKER_BATCHES) * batch_bytes
-  max_workers = min(cores, int(MEMORY_SHARE * memory // per_worker))
+  memory_cap = int(MEMORY_SHARE * memory // per_worker)
+  max_workers = 0 if cores <= SMALL_HOST else min(cores, memory_cap)
   workers = [num_workers] if num_workers is not None else range(max_workers + 1)
   candidates = []
   for w in workers:
@@ -139,8 +142,8 @@ def plan(cores: int | None = None, *, num_workers: int | None = None,
   rate, w, t = min((c for c in candidates if c[0] >= NEAR_BEST * best), key=lambda c: c[1:])
   given = (" (num_workers set by you)" if num_workers is not None else
            " (num_threads set by you)" if num_threads is not None else "")
-  memory_note = (f", memory for at most {max_workers} workers"
-                 if num_workers is None and w == max_workers < cores else "")
+  memory_note = (f", memory for at most {memory_cap} workers"
+                 if num_workers is None and w == max_workers == memory_cap < cores else "")
   why = (f"auto for {cores} cores{given}: projected {rate:,.0f} img/s, bound by "
          f"{bound(cores, costs, Plan(w, t))}{memory_note}")
   return Plan(w, t, why)

@@ -24,7 +24,7 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   assert workers["receive_us_per_image"] >= 0 and workers["send_us_per_image"] >= 0
   hosts = result["hosts"]
   assert [h["cores"] for h in hosts] == [224, 2, 8]
-  assert hosts[1]["workers"] == 0  # two cores: one process
+  assert hosts[1]["workers"] == 0  # two cores: one process, whatever the costs
   by_cores = sorted(hosts, key=lambda h: h["cores"])
   rates = [h["projected_img_s"] for h in by_cores]
   assert rates == sorted(rates) and rates[0] > 0
