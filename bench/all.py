@@ -27,7 +27,7 @@ import tqdm
 from matplotlib import figure
 
 from pipeline import manifest as manifest_lib
-from bench import ceiling, measure, storage
+from bench import ceiling, measure, scaling, storage
 from bench.__main__ import COMMANDS, MODULES
 
 
@@ -152,6 +152,11 @@ def _log_section(out, info, command, name) -> str:
   return f"{log}\n\n{_figure_line(info, command)}"
 
 
+def _scaling(out, info, command) -> str:
+  return (f"{scaling.table(info)}\n\nMethod: `python -m pipeline.bench scaling --help` "
+          f"(bench/scaling.py).\n\n{_figure_line(info, command)}")
+
+
 def _study(out, info, command) -> str:
   pictures = " ".join(f"![{n}](study/{n}.svg)" for n in ("naive_chain", "optimized_chain")
                       if (out / "study" / f"{n}.svg").exists())
@@ -203,6 +208,11 @@ STEPS = [
     Step("study", "The tf.data guide's artificial study on Grain",
          lambda a, o: ["--out", str(o / "study"), "--repeats", _q(a, 3, 1),
                        "--scale", _q(a, 1.0, 0.2)], _study),
+    Step("scaling", "Scaling: one process's ceiling, worker processes, many-core hosts",
+         lambda a, o: [a.data_dir, "--seconds", _q(a, 3, 0.2), "--threads",
+                       _q(a, "1,2,4,8,16,32", "1,2"), "--batch-size", _q(a, 128, 16),
+                       "--cores", "2,8,32,96,224", "--json", str(o / "scaling.json")],
+         _scaling),
     Step("doctor", "The doctor on the default settings",
          lambda a, o: [a.data_dir, "--seconds", _q(a, 5, 1), "--sample", _q(a, 128, 16),
                        "--batch-size", _q(a, 128, 16),
@@ -287,6 +297,13 @@ def _summary(out: pathlib.Path) -> str:
     recs = "; ".join(f"{r['field']} {r['current']} -> {r['proposed']} (x{r['gain']:.2f})"
                      for r in doc["recommendations"]) or "no change"
     lines.append(f"- Doctor: bottleneck {doc['bottleneck']}; recommends {recs}.")
+  sc = _load(out / "scaling.json")
+  if sc:
+    host = max(sc["hosts"], key=lambda h: h["cores"])
+    lines.append(f"- Scaling: one process tops out at {sc['process_ceiling_img_s']:.0f} img/s "
+                 f"({sc['gil_held_us_per_image']:.0f} us of GIL-held work per image); "
+                 f"{host['cores']} cores projected {host['projected_img_s']:,} img/s with "
+                 f"{host['workers']} workers x {host['threads']} threads.")
   study = out / "study.log"
   if study.exists():
     lines += [f"- Study: {x}" for x in study.read_text().splitlines()
