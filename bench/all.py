@@ -153,8 +153,8 @@ def _log_section(out, info, command, name) -> str:
 
 
 def _scaling(out, info, command) -> str:
-  return (f"{scaling.table(info)}\n\nMethod: `python -m pipeline.bench scaling --help` "
-          f"(bench/scaling.py).\n\n{_figure_line(info, command)}")
+  return (f"{scaling.table(info)}\n\nMethod (bench/scaling.py):\n\n{scaling.method()}\n\n"
+          f"{_figure_line(info, command)}")
 
 
 def _study(out, info, command) -> str:
@@ -211,7 +211,7 @@ STEPS = [
     Step("scaling", "Scaling: one process's ceiling, worker processes, many-core hosts",
          lambda a, o: [a.data_dir, "--seconds", _q(a, 3, 0.2), "--threads",
                        _q(a, "1,2,4,8,16,32", "1,2"), "--batch-size", _q(a, 128, 16),
-                       "--cores", "2,8,32,96,224", "--json", str(o / "scaling.json")],
+                       "--json", str(o / "scaling.json")],
          _scaling),
     Step("doctor", "The doctor on the default settings",
          lambda a, o: [a.data_dir, "--seconds", _q(a, 5, 1), "--sample", _q(a, 128, 16),

@@ -50,6 +50,11 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 # ---------------------------------------------------------------- one process's runs
 
 
+def method() -> str:
+  """The method, as the module docstring numbers it (for the report)."""
+  return __doc__[__doc__.index("1. cpu"):].strip()
+
+
 def _cpu(proc) -> float:
   """CPU seconds of another process (in clock ticks: precise over seconds, not over ms)."""
   t = proc.cpu_times()
@@ -252,7 +257,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--threads", default="1,2,4,8,16,32", help="thread counts of the ceiling")
   p.add_argument("--workers", type=int, default=2, help="worker processes of step 4")
   p.add_argument("--worker-threads", type=int, default=2, help="their decode threads")
-  p.add_argument("--cores", default="2,8,32,96,224", help="host core counts to project")
+  p.add_argument("--cores", default="2,8,24,96,112,224",
+                 help="host core counts to project (TPU v5e VMs: 24, 112, 224)")
   p.add_argument("--json", help="write the figures to this file")
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p

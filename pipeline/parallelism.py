@@ -6,14 +6,16 @@ worker processes (`mp_prefetch`) with a few threads each, and the main process o
 receives their batches. A small model turns measured per-image costs into the images/s
 each resource allows (per image, in microseconds; T threads per process, W workers, C cores):
 
-    threads   max(W, 1) * T / cpu                 each thread decodes its images in turn
-    gil       max(W, 1) / (gil * handoff(T))      handoff(T) = 1 + HANDOFF * (T - 1)
+    threads   max(W, 1) * T / (cpu + wait)        each thread decodes its images in turn
+    gil       max(W, 1) / (gil * handoff(T))      handoff(T) = 1 + handoff * (T - 1)
     cores     C / (cpu + [send + receive + touch if W > 0])
     send      W / send                            each worker ships its batches one at a time
     receive   1 / receive                         the main process receives every batch
 
 `project` is the smallest, `plan` the fewest processes (then threads) within 3% of the best
-plan for the host, and `python -m pipeline.bench scaling` measures the costs below.
+plan for the host, and `python -m pipeline.bench scaling` measures the costs below. Memory:
+a worker takes ~300 MB (imports) plus its batches (prefetch + 4; ~115 MB at batch 128 of
+224 px images), and the workers together at most half the available memory.
 """
 
 from __future__ import annotations
