@@ -18,7 +18,7 @@ __all__ = ["Augment", "BadRecordError", "Keys", "Manifest", "Performance", "devi
 def __getattr__(name: str):
   """Device feeding imports JAX, so it loads on first use (workers stay light)."""
   if name in ("device_prefetch", "normalize_images"):
-    from pipeline import device  # pylint: disable=g-import-not-at-top
+    from pipeline import device
 
     return getattr(device, name)
   raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
