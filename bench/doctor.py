@@ -8,10 +8,11 @@ Times each stage alone on one thread through the library's functions (read: batc
 of the split's shards; parse; decode: header, crop window, crop-aware decode; augment:
 resize and flip into the batch; wall and CPU ms per image), then runs the whole
 `make_dataset` pipeline for a few seconds (and, with --step-ms, beside a simulated train
-step to measure the input wait). The whole run's CPU per image beyond decode and augment is
-the work that holds the GIL (read, parse, crop box, RNG, Python, Grain). These costs feed
-`pipeline.parallelism`'s host model (threads, GIL, cores, worker processes' transfer; see
-there) plus one limit of the loader's own:
+step to measure the input wait), then once more on 16 threads with decode and resize
+replaced by GIL-free waits of their length: the rate where the GIL binds gives the time
+each image holds it ("python"). These costs feed `pipeline.parallelism`'s host model
+(threads, GIL, cores, worker processes' transfer; see there) plus one limit of the
+loader's own:
 
     prefetch: P / (R + W / T)   each of P prefetch threads reads its batch (R per image),
                                 then waits for its T decode threads (W per image)
@@ -49,9 +50,12 @@ from pipeline.source import ShardedSource
 
 STAGES = ("read", "parse", "decode", "augment")
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
+REFERENCE_BATCH = 128  # the batch size parallelism.COSTS was measured at
 LIMITS = ("cores", "gil", "threads", "prefetch", "send", "receive")  # ties: hardware first
 MAX_PREFETCH = 16
-REFERENCE_PIXELS = 224 * 224  # the image size parallelism.COSTS was measured at
+REFERENCE_PIXELS = 224 * 224  # and the image size
+CEILING_THREADS = 16  # threads of the emulated run that measures the GIL-held time
+EMULATE = "PIPELINE_EMULATE_DECODE_US"
 
 
 class UsageError(ValueError):
@@ -79,6 +83,15 @@ class Settings:
   @property
   def perf(self) -> pipeline.Performance:
     return options.coerce(pipeline.Performance, self.performance)
+
+  def head(self, **change) -> augment.Head:
+    """The loader's per-image head for these settings (train)."""
+    a, p = self.aug, self.perf
+    fields = dict(
+        image_size=self.image_size, area_range=a.area_range, aspect_range=a.aspect_range,
+        flip=a.flip, crop_fraction=a.eval_fraction(self.image_size),
+        bicubic=a.interpolation == "bicubic", dct_scaling=p.dct_scaling, fast_dct=p.fast_dct)
+    return augment.Head(**{**fields, **change})
 
   @property
   def batch_bytes(self) -> int:
@@ -145,6 +158,7 @@ class Measurements:
   dct_share: float  # share of crops decoded with DCT scaling
   run: Run
   consumer_run: Run | None = None
+  python_us: float | None = None  # GIL-held time per image (emulated ceiling; native path)
 
 
 @dataclasses.dataclass
@@ -210,28 +224,17 @@ class _Clock:
     return Cost(*(round(x / images * 1e3, 4) for x in (self.wall, self.cpu, self.queued)))
 
 
-def _box(s: Settings, h: int, w: int, rng: np.random.Generator) -> augment.Box:
-  a = s.aug
-  return augment.random_resized_crop_box(h, w, rng, a.area_range, a.aspect_range)
+def _decode(head: augment.Head, data: bytes, key: int) -> tuple[np.ndarray, int]:
+  """Header, crop window, crop-aware decode; returns the window and its DCT scale."""
+  box = head.box(*decode.image_size(data), key)
+  scale = head.dct_scale(box)
+  return decode.decode_crop(data, box, scale, head.fast_dct), scale
 
 
-def _decode(s: Settings, data: bytes, rng: np.random.Generator, dct: bool):
-  """Header, crop window, crop-aware decode (DCT-scaled when `dct`)."""
-  box = _box(s, *decode.image_size(data), rng)
-  scale = augment.dct_scale(box, s.image_size) if dct else 1
-  return decode.decode_crop(data, box, scale, s.perf.fast_dct), scale
-
-
-def _augment(s: Settings, crop: np.ndarray, rng: np.random.Generator, out: np.ndarray):
-  """Resize into the batch slot, then a random flip."""
-  augment.resize(crop, s.image_size, out)
-  if s.aug.flip and rng.random() < 0.5:
-    augment.flip_lr(out, out=out)
-
-
-def _from_cache(s: Settings, image: np.ndarray, rng: np.random.Generator, out: np.ndarray):
-  y, x, h, w = _box(s, *image.shape[:2], rng)
-  _augment(s, image[y:y + h, x:x + w], rng, out)
+def _augment(head: augment.Head, window: np.ndarray, key: int, out: np.ndarray) -> None:
+  """Flip (a view) and resize into the batch slot."""
+  augment.resize(window[:, ::-1] if head.flips(key) else window, head.image_size, out,
+                 bicubic=head.bicubic)
 
 
 def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
@@ -255,21 +258,22 @@ def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
   recs = []
   for k in range(0, n, s.batch_size):
     recs += clocks["read"].time(source.read, indices[k:k + s.batch_size])
-  rng = np.random.default_rng(s.seed)
+  head, head_dct = s.head(), s.head(dct_scaling=True)
   out = np.empty((s.image_size, s.image_size, 3), np.uint8)
-  side = round(s.image_size / s.aug.crop_fraction)  # the cache's shorter side
+  side = round(s.image_size / head.crop_fraction)  # the cache's shorter side
   cache_bytes, scaled = [], 0
-  for k, rec in enumerate(recs):
+  for k, (index, rec) in enumerate(zip(indices, recs)):
+    key = augment.example_key(s.seed, 0, index)
     data = clocks["parse"].time(lambda r: records.parse(r, keys)[0], rec)
-    crop, scale = clocks["decode"].time(_decode, s, data, rng, dct)
-    clocks["augment"].time(_augment, s, crop, rng, out)
+    window, scale = clocks["decode"].time(_decode, head, data, key)
+    clocks["augment"].time(_augment, head, window, key, out)
     if extra:
-      scale = clocks["decode_dct"].time(_decode, s, data, rng, True)[1]
+      scale = clocks["decode_dct"].time(_decode, head_dct, data, key)[1]
     scaled += scale > 1
     if k < 32:  # enough to price the cache without paying a full decode for every image
       cached = clocks["cache_fill"].time(
           lambda d: augment.resize_shorter(decode.decode(d), side), data)
-      clocks["augment_cached"].time(_from_cache, s, cached, rng, out)
+      clocks["augment_cached"].time(head.from_decoded, cached, key, out)
       cache_bytes.append(cached.nbytes)
   costs = {name: c.cost(min(n, 32) if name in ("cache_fill", "augment_cached") else n)
            for name, c in clocks.items()}
@@ -337,10 +341,31 @@ def measure_all(s: Settings, seconds: float = 5.0, step_ms: float | None = None,
   if step_ms:  # the timeline shows this run: input waits beside train steps
     consumer = measure_run(s.dataset(), max(seconds / 2, 3 * step_ms / 1e3), step_ms / 1e3,
                            recorder)
+  python_us = measure_python(s, costs, seconds / 2) if decode.native() is not None else None
   return Measurements(parallelism.available_cores(), round(os.getloadavg()[0], 2),
                       facts["num_records"], facts["num_shards"], costs,
                       facts["cache_bytes_per_image"], round(facts["dct_share"], 3), run,
-                      consumer)
+                      consumer, python_us)
+
+
+def measure_python(s: Settings, costs: dict[str, Cost], seconds: float) -> float:
+  """GIL-held time per image of the native path: `make_dataset` on CEILING_THREADS threads
+  with each image's decode and resize replaced by GIL-free waits of their measured length
+  (the loader's PIPELINE_EMULATE_DECODE_US), so that the GIL binds; the rate it reaches
+  is 1 / (GIL time x hand-off factor)."""
+  waits = f"{costs['decode'].cpu_ms * 1e3:.1f},{costs['augment'].cpu_ms * 1e3:.1f}"
+  perf = {**s.performance, "num_threads": CEILING_THREADS, "num_workers": 0, "cache_mb": 0.0}
+  saved = os.environ.get(EMULATE)
+  os.environ[EMULATE] = waits
+  try:
+    run = measure_run(dataclasses.replace(s, performance=perf).dataset(), seconds)
+  finally:
+    if saved is None:
+      del os.environ[EMULATE]
+    else:
+      os.environ[EMULATE] = saved
+  factor = parallelism.handoff_factor(CEILING_THREADS, parallelism.COSTS.handoff)
+  return round(1e6 / run.images_per_sec / factor, 1)
 
 
 # ---------------------------------------------------------------- the model
@@ -366,40 +391,50 @@ def _free_stages(costs: dict[str, Cost], state: _State) -> tuple[str, ...]:
   return ("decode_dct" if state.dct and "decode_dct" in costs else "decode", "augment")
 
 
-def with_other(costs: dict[str, Cost], run: Run, workers: int, image_size: int
+def _gil_stages(costs: dict[str, Cost], state: _State) -> tuple[str, ...]:
+  """The work holding the GIL. The native path: "python", measured, else read and other
+  (it parses in C without the GIL); the Python path (a RAM cache, or no C extension):
+  read, parse and other."""
+  if decode.native() is None or state.cached:
+    return GIL_STAGES
+  return ("python",) if "python" in costs else ("read", "other")
+
+
+def with_other(costs: dict[str, Cost], run: Run, workers: int, s: Settings
                ) -> dict[str, Cost]:
   """The stage costs plus "other": the run's CPU per image beyond its stages and the
-  workers' transfer (crop box, RNG, Python layers, Grain), all of it holding the GIL."""
-  transfer = _transfer_us(image_size) if workers else {}
-  staged = sum(costs[s].cpu_ms for s in STAGES)
-  other = max(run.cpu_ms_per_image - sum(transfer.values()) / 1e3 - staged, 0.0)
-  return {**costs, "other": Cost(round(other, 4), round(other, 4))}
+  workers' transfer (crop box, RNG, Python layers, Grain)."""
+  transfer = _transfer_us(s) if workers else {}
+  staged = sum(costs[x].cpu_ms for x in STAGES)
+  other = round(max(run.cpu_ms_per_image - sum(transfer.values()) / 1e3 - staged, 0.0), 4)
+  return {**costs, "other": Cost(other, other)}
 
 
-def _transfer_us(image_size: int) -> dict[str, float]:
-  """Worker transfer costs per image: parallelism.COSTS scaled to this image size."""
-  scale = image_size**2 / REFERENCE_PIXELS
+def _transfer_us(s: Settings) -> dict[str, float]:
+  """Worker transfer costs per image, from parallelism.COSTS: the pages' share scaled to
+  this image size, the Python receiving a batch to this batch size."""
+  pixels = s.image_size**2 / REFERENCE_PIXELS
   base = parallelism.COSTS
-  return {"send_us": base.send_us * scale, "receive_us": base.receive_us * scale,
-          "touch_us": base.touch_us * scale}
+  return {"send_us": base.send_us * pixels, "receive_free_us": base.receive_free_us * pixels,
+          "receive_us": base.receive_us * REFERENCE_BATCH / s.batch_size}
 
 
-def host_costs(costs: dict[str, Cost], state: _State, image_size: int) -> parallelism.Costs:
+def host_costs(costs: dict[str, Cost], state: _State, s: Settings) -> parallelism.Costs:
   """`parallelism.Costs` from measured stage costs (with "other")."""
   free = _free_stages(costs, state)
-  gil = sum(costs[s].cpu_ms for s in GIL_STAGES) * 1e3
   thread_work = ("parse", *free)
-  wait = sum(costs[s].active_ms - costs[s].cpu_ms for s in thread_work) * 1e3
+  wait = sum(costs[x].active_ms - costs[x].cpu_ms for x in thread_work) * 1e3
   return parallelism.Costs(
-      cpu_us=gil + sum(costs[s].cpu_ms for s in free) * 1e3, gil_us=max(gil, 1.0),
+      cpu_us=sum(costs[x].cpu_ms for x in (*GIL_STAGES, *free)) * 1e3,
+      gil_us=max(sum(costs[x].cpu_ms for x in _gil_stages(costs, state)) * 1e3, 1.0),
       handoff=parallelism.COSTS.handoff, worker_mb=parallelism.COSTS.worker_mb,
-      wait_us=max(wait, 0.0), **_transfer_us(image_size))
+      wait_us=max(wait, 0.0), **_transfer_us(s))
 
 
-def model(costs: dict[str, Cost], state: _State, cores: int, image_size: int
+def model(costs: dict[str, Cost], state: _State, cores: int, s: Settings
           ) -> dict[str, float]:
   """Images/s each resource allows (the module docstring and pipeline.parallelism)."""
-  hc = host_costs(costs, state, image_size)
+  hc = host_costs(costs, state, s)
   lim = parallelism.limits(cores, hc, parallelism.Plan(state.workers, state.threads))
   free = _free_stages(costs, state)
   work_wall = sum(costs[s].active_ms for s in ("parse", *free)) / 1e3
@@ -421,7 +456,7 @@ def _stage_of(limit: str, costs: dict[str, Cost], state: _State) -> str:
   if limit in ("send", "receive"):
     return "transfer"
   if limit == "gil":
-    return max(GIL_STAGES, key=lambda s: costs[s].cpu_ms)
+    return max(_gil_stages(costs, state), key=lambda s: costs[s].cpu_ms)
   if limit == "cores":
     return max((*GIL_STAGES, *free), key=lambda s: costs[s].cpu_ms)
   heaviest = max(("parse", *free), key=lambda s: costs[s].active_ms)
@@ -448,12 +483,14 @@ def diagnose(s: Settings, m: Measurements, step_ms: float | None = None,
   here = cores == m.cores
   memory = None if here else cores * 2**30
   chosen = s.plan(cores, memory)
-  costs = with_other(m.costs, m.run, s.plan(m.cores).workers, s.image_size)
+  costs = with_other(m.costs, m.run, s.plan(m.cores).workers, s)
+  if m.python_us is not None:
+    costs["python"] = Cost(m.python_us / 1e3, m.python_us / 1e3)
   cache_mb = m.cache_bytes_per_image * m.num_records / 2**20
   perf = s.perf
   state = _State(chosen.workers, chosen.threads, perf.prefetch,
                  0 < cache_mb <= perf.cache_mb, perf.dct_scaling)
-  limits = model(costs, state, cores, s.image_size)
+  limits = model(costs, state, cores, s)
   predicted = min(limits.values())
   limit = binding(limits)
   input_stage = _stage_of(limit, costs, state)
@@ -474,11 +511,11 @@ def _words(limit: str, limits: dict[str, float], state: _State, costs: dict[str,
            cores: int) -> str:
   rate = f"{limits[limit]:.0f} img/s at most"
   procs = f"{state.workers} worker processes" if state.workers else "one process"
-  gil_us = sum(costs[s].cpu_ms for s in GIL_STAGES) * 1e3
+  gil_us = sum(costs[s].cpu_ms for s in _gil_stages(costs, state)) * 1e3
   return {
       "cores": f"all {cores} cores busy: {rate}",
       "gil": (f"the GIL: {procs} x {state.threads} threads, each image holding it "
-              f"~{gil_us:.0f} us (read, parse, crop box, Python, Grain): {rate}"),
+              f"~{gil_us:.0f} us (read, Python per image and batch, Grain): {rate}"),
       "threads": f"num_threads={state.threads} decode threads per process: {rate}",
       "prefetch": (f"prefetch={state.prefetch} batches in flight, each read then decoded in "
                    f"turn: {rate}"),
@@ -496,7 +533,7 @@ def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
   state = start
 
   def rate(st: _State) -> float:
-    return min(model(costs, st, C, s.image_size).values())
+    return min(model(costs, st, C, s).values())
 
   base = rate(start)
   scale = d.run.images_per_sec / base if d.here else 1.0
@@ -554,7 +591,7 @@ def _recommend_processes(d: Diagnosis, state: _State, propose) -> None:
   """Worker processes x decode threads: `parallelism.plan` with the measured costs; when
   the decode threads' work mostly waits (slow storage), threads beyond the cores."""
   s, C, costs = d.settings, d.cores, d.costs
-  hc = host_costs(costs, state, s.image_size)
+  hc = host_costs(costs, state, s)
   best = parallelism.plan(C, costs=hc, memory_bytes=None if d.here else C * 2**30,
                           batch_bytes=s.batch_bytes, prefetch=state.prefetch)
   workers, threads = best.workers, best.threads
@@ -562,7 +599,7 @@ def _recommend_processes(d: Diagnosis, state: _State, propose) -> None:
 
     def rate(t: int) -> float:
       st = dataclasses.replace(state, workers=workers, threads=t, prefetch=MAX_PREFETCH)
-      return min(model(costs, st, C, s.image_size).values())
+      return min(model(costs, st, C, s).values())
 
     threads = _smallest(range(1, 8 * C + 1), rate)
   if (workers, threads) == (state.workers, state.threads):
@@ -611,6 +648,8 @@ def report(d: Diagnosis) -> str:
       "stages alone, one thread, per image:   wall ms    cpu ms  queued ms",
   ]
   notes = {"other": "  (the run's CPU beyond its stages: crop box, RNG, Python, Grain)",
+           "python": (f"  (GIL held, per image: decode and resize emulated, "
+                      f"{CEILING_THREADS} threads)"),
            "cache_fill": "  (once per image with cache_mb)",
            "augment_cached": "  (every image after the first epoch with cache_mb)"}
   for name, c in d.costs.items():

@@ -8,17 +8,20 @@ decide it here and projects with `pipeline.parallelism`'s model. Every run is
 in steady state after its first batch:
 
 1. cpu: one decode thread: the process's CPU per image (`cpu_us_per_image`).
-2. rest: one thread with `PIPELINE_EMULATE_DECODE_US=0`, which makes the loader replace
-   each image's decode and resize by a GIL-free wait of that many microseconds (read,
-   parse, crop box, RNG, batching and Grain stay real): the CPU of everything else.
-   decode = cpu - rest is the GIL-free part; the wait below is set to it.
-3. ceiling: that emulation at 1, 2, 4, ... 32 threads, an "unlimited cores" host: the best
-   img/s is one process's ceiling (`process_ceiling_img_s`). The model's GIL time per image
-   and hand-off penalty per thread are fitted to this curve (`gil_held_us_per_image`).
-4. workers: the same emulation with Grain worker processes: the main process's CPU per
-   image receiving batches (touching every page as device_put would, timed apart), the
-   workers' CPU per image beyond the same work in one process (shipping batches through
-   shared memory), the first batch and each worker's RSS.
+2. rest: one thread with `PIPELINE_EMULATE_DECODE_US=D,R`, which makes the loader replace
+   each image's decode by a GIL-free wait of D microseconds and its resize by one of R
+   (read, parse, crop box, batching, Grain and the Python per image stay real), here with
+   waits of ~0: the CPU of everything else. decode + resize = cpu - rest is the GIL-free
+   work (`decode_us_per_image`), split between D and R as the two take alone on one thread.
+3. ceiling: that emulation with the real D and R, at 1, 2, 4, ... 32 threads: a host with
+   unlimited cores. The best img/s is one process's ceiling (`process_ceiling_img_s`); the
+   model's GIL time per image and hand-off penalty per thread are fitted to this curve
+   (`gil_held_us_per_image`).
+4. workers: real decode with Grain worker processes: the main process's CPU per image
+   receiving batches, touching every page as device_put would (its user time is Python,
+   holding the GIL; its system time the kernel mapping and unmapping pages, without it),
+   the workers' CPU per image beyond the same work in one process (shipping batches
+   through shared memory), the first batch and each worker's RSS.
 5. hosts: for each core count, `parallelism.plan` and `parallelism.project` with these
    costs (memory assumed 1 GiB per core; TPU VM hosts have more).
 """
@@ -30,6 +33,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import resource
 import subprocess
 import sys
 import time
@@ -39,8 +43,9 @@ import psutil
 
 import pipeline
 from bench import measure
+from pipeline import augment, decode, parallelism, records
 from pipeline import manifest as manifest_lib
-from pipeline import parallelism
+from pipeline.source import ShardedSource
 
 EMULATE = "PIPELINE_EMULATE_DECODE_US"
 PAGE = 4096
@@ -82,37 +87,44 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   start = time.perf_counter()
   it = iter(ds)
   next(it)
+  first_batch = time.perf_counter() - start
+  for _ in range(2 * workers):  # every worker started and past its imports: off the clock
+    next(it)
   first = time.perf_counter()
   kids = _workers(me)
-  main0, kids0 = time.process_time(), sum(_cpu(k) for k in kids)
+  main0, kids0 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
   images = batches = 0
-  touch = 0.0
+  touch = np.zeros(2)  # user, system seconds
   while time.perf_counter() - first < spec["seconds"] or batches < spec["min_batches"]:
     image = next(it)["image"]
-    t0 = time.thread_time()
+    t0 = resource.getrusage(resource.RUSAGE_THREAD)
     image.reshape(-1)[::PAGE].max()  # one byte per page: maps the batch, as a device_put would
-    touch += time.thread_time() - t0
+    t1 = resource.getrusage(resource.RUSAGE_THREAD)
+    touch += (t1.ru_utime - t0.ru_utime, t1.ru_stime - t0.ru_stime)
     images += len(image)
     batches += 1
   end = time.perf_counter()
-  main1, kids1 = time.process_time(), sum(_cpu(k) for k in kids)
+  main1, kids1 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
   rss = [k.memory_info().rss / 2**20 for k in kids]
   it.close()
+  user = max(main1.ru_utime - main0.ru_utime - touch[0], 0.0)
+  system = max(main1.ru_stime - main0.ru_stime - touch[1], 0.0)
   return {"threads": threads, "workers": workers, "img_s": round(images / (end - first), 1),
-          "first_batch_s": round(first - start, 3),
-          "main_cpu_us": round(max(main1 - main0 - touch, 0.0) / images * 1e6, 2),
-          "touch_us": round(touch / images * 1e6, 2),
+          "first_batch_s": round(first_batch, 3),
+          "cpu_us": round((user + system + touch.sum()) / images * 1e6, 2),
+          "user_us": round(user / images * 1e6, 2),
+          "system_us": round((system + touch.sum()) / images * 1e6, 2),
           "workers_cpu_us": round((kids1 - kids0) / images * 1e6, 2),
           "rss_mb_per_worker": round(float(np.mean(rss)), 1) if rss else 0.0}
 
 
-def measure_in_child(spec: dict, runs: list[tuple[int, int]], emulate_us: float | None
-                     ) -> list[dict]:
-  """`run_one` for each (threads, workers) in a fresh process; `emulate_us` (None: real
-  decode) is set in its environment, which Grain's workers inherit."""
+def measure_in_child(spec: dict, runs: list[tuple[int, int]],
+                     emulate_us: tuple[float, float] | None) -> list[dict]:
+  """`run_one` for each (threads, workers) in a fresh process; `emulate_us` (decode and
+  resize waits; None: real work) is set in its environment, which Grain's workers inherit."""
   env = {k: v for k, v in os.environ.items() if k != EMULATE}
   if emulate_us is not None:
-    env[EMULATE] = f"{emulate_us:.1f}"
+    env[EMULATE] = ",".join(f"{max(us, 0.001):.3f}" for us in emulate_us)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   child = json.dumps({**spec, "runs": runs})
   proc = subprocess.run([sys.executable, "-m", "bench.scaling", "--child", child],
@@ -148,36 +160,57 @@ def fit_gil(curve: list[dict], most: float = float("inf")) -> tuple[float, float
   return float(gil[i, 0, 0]), float(handoff[0, j, 0])
 
 
+def resize_share(spec: dict, sample: int = 64) -> float:
+  """Resize's share of decode + resize per image, each timed alone on one thread through
+  the library's functions (the loader's native path does the same work)."""
+  meta = manifest_lib.load(spec["data_dir"])
+  split = meta.splits[spec["split"]]
+  source = ShardedSource(meta.shard_paths(spec["data_dir"], spec["split"]),
+                         [s.num_records for s in split.shards])
+  head = augment.Head(image_size=spec["image_size"])
+  out = np.empty((head.image_size, head.image_size, 3), np.uint8)
+  decoding = resizing = 0.0
+  n = min(sample, len(source))
+  for index, rec in enumerate(source.read(list(range(n)))):
+    data = records.parse(rec, meta.keys)[0]
+    box = head.box(*decode.image_size(data), augment.example_key(0, 0, index))
+    t0 = time.process_time()
+    window = decode.decode_crop(data, box, head.dct_scale(box))
+    t1 = time.process_time()
+    augment.resize(window, head.image_size, out)
+    resizing += time.process_time() - t1
+    decoding += t1 - t0
+  return resizing / max(decoding + resizing, 1e-9)
+
+
 def measure_costs(spec: dict, threads: list[int], workers: int, worker_threads: int) -> dict:
   """Steps 1-4 of the module docstring: the figures and the model's costs."""
-  real = measure_in_child(spec, [(1, 0)], None)[0]
-  rest = measure_in_child(spec, [(1, 0)], 0.0)[0]
-  cpu = real["main_cpu_us"] + real["touch_us"]
-  rest_cpu = rest["main_cpu_us"] + rest["touch_us"]
-  decode = max(cpu - rest_cpu, 0.0)
+  real, alone, with_workers = measure_in_child(
+      spec, [(1, 0), (worker_threads, 0), (worker_threads, workers)], None)
+  rest = measure_in_child(spec, [(1, 0)], (0.0, 0.0))[0]
+  cpu, rest_cpu = real["cpu_us"], rest["cpu_us"]
+  free = max(cpu - rest_cpu, 0.0)
   honoured = rest_cpu < 0.8 * cpu  # decode and resize are most of an image's CPU
   if not honoured:
     print(f"warning: the loader ignores {EMULATE} (CPU per image {rest_cpu:.0f} us with it, "
           f"{cpu:.0f} us without): the curve below is the real decode's, bound by this "
           "machine's cores, not the GIL", file=sys.stderr)
-  sweep = sorted(set(threads) | {worker_threads})
-  runs = measure_in_child(spec, [(t, 0) for t in sweep] + [(worker_threads, workers)], decode)
-  curve, with_workers = runs[:-1], runs[-1]
-  alone = next(r for r in curve if r["threads"] == worker_threads)
-  measured = [r for r in curve if r["threads"] in threads]
-  gil, handoff = fit_gil(measured, min(r["main_cpu_us"] + r["touch_us"] for r in measured))
+  share = resize_share(spec)
+  waits = (free * (1 - share), free * share)
+  measured = measure_in_child(spec, [(t, 0) for t in threads], waits)
+  gil, handoff = fit_gil(measured, min(r["cpu_us"] for r in measured))
   best = max(measured, key=lambda r: r["img_s"])
   costs = parallelism.Costs(
       cpu_us=cpu, gil_us=gil, handoff=handoff,
-      send_us=max(with_workers["workers_cpu_us"] - alone["main_cpu_us"] - alone["touch_us"],
-                  0.0),
-      receive_us=with_workers["main_cpu_us"], touch_us=with_workers["touch_us"],
+      send_us=max(with_workers["workers_cpu_us"] - alone["cpu_us"], 0.0),
+      receive_us=with_workers["user_us"], receive_free_us=with_workers["system_us"],
       worker_mb=with_workers["rss_mb_per_worker"])
   return {
       "process_ceiling_img_s": best["img_s"], "process_ceiling_threads": best["threads"],
       "gil_held_us_per_image": round(gil, 1), "handoff_per_thread": round(handoff, 4),
-      "cpu_us_per_image": round(cpu, 1), "decode_us_per_image": round(decode, 1),
-      "rest_cpu_us_per_image": round(rest_cpu, 1), "emulation_honoured": honoured,
+      "cpu_us_per_image": round(cpu, 1), "decode_us_per_image": round(free, 1),
+      "resize_share": round(share, 3), "rest_cpu_us_per_image": round(rest_cpu, 1),
+      "emulation_honoured": honoured,
       "one_thread_img_s": real["img_s"], "first_batch_s": real["first_batch_s"],
       "threads": measured,
       "workers": {"workers": workers, "threads": worker_threads,
@@ -185,7 +218,7 @@ def measure_costs(spec: dict, threads: list[int], workers: int, worker_threads: 
                   "first_batch_s_without": alone["first_batch_s"],
                   "send_us_per_image": round(costs.send_us, 1),
                   "receive_us_per_image": round(costs.receive_us, 1),
-                  "touch_us_per_image": round(costs.touch_us, 1),
+                  "receive_free_us_per_image": round(costs.receive_free_us, 1),
                   "rss_mb_per_worker": costs.worker_mb},
       "costs": dataclasses.asdict(costs),
   }
@@ -209,13 +242,14 @@ def table(result: dict) -> str:
   w = result["workers"]
   lines = [
       f"Per image: {result['cpu_us_per_image']:.0f} us of CPU, of which decode and resize "
-      f"{result['decode_us_per_image']:.0f} us (GIL released) and the rest "
+      f"{result['decode_us_per_image']:.0f} us (GIL released; resize "
+      f"{result['resize_share']:.0%} of it) and the rest "
       f"{result['rest_cpu_us_per_image']:.0f} us; the model's GIL-held time "
       f"{result['gil_held_us_per_image']:.0f} us, +{result['handoff_per_thread']:.1%} per "
       "extra thread.",
       "",
       "| decode threads (emulated decode) | img/s | CPU us per image |", "|---:|---:|---:|"]
-  lines += [f"| {r['threads']} | {r['img_s']:.0f} | {r['main_cpu_us'] + r['touch_us']:.0f} |"
+  lines += [f"| {r['threads']} | {r['img_s']:.0f} | {r['cpu_us']:.0f} |"
             for r in result["threads"]]
   lines += [
       "",
@@ -224,8 +258,9 @@ def table(result: dict) -> str:
       f"x {w['threads']} threads: first batch {w['first_batch_s']:.2f} s (no workers: "
       f"{w['first_batch_s_without']:.2f} s), {w['rss_mb_per_worker']:.0f} MB RSS per worker; "
       f"per image, shipping {w['send_us_per_image']:.0f} us in the worker, receiving "
-      f"{w['receive_us_per_image']:.0f} us + mapping pages {w['touch_us_per_image']:.0f} us "
-      "in the main process.",
+      f"{w['receive_us_per_image']:.0f} us in Python + "
+      f"{w['receive_free_us_per_image']:.0f} us in the kernel (mapping pages) in the main "
+      "process.",
       "",
       "| host cores | workers x threads | projected img/s | bound by | one process at best |",
       "|---:|---|---:|---|---:|"]

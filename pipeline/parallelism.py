@@ -8,7 +8,7 @@ each resource allows (per image, in microseconds; T threads per process, W worke
 
     threads   max(W, 1) * T / (cpu + wait)        each thread decodes its images in turn
     gil       max(W, 1) / (gil * handoff(T))      handoff(T) = 1 + handoff * (T - 1)
-    cores     C / (cpu + [send + receive + touch if W > 0])
+    cores     C / (cpu + [send + receive + receive_free if W > 0])
     send      W / send                            each worker ships its batches one at a time
     receive   1 / receive                         the main process receives every batch
 
@@ -34,7 +34,7 @@ class Costs:
   handoff: float  # extra GIL time per image for each thread beyond the first
   send_us: float  # a worker's CPU shipping an image to the main process (shared memory)
   receive_us: float  # the main process's GIL-held CPU receiving it
-  touch_us: float  # the main process's GIL-free CPU mapping its pages (e.g. device_put)
+  receive_free_us: float  # and its GIL-free CPU (the kernel mapping, unmapping the pages)
   worker_mb: float  # a worker's RSS before its batches (imports incl. jax, Grain)
   wait_us: float = 0.0  # off-CPU time of a thread per image (slow storage); 0 on local disk
 
@@ -43,11 +43,12 @@ class Costs:
 # (802 photos ~450x400, batch 128, 224 px, train): cpu_us is the process CPU per image at
 # one thread; gil_us and handoff fit img/s at 1-32 threads with decode and resize replaced
 # by GIL-free waits; send_us is a worker's CPU per image beyond the same work in one
-# process; receive_us and touch_us the main process's CPU per image with 2 workers.
+# process; receive_us and receive_free_us the main process's user and system CPU per
+# image with 2 workers.
 # worker_mb: a worker's RSS under `python -m train` with batch 8 at 64 px (280 MB; jax is
 # imported by Grain itself).
 COSTS = Costs(cpu_us=1280.0, gil_us=200.0, handoff=0.03, send_us=150.0, receive_us=20.0,
-              touch_us=15.0, worker_mb=300.0)
+              receive_free_us=15.0, worker_mb=300.0)
 WORKER_BATCHES = 4  # batches a worker holds beyond its prefetch (measured: 5.7 at prefetch 2)
 MEMORY_SHARE = 0.5  # of the available memory the workers may take
 NEAR_BEST = 0.97  # a plan this close to the best rate counts as the best
@@ -94,7 +95,7 @@ def limits(cores: int, costs: Costs, plan: Plan) -> dict[str, float]:
   """Images/s each resource allows a host of `cores` cores running `plan` (see above)."""
   w, t = plan.workers, plan.threads
   processes = max(w, 1)
-  cpu = costs.cpu_us + (costs.send_us + costs.receive_us + costs.touch_us if w else 0.0)
+  cpu = costs.cpu_us + (costs.send_us + costs.receive_us + costs.receive_free_us if w else 0.0)
   out = {"threads": processes * t * 1e6 / (costs.cpu_us + costs.wait_us),
          "gil": processes * 1e6 / (costs.gil_us * handoff_factor(t, costs.handoff)),
          "cores": cores * 1e6 / cpu}

@@ -13,9 +13,11 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   result = scaling.main([str(photos_dir), "--batch-size", "8", "--image-size", "64",
                          "--seconds", "0.1", "--threads", "1,2", "--workers", "1",
                          "--worker-threads", "1", "--cores", "224,2,8", "--json", str(out)])
+  assert result["emulation_honoured"]  # the loader replaced decode and resize by waits
   for key in ("process_ceiling_img_s", "gil_held_us_per_image", "cpu_us_per_image",
               "decode_us_per_image"):
     assert result[key] > 0, key
+  assert 0 < result["resize_share"] < 1
   assert result["gil_held_us_per_image"] < result["cpu_us_per_image"]
   assert [r["threads"] for r in result["threads"]] == [1, 2]
   assert result["process_ceiling_img_s"] == max(r["img_s"] for r in result["threads"])
