@@ -51,7 +51,7 @@ from pipeline.source import ShardedSource
 STAGES = ("read", "parse", "decode", "augment")
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
 REFERENCE_BATCH = 128  # the batch size parallelism.COSTS was measured at
-LIMITS = ("cores", "gil", "threads", "prefetch", "send", "receive")  # ties: hardware first
+LIMITS = ("cores", "gil", "threads", "prefetch", "receive")  # ties: hardware first
 MAX_PREFETCH = 16
 REFERENCE_PIXELS = 224 * 224  # and the image size
 CEILING_THREADS = 16  # threads of the emulated run that measures the GIL-held time
@@ -453,7 +453,7 @@ def binding(limits: dict[str, float]) -> str:
 def _stage_of(limit: str, costs: dict[str, Cost], state: _State) -> str:
   """The stage to blame under `limit`: the largest share of the bound resource."""
   free = _free_stages(costs, state)
-  if limit in ("send", "receive"):
+  if limit == "receive":
     return "transfer"
   if limit == "gil":
     return max(_gil_stages(costs, state), key=lambda s: costs[s].cpu_ms)
@@ -519,7 +519,6 @@ def _words(limit: str, limits: dict[str, float], state: _State, costs: dict[str,
       "threads": f"num_threads={state.threads} decode threads per process: {rate}",
       "prefetch": (f"prefetch={state.prefetch} batches in flight, each read then decoded in "
                    f"turn: {rate}"),
-      "send": f"{state.workers} workers each shipping batches one at a time: {rate}",
       "receive": f"the main process receiving every worker's batches: {rate}",
   }[limit]
 

@@ -22,8 +22,9 @@ in steady state after its first batch:
    holding the GIL; its system time the kernel mapping and unmapping pages, without it),
    the workers' CPU per image beyond the same work in one process (shipping batches
    through shared memory), the first batch and each worker's RSS.
-5. hosts: for each core count, `parallelism.plan` and `parallelism.project` with these
-   costs (memory assumed 1 GiB per core; TPU VM hosts have more).
+5. hosts: for each core count (and per-process batch size: the main process's Python per
+   received batch spreads over it), `parallelism.plan` and `parallelism.project` with
+   these costs (memory assumed 1 GiB per core; TPU VM hosts have more).
 """
 
 from __future__ import annotations
@@ -224,17 +225,24 @@ def measure_costs(spec: dict, threads: list[int], workers: int, worker_threads: 
   }
 
 
-def hosts(costs: parallelism.Costs, cores: list[int], batch_bytes: int) -> list[dict]:
-  """The auto plan and its projected img/s for each core count; beside it, one process at
-  its best thread count (the most a single process can do)."""
+def hosts(costs: parallelism.Costs, cores: list[int], batch: int, host_batches: list[int],
+          image_size: int) -> list[dict]:
+  """The auto plan and its projected img/s for each core count and per-process batch size;
+  beside it, one process at its best thread count (the most a single process can do). The
+  main process's Python per received batch (`receive_us`, measured at `batch`) spreads
+  over the host's batch; every other cost is per image."""
   out = []
-  for c in cores:
-    chosen = parallelism.plan(c, costs=costs, memory_bytes=c * 2**30, batch_bytes=batch_bytes)
-    one = max(parallelism.project(c, costs, parallelism.Plan(0, t)) for t in range(1, c + 1))
-    out.append({"cores": c, "workers": chosen.workers, "threads": chosen.threads,
-                "projected_img_s": round(parallelism.project(c, costs, chosen)),
-                "bound_by": parallelism.bound(c, costs, chosen),
-                "one_process_img_s": round(one)})
+  for host_batch in host_batches:
+    host = dataclasses.replace(costs, receive_us=costs.receive_us * batch / host_batch)
+    for c in cores:
+      chosen = parallelism.plan(c, costs=host, memory_bytes=c * 2**30,
+                                batch_bytes=host_batch * image_size**2 * 3)
+      one = max(parallelism.project(c, host, parallelism.Plan(0, t)) for t in range(1, c + 1))
+      out.append({"cores": c, "batch": host_batch, "workers": chosen.workers,
+                  "threads": chosen.threads,
+                  "projected_img_s": round(parallelism.project(c, host, chosen)),
+                  "bound_by": parallelism.bound(c, host, chosen),
+                  "one_process_img_s": round(one)})
   return out
 
 
@@ -257,15 +265,16 @@ def table(result: dict) -> str:
       f"{result['process_ceiling_threads']} threads. With {w['workers']} worker processes "
       f"x {w['threads']} threads: first batch {w['first_batch_s']:.2f} s (no workers: "
       f"{w['first_batch_s_without']:.2f} s), {w['rss_mb_per_worker']:.0f} MB RSS per worker; "
-      f"per image, shipping {w['send_us_per_image']:.0f} us in the worker, receiving "
-      f"{w['receive_us_per_image']:.0f} us in Python + "
-      f"{w['receive_free_us_per_image']:.0f} us in the kernel (mapping pages) in the main "
-      "process.",
+      f"per image, {w['send_us_per_image']:.0f} us more CPU in the worker (writing fresh "
+      f"shared memory) and, in the main process, {w['receive_us_per_image']:.0f} us of "
+      f"Python + {w['receive_free_us_per_image']:.0f} us in the kernel (mapping pages).",
       "",
-      "| host cores | workers x threads | projected img/s | bound by | one process at best |",
-      "|---:|---|---:|---|---:|"]
-  lines += [f"| {h['cores']} | {h['workers']} x {h['threads']} | {h['projected_img_s']:,} | "
-            f"{h['bound_by']} | {h['one_process_img_s']:,} |" for h in result["hosts"]]
+      "| host cores | batch per process | workers x threads | projected img/s | bound by | "
+      "one process at best |",
+      "|---:|---:|---|---:|---|---:|"]
+  lines += [f"| {h['cores']} | {h['batch']} | {h['workers']} x {h['threads']} | "
+            f"{h['projected_img_s']:,} | {h['bound_by']} | {h['one_process_img_s']:,} |"
+            for h in result["hosts"]]
   return "\n".join(lines)
 
 
@@ -294,6 +303,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--worker-threads", type=int, default=2, help="their decode threads")
   p.add_argument("--cores", default="2,8,24,96,112,224",
                  help="host core counts to project (TPU v5e VMs: 24, 112, 224)")
+  p.add_argument("--host-batch", default="",
+                 help="per-process batch sizes to project, e.g. 128,1024 (default: "
+                      "--batch-size); the main process's Python per batch spreads over it")
   p.add_argument("--json", help="write the figures to this file")
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p
@@ -310,8 +322,10 @@ def main(argv: list[str]) -> dict:
     p.error("give DATA_DIR, a converted dataset")
   try:
     threads, cores = _ints(args.threads), _ints(args.cores)
+    host_batches = _ints(args.host_batch) if args.host_batch else [args.batch_size]
   except ValueError:
-    p.error("--threads and --cores take comma-separated positive integers, e.g. 96,224")
+    p.error("--threads, --cores and --host-batch take comma-separated positive integers, "
+            "e.g. 96,224")
   if args.workers < 1 or args.worker_threads < 1 or args.batch_size < 1 or args.seconds <= 0:
     p.error("--workers, --worker-threads, --batch-size and --seconds must be positive")
   try:
@@ -327,7 +341,7 @@ def main(argv: list[str]) -> dict:
   except RuntimeError as e:
     _fail(str(e), code=1)
   costs = parallelism.Costs(**result["costs"])
-  result["hosts"] = hosts(costs, cores, args.batch_size * args.image_size**2 * 3)
+  result["hosts"] = hosts(costs, cores, args.batch_size, host_batches, args.image_size)
   result.update(machine=measure.machine(),
                 command="python -m pipeline.bench scaling " + " ".join(argv))
   print(table(result))

@@ -6,11 +6,13 @@ worker processes (`mp_prefetch`) with a few threads each, and the main process o
 receives their batches. A small model turns measured per-image costs into the images/s
 each resource allows (per image, in microseconds; T threads per process, W workers, C cores):
 
-    threads   max(W, 1) * T / (cpu + wait)        each thread decodes its images in turn
-    gil       max(W, 1) / (gil * handoff(T))      handoff(T) = 1 + handoff * (T - 1)
-    cores     C / (cpu + [send + receive + receive_free if W > 0])
-    send      W / send                            each worker ships its batches one at a time
-    receive   1 / receive                         the main process receives every batch
+    threads   max(W, 1) * T / (cpu + wait [+ send])   each thread decodes its images in turn
+    gil       max(W, 1) / (gil * handoff(T))          handoff(T) = 1 + handoff * (T - 1)
+    cores     C / (cpu [+ send + receive + receive_free])
+    receive   1 / receive                             the main process receives every batch
+
+([...]: with W > 0 workers, whose threads write each batch straight into fresh shared
+memory, and whose main process's Python receives it.)
 
 `project` is the smallest, `plan` the fewest processes (then threads) within 3% of the best
 plan for the host, and `python -m pipeline.bench scaling` measures the costs below. Memory:
@@ -32,7 +34,7 @@ class Costs:
   cpu_us: float  # all CPU of one image in the process that decodes it (one thread)
   gil_us: float  # of which holding the GIL (read, parse, crop box, RNG, Python, Grain)
   handoff: float  # extra GIL time per image for each thread beyond the first
-  send_us: float  # a worker's CPU shipping an image to the main process (shared memory)
+  send_us: float  # a worker's extra CPU per image (writing into fresh shared memory)
   receive_us: float  # the main process's GIL-held CPU receiving it
   receive_free_us: float  # and its GIL-free CPU (the kernel mapping, unmapping the pages)
   worker_mb: float  # a worker's RSS before its batches (imports incl. jax, Grain)
@@ -95,12 +97,12 @@ def limits(cores: int, costs: Costs, plan: Plan) -> dict[str, float]:
   """Images/s each resource allows a host of `cores` cores running `plan` (see above)."""
   w, t = plan.workers, plan.threads
   processes = max(w, 1)
-  cpu = costs.cpu_us + (costs.send_us + costs.receive_us + costs.receive_free_us if w else 0.0)
-  out = {"threads": processes * t * 1e6 / (costs.cpu_us + costs.wait_us),
+  send = costs.send_us if w else 0.0
+  cpu = costs.cpu_us + send + (costs.receive_us + costs.receive_free_us if w else 0.0)
+  out = {"threads": processes * t * 1e6 / (costs.cpu_us + costs.wait_us + send),
          "gil": processes * 1e6 / (costs.gil_us * handoff_factor(t, costs.handoff)),
          "cores": cores * 1e6 / cpu}
   if w:
-    out["send"] = w * 1e6 / max(costs.send_us, 1e-3)
     out["receive"] = 1e6 / max(costs.receive_us, 1e-3)
   return out
 
