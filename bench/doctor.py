@@ -50,10 +50,9 @@ from pipeline.source import ShardedSource
 
 STAGES = ("read", "parse", "decode", "augment")
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
-REFERENCE_BATCH = 128  # the batch size parallelism.COSTS was measured at
 LIMITS = ("cores", "gil", "threads", "prefetch", "receive")  # ties: hardware first
 MAX_PREFETCH = 16
-REFERENCE_PIXELS = 224 * 224  # and the image size
+REFERENCE_PIXELS = 224 * 224  # the image size parallelism.COSTS were measured at
 CEILING_THREADS = 16  # threads of the emulated run that measures the GIL-held time
 EMULATE = "PIPELINE_EMULATE_DECODE_US"
 
@@ -101,8 +100,8 @@ class Settings:
     """The workers x threads `make_dataset` runs with on a host of `cores` cores."""
     p = self.perf
     return parallelism.plan(cores, num_workers=p.num_workers, num_threads=p.num_threads,
-                            memory_bytes=memory_bytes, batch_bytes=self.batch_bytes,
-                            prefetch=p.prefetch)
+                            batch_size=self.batch_size, image_bytes=self.image_size**2 * 3,
+                            prefetch=p.prefetch, memory_bytes=memory_bytes)
 
   def check(self) -> None:
     """Raises ValueError naming a bad augment or performance field or value."""
@@ -404,19 +403,21 @@ def with_other(costs: dict[str, Cost], run: Run, workers: int, s: Settings
                ) -> dict[str, Cost]:
   """The stage costs plus "other": the run's CPU per image beyond its stages and the
   workers' transfer (crop box, RNG, Python layers, Grain)."""
-  transfer = _transfer_us(s) if workers else {}
+  t = _transfer_us(s)
+  transfer = (t["send_us"] + t["receive_free_us"] + t["receive_us"] * parallelism.COSTS_BATCH
+              / s.batch_size) if workers else 0.0
   staged = sum(costs[x].cpu_ms for x in STAGES)
-  other = round(max(run.cpu_ms_per_image - sum(transfer.values()) / 1e3 - staged, 0.0), 4)
+  other = round(max(run.cpu_ms_per_image - transfer / 1e3 - staged, 0.0), 4)
   return {**costs, "other": Cost(other, other)}
 
 
 def _transfer_us(s: Settings) -> dict[str, float]:
   """Worker transfer costs per image, from parallelism.COSTS: the pages' share scaled to
-  this image size, the Python receiving a batch to this batch size."""
+  this image size (the Python per batch is spread by `parallelism.at_batch`)."""
   pixels = s.image_size**2 / REFERENCE_PIXELS
   base = parallelism.COSTS
   return {"send_us": base.send_us * pixels, "receive_free_us": base.receive_free_us * pixels,
-          "receive_us": base.receive_us * REFERENCE_BATCH / s.batch_size}
+          "receive_us": base.receive_us}
 
 
 def host_costs(costs: dict[str, Cost], state: _State, s: Settings) -> parallelism.Costs:
@@ -434,7 +435,7 @@ def host_costs(costs: dict[str, Cost], state: _State, s: Settings) -> parallelis
 def model(costs: dict[str, Cost], state: _State, cores: int, s: Settings
           ) -> dict[str, float]:
   """Images/s each resource allows (the module docstring and pipeline.parallelism)."""
-  hc = host_costs(costs, state, s)
+  hc = parallelism.at_batch(host_costs(costs, state, s), s.batch_size)
   lim = parallelism.limits(cores, hc, parallelism.Plan(state.workers, state.threads))
   free = _free_stages(costs, state)
   work_wall = sum(costs[s].active_ms for s in ("parse", *free)) / 1e3
@@ -591,8 +592,9 @@ def _recommend_processes(d: Diagnosis, state: _State, propose) -> None:
   the decode threads' work mostly waits (slow storage), threads beyond the cores."""
   s, C, costs = d.settings, d.cores, d.costs
   hc = host_costs(costs, state, s)
-  best = parallelism.plan(C, costs=hc, memory_bytes=None if d.here else C * 2**30,
-                          batch_bytes=s.batch_bytes, prefetch=state.prefetch)
+  best = parallelism.plan(C, batch_size=s.batch_size, image_bytes=s.image_size**2 * 3,
+                          prefetch=state.prefetch, costs=hc,
+                          memory_bytes=None if d.here else C * 2**30)
   workers, threads = best.workers, best.threads
   if hc.wait_us > 0.5 * hc.cpu_us:  # the work waits: more threads overlap the waiting
 

@@ -233,10 +233,10 @@ def hosts(costs: parallelism.Costs, cores: list[int], batch: int, host_batches: 
   over the host's batch; every other cost is per image."""
   out = []
   for host_batch in host_batches:
-    host = dataclasses.replace(costs, receive_us=costs.receive_us * batch / host_batch)
+    host = parallelism.at_batch(costs, host_batch, batch)
     for c in cores:
-      chosen = parallelism.plan(c, costs=host, memory_bytes=c * 2**30,
-                                batch_bytes=host_batch * image_size**2 * 3)
+      chosen = parallelism.plan(c, batch_size=host_batch, image_bytes=image_size**2 * 3,
+                                costs=costs, memory_bytes=c * 2**30)
       one = max(parallelism.project(c, host, parallelism.Plan(0, t)) for t in range(1, c + 1))
       out.append({"cores": c, "batch": host_batch, "workers": chosen.workers,
                   "threads": chosen.threads,

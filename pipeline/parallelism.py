@@ -41,16 +41,19 @@ class Costs:
   wait_us: float = 0.0  # off-CPU time of a thread per image (slow storage); 0 on local disk
 
 
-# Measured on 2 cores (Xeon, shared) with `python -m pipeline.bench scaling data/photos`
-# (802 photos ~450x400, batch 128, 224 px, train): cpu_us is the process CPU per image at
-# one thread; gil_us and handoff fit img/s at 1-32 threads with decode and resize replaced
-# by GIL-free waits; send_us is a worker's CPU per image beyond the same work in one
-# process; receive_us and receive_free_us the main process's user and system CPU per
-# image with 2 workers.
-# worker_mb: a worker's RSS under `python -m train` with batch 8 at 64 px (280 MB; jax is
-# imported by Grain itself).
-COSTS = Costs(cpu_us=1280.0, gil_us=200.0, handoff=0.03, send_us=150.0, receive_us=20.0,
-              receive_free_us=15.0, worker_mb=300.0)
+# Measured with `python -m pipeline.bench scaling data/photos` (802 photos ~450x400, batch
+# 128, 224 px, train; 2 shared vCPUs); two runs, the constants their mean:
+#   cpu_us 1085 / 950: the process's CPU per image on one thread;
+#   gil_us 92 / 92, handoff 0.021 / 0.001: fitted to img/s at 1-32 threads with decode and
+#     resize replaced by GIL-free waits (one process's ceiling: 8,219 / 10,816 img/s);
+#   send_us 75 / 198: a worker's CPU per image beyond the same work in one process;
+#   receive_us 23 / 11, receive_free_us 28 / 43: the main process's user / system CPU per
+#     image with 2 workers;
+#   worker_mb: a worker's RSS under `python -m train` with batch 8 at 64 px (280 MB; Grain
+#     imports jax); at batch 128 of 224 px, 343 / 350 MB.
+COSTS = Costs(cpu_us=1020.0, gil_us=92.0, handoff=0.011, send_us=137.0, receive_us=17.0,
+              receive_free_us=36.0, worker_mb=300.0)
+COSTS_BATCH = 128  # the batch size COSTS were measured at
 WORKER_BATCHES = 4  # batches a worker holds beyond its prefetch (measured: 5.7 at prefetch 2)
 MEMORY_SHARE = 0.5  # of the available memory the workers may take
 NEAR_BEST = 0.97  # a plan this close to the best rate counts as the best
@@ -118,21 +121,29 @@ def bound(cores: int, costs: Costs, plan: Plan) -> str:
   return min(lim, key=lim.get)
 
 
+def at_batch(costs: Costs, batch_size: int, measured_at: int = COSTS_BATCH) -> Costs:
+  """`costs` for batches of `batch_size`: the main process's Python per received batch
+  (`receive_us`, measured at batches of `measured_at`) spreads over its images."""
+  return dataclasses.replace(costs, receive_us=costs.receive_us * measured_at / batch_size)
+
+
 def plan(cores: int | None = None, *, num_workers: int | None = None,
-         num_threads: int | None = None, costs: Costs = COSTS,
-         memory_bytes: int | None = None, batch_bytes: int = 0, prefetch: int = 2) -> Plan:
-  """Worker processes x decode threads for a host of `cores` cores (default: this one's).
+         num_threads: int | None = None, batch_size: int = COSTS_BATCH, image_bytes: int = 0,
+         prefetch: int = 2, costs: Costs = COSTS, memory_bytes: int | None = None) -> Plan:
+  """Worker processes x decode threads for a host of `cores` cores (default: this one's),
+  batches of `batch_size` images of `image_bytes` each.
 
   Settings you give (`num_workers`, `num_threads`) are kept; the others are chosen by
   `project`. Memory budget: each worker takes `costs.worker_mb` plus `prefetch +
-  WORKER_BATCHES` batches of `batch_bytes`, and the workers together at most half of
-  `memory_bytes` (default: the memory available now); threads never outnumber the cores.
-  Up to SMALL_HOST cores it is the fast path whatever the costs: no workers, one thread
-  per core.
+  WORKER_BATCHES` batches, and the workers together at most half of `memory_bytes`
+  (default: the memory available now); threads never outnumber the cores. Up to
+  SMALL_HOST cores it is the fast path whatever the costs: no workers, one thread per core.
   """
   cores = cores or available_cores()
   if num_workers is not None and num_threads is not None:
     return Plan(num_workers, num_threads, "set by you")
+  costs = at_batch(costs, batch_size)
+  batch_bytes = batch_size * image_bytes
   memory = available_memory() if memory_bytes is None else memory_bytes
   per_worker = costs.worker_mb * 2**20 + (prefetch + WORKER_BATCHES) * batch_bytes
   memory_cap = int(MEMORY_SHARE * memory // per_worker)
@@ -148,7 +159,8 @@ def plan(cores: int | None = None, *, num_workers: int | None = None,
   given = (" (num_workers set by you)" if num_workers is not None else
            " (num_threads set by you)" if num_threads is not None else "")
   memory_note = (f", memory for at most {memory_cap} workers"
-                 if num_workers is None and w == max_workers == memory_cap < cores else "")
+                 if num_workers is None and cores > SMALL_HOST and w == memory_cap < cores
+                 else "")
   why = (f"auto for {cores} cores{given}: projected {rate:,.0f} img/s, bound by "
          f"{bound(cores, costs, Plan(w, t))}{memory_note}")
   return Plan(w, t, why)

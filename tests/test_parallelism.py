@@ -13,7 +13,8 @@ from pipeline import parallelism
 from pipeline.parallelism import COSTS, Plan, plan, project
 
 GIB = 2**30
-BATCH = 128 * 224 * 224 * 3  # bytes of a batch of 128 images at 224 px
+IMAGE = 224 * 224 * 3  # bytes of an image at 224 px
+BATCH = 128 * IMAGE
 
 
 def test_two_cores_keep_one_process_with_a_thread_per_core():
@@ -24,7 +25,7 @@ def test_two_cores_keep_one_process_with_a_thread_per_core():
 
 @pytest.mark.parametrize("cores", [96, 224])
 def test_many_cores_run_workers_with_a_few_threads_each(cores):
-  chosen = plan(cores, memory_bytes=cores * GIB, batch_bytes=BATCH)
+  chosen = plan(cores, memory_bytes=cores * GIB, batch_size=128, image_bytes=IMAGE)
   assert chosen.workers >= 2 and 2 <= chosen.threads <= 16
   assert chosen.workers * chosen.threads <= cores
   one_process = max(project(cores, COSTS, Plan(0, t)) for t in range(1, cores + 1))
@@ -71,9 +72,9 @@ def test_settings_you_give_are_kept_and_the_rest_chosen():
 
 def test_workers_fit_in_half_the_memory():
   per_worker = COSTS.worker_mb * 2**20 + (2 + parallelism.WORKER_BATCHES) * BATCH
-  chosen = plan(224, memory_bytes=int(2 * 3.5 * per_worker), batch_bytes=BATCH)
+  chosen = plan(224, memory_bytes=int(2 * 3.5 * per_worker), batch_size=128, image_bytes=IMAGE)
   assert chosen.workers == 3 and "memory for at most 3 workers" in chosen.why
-  assert plan(224, memory_bytes=per_worker, batch_bytes=BATCH).workers == 0
+  assert plan(224, memory_bytes=per_worker, batch_size=128, image_bytes=IMAGE).workers == 0
 
 
 def test_default_is_this_hosts_cores():
@@ -86,3 +87,11 @@ def test_the_choice_is_printed_once_per_process(capsys):
   parallelism.announce(chosen)
   err = capsys.readouterr().err
   assert err.count("5 worker processes x 3 decode threads (a test plan)") == 1
+
+
+def test_larger_batches_spread_the_main_process_receiving_over_more_images():
+  small = plan(224, batch_size=128, image_bytes=IMAGE, memory_bytes=224 * GIB)
+  large = plan(224, batch_size=1024, image_bytes=IMAGE, memory_bytes=224 * GIB)
+  assert large.workers >= small.workers
+  assert (project(224, parallelism.at_batch(COSTS, 1024), large)
+          > project(224, parallelism.at_batch(COSTS, 128), small))
