@@ -46,6 +46,7 @@ import pipeline
 from bench import measure, timeline
 from pipeline import augment, decode, options, parallelism, records
 from pipeline import manifest as manifest_lib
+from pipeline.loader import EMULATE_ENV as EMULATE
 from pipeline.source import ShardedSource
 
 STAGES = ("read", "parse", "decode", "augment")
@@ -54,7 +55,6 @@ LIMITS = ("cores", "gil", "threads", "prefetch", "receive")  # ties: hardware fi
 MAX_PREFETCH = 16
 REFERENCE_PIXELS = 224 * 224  # the image size parallelism.COSTS were measured at
 CEILING_THREADS = 16  # threads of the emulated run that measures the GIL-held time
-EMULATE = "PIPELINE_EMULATE_DECODE_US"
 
 
 class UsageError(ValueError):

@@ -46,9 +46,9 @@ import pipeline
 from bench import measure
 from pipeline import augment, decode, parallelism, records
 from pipeline import manifest as manifest_lib
+from pipeline.loader import EMULATE_ENV as EMULATE
 from pipeline.source import ShardedSource
 
-EMULATE = "PIPELINE_EMULATE_DECODE_US"
 PAGE = 4096
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
