@@ -87,9 +87,15 @@ class Settings:
     """The loader's per-image head for these settings (train)."""
     a, p = self.aug, self.perf
     fields = dict(
-        image_size=self.image_size, area_range=a.area_range, aspect_range=a.aspect_range,
-        flip=a.flip, crop_fraction=a.eval_fraction(self.image_size),
-        bicubic=a.interpolation == "bicubic", dct_scaling=p.dct_scaling, fast_dct=p.fast_dct)
+      image_size=self.image_size,
+      area_range=a.area_range,
+      aspect_range=a.aspect_range,
+      flip=a.flip,
+      crop_fraction=a.eval_fraction(self.image_size),
+      bicubic=a.interpolation == "bicubic",
+      dct_scaling=p.dct_scaling,
+      fast_dct=p.fast_dct,
+    )
     return augment.Head(**{**fields, **change})
 
   @property
@@ -99,9 +105,15 @@ class Settings:
   def plan(self, cores: int, memory_bytes: int | None = None) -> parallelism.Plan:
     """The workers x threads `make_dataset` runs with on a host of `cores` cores."""
     p = self.perf
-    return parallelism.plan(cores, num_workers=p.num_workers, num_threads=p.num_threads,
-                            batch_size=self.batch_size, image_bytes=self.image_size**2 * 3,
-                            prefetch=p.prefetch, memory_bytes=memory_bytes)
+    return parallelism.plan(
+      cores,
+      num_workers=p.num_workers,
+      num_threads=p.num_threads,
+      batch_size=self.batch_size,
+      image_bytes=self.image_size**2 * 3,
+      prefetch=p.prefetch,
+      memory_bytes=memory_bytes,
+    )
 
   def check(self) -> None:
     """Raises ValueError naming a bad augment or performance field or value."""
@@ -109,10 +121,19 @@ class Settings:
     options.coerce(pipeline.Performance, self.performance)
 
   def dataset(self) -> grain.IterDataset:
-    return pipeline.make_dataset(self.data_dir, self.split, batch_size=self.batch_size,
-                                 train=True, seed=self.seed, image_size=self.image_size,
-                                 shard_index=0, shard_count=1, augment=self.augment,
-                                 performance=self.performance, **self.other)
+    return pipeline.make_dataset(
+      self.data_dir,
+      self.split,
+      batch_size=self.batch_size,
+      train=True,
+      seed=self.seed,
+      image_size=self.image_size,
+      shard_index=0,
+      shard_count=1,
+      augment=self.augment,
+      performance=self.performance,
+      **self.other,
+    )
 
 
 @dataclasses.dataclass
@@ -232,8 +253,9 @@ def _decode(head: augment.Head, data: bytes, key: int) -> tuple[np.ndarray, int]
 
 def _augment(head: augment.Head, window: np.ndarray, key: int, out: np.ndarray) -> None:
   """Flip (a view) and resize into the batch slot."""
-  augment.resize(window[:, ::-1] if head.flips(key) else window, head.image_size, out,
-                 bicubic=head.bicubic)
+  augment.resize(
+    window[:, ::-1] if head.flips(key) else window, head.image_size, out, bicubic=head.bicubic
+  )
 
 
 def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
@@ -256,7 +278,7 @@ def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
   source.read(indices[:1])  # open the shards before the clock
   recs = []
   for k in range(0, n, s.batch_size):
-    recs += clocks["read"].time(source.read, indices[k:k + s.batch_size])
+    recs += clocks["read"].time(source.read, indices[k : k + s.batch_size])
   head, head_dct = s.head(), s.head(dct_scaling=True)
   out = np.empty((s.image_size, s.image_size, 3), np.uint8)
   side = round(s.image_size / head.crop_fraction)  # the cache's shorter side
@@ -271,13 +293,20 @@ def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
     scaled += scale > 1
     if k < 32:  # enough to price the cache without paying a full decode for every image
       cached = clocks["cache_fill"].time(
-          lambda d: augment.resize_shorter(decode.decode(d), side), data)
+        lambda d: augment.resize_shorter(decode.decode(d), side), data
+      )
       clocks["augment_cached"].time(head.from_decoded, cached, key, out)
       cache_bytes.append(cached.nbytes)
-  costs = {name: c.cost(min(n, 32) if name in ("cache_fill", "augment_cached") else n)
-           for name, c in clocks.items()}
-  return costs, {"num_records": len(source), "num_shards": len(shards),
-                 "cache_bytes_per_image": float(np.mean(cache_bytes)), "dct_share": scaled / n}
+  costs = {
+    name: c.cost(min(n, 32) if name in ("cache_fill", "augment_cached") else n)
+    for name, c in clocks.items()
+  }
+  return costs, {
+    "num_records": len(source),
+    "num_shards": len(shards),
+    "cache_bytes_per_image": float(np.mean(cache_bytes)),
+    "dct_share": scaled / n,
+  }
 
 
 # ---------------------------------------------------------------- whole pipeline
@@ -294,8 +323,13 @@ def _cpu_s(procs) -> float:
   return total
 
 
-def measure_run(ds, seconds: float, step_s: float = 0.0,
-                recorder: timeline.Recorder | None = None, min_batches: int = 3) -> Run:
+def measure_run(
+  ds,
+  seconds: float,
+  step_s: float = 0.0,
+  recorder: timeline.Recorder | None = None,
+  min_batches: int = 3,
+) -> Run:
   """Iterates `ds` for `seconds` after the first batch; sleeps `step_s` per batch if > 0.
   The recorder gets the consumer's view: waiting for batches, train steps."""
   recorder = recorder or timeline.Recorder()
@@ -325,26 +359,45 @@ def measure_run(ds, seconds: float, step_s: float = 0.0,
   close = getattr(it, "close", None)
   if close:
     close()
-  return Run(round(images / (end - first), 1), round(first - start, 3), images,
-             round(end - first, 3), round(cpu / images * 1e3, 4),
-             round(waited / (end - first), 3) if step_s else None)
+  return Run(
+    round(images / (end - first), 1),
+    round(first - start, 3),
+    images,
+    round(end - first, 3),
+    round(cpu / images * 1e3, 4),
+    round(waited / (end - first), 3) if step_s else None,
+  )
 
 
-def measure_all(s: Settings, seconds: float = 5.0, step_ms: float | None = None,
-                sample: int = 128, recorder: timeline.Recorder | None = None) -> Measurements:
+def measure_all(
+  s: Settings,
+  seconds: float = 5.0,
+  step_ms: float | None = None,
+  sample: int = 128,
+  recorder: timeline.Recorder | None = None,
+) -> Measurements:
   """Stage costs, then the whole pipeline alone, then (with `step_ms`) beside a step."""
   costs, facts = measure_costs(s, sample)
   recorder = recorder or timeline.Recorder()
   run = measure_run(s.dataset(), seconds, recorder=None if step_ms else recorder)
   consumer = None
   if step_ms:  # the timeline shows this run: input waits beside train steps
-    consumer = measure_run(s.dataset(), max(seconds / 2, 3 * step_ms / 1e3), step_ms / 1e3,
-                           recorder)
+    consumer = measure_run(
+      s.dataset(), max(seconds / 2, 3 * step_ms / 1e3), step_ms / 1e3, recorder
+    )
   python_us = measure_python(s, costs, seconds / 2) if decode.native() is not None else None
-  return Measurements(parallelism.available_cores(), round(os.getloadavg()[0], 2),
-                      facts["num_records"], facts["num_shards"], costs,
-                      facts["cache_bytes_per_image"], round(facts["dct_share"], 3), run,
-                      consumer, python_us)
+  return Measurements(
+    parallelism.available_cores(),
+    round(os.getloadavg()[0], 2),
+    facts["num_records"],
+    facts["num_shards"],
+    costs,
+    facts["cache_bytes_per_image"],
+    round(facts["dct_share"], 3),
+    run,
+    consumer,
+    python_us,
+  )
 
 
 def measure_python(s: Settings, costs: dict[str, Cost], seconds: float) -> float:
@@ -399,13 +452,15 @@ def _gil_stages(costs: dict[str, Cost], state: _State) -> tuple[str, ...]:
   return ("python",) if "python" in costs else ("read", "other")
 
 
-def with_other(costs: dict[str, Cost], run: Run, workers: int, s: Settings
-               ) -> dict[str, Cost]:
+def with_other(costs: dict[str, Cost], run: Run, workers: int, s: Settings) -> dict[str, Cost]:
   """The stage costs plus "other": the run's CPU per image beyond its stages and the
   workers' transfer (crop box, RNG, Python layers, Grain)."""
   t = _transfer_us(s)
-  transfer = (t["send_us"] + t["receive_free_us"] + t["receive_us"] * parallelism.COSTS_BATCH
-              / s.batch_size) if workers else 0.0
+  transfer = (
+    (t["send_us"] + t["receive_free_us"] + t["receive_us"] * parallelism.COSTS_BATCH / s.batch_size)
+    if workers
+    else 0.0
+  )
   staged = sum(costs[x].cpu_ms for x in STAGES)
   other = round(max(run.cpu_ms_per_image - transfer / 1e3 - staged, 0.0), 4)
   return {**costs, "other": Cost(other, other)}
@@ -416,8 +471,11 @@ def _transfer_us(s: Settings) -> dict[str, float]:
   this image size (the Python per batch is spread by `parallelism.at_batch`)."""
   pixels = s.image_size**2 / REFERENCE_PIXELS
   base = parallelism.COSTS
-  return {"send_us": base.send_us * pixels, "receive_free_us": base.receive_free_us * pixels,
-          "receive_us": base.receive_us}
+  return {
+    "send_us": base.send_us * pixels,
+    "receive_free_us": base.receive_free_us * pixels,
+    "receive_us": base.receive_us,
+  }
 
 
 def host_costs(costs: dict[str, Cost], state: _State, s: Settings) -> parallelism.Costs:
@@ -426,22 +484,25 @@ def host_costs(costs: dict[str, Cost], state: _State, s: Settings) -> parallelis
   thread_work = ("parse", *free)
   wait = sum(costs[x].active_ms - costs[x].cpu_ms for x in thread_work) * 1e3
   return parallelism.Costs(
-      cpu_us=sum(costs[x].cpu_ms for x in (*GIL_STAGES, *free)) * 1e3,
-      gil_us=max(sum(costs[x].cpu_ms for x in _gil_stages(costs, state)) * 1e3, 1.0),
-      handoff=parallelism.COSTS.handoff, worker_mb=parallelism.COSTS.worker_mb,
-      wait_us=max(wait, 0.0), **_transfer_us(s))
+    cpu_us=sum(costs[x].cpu_ms for x in (*GIL_STAGES, *free)) * 1e3,
+    gil_us=max(sum(costs[x].cpu_ms for x in _gil_stages(costs, state)) * 1e3, 1.0),
+    handoff=parallelism.COSTS.handoff,
+    worker_mb=parallelism.COSTS.worker_mb,
+    wait_us=max(wait, 0.0),
+    **_transfer_us(s),
+  )
 
 
-def model(costs: dict[str, Cost], state: _State, cores: int, s: Settings
-          ) -> dict[str, float]:
+def model(costs: dict[str, Cost], state: _State, cores: int, s: Settings) -> dict[str, float]:
   """Images/s each resource allows (the module docstring and pipeline.parallelism)."""
   hc = parallelism.at_batch(host_costs(costs, state, s), s.batch_size)
   lim = parallelism.limits(cores, hc, parallelism.Plan(state.workers, state.threads))
   free = _free_stages(costs, state)
   work_wall = sum(costs[s].active_ms for s in ("parse", *free)) / 1e3
   read_wall = costs["read"].active_ms / 1e3
-  lim["prefetch"] = (max(state.workers, 1) * state.prefetch
-                     / max(read_wall + work_wall / state.threads, 1e-9))
+  lim["prefetch"] = (
+    max(state.workers, 1) * state.prefetch / max(read_wall + work_wall / state.threads, 1e-9)
+  )
   return lim
 
 
@@ -476,8 +537,9 @@ def _smallest(values: range, rate: Callable[[int], float], share: float = 0.95) 
 # ---------------------------------------------------------------- diagnosis
 
 
-def diagnose(s: Settings, m: Measurements, step_ms: float | None = None,
-             cores: int | None = None) -> Diagnosis:
+def diagnose(
+  s: Settings, m: Measurements, step_ms: float | None = None, cores: int | None = None
+) -> Diagnosis:
   """Names the bottleneck of `s` on a host of `cores` cores (default: this machine, where
   `m` was measured) and recommends settings."""
   cores = cores or m.cores
@@ -489,8 +551,9 @@ def diagnose(s: Settings, m: Measurements, step_ms: float | None = None,
     costs["python"] = Cost(m.python_us / 1e3, m.python_us / 1e3)
   cache_mb = m.cache_bytes_per_image * m.num_records / 2**20
   perf = s.perf
-  state = _State(chosen.workers, chosen.threads, perf.prefetch,
-                 0 < cache_mb <= perf.cache_mb, perf.dct_scaling)
+  state = _State(
+    chosen.workers, chosen.threads, perf.prefetch, 0 < cache_mb <= perf.cache_mb, perf.dct_scaling
+  )
   limits = model(costs, state, cores, s)
   predicted = min(limits.values())
   limit = binding(limits)
@@ -499,28 +562,44 @@ def diagnose(s: Settings, m: Measurements, step_ms: float | None = None,
   need = s.batch_size / (step_ms / 1e3) if step_ms else None
   bottleneck = "train step" if need and rate >= 1.05 * need else input_stage
   d = Diagnosis(
-      settings=s, cores=cores, here=here, plan=dataclasses.asdict(chosen), measured=m,
-      costs=costs, limits={k: round(v, 1) for k, v in limits.items()},
-      predicted=round(predicted, 1), run=m.run, step_ms=step_ms, bottleneck=bottleneck,
-      input_stage=input_stage, limit=_words(limit, limits, state, costs, cores),
-      recommendations=[], notes=[], cache_estimate_mb=round(cache_mb, 1))
+    settings=s,
+    cores=cores,
+    here=here,
+    plan=dataclasses.asdict(chosen),
+    measured=m,
+    costs=costs,
+    limits={k: round(v, 1) for k, v in limits.items()},
+    predicted=round(predicted, 1),
+    run=m.run,
+    step_ms=step_ms,
+    bottleneck=bottleneck,
+    input_stage=input_stage,
+    limit=_words(limit, limits, state, costs, cores),
+    recommendations=[],
+    notes=[],
+    cache_estimate_mb=round(cache_mb, 1),
+  )
   _recommend(d, state, need)
   return d
 
 
-def _words(limit: str, limits: dict[str, float], state: _State, costs: dict[str, Cost],
-           cores: int) -> str:
+def _words(
+  limit: str, limits: dict[str, float], state: _State, costs: dict[str, Cost], cores: int
+) -> str:
   rate = f"{limits[limit]:.0f} img/s at most"
   procs = f"{state.workers} worker processes" if state.workers else "one process"
   gil_us = sum(costs[s].cpu_ms for s in _gil_stages(costs, state)) * 1e3
   return {
-      "cores": f"all {cores} cores busy: {rate}",
-      "gil": (f"the GIL: {procs} x {state.threads} threads, each image holding it "
-              f"~{gil_us:.0f} us (read, Python per image and batch, Grain): {rate}"),
-      "threads": f"num_threads={state.threads} decode threads per process: {rate}",
-      "prefetch": (f"prefetch={state.prefetch} batches in flight, each read then decoded in "
-                   f"turn: {rate}"),
-      "receive": f"the main process receiving every worker's batches: {rate}",
+    "cores": f"all {cores} cores busy: {rate}",
+    "gil": (
+      f"the GIL: {procs} x {state.threads} threads, each image holding it "
+      f"~{gil_us:.0f} us (read, Python per image and batch, Grain): {rate}"
+    ),
+    "threads": f"num_threads={state.threads} decode threads per process: {rate}",
+    "prefetch": (
+      f"prefetch={state.prefetch} batches in flight, each read then decoded in turn: {rate}"
+    ),
+    "receive": f"the main process receiving every worker's batches: {rate}",
   }[limit]
 
 
@@ -544,46 +623,72 @@ def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
     gain = rate(new) / rate(state)
     if gain >= 1.05:
       state = new
-      d.recommendations.append(Recommendation(field, current, proposed,
-                                              round(rate(new) * scale, 1), round(gain, 3),
-                                              why, writes))
+      d.recommendations.append(
+        Recommendation(
+          field, current, proposed, round(rate(new) * scale, 1), round(gain, 3), why, writes
+        )
+      )
 
   if d.bottleneck == "train step":
-    d.notes.append(f"the input ({d.run.images_per_sec:.0f} img/s alone) keeps up with a "
-                   f"{d.step_ms:g} ms step ({need:.0f} img/s): no input change will speed up "
-                   "training")
+    d.notes.append(
+      f"the input ({d.run.images_per_sec:.0f} img/s alone) keeps up with a "
+      f"{d.step_ms:g} ms step ({need:.0f} img/s): no input change will speed up "
+      "training"
+    )
   else:
     if not start.dct and "decode_dct" in costs:
-      propose("dct_scaling", False, True,
-              f"{d.measured.dct_share:.0%} of the crops are at least twice image_size and "
-              f"decode at 1/2 to 1/8 resolution ({costs['decode'].cpu_ms:.2f} -> "
-              f"{costs['decode_dct'].cpu_ms:.2f} ms per image)",
-              {"performance.dct_scaling": True}, dct=True)
+      propose(
+        "dct_scaling",
+        False,
+        True,
+        f"{d.measured.dct_share:.0%} of the crops are at least twice image_size and "
+        f"decode at 1/2 to 1/8 resolution ({costs['decode'].cpu_ms:.2f} -> "
+        f"{costs['decode_dct'].cpu_ms:.2f} ms per image)",
+        {"performance.dct_scaling": True},
+        dct=True,
+      )
     _recommend_processes(d, state, propose)
-    prefetch = max(state.prefetch, _smallest(
-        range(1, MAX_PREFETCH + 1), lambda p: rate(dataclasses.replace(state, prefetch=p))))
+    prefetch = max(
+      state.prefetch,
+      _smallest(range(1, MAX_PREFETCH + 1), lambda p: rate(dataclasses.replace(state, prefetch=p))),
+    )
     batch_mb = s.batch_bytes / 2**20
-    propose("prefetch", state.prefetch, prefetch,
-            f"each prefetch thread reads a batch ({costs['read'].active_ms * s.batch_size:.0f} "
-            f"ms) and then waits for its decode; {prefetch} in flight overlap the reads "
-            f"(+{(prefetch - state.prefetch) * batch_mb:.0f} MB of batches held per process)",
-            {"performance.prefetch": prefetch}, prefetch=prefetch)
+    propose(
+      "prefetch",
+      state.prefetch,
+      prefetch,
+      f"each prefetch thread reads a batch ({costs['read'].active_ms * s.batch_size:.0f} "
+      f"ms) and then waits for its decode; {prefetch} in flight overlap the reads "
+      f"(+{(prefetch - state.prefetch) * batch_mb:.0f} MB of batches held per process)",
+      {"performance.prefetch": prefetch},
+      prefetch=prefetch,
+    )
     # Cache: decode once, then crop and flip the cached pixels in every later epoch.
     fits = d.cache_estimate_mb <= 0.5 * psutil.virtual_memory().available / 2**20
     if not state.cached and fits:
       side = round(s.image_size / s.aug.crop_fraction)
       budget = float(math.ceil(d.cache_estimate_mb * 1.2))
-      propose("cache_mb", s.perf.cache_mb, budget,
-              f"decoded images (shorter side {side}) take ~{d.cache_estimate_mb:.0f} MB and "
-              f"fit in RAM: after the first epoch the decode ({costs['decode'].cpu_ms:.2f} ms "
-              f"CPU) becomes a crop of cached pixels ({costs['augment_cached'].cpu_ms:.2f} "
-              "ms)", {"performance.cache_mb": budget}, cached=True)
+      propose(
+        "cache_mb",
+        s.perf.cache_mb,
+        budget,
+        f"decoded images (shorter side {side}) take ~{d.cache_estimate_mb:.0f} MB and "
+        f"fit in RAM: after the first epoch the decode ({costs['decode'].cpu_ms:.2f} ms "
+        f"CPU) becomes a crop of cached pixels ({costs['augment_cached'].cpu_ms:.2f} "
+        "ms)",
+        {"performance.cache_mb": budget},
+        cached=True,
+      )
     elif not state.cached:
-      d.notes.append(f"caching decoded images would need ~{d.cache_estimate_mb:.0f} MB, more "
-                     "than half the free RAM: no cache recommended")
+      d.notes.append(
+        f"caching decoded images would need ~{d.cache_estimate_mb:.0f} MB, more "
+        "than half the free RAM: no cache recommended"
+      )
     if need:
-      d.notes.append(f"the input ({d.run.images_per_sec:.0f} img/s alone) is slower than a "
-                     f"{d.step_ms:g} ms step needs ({need:.0f} img/s)")
+      d.notes.append(
+        f"the input ({d.run.images_per_sec:.0f} img/s alone) is slower than a "
+        f"{d.step_ms:g} ms step needs ({need:.0f} img/s)"
+      )
   _notes(d)
 
 
@@ -592,9 +697,14 @@ def _recommend_processes(d: Diagnosis, state: _State, propose) -> None:
   the decode threads' work mostly waits (slow storage), threads beyond the cores."""
   s, C, costs = d.settings, d.cores, d.costs
   hc = host_costs(costs, state, s)
-  best = parallelism.plan(C, batch_size=s.batch_size, image_bytes=s.image_size**2 * 3,
-                          prefetch=state.prefetch, costs=hc,
-                          memory_bytes=None if d.here else C * 2**30)
+  best = parallelism.plan(
+    C,
+    batch_size=s.batch_size,
+    image_bytes=s.image_size**2 * 3,
+    prefetch=state.prefetch,
+    costs=hc,
+    memory_bytes=None if d.here else C * 2**30,
+  )
   workers, threads = best.workers, best.threads
   if hc.wait_us > 0.5 * hc.cpu_us:  # the work waits: more threads overlap the waiting
 
@@ -605,33 +715,52 @@ def _recommend_processes(d: Diagnosis, state: _State, propose) -> None:
     threads = _smallest(range(1, 8 * C + 1), rate)
   if (workers, threads) == (state.workers, state.threads):
     return
-  why = (f"per image {hc.cpu_us:.0f} us of CPU, {hc.gil_us:.0f} us of it holding the GIL"
-         + (f", {hc.wait_us:.0f} us waiting off-CPU: threads beyond the {C} cores overlap "
-            "the waiting" if threads > C else "")
-         + (f"; worker processes each hold their own GIL (~{hc.worker_mb:.0f} MB each)"
-            if workers else "; one process: no pickling, instant start"))
-  propose("num_workers x num_threads", f"{state.workers} x {state.threads}",
-          f"{workers} x {threads}", why,
-          {"performance.num_workers": workers, "performance.num_threads": threads},
-          workers=workers, threads=threads)
+  why = (
+    f"per image {hc.cpu_us:.0f} us of CPU, {hc.gil_us:.0f} us of it holding the GIL"
+    + (
+      f", {hc.wait_us:.0f} us waiting off-CPU: threads beyond the {C} cores overlap the waiting"
+      if threads > C
+      else ""
+    )
+    + (
+      f"; worker processes each hold their own GIL (~{hc.worker_mb:.0f} MB each)"
+      if workers
+      else "; one process: no pickling, instant start"
+    )
+  )
+  propose(
+    "num_workers x num_threads",
+    f"{state.workers} x {state.threads}",
+    f"{workers} x {threads}",
+    why,
+    {"performance.num_workers": workers, "performance.num_threads": threads},
+    workers=workers,
+    threads=threads,
+  )
 
 
 def _notes(d: Diagnosis) -> None:
   s = d.settings
-  d.notes.append(f"DCT scaling {'applies' if s.perf.dct_scaling else 'would apply'} to "
-                 f"{d.measured.dct_share:.0%} of the crops at image_size {s.image_size} "
-                 "(those at least twice the output size)")
+  d.notes.append(
+    f"DCT scaling {'applies' if s.perf.dct_scaling else 'would apply'} to "
+    f"{d.measured.dct_share:.0%} of the crops at image_size {s.image_size} "
+    "(those at least twice the output size)"
+  )
   if d.input_stage == "read":
-    d.notes.append("reading is slow: each batch is one batched read per shard it touches, "
-                   "on its prefetch thread; more batches in flight overlap the reads, and "
-                   "a local disk or the page cache reads faster than network storage")
+    d.notes.append(
+      "reading is slow: each batch is one batched read per shard it touches, "
+      "on its prefetch thread; more batches in flight overlap the reads, and "
+      "a local disk or the page cache reads faster than network storage"
+    )
   auto = s.plan(d.cores, None if d.here else d.cores * 2**30)
   if s.perf.num_workers is None or s.perf.num_threads is None:
     d.notes.append(f"on {d.cores} cores make_dataset chooses {auto.describe()}")
   if d.measured.load_average > d.measured.cores:
-    d.notes.append(f"load average {d.measured.load_average:.1f} on {d.measured.cores} cores: "
-                   "other work shares the CPUs, so rates are noisy; run again on a quiet "
-                   "machine")
+    d.notes.append(
+      f"load average {d.measured.load_average:.1f} on {d.measured.cores} cores: "
+      "other work shares the CPUs, so rates are noisy; run again on a quiet "
+      "machine"
+    )
 
 
 # ---------------------------------------------------------------- report and --apply
@@ -641,48 +770,67 @@ def report(d: Diagnosis) -> str:
   s, r, m = d.settings, d.run, d.measured
   plan = parallelism.Plan(d.plan["workers"], d.plan["threads"])
   lines = [
-      (f"pipeline doctor: {s.data_dir} ({s.split}, {m.num_records} records, {m.num_shards} "
-       f"shards), batch {s.batch_size}, image {s.image_size}, performance "
-       f"{dataclasses.asdict(s.perf)}"),
-      f"machine: {measure.machine()}, load average {m.load_average}",
-      "",
-      "stages alone, one thread, per image:   wall ms    cpu ms  queued ms",
+    (
+      f"pipeline doctor: {s.data_dir} ({s.split}, {m.num_records} records, {m.num_shards} "
+      f"shards), batch {s.batch_size}, image {s.image_size}, performance "
+      f"{dataclasses.asdict(s.perf)}"
+    ),
+    f"machine: {measure.machine()}, load average {m.load_average}",
+    "",
+    "stages alone, one thread, per image:   wall ms    cpu ms  queued ms",
   ]
-  notes = {"other": "  (the run's CPU beyond its stages: crop box, RNG, Python, Grain)",
-           "python": (f"  (GIL held, per image: decode and resize emulated, "
-                      f"{CEILING_THREADS} threads)"),
-           "cache_fill": "  (once per image with cache_mb)",
-           "augment_cached": "  (every image after the first epoch with cache_mb)"}
+  notes = {
+    "other": "  (the run's CPU beyond its stages: crop box, RNG, Python, Grain)",
+    "python": (f"  (GIL held, per image: decode and resize emulated, {CEILING_THREADS} threads)"),
+    "cache_fill": "  (once per image with cache_mb)",
+    "augment_cached": "  (every image after the first epoch with cache_mb)",
+  }
   for name, c in d.costs.items():
-    lines.append(f"  {name:16s}                    {c.wall_ms:8.3f}  {c.cpu_ms:8.3f}  "
-                 f"{c.queued_ms:8.3f}{notes.get(name, '')}")
-  host = (f"this host ({d.cores} cores)" if d.here else
-          f"a host of {d.cores} cores (this one has {m.cores}: projected, not measured)")
+    lines.append(
+      f"  {name:16s}                    {c.wall_ms:8.3f}  {c.cpu_ms:8.3f}  "
+      f"{c.queued_ms:8.3f}{notes.get(name, '')}"
+    )
+  host = (
+    f"this host ({d.cores} cores)"
+    if d.here
+    else f"a host of {d.cores} cores (this one has {m.cores}: projected, not measured)"
+  )
   lines += [
-      "",
-      f"on {host}, {plan.describe()}, what each resource allows: "
-      + ", ".join(f"{k} {v:.0f} img/s" for k, v in d.limits.items()),
-      (f"whole pipeline here: {r.images_per_sec:.0f} img/s measured"
-       + (f" vs {d.predicted:.0f} predicted ({r.images_per_sec / d.predicted:.0%})"
-          if d.here else "")
-       + f"; first batch {r.first_batch_s:.2f} s; {r.cpu_ms_per_image:.2f} ms CPU per image "
-       f"({r.images} images in {r.seconds:.1f} s)"),
+    "",
+    f"on {host}, {plan.describe()}, what each resource allows: "
+    + ", ".join(f"{k} {v:.0f} img/s" for k, v in d.limits.items()),
+    (
+      f"whole pipeline here: {r.images_per_sec:.0f} img/s measured"
+      + (
+        f" vs {d.predicted:.0f} predicted ({r.images_per_sec / d.predicted:.0%})" if d.here else ""
+      )
+      + f"; first batch {r.first_batch_s:.2f} s; {r.cpu_ms_per_image:.2f} ms CPU per image "
+      f"({r.images} images in {r.seconds:.1f} s)"
+    ),
   ]
   if m.consumer_run:
     w = m.consumer_run.wait_share
     level = "highly" if w >= 0.2 else "moderately" if w >= 0.05 else "not"
-    lines.append(f"with a {d.step_ms:g} ms train step: {m.consumer_run.images_per_sec:.0f} "
-                 f"img/s, waiting for input {w:.0%} of the time: {level} input-bound")
+    lines.append(
+      f"with a {d.step_ms:g} ms train step: {m.consumer_run.images_per_sec:.0f} "
+      f"img/s, waiting for input {w:.0%} of the time: {level} input-bound"
+    )
   if d.bottleneck == "train step":
-    lines.append(f"\nbottleneck: the train step; the input's own limit is {d.input_stage} "
-                 f"({d.limit})")
+    lines.append(
+      f"\nbottleneck: the train step; the input's own limit is {d.input_stage} ({d.limit})"
+    )
   else:
     lines.append(f"\nbottleneck: {d.bottleneck} ({d.limit})")
-  lines.append("recommendations (expected rates include the changes above them):"
-               if d.recommendations else "recommendations: none")
+  lines.append(
+    "recommendations (expected rates include the changes above them):"
+    if d.recommendations
+    else "recommendations: none"
+  )
   for k, rec in enumerate(d.recommendations, 1):
-    lines.append(f"  {k}. {rec.field} {rec.current} -> {rec.proposed}: x{rec.gain:.2f}, "
-                 f"expected {rec.expected_images_per_sec:.0f} img/s; {rec.why}")
+    lines.append(
+      f"  {k}. {rec.field} {rec.current} -> {rec.proposed}: x{rec.gain:.2f}, "
+      f"expected {rec.expected_images_per_sec:.0f} img/s; {rec.why}"
+    )
   lines += [f"  - {n}" for n in d.notes]
   return "\n".join(lines)
 
@@ -724,8 +872,9 @@ def settings_from_config(config, path: str = "the config") -> Settings:
   """Settings from a config's `input` block (make_dataset's keywords), its global
   batch_size (one process) and seed (unless the input names its own)."""
   if "input" not in config:
-    raise UsageError(f"{path} has no `input` block (pipeline.make_dataset's keywords, as in "
-                     "configs/default.py)")
+    raise UsageError(
+      f"{path} has no `input` block (pipeline.make_dataset's keywords, as in configs/default.py)"
+    )
   kwargs = _plain(config.input)
   fields = {f.name for f in dataclasses.fields(Settings)} - {"batch_size", "other"}
   known = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
@@ -756,21 +905,27 @@ def write_config(path: str, d: Diagnosis, base_module: str, base, command: str) 
       why[f"input.{key}"] = f"was {rec.current}: x{rec.gain:.2f} expected"
   best = max([d.run.images_per_sec] + [r.expected_images_per_sec for r in d.recommendations])
   module, _, name = base_module.rpartition(".")
-  body = "\n".join(f"  c.{k} = {v!r}" + (f"  # {why[k]}" if k in why else "")
-                   for k, v in lines.items()) or "  pass  # nothing to change"
+  body = (
+    "\n".join(f"  c.{k} = {v!r}" + (f"  # {why[k]}" if k in why else "") for k, v in lines.items())
+    or "  pass  # nothing to change"
+  )
   host = f"{d.cores} cores" + ("" if d.here else " (projected)")
   pathlib.Path(path).write_text(
-      f'"""{base_module}, tuned by the pipeline doctor for {host} on {measure.machine()}.\n\n'
-      f"    {command}\n\n"
-      f"Measured {d.run.images_per_sec:.0f} img/s (bottleneck: {d.bottleneck}); expected "
-      f"{best:.0f} img/s with these settings.\n"
-      f'"""\n\nfrom {module} import {name} as base\n\n\n'
-      f"def get_config():\n  c = base.get_config()\n{body}\n  return c\n")
+    f'"""{base_module}, tuned by the pipeline doctor for {host} on {measure.machine()}.\n\n'
+    f"    {command}\n\n"
+    f"Measured {d.run.images_per_sec:.0f} img/s (bottleneck: {d.bottleneck}); expected "
+    f"{best:.0f} img/s with these settings.\n"
+    f'"""\n\nfrom {module} import {name} as base\n\n\n'
+    f"def get_config():\n  c = base.get_config()\n{body}\n  return c\n"
+  )
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m pipeline.doctor", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m pipeline.doctor",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("data_dir", nargs="?", help="converted dataset (default: the config's)")
   p.add_argument("--config", help="an ml_collections config file; its `input` block is used")
   p.add_argument("--split", help="split to read (default: train)")
@@ -785,8 +940,9 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--seconds", type=float, default=5.0, help="length of the whole-pipeline run")
   p.add_argument("--sample", type=int, default=128, help="images timed per stage")
   p.add_argument("--step-ms", type=float, help="your train step: measure the input wait")
-  p.add_argument("--timeline", default="doctor_timeline.png",
-                 help="timeline picture of the run ('' to skip)")
+  p.add_argument(
+    "--timeline", default="doctor_timeline.png", help="timeline picture of the run ('' to skip)"
+  )
   p.add_argument("--apply", metavar="OUT.py", help="write the tuned settings to this config")
   p.add_argument("--json", help="write the diagnosis to this file")
   p.add_argument("--verbose", action="store_true", help="tracebacks for errors")
@@ -805,16 +961,21 @@ def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | N
   else:
     raise UsageError("give DATA_DIR or --config")
   if args.apply and not base_module:
-    raise UsageError(f"--apply needs a --config inside a package (like configs/); "
-                     f"{args.config or 'none'} is not")
+    raise UsageError(
+      f"--apply needs a --config inside a package (like configs/); {args.config or 'none'} is not"
+    )
   for field in ("data_dir", "split", "batch_size", "image_size"):
     if getattr(args, field) is not None:
       setattr(s, field, getattr(args, field))
   for field in ("num_threads", "num_workers", "prefetch", "cache_mb", "dct_scaling"):
     if getattr(args, field) is not None:
       s.performance = {**s.performance, field: getattr(args, field)}
-  for name, value in (("--batch-size", s.batch_size), ("--image-size", s.image_size),
-                      ("--cores", args.cores), ("--sample", args.sample)):
+  for name, value in (
+    ("--batch-size", s.batch_size),
+    ("--image-size", s.image_size),
+    ("--cores", args.cores),
+    ("--sample", args.sample),
+  ):
     if value is not None and value < 1:
       raise UsageError(f"{name} must be positive, got {value}")
   if args.seconds <= 0 or (args.step_ms is not None and args.step_ms <= 0):
@@ -850,16 +1011,20 @@ def _main(args, argv: list[str]) -> Diagnosis:
     start = min(e.start for e in events)
     shown = m.consumer_run or m.run  # the recorded run: start-up, then 1.5 s of it
     window = [e for e in events if e.start < start + shown.first_batch_s + 1.5]
-    timeline.draw(window, args.timeline, None,
-                  f"{s.data_dir}: {m.run.images_per_sec:.0f} img/s, bottleneck {d.bottleneck}")
+    timeline.draw(
+      window,
+      args.timeline,
+      f"{s.data_dir}: {m.run.images_per_sec:.0f} img/s, bottleneck {d.bottleneck}",
+    )
     print(f"timeline: {args.timeline}")
   command = "python -m pipeline.doctor " + " ".join(argv)
   if args.apply:
     write_config(args.apply, d, base_module, base, command)
     print(f"wrote {args.apply}")
   if args.json:
-    measure.write_json(args.json, {**dataclasses.asdict(d), "machine": measure.machine(),
-                                   "command": command})
+    measure.write_json(
+      args.json, {**dataclasses.asdict(d), "machine": measure.machine(), "command": command}
+    )
   return d
 
 

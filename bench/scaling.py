@@ -58,7 +58,7 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def method() -> str:
   """The method, as the module docstring numbers it (for the report)."""
-  return __doc__[__doc__.index("1. cpu"):].strip()
+  return __doc__[__doc__.index("1. cpu") :].strip()
 
 
 def _cpu(proc) -> float:
@@ -82,9 +82,15 @@ def _workers(proc) -> list:
 def run_one(spec: dict, threads: int, workers: int) -> dict:
   """Times one `make_dataset` configuration in this process (see the module docstring)."""
   me = psutil.Process()
-  ds = pipeline.make_dataset(spec["data_dir"], spec["split"], batch_size=spec["batch_size"],
-                             image_size=spec["image_size"], shard_index=0, shard_count=1,
-                             performance=dict(num_threads=threads, num_workers=workers))
+  ds = pipeline.make_dataset(
+    spec["data_dir"],
+    spec["split"],
+    batch_size=spec["batch_size"],
+    image_size=spec["image_size"],
+    shard_index=0,
+    shard_count=1,
+    performance=dict(num_threads=threads, num_workers=workers),
+  )
   start = time.perf_counter()
   it = iter(ds)
   next(it)
@@ -110,17 +116,22 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   it.close()
   user = max(main1.ru_utime - main0.ru_utime - touch[0], 0.0)
   system = max(main1.ru_stime - main0.ru_stime - touch[1], 0.0)
-  return {"threads": threads, "workers": workers, "img_s": round(images / (end - first), 1),
-          "first_batch_s": round(first_batch, 3),
-          "cpu_us": round((user + system + touch.sum()) / images * 1e6, 2),
-          "user_us": round(user / images * 1e6, 2),
-          "system_us": round((system + touch.sum()) / images * 1e6, 2),
-          "workers_cpu_us": round((kids1 - kids0) / images * 1e6, 2),
-          "rss_mb_per_worker": round(float(np.mean(rss)), 1) if rss else 0.0}
+  return {
+    "threads": threads,
+    "workers": workers,
+    "img_s": round(images / (end - first), 1),
+    "first_batch_s": round(first_batch, 3),
+    "cpu_us": round((user + system + touch.sum()) / images * 1e6, 2),
+    "user_us": round(user / images * 1e6, 2),
+    "system_us": round((system + touch.sum()) / images * 1e6, 2),
+    "workers_cpu_us": round((kids1 - kids0) / images * 1e6, 2),
+    "rss_mb_per_worker": round(float(np.mean(rss)), 1) if rss else 0.0,
+  }
 
 
-def measure_in_child(spec: dict, runs: list[tuple[int, int]],
-                     emulate_us: tuple[float, float] | None) -> list[dict]:
+def measure_in_child(
+  spec: dict, runs: list[tuple[int, int]], emulate_us: tuple[float, float] | None
+) -> list[dict]:
   """`run_one` for each (threads, workers) in a fresh process; `emulate_us` (decode and
   resize waits; None: real work) is set in its environment, which Grain's workers inherit."""
   env = {k: v for k, v in os.environ.items() if k != EMULATE}
@@ -128,8 +139,14 @@ def measure_in_child(spec: dict, runs: list[tuple[int, int]],
     env[EMULATE] = ",".join(f"{max(us, 0.001):.3f}" for us in emulate_us)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   child = json.dumps({**spec, "runs": runs})
-  proc = subprocess.run([sys.executable, "-m", "bench.scaling", "--child", child],
-                        capture_output=True, text=True, check=False, env=env, cwd=ROOT)
+  proc = subprocess.run(
+    [sys.executable, "-m", "bench.scaling", "--child", child],
+    capture_output=True,
+    text=True,
+    check=False,
+    env=env,
+    cwd=ROOT,
+  )
   if proc.returncode:
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     raise RuntimeError(f"a measuring process failed (exit {proc.returncode}): {tail[0]}")
@@ -166,8 +183,9 @@ def resize_share(spec: dict, sample: int = 64) -> float:
   the library's functions (the loader's native path does the same work)."""
   meta = manifest_lib.load(spec["data_dir"])
   split = meta.splits[spec["split"]]
-  source = ShardedSource(meta.shard_paths(spec["data_dir"], spec["split"]),
-                         [s.num_records for s in split.shards])
+  source = ShardedSource(
+    meta.shard_paths(spec["data_dir"], spec["split"]), [s.num_records for s in split.shards]
+  )
   head = augment.Head(image_size=spec["image_size"])
   out = np.empty((head.image_size, head.image_size, 3), np.uint8)
   decoding = resizing = 0.0
@@ -187,46 +205,63 @@ def resize_share(spec: dict, sample: int = 64) -> float:
 def measure_costs(spec: dict, threads: list[int], workers: int, worker_threads: int) -> dict:
   """Steps 1-4 of the module docstring: the figures and the model's costs."""
   real, alone, with_workers = measure_in_child(
-      spec, [(1, 0), (worker_threads, 0), (worker_threads, workers)], None)
+    spec, [(1, 0), (worker_threads, 0), (worker_threads, workers)], None
+  )
   rest = measure_in_child(spec, [(1, 0)], (0.0, 0.0))[0]
   cpu, rest_cpu = real["cpu_us"], rest["cpu_us"]
   free = max(cpu - rest_cpu, 0.0)
   honoured = rest_cpu < 0.8 * cpu  # decode and resize are most of an image's CPU
   if not honoured:
-    print(f"warning: the loader ignores {EMULATE} (CPU per image {rest_cpu:.0f} us with it, "
-          f"{cpu:.0f} us without): the curve below is the real decode's, bound by this "
-          "machine's cores, not the GIL", file=sys.stderr)
+    print(
+      f"warning: the loader ignores {EMULATE} (CPU per image {rest_cpu:.0f} us with it, "
+      f"{cpu:.0f} us without): the curve below is the real decode's, bound by this "
+      "machine's cores, not the GIL",
+      file=sys.stderr,
+    )
   share = resize_share(spec)
   waits = (free * (1 - share), free * share)
   measured = measure_in_child(spec, [(t, 0) for t in threads], waits)
   gil, handoff = fit_gil(measured, min(r["cpu_us"] for r in measured))
   best = max(measured, key=lambda r: r["img_s"])
   costs = parallelism.Costs(
-      cpu_us=cpu, gil_us=gil, handoff=handoff,
-      send_us=max(with_workers["workers_cpu_us"] - alone["cpu_us"], 0.0),
-      receive_us=with_workers["user_us"], receive_free_us=with_workers["system_us"],
-      worker_mb=with_workers["rss_mb_per_worker"])
+    cpu_us=cpu,
+    gil_us=gil,
+    handoff=handoff,
+    send_us=max(with_workers["workers_cpu_us"] - alone["cpu_us"], 0.0),
+    receive_us=with_workers["user_us"],
+    receive_free_us=with_workers["system_us"],
+    worker_mb=with_workers["rss_mb_per_worker"],
+  )
   return {
-      "process_ceiling_img_s": best["img_s"], "process_ceiling_threads": best["threads"],
-      "gil_held_us_per_image": round(gil, 1), "handoff_per_thread": round(handoff, 4),
-      "cpu_us_per_image": round(cpu, 1), "decode_us_per_image": round(free, 1),
-      "resize_share": round(share, 3), "rest_cpu_us_per_image": round(rest_cpu, 1),
-      "emulation_honoured": honoured,
-      "one_thread_img_s": real["img_s"], "first_batch_s": real["first_batch_s"],
-      "threads": measured,
-      "workers": {"workers": workers, "threads": worker_threads,
-                  "first_batch_s": with_workers["first_batch_s"],
-                  "first_batch_s_without": alone["first_batch_s"],
-                  "send_us_per_image": round(costs.send_us, 1),
-                  "receive_us_per_image": round(costs.receive_us, 1),
-                  "receive_free_us_per_image": round(costs.receive_free_us, 1),
-                  "rss_mb_per_worker": costs.worker_mb},
-      "costs": dataclasses.asdict(costs),
+    "process_ceiling_img_s": best["img_s"],
+    "process_ceiling_threads": best["threads"],
+    "gil_held_us_per_image": round(gil, 1),
+    "handoff_per_thread": round(handoff, 4),
+    "cpu_us_per_image": round(cpu, 1),
+    "decode_us_per_image": round(free, 1),
+    "resize_share": round(share, 3),
+    "rest_cpu_us_per_image": round(rest_cpu, 1),
+    "emulation_honoured": honoured,
+    "one_thread_img_s": real["img_s"],
+    "first_batch_s": real["first_batch_s"],
+    "threads": measured,
+    "workers": {
+      "workers": workers,
+      "threads": worker_threads,
+      "first_batch_s": with_workers["first_batch_s"],
+      "first_batch_s_without": alone["first_batch_s"],
+      "send_us_per_image": round(costs.send_us, 1),
+      "receive_us_per_image": round(costs.receive_us, 1),
+      "receive_free_us_per_image": round(costs.receive_free_us, 1),
+      "rss_mb_per_worker": costs.worker_mb,
+    },
+    "costs": dataclasses.asdict(costs),
   }
 
 
-def hosts(costs: parallelism.Costs, cores: list[int], batch: int, host_batches: list[int],
-          image_size: int) -> list[dict]:
+def hosts(
+  costs: parallelism.Costs, cores: list[int], batch: int, host_batches: list[int], image_size: int
+) -> list[dict]:
   """The auto plan and its projected img/s for each core count and per-process batch size;
   beside it, one process at its best thread count (the most a single process can do). The
   main process's Python per received batch (`receive_us`, measured at `batch`) spreads
@@ -235,46 +270,57 @@ def hosts(costs: parallelism.Costs, cores: list[int], batch: int, host_batches: 
   for host_batch in host_batches:
     host = parallelism.at_batch(costs, host_batch, batch)
     for c in cores:
-      chosen = parallelism.plan(c, batch_size=host_batch, image_bytes=image_size**2 * 3,
-                                costs=costs, memory_bytes=c * 2**30)
+      chosen = parallelism.plan(
+        c, batch_size=host_batch, image_bytes=image_size**2 * 3, costs=costs, memory_bytes=c * 2**30
+      )
       one = max(parallelism.project(c, host, parallelism.Plan(0, t)) for t in range(1, c + 1))
-      out.append({"cores": c, "batch": host_batch, "workers": chosen.workers,
-                  "threads": chosen.threads,
-                  "projected_img_s": round(parallelism.project(c, host, chosen)),
-                  "bound_by": parallelism.bound(c, host, chosen),
-                  "one_process_img_s": round(one)})
+      out.append(
+        {
+          "cores": c,
+          "batch": host_batch,
+          "workers": chosen.workers,
+          "threads": chosen.threads,
+          "projected_img_s": round(parallelism.project(c, host, chosen)),
+          "bound_by": parallelism.bound(c, host, chosen),
+          "one_process_img_s": round(one),
+        }
+      )
   return out
 
 
 def table(result: dict) -> str:
   w = result["workers"]
   lines = [
-      f"Per image: {result['cpu_us_per_image']:.0f} us of CPU, of which decode and resize "
-      f"{result['decode_us_per_image']:.0f} us (GIL released; resize "
-      f"{result['resize_share']:.0%} of it) and the rest "
-      f"{result['rest_cpu_us_per_image']:.0f} us; the model's GIL-held time "
-      f"{result['gil_held_us_per_image']:.0f} us, +{result['handoff_per_thread']:.1%} per "
-      "extra thread.",
-      "",
-      "| decode threads (emulated decode) | img/s | CPU us per image |", "|---:|---:|---:|"]
-  lines += [f"| {r['threads']} | {r['img_s']:.0f} | {r['cpu_us']:.0f} |"
-            for r in result["threads"]]
+    f"Per image: {result['cpu_us_per_image']:.0f} us of CPU, of which decode and resize "
+    f"{result['decode_us_per_image']:.0f} us (GIL released; resize "
+    f"{result['resize_share']:.0%} of it) and the rest "
+    f"{result['rest_cpu_us_per_image']:.0f} us; the model's GIL-held time "
+    f"{result['gil_held_us_per_image']:.0f} us, +{result['handoff_per_thread']:.1%} per "
+    "extra thread.",
+    "",
+    "| decode threads (emulated decode) | img/s | CPU us per image |",
+    "|---:|---:|---:|",
+  ]
+  lines += [f"| {r['threads']} | {r['img_s']:.0f} | {r['cpu_us']:.0f} |" for r in result["threads"]]
   lines += [
-      "",
-      f"One process's ceiling: **{result['process_ceiling_img_s']:.0f} img/s** at "
-      f"{result['process_ceiling_threads']} threads. With {w['workers']} worker processes "
-      f"x {w['threads']} threads: first batch {w['first_batch_s']:.2f} s (no workers: "
-      f"{w['first_batch_s_without']:.2f} s), {w['rss_mb_per_worker']:.0f} MB RSS per worker; "
-      f"per image, {w['send_us_per_image']:.0f} us more CPU in the worker (writing fresh "
-      f"shared memory) and, in the main process, {w['receive_us_per_image']:.0f} us of "
-      f"Python + {w['receive_free_us_per_image']:.0f} us in the kernel (mapping pages).",
-      "",
-      "| host cores | batch per process | workers x threads | projected img/s | bound by | "
-      "one process at best |",
-      "|---:|---:|---|---:|---|---:|"]
-  lines += [f"| {h['cores']} | {h['batch']} | {h['workers']} x {h['threads']} | "
-            f"{h['projected_img_s']:,} | {h['bound_by']} | {h['one_process_img_s']:,} |"
-            for h in result["hosts"]]
+    "",
+    f"One process's ceiling: **{result['process_ceiling_img_s']:.0f} img/s** at "
+    f"{result['process_ceiling_threads']} threads. With {w['workers']} worker processes "
+    f"x {w['threads']} threads: first batch {w['first_batch_s']:.2f} s (no workers: "
+    f"{w['first_batch_s_without']:.2f} s), {w['rss_mb_per_worker']:.0f} MB RSS per worker; "
+    f"per image, {w['send_us_per_image']:.0f} us more CPU in the worker (writing fresh "
+    f"shared memory) and, in the main process, {w['receive_us_per_image']:.0f} us of "
+    f"Python + {w['receive_free_us_per_image']:.0f} us in the kernel (mapping pages).",
+    "",
+    "| host cores | batch per process | workers x threads | projected img/s | bound by | "
+    "one process at best |",
+    "|---:|---:|---|---:|---|---:|",
+  ]
+  lines += [
+    f"| {h['cores']} | {h['batch']} | {h['workers']} x {h['threads']} | "
+    f"{h['projected_img_s']:,} | {h['bound_by']} | {h['one_process_img_s']:,} |"
+    for h in result["hosts"]
+  ]
   return "\n".join(lines)
 
 
@@ -291,8 +337,11 @@ def _ints(text: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m pipeline.bench scaling", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m pipeline.bench scaling",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("data_dir", nargs="?", help="a converted dataset (manifest.json + shards)")
   p.add_argument("--split", default="train")
   p.add_argument("--batch-size", type=int, default=128)
@@ -301,11 +350,17 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--threads", default="1,2,4,8,16,32", help="thread counts of the ceiling")
   p.add_argument("--workers", type=int, default=2, help="worker processes of step 4")
   p.add_argument("--worker-threads", type=int, default=2, help="their decode threads")
-  p.add_argument("--cores", default="2,8,24,96,112,224",
-                 help="host core counts to project (TPU v5e VMs: 24, 112, 224)")
-  p.add_argument("--host-batch", default="",
-                 help="per-process batch sizes to project, e.g. 128,1024 (default: "
-                      "--batch-size); the main process's Python per batch spreads over it")
+  p.add_argument(
+    "--cores",
+    default="2,8,24,96,112,224",
+    help="host core counts to project (TPU v5e VMs: 24, 112, 224)",
+  )
+  p.add_argument(
+    "--host-batch",
+    default="",
+    help="per-process batch sizes to project, e.g. 128,1024 (default: "
+    "--batch-size); the main process's Python per batch spreads over it",
+  )
   p.add_argument("--json", help="write the figures to this file")
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p
@@ -324,8 +379,9 @@ def main(argv: list[str]) -> dict:
     threads, cores = _ints(args.threads), _ints(args.cores)
     host_batches = _ints(args.host_batch) if args.host_batch else [args.batch_size]
   except ValueError:
-    p.error("--threads, --cores and --host-batch take comma-separated positive integers, "
-            "e.g. 96,224")
+    p.error(
+      "--threads, --cores and --host-batch take comma-separated positive integers, e.g. 96,224"
+    )
   if args.workers < 1 or args.worker_threads < 1 or args.batch_size < 1 or args.seconds <= 0:
     p.error("--workers, --worker-threads, --batch-size and --seconds must be positive")
   try:
@@ -334,16 +390,23 @@ def main(argv: list[str]) -> dict:
     _fail(str(e))
   if args.split not in meta.splits:
     _fail(f"{args.data_dir} has no split {args.split!r} (has: {sorted(meta.splits)})")
-  spec = {"data_dir": args.data_dir, "split": args.split, "batch_size": args.batch_size,
-          "image_size": args.image_size, "seconds": args.seconds, "min_batches": 3}
+  spec = {
+    "data_dir": args.data_dir,
+    "split": args.split,
+    "batch_size": args.batch_size,
+    "image_size": args.image_size,
+    "seconds": args.seconds,
+    "min_batches": 3,
+  }
   try:
     result = measure_costs(spec, threads, args.workers, args.worker_threads)
   except RuntimeError as e:
     _fail(str(e), code=1)
   costs = parallelism.Costs(**result["costs"])
   result["hosts"] = hosts(costs, cores, args.batch_size, host_batches, args.image_size)
-  result.update(machine=measure.machine(),
-                command="python -m pipeline.bench scaling " + " ".join(argv))
+  result.update(
+    machine=measure.machine(), command="python -m pipeline.bench scaling " + " ".join(argv)
+  )
   print(table(result))
   if args.json:
     measure.write_json(args.json, result)

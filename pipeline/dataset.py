@@ -48,8 +48,8 @@ def make_dataset(
     shard_index: int | None = None,
     shard_count: int | None = None,
     augment: Augment | Mapping | None = None,
-    ops: Sequence = (),
-    batch_ops: Sequence = (),
+    ops: str | Sequence = (),
+    batch_ops: str | Sequence = (),
     features: Mapping | None = None,
     keys: records.Keys | None = None,
     normalize: bool = False,
@@ -73,7 +73,8 @@ def make_dataset(
     shard_index, shard_count: this process's slice; default jax.process_index()/count().
     augment: the crop, flip and resize filter (`pipeline.Augment` or a dict of its fields).
     ops: your per-image ops, run after the built-in head on each image with a per-example
-      RNG (`pipeline.ops`); batch_ops: ops on each whole batch (e.g. mixup).
+      RNG: callables or registered names ("color_jitter(0.4)"; see `pipeline.ops`);
+      batch_ops: the same for whole batches (e.g. "mixup(0.2)").
     features: extra Example features to pass through, {name: key or pipeline.Feature}.
     keys: feature keys of the records (default: the manifest's).
     normalize: host-side float32 in [-1, 1] (default: uint8; normalize on device instead).
@@ -108,12 +109,19 @@ def make_dataset(
       aspect_range=aug.aspect_range, flip=aug.flip, crop_fraction=aug.eval_fraction(image_size),
       bicubic=aug.interpolation == "bicubic", dct_scaling=perf.dct_scaling,
       fast_dct=perf.fast_dct)
+  source = ShardedSource(paths, counts)
   if features:
     from pipeline import features as features_lib
 
-    features = features_lib.parse_specs(features)
+    features = features_lib.parse_specs(features, sample=source.read([0])[0])
+  if ops or batch_ops:
+    from pipeline import ops as ops_lib
+
+    ops = ops_lib.build(ops, "image", image_size=image_size, num_classes=meta.num_classes)
+    batch_ops = ops_lib.build(batch_ops, "batch", image_size=image_size,
+                              num_classes=meta.num_classes)
   loader = BatchLoader(
-      ShardedSource(paths, counts), sampler, head, batch_size=batch_size,
+      source, sampler, head, batch_size=batch_size,
       num_classes=meta.num_classes, keys=keys or meta.keys, seed=seed,
       num_threads=perf.num_threads or default_threads(), on_error=on_error,
       cache_mb=perf.cache_mb, with_mask=not train, image_ops=ops, batch_ops=batch_ops,

@@ -230,6 +230,10 @@ class _Batch:
         self.op_images[slot] = ops.apply(loader.image_ops, self.images[slot], rng)
     except records.RecordError as e:
       self.fail(slot, BadRecordError(f"{self.where(slot)}: {e}"))
+    except Exception as e:  # a user's op failed: say on which record
+      from pipeline import ops
+
+      raise ops.OpError(f"{self.where(slot)}: {type(e).__name__}: {e}") from e
 
   def finish(self, batch_index: int) -> dict[str, np.ndarray]:
     loader = self.loader

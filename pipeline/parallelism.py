@@ -51,8 +51,15 @@ class Costs:
 #     image with 2 workers;
 #   worker_mb: a worker's RSS under `python -m train` with batch 8 at 64 px (280 MB; Grain
 #     imports jax); at batch 128 of 224 px, 343 / 350 MB.
-COSTS = Costs(cpu_us=1020.0, gil_us=92.0, handoff=0.011, send_us=137.0, receive_us=17.0,
-              receive_free_us=36.0, worker_mb=300.0)
+COSTS = Costs(
+  cpu_us=1020.0,
+  gil_us=92.0,
+  handoff=0.011,
+  send_us=137.0,
+  receive_us=17.0,
+  receive_free_us=36.0,
+  worker_mb=300.0,
+)
 COSTS_BATCH = 128  # the batch size COSTS were measured at
 WORKER_BATCHES = 4  # batches a worker holds beyond its prefetch (measured: 5.7 at prefetch 2)
 MEMORY_SHARE = 0.5  # of the available memory the workers may take
@@ -69,8 +76,11 @@ class Plan:
   why: str = ""
 
   def describe(self) -> str:
-    where = (f"{self.workers} worker processes x {self.threads} decode threads"
-             if self.workers else f"no worker processes, {self.threads} decode threads")
+    where = (
+      f"{self.workers} worker processes x {self.threads} decode threads"
+      if self.workers
+      else f"no worker processes, {self.threads} decode threads"
+    )
     return f"{where} ({self.why})" if self.why else where
 
 
@@ -102,9 +112,11 @@ def limits(cores: int, costs: Costs, plan: Plan) -> dict[str, float]:
   processes = max(w, 1)
   send = costs.send_us if w else 0.0
   cpu = costs.cpu_us + send + (costs.receive_us + costs.receive_free_us if w else 0.0)
-  out = {"threads": processes * t * 1e6 / (costs.cpu_us + costs.wait_us + send),
-         "gil": processes * 1e6 / (costs.gil_us * handoff_factor(t, costs.handoff)),
-         "cores": cores * 1e6 / cpu}
+  out = {
+    "threads": processes * t * 1e6 / (costs.cpu_us + costs.wait_us + send),
+    "gil": processes * 1e6 / (costs.gil_us * handoff_factor(t, costs.handoff)),
+    "cores": cores * 1e6 / cpu,
+  }
   if w:
     out["receive"] = 1e6 / max(costs.receive_us, 1e-3)
   return out
@@ -127,9 +139,17 @@ def at_batch(costs: Costs, batch_size: int, measured_at: int = COSTS_BATCH) -> C
   return dataclasses.replace(costs, receive_us=costs.receive_us * measured_at / batch_size)
 
 
-def plan(cores: int | None = None, *, num_workers: int | None = None,
-         num_threads: int | None = None, batch_size: int = COSTS_BATCH, image_bytes: int = 0,
-         prefetch: int = 2, costs: Costs = COSTS, memory_bytes: int | None = None) -> Plan:
+def plan(
+  cores: int | None = None,
+  *,
+  num_workers: int | None = None,
+  num_threads: int | None = None,
+  batch_size: int = COSTS_BATCH,
+  image_bytes: int = 0,
+  prefetch: int = 2,
+  costs: Costs = COSTS,
+  memory_bytes: int | None = None,
+) -> Plan:
   """Worker processes x decode threads for a host of `cores` cores (default: this one's),
   batches of `batch_size` images of `image_bytes` each.
 
@@ -156,13 +176,22 @@ def plan(cores: int | None = None, *, num_workers: int | None = None,
       candidates.append((project(cores, costs, Plan(w, t)), w, t))
   best = max(rate for rate, _, _ in candidates)
   rate, w, t = min((c for c in candidates if c[0] >= NEAR_BEST * best), key=lambda c: c[1:])
-  given = (" (num_workers set by you)" if num_workers is not None else
-           " (num_threads set by you)" if num_threads is not None else "")
-  memory_note = (f", memory for at most {memory_cap} workers"
-                 if num_workers is None and cores > SMALL_HOST and w == memory_cap < cores
-                 else "")
-  why = (f"auto for {cores} cores{given}: projected {rate:,.0f} img/s, bound by "
-         f"{bound(cores, costs, Plan(w, t))}{memory_note}")
+  given = (
+    " (num_workers set by you)"
+    if num_workers is not None
+    else " (num_threads set by you)"
+    if num_threads is not None
+    else ""
+  )
+  memory_note = (
+    f", memory for at most {memory_cap} workers"
+    if num_workers is None and cores > SMALL_HOST and w == memory_cap < cores
+    else ""
+  )
+  why = (
+    f"auto for {cores} cores{given}: projected {rate:,.0f} img/s, bound by "
+    f"{bound(cores, costs, Plan(w, t))}{memory_note}"
+  )
   return Plan(w, t, why)
 
 
@@ -173,5 +202,8 @@ def announce(chosen: Plan) -> None:
   """Prints the plan once per process (make_dataset calls this for every dataset)."""
   if chosen not in _announced:
     _announced.add(chosen)
-    print(f"pipeline: {chosen.describe()}; override with performance.num_workers / "
-          "num_threads", file=sys.stderr, flush=True)
+    print(
+      f"pipeline: {chosen.describe()}; override with performance.num_workers / num_threads",
+      file=sys.stderr,
+      flush=True,
+    )

@@ -398,3 +398,55 @@ def test_worker_processes_give_the_same_batches_for_the_same_worker_count(photos
     return out
 
   assert_same_batches(run(), run())
+
+
+def test_custom_ops_and_extra_features_are_deterministic_across_threads_workers_and_resume(
+    tmp_path, write_dataset):
+  from tensorflow_datasets.proto import tf_example_pb2
+
+  recs = []
+  for i in range(24):
+    example = tf_example_pb2.Example.FromString(records.encode(jpeg(i), i % 2))
+    example.features.feature["image/id"].int64_list.value.append(1000 + i)
+    recs.append(example.SerializeToString())
+  data = write_dataset(tmp_path / "extra", recs)
+
+  def make(workers, threads):
+    return pipeline.make_dataset(data, batch_size=4, image_size=32, shard_index=0, shard_count=1,
+                                 ops="color_jitter(0.4)", batch_ops="mixup(0.2)",
+                                 features={"id": "image/id"},
+                                 performance=dict(num_workers=workers, num_threads=threads))
+
+  in_order = list(pipeline.make_dataset(data, batch_size=5, train=False, image_size=32,
+                                        shard_index=0, shard_count=1, features={"id": "image/id"}))
+  ids = np.concatenate([b["id"][b["mask"]] for b in in_order])
+  labels = np.concatenate([b["label"][b["mask"]] for b in in_order])
+  np.testing.assert_array_equal(ids, 1000 + np.arange(24))  # each record's own value
+  np.testing.assert_array_equal(labels, np.arange(24) % 2)
+  threads = take(iter(make(0, 1)), 6)
+  for batch in threads:
+    assert set(batch["id"] - 1000) <= set(range(24))
+    assert batch["label"].shape == (4, 2) and np.allclose(batch["label"].sum(1), 1)  # mixup
+  assert_same_batches(threads, take(iter(make(0, 3)), 6))
+  it = iter(make(2, 1))
+  first = take(it, 2)
+  state = it.get_state()
+  it.close()
+  resumed = iter(make(2, 1))
+  resumed.set_state(state)
+  rest = take(resumed, 4)
+  resumed.close()
+  assert_same_batches(threads, first + rest)
+  plain = next(iter(pipeline.make_dataset(data, batch_size=4, image_size=32, shard_index=0,
+                                          shard_count=1)))
+  assert not np.array_equal(plain["image"], threads[0]["image"])  # the ops did something
+
+
+def test_a_failing_custom_op_names_the_record(photos_dir):
+  def broken(image, rng):
+    raise RuntimeError("boom")
+
+  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0,
+                             shard_count=1, ops=[broken])
+  with pytest.raises(ValueError, match=r"array_record-\d+-of-\d+ record \d+: RuntimeError: boom"):
+    next(iter(ds))

@@ -21,27 +21,45 @@ from bench.doctor import Cost, Measurements, Run, Settings
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-def stage_costs(read=(0.02, 0.02), parse=0.02, decode=(1.0, 1.0), augment=0.2,
-                decode_dct=None) -> dict[str, Cost]:
+def stage_costs(
+  read=(0.02, 0.02), parse=0.02, decode=(1.0, 1.0), augment=0.2, decode_dct=None
+) -> dict[str, Cost]:
   """Milliseconds per image, (wall, cpu) where a stage waits off-CPU."""
-  costs = {"read": Cost(*read), "parse": Cost(parse, parse), "decode": Cost(*decode),
-           "augment": Cost(augment, augment)}
+  costs = {
+    "read": Cost(*read),
+    "parse": Cost(parse, parse),
+    "decode": Cost(*decode),
+    "augment": Cost(augment, augment),
+  }
   if decode_dct is not None:
     costs["decode_dct"] = Cost(decode_dct, decode_dct)
   return {**costs, "cache_fill": Cost(3.0, 3.0), "augment_cached": Cost(0.3, 0.3)}
 
 
-def measured(costs: dict[str, Cost], rate=500.0, other_ms=0.1, cores=2, consumer=None
-             ) -> Measurements:
+def measured(
+  costs: dict[str, Cost], rate=500.0, other_ms=0.1, cores=2, consumer=None
+) -> Measurements:
   cpu = sum(costs[s].cpu_ms for s in doctor.STAGES) + other_ms
-  return Measurements(cores=cores, load_average=0.5, num_records=100_000, num_shards=64,
-                      costs=costs, cache_bytes_per_image=1e6, dct_share=0.4,
-                      run=Run(rate, 0.5, 2000, 4.0, cpu), consumer_run=consumer)
+  return Measurements(
+    cores=cores,
+    load_average=0.5,
+    num_records=100_000,
+    num_shards=64,
+    costs=costs,
+    cache_bytes_per_image=1e6,
+    dct_share=0.4,
+    run=Run(rate, 0.5, 2000, 4.0, cpu),
+    consumer_run=consumer,
+  )
 
 
 def settings(batch_size=16, **performance) -> Settings:
-  return Settings("data/photos", batch_size=batch_size, image_size=224,
-                  performance={"num_threads": 2, **performance})
+  return Settings(
+    "data/photos",
+    batch_size=batch_size,
+    image_size=224,
+    performance={"num_threads": 2, **performance},
+  )
 
 
 def proposal(d: doctor.Diagnosis, field: str):
@@ -79,8 +97,9 @@ def test_work_that_waits_gets_more_threads_than_cores():
 
 def test_on_a_many_core_host_one_process_is_gil_bound_and_workers_are_recommended():
   costs = stage_costs(read=(0.1, 0.1), parse=0.05)
-  d = doctor.diagnose(settings(128, num_workers=0, num_threads=None),
-                      measured(costs, other_ms=0.2), cores=224)
+  d = doctor.diagnose(
+    settings(128, num_workers=0, num_threads=None), measured(costs, other_ms=0.2), cores=224
+  )
   assert not d.here and d.cores == 224
   assert "the GIL" in d.limit and d.bottleneck in ("read", "other"), doctor.report(d)
   rec = proposal(d, "num_workers x num_threads")
@@ -93,14 +112,14 @@ def test_on_a_many_core_host_one_process_is_gil_bound_and_workers_are_recommende
 def test_auto_settings_are_named_and_not_re_proposed():
   d = doctor.diagnose(settings(num_threads=None), measured(stage_costs(), rate=1500))
   assert proposal(d, "num_workers x num_threads") is None, doctor.report(d)
-  assert any("make_dataset chooses no worker processes, 2 decode threads" in n
-             for n in d.notes)
+  assert any("make_dataset chooses no worker processes, 2 decode threads" in n for n in d.notes)
 
 
 def test_a_fast_input_beside_a_slow_step_names_the_step():
   consumer = Run(160.0, 0.5, 320, 2.0, 1.3, wait_share=0.01)
-  d = doctor.diagnose(settings(), measured(stage_costs(), rate=1500, consumer=consumer),
-                      step_ms=100)
+  d = doctor.diagnose(
+    settings(), measured(stage_costs(), rate=1500, consumer=consumer), step_ms=100
+  )
   assert d.bottleneck == "train step" and not d.recommendations, doctor.report(d)
   assert "not input-bound" in doctor.report(d)
 
@@ -109,8 +128,11 @@ def test_dct_scaling_off_is_priced_and_turning_it_on_recommended():
   costs = stage_costs(decode=(2.0, 2.0), decode_dct=1.0)
   d = doctor.diagnose(settings(dct_scaling=False), measured(costs, rate=600))
   rec = d.recommendations[0]
-  assert (rec.field, rec.proposed, rec.writes) == ("dct_scaling", True,
-                                                   {"performance.dct_scaling": True})
+  assert (rec.field, rec.proposed, rec.writes) == (
+    "dct_scaling",
+    True,
+    {"performance.dct_scaling": True},
+  )
 
 
 def config_package(tmp_path, name, data_dir) -> pathlib.Path:
@@ -118,7 +140,8 @@ def config_package(tmp_path, name, data_dir) -> pathlib.Path:
   package = tmp_path / name
   package.mkdir()
   (package / "__init__.py").write_text("")
-  (package / "base.py").write_text(textwrap.dedent(f"""\
+  (package / "base.py").write_text(
+    textwrap.dedent(f"""\
       import ml_collections
 
       def get_config():
@@ -131,15 +154,20 @@ def config_package(tmp_path, name, data_dir) -> pathlib.Path:
         c.seed = 0
         c.model = "mobilenet_v1"
         return c
-      """))
+      """)
+  )
   return package / "base.py"
 
 
 def test_apply_writes_the_recommendations_into_the_input_block(tmp_path):
   base = config_package(tmp_path, "recipes_apply", "data/digits")
   s = doctor.settings_from_config(doctor.load_config(str(base)))
-  assert (s.data_dir, s.image_size, s.batch_size, s.augment["flip"]) == ("data/digits", 32, 16,
-                                                                         False)
+  assert (s.data_dir, s.image_size, s.batch_size, s.augment["flip"]) == (
+    "data/digits",
+    32,
+    16,
+    False,
+  )
   s.data_dir = "/elsewhere"
   d = doctor.diagnose(s, measured(stage_costs(read=(10.0, 0.05)), rate=180))
   tuned = base.parent / "tuned.py"
@@ -154,8 +182,24 @@ def test_apply_writes_the_recommendations_into_the_input_block(tmp_path):
 def test_cli_measures_projects_for_another_host_and_applies(digits_dir, tmp_path):
   base = config_package(tmp_path, "recipes_cli", digits_dir)
   tuned, picture, out = base.parent / "tuned.py", tmp_path / "timeline.png", tmp_path / "d.json"
-  d = doctor.main(["--config", str(base), "--cores", "224", "--seconds", "0.3", "--sample",
-                   "16", "--apply", str(tuned), "--timeline", str(picture), "--json", str(out)])
+  d = doctor.main(
+    [
+      "--config",
+      str(base),
+      "--cores",
+      "224",
+      "--seconds",
+      "0.3",
+      "--sample",
+      "16",
+      "--apply",
+      str(tuned),
+      "--timeline",
+      str(picture),
+      "--json",
+      str(out),
+    ]
+  )
   assert d.cores == 224 and not d.here and d.run.images_per_sec > 0
   assert set(d.costs) >= {"read", "parse", "decode", "augment", "other"}
   assert all(c.wall_ms >= 0 and c.cpu_ms >= 0 for c in d.costs.values())
@@ -170,7 +214,9 @@ def test_cli_measures_projects_for_another_host_and_applies(digits_dir, tmp_path
   assert saved["cores"] == 224 and saved["bottleneck"] == d.bottleneck
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     ([], "give DATA_DIR or --config"),
     (["{missing}"], "manifest.json not found"),
     (["{photos}", "--split", "nope"], "has no split 'nope'"),
@@ -179,11 +225,14 @@ def test_cli_measures_projects_for_another_host_and_applies(digits_dir, tmp_path
     (["--config", "{missing}/x.py"], "no config file"),
     (["--config", "{flat}"], "has no `input` block"),
     (["{photos}", "--apply", "x.py"], "--apply needs a --config inside a package"),
-])
+  ],
+)
 def test_user_errors_are_one_line_with_exit_2(argv, message, photos_dir, tmp_path, capsys):
   flat = tmp_path / "flat.py"
-  flat.write_text("import ml_collections\n\ndef get_config():\n"
-                  "  return ml_collections.ConfigDict(dict(data_dir='x'))\n")
+  flat.write_text(
+    "import ml_collections\n\ndef get_config():\n"
+    "  return ml_collections.ConfigDict(dict(data_dir='x'))\n"
+  )
   paths = {"missing": tmp_path / "missing", "photos": photos_dir, "flat": flat}
   with pytest.raises(SystemExit) as exit_:
     doctor.main([a.format(**paths) for a in argv])
@@ -193,8 +242,13 @@ def test_user_errors_are_one_line_with_exit_2(argv, message, photos_dir, tmp_pat
 
 
 def test_cli_help():
-  help_ = subprocess.run([sys.executable, "-m", "pipeline.doctor", "--help"], cwd=ROOT,
-                         capture_output=True, text=True, check=True)
+  help_ = subprocess.run(
+    [sys.executable, "-m", "pipeline.doctor", "--help"],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+  )
   assert "--apply" in help_.stdout and "--cores" in help_.stdout
   assert "bottleneck" in help_.stdout
 
@@ -208,8 +262,9 @@ def test_a_slow_source_is_named_read_in_a_real_run(photos_dir, monkeypatch):
     return read(self, indices)
 
   monkeypatch.setattr(pipeline.source.ShardedSource, "read", slow_read)
-  s = Settings(str(photos_dir), batch_size=8, image_size=64,
-               performance={"num_threads": 2, "prefetch": 2})
+  s = Settings(
+    str(photos_dir), batch_size=8, image_size=64, performance={"num_threads": 2, "prefetch": 2}
+  )
   d = doctor.diagnose(s, doctor.measure_all(s, seconds=1.0, sample=24))
   assert d.costs["read"].wall_ms >= 10
   assert d.bottleneck == "read", doctor.report(d)
@@ -219,8 +274,9 @@ def test_a_slow_source_is_named_read_in_a_real_run(photos_dir, monkeypatch):
 @pytest.mark.slow
 @pytest.mark.skipif(doctor.parallelism.available_cores() < 2, reason="needs two cores")
 def test_one_thread_on_decode_heavy_photos_is_named_decode_in_a_real_run(photos_dir):
-  s = Settings(str(photos_dir), batch_size=8, image_size=224,
-               performance={"num_threads": 1, "num_workers": 0})
+  s = Settings(
+    str(photos_dir), batch_size=8, image_size=224, performance={"num_threads": 1, "num_workers": 0}
+  )
   d = doctor.diagnose(s, doctor.measure_all(s, seconds=1.0, sample=24))
   assert d.bottleneck == "decode", doctor.report(d)
   assert proposal(d, "num_workers x num_threads").proposed == "0 x 2"

@@ -93,5 +93,6 @@ def test_larger_batches_spread_the_main_process_receiving_over_more_images():
   small = plan(224, batch_size=128, image_bytes=IMAGE, memory_bytes=224 * GIB)
   large = plan(224, batch_size=1024, image_bytes=IMAGE, memory_bytes=224 * GIB)
   assert large.workers >= small.workers
-  assert (project(224, parallelism.at_batch(COSTS, 1024), large)
-          > project(224, parallelism.at_batch(COSTS, 128), small))
+  assert project(224, parallelism.at_batch(COSTS, 1024), large) > project(
+    224, parallelism.at_batch(COSTS, 128), small
+  )

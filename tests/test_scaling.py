@@ -10,12 +10,34 @@ from bench import scaling
 
 def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   out = tmp_path / "scaling.json"
-  result = scaling.main([str(photos_dir), "--batch-size", "8", "--image-size", "64",
-                         "--seconds", "0.1", "--threads", "1,2", "--workers", "1",
-                         "--worker-threads", "1", "--cores", "224,2,8", "--json", str(out)])
+  result = scaling.main(
+    [
+      str(photos_dir),
+      "--batch-size",
+      "8",
+      "--image-size",
+      "64",
+      "--seconds",
+      "0.1",
+      "--threads",
+      "1,2",
+      "--workers",
+      "1",
+      "--worker-threads",
+      "1",
+      "--cores",
+      "224,2,8",
+      "--json",
+      str(out),
+    ]
+  )
   assert result["emulation_honoured"]  # the loader replaced decode and resize by waits
-  for key in ("process_ceiling_img_s", "gil_held_us_per_image", "cpu_us_per_image",
-              "decode_us_per_image"):
+  for key in (
+    "process_ceiling_img_s",
+    "gil_held_us_per_image",
+    "cpu_us_per_image",
+    "decode_us_per_image",
+  ):
     assert result[key] > 0, key
   assert 0 < result["resize_share"] < 1
   assert result["gil_held_us_per_image"] < result["cpu_us_per_image"]
@@ -37,17 +59,22 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
 
 def test_the_gil_fit_recovers_a_known_curve():
   gil, handoff = 100.0, 0.05
-  curve = [{"threads": t, "img_s": min(t * 800.0, 1e6 / (gil * (1 + handoff * (t - 1))))}
-           for t in (1, 2, 4, 8, 16, 32)]
+  curve = [
+    {"threads": t, "img_s": min(t * 800.0, 1e6 / (gil * (1 + handoff * (t - 1))))}
+    for t in (1, 2, 4, 8, 16, 32)
+  ]
   fitted_gil, fitted_handoff = scaling.fit_gil(curve)
   assert fitted_gil == pytest.approx(gil, rel=0.02)
   assert fitted_handoff == pytest.approx(handoff, abs=0.003)
 
 
-@pytest.mark.parametrize("argv, message", [
+@pytest.mark.parametrize(
+  "argv, message",
+  [
     (["--threads", "0,2"], "comma-separated positive integers"),
     (["--cores", "many"], "comma-separated positive integers"),
-])
+  ],
+)
 def test_usage_errors_are_one_line_with_exit_2(photos_dir, argv, message, capsys):
   with pytest.raises(SystemExit) as exit_:
     scaling.main([str(photos_dir), *argv])
