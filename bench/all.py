@@ -29,7 +29,7 @@ from importlib import metadata
 import tqdm
 from matplotlib import figure
 
-from bench import ceiling, measure, storage
+from bench import ceiling, measure, scaling, storage
 from pipeline import manifest as manifest_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -209,6 +209,13 @@ def _log_section(out: Outputs, info, command, name) -> str:
   return f"{log}\n\n{_figure_line(info, command)}"
 
 
+def _scaling(out: Outputs, info, command) -> str:
+  return (
+    f"{scaling.table(info)}\n\nMethod (bench/scaling.py):\n\n{scaling.method()}\n\n"
+    f"{_figure_line(info, command)}"
+  )
+
+
 def _study(out: Outputs, info, command) -> str:
   pictures = " ".join(
     f"![{n}]({out.link(out.study / f'{n}.png')})"
@@ -298,6 +305,22 @@ STEPS = [
     "The tf.data guide's artificial study on Grain",
     lambda a, o: _flags(a, out=o.study, repeats=(3, 1), scale=(1.0, 0.2)),
     _study,
+  ),
+  Step(
+    "scaling",
+    "Scaling: one process's ceiling, worker processes, many-core hosts",
+    lambda a, o: [
+      a.data_dir,
+      *_flags(
+        a,
+        seconds=(3, 0.2),
+        threads=("1,2,4,8,16,32", "1,2"),
+        batch_size=(128, 16),
+        host_batch=("128,1024", "16"),
+        json=o.work / "scaling.json",
+      ),
+    ],
+    _scaling,
   ),
   Step(
     "doctor",
@@ -426,6 +449,15 @@ def _summary(out: pathlib.Path) -> str:
       or "no change"
     )
     lines.append(f"- Doctor: bottleneck {doc['bottleneck']}; recommends {recs}.")
+  sc = _load(out / "scaling.json")
+  if sc:
+    host = max(sc["hosts"], key=lambda h: (h["cores"], -h["batch"]))
+    lines.append(
+      f"- Scaling: one process tops out at {sc['process_ceiling_img_s']:.0f} img/s "
+      f"({sc['gil_held_us_per_image']:.0f} us of GIL-held work per image); {host['cores']} "
+      f"cores projected {host['projected_img_s']:,} img/s with {host['workers']} workers x "
+      f"{host['threads']} threads (batch {host['batch']})."
+    )
   study = out / "study.log"
   if study.exists():
     lines += [
