@@ -25,7 +25,7 @@ import tqdm
 from bench import measure
 from pipeline import decode, records
 from pipeline import manifest as manifest_lib
-from pipeline.dataset import default_threads
+from pipeline.parallelism import available_cores
 
 SCALES = (1, 2)
 
@@ -127,7 +127,7 @@ def main(argv: list[str]) -> dict:
   p.add_argument("--json", help="write the figures to this file")
   args = p.parse_args(argv)
   jpegs = load_jpegs(args.data_dir, args.split, args.images)
-  result = measure_ceiling(jpegs, args.threads or default_threads(), args.repeats)
+  result = measure_ceiling(jpegs, args.threads or available_cores(), args.repeats)
   result.update(
     machine=measure.machine(), command="python -m pipeline.bench ceiling " + " ".join(argv)
   )

@@ -31,7 +31,7 @@ import tqdm
 from bench import measure
 from pipeline import manifest as manifest_lib
 from pipeline import records
-from pipeline.dataset import default_threads
+from pipeline.parallelism import available_cores
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -220,7 +220,7 @@ def main(argv: list[str]) -> dict:
   try:
     files = export_files(grain.sources.ArrayRecordDataSource(shards), meta.keys, tmp)
     rows = measure_storage(
-      files, shards, args.batch_size, args.threads or default_threads(), args.repeats
+      files, shards, args.batch_size, args.threads or available_cores(), args.repeats
     )
     same_device = os.stat(tmp).st_dev == os.stat(shards[0]).st_dev
     result = {

@@ -15,7 +15,6 @@ Every buffer sits inside Grain's iterator, whose state is the next batch positio
 
 from __future__ import annotations
 
-import os
 from collections.abc import Mapping, Sequence
 
 import grain
@@ -23,7 +22,7 @@ import numpy as np
 from etils import epath
 
 from pipeline import augment as augment_lib
-from pipeline import lifecycle, options, records
+from pipeline import lifecycle, options, parallelism, records
 from pipeline import manifest as manifest_lib
 from pipeline.loader import BadRecordError, BatchLoader
 from pipeline.options import Augment, Performance
@@ -85,6 +84,8 @@ def make_dataset(
       files, sizes, record counts), "sha256" (also every byte), or "none".
     performance: threads, worker processes, prefetch, RAM cache, DCT scaling
       (`pipeline.Performance` or a dict of its fields); never changes what a batch holds.
+      Threads and workers left None are chosen for this host (`pipeline.parallelism`; 2
+      cores: no workers, a thread per core) and the choice is printed once.
   """
   if on_error not in ("raise", "skip"):
     raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
@@ -124,10 +125,14 @@ def make_dataset(
     ops = ops_lib.build(ops, "image", image_size=image_size, num_classes=meta.num_classes)
     batch_ops = ops_lib.build(batch_ops, "batch", image_size=image_size,
                               num_classes=meta.num_classes)
+  chosen = parallelism.plan(num_workers=perf.num_workers, num_threads=perf.num_threads,
+                            batch_size=batch_size, image_bytes=image_size**2 * 3,
+                            prefetch=perf.prefetch)
+  parallelism.announce(chosen)
   loader = BatchLoader(
       source, sampler, head, batch_size=batch_size,
       num_classes=meta.num_classes, keys=keys or meta.keys, seed=seed,
-      num_threads=perf.num_threads or default_threads(), on_error=on_error,
+      num_threads=chosen.threads, on_error=on_error,
       cache_mb=perf.cache_mb, with_mask=not train, image_ops=ops, batch_ops=batch_ops,
       features=features or None)
   drop = train if drop_remainder is None else drop_remainder
@@ -138,10 +143,10 @@ def make_dataset(
     ds = ds.map(_normalize_host)
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=perf.prefetch,
                                             prefetch_buffer_size=perf.prefetch))
-  if perf.num_workers:
+  if chosen.workers:
     _ensure_absl_flags_parsed()
     it = _SharedMemoryOutput(it, loader).mp_prefetch(
-        grain.MultiprocessingOptions(num_workers=perf.num_workers))
+        grain.MultiprocessingOptions(num_workers=chosen.workers))
   stream = {"shard_index": shard_index, "shard_count": shard_count, "seed": seed,
             "batch_size": batch_size, "num_records": sampler.num_records}
   return lifecycle.ClosedAtExit(StreamIterDataset(it, stream))
@@ -159,11 +164,6 @@ class _SharedMemoryOutput(grain.IterDataset):
 
   def __iter__(self) -> grain.DatasetIterator:
     return self._parent.__iter__()
-
-
-def default_threads() -> int:
-  """Decode threads: one per core (the native path holds no GIL while it works)."""
-  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
 
 
 def _normalize_host(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

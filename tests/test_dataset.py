@@ -471,3 +471,24 @@ def test_make_dataset_refuses_shards_that_disagree_with_the_manifest(tmp_path, p
   os.mkfifo(shard)  # would hang a reader that opened it
   with pytest.raises(manifest.ManifestError, match=shard.name):
     pipeline.make_dataset(data, "train", batch_size=4, shard_index=0, shard_count=1)
+
+
+def test_a_many_core_host_gets_worker_processes_and_the_same_batches(photos_dir, monkeypatch,
+                                                                    capfd):
+  from pipeline import parallelism
+
+  def make():
+    return pipeline.make_dataset(photos_dir, batch_size=32, image_size=32, shard_index=0,
+                                 shard_count=1)
+
+  here = take(iter(make()), 3)
+  monkeypatch.setattr(parallelism, "available_cores", lambda: 24)  # as if on a bigger host
+  monkeypatch.setattr(parallelism, "available_memory", lambda: 64 << 30)
+  chosen = parallelism.plan(batch_size=32, image_bytes=32 * 32 * 3)
+  assert chosen.workers > 0
+  it = iter(make())
+  there = take(it, 3)
+  it.close()
+  assert f"{chosen.workers} worker processes x {chosen.threads} decode threads" in (
+      capfd.readouterr().err)
+  assert_same_batches(here, there)
