@@ -453,8 +453,9 @@ def _summary(out: pathlib.Path) -> str:
   if sc:
     host = max(sc["hosts"], key=lambda h: (h["cores"], -h["batch"]))
     lines.append(
-      f"- Scaling: one process tops out at {sc['process_ceiling_img_s']:.0f} img/s "
-      f"({sc['gil_held_us_per_image']:.0f} us of GIL-held work per image); {host['cores']} "
+      f"- Scaling: one process tops out at {sc['process_ceiling_img_s']:.0f} img/s here "
+      f"(bound by {sc['ceiling_bound_by']}; {sc['gil_held_us_per_image']:.0f} us of GIL-held "
+      f"work per image, measured); {host['cores']} "
       f"cores projected {host['projected_img_s']:,} img/s with {host['workers']} workers x "
       f"{host['threads']} threads (batch {host['batch']})."
     )

@@ -11,20 +11,44 @@ in steady state after its first batch:
 2. rest: one thread with `PIPELINE_EMULATE_DECODE_US=D,R`, which makes the loader replace
    each image's decode by a GIL-free wait of D microseconds and its resize by one of R
    (read, parse, crop box, batching, Grain and the Python per image stay real), here with
-   waits of ~0: the CPU of everything else. decode + resize = cpu - rest is the GIL-free
-   work (`decode_us_per_image`), split between D and R as the two take alone on one thread.
-3. ceiling: that emulation with the real D and R, at 1, 2, 4, ... 32 threads: a host with
-   unlimited cores. The best img/s is one process's ceiling (`process_ceiling_img_s`); the
-   model's GIL time per image and hand-off penalty per thread are fitted to this curve
-   (`gil_held_us_per_image`).
-4. workers: real decode with Grain worker processes: the main process's CPU per image
+   waits of ~0: the CPU of everything else (`rest_cpu_us_per_image`). decode + resize =
+   cpu - rest is the GIL-free work (`decode_us_per_image`), split between D and R as the
+   two take alone on one thread.
+3. read: alone in a fresh process, `ShardedSource.read` of batches of the same size at
+   shuffled indices of the dataset's real records: its CPU per record
+   (`read_cpu_us_per_image`; array_record decompresses in its own code without the GIL).
+   The part of it that holds the GIL is array_record's final copy of each record into
+   Python bytes, estimated as a memcpy of records of the same sizes
+   (`bytes(memoryview(record))`, `read_copy_us_per_image`); the rest is the read's GIL-free
+   CPU (`read_gil_free_us_per_image`).
+4. gil: `gil_held_us_per_image` = rest - the read's GIL-free CPU (at least 0), measured,
+   not fitted. It is an upper bound: any other GIL-free CPU in the rest (the kernel's page
+   faults, native loops that release the GIL) counts as held.
+5. ceiling: step 2's emulation with the real D and R, at 1, 2, 4, ... 32 threads: a host
+   with unlimited cores. The best img/s is one process's measured ceiling
+   (`process_ceiling_img_s`), using `ceiling_cores_used` cores (its img/s x CPU per
+   image); `ceiling_bound_by` is "cores" when that is at least 0.8 x this machine's usable
+   cores (the curve levels off because the machine is full, not because of the GIL), else
+   "gil". `ceiling_gil_busy` (its img/s x GIL-held time) is the share of the time a thread
+   held the GIL: near 1, the GIL bound it; well below 1 with "gil" on a shared machine,
+   other processes took the cores. The model's GIL time and hand-off per extra thread
+   fitted to the curve are kept as `gil_fitted_us_per_image` and `handoff_per_thread`; on
+   a cores-bound curve the fit is a CPU limit, not GIL-held time.
+   `process_ceiling_gil_img_s` = 1e6 / gil_held is a projection: what one process
+   reaches where cores do not bind.
+6. py-spy (a cross-check, when py-spy is installed or given by --py-spy): `py-spy record
+   --gil` samples the best thread count of step 5; the share of samples holding the GIL x
+   wall time per image is `gil_pyspy_us_per_image`. py-spy misses samples of GIL-bound
+   processes, so this under-counts and is never the headline.
+7. workers: real decode with Grain worker processes: the main process's CPU per image
    receiving batches, touching every page as device_put would (its user time is Python,
    holding the GIL; its system time the kernel mapping and unmapping pages, without it),
    the workers' CPU per image beyond the same work in one process (shipping batches
    through shared memory), the first batch and each worker's RSS.
-5. hosts: for each core count (and per-process batch size: the main process's Python per
+8. hosts: for each core count (and per-process batch size: the main process's Python per
    received batch spreads over it), `parallelism.plan` and `parallelism.project` with
-   these costs (memory assumed 1 GiB per core; TPU VM hosts have more).
+   these costs, the GIL term being step 4's measured time (at least 1 us) and step 5's
+   fitted hand-off (memory assumed 1 GiB per core; TPU VM hosts have more).
 """
 
 from __future__ import annotations
@@ -35,8 +59,10 @@ import json
 import os
 import pathlib
 import resource
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
@@ -51,6 +77,9 @@ from pipeline.source import ShardedSource
 
 PAGE = 4096
 ROOT = pathlib.Path(__file__).resolve().parent.parent
+CORES_BOUND = 0.8  # share of the usable cores above which the ceiling is the machine's
+SPY_HZ = 100  # py-spy's samples per second
+BIN = pathlib.Path(sys.executable).parent  # where a virtual environment installs py-spy
 
 
 # ---------------------------------------------------------------- one process's runs
@@ -97,12 +126,15 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   first_batch = time.perf_counter() - start
   for _ in range(2 * workers):  # every worker started and past its imports: off the clock
     next(it)
+  spy = _start_py_spy(spec)
   first = time.perf_counter()
   kids = _workers(me)
   main0, kids0 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
   images = batches = 0
   touch = np.zeros(2)  # user, system seconds
-  while time.perf_counter() - first < spec["seconds"] or batches < spec["min_batches"]:
+  while (
+    spy[0].poll() is None if spy else time.perf_counter() - first < spec["seconds"]
+  ) or batches < spec["min_batches"]:
     image = next(it)["image"]
     t0 = resource.getrusage(resource.RUSAGE_THREAD)
     image.reshape(-1)[::PAGE].max()  # one byte per page: maps the batch, as a device_put would
@@ -114,6 +146,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   main1, kids1 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
   rss = [k.memory_info().rss / 2**20 for k in kids]
   it.close()
+  gil_share = _py_spy_share(*spy) if spy else None
   user = max(main1.ru_utime - main0.ru_utime - touch[0], 0.0)
   system = max(main1.ru_stime - main0.ru_stime - touch[1], 0.0)
   return {
@@ -126,6 +159,66 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     "system_us": round((system + touch.sum()) / images * 1e6, 2),
     "workers_cpu_us": round((kids1 - kids0) / images * 1e6, 2),
     "rss_mb_per_worker": round(float(np.mean(rss)), 1) if rss else 0.0,
+    "gil_share_pyspy": gil_share,
+  }
+
+
+def _start_py_spy(spec: dict):
+  """(process, output file, seconds) of `py-spy record --gil` on this process, or None."""
+  if not spec.get("py_spy"):
+    return None
+  seconds = max(1, round(spec["seconds"]))
+  out = tempfile.NamedTemporaryFile(suffix=".txt", delete=False).name
+  cmd = [spec["py_spy"], "record", "--gil", "--nonblocking", "-r", str(SPY_HZ)]
+  cmd += ["-d", str(seconds), "-f", "raw", "-o", out, "-p", str(os.getpid())]
+  return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out, seconds
+
+
+def _py_spy_share(proc, out: str, seconds: int) -> float | None:
+  """The share of py-spy's sampling ticks that found a thread holding the GIL (raw output:
+  one stack per line, ending in its sample count); None when py-spy failed."""
+  _, err = proc.communicate()
+  try:
+    lines = pathlib.Path(out).read_text().splitlines()
+    pathlib.Path(out).unlink()
+  except OSError:
+    lines = None
+  if proc.returncode or lines is None:
+    print(f"warning: py-spy failed: {err.decode().strip()[-200:]}", file=sys.stderr)
+    return None
+  samples = sum(int(line.rsplit(" ", 1)[1]) for line in lines if line.strip())
+  return round(min(samples / (SPY_HZ * seconds), 1.0), 4)
+
+
+def read_costs(spec: dict, seed: int = 0, kept: int = 1024) -> dict:
+  """Step 3, in this process: CPU per record of `ShardedSource.read` in batches of the
+  run's batch size at shuffled indices, and of a memcpy of each record into fresh bytes
+  (timed over up to `kept` of the records read)."""
+  source = _source(spec)
+  order = np.random.default_rng(seed).permutation(len(source))
+  size = spec["batch_size"]
+  batches = [order[i : i + size] for i in range(0, len(order), size)]
+  source.read(batches[0])  # opens the shards: off the clock
+  read = count = 0
+  records: list[bytes] = []
+  start, cpu0 = time.perf_counter(), time.process_time()
+  while time.perf_counter() - start < spec["seconds"] or read < spec["min_batches"]:
+    got = source.read(batches[read % len(batches)])
+    records += got[: kept - len(records)]
+    count += len(got)
+    read += 1
+  read_cpu = time.process_time() - cpu0
+  copies, cpu0 = 0, time.process_time()
+  while time.process_time() - cpu0 < min(spec["seconds"], 0.5) or not copies:
+    for rec in records:
+      bytes(memoryview(rec))
+    copies += len(records)
+  copy_cpu = time.process_time() - cpu0
+  source.close()
+  return {
+    "read_cpu_us": read_cpu / count * 1e6,
+    "copy_us": copy_cpu / copies * 1e6,
+    "record_kb": float(np.mean([len(r) for r in records])) / 1024,
   }
 
 
@@ -134,11 +227,16 @@ def measure_in_child(
 ) -> list[dict]:
   """`run_one` for each (threads, workers) in a fresh process; `emulate_us` (decode and
   resize waits; None: real work) is set in its environment, which Grain's workers inherit."""
+  return _child({**spec, "runs": runs}, emulate_us)
+
+
+def _child(child_spec: dict, emulate_us: tuple[float, float] | None = None):
+  """The JSON a fresh `python -m bench.scaling --child SPEC` prints (see `main`)."""
   env = {k: v for k, v in os.environ.items() if k != EMULATE}
   if emulate_us is not None:
     env[EMULATE] = ",".join(f"{max(us, 0.001):.3f}" for us in emulate_us)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-  child = json.dumps({**spec, "runs": runs})
+  child = json.dumps(child_spec)
   proc = subprocess.run(
     [sys.executable, "-m", "bench.scaling", "--child", child],
     capture_output=True,
@@ -178,14 +276,20 @@ def fit_gil(curve: list[dict], most: float = float("inf")) -> tuple[float, float
   return float(gil[i, 0, 0]), float(handoff[0, j, 0])
 
 
+def _source(spec: dict) -> ShardedSource:
+  """The split's records, opened as `make_dataset` opens them."""
+  meta = manifest_lib.load(spec["data_dir"])
+  split = meta.splits[spec["split"]]
+  return ShardedSource(
+    meta.shard_paths(spec["data_dir"], spec["split"]), [s.num_records for s in split.shards]
+  )
+
+
 def resize_share(spec: dict, sample: int = 64) -> float:
   """Resize's share of decode + resize per image, each timed alone on one thread through
   the library's functions (the loader's native path does the same work)."""
   meta = manifest_lib.load(spec["data_dir"])
-  split = meta.splits[spec["split"]]
-  source = ShardedSource(
-    meta.shard_paths(spec["data_dir"], spec["split"]), [s.num_records for s in split.shards]
-  )
+  source = _source(spec)
   head = augment.Head(image_size=spec["image_size"])
   out = np.empty((head.image_size, head.image_size, 3), np.uint8)
   decoding = resizing = 0.0
@@ -202,8 +306,28 @@ def resize_share(spec: dict, sample: int = 64) -> float:
   return resizing / max(decoding + resizing, 1e-9)
 
 
-def measure_costs(spec: dict, threads: list[int], workers: int, worker_threads: int) -> dict:
-  """Steps 1-4 of the module docstring: the figures and the model's costs."""
+def gil_terms(rest_cpu: float, read_cpu: float, copy: float) -> dict:
+  """Step 4: the measured GIL-held time per image from the rest's CPU and the read's."""
+  read_free = max(read_cpu - copy, 0.0)
+  return {
+    "rest_cpu_us_per_image": round(rest_cpu, 1),
+    "read_cpu_us_per_image": round(read_cpu, 1),
+    "read_copy_us_per_image": round(copy, 2),
+    "read_gil_free_us_per_image": round(read_free, 1),
+    "gil_held_us_per_image": round(max(rest_cpu - read_free, 0.0), 1),
+  }
+
+
+def ceiling_bound(best: dict, cores: int) -> tuple[float, str]:
+  """(cores the best emulated run used, what bound it: "cores" or "gil")."""
+  used = best["img_s"] * best["cpu_us"] / 1e6
+  return round(used, 2), "cores" if used >= CORES_BOUND * cores else "gil"
+
+
+def measure_costs(
+  spec: dict, threads: list[int], workers: int, worker_threads: int, py_spy: str | None = None
+) -> dict:
+  """Steps 1-7 of the module docstring: the figures and the model's costs."""
   real, alone, with_workers = measure_in_child(
     spec, [(1, 0), (worker_threads, 0), (worker_threads, workers)], None
   )
@@ -218,14 +342,24 @@ def measure_costs(spec: dict, threads: list[int], workers: int, worker_threads: 
       "machine's cores, not the GIL",
       file=sys.stderr,
     )
+  read = _child({**spec, "read": True})
+  terms = gil_terms(rest_cpu, read["read_cpu_us"], read["copy_us"])
+  gil = terms["gil_held_us_per_image"]
   share = resize_share(spec)
   waits = (free * (1 - share), free * share)
   measured = measure_in_child(spec, [(t, 0) for t in threads], waits)
-  gil, handoff = fit_gil(measured, min(r["cpu_us"] for r in measured))
+  fitted, handoff = fit_gil(measured, min(r["cpu_us"] for r in measured))
   best = max(measured, key=lambda r: r["img_s"])
+  usable = parallelism.available_cores()
+  used, bound_by = ceiling_bound(best, usable)
+  spied = None
+  if py_spy:
+    spy_run = measure_in_child({**spec, "py_spy": py_spy}, [(best["threads"], 0)], waits)[0]
+    if spy_run["gil_share_pyspy"] is not None:
+      spied = round(spy_run["gil_share_pyspy"] * 1e6 / spy_run["img_s"], 1)
   costs = parallelism.Costs(
     cpu_us=cpu,
-    gil_us=gil,
+    gil_us=max(gil, 1.0),
     handoff=handoff,
     send_us=max(with_workers["workers_cpu_us"] - alone["cpu_us"], 0.0),
     receive_us=with_workers["user_us"],
@@ -235,12 +369,19 @@ def measure_costs(spec: dict, threads: list[int], workers: int, worker_threads: 
   return {
     "process_ceiling_img_s": best["img_s"],
     "process_ceiling_threads": best["threads"],
-    "gil_held_us_per_image": round(gil, 1),
+    "ceiling_cores_used": used,
+    "usable_cores": usable,
+    "ceiling_bound_by": bound_by,
+    "ceiling_gil_busy": round(best["img_s"] * gil / 1e6, 2),
+    "process_ceiling_gil_img_s": round(1e6 / gil) if gil > 0 else None,
+    **terms,
+    "gil_fitted_us_per_image": round(fitted, 1),
+    "gil_pyspy_us_per_image": spied,
     "handoff_per_thread": round(handoff, 4),
     "cpu_us_per_image": round(cpu, 1),
     "decode_us_per_image": round(free, 1),
     "resize_share": round(share, 3),
-    "rest_cpu_us_per_image": round(rest_cpu, 1),
+    "record_kb": round(read["record_kb"], 1),
     "emulation_honoured": honoured,
     "one_thread_img_s": real["img_s"],
     "first_batch_s": real["first_batch_s"],
@@ -290,13 +431,24 @@ def hosts(
 
 def table(result: dict) -> str:
   w = result["workers"]
+  spied = result["gil_pyspy_us_per_image"]
+  gil_line = (
+    f"GIL-held per image, measured: **{result['gil_held_us_per_image']:.0f} us** = the rest "
+    f"{result['rest_cpu_us_per_image']:.0f} us - the read's GIL-free CPU "
+    f"{result['read_gil_free_us_per_image']:.0f} us (its CPU "
+    f"{result['read_cpu_us_per_image']:.0f} us per {result['record_kb']:.0f} KB record, "
+    f"less the copy into Python bytes, {result['read_copy_us_per_image']:.1f} us); an upper "
+    f"bound. Fitted to the curve below: {result['gil_fitted_us_per_image']:.0f} us, "
+    f"+{result['handoff_per_thread']:.1%} per extra thread"
+    + (f"; py-spy --gil (under-counts): {spied:.0f} us." if spied is not None else ".")
+  )
   lines = [
     f"Per image: {result['cpu_us_per_image']:.0f} us of CPU, of which decode and resize "
     f"{result['decode_us_per_image']:.0f} us (GIL released; resize "
     f"{result['resize_share']:.0%} of it) and the rest "
-    f"{result['rest_cpu_us_per_image']:.0f} us; the model's GIL-held time "
-    f"{result['gil_held_us_per_image']:.0f} us, +{result['handoff_per_thread']:.1%} per "
-    "extra thread.",
+    f"{result['rest_cpu_us_per_image']:.0f} us.",
+    "",
+    gil_line,
     "",
     "| decode threads (emulated decode) | img/s | CPU us per image |",
     "|---:|---:|---:|",
@@ -304,8 +456,13 @@ def table(result: dict) -> str:
   lines += [f"| {r['threads']} | {r['img_s']:.0f} | {r['cpu_us']:.0f} |" for r in result["threads"]]
   lines += [
     "",
-    f"One process's ceiling: **{result['process_ceiling_img_s']:.0f} img/s** at "
-    f"{result['process_ceiling_threads']} threads. With {w['workers']} worker processes "
+    f"One process's measured ceiling: **{result['process_ceiling_img_s']:.0f} img/s** at "
+    f"{result['process_ceiling_threads']} threads, using {result['ceiling_cores_used']:.2f} "
+    f"of {result['usable_cores']} cores: bound by {result['ceiling_bound_by']} (GIL held "
+    f"{result['ceiling_gil_busy']:.0%} of the time). "
+    f"Projected where cores do not bind (1e6 / GIL-held): {_rate(result)}.",
+    "",
+    f"With {w['workers']} worker processes "
     f"x {w['threads']} threads: first batch {w['first_batch_s']:.2f} s (no workers: "
     f"{w['first_batch_s_without']:.2f} s), {w['rss_mb_per_worker']:.0f} MB RSS per worker; "
     f"per image, {w['send_us_per_image']:.0f} us more CPU in the worker (writing fresh "
@@ -322,6 +479,11 @@ def table(result: dict) -> str:
     for h in result["hosts"]
   ]
   return "\n".join(lines)
+
+
+def _rate(result: dict) -> str:
+  rate = result["process_ceiling_gil_img_s"]
+  return f"{rate:,} img/s" if rate else "no GIL limit measured"
 
 
 def _fail(message: str, code: int = 2):
@@ -361,6 +523,11 @@ def parser() -> argparse.ArgumentParser:
     help="per-process batch sizes to project, e.g. 128,1024 (default: "
     "--batch-size); the main process's Python per batch spreads over it",
   )
+  p.add_argument(
+    "--py-spy",
+    default=shutil.which("py-spy") or shutil.which("py-spy", path=BIN),
+    help="py-spy for step 6's cross-check (default: on PATH or beside python; '' skips it)",
+  )
   p.add_argument("--json", help="write the figures to this file")
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p
@@ -371,7 +538,10 @@ def main(argv: list[str]) -> dict:
   args = p.parse_args(argv)
   if args.child:
     spec = json.loads(args.child)
-    print(json.dumps([run_one(spec, t, w) for t, w in spec["runs"]]))
+    if spec.get("read"):
+      print(json.dumps(read_costs(spec)))
+    else:
+      print(json.dumps([run_one(spec, t, w) for t, w in spec["runs"]]))
     return {}
   if not args.data_dir:
     p.error("give DATA_DIR, a converted dataset")
@@ -399,7 +569,7 @@ def main(argv: list[str]) -> dict:
     "min_batches": 3,
   }
   try:
-    result = measure_costs(spec, threads, args.workers, args.worker_threads)
+    result = measure_costs(spec, threads, args.workers, args.worker_threads, args.py_spy)
   except RuntimeError as e:
     _fail(str(e), code=1)
   costs = parallelism.Costs(**result["costs"])

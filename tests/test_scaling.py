@@ -41,6 +41,23 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
     assert result[key] > 0, key
   assert 0 < result["resize_share"] < 1
   assert result["gil_held_us_per_image"] < result["cpu_us_per_image"]
+  # the GIL-held time is measured: the rest's CPU less the read's GIL-free CPU
+  assert 0 <= result["gil_held_us_per_image"] <= result["rest_cpu_us_per_image"]
+  assert result["read_cpu_us_per_image"] > result["read_copy_us_per_image"] > 0
+  assert result["read_gil_free_us_per_image"] == pytest.approx(
+    result["read_cpu_us_per_image"] - result["read_copy_us_per_image"], abs=0.1
+  )
+  assert result["gil_held_us_per_image"] == pytest.approx(
+    max(result["rest_cpu_us_per_image"] - result["read_gil_free_us_per_image"], 0), abs=0.1
+  )
+  assert result["gil_fitted_us_per_image"] > 0
+  assert result["ceiling_bound_by"] in ("cores", "gil") and result["ceiling_cores_used"] > 0
+  assert result["ceiling_gil_busy"] >= 0
+  assert result["costs"]["gil_us"] == max(result["gil_held_us_per_image"], 1.0)
+  if result["gil_held_us_per_image"]:
+    assert result["process_ceiling_gil_img_s"] == round(1e6 / result["gil_held_us_per_image"])
+  spied = result["gil_pyspy_us_per_image"]
+  assert spied is None or spied >= 0
   assert [r["threads"] for r in result["threads"]] == [1, 2]
   assert result["process_ceiling_img_s"] == max(r["img_s"] for r in result["threads"])
   workers = result["workers"]
@@ -55,6 +72,20 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   for h in hosts:
     assert max(h["workers"], 1) * h["threads"] <= h["cores"]
   assert json.loads(out.read_text())["hosts"] == hosts
+
+
+def test_gil_held_time_is_the_rest_less_the_reads_gil_free_cpu():
+  terms = scaling.gil_terms(rest_cpu=110.0, read_cpu=70.0, copy=5.0)
+  assert terms["read_gil_free_us_per_image"] == 65.0
+  assert terms["gil_held_us_per_image"] == 45.0
+  # a read costing more than the rest (noise) never makes the GIL time negative
+  assert scaling.gil_terms(rest_cpu=50.0, read_cpu=80.0, copy=5.0)["gil_held_us_per_image"] == 0
+
+
+def test_a_ceiling_that_fills_the_machine_is_bound_by_cores():
+  full = {"img_s": 10_000.0, "cpu_us": 180.0}  # 1.8 cores busy
+  assert scaling.ceiling_bound(full, cores=2) == (1.8, "cores")
+  assert scaling.ceiling_bound(full, cores=8) == (1.8, "gil")
 
 
 def test_the_gil_fit_recovers_a_known_curve():
