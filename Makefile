@@ -11,7 +11,7 @@ SOURCES := pipeline bench train configs tests setup.py
 
 .PHONY: setup data convert train bench bench-report test test-slow format lint clean
 
-$(STAMP): pyproject.toml setup.py
+$(STAMP): pyproject.toml setup.py pipeline/_jpeg.c
 	python3 -m venv .venv
 	.venv/bin/pip install --quiet --upgrade pip
 	.venv/bin/pip install --quiet -e '.[$(EXTRAS)]'

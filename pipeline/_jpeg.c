@@ -357,8 +357,7 @@ static void load_one(item_t *it, const params_t *p, const char *ik, size_t ikl, 
   }
   uint64_t key = example_key(seed, (uint64_t)it->epoch, (uint64_t)it->index);
   crop_box(p, h, w, key, box);
-  if (emulate_ns > 0) {
-    sleep_ns(emulate_ns);
+  if (emulate_ns > 0) { /* the chunk waits once for all its images (see decode_batch) */
     dims[0] = dims[1] = 1;
     return;
   }
@@ -454,6 +453,7 @@ static PyObject *decode_batch(PyObject *self, PyObject *args) {
                (int32_t *)dims.buf + 2 * i, (int64_t *)labels.buf + i, &rows);
   }
   free(rows.p);
+  if (emulate_ns > 0) sleep_ns(emulate_ns * (long)(stop - start));
   Py_END_ALLOW_THREADS
   PyObject *handed_back = PyList_New(0);
   for (Py_ssize_t i = start; handed_back != NULL && i < stop; i++) {
@@ -479,16 +479,6 @@ release_dims:
 release_labels:
   PyBuffer_Release(&labels);
   return NULL;
-}
-
-/* wait(microseconds): a GIL-free wait, standing in for pixel work in benchmarks. */
-static PyObject *wait(PyObject *self, PyObject *args) {
-  double us;
-  if (!PyArg_ParseTuple(args, "d", &us)) return NULL;
-  Py_BEGIN_ALLOW_THREADS
-  if (us > 0) sleep_ns((long)(us * 1000));
-  Py_END_ALLOW_THREADS
-  Py_RETURN_NONE;
 }
 
 static PyObject *decode_crop(PyObject *self, PyObject *args) {
@@ -538,7 +528,6 @@ static PyMethodDef methods[] = {
     {"decode_batch", decode_batch, METH_VARARGS,
      "decode_batch(records, epochs, indices, labels, dims, arena, slot_bytes, start, stop, seed, "
      "image_key, label_key, size, params, emulate_ns) -> [(i, status, message)] handed back"},
-    {"wait", wait, METH_VARARGS, "wait(microseconds): sleep without the GIL (benchmarks)"},
     {"header", header, METH_VARARGS, "header(data) -> (height, width) of a JPEG"},
     {"decode_crop", decode_crop, METH_VARARGS,
      "decode_crop(data, y, x, h, w, scale_denom, fast_dct=False) -> (rgb bytes, height, width)"},

@@ -143,13 +143,20 @@ def dct_scale(box: Box, size: int) -> int:
   return 1
 
 
+def interpolation(h: int, w: int, size: int, bicubic: bool = False) -> int:
+  """OpenCV's filter for an h x w -> size x size resize: area averaging when shrinking by
+  more than 2x, else bilinear (or bicubic)."""
+  if min(h, w) > 2 * size:
+    return cv2.INTER_AREA
+  return cv2.INTER_CUBIC if bicubic else cv2.INTER_LINEAR
+
+
 def resize(image: np.ndarray, size: int, out: np.ndarray | None = None, *,
            bicubic: bool = False) -> np.ndarray:
-  """Resizes to size x size (into `out` if given): bilinear (or bicubic), or area averaging
-  when shrinking by more than 2x."""
-  interp = (cv2.INTER_AREA if min(image.shape[:2]) > 2 * size
-            else cv2.INTER_CUBIC if bicubic else cv2.INTER_LINEAR)
-  return cv2.resize(np.ascontiguousarray(image), (size, size), dst=out, interpolation=interp)
+  """Resizes to size x size (into `out` if given), with `interpolation`'s filter."""
+  h, w = image.shape[:2]
+  return cv2.resize(np.ascontiguousarray(image), (size, size), dst=out,
+                    interpolation=interpolation(h, w, size, bicubic))
 
 
 def resize_shorter(image: np.ndarray, size: int) -> np.ndarray:

@@ -23,6 +23,7 @@ import os
 import threading
 from collections.abc import Sequence
 
+import cv2
 import numpy as np
 from absl import logging
 from grain.multiprocessing import SharedMemoryArray
@@ -31,9 +32,10 @@ from pipeline import augment, decode, records
 from pipeline.sampling import PAD, Sampler
 from pipeline.source import CorruptRecordsError, ShardedSource
 
-# Benchmarks only: "D[,R]" replaces each image's decode by a GIL-free wait of D microseconds
-# inside the native call and its resize by a wait of R (one call per image, as the resize),
-# everything else staying real: one process's ceiling on a host with many more cores.
+# Benchmarks only: "D[,R]" replaces each image's decode and resize by GIL-free waits of D + R
+# microseconds, taken once per chunk inside the native call (as its pixel work would be);
+# everything else stays real, the per-image resize call included (on a 1x1 window): one
+# process's ceiling on a host with many more cores.
 EMULATE_ENV = "PIPELINE_EMULATE_DECODE_US"
 SKIPPED_KEY = "_skipped"  # per-batch skip count; `pipeline.dataset` sums and removes it
 PYTHON_PATH = 1
@@ -186,20 +188,17 @@ class _Batch:
     handed_back = native.decode_batch(
         self.native_records, self.epochs, self.indices, self.labels, self.dims, arena,
         loader.slot_bytes, start, stop, loader.seed, loader.key_bytes[0], loader.key_bytes[1],
-        head.image_size, head.native_params(), loader.emulate_ns[0])
+        head.image_size, head.native_params(), loader.emulate_ns)
     todo = [slot for slot, _, _ in handed_back] + [
         s for s in self.corrupt if start <= s < stop]
     skip = set(todo)
-    for slot in range(start, stop):
-      if not self.real[slot] or slot in skip:
-        continue
-      if any(loader.emulate_ns):
-        native.wait(loader.emulate_ns[1] / 1000)
-        continue
-      h, w = self.dims[slot]
-      offset = (slot - start) * loader.slot_bytes
-      window = arena[offset:offset + h * w * 3].reshape(h, w, 3)
-      augment.resize(window, head.image_size, self.images[slot], bicubic=head.bicubic)
+    real, dims = self.real[start:stop].tolist(), self.dims[start:stop].tolist()
+    size, bicubic, slot_bytes = head.image_size, head.bicubic, loader.slot_bytes
+    for k, (h, w) in enumerate(dims):  # the per-image Python: a view and one OpenCV call
+      if real[k] and start + k not in skip:
+        window = arena[k * slot_bytes:k * slot_bytes + h * w * 3].reshape(h, w, 3)
+        cv2.resize(window, (size, size), dst=self.images[start + k],
+                   interpolation=augment.interpolation(h, w, size, bicubic))
     return todo
 
   def _python_slot(self, slot: int) -> None:
@@ -263,12 +262,10 @@ class _Batch:
     return batch
 
 
-def _emulation() -> tuple[int, int]:
-  """(decode, resize) nanoseconds from EMULATE_ENV; (0, 0) when unset."""
+def _emulation() -> int:
+  """Nanoseconds of pixel work per image from EMULATE_ENV ("D[,R]": D + R); 0 when unset."""
   value = os.environ.get(EMULATE_ENV, "")
-  parts = [float(v) for v in value.split(",") if v.strip()] if value else []
-  decode_us, resize_us = (parts + [0.0, 0.0])[:2]
-  return int(decode_us * 1000), int(resize_us * 1000)
+  return int(sum(float(v) for v in value.split(",") if v.strip()) * 1000)
 
 
 def _read(source: ShardedSource, indices: np.ndarray) -> list:
