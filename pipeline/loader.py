@@ -1,19 +1,20 @@
-"""Loads one batch: a batched read, then the native decode path on a few threads.
+"""Loads one batch: the native decode path on a few threads, a chunk of the batch each.
 
 `BatchLoader(batch_index)` is the one map of the Grain chain (a fused read + map + batch):
 
 1. the sampler gives the batch's (epoch, record index) pairs, vectorized;
-2. one batched ArrayRecord read per shard;
-3. the batch is cut into a few chunks, one per thread task; each chunk is ONE call into
-   `_jpeg.decode_batch`, which holds no GIL while it parses every Example, draws every crop
-   window from (seed, epoch, index), decodes the windows and resizes them straight into the
-   batch array (allocated in shared memory when a Grain worker process will send it);
-4. what the native path hands back (other formats, odd records, errors; everything when the
+2. the batch is cut into a few chunks, one per thread task, so reads run in parallel too;
+   each chunk reads its records (one batched ArrayRecord read per shard), then makes ONE
+   call into `_jpeg.decode_batch`, which holds no GIL while it parses every Example, draws
+   every crop window and flip from (seed, epoch, index) and decodes the windows (mirrored)
+   into this thread's arena; each window is then resized by OpenCV straight into its slot of
+   the batch array (allocated in shared memory when a Grain worker process will send it);
+3. what the native path hands back (other formats, odd records, errors; everything when the
    extension is missing or a RAM cache is on) takes the per-image Python path, which draws
    the same windows;
-5. labels are range-checked at once, then custom per-image ops, extra features and batch ops.
+4. labels are range-checked at once, then custom per-image ops, extra features and batch ops.
 
-So the Python per image is a few list and array accesses; what is left per batch is fixed.
+So the Python per image is a view and one OpenCV call; what is left per batch is fixed.
 """
 
 from __future__ import annotations
@@ -146,9 +147,8 @@ class _Batch:
     self.dims = np.zeros((n, 2), np.int32)
     self.real = indices != PAD
     self.bad = np.zeros(n, bool)
-    self.records = _read(loader.source, indices)
-    self.native_records = [r if isinstance(r, bytes) else None for r in self.records]
-    self.corrupt = [s for s, r in enumerate(self.records) if isinstance(r, CorruptRecordsError)]
+    self.records: list = [None] * n  # each chunk reads its own: reads run in parallel too
+    self.native_records: list = [None] * n
     self.features = None
     if loader.features:
       from pipeline import features as features_lib
@@ -168,6 +168,9 @@ class _Batch:
   def load(self, start: int, stop: int) -> None:
     """Slots [start, stop): the native path, then the Python path for what it hands back."""
     loader = self.loader
+    got = _read(loader.source, self.indices[start:stop])
+    self.records[start:stop] = got
+    self.native_records[start:stop] = [r if isinstance(r, bytes) else None for r in got]
     todo = range(start, stop)
     native = decode.native()
     if native is not None and not loader.cache_bytes:
@@ -190,7 +193,7 @@ class _Batch:
         loader.slot_bytes, start, stop, loader.seed, loader.key_bytes[0], loader.key_bytes[1],
         head.image_size, head.native_params(), loader.emulate_ns)
     todo = [slot for slot, _, _ in handed_back] + [
-        s for s in self.corrupt if start <= s < stop]
+        s for s in range(start, stop) if isinstance(self.records[s], CorruptRecordsError)]
     skip = set(todo)
     real, dims = self.real[start:stop].tolist(), self.dims[start:stop].tolist()
     size, bicubic, slot_bytes = head.image_size, head.bicubic, loader.slot_bytes

@@ -23,6 +23,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipeline
+from pipeline import manifest
 from pipeline.dataset import BadRecordError
 from pipeline.source import ShardedSource
 
@@ -111,9 +112,10 @@ def flip_byte_in_record(data_dir: pathlib.Path, index: int) -> None:
   shard.write_bytes(bytes(data))
 
 
-def eval_dataset(data, on_error: str = "raise") -> grain.IterDataset:
+def eval_dataset(data, on_error: str = "raise", verify: str = "size") -> grain.IterDataset:
   return pipeline.make_dataset(data,
                                "validation",
+                               verify=verify,
                                batch_size=16,
                                train=False,
                                image_size=16,
@@ -134,8 +136,10 @@ def test_a_truncated_shard_fails_its_first_read_naming_the_shard(damaged, on_err
   """Not a bad record but a bad file: it raises whatever `on_error` says."""
   shard = damaged / SHARD
   os.truncate(shard, shard.stat().st_size * 2 // 3)
-  it = iter(eval_dataset(damaged, on_error))
-  with pytest.raises(OSError, match=SHARD):
+  with pytest.raises(manifest.ManifestError, match=SHARD):  # its size, checked at open
+    eval_dataset(damaged, on_error)
+  it = iter(eval_dataset(damaged, on_error, verify="none"))
+  with pytest.raises(OSError, match=SHARD):  # unchecked: its first read
     next(it)
 
 
