@@ -197,9 +197,13 @@ class _Batch:
     skip = set(todo)
     real, dims = self.real[start:stop].tolist(), self.dims[start:stop].tolist()
     size, bicubic, slot_bytes = head.image_size, head.bicubic, loader.slot_bytes
+    emulated = np.empty((1, 1, 3), np.uint8) if loader.emulate_ns else None
     for k, (h, w) in enumerate(dims):  # the per-image Python: a view and one OpenCV call
       if real[k] and start + k not in skip:
         window = arena[k * slot_bytes:k * slot_bytes + h * w * 3].reshape(h, w, 3)
+        if emulated is not None:  # the call without its pixel work (waited for above)
+          cv2.resize(window, (1, 1), dst=emulated)
+          continue
         cv2.resize(window, (size, size), dst=self.images[start + k],
                    interpolation=augment.interpolation(h, w, size, bicubic))
     return todo

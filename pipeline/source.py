@@ -16,7 +16,7 @@ import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
-READER_OPTIONS = "readahead_buffer_size:0"  # random access: no read-ahead
+READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"  # random access, read on our threads
 
 
 class CorruptRecordsError(OSError):
