@@ -17,8 +17,8 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def train_cmd(workdir, data_dir, *overrides):
   return [sys.executable, "-m", "train", "--config", str(ROOT / "configs/default.py"),
-          "--workdir", str(workdir), f"--config.data_dir={data_dir}",
-          "--config.batch_size=32", "--config.log_every=2", "--config.eval_every=1000",
+          "--workdir", str(workdir), f"--config.input.data_dir={data_dir}",
+          "--config.batch_size=32", "--config.log_every=2", "--config.eval_every_steps=1000",
           "--config.synthetic_steps=2", *overrides]
 
 
@@ -49,7 +49,7 @@ def test_input_bound_verdict_uses_the_profiler_thresholds():
 
 
 def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path):
-  steps = ["--config.num_steps=12", "--config.checkpoint_every=4"]
+  steps = ["--config.num_steps=12", "--config.checkpoint_every_steps=4"]
   subprocess.run(train_cmd(tmp_path / "whole", digits_dir, *steps), env=env(), check=True,
                  capture_output=True, cwd=ROOT, timeout=600)
 
@@ -69,7 +69,7 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path
 
 
 def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(digits_dir, tmp_path):
-  steps = ["--config.num_steps=400", "--config.checkpoint_every=1000"]
+  steps = ["--config.num_steps=400", "--config.checkpoint_every_steps=1000"]
   proc = subprocess.Popen(train_cmd(tmp_path, digits_dir, *steps), env=env(), cwd=ROOT,
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
   lines = []
@@ -87,12 +87,12 @@ def test_short_run_on_eight_devices(digits_dir, tmp_path):
   from configs import default
 
   config = default.get_config()
-  config.data_dir = str(digits_dir)
+  config.input.data_dir = str(digits_dir)
   config.batch_size = 32
   config.num_steps = 4
   config.log_every = 2
-  config.eval_every = 1000
-  config.checkpoint_every = 1000
+  config.eval_every_steps = 1000
+  config.checkpoint_every_steps = 1000
   config.synthetic_steps = 1
   result = train.train_and_evaluate(config, tmp_path)
   assert result["devices"] == 8 and result["steps"] == 4

@@ -13,6 +13,7 @@ import logging as pylogging
 import os
 import re
 import sys
+import traceback
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -76,7 +77,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     flags.FLAGS.verbosity = logging.WARNING  # no Orbax INFO flood; --verbosity=0 shows it
     logging.get_absl_logger().addFilter(quiet_orbax)
     pylogging.getLogger("asyncio").setLevel(pylogging.CRITICAL)  # Orbax's unread futures
-    sys.unraisablehook = quiet_closed_loop
+    sys.unraisablehook = quiet_orbax_leftovers
   return rest
 
 
@@ -86,13 +87,15 @@ def quiet_orbax(record) -> bool:
   return f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
-def quiet_closed_loop(unraisable):
-  """Drops the tracebacks TensorStore reports when writes of a failed Orbax save finish after
-  its event loop closed (hundreds of them); anything else is reported as usual."""
-  value = unraisable.exc_value
-  if isinstance(value, RuntimeError) and str(value) == "Event loop is closed":
-    return
-  sys.__unraisablehook__(unraisable)
+def quiet_orbax_leftovers(unraisable):
+  """Drops what Orbax's aborted operations leave behind after a failed save or restore, which
+  the trainer reports itself: TensorStore callbacks into a closed event loop and coroutines
+  that died with the error (hundreds of tracebacks). Anything else is reported as usual."""
+  value, tb = unraisable.exc_value, unraisable.exc_traceback
+  closed_loop = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+  files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb)]
+  if not (closed_loop or any(f"{os.sep}orbax{os.sep}" in f for f in files)):
+    sys.__unraisablehook__(unraisable)
 
 
 def main(argv):

@@ -292,8 +292,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if profile and step == profile[1] and is_chief:
         jax.profiler.stop_trace()
 
+      stopping = stop.requested  # read once: a signal may land at any moment
       log_now = step % config.log_every == 0 or step == plan.num_steps
-      save_now = step % plan.checkpoint_every == 0 or stop.requested
+      save_now = step % plan.checkpoint_every == 0 or stopping
       eval_now = step % plan.eval_every == 0 and step < plan.num_steps
       if log_now or save_now or eval_now:
         jax.block_until_ready(state)  # the steps' compute belongs to the window
@@ -319,7 +320,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if save_now:
         with window.pause():
           ckpt.save(step, state, train_it)
-      if stop.requested:
+      if stopping:
         if is_chief:
           print(f"{signal.Signals(stop.signum).name}: saved checkpoint at step {step}; "
                 "re-run the command to resume", flush=True)
