@@ -83,7 +83,7 @@ def parse_flags(argv: list[str]) -> list[str]:
 
 def quiet_orbax(record) -> bool:
   """Drops Orbax's own log lines: its failures reach the trainer as exceptions, reported in
-  one line (a failed save logged ~800 lines of tracebacks from its threads)."""
+  one line (a failed save logged hundreds of lines of tracebacks from its threads)."""
   return f"{os.sep}orbax{os.sep}" not in record.pathname
 
 
