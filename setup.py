@@ -23,7 +23,8 @@ class OptionalBuildExt(build_ext):
 
 
 setup(
-    ext_modules=[Extension("pipeline._jpeg", ["pipeline/_jpeg.c"],
-                           extra_compile_args=["-O3"], optional=True)],
-    cmdclass={"build_ext": OptionalBuildExt},
+  ext_modules=[
+    Extension("pipeline._jpeg", ["pipeline/_jpeg.c"], extra_compile_args=["-O3"], optional=True)
+  ],
+  cmdclass={"build_ext": OptionalBuildExt},
 )

@@ -6,14 +6,15 @@ import sys
 MODULES = {"convert": "convert_speed", "device": "device_feed"}  # command -> module
 
 COMMANDS = {
-    "throughput": "the pipeline's images/s, first batch, peak RSS, per-stage costs",
-    "peers": "the pipeline vs tf.data (tuned per its guide), same photos, one table",
-    "device": "host pipeline alone vs through the device-put prefetch iterator",
-    "storage": "one file per image vs ArrayRecord shards, sequential and random, warm/cold",
-    "ceiling": "the cores' raw JPEG decode rate (full and DCT-scaled) on the same photos",
-    "convert": "conversion images/s and MB/s vs a sequential converter",
-    "study": "the tf.data guide's artificial study, rebuilt on Grain, with timelines",
-    "all": "everything above on one dataset; writes REPORT.md",
+  "throughput": "the pipeline's images/s, first batch, peak RSS, per-stage costs",
+  "peers": "the pipeline vs tf.data (tuned per its guide), same photos, one table",
+  "device": "host pipeline alone vs through the device-put prefetch iterator",
+  "storage": "one file per image vs ArrayRecord shards, sequential and random, warm/cold",
+  "ceiling": "the cores' raw JPEG decode rate (full and DCT-scaled) on the same photos",
+  "convert": "conversion images/s and MB/s vs a sequential converter",
+  "study": "the tf.data guide's artificial study, rebuilt on Grain, with timelines",
+  "scaling": "one process's ceiling (GIL), worker costs, projected img/s on many-core hosts",
+  "all": "everything above on one dataset; writes REPORT.md",
 }
 
 

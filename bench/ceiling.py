@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import os
+import sys
 import time
 from collections.abc import Callable
 
@@ -21,10 +22,10 @@ import numpy as np
 import simplejpeg
 import tqdm
 
+from bench import measure
 from pipeline import decode, records
 from pipeline import manifest as manifest_lib
-from bench import measure
-from pipeline.dataset import default_threads
+from pipeline.parallelism import available_cores
 
 SCALES = (1, 2)
 
@@ -33,7 +34,8 @@ def load_jpegs(data_dir: str, split: str, limit: int | None) -> list[bytes]:
   """The split's first `limit` images as encoded bytes (JPEG only)."""
   meta = manifest_lib.load(data_dir)
   source = grain.sources.ArrayRecordDataSource(
-      [os.fspath(p) for p in meta.shard_paths(data_dir, split)])
+    [os.fspath(p) for p in meta.shard_paths(data_dir, split)]
+  )
   n = len(source) if limit is None else min(limit, len(source))
   images = [records.parse(r, meta.keys)[0] for r in source.__getitems__(list(range(n)))]
   jpegs = [d for d in images if d[:3] == b"\xff\xd8\xff"]
@@ -45,15 +47,18 @@ def load_jpegs(data_dir: str, split: str, limit: int | None) -> list[bytes]:
 def decoders() -> dict[str, Callable[[bytes, tuple[int, int], int], np.ndarray]]:
   """name -> fn(jpeg, (h, w), scale) returning the image decoded at 1/scale."""
   return {
-      "pipeline._jpeg": lambda d, hw, s: decode.decode_crop(d, (0, 0, *hw), s),
-      "simplejpeg": lambda d, hw, s: simplejpeg.decode_jpeg(
-          d, colorspace="RGB", min_height=hw[0] // s, min_width=hw[1] // s),
+    "pipeline._jpeg": lambda d, hw, s: decode.decode_crop(d, (0, 0, *hw), s),
+    "simplejpeg": lambda d, hw, s: simplejpeg.decode_jpeg(
+      d, colorspace="RGB", min_height=hw[0] // s, min_width=hw[1] // s
+    ),
   }
 
 
-def decode_rate(fn: Callable, jpegs: list[bytes], sizes: list[tuple[int, int]], scale: int,
-                threads: int) -> float:
+def decode_rate(
+  fn: Callable, jpegs: list[bytes], sizes: list[tuple[int, int]], scale: int, threads: int
+) -> float:
   """Images/s decoding every JPEG once, split evenly over `threads` threads."""
+
   def work(k: int) -> None:
     for i in range(k, len(jpegs), threads):
       fn(jpegs[i], sizes[i], scale)
@@ -74,25 +79,46 @@ def measure_ceiling(jpegs: list[bytes], threads: int, repeats: int = 2) -> dict:
   todo = [(n, s, t) for n in decoders() for s in SCALES for t in thread_counts]
   for name, scale, t in tqdm.tqdm(todo, desc="ceiling", unit="run"):
     rate = max(decode_rate(decoders()[name], jpegs, sizes, scale, t) for _ in range(repeats))
-    rows.append({"decoder": name, "scale": f"1/{scale}", "threads": t,
-                 "images_per_sec": round(rate, 1),
-                 "megapixels_per_sec": round(rate * mpix, 1)})
-  best = {f"1/{s}": max(r["images_per_sec"] for r in rows
-                        if r["scale"] == f"1/{s}" and r["threads"] == threads) for s in SCALES}
-  return {"images": len(jpegs), "mean_megapixels": round(mpix, 3), "threads": threads,
-          "rows": rows, "ceiling_images_per_sec": best}
+    rows.append(
+      {
+        "decoder": name,
+        "scale": f"1/{scale}",
+        "threads": t,
+        "images_per_sec": round(rate, 1),
+        "megapixels_per_sec": round(rate * mpix, 1),
+      }
+    )
+  best = {
+    f"1/{s}": max(
+      r["images_per_sec"] for r in rows if r["scale"] == f"1/{s}" and r["threads"] == threads
+    )
+    for s in SCALES
+  }
+  return {
+    "images": len(jpegs),
+    "mean_megapixels": round(mpix, 3),
+    "threads": threads,
+    "rows": rows,
+    "ceiling_images_per_sec": best,
+  }
 
 
 def table(result: dict) -> str:
   lines = ["| decoder | scale | threads | images/s | source MP/s |", "|---|---|---:|---:|---:|"]
-  lines += [f"| {r['decoder']} | {r['scale']} | {r['threads']} | {r['images_per_sec']:.0f} | "
-            f"{r['megapixels_per_sec']:.0f} |" for r in result["rows"]]
+  lines += [
+    f"| {r['decoder']} | {r['scale']} | {r['threads']} | {r['images_per_sec']:.0f} | "
+    f"{r['megapixels_per_sec']:.0f} |"
+    for r in result["rows"]
+  ]
   return "\n".join(lines)
 
 
 def main(argv: list[str]) -> dict:
-  p = argparse.ArgumentParser(prog="python -m pipeline.bench ceiling", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m pipeline.bench ceiling",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("data_dir", help="a converted dataset (manifest.json + shards)")
   p.add_argument("--split", default="train")
   p.add_argument("--images", type=int, default=400, help="JPEGs decoded per run")
@@ -101,19 +127,20 @@ def main(argv: list[str]) -> dict:
   p.add_argument("--json", help="write the figures to this file")
   args = p.parse_args(argv)
   jpegs = load_jpegs(args.data_dir, args.split, args.images)
-  result = measure_ceiling(jpegs, args.threads or default_threads(), args.repeats)
-  result.update(machine=measure.machine(),
-                command="python -m pipeline.bench ceiling " + " ".join(argv))
+  result = measure_ceiling(jpegs, args.threads or available_cores(), args.repeats)
+  result.update(
+    machine=measure.machine(), command="python -m pipeline.bench ceiling " + " ".join(argv)
+  )
   print(table(result))
-  print(f"ceiling ({result['threads']} threads): " + ", ".join(
-      f"{k} {v:.0f} img/s" for k, v in result["ceiling_images_per_sec"].items())
-        + f"   [{result['machine']}]")
+  print(
+    f"ceiling ({result['threads']} threads): "
+    + ", ".join(f"{k} {v:.0f} img/s" for k, v in result["ceiling_images_per_sec"].items())
+    + f"   [{result['machine']}]"
+  )
   if args.json:
     measure.write_json(args.json, result)
   return result
 
 
 if __name__ == "__main__":
-  import sys
-
-  main(sys.argv[1:])
+  measure.run_cli(main, sys.argv[1:])

@@ -20,9 +20,9 @@ import time
 import psutil
 from PIL import Image
 
+from bench import measure
 from pipeline import manifest as manifest_lib
 from pipeline import records
-from bench import measure
 from pipeline.convert import images, shards
 
 
@@ -78,14 +78,25 @@ def _timed(run) -> tuple[float, float, int]:
 
 
 def main(argv: list[str]) -> dict:
-  p = argparse.ArgumentParser(prog="python -m pipeline.bench convert", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m pipeline.bench convert",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("src", help="image folder SRC/CLASS/IMAGE, or a converted dataset folder")
-  p.add_argument("--workers", type=int, default=os.cpu_count(),
-                 help="worker processes for ours (default: all cores)")
+  p.add_argument(
+    "--workers",
+    type=int,
+    default=os.cpu_count(),
+    help="worker processes for ours (default: all cores)",
+  )
   p.add_argument("--repeats", type=int, default=2, help="runs per contender; best is kept")
-  p.add_argument("--shard-size-mb", type=float, default=8,
-                 help="default 8 (as `make data`): more shards than workers, as for ImageNet")
+  p.add_argument(
+    "--shard-size-mb",
+    type=float,
+    default=8,
+    help="default 8 (as `make data`): more shards than workers, as for ImageNet",
+  )
   p.add_argument("--json", help="also write the figures to this file")
   args = p.parse_args(argv)
   src = _source(args.src)
@@ -97,12 +108,17 @@ def main(argv: list[str]) -> dict:
       total_bytes += len(f.read())
 
   contenders = {
-      "sequential (Pillow full decode, 1 process)": lambda out: sequential_convert(
-          src, out, args.shard_size_mb),
-      "pipeline.convert, 1 worker": lambda out: _count(images.convert(
-          src, out, shard_size_mb=args.shard_size_mb, workers=1, progress=False)),
-      f"pipeline.convert, {args.workers} workers": lambda out: _count(images.convert(
-          src, out, shard_size_mb=args.shard_size_mb, workers=args.workers, progress=False)),
+    "sequential (Pillow full decode, 1 process)": lambda out: sequential_convert(
+      src, out, args.shard_size_mb
+    ),
+    "pipeline.convert, 1 worker": lambda out: _count(
+      images.convert(src, out, shard_size_mb=args.shard_size_mb, workers=1, progress=False)
+    ),
+    f"pipeline.convert, {args.workers} workers": lambda out: _count(
+      images.convert(
+        src, out, shard_size_mb=args.shard_size_mb, workers=args.workers, progress=False
+      )
+    ),
   }
   rows = {}
   load = os.getloadavg()[0]
@@ -112,22 +128,37 @@ def main(argv: list[str]) -> dict:
       with tempfile.TemporaryDirectory(prefix="bench-convert-") as out:
         runs.append(_timed(lambda: run(out)))  # noqa: B023 (called at once)
     wall, cpu, count = min(runs)
-    rows[name] = {"seconds": wall, "cpu_seconds": cpu, "images": count,
-                  "images_per_s": count / wall, "mb_per_s": total_bytes / wall / 1e6,
-                  "images_per_cpu_s": count / cpu}
+    rows[name] = {
+      "seconds": wall,
+      "cpu_seconds": cpu,
+      "images": count,
+      "images_per_s": count / wall,
+      "mb_per_s": total_bytes / wall / 1e6,
+      "images_per_cpu_s": count / cpu,
+    }
   base = next(iter(rows.values()))
-  print(f"Conversion of {len(paths)} images ({total_bytes / 1e6:.0f} MB) from `{src}`, "
-        f"best of {args.repeats}; {measure.machine()}; load average {load:.1f} at the start."
-        "\nCPU seconds count every process (workers included): on a busy machine they show "
-        "the work done where wall time shows the share of the cores it got.\n")
+  print(
+    f"Conversion of {len(paths)} images ({total_bytes / 1e6:.0f} MB) from `{src}`, "
+    f"best of {args.repeats}; {measure.machine()}; load average {load:.1f} at the start."
+    "\nCPU seconds count every process (workers included): on a busy machine they show "
+    "the work done where wall time shows the share of the cores it got.\n"
+  )
   print("| converter | seconds | images/s | MB/s | speed-up | CPU s | images/CPU s |")
   print("|---|---:|---:|---:|---:|---:|---:|")
   for name, r in rows.items():
-    print(f"| {name} | {r['seconds']:.2f} | {r['images_per_s']:.0f} | {r['mb_per_s']:.1f} | "
-          f"{base['seconds'] / r['seconds']:.2f}x | {r['cpu_seconds']:.2f} | "
-          f"{r['images_per_cpu_s']:.0f} |")
-  result = {"source": src, "images": len(paths), "bytes": total_bytes,
-            "workers": args.workers, "machine": measure.machine(), "rows": rows}
+    print(
+      f"| {name} | {r['seconds']:.2f} | {r['images_per_s']:.0f} | {r['mb_per_s']:.1f} | "
+      f"{base['seconds'] / r['seconds']:.2f}x | {r['cpu_seconds']:.2f} | "
+      f"{r['images_per_cpu_s']:.0f} |"
+    )
+  result = {
+    "source": src,
+    "images": len(paths),
+    "bytes": total_bytes,
+    "workers": args.workers,
+    "machine": measure.machine(),
+    "rows": rows,
+  }
   if args.json:
     measure.write_json(args.json, result)
   return result
@@ -135,4 +166,3 @@ def main(argv: list[str]) -> dict:
 
 def _count(m: manifest_lib.Manifest) -> int:
   return sum(s.num_records for s in m.splits.values())
-

@@ -2,20 +2,25 @@
 
     python -m pipeline.doctor data/photos --batch-size 128 --step-ms 100
     python -m pipeline.doctor --config configs/default.py --apply configs/default_tuned.py
+    python -m pipeline.doctor data/photos --cores 224        # for a host you are not on
 
-Times each stage of the configured pipeline alone on one thread (read, parse, decode,
-augment, batch: wall and CPU milliseconds per image), then runs the whole pipeline for a
-few seconds (and, with --step-ms, beside a simulated train step to measure the input wait).
-A small model of `make_dataset` turns the stage costs into the rate each resource allows:
+Times each stage alone on one thread through the library's functions (read: batched reads
+of the split's shards; parse; decode: header, crop window, crop-aware decode; augment:
+resize and flip into the batch; wall and CPU ms per image), then runs the whole
+`make_dataset` pipeline for a few seconds (and, with --step-ms, beside a simulated train
+step to measure the input wait), then once more on 16 threads with decode and resize
+replaced by GIL-free waits of their length: the rate where the GIL binds gives the time
+each image holds it ("python"). These costs feed `pipeline.parallelism`'s host model
+(threads, GIL, cores, worker processes' transfer; see there) plus one limit of the
+loader's own:
 
-    threads:  T / W_wall              T decode threads share the per-image work W
-    cores:    C / (R_cpu + W_cpu)     all C cores busy
-    prefetch: P / (R_wall + W_wall/T) each of P prefetch threads reads its batch, then waits
-                                      for the decode threads to finish it
+    prefetch: P / (R + W / T)   each of P prefetch threads reads its batch (R per image),
+                                then waits for its T decode threads (W per image)
 
-where R is the read and W = parse + decode + augment + batch per image. The smallest names
-the limit, its largest stage the bottleneck, and re-evaluating the model with other
-settings gives each recommendation's expected gain. `--apply` writes them as a config file.
+The smallest limit names the resource, its largest stage the bottleneck, and re-evaluating
+the model with other settings gives each recommendation's expected gain; `--cores N`
+evaluates it for a host of N cores. `--apply` writes the settings into a config's `input`
+block (`make_dataset`'s keywords).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import os
 import pathlib
 import sys
 import time
+import traceback
 from collections.abc import Callable, Iterator
 
 import grain
@@ -36,49 +42,98 @@ import ml_collections
 import numpy as np
 import psutil
 
-from bench import timeline
-from pipeline import augment, decode, records
-from bench import measure
-from pipeline.dataset import BatchLoader, Transform, default_threads, make_dataset
+import pipeline
+from bench import measure, timeline
+from pipeline import augment, decode, options, parallelism, records
+from pipeline import manifest as manifest_lib
+from pipeline.loader import EMULATE_ENV as EMULATE
+from pipeline.source import ShardedSource
 
-MAP_STAGES = ("parse", "decode", "augment", "batch")
-LIMITS = ("cores", "threads", "prefetch")  # tie order: the hardware limit first
-CONFIG_FIELDS = ("data_dir", "train_split", "batch_size", "image_size", "num_threads",
-                 "prefetch", "cache_mb", "area_range", "flip", "seed")
+STAGES = ("read", "parse", "decode", "augment")
+GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
+LIMITS = ("cores", "gil", "threads", "prefetch", "receive")  # ties: hardware first
 MAX_PREFETCH = 16
+REFERENCE_PIXELS = 224 * 224  # the image size parallelism.COSTS were measured at
+CEILING_THREADS = 16  # threads of the emulated run that measures the GIL-held time
+
+
+class UsageError(ValueError):
+  """A mistake in the command line or the config: one line, exit 2."""
 
 
 @dataclasses.dataclass
 class Settings:
-  """The data fields of a config (same names), plus `dct_scaling` (make_dataset's default)."""
+  """What the doctor runs: `make_dataset`'s keywords (a config's `input` block) and the
+  batch size of this process."""
 
   data_dir: str
-  train_split: str = "train"
+  split: str = "train"
   batch_size: int = 128
   image_size: int = 224
-  num_threads: int = 0  # 0: one per core
-  prefetch: int = 2
-  cache_mb: float = 0.0
-  area_range: tuple[float, float] = (0.08, 1.0)
-  flip: bool = True
   seed: int = 0
-  dct_scaling: bool = True
+  augment: dict = dataclasses.field(default_factory=dict)  # pipeline.Augment fields
+  performance: dict = dataclasses.field(default_factory=dict)  # pipeline.Performance fields
+  other: dict = dataclasses.field(default_factory=dict)  # any other make_dataset keyword
 
   @property
-  def threads(self) -> int:
-    return self.num_threads or default_threads()
+  def aug(self) -> pipeline.Augment:
+    return options.coerce(pipeline.Augment, self.augment)
+
+  @property
+  def perf(self) -> pipeline.Performance:
+    return options.coerce(pipeline.Performance, self.performance)
+
+  def head(self, **change) -> augment.Head:
+    """The loader's per-image head for these settings (train)."""
+    a, p = self.aug, self.perf
+    fields = dict(
+      image_size=self.image_size,
+      area_range=a.area_range,
+      aspect_range=a.aspect_range,
+      flip=a.flip,
+      crop_fraction=a.eval_fraction(self.image_size),
+      bicubic=a.interpolation == "bicubic",
+      dct_scaling=p.dct_scaling,
+      fast_dct=p.fast_dct,
+    )
+    return augment.Head(**{**fields, **change})
+
+  @property
+  def batch_bytes(self) -> int:
+    return self.batch_size * self.image_size**2 * 3
+
+  def plan(self, cores: int, memory_bytes: int | None = None) -> parallelism.Plan:
+    """The workers x threads `make_dataset` runs with on a host of `cores` cores."""
+    p = self.perf
+    return parallelism.plan(
+      cores,
+      num_workers=p.num_workers,
+      num_threads=p.num_threads,
+      batch_size=self.batch_size,
+      image_bytes=self.image_size**2 * 3,
+      prefetch=p.prefetch,
+      memory_bytes=memory_bytes,
+    )
+
+  def check(self) -> None:
+    """Raises ValueError naming a bad augment or performance field or value."""
+    options.coerce(pipeline.Augment, self.augment)
+    options.coerce(pipeline.Performance, self.performance)
 
   def dataset(self) -> grain.IterDataset:
-    return make_dataset(self.data_dir,
-                        self.train_split,
-                        batch_size=self.batch_size,
-                        train=True,
-                        seed=self.seed,
-                        image_size=self.image_size,
-                        shard_index=0,
-                        shard_count=1,
-                        performance=dict(num_threads=self.threads, prefetch=self.prefetch, cache_mb=self.cache_mb, dct_scaling=self.dct_scaling),
-                        augment=dict(area_range=tuple(self.area_range), flip=self.flip))
+    return pipeline.make_dataset(
+      self.data_dir,
+      self.split,
+      batch_size=self.batch_size,
+      train=True,
+      seed=self.seed,
+      image_size=self.image_size,
+      shard_index=0,
+      shard_count=1,
+      augment=self.augment,
+      performance=self.performance,
+      **self.other,
+    )
 
 
 @dataclasses.dataclass
@@ -106,8 +161,24 @@ class Run:
   first_batch_s: float
   images: int
   seconds: float
-  cores_busy: float  # process CPU time / (wall time x cores)
+  cpu_ms_per_image: float  # this process and its worker processes
   wait_share: float | None = None  # with a simulated step: time blocked in next() / total
+
+
+@dataclasses.dataclass
+class Measurements:
+  """What the doctor measured on this machine."""
+
+  cores: int
+  load_average: float
+  num_records: int
+  num_shards: int
+  costs: dict[str, Cost]
+  cache_bytes_per_image: float
+  dct_share: float  # share of crops decoded with DCT scaling
+  run: Run
+  consumer_run: Run | None = None
+  python_us: float | None = None  # GIL-held time per image (emulated ceiling; native path)
 
 
 @dataclasses.dataclass
@@ -118,20 +189,20 @@ class Recommendation:
   expected_images_per_sec: float
   gain: float
   why: str
+  writes: dict  # config.input paths -> values, e.g. {"performance.prefetch": 8}
 
 
 @dataclasses.dataclass
 class Diagnosis:
   settings: Settings
-  cores: int
-  load_average: float
-  num_records: int
-  num_shards: int
-  costs: dict[str, Cost]
+  cores: int  # the host diagnosed (--cores), maybe not this one
+  here: bool  # whether that host is this machine (measured) or projected
+  plan: dict  # workers and threads make_dataset runs with there
+  measured: Measurements
+  costs: dict[str, Cost]  # stages, plus "other" (the rest of the GIL-held work)
   limits: dict[str, float]  # images/s each resource allows (see the module docstring)
   predicted: float
   run: Run
-  consumer_run: Run | None
   step_ms: float | None
   bottleneck: str  # a stage, or "train step" when the input keeps up
   input_stage: str  # the stage limiting the input pipeline itself
@@ -139,17 +210,9 @@ class Diagnosis:
   recommendations: list[Recommendation]
   notes: list[str]
   cache_estimate_mb: float
-  dct_share: float  # share of crops decoded with DCT scaling
 
 
 # ---------------------------------------------------------------- stage costs
-
-
-def _decode(t: Transform, data: bytes, rng: np.random.Generator
-            ) -> tuple[np.ndarray, augment.Box]:
-  """The transform's first half: header, crop window, crop-aware decode."""
-  box = t.box(*decode.image_size(data), rng)
-  return t.decode(data, box), box
 
 
 def _queued_s() -> float:
@@ -167,6 +230,7 @@ class _Clock:
 
   def __init__(self):
     self.wall = self.cpu = self.queued = 0.0
+    self.count = 0
 
   def time(self, fn: Callable, *args):
     w, c, q = time.perf_counter(), time.process_time(), _queued_s()
@@ -176,163 +240,107 @@ class _Clock:
     self.queued += _queued_s() - q
     return out
 
-
-def find_loader(ds) -> BatchLoader:
-  """The BatchLoader inside a dataset made by `make_dataset` (walks Grain's parents)."""
-  todo = [ds]
-  while todo:
-    node = todo.pop()
-    for value in vars(node).values():
-      if isinstance(value, BatchLoader):
-        return value
-    todo.extend(getattr(node, "parents", ()))
-  raise ValueError("no BatchLoader in this dataset: the doctor diagnoses make_dataset's chain")
+  def cost(self, images: int) -> Cost:
+    return Cost(*(round(x / images * 1e3, 4) for x in (self.wall, self.cpu, self.queued)))
 
 
-def measure_costs(loader: BatchLoader, sample: int) -> tuple[dict[str, Cost], dict]:
-  """Each stage alone on one thread over the first `sample` images of the stream.
+def _decode(head: augment.Head, data: bytes, key: int) -> tuple[np.ndarray, int]:
+  """Header, crop window, crop-aware decode; returns the window and its DCT scale."""
+  box = head.box(*decode.image_size(data), key)
+  scale = head.dct_scale(box)
+  return decode.decode_crop(data, box, scale, head.fast_dct), scale
 
-  Returns the costs and facts: the decoded-cache size per image and the share of crops
-  that DCT scaling shrinks. With dct_scaling off, "decode_dct" prices turning it on.
+
+def _augment(head: augment.Head, window: np.ndarray, key: int, out: np.ndarray) -> None:
+  """Flip (a view) and resize into the batch slot."""
+  augment.resize(
+    window[:, ::-1] if head.flips(key) else window, head.image_size, out, bicubic=head.bicubic
+  )
+
+
+def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
+  """Each stage alone on one thread over `sample` records of the split, read in batches.
+
+  Returns the costs and facts: records, shards, decoded-cache bytes per image and the share
+  of crops that DCT scaling shrinks. With dct_scaling off, "decode_dct" prices turning it
+  on; "cache_fill" and "augment_cached" price the decoded-image cache.
   """
-  n = min(sample, len(loader.sampler))
-  indices = [loader.sampler.record_index(p) for p in range(n)]
-  t = loader.transform
-  extra = () if t.dct_scaling else ("decode_dct",)
-  clocks = {s: _Clock() for s in ("read", *MAP_STAGES, *extra, "cache_fill", "augment_cached")}
+  meta = manifest_lib.load(s.data_dir)
+  paths = meta.shard_paths(s.data_dir, s.split)
+  shards = meta.splits[s.split].shards
+  source = ShardedSource(paths, [x.num_records for x in shards])
+  n = min(sample, len(source))
+  indices = np.random.default_rng(s.seed).permutation(len(source))[:n].tolist()
+  keys = s.other.get("keys") or meta.keys
+  dct = s.perf.dct_scaling
+  extra = () if dct else ("decode_dct",)
+  clocks = {name: _Clock() for name in (*STAGES, *extra, "cache_fill", "augment_cached")}
+  source.read(indices[:1])  # open the shards before the clock
   recs = []
-  for k in range(0, n, loader.batch_size):
-    recs += clocks["read"].time(loader.source.read, indices[k:k + loader.batch_size])
-  images = np.zeros((min(n, loader.batch_size), t.image_size, t.image_size, 3), np.uint8)
+  for k in range(0, n, s.batch_size):
+    recs += clocks["read"].time(source.read, indices[k : k + s.batch_size])
+  head, head_dct = s.head(), s.head(dct_scaling=True)
+  out = np.empty((s.image_size, s.image_size, 3), np.uint8)
+  side = round(s.image_size / head.crop_fraction)  # the cache's shorter side
   cache_bytes, scaled = [], 0
-  side = round(t.image_size / t.crop_fraction)  # the cache's shorter side
   for k, (index, rec) in enumerate(zip(indices, recs)):
-    data = clocks["parse"].time(lambda r: records.parse(r, loader.keys)[0], rec)
-    rng = np.random.default_rng([loader.seed, 0, index])
-    crop, box = clocks["decode"].time(_decode, t, data, rng)
-    out = clocks["augment"].time(t.finish, crop, rng)
-    clocks["batch"].time(images.__setitem__, k % len(images), out)
-    scale = augment.dct_scale(box, t.image_size)
-    scaled += scale > 1
+    key = augment.example_key(s.seed, 0, index)
+    data = clocks["parse"].time(lambda r: records.parse(r, keys)[0], rec)
+    window, scale = clocks["decode"].time(_decode, head, data, key)
+    clocks["augment"].time(_augment, head, window, key, out)
     if extra:
-      clocks["decode_dct"].time(decode.decode_crop, data, box, scale)
+      scale = clocks["decode_dct"].time(_decode, head_dct, data, key)[1]
+    scaled += scale > 1
     if k < 32:  # enough to price the cache without paying a full decode for every image
       cached = clocks["cache_fill"].time(
-          lambda d: augment.resize_shorter(decode.decode(d), side), data)
-      clocks["augment_cached"].time(t.from_cache, cached, rng)
+        lambda d: augment.resize_shorter(decode.decode(d), side), data
+      )
+      clocks["augment_cached"].time(head.from_decoded, cached, key, out)
       cache_bytes.append(cached.nbytes)
-  costs = {}
-  for name, c in clocks.items():
-    count = min(n, 32) if name in ("cache_fill", "augment_cached") else n
-    costs[name] = Cost(*(round(x / count * 1e3, 4) for x in (c.wall, c.cpu, c.queued)))
-  return costs, {"cache_bytes_per_image": float(np.mean(cache_bytes)), "dct_share": scaled / n}
-
-
-# ---------------------------------------------------------------- the model
-
-
-def _work(costs: dict[str, Cost], cached: bool) -> tuple[float, float]:
-  """Per-image (wall, cpu) seconds of the decode threads' work W."""
-  stages = ("parse", "augment_cached", "batch") if cached else MAP_STAGES
-  return (sum(costs[s].active_ms for s in stages) / 1e3,
-          sum(costs[s].cpu_ms for s in stages) / 1e3)
-
-
-def model(costs: dict[str, Cost], threads: int, prefetch: int, cores: int,
-          cached: bool = False) -> dict[str, float]:
-  """Images/s each resource allows (the module docstring has the formulas)."""
-  w_wall, w_cpu = _work(costs, cached)
-  r_wall, r_cpu = costs["read"].active_ms / 1e3, costs["read"].cpu_ms / 1e3
-  tiny = 1e-9
-  return {"cores": cores / max(r_cpu + w_cpu, tiny),
-          "threads": threads / max(w_wall, tiny),
-          "prefetch": prefetch / max(r_wall + w_wall / threads, tiny)}
-
-
-def binding(limits: dict[str, float]) -> str:
-  """The limit with the lowest rate; near ties (2%) go to the hardware first."""
-  low = min(limits.values())
-  return next(k for k in LIMITS if limits[k] <= low * 1.02)
-
-
-def _stage_of(limit: str, costs: dict[str, Cost], threads: int, cached: bool) -> str:
-  """The stage to blame under `limit`: the largest share of the bound resource."""
-  map_stages = ("parse", "augment_cached", "batch") if cached else MAP_STAGES
-  if limit == "cores":
-    return max(("read", *map_stages), key=lambda s: costs[s].cpu_ms)
-  heaviest = max(map_stages, key=lambda s: costs[s].active_ms)
-  if limit == "prefetch" and costs["read"].active_ms >= _work(costs, cached)[0] * 1e3 / threads:
-    return "read"
-  return heaviest
-
-
-def _smallest(values: range, rate: Callable[[int], float], share: float = 0.95) -> int:
-  """The smallest value whose rate reaches `share` of the best rate over `values`."""
-  best = max(rate(v) for v in values)
-  return next(v for v in values if rate(v) >= share * best)
+  costs = {
+    name: c.cost(min(n, 32) if name in ("cache_fill", "augment_cached") else n)
+    for name, c in clocks.items()
+  }
+  return costs, {
+    "num_records": len(source),
+    "num_shards": len(shards),
+    "cache_bytes_per_image": float(np.mean(cache_bytes)),
+    "dct_share": scaled / n,
+  }
 
 
 # ---------------------------------------------------------------- whole pipeline
 
 
-class _TimedSource:
-  """The loader's source, each batched read recorded on the timeline."""
-
-  def __init__(self, source, recorder: timeline.Recorder):
-    self.source, self.recorder = source, recorder
-
-  def __len__(self) -> int:
-    return len(self.source)
-
-  def __getattr__(self, name):
-    if name.startswith("__") or name in ("source", "recorder"):
-      raise AttributeError(name)
-    return getattr(self.source, name)
-
-  def read(self, indices):
-    with self.recorder.span("read"):
-      return self.source.read(indices)
+def _cpu_s(procs) -> float:
+  total = 0.0
+  for p in procs:
+    try:
+      t = p.cpu_times()
+      total += t.user + t.system
+    except psutil.Error:
+      continue
+  return total
 
 
-class _TimedTransform:
-  """The loader's transform, each image's decode and augment recorded on the timeline."""
-
-  def __init__(self, transform: Transform, recorder: timeline.Recorder):
-    self.transform, self.recorder = transform, recorder
-
-  def __getattr__(self, name):
-    if name.startswith("__") or name in ("transform", "recorder"):
-      raise AttributeError(name)
-    return getattr(self.transform, name)
-
-  def __call__(self, data: bytes, rng: np.random.Generator, out=None) -> np.ndarray:
-    with self.recorder.span("decode"):
-      crop, _ = _decode(self.transform, data, rng)
-    with self.recorder.span("augment"):
-      return self.transform.finish(crop, rng, out)
-
-  def from_cache(self, image: np.ndarray, rng: np.random.Generator, out=None) -> np.ndarray:
-    with self.recorder.span("augment (cached)"):
-      return self.transform.from_cache(image, rng, out)
-
-
-def instrument(ds, recorder: timeline.Recorder) -> None:
-  """Records the read, decode and augment of `ds`'s BatchLoader on `recorder`."""
-  loader = find_loader(ds)
-  loader.source = _TimedSource(loader.source, recorder)
-  loader.transform = _TimedTransform(loader.transform, recorder)
-
-
-def measure_run(ds, seconds: float, step_s: float = 0.0,
-                recorder: timeline.Recorder | None = None, min_batches: int = 3) -> Run:
-  """Iterates `ds` for `seconds` after the first batch; sleeps `step_s` per batch if > 0."""
+def measure_run(
+  ds,
+  seconds: float,
+  step_s: float = 0.0,
+  recorder: timeline.Recorder | None = None,
+  min_batches: int = 3,
+) -> Run:
+  """Iterates `ds` for `seconds` after the first batch; sleeps `step_s` per batch if > 0.
+  The recorder gets the consumer's view: waiting for batches, train steps."""
   recorder = recorder or timeline.Recorder()
-  proc = psutil.Process()
-  cpu0, start = proc.cpu_times(), time.perf_counter()
+  me = psutil.Process()
+  start = time.perf_counter()
   it: Iterator = iter(ds)
   with recorder.span("wait for batch"):
     next(it)
   first = time.perf_counter()
+  kids = me.children(recursive=True)
+  cpu0 = time.process_time() + _cpu_s(kids)
   images = batches = 0
   waited = 0.0
   while time.perf_counter() - first < seconds or batches < min_batches:
@@ -347,192 +355,490 @@ def measure_run(ds, seconds: float, step_s: float = 0.0,
       with recorder.span("train step"):
         time.sleep(step_s)
   end = time.perf_counter()
-  cpu1 = proc.cpu_times()
+  cpu = time.process_time() + _cpu_s(kids) - cpu0
   close = getattr(it, "close", None)
   if close:
     close()
-  busy = (cpu1.user + cpu1.system - cpu0.user - cpu0.system) / ((end - start) * default_threads())
-  return Run(round(images / (end - first), 1), round(first - start, 3), images,
-             round(end - first, 3), round(busy, 3),
-             round(waited / (end - first), 3) if step_s else None)
+  return Run(
+    round(images / (end - first), 1),
+    round(first - start, 3),
+    images,
+    round(end - first, 3),
+    round(cpu / images * 1e3, 4),
+    round(waited / (end - first), 3) if step_s else None,
+  )
+
+
+def measure_all(
+  s: Settings,
+  seconds: float = 5.0,
+  step_ms: float | None = None,
+  sample: int = 128,
+  recorder: timeline.Recorder | None = None,
+) -> Measurements:
+  """Stage costs, then the whole pipeline alone, then (with `step_ms`) beside a step."""
+  costs, facts = measure_costs(s, sample)
+  recorder = recorder or timeline.Recorder()
+  run = measure_run(s.dataset(), seconds, recorder=None if step_ms else recorder)
+  consumer = None
+  if step_ms:  # the timeline shows this run: input waits beside train steps
+    consumer = measure_run(
+      s.dataset(), max(seconds / 2, 3 * step_ms / 1e3), step_ms / 1e3, recorder
+    )
+  python_us = measure_python(s, costs, seconds / 2) if decode.native() is not None else None
+  return Measurements(
+    parallelism.available_cores(),
+    round(os.getloadavg()[0], 2),
+    facts["num_records"],
+    facts["num_shards"],
+    costs,
+    facts["cache_bytes_per_image"],
+    round(facts["dct_share"], 3),
+    run,
+    consumer,
+    python_us,
+  )
+
+
+def measure_python(s: Settings, costs: dict[str, Cost], seconds: float) -> float:
+  """GIL-held time per image of the native path: `make_dataset` on CEILING_THREADS threads
+  with each image's decode and resize replaced by GIL-free waits of their measured length
+  (the loader's PIPELINE_EMULATE_DECODE_US), so that the GIL binds; the rate it reaches
+  is 1 / (GIL time x hand-off factor)."""
+  waits = f"{costs['decode'].cpu_ms * 1e3:.1f},{costs['augment'].cpu_ms * 1e3:.1f}"
+  perf = {**s.performance, "num_threads": CEILING_THREADS, "num_workers": 0, "cache_mb": 0.0}
+  saved = os.environ.get(EMULATE)
+  os.environ[EMULATE] = waits
+  try:
+    run = measure_run(dataclasses.replace(s, performance=perf).dataset(), seconds)
+  finally:
+    if saved is None:
+      del os.environ[EMULATE]
+    else:
+      os.environ[EMULATE] = saved
+  factor = parallelism.handoff_factor(CEILING_THREADS, parallelism.COSTS.handoff)
+  return round(1e6 / run.images_per_sec / factor, 1)
+
+
+# ---------------------------------------------------------------- the model
+
+
+@dataclasses.dataclass(frozen=True)
+class _State:
+  """The settings the model is evaluated at."""
+
+  workers: int
+  threads: int
+  prefetch: int
+  cached: bool
+  dct: bool
+
+
+def _free_stages(costs: dict[str, Cost], state: _State) -> tuple[str, ...]:
+  """The GIL-free work of the decode threads: decode and augment, or a crop of the cache.
+  "decode" was measured with the settings' dct_scaling; "decode_dct", when the settings
+  have it off, with it on."""
+  if state.cached:
+    return ("augment_cached",)
+  return ("decode_dct" if state.dct and "decode_dct" in costs else "decode", "augment")
+
+
+def _gil_stages(costs: dict[str, Cost], state: _State) -> tuple[str, ...]:
+  """The work holding the GIL. The native path: "python", measured, else read and other
+  (it parses in C without the GIL); the Python path (a RAM cache, or no C extension):
+  read, parse and other."""
+  if decode.native() is None or state.cached:
+    return GIL_STAGES
+  return ("python",) if "python" in costs else ("read", "other")
+
+
+def with_other(costs: dict[str, Cost], run: Run, workers: int, s: Settings) -> dict[str, Cost]:
+  """The stage costs plus "other": the run's CPU per image beyond its stages and the
+  workers' transfer (crop box, RNG, Python layers, Grain)."""
+  t = _transfer_us(s)
+  transfer = (
+    (t["send_us"] + t["receive_free_us"] + t["receive_us"] * parallelism.COSTS_BATCH / s.batch_size)
+    if workers
+    else 0.0
+  )
+  staged = sum(costs[x].cpu_ms for x in STAGES)
+  other = round(max(run.cpu_ms_per_image - transfer / 1e3 - staged, 0.0), 4)
+  return {**costs, "other": Cost(other, other)}
+
+
+def _transfer_us(s: Settings) -> dict[str, float]:
+  """Worker transfer costs per image, from parallelism.COSTS: the pages' share scaled to
+  this image size (the Python per batch is spread by `parallelism.at_batch`)."""
+  pixels = s.image_size**2 / REFERENCE_PIXELS
+  base = parallelism.COSTS
+  return {
+    "send_us": base.send_us * pixels,
+    "receive_free_us": base.receive_free_us * pixels,
+    "receive_us": base.receive_us,
+  }
+
+
+def host_costs(costs: dict[str, Cost], state: _State, s: Settings) -> parallelism.Costs:
+  """`parallelism.Costs` from measured stage costs (with "other")."""
+  free = _free_stages(costs, state)
+  thread_work = ("parse", *free)
+  wait = sum(costs[x].active_ms - costs[x].cpu_ms for x in thread_work) * 1e3
+  return parallelism.Costs(
+    cpu_us=sum(costs[x].cpu_ms for x in (*GIL_STAGES, *free)) * 1e3,
+    gil_us=max(sum(costs[x].cpu_ms for x in _gil_stages(costs, state)) * 1e3, 1.0),
+    handoff=parallelism.COSTS.handoff,
+    worker_mb=parallelism.COSTS.worker_mb,
+    wait_us=max(wait, 0.0),
+    **_transfer_us(s),
+  )
+
+
+def model(costs: dict[str, Cost], state: _State, cores: int, s: Settings) -> dict[str, float]:
+  """Images/s each resource allows (the module docstring and pipeline.parallelism)."""
+  hc = parallelism.at_batch(host_costs(costs, state, s), s.batch_size)
+  lim = parallelism.limits(cores, hc, parallelism.Plan(state.workers, state.threads))
+  free = _free_stages(costs, state)
+  work_wall = sum(costs[s].active_ms for s in ("parse", *free)) / 1e3
+  read_wall = costs["read"].active_ms / 1e3
+  lim["prefetch"] = (
+    max(state.workers, 1) * state.prefetch / max(read_wall + work_wall / state.threads, 1e-9)
+  )
+  return lim
+
+
+def binding(limits: dict[str, float]) -> str:
+  """The limit with the lowest rate; near ties (2%) go to the hardware first."""
+  low = min(limits.values())
+  return next(k for k in LIMITS if k in limits and limits[k] <= low * 1.02)
+
+
+def _stage_of(limit: str, costs: dict[str, Cost], state: _State) -> str:
+  """The stage to blame under `limit`: the largest share of the bound resource."""
+  free = _free_stages(costs, state)
+  if limit == "receive":
+    return "transfer"
+  if limit == "gil":
+    return max(_gil_stages(costs, state), key=lambda s: costs[s].cpu_ms)
+  if limit == "cores":
+    return max((*GIL_STAGES, *free), key=lambda s: costs[s].cpu_ms)
+  heaviest = max(("parse", *free), key=lambda s: costs[s].active_ms)
+  work = sum(costs[s].active_ms for s in ("parse", *free))
+  if limit == "prefetch" and costs["read"].active_ms >= work / state.threads:
+    return "read"
+  return heaviest
+
+
+def _smallest(values: range, rate: Callable[[int], float], share: float = 0.95) -> int:
+  """The smallest value whose rate reaches `share` of the best rate over `values`."""
+  best = max(rate(v) for v in values)
+  return next(v for v in values if rate(v) >= share * best)
 
 
 # ---------------------------------------------------------------- diagnosis
 
 
-def diagnose(settings: Settings, seconds: float = 5.0, step_ms: float | None = None,
-             sample: int = 128, recorder: timeline.Recorder | None = None) -> Diagnosis:
-  """Measures `settings`' pipeline (stages alone, then whole), names the bottleneck and
-  recommends settings; `recorder` receives the timeline of the run with the step."""
-  cores, load = default_threads(), os.getloadavg()[0]
-  ds = settings.dataset()
-  loader = find_loader(ds)
-  costs, facts = measure_costs(loader, sample)
-  num_records = loader.sampler.num_records
-  cache_mb = facts["cache_bytes_per_image"] * num_records / 2**20
-  cached = 0 < cache_mb <= settings.cache_mb
-  T, P = settings.threads, settings.prefetch
-  limits = model(costs, T, P, cores, cached)
+def diagnose(
+  s: Settings, m: Measurements, step_ms: float | None = None, cores: int | None = None
+) -> Diagnosis:
+  """Names the bottleneck of `s` on a host of `cores` cores (default: this machine, where
+  `m` was measured) and recommends settings."""
+  cores = cores or m.cores
+  here = cores == m.cores
+  memory = None if here else cores * 2**30
+  chosen = s.plan(cores, memory)
+  costs = with_other(m.costs, m.run, s.plan(m.cores).workers, s)
+  if m.python_us is not None:
+    costs["python"] = Cost(m.python_us / 1e3, m.python_us / 1e3)
+  cache_mb = m.cache_bytes_per_image * m.num_records / 2**20
+  perf = s.perf
+  state = _State(
+    chosen.workers, chosen.threads, perf.prefetch, 0 < cache_mb <= perf.cache_mb, perf.dct_scaling
+  )
+  limits = model(costs, state, cores, s)
   predicted = min(limits.values())
   limit = binding(limits)
-  input_stage = _stage_of(limit, costs, T, cached)
-
-  recorder = recorder or timeline.Recorder()
-  instrument(ds, timeline.Recorder() if step_ms else recorder)
-  run = measure_run(ds, seconds, recorder=None if step_ms else recorder)
-  consumer_run = None
-  if step_ms:  # the timeline shows this run: input waits beside train steps
-    ds = settings.dataset()
-    instrument(ds, recorder)
-    consumer_run = measure_run(ds, max(seconds / 2, 3 * step_ms / 1e3), step_ms / 1e3,
-                               recorder)
-
-  need = settings.batch_size / (step_ms / 1e3) if step_ms else None
-  bottleneck = "train step" if need and run.images_per_sec >= 1.05 * need else input_stage
-  w_wall, w_cpu = _work(costs, cached)
-  words = {
-      "cores": f"all {cores} cores busy: {limits['cores']:.0f} img/s at most",
-      "threads": f"num_threads={T} decode threads: {limits['threads']:.0f} img/s at most",
-      "prefetch": f"prefetch={P} batches in flight, each read then decoded in turn: "
-                  f"{limits['prefetch']:.0f} img/s at most"}
-  diag = Diagnosis(
-      settings=settings, cores=cores, load_average=round(load, 2), num_records=num_records,
-      num_shards=len(loader.source.names), costs=costs,
-      limits={k: round(v, 1) for k, v in limits.items()}, predicted=round(predicted, 1),
-      run=run, consumer_run=consumer_run, step_ms=step_ms, bottleneck=bottleneck,
-      input_stage=input_stage, limit=words[limit], recommendations=[], notes=[],
-      cache_estimate_mb=round(cache_mb, 1), dct_share=round(facts["dct_share"], 3))
-  _recommend(diag, cached, w_wall, w_cpu, need)
-  return diag
+  input_stage = _stage_of(limit, costs, state)
+  rate = m.run.images_per_sec if here else predicted
+  need = s.batch_size / (step_ms / 1e3) if step_ms else None
+  bottleneck = "train step" if need and rate >= 1.05 * need else input_stage
+  d = Diagnosis(
+    settings=s,
+    cores=cores,
+    here=here,
+    plan=dataclasses.asdict(chosen),
+    measured=m,
+    costs=costs,
+    limits={k: round(v, 1) for k, v in limits.items()},
+    predicted=round(predicted, 1),
+    run=m.run,
+    step_ms=step_ms,
+    bottleneck=bottleneck,
+    input_stage=input_stage,
+    limit=_words(limit, limits, state, costs, cores),
+    recommendations=[],
+    notes=[],
+    cache_estimate_mb=round(cache_mb, 1),
+  )
+  _recommend(d, state, need)
+  return d
 
 
-def _recommend(d: Diagnosis, cached: bool, w_wall: float, w_cpu: float,
-               need: float | None) -> None:
+def _words(
+  limit: str, limits: dict[str, float], state: _State, costs: dict[str, Cost], cores: int
+) -> str:
+  rate = f"{limits[limit]:.0f} img/s at most"
+  procs = f"{state.workers} worker processes" if state.workers else "one process"
+  gil_us = sum(costs[s].cpu_ms for s in _gil_stages(costs, state)) * 1e3
+  return {
+    "cores": f"all {cores} cores busy: {rate}",
+    "gil": (
+      f"the GIL: {procs} x {state.threads} threads, each image holding it "
+      f"~{gil_us:.0f} us (read, Python per image and batch, Grain): {rate}"
+    ),
+    "threads": f"num_threads={state.threads} decode threads per process: {rate}",
+    "prefetch": (
+      f"prefetch={state.prefetch} batches in flight, each read then decoded in turn: {rate}"
+    ),
+    "receive": f"the main process receiving every worker's batches: {rate}",
+  }[limit]
+
+
+def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
   """Fills d.recommendations and d.notes. Changes are proposed in turn, each on top of the
   ones before; its gain is the model's rate with it over without it, and its expected
-  rate the measured one scaled by the model's rate with all changes so far."""
-  s, C = d.settings, d.cores
-  state = {"threads": s.threads, "prefetch": s.prefetch, "cached": cached,
-           "costs": d.costs}
+  rate the measured one scaled by the model's rate with all changes so far (on another
+  host: the model's rate)."""
+  s, C, costs = d.settings, d.cores, d.costs
+  state = start
 
-  def rate(**change) -> float:
-    x = {**state, **change}
-    return min(model(x["costs"], x["threads"], x["prefetch"], C, x["cached"]).values())
+  def rate(st: _State) -> float:
+    return min(model(costs, st, C, s).values())
 
-  start = rate()
+  base = rate(start)
+  scale = d.run.images_per_sec / base if d.here else 1.0
 
-  def propose(field, current, proposed, why, **change):
-    gain = rate(**change) / rate()
+  def propose(field, current, proposed, why, writes, **change):
+    nonlocal state
+    new = dataclasses.replace(state, **change)
+    gain = rate(new) / rate(state)
     if gain >= 1.05:
-      state.update(change)
-      d.recommendations.append(Recommendation(
-          field, current, proposed, round(d.run.images_per_sec * rate() / start, 1),
-          round(gain, 3), why))
+      state = new
+      d.recommendations.append(
+        Recommendation(
+          field, current, proposed, round(rate(new) * scale, 1), round(gain, 3), why, writes
+        )
+      )
 
   if d.bottleneck == "train step":
-    d.notes.append(f"the input ({d.run.images_per_sec:.0f} img/s alone) keeps up with a "
-                   f"{d.step_ms:g} ms step ({need:.0f} img/s): no input change will speed up "
-                   "training")
+    d.notes.append(
+      f"the input ({d.run.images_per_sec:.0f} img/s alone) keeps up with a "
+      f"{d.step_ms:g} ms step ({need:.0f} img/s): no input change will speed up "
+      "training"
+    )
   else:
-    c = d.costs
-    if not s.dct_scaling and "decode_dct" in c:
-      propose("dct_scaling", False, True,
-              f"{d.dct_share:.0%} of the crops are at least twice image_size and decode at "
-              f"1/2 to 1/8 resolution ({c['decode'].cpu_ms:.2f} -> "
-              f"{c['decode_dct'].cpu_ms:.2f} ms per image)",
-              costs={**c, "decode": c["decode_dct"]})
-    # Threads beyond the cores only when the work waits (I/O, sleeps) rather than computes.
-    waits = w_wall > 1.5 * w_cpu
-    t_range = range(1, (8 * C if waits else max(C, s.threads)) + 1)
-    threads = max(s.threads, _smallest(t_range, lambda t: rate(threads=t, prefetch=MAX_PREFETCH)))
-    propose("num_threads", s.threads, threads,
-            f"the decode threads' work takes {w_wall * 1e3:.2f} ms per image "
-            + (f"of which only {w_cpu * 1e3:.2f} ms on a CPU: more threads than the {C} cores "
-               "overlap the waiting" if waits else f"on {C} cores: one thread per core"),
-            threads=threads)
-    prefetch = max(s.prefetch, _smallest(range(1, MAX_PREFETCH + 1),
-                                         lambda p: rate(prefetch=p)))
-    batch_mb = s.batch_size * s.image_size**2 * 3 / 2**20
-    propose("prefetch", s.prefetch, prefetch,
-            f"each prefetch thread reads a batch ({c['read'].active_ms * s.batch_size:.0f} ms) "
-            f"and then waits for its decode; {prefetch} in flight overlap the reads "
-            f"(+{(prefetch - s.prefetch) * batch_mb:.0f} MB of batches held)",
-            prefetch=prefetch)
+    if not start.dct and "decode_dct" in costs:
+      propose(
+        "dct_scaling",
+        False,
+        True,
+        f"{d.measured.dct_share:.0%} of the crops are at least twice image_size and "
+        f"decode at 1/2 to 1/8 resolution ({costs['decode'].cpu_ms:.2f} -> "
+        f"{costs['decode_dct'].cpu_ms:.2f} ms per image)",
+        {"performance.dct_scaling": True},
+        dct=True,
+      )
+    _recommend_processes(d, state, propose)
+    prefetch = max(
+      state.prefetch,
+      _smallest(range(1, MAX_PREFETCH + 1), lambda p: rate(dataclasses.replace(state, prefetch=p))),
+    )
+    batch_mb = s.batch_bytes / 2**20
+    propose(
+      "prefetch",
+      state.prefetch,
+      prefetch,
+      f"each prefetch thread reads a batch ({costs['read'].active_ms * s.batch_size:.0f} "
+      f"ms) and then waits for its decode; {prefetch} in flight overlap the reads "
+      f"(+{(prefetch - state.prefetch) * batch_mb:.0f} MB of batches held per process)",
+      {"performance.prefetch": prefetch},
+      prefetch=prefetch,
+    )
     # Cache: decode once, then crop and flip the cached pixels in every later epoch.
     fits = d.cache_estimate_mb <= 0.5 * psutil.virtual_memory().available / 2**20
-    if not cached and fits:
-      propose("cache_mb", s.cache_mb, float(math.ceil(d.cache_estimate_mb * 1.2)),
-              f"decoded images (shorter side {round(s.image_size / Transform.crop_fraction)}) "
-              f"take ~{d.cache_estimate_mb:.0f} MB and fit in RAM: after the first epoch the "
-              f"decode ({c['decode'].cpu_ms:.2f} ms CPU) becomes a crop of cached pixels "
-              f"({c['augment_cached'].cpu_ms:.2f} ms); small crops then come from the cached "
-              "resolution", cached=True)
-    elif not cached:
-      d.notes.append(f"caching decoded images would need ~{d.cache_estimate_mb:.0f} MB, more "
-                     "than half the free RAM: no cache recommended")
+    if not state.cached and fits:
+      side = round(s.image_size / s.aug.crop_fraction)
+      budget = float(math.ceil(d.cache_estimate_mb * 1.2))
+      propose(
+        "cache_mb",
+        s.perf.cache_mb,
+        budget,
+        f"decoded images (shorter side {side}) take ~{d.cache_estimate_mb:.0f} MB and "
+        f"fit in RAM: after the first epoch the decode ({costs['decode'].cpu_ms:.2f} ms "
+        f"CPU) becomes a crop of cached pixels ({costs['augment_cached'].cpu_ms:.2f} "
+        "ms)",
+        {"performance.cache_mb": budget},
+        cached=True,
+      )
+    elif not state.cached:
+      d.notes.append(
+        f"caching decoded images would need ~{d.cache_estimate_mb:.0f} MB, more "
+        "than half the free RAM: no cache recommended"
+      )
     if need:
-      d.notes.append(f"the input ({d.run.images_per_sec:.0f} img/s alone) is slower than a "
-                     f"{d.step_ms:g} ms step needs ({need:.0f} img/s)")
-  d.notes.append(f"DCT scaling {'applies' if s.dct_scaling else 'would apply'} to "
-                 f"{d.dct_share:.0%} of the crops at image_size {s.image_size} (those at least "
-                 "twice the output size)")
-  if d.input_stage == "read" and d.num_shards < 16:
-    d.notes.append(f"reading is slow and the split has {d.num_shards} shard(s): "
-                   "ArrayRecordDataSource reads a batch with one thread per shard, so more "
-                   "shards (a smaller shard_size_mb at conversion) read more records at once")
-  if d.load_average > C:
-    d.notes.append(f"load average {d.load_average:.1f} on {C} cores: other work shares the "
-                   "CPUs, so rates are noisy; run again on a quiet machine")
+      d.notes.append(
+        f"the input ({d.run.images_per_sec:.0f} img/s alone) is slower than a "
+        f"{d.step_ms:g} ms step needs ({need:.0f} img/s)"
+      )
+  _notes(d)
+
+
+def _recommend_processes(d: Diagnosis, state: _State, propose) -> None:
+  """Worker processes x decode threads: `parallelism.plan` with the measured costs; when
+  the decode threads' work mostly waits (slow storage), threads beyond the cores."""
+  s, C, costs = d.settings, d.cores, d.costs
+  hc = host_costs(costs, state, s)
+  best = parallelism.plan(
+    C,
+    batch_size=s.batch_size,
+    image_bytes=s.image_size**2 * 3,
+    prefetch=state.prefetch,
+    costs=hc,
+    memory_bytes=None if d.here else C * 2**30,
+  )
+  workers, threads = best.workers, best.threads
+  if hc.wait_us > 0.5 * hc.cpu_us:  # the work waits: more threads overlap the waiting
+
+    def rate(t: int) -> float:
+      st = dataclasses.replace(state, workers=workers, threads=t, prefetch=MAX_PREFETCH)
+      return min(model(costs, st, C, s).values())
+
+    threads = _smallest(range(1, 8 * C + 1), rate)
+  if (workers, threads) == (state.workers, state.threads):
+    return
+  why = (
+    f"per image {hc.cpu_us:.0f} us of CPU, {hc.gil_us:.0f} us of it holding the GIL"
+    + (
+      f", {hc.wait_us:.0f} us waiting off-CPU: threads beyond the {C} cores overlap the waiting"
+      if threads > C
+      else ""
+    )
+    + (
+      f"; worker processes each hold their own GIL (~{hc.worker_mb:.0f} MB each)"
+      if workers
+      else "; one process: no pickling, instant start"
+    )
+  )
+  propose(
+    "num_workers x num_threads",
+    f"{state.workers} x {state.threads}",
+    f"{workers} x {threads}",
+    why,
+    {"performance.num_workers": workers, "performance.num_threads": threads},
+    workers=workers,
+    threads=threads,
+  )
+
+
+def _notes(d: Diagnosis) -> None:
+  s = d.settings
+  d.notes.append(
+    f"DCT scaling {'applies' if s.perf.dct_scaling else 'would apply'} to "
+    f"{d.measured.dct_share:.0%} of the crops at image_size {s.image_size} "
+    "(those at least twice the output size)"
+  )
+  if d.input_stage == "read":
+    d.notes.append(
+      "reading is slow: each batch is one batched read per shard it touches, "
+      "on its prefetch thread; more batches in flight overlap the reads, and "
+      "a local disk or the page cache reads faster than network storage"
+    )
+  auto = s.plan(d.cores, None if d.here else d.cores * 2**30)
+  if s.perf.num_workers is None or s.perf.num_threads is None:
+    d.notes.append(f"on {d.cores} cores make_dataset chooses {auto.describe()}")
+  if d.measured.load_average > d.measured.cores:
+    d.notes.append(
+      f"load average {d.measured.load_average:.1f} on {d.measured.cores} cores: "
+      "other work shares the CPUs, so rates are noisy; run again on a quiet "
+      "machine"
+    )
 
 
 # ---------------------------------------------------------------- report and --apply
 
 
 def report(d: Diagnosis) -> str:
-  s, r = d.settings, d.run
+  s, r, m = d.settings, d.run, d.measured
+  plan = parallelism.Plan(d.plan["workers"], d.plan["threads"])
   lines = [
-      (f"pipeline doctor: {s.data_dir} ({s.train_split}, {d.num_records} records, "
-       f"{d.num_shards} shards), batch {s.batch_size}, image {s.image_size}, "
-       f"num_threads {s.threads}, prefetch {s.prefetch}, cache_mb {s.cache_mb:g}, "
-       f"dct_scaling {s.dct_scaling}"),
-      f"machine: {measure.machine()}, load average {d.load_average}",
-      "",
-      "stages alone, one thread, per image:   wall ms    cpu ms  queued ms",
+    (
+      f"pipeline doctor: {s.data_dir} ({s.split}, {m.num_records} records, {m.num_shards} "
+      f"shards), batch {s.batch_size}, image {s.image_size}, performance "
+      f"{dataclasses.asdict(s.perf)}"
+    ),
+    f"machine: {measure.machine()}, load average {m.load_average}",
+    "",
+    "stages alone, one thread, per image:   wall ms    cpu ms  queued ms",
   ]
+  notes = {
+    "other": "  (the run's CPU beyond its stages: crop box, RNG, Python, Grain)",
+    "python": (f"  (GIL held, per image: decode and resize emulated, {CEILING_THREADS} threads)"),
+    "cache_fill": "  (once per image with cache_mb)",
+    "augment_cached": "  (every image after the first epoch with cache_mb)",
+  }
   for name, c in d.costs.items():
-    note = {"cache_fill": "  (once per image with cache_mb)",
-            "augment_cached": "  (every image after the first epoch with cache_mb)"}.get(name, "")
-    lines.append(f"  {name:16s}                    {c.wall_ms:8.3f}  {c.cpu_ms:8.3f}  "
-                 f"{c.queued_ms:8.3f}{note}")
+    lines.append(
+      f"  {name:16s}                    {c.wall_ms:8.3f}  {c.cpu_ms:8.3f}  "
+      f"{c.queued_ms:8.3f}{notes.get(name, '')}"
+    )
+  host = (
+    f"this host ({d.cores} cores)"
+    if d.here
+    else f"a host of {d.cores} cores (this one has {m.cores}: projected, not measured)"
+  )
   lines += [
-      "",
-      "what each resource allows: " + ", ".join(f"{k} {v:.0f} img/s" for k, v in d.limits.items()),
-      (f"whole pipeline: {r.images_per_sec:.0f} img/s measured vs {d.predicted:.0f} "
-       f"predicted ({r.images_per_sec / d.predicted:.0%}); first batch "
-       f"{r.first_batch_s:.2f} s; cores {r.cores_busy:.0%} busy ({r.images} images in "
-       f"{r.seconds:.1f} s)"),
+    "",
+    f"on {host}, {plan.describe()}, what each resource allows: "
+    + ", ".join(f"{k} {v:.0f} img/s" for k, v in d.limits.items()),
+    (
+      f"whole pipeline here: {r.images_per_sec:.0f} img/s measured"
+      + (
+        f" vs {d.predicted:.0f} predicted ({r.images_per_sec / d.predicted:.0%})" if d.here else ""
+      )
+      + f"; first batch {r.first_batch_s:.2f} s; {r.cpu_ms_per_image:.2f} ms CPU per image "
+      f"({r.images} images in {r.seconds:.1f} s)"
+    ),
   ]
-  if d.consumer_run:
-    w = d.consumer_run.wait_share
+  if m.consumer_run:
+    w = m.consumer_run.wait_share
     level = "highly" if w >= 0.2 else "moderately" if w >= 0.05 else "not"
-    lines.append(f"with a {d.step_ms:g} ms train step: {d.consumer_run.images_per_sec:.0f} "
-                 f"img/s, waiting for input {w:.0%} of the time: {level} input-bound")
+    lines.append(
+      f"with a {d.step_ms:g} ms train step: {m.consumer_run.images_per_sec:.0f} "
+      f"img/s, waiting for input {w:.0%} of the time: {level} input-bound"
+    )
   if d.bottleneck == "train step":
-    lines.append(f"\nbottleneck: the train step; the input's own limit is {d.input_stage} "
-                 f"({d.limit})")
+    lines.append(
+      f"\nbottleneck: the train step; the input's own limit is {d.input_stage} ({d.limit})"
+    )
   else:
     lines.append(f"\nbottleneck: {d.bottleneck} ({d.limit})")
-  lines.append("recommendations (expected rates include the changes above them):"
-               if d.recommendations else "recommendations: none")
+  lines.append(
+    "recommendations (expected rates include the changes above them):"
+    if d.recommendations
+    else "recommendations: none"
+  )
   for k, rec in enumerate(d.recommendations, 1):
-    lines.append(f"  {k}. {rec.field} {rec.current} -> {rec.proposed}: x{rec.gain:.2f}, "
-                 f"expected {rec.expected_images_per_sec:.0f} img/s; {rec.why}")
+    lines.append(
+      f"  {k}. {rec.field} {rec.current} -> {rec.proposed}: x{rec.gain:.2f}, "
+      f"expected {rec.expected_images_per_sec:.0f} img/s; {rec.why}"
+    )
   lines += [f"  - {n}" for n in d.notes]
   return "\n".join(lines)
 
 
 def load_config(path: str) -> ml_collections.ConfigDict:
   """`get_config()` of a config file; one inside a package imports as that package."""
+  if not pathlib.Path(path).is_file():
+    raise UsageError(f"no config file {path}")
   name, root = _module_name(path)
   if name:
     if root not in sys.path:
@@ -554,108 +860,171 @@ def _module_name(path: str) -> tuple[str | None, str]:
   return (".".join(parts), os.fspath(d)) if len(parts) > 1 else (None, "")
 
 
-def settings_from_config(config, **overrides) -> Settings:
-  """Settings from a config's data fields; `overrides` that are not None win."""
-  fields = {f: config[f] for f in CONFIG_FIELDS if f in config}
-  fields.update({k: v for k, v in overrides.items() if v is not None})
-  if "area_range" in fields:
-    fields["area_range"] = tuple(fields["area_range"])
-  return Settings(**fields)
+def _plain(value):
+  if hasattr(value, "to_dict"):
+    value = value.to_dict()
+  if isinstance(value, dict):
+    return {k: _plain(v) for k, v in value.items()}
+  return tuple(value) if isinstance(value, list) else value
 
 
-def write_config(path: str, d: Diagnosis, base_module: str, base, command: str) -> list[str]:
-  """Writes a config that imports `base_module` and sets the diagnosed data fields that
-  differ from `base` plus the recommendations; returns fields it could not set."""
-  tuned = {f: getattr(d.settings, f) for f in CONFIG_FIELDS
-           if f in base and getattr(d.settings, f) != _plain(base[f])}
-  why = {}
-  skipped = []
+def settings_from_config(config, path: str = "the config") -> Settings:
+  """Settings from a config's `input` block (make_dataset's keywords), its global
+  batch_size (one process) and seed (unless the input names its own)."""
+  if "input" not in config:
+    raise UsageError(
+      f"{path} has no `input` block (pipeline.make_dataset's keywords, as in configs/default.py)"
+    )
+  kwargs = _plain(config.input)
+  fields = {f.name for f in dataclasses.fields(Settings)} - {"batch_size", "other"}
+  known = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
+  known.setdefault("seed", config.get("seed", 0))
+  known["augment"] = known.get("augment") or {}
+  known["performance"] = known.get("performance") or {}
+  return Settings(batch_size=config.get("batch_size", 128), other=kwargs, **known)
+
+
+def write_config(path: str, d: Diagnosis, base_module: str, base, command: str) -> None:
+  """Writes a config that imports `base_module` and sets, in its `input` block, the
+  diagnosed settings that differ from `base` plus the recommendations."""
+  diagnosed = dataclasses.asdict(d.settings)
+  current = dataclasses.asdict(settings_from_config(base))
+  lines, why = {}, {}
+  for key in ("data_dir", "split", "image_size", "seed"):
+    if diagnosed[key] != current[key]:
+      lines[f"input.{key}"] = diagnosed[key]
+  if d.settings.batch_size != current["batch_size"]:
+    lines["batch_size"] = d.settings.batch_size
+  for group in ("augment", "performance"):
+    for key, value in diagnosed[group].items():
+      if current[group].get(key) != value:
+        lines[f"input.{group}.{key}"] = value
   for rec in d.recommendations:
-    if rec.field in base:
-      tuned[rec.field] = rec.proposed
-      why[rec.field] = f"was {rec.current}: x{rec.gain:.2f} expected"
-    else:
-      skipped.append(rec.field)
+    for key, value in rec.writes.items():
+      lines[f"input.{key}"] = value
+      why[f"input.{key}"] = f"was {rec.current}: x{rec.gain:.2f} expected"
   best = max([d.run.images_per_sec] + [r.expected_images_per_sec for r in d.recommendations])
   module, _, name = base_module.rpartition(".")
-  body = "\n".join(f"  c.{k} = {v!r}" + (f"  # {why[k]}" if k in why else "")
-                   for k, v in tuned.items()) or "  pass  # nothing to change"
+  body = (
+    "\n".join(f"  c.{k} = {v!r}" + (f"  # {why[k]}" if k in why else "") for k, v in lines.items())
+    or "  pass  # nothing to change"
+  )
+  host = f"{d.cores} cores" + ("" if d.here else " (projected)")
   pathlib.Path(path).write_text(
-      f'"""{base_module}, tuned by the pipeline doctor on {measure.machine()}.\n\n'
-      f"    {command}\n\n"
-      f"Measured {d.run.images_per_sec:.0f} img/s (bottleneck: {d.bottleneck}); expected "
-      f"{best:.0f} img/s with these settings.\n"
-      f'"""\n\nfrom {module} import {name} as base\n\n\n'
-      f"def get_config():\n  c = base.get_config()\n{body}\n  return c\n")
-  return skipped
-
-
-def _plain(value):
-  return tuple(value) if isinstance(value, (list, tuple)) else value
+    f'"""{base_module}, tuned by the pipeline doctor for {host} on {measure.machine()}.\n\n'
+    f"    {command}\n\n"
+    f"Measured {d.run.images_per_sec:.0f} img/s (bottleneck: {d.bottleneck}); expected "
+    f"{best:.0f} img/s with these settings.\n"
+    f'"""\n\nfrom {module} import {name} as base\n\n\n'
+    f"def get_config():\n  c = base.get_config()\n{body}\n  return c\n"
+  )
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m pipeline.doctor", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m pipeline.doctor",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("data_dir", nargs="?", help="converted dataset (default: the config's)")
-  p.add_argument("--config", help="an ml_collections config file; its data fields are used")
-  p.add_argument("--split", dest="train_split", help="split to read (default: train)")
+  p.add_argument("--config", help="an ml_collections config file; its `input` block is used")
+  p.add_argument("--split", help="split to read (default: train)")
   p.add_argument("--batch-size", type=int, help="per-process batch size")
   p.add_argument("--image-size", type=int)
-  p.add_argument("--num-threads", type=int, help="decode threads (0: one per core)")
+  p.add_argument("--num-threads", type=int, help="decode threads per process (default: auto)")
+  p.add_argument("--num-workers", type=int, help="worker processes (default: auto)")
   p.add_argument("--prefetch", type=int, help="batches in flight")
   p.add_argument("--cache-mb", type=float, help="decoded-image cache budget")
   p.add_argument("--no-dct-scaling", dest="dct_scaling", action="store_false", default=None)
+  p.add_argument("--cores", type=int, help="recommend for a host of this many cores")
   p.add_argument("--seconds", type=float, default=5.0, help="length of the whole-pipeline run")
   p.add_argument("--sample", type=int, default=128, help="images timed per stage")
   p.add_argument("--step-ms", type=float, help="your train step: measure the input wait")
-  p.add_argument("--timeline", default="doctor_timeline.png",
-                 help="timeline picture of the run ('' to skip)")
+  p.add_argument(
+    "--timeline", default="doctor_timeline.png", help="timeline picture of the run ('' to skip)"
+  )
   p.add_argument("--apply", metavar="OUT.py", help="write the tuned settings to this config")
   p.add_argument("--json", help="write the diagnosis to this file")
+  p.add_argument("--verbose", action="store_true", help="tracebacks for errors")
   return p
+
+
+def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | None]:
+  """The settings to diagnose, the config's module name (for --apply) and the config."""
+  base_module, base = None, None
+  if args.config:
+    base_module = _module_name(args.config)[0]
+    base = load_config(args.config)
+    s = settings_from_config(base, args.config)
+  elif args.data_dir:
+    s = Settings(args.data_dir)
+  else:
+    raise UsageError("give DATA_DIR or --config")
+  if args.apply and not base_module:
+    raise UsageError(
+      f"--apply needs a --config inside a package (like configs/); {args.config or 'none'} is not"
+    )
+  for field in ("data_dir", "split", "batch_size", "image_size"):
+    if getattr(args, field) is not None:
+      setattr(s, field, getattr(args, field))
+  for field in ("num_threads", "num_workers", "prefetch", "cache_mb", "dct_scaling"):
+    if getattr(args, field) is not None:
+      s.performance = {**s.performance, field: getattr(args, field)}
+  for name, value in (
+    ("--batch-size", s.batch_size),
+    ("--image-size", s.image_size),
+    ("--cores", args.cores),
+    ("--sample", args.sample),
+  ):
+    if value is not None and value < 1:
+      raise UsageError(f"{name} must be positive, got {value}")
+  if args.seconds <= 0 or (args.step_ms is not None and args.step_ms <= 0):
+    raise UsageError("--seconds and --step-ms must be positive")
+  s.check()
+  meta = manifest_lib.load(s.data_dir)
+  if s.split not in meta.splits:
+    raise UsageError(f"{s.data_dir} has no split {s.split!r} (has: {sorted(meta.splits)})")
+  return s, base_module, base
 
 
 def main(argv: list[str] | None = None) -> Diagnosis:
   argv = sys.argv[1:] if argv is None else argv
   args = parser().parse_args(argv)
-  overrides = {f: getattr(args, f) for f in (
-      "data_dir", "train_split", "batch_size", "image_size", "num_threads", "prefetch",
-      "cache_mb", "dct_scaling")}
-  if args.config:
-    base_module = _module_name(args.config)[0]
-    base = load_config(args.config)
-  else:
-    if not args.data_dir:
-      parser().error("give DATA_DIR or --config")
-    base_module, base = "configs.default", None
-  settings = (settings_from_config(base, **overrides) if base is not None
-              else Settings(**{k: v for k, v in overrides.items() if v is not None}))
-  if args.apply and not base_module:
-    parser().error(f"--apply needs a --config inside a package (like configs/); "
-                   f"{args.config} is not")
+  try:
+    return _main(args, argv)
+  except (UsageError, FileNotFoundError, ValueError, TypeError, KeyError, OSError) as e:
+    if args.verbose:
+      traceback.print_exc()
+    message = e.args[0] if isinstance(e, KeyError) and e.args else e
+    print(f"error: {message}", file=sys.stderr)
+    sys.exit(2)
+
+
+def _main(args, argv: list[str]) -> Diagnosis:
+  s, base_module, base = _settings(args)
   recorder = timeline.Recorder()
-  d = diagnose(settings, args.seconds, args.step_ms, args.sample, recorder)
+  m = measure_all(s, args.seconds, args.step_ms, args.sample, recorder)
+  d = diagnose(s, m, args.step_ms, args.cores)
   print(report(d))
   if args.timeline:
     events = recorder.events()
     start = min(e.start for e in events)
-    shown = d.consumer_run or d.run  # the recorded run: start-up, then 1.5 s of it
+    shown = m.consumer_run or m.run  # the recorded run: start-up, then 1.5 s of it
     window = [e for e in events if e.start < start + shown.first_batch_s + 1.5]
-    timeline.draw(window, args.timeline, None,
-                  f"{settings.data_dir}: {d.run.images_per_sec:.0f} img/s, "
-                  f"bottleneck {d.bottleneck}")
+    timeline.draw(
+      window,
+      args.timeline,
+      f"{s.data_dir}: {m.run.images_per_sec:.0f} img/s, bottleneck {d.bottleneck}",
+    )
     print(f"timeline: {args.timeline}")
   command = "python -m pipeline.doctor " + " ".join(argv)
   if args.apply:
-    if base is None:
-      base = importlib.import_module(base_module).get_config()
-    skipped = write_config(args.apply, d, base_module, base, command)
-    print(f"wrote {args.apply}" + (f" (not config fields, set them in make_dataset: "
-                                   f"{', '.join(skipped)})" if skipped else ""))
+    write_config(args.apply, d, base_module, base, command)
+    print(f"wrote {args.apply}")
   if args.json:
-    measure.write_json(args.json, {**dataclasses.asdict(d), "machine": measure.machine(),
-                                   "command": command})
+    measure.write_json(
+      args.json, {**dataclasses.asdict(d), "machine": measure.machine(), "command": command}
+    )
   return d
 
 

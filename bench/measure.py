@@ -1,4 +1,5 @@
-"""How we measure a loader: first-batch latency, steady-state images/s, peak RSS.
+"""How we measure a loader: first-batch latency, steady-state images/s, peak RSS; and what
+every benchmark shares: the machine line, JSON output, one-line failures.
 
 Throughput counts only batches after the first (steady state); the first batch's latency
 (from creating the iterator) is its own number. Peak RSS is sampled for this process and
@@ -11,6 +12,7 @@ import dataclasses
 import json
 import platform
 import resource
+import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,8 +30,10 @@ class Result:
   seconds: float
 
   def row(self) -> str:
-    return (f"{self.name:28s} {self.images_per_sec:9.0f} img/s   first batch "
-            f"{self.first_batch_s:6.2f} s   peak RSS {self.peak_rss_mb:7.0f} MB")
+    return (
+      f"{self.name:28s} {self.images_per_sec:9.0f} img/s   first batch "
+      f"{self.first_batch_s:6.2f} s   peak RSS {self.peak_rss_mb:7.0f} MB"
+    )
 
 
 class RssSampler:
@@ -67,8 +71,9 @@ class RssSampler:
     self.peak = max(self.peak, self._sample())
 
 
-def run(name: str, make_iterator: Callable[[], Iterator], batch_size: int,
-        num_images: int) -> Result:
+def run(
+  name: str, make_iterator: Callable[[], Iterator], batch_size: int, num_images: int
+) -> Result:
   """Times `num_images` images (after the first batch) from a fresh iterator."""
   with RssSampler() as rss:
     start = time.perf_counter()
@@ -88,11 +93,26 @@ def run(name: str, make_iterator: Callable[[], Iterator], batch_size: int,
 
 def machine() -> str:
   """A line naming the machine, printed beside every figure."""
-  return (f"{platform.node()}: {psutil.cpu_count()} CPUs "
-          f"({len(psutil.Process().cpu_affinity())} usable), "
-          f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, {platform.processor() or platform.machine()}")
+  return (
+    f"{platform.node()}: {psutil.cpu_count()} CPUs "
+    f"({len(psutil.Process().cpu_affinity())} usable), "
+    f"{psutil.virtual_memory().total / 2**30:.0f} GiB RAM, "
+    f"{platform.processor() or platform.machine()}"
+  )
 
 
 def write_json(path, payload) -> None:
   with open(path, "w") as f:
     json.dump(payload, f, indent=2)
+
+
+def run_cli(main: Callable[[list[str]], object], argv: list[str]) -> None:
+  """Runs a tool's `main(argv)`. A failure prints one line and exits 1; `--verbose`
+  (anywhere in argv) lets the traceback through instead. Usage errors keep argparse's exit 2."""
+  if "--verbose" in argv:
+    main([a for a in argv if a != "--verbose"])
+    return
+  try:
+    main(argv)
+  except Exception as e:  # noqa: BLE001 - any failure: one line, the traceback on request
+    sys.exit(f"error: {type(e).__name__}: {e} (--verbose shows the traceback)")

@@ -22,14 +22,14 @@ import tempfile
 
 from etils import epath
 
-from pipeline import manifest as manifest_lib
 from bench import measure
+from pipeline import manifest as manifest_lib
 
 
 def _tfrecord_copy(data_dir: str, split: str) -> str:
   """Writes the split's records once as TFRecord files beside the shards; returns a glob."""
-  import grain  # pylint: disable=g-import-not-at-top
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import grain
+  import tensorflow as tf
 
   meta = manifest_lib.load(data_dir)
   out = epath.Path(data_dir) / "peers-tfrecord"
@@ -48,23 +48,29 @@ def _tfrecord_copy(data_dir: str, split: str) -> str:
 
 
 def _tfdata(args):
-  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf
 
   tf.config.set_visible_devices([], "GPU")
   keys = manifest_lib.load(args.data_dir).keys
   pattern = _tfrecord_copy(args.data_dir, args.split)
   size, autotune = args.image_size, tf.data.AUTOTUNE
-  features = {keys.image: tf.io.FixedLenFeature([], tf.string),
-              keys.label: tf.io.FixedLenFeature([], tf.int64)}
+  features = {
+    keys.image: tf.io.FixedLenFeature([], tf.string),
+    keys.label: tf.io.FixedLenFeature([], tf.int64),
+  }
 
   def preprocess(record):
     ex = tf.io.parse_single_example(record, features)
     data = ex[keys.image]
     shape = tf.io.extract_jpeg_shape(data)
     begin, crop, _ = tf.image.sample_distorted_bounding_box(
-        shape, bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], shape=[1, 1, 4]),
-        area_range=(0.08, 1.0), aspect_ratio_range=(3 / 4, 4 / 3), max_attempts=10,
-        use_image_if_no_bounding_boxes=True)
+      shape,
+      bounding_boxes=tf.constant([0.0, 0.0, 1.0, 1.0], shape=[1, 1, 4]),
+      area_range=(0.08, 1.0),
+      aspect_ratio_range=(3 / 4, 4 / 3),
+      max_attempts=10,
+      use_image_if_no_bounding_boxes=True,
+    )
     window = tf.stack([begin[0], begin[1], crop[0], crop[1]])
     image = tf.io.decode_and_crop_jpeg(data, window, channels=3)
     image = tf.image.random_flip_left_right(image)
@@ -73,8 +79,12 @@ def _tfdata(args):
 
   def make():
     files = tf.data.Dataset.list_files(pattern, shuffle=True, seed=0)
-    ds = files.interleave(tf.data.TFRecordDataset, cycle_length=autotune,
-                          num_parallel_calls=autotune, deterministic=False)
+    ds = files.interleave(
+      tf.data.TFRecordDataset,
+      cycle_length=autotune,
+      num_parallel_calls=autotune,
+      deterministic=False,
+    )
     ds = ds.shuffle(1024, seed=0).repeat()
     ds = ds.map(preprocess, num_parallel_calls=autotune, deterministic=False)
     ds = ds.batch(args.batch_size, drop_remainder=True).prefetch(autotune)
@@ -90,16 +100,17 @@ class _PilTransform:
     self.keys, self.size = keys, size
 
   def random_map(self, record, rng):
-    import io  # pylint: disable=g-import-not-at-top
+    import io
 
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    from PIL import Image  # pylint: disable=g-import-not-at-top
+    import numpy as np
+    from PIL import Image
 
-    from pipeline import augment, records  # pylint: disable=g-import-not-at-top
+    from pipeline import augment, records
 
     data, label, _ = records.parse(record, self.keys)
     im = Image.open(io.BytesIO(data)).convert("RGB")
-    y, x, h, w = augment.random_resized_crop_box(im.height, im.width, rng)
+    key = int(rng.integers(2**63))
+    y, x, h, w = augment.random_resized_crop_box(im.height, im.width, key)
     im = im.resize((self.size, self.size), Image.BILINEAR, box=(x, y, x + w, y + h))
     if rng.random() < 0.5:
       im = im.transpose(Image.FLIP_LEFT_RIGHT)
@@ -107,8 +118,8 @@ class _PilTransform:
 
 
 def _grain_baseline(args):
-  import grain  # pylint: disable=g-import-not-at-top
-  from absl import flags  # pylint: disable=g-import-not-at-top
+  import grain
+  from absl import flags
 
   flags.FLAGS.mark_as_parsed()
   meta = manifest_lib.load(args.data_dir)
@@ -123,23 +134,27 @@ def _grain_baseline(args):
     source = grain.sources.ArrayRecordDataSource(paths)
     sampler = grain.samplers.IndexSampler(len(source), shuffle=True, seed=0, num_epochs=None)
     loader = grain.DataLoader(
-        data_source=source, sampler=sampler, worker_count=2,
-        operations=[Augment(), grain.transforms.Batch(args.batch_size, drop_remainder=True)])
+      data_source=source,
+      sampler=sampler,
+      worker_count=2,
+      operations=[Augment(), grain.transforms.Batch(args.batch_size, drop_remainder=True)],
+    )
     return iter(loader)
 
   return make
 
 
 def _torch(args):
-  import grain  # pylint: disable=g-import-not-at-top
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  import torch  # pylint: disable=g-import-not-at-top
-  from torchvision.transforms import v2  # pylint: disable=g-import-not-at-top
+  import grain
+  import numpy as np
+  import torch
+  from torchvision.transforms import v2
 
   meta = manifest_lib.load(args.data_dir)
   paths = [os.fspath(p) for p in meta.shard_paths(args.data_dir, args.split)]
-  aug = v2.Compose([v2.RandomResizedCrop(args.image_size, antialias=False),
-                    v2.RandomHorizontalFlip()])
+  aug = v2.Compose(
+    [v2.RandomResizedCrop(args.image_size, antialias=False), v2.RandomHorizontalFlip()]
+  )
 
   class Records(torch.utils.data.Dataset):
     def __init__(self):
@@ -149,9 +164,9 @@ def _torch(args):
       return meta.splits[args.split].num_records
 
     def __getitem__(self, i):
-      from torchvision.io import decode_jpeg  # pylint: disable=g-import-not-at-top
+      from torchvision.io import decode_jpeg
 
-      from pipeline import records  # pylint: disable=g-import-not-at-top
+      from pipeline import records
 
       if self.source is None:
         self.source = grain.sources.ArrayRecordDataSource(paths)
@@ -161,8 +176,13 @@ def _torch(args):
 
   def make():
     loader = torch.utils.data.DataLoader(
-        Records(), batch_size=args.batch_size, shuffle=True, num_workers=2, drop_last=True,
-        persistent_workers=True)
+      Records(),
+      batch_size=args.batch_size,
+      shuffle=True,
+      num_workers=2,
+      drop_last=True,
+      persistent_workers=True,
+    )
 
     def forever():
       while True:
@@ -179,21 +199,27 @@ def make_loader(name: str, args):
 
 
 def _available(module: str) -> bool:
-  import importlib.util  # pylint: disable=g-import-not-at-top
+  import importlib.util
 
   return importlib.util.find_spec(module) is not None
 
 
 def main(argv: list[str]) -> list[dict]:
-  p = argparse.ArgumentParser(prog="python -m pipeline.bench peers", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m pipeline.bench peers",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("data_dir")
   p.add_argument("--split", default="train")
   p.add_argument("--batch-size", type=int, default=128)
   p.add_argument("--image-size", type=int, default=224)
   p.add_argument("--epochs", type=float, default=3)
-  p.add_argument("--loaders", default="pipeline,tfdata,grain-baseline,torch",
-                 help="comma-separated contenders; missing peers are skipped")
+  p.add_argument(
+    "--loaders",
+    default="pipeline,tfdata,grain-baseline,torch",
+    help="comma-separated contenders; missing peers are skipped",
+  )
   p.add_argument("--json", help="write the table to this file")
   args = p.parse_args(argv)
   needs = {"tfdata": "tensorflow", "torch": "torchvision"}
@@ -203,10 +229,26 @@ def main(argv: list[str]) -> list[dict]:
       print(f"{name:28s} skipped: {needs[name]} not installed (pip install -e '.[peers]')")
       continue
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-      cmd = [sys.executable, "-m", "pipeline.bench", "throughput", args.data_dir,
-             "--split", args.split, "--batch-size", str(args.batch_size),
-             "--image-size", str(args.image_size), "--epochs", str(args.epochs),
-             "--loader", name, "--no-stages", "--json", f.name]
+      cmd = [
+        sys.executable,
+        "-m",
+        "pipeline.bench",
+        "throughput",
+        args.data_dir,
+        "--split",
+        args.split,
+        "--batch-size",
+        str(args.batch_size),
+        "--image-size",
+        str(args.image_size),
+        "--epochs",
+        str(args.epochs),
+        "--loader",
+        name,
+        "--no-stages",
+        "--json",
+        f.name,
+      ]
       proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
       if proc.returncode:
         print(f"{name:28s} FAILED:\n{proc.stderr[-2000:]}")
@@ -217,10 +259,18 @@ def main(argv: list[str]) -> list[dict]:
   if base:
     print(f"\nratios vs tf.data ({measure.machine()}):")
     for r in results:
-      print(f"  {r['name']:26s} throughput x{r['images_per_sec'] / base['images_per_sec']:.2f}"
-            f"   first batch x{r['first_batch_s'] / base['first_batch_s']:.2f}"
-            f"   peak RSS x{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}")
+      print(
+        f"  {r['name']:26s} throughput x{r['images_per_sec'] / base['images_per_sec']:.2f}"
+        f"   first batch x{r['first_batch_s'] / base['first_batch_s']:.2f}"
+        f"   peak RSS x{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}"
+      )
   if args.json:
-    measure.write_json(args.json, {"machine": measure.machine(), "results": results,
-                                   "command": "python -m pipeline.bench peers " + " ".join(argv)})
+    measure.write_json(
+      args.json,
+      {
+        "machine": measure.machine(),
+        "results": results,
+        "command": "python -m pipeline.bench peers " + " ".join(argv),
+      },
+    )
   return results

@@ -19,6 +19,7 @@ import ctypes
 import mmap
 import os
 import shutil
+import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -27,15 +28,21 @@ import grain
 import numpy as np
 import tqdm
 
+from bench import measure
 from pipeline import manifest as manifest_lib
 from pipeline import records
-from bench import measure
-from pipeline.dataset import default_threads
+from pipeline.parallelism import available_cores
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int,
-                       ctypes.c_int, ctypes.c_long]
+_libc.mmap.argtypes = [
+  ctypes.c_void_p,
+  ctypes.c_size_t,
+  ctypes.c_int,
+  ctypes.c_int,
+  ctypes.c_int,
+  ctypes.c_long,
+]
 _libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
 _libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 
@@ -106,9 +113,11 @@ def _read_file(path: str) -> int:
     return len(f.read())
 
 
-def readers(files: list[str], shards: list[str], batch: int, threads: int
-            ) -> dict[str, Callable[[Sequence[int]], int]]:
+def readers(
+  files: list[str], shards: list[str], batch: int, threads: int
+) -> dict[str, Callable[[Sequence[int]], int]]:
   """name -> fn(order) reading every record in `order`; returns the bytes delivered."""
+
   def files_one(order):
     return sum(_read_file(files[i]) for i in order)
 
@@ -122,21 +131,28 @@ def readers(files: list[str], shards: list[str], batch: int, threads: int
 
   def shards_batch(order):
     source = grain.sources.ArrayRecordDataSource(shards)
-    return sum(sum(map(len, source.__getitems__(list(order[k:k + batch]))))
-               for k in range(0, len(order), batch))
+    return sum(
+      sum(map(len, source.__getitems__(list(order[k : k + batch]))))
+      for k in range(0, len(order), batch)
+    )
 
-  return {"files, one per read": files_one,
-          f"files, {threads} threads": files_pool,
-          "ArrayRecord, one record per call": shards_one,
-          f"ArrayRecord, {batch} records per call": shards_batch}
+  return {
+    "files, one per read": files_one,
+    f"files, {threads} threads": files_pool,
+    "ArrayRecord, one record per call": shards_one,
+    f"ArrayRecord, {batch} records per call": shards_batch,
+  }
 
 
-def measure_storage(files: list[str], shards: list[str], batch: int, threads: int,
-                    repeats: int = 1) -> list[dict]:
+def measure_storage(
+  files: list[str], shards: list[str], batch: int, threads: int, repeats: int = 1
+) -> list[dict]:
   """records/s and MB/s of every reader x order x cache state (best of `repeats`)."""
   n = len(files)
-  orders = {"sequential": list(range(n)),
-            "random": np.random.default_rng(0).permutation(n).tolist()}
+  orders = {
+    "sequential": list(range(n)),
+    "random": np.random.default_rng(0).permutation(n).tolist(),
+  }
   fns = readers(files, shards, batch, threads)
   rows = []
   todo = [(c, o, r) for c in ("warm", "cold") for o in orders for r in fns]
@@ -155,31 +171,47 @@ def measure_storage(files: list[str], shards: list[str], batch: int, threads: in
       if best is None or seconds < best[0]:
         best = (seconds, size, share)
     seconds, size, share = best
-    rows.append({"reader": name, "order": order_name, "cache": cache,
-                 "cached_share_before": round(share, 3), "records_per_sec": round(n / seconds, 1),
-                 "mb_per_sec": round(size / seconds / 1e6, 1), "records": n})
+    rows.append(
+      {
+        "reader": name,
+        "order": order_name,
+        "cache": cache,
+        "cached_share_before": round(share, 3),
+        "records_per_sec": round(n / seconds, 1),
+        "mb_per_sec": round(size / seconds / 1e6, 1),
+        "records": n,
+      }
+    )
   return rows
 
 
 def table(rows: list[dict]) -> str:
-  lines = ["| reader | order | page cache before | records/s | MB/s |",
-           "|---|---|---|---:|---:|"]
-  lines += [f"| {r['reader']} | {r['order']} | {r['cache']} ({r['cached_share_before']:.0%} "
-            f"cached) | {r['records_per_sec']:.0f} | {r['mb_per_sec']:.0f} |" for r in rows]
+  lines = ["| reader | order | page cache before | records/s | MB/s |", "|---|---|---|---:|---:|"]
+  lines += [
+    f"| {r['reader']} | {r['order']} | {r['cache']} ({r['cached_share_before']:.0%} "
+    f"cached) | {r['records_per_sec']:.0f} | {r['mb_per_sec']:.0f} |"
+    for r in rows
+  ]
   return "\n".join(lines)
 
 
 def main(argv: list[str]) -> dict:
-  p = argparse.ArgumentParser(prog="python -m pipeline.bench storage", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m pipeline.bench storage",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   p.add_argument("data_dir", help="a converted dataset (manifest.json + shards)")
   p.add_argument("--split", default="train")
   p.add_argument("--batch-size", type=int, default=128, help="records per batched read")
   p.add_argument("--threads", type=int, default=None, help="file-reading threads (default: cores)")
   p.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest counts")
-  p.add_argument("--tmp-dir", default=None,
-                 help="where the one-file-per-image copy goes (default: the system temp dir); "
-                 "deleted afterwards")
+  p.add_argument(
+    "--tmp-dir",
+    default=None,
+    help="where the one-file-per-image copy goes (default: the system temp dir); "
+    "deleted afterwards",
+  )
   p.add_argument("--json", help="write the figures to this file")
   args = p.parse_args(argv)
   meta = manifest_lib.load(args.data_dir)
@@ -187,30 +219,36 @@ def main(argv: list[str]) -> dict:
   tmp = tempfile.mkdtemp(prefix="storage-bench-", dir=args.tmp_dir)
   try:
     files = export_files(grain.sources.ArrayRecordDataSource(shards), meta.keys, tmp)
-    rows = measure_storage(files, shards, args.batch_size, args.threads or default_threads(),
-                           args.repeats)
+    rows = measure_storage(
+      files, shards, args.batch_size, args.threads or available_cores(), args.repeats
+    )
     same_device = os.stat(tmp).st_dev == os.stat(shards[0]).st_dev
     result = {
-        "machine": measure.machine(),
-        "command": "python -m pipeline.bench storage " + " ".join(argv),
-        "records": len(files), "shards": len(shards),
-        "files_mb": round(sum(map(os.path.getsize, files)) / 1e6, 1),
-        "shards_mb": round(sum(map(os.path.getsize, shards)) / 1e6, 1),
-        "filesystem": {"shards": filesystem(shards[0]), "files": filesystem(tmp),
-                       "same_device": same_device},
-        "rows": rows}
+      "machine": measure.machine(),
+      "command": "python -m pipeline.bench storage " + " ".join(argv),
+      "records": len(files),
+      "shards": len(shards),
+      "files_mb": round(sum(map(os.path.getsize, files)) / 1e6, 1),
+      "shards_mb": round(sum(map(os.path.getsize, shards)) / 1e6, 1),
+      "filesystem": {
+        "shards": filesystem(shards[0]),
+        "files": filesystem(tmp),
+        "same_device": same_device,
+      },
+      "rows": rows,
+    }
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
   print(table(rows))
-  print(f"{result['records']} records: {result['files_mb']} MB as files on "
-        f"{result['filesystem']['files']}, {result['shards_mb']} MB in {result['shards']} shards "
-        f"on {result['filesystem']['shards']}   [{result['machine']}]")
+  print(
+    f"{result['records']} records: {result['files_mb']} MB as files on "
+    f"{result['filesystem']['files']}, {result['shards_mb']} MB in {result['shards']} shards "
+    f"on {result['filesystem']['shards']}   [{result['machine']}]"
+  )
   if args.json:
     measure.write_json(args.json, result)
   return result
 
 
 if __name__ == "__main__":
-  import sys
-
-  main(sys.argv[1:])
+  measure.run_cli(main, sys.argv[1:])

@@ -4,7 +4,7 @@ Sleeps stand in for I/O and compute exactly as in the guide's notebook: a file t
 to open and 15 ms per record, a map 30 ms, a training step 10 ms. Each of the guide's
 pipelines (naive, prefetch, interleave, map, cache, vectorized map, the optimized chain)
 is built from Grain's own datasets, timed, compared with the guide's printed figure and
-with the theoretical minimum of its schedule, and drawn as a timeline (PNG and SVG).
+with the theoretical minimum of its schedule, and drawn as a timeline (PNG).
 """
 
 from __future__ import annotations
@@ -17,19 +17,20 @@ import pathlib
 import sys
 import time
 from collections.abc import Callable, Hashable, Iterable, Sequence
+from importlib import metadata
 from typing import Any
 
 import grain
 import numpy as np
 import tqdm
 
-from bench import timeline
-from bench import measure
+from bench import measure, timeline
 
 
 @dataclasses.dataclass(frozen=True)
 class Params:
   """The guide's costs (seconds slept) and sizes; `scaled` shrinks the costs for quick runs."""
+
   open: float = 0.03  # ArtificialDataset: open a file.
   read: float = 0.015  # ... read one record.
   map: float = 0.03  # mapped_function.
@@ -74,17 +75,17 @@ class ArtificialFile(grain.IterDataset):
   `next` (even when empty) and opens again whenever its iterator is repositioned.
   """
 
-  def __init__(self, index: int, num_records: int, params: Params,
-               recorder: timeline.Recorder):
+  def __init__(self, index: int, num_records: int, params: Params, recorder: timeline.Recorder):
     super().__init__()
     self.index, self.records = index, range(num_records)
     self.params, self.recorder = params, recorder
 
   def set_slice(self, sl: slice, sequential_slice: bool = False) -> None:
-    """Keeps records `sl` (strided) or block `sl.start` of `sl.step` (sequential): Grain's sharding."""
+    """Grain's sharding: keeps records `sl` (strided) or block `sl.start` of `sl.step`
+    (sequential)."""
     if sequential_slice:
       n, k = len(self.records), sl.step
-      self.records = self.records[sl.start * n // k:(sl.start + 1) * n // k]
+      self.records = self.records[sl.start * n // k : (sl.start + 1) * n // k]
     else:
       self.records = self.records[sl]
 
@@ -123,15 +124,21 @@ class _FileIterator(grain.DatasetIterator):
     self._next, self._open = state["next"], False
 
 
-def sleeping(stage: str, seconds: Callable[[Any], float], recorder: timeline.Recorder,
-             then: Callable[[Any], Any] = lambda x: x) -> Callable[[Any], Any]:
+def sleeping(
+  stage: str,
+  seconds: Callable[[Any], float],
+  recorder: timeline.Recorder,
+  then: Callable[[Any], Any] = lambda x: x,
+) -> Callable[[Any], Any]:
   """A function that sleeps `seconds(x)` (the guide's `time.sleep` maps), then returns
   `then(x)`, all recorded as one `stage` span."""
+
   def fn(x):
     with recorder.span(stage, element_id(x)):
       if (s := seconds(x)) > 0:
         time.sleep(s)
       return then(x)
+
   return fn
 
 
@@ -143,9 +150,14 @@ class _Unbatch(grain.experimental.FlatMapTransform):
     return list(element)
 
 
-def benchmark(ds: grain.IterDataset, epochs: int, params: Params,
-              recorder: timeline.Recorder, epoch_pause: float = 0.0,
-              start_workers: bool = True) -> float:
+def benchmark(
+  ds: grain.IterDataset,
+  epochs: int,
+  params: Params,
+  recorder: timeline.Recorder,
+  epoch_pause: float = 0.0,
+  start_workers: bool = True,
+) -> float:
   """The guide's loop: each epoch, one train step (sleep) per element; returns seconds.
 
   One iterator serves every epoch and is rewound with `set_state` (what Grain's `repeat`
@@ -193,6 +205,7 @@ def _reads(p: Params, n: int, per_record: float) -> list[float]:
 # Variants. Each builds its pipeline from Grain datasets and states its schedule's minimum
 # in seconds (o: open, r: read, m: map, t: train, n: records, E: epochs).
 
+
 def _naive(p: Params, rec: timeline.Recorder) -> float:
   return benchmark(ArtificialFile(0, p.records, p, rec), p.epochs, p, rec)
 
@@ -203,7 +216,8 @@ def _naive_min(p: Params) -> float:
 
 def _prefetch(p: Params, rec: timeline.Recorder) -> float:
   ds = grain.experimental.ThreadPrefetchIterDataset(
-      ArtificialFile(0, p.records, p, rec), prefetch_buffer_size=p.records)
+    ArtificialFile(0, p.records, p, rec), prefetch_buffer_size=p.records
+  )
   return benchmark(ds, p.epochs, p, rec)
 
 
@@ -216,8 +230,8 @@ def _interleave(p: Params, rec: timeline.Recorder, parallel: bool) -> float:
   files = [ArtificialFile(i, n, p, rec) for i, n in enumerate(GUIDE_INTERLEAVE_SIZES)]
   # Grain reads each interleaved file in its own thread unless its buffer is 0.
   ds = grain.experimental.InterleaveIterDataset(
-      files, cycle_length=len(files),
-      iter_buffer_size=max(GUIDE_INTERLEAVE_SIZES) if parallel else 0)
+    files, cycle_length=len(files), iter_buffer_size=max(GUIDE_INTERLEAVE_SIZES) if parallel else 0
+  )
   return benchmark(ds, p.epochs, p, rec, start_workers=parallel)
 
 
@@ -247,7 +261,7 @@ def _sequential_map_min(p: Params) -> float:
 
 def _parallel_map_min(p: Params) -> float:
   # One shard per record: each worker opens, reads and maps its own records (r + m each).
-  shards = [len(range(p.records)[j::p.records]) for j in range(p.records)]
+  shards = [len(range(p.records)[j :: p.records]) for j in range(p.records)]
   return p.epochs * consume(round_robin([_reads(p, n, p.read + p.map) for n in shards]), p.train)
 
 
@@ -258,7 +272,8 @@ def _cache(p: Params, rec: timeline.Recorder) -> float:
 
 def _cache_min(p: Params) -> float:
   # The first epoch reads and maps; the others only train on cached elements.
-  return p.open + p.records * (p.read + p.map + p.train) + (p.cache_epochs - 1) * p.records * p.train
+  first = p.open + p.records * (p.read + p.map + p.train)
+  return first + (p.cache_epochs - 1) * p.records * p.train
 
 
 def _naive_chain(p: Params, rec: timeline.Recorder) -> float:
@@ -266,10 +281,12 @@ def _naive_chain(p: Params, rec: timeline.Recorder) -> float:
   files = [ArtificialFile(i, n, p, rec) for i in range(2)]
   # The guide's flat_map reads the files one after the other; a sequential interleave
   # (no reader threads) costs the same and sidesteps the buffer-0 bug noted in benchmark.
-  ds = (grain.experimental.InterleaveIterDataset(files, cycle_length=2, iter_buffer_size=0)
-        .map(sleeping("map", lambda _: p.slow_map, rec))
-        .map(sleeping("map2", lambda _: p.cheap_map, rec))
-        .batch(n, drop_remainder=True))
+  ds = (
+    grain.experimental.InterleaveIterDataset(files, cycle_length=2, iter_buffer_size=0)
+    .map(sleeping("map", lambda _: p.slow_map, rec))
+    .map(sleeping("map2", lambda _: p.cheap_map, rec))
+    .batch(n, drop_remainder=True)
+  )
   ds = grain.experimental.FlatMapIterDataset(ds, _Unbatch(n))
   return benchmark(ds, p.chain_epochs, p, rec, epoch_pause=p.epoch_pause, start_workers=False)
 
@@ -277,17 +294,21 @@ def _naive_chain(p: Params, rec: timeline.Recorder) -> float:
 def _naive_chain_min(p: Params) -> float:
   n = p.chain_records  # Two files, one after the other, each element read, mapped, trained.
   return p.chain_epochs * (
-      2 * p.open + 2 * n * (p.read + p.slow_map + p.cheap_map + p.train) + p.epoch_pause)
+    2 * p.open + 2 * n * (p.read + p.slow_map + p.cheap_map + p.train) + p.epoch_pause
+  )
 
 
 def _optimized_chain(p: Params, rec: timeline.Recorder) -> float:
   n = p.chain_records
   files = [ArtificialFile(i, n, p, rec) for i in range(2)]
-  ds = (grain.experimental.InterleaveIterDataset(files, cycle_length=2, iter_buffer_size=n)
-        .batch(n, drop_remainder=True)
-        .map(sleeping("map", lambda b: p.slow_map * len(b), rec)))
+  ds = (
+    grain.experimental.InterleaveIterDataset(files, cycle_length=2, iter_buffer_size=n)
+    .batch(n, drop_remainder=True)
+    .map(sleeping("map", lambda b: p.slow_map * len(b), rec))
+  )
   ds = grain.experimental.CacheIterDataset(ds).map(
-      sleeping("map2", lambda b: p.cheap_map * len(b), rec))
+    sleeping("map2", lambda b: p.cheap_map * len(b), rec)
+  )
   ds = grain.experimental.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=2)
   ds = grain.experimental.FlatMapIterDataset(ds, _Unbatch(n))
   return benchmark(ds, p.chain_epochs, p, rec, epoch_pause=p.epoch_pause)
@@ -307,8 +328,11 @@ def _optimized_chain_min(p: Params) -> float:
   for _ in range(len(reads) // n):
     done += n * p.cheap_map
     cached += [done] * n
-  return (consume(first, p.train) + (p.chain_epochs - 1) * consume(cached, p.train)
-          + p.chain_epochs * p.epoch_pause)
+  return (
+    consume(first, p.train)
+    + (p.chain_epochs - 1) * consume(cached, p.train)
+    + p.chain_epochs * p.epoch_pause
+  )
 
 
 def _fast(p: Params, rec: timeline.Recorder, vectorized: bool) -> float:
@@ -317,14 +341,18 @@ def _fast(p: Params, rec: timeline.Recorder, vectorized: bool) -> float:
   Timed without recording (a recorded span costs about as much as the +1 itself); the
   picture comes from a recorded run over `picture_elements`.
   """
+
   def build(n: int, r: timeline.Recorder | None) -> grain.IterDataset:
     increment, stack = (lambda x: x + 1), None
     if r is not None:
       increment = sleeping("map", lambda _: 0.0, r, then=increment)
       stack = sleeping("batch", lambda _: 0.0, r, then=np.stack)
     ds = grain.MapDataset.range(n)
-    ds = (ds.batch(p.fast_batch, batch_fn=stack).map(increment) if vectorized
-          else ds.map(increment).batch(p.fast_batch, batch_fn=stack))
+    ds = (
+      ds.batch(p.fast_batch, batch_fn=stack).map(increment)
+      if vectorized
+      else ds.map(increment).batch(p.fast_batch, batch_fn=stack)
+    )
     return ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
 
   start = time.perf_counter()
@@ -346,25 +374,50 @@ class Variant:
   published: float | None  # Seconds the guide's notebook printed (seeds/003), if any.
 
 
-VARIANTS = {v.name: v for v in [
+VARIANTS = {
+  v.name: v
+  for v in [
     Variant("naive", "Naive", _naive, _naive_min, 0.2392),
     Variant("prefetch", "Prefetch", _prefetch, _prefetch_min, 0.1851),
-    Variant("sequential_interleave", "Sequential interleave",
-            lambda p, r: _interleave(p, r, parallel=False), _sequential_interleave_min, 0.1899),
-    Variant("parallel_interleave", "Parallel interleave",
-            lambda p, r: _interleave(p, r, parallel=True), _parallel_interleave_min, 0.1274),
-    Variant("sequential_map", "Sequential map", lambda p, r: _map(p, r, parallel=False),
-            _sequential_map_min, 0.4750),
-    Variant("parallel_map", "Parallel map", lambda p, r: _map(p, r, parallel=True),
-            _parallel_map_min, 0.2681),
+    Variant(
+      "sequential_interleave",
+      "Sequential interleave",
+      lambda p, r: _interleave(p, r, parallel=False),
+      _sequential_interleave_min,
+      0.1899,
+    ),
+    Variant(
+      "parallel_interleave",
+      "Parallel interleave",
+      lambda p, r: _interleave(p, r, parallel=True),
+      _parallel_interleave_min,
+      0.1274,
+    ),
+    Variant(
+      "sequential_map",
+      "Sequential map",
+      lambda p, r: _map(p, r, parallel=False),
+      _sequential_map_min,
+      0.4750,
+    ),
+    Variant(
+      "parallel_map",
+      "Parallel map",
+      lambda p, r: _map(p, r, parallel=True),
+      _parallel_map_min,
+      0.2681,
+    ),
     Variant("cache", "Cache (5 epochs)", _cache, _cache_min, None),
     Variant("scalar_map", "Scalar map", lambda p, r: _fast(p, r, vectorized=False), None, None),
-    Variant("vectorized_map", "Vectorized map", lambda p, r: _fast(p, r, vectorized=True),
-            None, None),
+    Variant(
+      "vectorized_map", "Vectorized map", lambda p, r: _fast(p, r, vectorized=True), None, None
+    ),
     Variant("naive_chain", "Naive chain (5 epochs)", _naive_chain, _naive_chain_min, None),
-    Variant("optimized_chain", "Optimized chain (5 epochs)", _optimized_chain,
-            _optimized_chain_min, None),
-]}
+    Variant(
+      "optimized_chain", "Optimized chain (5 epochs)", _optimized_chain, _optimized_chain_min, None
+    ),
+  ]
+}
 
 # The largest speed-up over naive among the guide's printed runs (parallel interleave).
 GUIDE_BEST_SPEEDUP = 0.2392 / 0.1274
@@ -378,10 +431,11 @@ class Result:
   events: list[timeline.Event]
 
 
-def run_study(params: Params, names: Sequence[str], out: pathlib.Path,
-              repeats: int = 1) -> list[Result]:
+def run_study(
+  params: Params, names: Sequence[str], out: pathlib.Path, repeats: int = 1
+) -> list[Result]:
   """Runs the named variants, keeps each one's fastest of `repeats` runs (noise only adds
-  time to sleeps), and draws its timeline to out/NAME.png and out/NAME.svg."""
+  time to sleeps), and draws its timeline to out/NAME.png."""
   out.mkdir(parents=True, exist_ok=True)
   results = []
   with tqdm.tqdm(total=len(names) * repeats, desc="study", unit="run") as bar:
@@ -394,24 +448,31 @@ def run_study(params: Params, names: Sequence[str], out: pathlib.Path,
       seconds, events = min(runs, key=lambda run: run[0])
       minimum = variant.minimum(params) if variant.minimum else None
       results.append(Result(variant, seconds, minimum, events))
-      timeline.draw(events, out / f"{name}.png", out / f"{name}.svg",
-                    f"{variant.title}: {seconds:.3f} s"
-                    + (f" (minimum {minimum:.3f} s)" if minimum else ""))
+      timeline.draw(
+        events,
+        out / f"{name}.png",
+        f"{variant.title}: {seconds:.3f} s" + (f" (minimum {minimum:.3f} s)" if minimum else ""),
+      )
   return results
 
 
 def table(results: Sequence[Result], show_published: bool) -> str:
   """A Markdown table: measured, guide's printed, theoretical minimum, measured / minimum."""
+
   def cell(x: float | None, fmt: str = "{:.3f}") -> str:
     return "—" if x is None else fmt.format(x)
 
-  lines = ["| variant | measured (s) | guide's run (s) | minimum (s) | measured / minimum |",
-           "|---|---:|---:|---:|---:|"]
+  lines = [
+    "| variant | measured (s) | guide's run (s) | minimum (s) | measured / minimum |",
+    "|---|---:|---:|---:|---:|",
+  ]
   for r in results:
     published = r.variant.published if show_published else None
     ratio = r.seconds / r.minimum if r.minimum else None
-    lines.append(f"| {r.variant.name} | {r.seconds:.3f} | {cell(published)} | "
-                 f"{cell(r.minimum)} | {cell(ratio, '{:.2f}')} |")
+    lines.append(
+      f"| {r.variant.name} | {r.seconds:.3f} | {cell(published)} | "
+      f"{cell(r.minimum)} | {cell(ratio, '{:.2f}')} |"
+    )
   return "\n".join(lines)
 
 
@@ -421,12 +482,16 @@ def summary(results: Sequence[Result]) -> list[str]:
   lines = []
   if "naive_chain" in by and "optimized_chain" in by:
     naive, best = by["naive_chain"], by["optimized_chain"]
-    lines.append(f"Optimized chain vs naive chain: {naive.seconds / best.seconds:.2f}x faster "
-                 f"(the schedules allow {naive.minimum / best.minimum:.2f}x; the guide's best "
-                 f"printed speed-up is {GUIDE_BEST_SPEEDUP:.2f}x).")
+    lines.append(
+      f"Optimized chain vs naive chain: {naive.seconds / best.seconds:.2f}x faster "
+      f"(the schedules allow {naive.minimum / best.minimum:.2f}x; the guide's best "
+      f"printed speed-up is {GUIDE_BEST_SPEEDUP:.2f}x)."
+    )
   if "scalar_map" in by and "vectorized_map" in by:
-    lines.append(f"Vectorized vs scalar map: "
-                 f"{by['scalar_map'].seconds / by['vectorized_map'].seconds:.1f}x faster.")
+    lines.append(
+      f"Vectorized vs scalar map: "
+      f"{by['scalar_map'].seconds / by['vectorized_map'].seconds:.1f}x faster."
+    )
   return lines
 
 
@@ -454,40 +519,52 @@ How to read this:
 """
 
 
-def write_results(path: pathlib.Path, results: Sequence[Result], command: str,
-                  show_published: bool, load: float) -> None:
+def write_results(
+  path: pathlib.Path, results: Sequence[Result], command: str, show_published: bool, load: float
+) -> None:
   """RESULTS.md: machine, command, the table, the speed-ups, the notes, the pictures."""
-  pictures = "\n\n".join(f"### {r.variant.title}\n\n![{r.variant.name}]({r.variant.name}.svg)"
-                         for r in results)
+  pictures = "\n\n".join(
+    f"### {r.variant.title}\n\n![{r.variant.name}]({r.variant.name}.png)" for r in results
+  )
   path.write_text(
-      "# The tf.data guide's artificial study, rebuilt on Grain\n\n"
-      f"Machine: {measure.machine()}; load average {load:.1f} at the start; "
-      f"Python {sys.version.split()[0]}, grain {_grain_version()}.\n\n"
-      f"Command: `{command}` (each variant's fastest run counts)\n\n"
-      f"{table(results, show_published)}\n\n" + "\n".join(f"{s}\n" for s in summary(results))
-      + f"\n{NOTES}\n## Timelines\n\n{pictures}\n")
-
-
-def _grain_version() -> str:
-  from importlib import metadata  # pylint: disable=g-import-not-at-top
-  return metadata.version("grain")
+    "# The tf.data guide's artificial study, rebuilt on Grain\n\n"
+    f"Machine: {measure.machine()}; load average {load:.1f} at the start; "
+    f"Python {sys.version.split()[0]}, grain {metadata.version('grain')}.\n\n"
+    f"Command: `{command}` (each variant's fastest run counts)\n\n"
+    f"{table(results, show_published)}\n\n"
+    + "\n".join(f"{s}\n" for s in summary(results))
+    + f"\n{NOTES}\n## Timelines\n\n{pictures}\n"
+  )
 
 
 def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(
-      prog="python -m pipeline.bench study",
-      description="The tf.data guide's artificial study (prefetch, interleave, parallel map, "
-      "cache, vectorized map, the optimized chain) rebuilt on Grain: prints measured vs "
-      "guide vs theoretical-minimum seconds, writes OUT/RESULTS.md and a timeline per "
-      "variant (OUT/NAME.png, OUT/NAME.svg).")
-  parser.add_argument("--out", required=True, type=pathlib.Path,
-                      help="directory for RESULTS.md and the timeline pictures")
-  parser.add_argument("--scale", type=float, default=1.0,
-                      help="multiply every simulated cost by this (default 1: the guide's)")
-  parser.add_argument("--repeats", type=int, default=2,
-                      help="runs per variant; the fastest counts (default 2)")
-  parser.add_argument("--variants", default=",".join(VARIANTS),
-                      help=f"comma-separated subset of: {', '.join(VARIANTS)}")
+    prog="python -m pipeline.bench study",
+    description="The tf.data guide's artificial study (prefetch, interleave, parallel map, "
+    "cache, vectorized map, the optimized chain) rebuilt on Grain: prints measured vs "
+    "guide vs theoretical-minimum seconds, writes OUT/RESULTS.md and a timeline per "
+    "variant (OUT/NAME.png).",
+  )
+  parser.add_argument(
+    "--out",
+    required=True,
+    type=pathlib.Path,
+    help="directory for RESULTS.md and the timeline pictures",
+  )
+  parser.add_argument(
+    "--scale",
+    type=float,
+    default=1.0,
+    help="multiply every simulated cost by this (default 1: the guide's)",
+  )
+  parser.add_argument(
+    "--repeats", type=int, default=2, help="runs per variant; the fastest counts (default 2)"
+  )
+  parser.add_argument(
+    "--variants",
+    default=",".join(VARIANTS),
+    help=f"comma-separated subset of: {', '.join(VARIANTS)}",
+  )
   args = parser.parse_args(argv)
   names = [n.strip() for n in args.variants.split(",") if n.strip()]
   unknown = [n for n in names if n not in VARIANTS]
@@ -506,4 +583,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  main(sys.argv[1:])
+  measure.run_cli(main, sys.argv[1:])

@@ -22,6 +22,7 @@ from matplotlib import figure, patches
 @dataclasses.dataclass(frozen=True)
 class Event:
   """One piece of work: `stage` ran on `worker` from `start` to `end` (perf_counter s)."""
+
   stage: str
   worker: str
   start: float
@@ -82,12 +83,12 @@ def _short_name(thread_name: str) -> str:
   return re.sub(r"-[A-Z]\w*$", "", name) or thread_name
 
 
-def draw(events: Sequence[Event], path_png: str | os.PathLike[str] | None,
-         path_svg: str | os.PathLike[str] | None, title: str) -> None:
-  """Draws one row per worker, one colored bar per event, time from the first event.
+def draw(events: Sequence[Event], path: str | os.PathLike[str], title: str) -> None:
+  """Draws one row per worker, one colored bar per event, time from the first event, to a
+  picture at `path` (PNG; the suffix picks the format).
 
   Workers are ordered by when they first started work; colors follow stage order of
-  first appearance. Either path may be None to skip that format.
+  first appearance.
   """
   if not events:
     raise ValueError(f"no events to draw for {title!r}")
@@ -104,8 +105,14 @@ def draw(events: Sequence[Event], path_png: str | os.PathLike[str] | None,
     bars[(e.worker, e.stage)].append((e.start - origin, max(e.end - e.start, end * 1e-4)))
   for (worker, stage), spans in bars.items():
     row = len(workers) - 1 - workers.index(worker)
-    ax.broken_barh(spans, (row + 0.1, 0.8), color=colors(stages.index(stage) % 10),
-                   edgecolor="black", linewidth=0.3 if len(spans) < 300 else 0)  # edges hide dense bars
+    # Bar edges would hide dense rows.
+    ax.broken_barh(
+      spans,
+      (row + 0.1, 0.8),
+      color=colors(stages.index(stage) % 10),
+      edgecolor="black",
+      linewidth=0.3 if len(spans) < 300 else 0,
+    )
   ax.set_yticks([row + 0.5 for row in range(len(workers))], workers[::-1])
   ax.set_ylim(0, len(workers))
   ax.set_xlim(0, end * 1.01)
@@ -115,7 +122,4 @@ def draw(events: Sequence[Event], path_png: str | os.PathLike[str] | None,
   handles = [patches.Patch(color=colors(i % 10), label=s) for i, s in enumerate(stages)]
   ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), frameon=False)
   fig.tight_layout()
-  with matplotlib.rc_context({"svg.fonttype": "none"}):  # SVG text stays text: smaller files
-    for path in (path_png, path_svg):
-      if path is not None:
-        fig.savefig(path, dpi=110)
+  fig.savefig(path, dpi=110)

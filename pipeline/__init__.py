@@ -2,23 +2,31 @@
 
     ds = pipeline.make_dataset("data/photos", "train", batch_size=128)   # grain.IterDataset
     ds = pipeline.device_prefetch(ds, mesh)                             # global jax.Arrays
+    train = pipeline.input("data/photos", "train", global_batch_size=128)   # both, in one call
 """
 
+from pipeline import features, ops
 from pipeline.dataset import BadRecordError, make_dataset
+from pipeline.features import Feature
 from pipeline.manifest import Manifest
-from pipeline.options import Augment, Performance
 from pipeline.manifest import load as load_manifest
+from pipeline.ops import ColorJitter, Mixup
+from pipeline.options import Augment, Performance
 from pipeline.records import Keys
 
 __version__ = "0.1.0"
-__all__ = ["Augment", "BadRecordError", "Keys", "Manifest", "Performance", "device_prefetch",
-           "load_manifest", "make_dataset", "normalize_images"]
+__all__ = ["Augment", "BadRecordError", "ColorJitter", "Feature", "Input", "Keys", "Manifest",
+           "Mixup", "Performance", "device_prefetch", "features", "input", "load_manifest",
+           "make_dataset", "normalize_images", "ops"]
+
+_LAZY = {"device_prefetch": "device", "normalize_images": "device", "input": "inputs",
+         "Input": "inputs"}
 
 
 def __getattr__(name: str):
   """Device feeding imports JAX, so it loads on first use (workers stay light)."""
-  if name in ("device_prefetch", "normalize_images"):
-    from pipeline import device  # pylint: disable=g-import-not-at-top
+  if name in _LAZY:
+    import importlib
 
-    return getattr(device, name)
+    return getattr(importlib.import_module(f"pipeline.{_LAZY[name]}"), name)
   raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

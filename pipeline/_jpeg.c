@@ -1,19 +1,192 @@
-/* Crop-aware JPEG decode on libjpeg-turbo: the `decode_and_crop_jpeg` of tf.data.
+/* The native half of the pipeline: per-batch Example parse and crop-aware JPEG decode.
  *
- * decode_crop(data, y, x, h, w, scale_denom, fast_dct) decodes only the rows and iMCU columns
- * that the window (in full-resolution pixels) needs, at 1/scale_denom resolution (DCT
- * scaling; fast_dct picks JDCT_IFAST, tf.data's default), and returns (rgb_bytes, height,
- * width). The GIL is released while decoding.
- * Errors raise ValueError with libjpeg's message. Warnings (corrupt data that libjpeg
- * would paper over with grey, e.g. a truncated file) are errors too: a record is either
- * decoded faithfully or reported.
+ * decode_batch(...) takes a chunk of a batch's records and, with the GIL released once for
+ * the whole chunk, for each record: finds the image bytes and the label in the serialized
+ * tf.train.Example (no copy), reads the JPEG header, draws the crop window and the flip from a
+ * counter-based hash of (seed, epoch, record index) (so a record's augmentation does not
+ * depend on threads, workers or the resume point), and decodes only that window
+ * (libjpeg-turbo's jpeg_crop_scanline and jpeg_skip_scanlines, DCT-scaled when the window is
+ * >= 2x the target: tf.data's decode_and_crop_jpeg), mirrored on the way, into the caller's
+ * arena. The caller resizes each window into its batch slot (OpenCV). Records it cannot take
+ * (not a JPEG, CMYK, an unusual Example) are handed back for the Python path; broken ones with
+ * libjpeg's message.
+ *
+ * Warnings (corrupt data that libjpeg would paper over with grey, e.g. a truncated file) are
+ * errors: a record is either decoded faithfully or reported.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <math.h>
 #include <setjmp.h>
+#include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
+#include <time.h>
 #include <jpeglib.h>
+
+#define MSG 200
+
+/* ------------------------------------------------------------------ counter-based uniforms */
+
+static uint64_t mix64(uint64_t z) { /* splitmix64's finalizer */
+  z += 0x9E3779B97F4A7C15ULL;
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ULL;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBULL;
+  return z ^ (z >> 31);
+}
+
+static uint64_t example_key(uint64_t seed, uint64_t epoch, uint64_t index) {
+  return mix64(mix64(mix64(seed ^ 0x5DEECE66DULL) ^ epoch) ^ index);
+}
+
+/* Draw k of an example, uniform in [0, 1). */
+static double uniform(uint64_t key, uint64_t k) {
+  return (double)(mix64(key + (k + 1) * 0xD1B54A32D192ED03ULL) >> 11) * 0x1.0p-53;
+}
+
+/* ------------------------------------------------------------------ crop geometry */
+
+typedef struct {
+  int train, flip, dct_scaling, fast_dct, size;
+  double area_lo, area_hi, log_ratio_lo, log_ratio_hi, crop_fraction;
+} params_t;
+
+#define ATTEMPTS 10
+#define FLIP_DRAW (4 * ATTEMPTS)
+
+/* Inception random-resized-crop (train) or centre crop (eval) of an h x w image: box[] = y, x,
+ * ch, cw. After ATTEMPTS misses, the largest centred crop within the aspect range (as
+ * torchvision's RandomResizedCrop and tf's sample_distorted_bounding_box fall back). */
+static void crop_box(const params_t *p, long h, long w, uint64_t key, long box[4]) {
+  if (!p->train) {
+    long side = lround(fmin(h, w) * p->crop_fraction);
+    if (side < 1) side = 1;
+    box[0] = (h - side) / 2, box[1] = (w - side) / 2, box[2] = side, box[3] = side;
+    return;
+  }
+  for (int a = 0; a < ATTEMPTS; a++) {
+    double target = (double)h * w * (p->area_lo + uniform(key, 4 * a) * (p->area_hi - p->area_lo));
+    double aspect = exp(p->log_ratio_lo + uniform(key, 4 * a + 1) * (p->log_ratio_hi - p->log_ratio_lo));
+    long cw = lround(sqrt(target * aspect)), ch = lround(sqrt(target / aspect));
+    if (cw > 0 && cw <= w && ch > 0 && ch <= h) {
+      box[0] = (long)(uniform(key, 4 * a + 2) * (h - ch + 1));
+      box[1] = (long)(uniform(key, 4 * a + 3) * (w - cw + 1));
+      box[2] = ch, box[3] = cw;
+      return;
+    }
+  }
+  double in_ratio = (double)w / h, lo = exp(p->log_ratio_lo), hi = exp(p->log_ratio_hi);
+  long ch = h, cw = w;
+  if (in_ratio < lo) ch = lround(w / lo);
+  else if (in_ratio > hi) cw = lround(h * hi);
+  if (ch < 1) ch = 1;
+  if (cw < 1) cw = 1;
+  box[0] = (h - ch) / 2, box[1] = (w - cw) / 2, box[2] = ch, box[3] = cw;
+}
+
+static int flip_of(const params_t *p, uint64_t key) {
+  return p->train && p->flip && uniform(key, FLIP_DRAW) < 0.5;
+}
+
+/* Largest DCT scale denominator (1, 2, 4, 8) that keeps the window's shorter side >= size. */
+static int dct_denom(const params_t *p, const long box[4]) {
+  long shorter = box[2] < box[3] ? box[2] : box[3];
+  if (!p->dct_scaling) return 1;
+  for (int d = 8; d > 1; d /= 2)
+    if (shorter >= (long)d * p->size) return d;
+  return 1;
+}
+
+/* ------------------------------------------------------------------ tf.train.Example */
+
+typedef struct {
+  const uint8_t *p, *end;
+} span_t;
+
+static int varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
+  uint64_t r = 0;
+  for (int shift = 0; shift < 64 && *p < end; shift += 7) {
+    uint8_t b = *(*p)++;
+    r |= (uint64_t)(b & 0x7F) << shift;
+    if (!(b & 0x80)) {
+      *v = r;
+      return 0;
+    }
+  }
+  return -1;
+}
+
+/* Next field of a message: its number, wire type, and (length-delimited) payload or varint. */
+static int next_field(span_t *m, uint32_t *field, int *wire, span_t *payload, uint64_t *value) {
+  uint64_t tag, len;
+  if (varint(&m->p, m->end, &tag)) return -1;
+  *field = (uint32_t)(tag >> 3), *wire = (int)(tag & 7);
+  switch (*wire) {
+    case 0: return varint(&m->p, m->end, value);
+    case 1: if (m->end - m->p < 8) return -1; m->p += 8; return 0;
+    case 5: if (m->end - m->p < 4) return -1; m->p += 4; return 0;
+    case 2:
+      if (varint(&m->p, m->end, &len) || len > (uint64_t)(m->end - m->p)) return -1;
+      payload->p = m->p, payload->end = m->p + len;
+      m->p += len;
+      return 0;
+    default: return -1;
+  }
+}
+
+/* The image bytes and label of an Example (first value of each, last map entry wins as in
+ * protobuf). Returns 0, or -1 if the record is anything but a plain Example holding both. */
+static int parse_example(const uint8_t *rec, size_t len, const char *image_key, size_t image_key_len,
+                         const char *label_key, size_t label_key_len, span_t *image, int64_t *label) {
+  span_t ex = {rec, rec + len}, features, entry, key, value, list, items;
+  uint32_t f;
+  int wire, have_image = 0, have_label = 0;
+  uint64_t v;
+  while (ex.p < ex.end) {
+    if (next_field(&ex, &f, &wire, &features, &v)) return -1;
+    if (f != 1 || wire != 2) continue;
+    while (features.p < features.end) {
+      if (next_field(&features, &f, &wire, &entry, &v)) return -1;
+      if (f != 1 || wire != 2) continue;
+      key.p = key.end = value.p = value.end = NULL;
+      while (entry.p < entry.end) {
+        span_t s;
+        if (next_field(&entry, &f, &wire, &s, &v)) return -1;
+        if (wire == 2 && f == 1) key = s;
+        if (wire == 2 && f == 2) value = s;
+      }
+      size_t klen = (size_t)(key.end - key.p);
+      int is_image = klen == image_key_len && !memcmp(key.p, image_key, klen);
+      int is_label = klen == label_key_len && !memcmp(key.p, label_key, klen);
+      if (!is_image && !is_label) continue;
+      if (is_image) have_image = 0;
+      if (is_label) have_label = 0;
+      while (value.p < value.end) { /* Feature: oneof bytes_list=1, float_list=2, int64_list=3 */
+        if (next_field(&value, &f, &wire, &list, &v)) return -1;
+        if (wire != 2 || f != (is_image ? 1u : 3u)) continue;
+        while (list.p < list.end) {
+          if (next_field(&list, &f, &wire, &items, &v)) return -1;
+          if (f != 1) continue;
+          if (is_image && f == 1 && wire == 2 && !have_image) {
+            *image = items;
+            have_image = 1;
+          } else if (is_label && wire == 0 && !have_label) {
+            *label = (int64_t)v;
+            have_label = 1;
+          } else if (is_label && wire == 2 && !have_label && items.p < items.end) {
+            if (varint(&items.p, items.end, &v)) return -1;  /* packed int64s */
+            *label = (int64_t)v;
+            have_label = 1;
+          }
+        }
+      }
+    }
+  }
+  return have_image && have_label ? 0 : -1;
+}
+
+/* ------------------------------------------------------------------ JPEG */
 
 typedef struct {
   struct jpeg_error_mgr pub;
@@ -31,33 +204,77 @@ static void on_message(j_common_ptr cinfo, int level) {
   if (level < 0) cinfo->err->num_warnings++;
 }
 
-/* Decodes the window into a malloc'd RGB buffer; runs without the GIL. Returns 0 on
- * success, or -1 with `message` set. */
-static int decode_window(const unsigned char *buf, unsigned long len, int y, int x, int h,
-                         int w, int denom, int fast_dct, unsigned char **out, int *out_h, int *out_w,
-                         char *message) {
+/* (height, width) from the SOF marker without libjpeg; 0 on success. */
+static int jpeg_size(const uint8_t *b, size_t n, long *h, long *w) {
+  size_t i = 2;
+  *h = *w = -1;
+  if (n < 4 || b[0] != 0xFF || b[1] != 0xD8) return -1;
+  while (i + 3 < n) {
+    if (b[i] != 0xFF) break; /* lost sync: corrupt header */
+    uint8_t m = b[i + 1];
+    if (m == 0xFF) { i++; continue; } /* fill byte */
+    if (m == 0xD8 || (m >= 0xD0 && m <= 0xD7) || m == 0x01) { i += 2; continue; }
+    if (m == 0xD9 || m == 0xDA) break; /* end of image or start of scan before any SOF */
+    size_t len = ((size_t)b[i + 2] << 8) | b[i + 3];
+    int sof = m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC;
+    if (sof && i + 8 < n) {
+      *h = ((long)b[i + 5] << 8) | b[i + 6];
+      *w = ((long)b[i + 7] << 8) | b[i + 8];
+      break;
+    }
+    if (len < 2) break;
+    i += 2 + len;
+  }
+  return *h > 0 && *w > 0 ? 0 : -1;
+}
+
+/* A buffer reused across images: growable, or `fixed` (a caller's slot) and never grown. */
+typedef struct {
+  uint8_t *p;
+  size_t n;
+  int fixed;
+} scratch_t;
+
+static uint8_t *reserve(scratch_t *s, size_t n) {
+  if (n > s->n) {
+    if (s->fixed) return NULL;
+    uint8_t *p = realloc(s->p, n);
+    if (p == NULL) return NULL;
+    s->p = p, s->n = n;
+  }
+  return s->p;
+}
+
+/* Decodes window (y, x, h, w) at 1/denom into `buf` (RGB, rows of `*out_w`), mirrored if
+ * `flip`. 0 on success; -1 with `message`; -2 when libjpeg cannot give RGB (CMYK/YCCK: the
+ * caller converts); -3 when `buf` cannot hold it. */
+static int decode_window(const uint8_t *data, size_t len, long y, long x, long h, long w, int denom,
+                         int fast_dct, int flip, scratch_t *buf, scratch_t *rows, int *out_h,
+                         int *out_w, char *message) {
   struct jpeg_decompress_struct cinfo;
   error_mgr err;
-  unsigned char *volatile row = NULL;
-  unsigned char *volatile result = NULL;
+  volatile int status = -1;
 
   cinfo.err = jpeg_std_error(&err.pub);
   err.pub.error_exit = on_error;
   err.pub.emit_message = on_message;
   if (setjmp(err.jump)) {
-    strncpy(message, err.message, JMSG_LENGTH_MAX);
+    snprintf(message, MSG, "%s", err.message);
     jpeg_destroy_decompress(&cinfo);
-    free(row);
-    free(result);
-    return -1;
+    return status;
   }
   jpeg_create_decompress(&cinfo);
-  jpeg_mem_src(&cinfo, buf, len);
+  jpeg_mem_src(&cinfo, data, (unsigned long)len);
   jpeg_read_header(&cinfo, TRUE);
-  if (y < 0 || x < 0 || h <= 0 || w <= 0 || (unsigned)(y + h) > cinfo.image_height ||
-      (unsigned)(x + w) > cinfo.image_width) {
-    snprintf(err.message, sizeof(err.message), "crop (y=%d, x=%d, h=%d, w=%d) outside %ux%u",
+  if (y < 0 || x < 0 || h <= 0 || w <= 0 || (unsigned long)(y + h) > cinfo.image_height ||
+      (unsigned long)(x + w) > cinfo.image_width) {
+    snprintf(err.message, sizeof(err.message), "crop (y=%ld, x=%ld, h=%ld, w=%ld) outside %ux%u",
              y, x, h, w, cinfo.image_height, cinfo.image_width);
+    longjmp(err.jump, 1);
+  }
+  if (cinfo.jpeg_color_space == JCS_CMYK || cinfo.jpeg_color_space == JCS_YCCK) {
+    status = -2;
+    snprintf(err.message, sizeof(err.message), "CMYK/YCCK JPEG");
     longjmp(err.jump, 1);
   }
   cinfo.out_color_space = JCS_RGB;
@@ -66,96 +283,251 @@ static int decode_window(const unsigned char *buf, unsigned long len, int y, int
   cinfo.dct_method = fast_dct ? JDCT_IFAST : JDCT_ISLOW;
   jpeg_start_decompress(&cinfo);
   /* The window in scaled coordinates, clipped to the scaled image. */
-  int sy = y / denom, sx = x / denom, oh = h / denom, ow = w / denom;
+  long sy = y / denom, sx = x / denom, oh = h / denom, ow = w / denom;
   if (oh < 1) oh = 1;
   if (ow < 1) ow = 1;
-  if ((unsigned)sy >= cinfo.output_height) sy = cinfo.output_height - 1;
-  if ((unsigned)sx >= cinfo.output_width) sx = cinfo.output_width - 1;
-  if ((unsigned)(sy + oh) > cinfo.output_height) oh = cinfo.output_height - sy;
-  if ((unsigned)(sx + ow) > cinfo.output_width) ow = cinfo.output_width - sx;
+  if (sy >= (long)cinfo.output_height) sy = cinfo.output_height - 1;
+  if (sx >= (long)cinfo.output_width) sx = cinfo.output_width - 1;
+  if (sy + oh > (long)cinfo.output_height) oh = cinfo.output_height - sy;
+  if (sx + ow > (long)cinfo.output_width) ow = cinfo.output_width - sx;
   /* jpeg_crop_scanline widens the columns to iMCU boundaries: xoff <= sx. */
   JDIMENSION xoff = (JDIMENSION)sx, cw = (JDIMENSION)ow;
   if (cw < cinfo.output_width) jpeg_crop_scanline(&cinfo, &xoff, &cw);
-  /* Decode whole row groups straight into the result (cw wide), then drop the columns
-   * left of the window in place. */
+  /* Decode whole row groups (cw wide), then drop the columns left of the window in place
+   * (mirrored if `flip`). */
   size_t full = (size_t)cw * 3, n = (size_t)ow * 3, shift = (size_t)(sx - xoff) * 3;
-  row = malloc(sizeof(JSAMPROW) * (size_t)oh);
-  result = malloc((size_t)oh * full);
-  if (row == NULL || result == NULL) {
-    snprintf(err.message, sizeof(err.message), "out of memory");
+  uint8_t *result = reserve(buf, (size_t)oh * full);
+  JSAMPROW *rowp = (JSAMPROW *)reserve(rows, sizeof(JSAMPROW) * (size_t)oh);
+  if (result == NULL || rowp == NULL) {
+    status = -3;
+    snprintf(err.message, sizeof(err.message), "out of memory, or the window exceeds its slot");
     longjmp(err.jump, 1);
   }
-  JSAMPROW *rowp = (JSAMPROW *)row;
-  for (int r = 0; r < oh; r++) rowp[r] = result + (size_t)r * full;
-  if (sy > 0) jpeg_skip_scanlines(&cinfo, sy);
-  for (int r = 0; r < oh;) r += jpeg_read_scanlines(&cinfo, rowp + r, oh - r);
-  for (int r = 0; r < oh; r++) memmove(result + (size_t)r * n, rowp[r] + shift, n);
+  for (long r = 0; r < oh; r++) rowp[r] = result + (size_t)r * full;
+  if (sy > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)sy);
+  for (long r = 0; r < oh;) r += jpeg_read_scanlines(&cinfo, rowp + r, (JDIMENSION)(oh - r));
+  for (long r = 0; r < oh; r++) {
+    uint8_t *to = result + (size_t)r * n;
+    memmove(to, rowp[r] + shift, n);
+    for (long a = 0, b = ow - 1; flip && a < b; a++, b--)
+      for (int c = 0; c < 3; c++) {
+        uint8_t t = to[3 * a + c];
+        to[3 * a + c] = to[3 * b + c], to[3 * b + c] = t;
+      }
+  }
   if (err.pub.num_warnings > 0) {
     (*err.pub.format_message)((j_common_ptr)&cinfo, err.message);
     longjmp(err.jump, 1);
   }
   jpeg_abort_decompress(&cinfo);
   jpeg_destroy_decompress(&cinfo);
-  free(row);
-  *out = result;
-  *out_h = oh;
-  *out_w = ow;
+  *out_h = (int)oh, *out_w = (int)ow;
   return 0;
+}
+
+/* ------------------------------------------------------------------ the batch path */
+
+enum { OK = 0, PYTHON_PATH = 1, BROKEN = 2 };
+
+typedef struct {
+  const uint8_t *data;
+  size_t len;
+  int64_t epoch, index;
+  int status;
+  char message[MSG];
+} item_t;
+
+static void sleep_ns(long ns) {
+  struct timespec t = {ns / 1000000000L, ns % 1000000000L};
+  while (clock_nanosleep(CLOCK_MONOTONIC, 0, &t, &t) != 0) {
+  }
+}
+
+/* One image, without the GIL: parse, header, window, decode (mirrored) into its arena slot. */
+static void load_one(item_t *it, const params_t *p, const char *ik, size_t ikl, const char *lk,
+                     size_t lkl, uint64_t seed, long emulate_ns, scratch_t *slot, int32_t *dims,
+                     int64_t *label, scratch_t *rows) {
+  span_t image = {NULL, NULL};
+  long h, w, box[4];
+  int oh = 0, ow = 0;
+  if (parse_example(it->data, it->len, ik, ikl, lk, lkl, &image, label) ||
+      jpeg_size(image.p, (size_t)(image.end - image.p), &h, &w) || (double)h * w > 89478485.0) {
+    it->status = PYTHON_PATH; /* the Python path names the problem, or takes the format */
+    return;
+  }
+  uint64_t key = example_key(seed, (uint64_t)it->epoch, (uint64_t)it->index);
+  crop_box(p, h, w, key, box);
+  if (emulate_ns > 0) {
+    sleep_ns(emulate_ns);
+    dims[0] = dims[1] = 1;
+    return;
+  }
+  int rc = decode_window(image.p, (size_t)(image.end - image.p), box[0], box[1], box[2], box[3],
+                         dct_denom(p, box), p->fast_dct, flip_of(p, key), slot, rows, &oh, &ow,
+                         it->message);
+  if (rc == -2 || rc == -3) {
+    it->status = PYTHON_PATH;
+  } else if (rc != 0) {
+    it->status = BROKEN;
+  }
+  dims[0] = oh, dims[1] = ow;
+}
+
+static int get_params(PyObject *t, params_t *p) {
+  double area_lo, area_hi, ratio_lo, ratio_hi;
+  if (!PyArg_ParseTuple(t, "pppp(dd)(dd)d", &p->train, &p->flip, &p->dct_scaling, &p->fast_dct,
+                        &area_lo, &area_hi, &ratio_lo, &ratio_hi, &p->crop_fraction))
+    return -1;
+  p->area_lo = area_lo, p->area_hi = area_hi;
+  p->log_ratio_lo = log(ratio_lo), p->log_ratio_hi = log(ratio_hi);
+  return 0;
+}
+
+static int writable(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t n, const char *what) {
+  if (PyObject_GetBuffer(o, b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) return -1;
+  if (b->len < itemsize * n) {
+    PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", what, b->len, itemsize * n);
+    PyBuffer_Release(b);
+    return -1;
+  }
+  return 0;
+}
+
+/* decode_batch(records, epochs, indices, labels, dims, arena, slot_bytes, start, stop, seed,
+ * image_key, label_key, size, params, emulate_ns): records [start, stop) of a batch; record i's
+ * mirrored crop window goes to arena[(i - start) * slot_bytes:] as dims[i] = (rows, cols) RGB
+ * pixels, its label to labels[i]. Returns [(i, status, message)] of the records it hands back:
+ * status 1 (the Python path takes it) or 2 (broken, with libjpeg's message). */
+static PyObject *decode_batch(PyObject *self, PyObject *args) {
+  PyObject *recs, *epochs_o, *indices_o, *labels_o, *dims_o, *arena_o, *params_o;
+  Py_buffer labels, dims, arena, epochs, indices;
+  const char *ik, *lk;
+  Py_ssize_t ikl, lkl, start, stop, slot_bytes;
+  unsigned long long seed;
+  int size;
+  long emulate_ns;
+  params_t p;
+  if (!PyArg_ParseTuple(args, "O!OOOOOnnnKy#y#iOl", &PyList_Type, &recs, &epochs_o, &indices_o,
+                        &labels_o, &dims_o, &arena_o, &slot_bytes, &start, &stop, &seed, &ik, &ikl,
+                        &lk, &lkl, &size, &params_o, &emulate_ns) ||
+      get_params(params_o, &p))
+    return NULL;
+  p.size = size;
+  Py_ssize_t n = PyList_GET_SIZE(recs);
+  if (start < 0 || stop > n || start > stop || size < 1 || slot_bytes < 3) {
+    PyErr_SetString(PyExc_ValueError, "bad chunk, size or slot");
+    return NULL;
+  }
+  if (writable(labels_o, &labels, 8, n, "labels")) return NULL;
+  if (writable(dims_o, &dims, 8, n, "dims")) goto release_labels;
+  if (writable(arena_o, &arena, slot_bytes, stop - start, "arena")) goto release_dims;
+  if (PyObject_GetBuffer(epochs_o, &epochs, PyBUF_C_CONTIGUOUS)) goto release_arena;
+  if (PyObject_GetBuffer(indices_o, &indices, PyBUF_C_CONTIGUOUS)) goto release_epochs;
+  item_t *items = NULL;
+  if (epochs.len != 8 * n || indices.len != 8 * n) {
+    PyErr_SetString(PyExc_ValueError, "epochs and indices must be int64[n]");
+    goto release_all;
+  }
+  items = calloc((size_t)(stop - start) + 1, sizeof(item_t));
+  if (items == NULL) {
+    PyErr_NoMemory();
+    goto release_all;
+  }
+  for (Py_ssize_t i = start; i < stop; i++) {
+    PyObject *r = PyList_GET_ITEM(recs, i);
+    item_t *it = &items[i - start];
+    it->epoch = ((int64_t *)epochs.buf)[i], it->index = ((int64_t *)indices.buf)[i];
+    if (r == Py_None) continue; /* padding, or a record that failed to read */
+    if (!PyBytes_Check(r)) {
+      PyErr_Format(PyExc_TypeError, "record %zd is %s, not bytes", i, Py_TYPE(r)->tp_name);
+      goto release_all;
+    }
+    it->data = (const uint8_t *)PyBytes_AS_STRING(r), it->len = (size_t)PyBytes_GET_SIZE(r);
+  }
+  Py_BEGIN_ALLOW_THREADS
+  scratch_t rows = {0};
+  for (Py_ssize_t i = start; i < stop; i++) {
+    item_t *it = &items[i - start];
+    scratch_t slot = {(uint8_t *)arena.buf + (i - start) * slot_bytes, (size_t)slot_bytes, 1};
+    if (it->data != NULL)
+      load_one(it, &p, ik, (size_t)ikl, lk, (size_t)lkl, seed, emulate_ns, &slot,
+               (int32_t *)dims.buf + 2 * i, (int64_t *)labels.buf + i, &rows);
+  }
+  free(rows.p);
+  Py_END_ALLOW_THREADS
+  PyObject *handed_back = PyList_New(0);
+  for (Py_ssize_t i = start; handed_back != NULL && i < stop; i++) {
+    item_t *it = &items[i - start];
+    if (it->status == OK) continue;
+    PyObject *t = Py_BuildValue("(nis)", i, it->status, it->message);
+    if (t == NULL || PyList_Append(handed_back, t)) Py_CLEAR(handed_back);
+    Py_XDECREF(t);
+  }
+  free(items);
+  PyBuffer_Release(&indices), PyBuffer_Release(&epochs), PyBuffer_Release(&arena);
+  PyBuffer_Release(&dims), PyBuffer_Release(&labels);
+  return handed_back;
+release_all:
+  free(items);
+  PyBuffer_Release(&indices);
+release_epochs:
+  PyBuffer_Release(&epochs);
+release_arena:
+  PyBuffer_Release(&arena);
+release_dims:
+  PyBuffer_Release(&dims);
+release_labels:
+  PyBuffer_Release(&labels);
+  return NULL;
+}
+
+/* wait(microseconds): a GIL-free wait, standing in for pixel work in benchmarks. */
+static PyObject *wait(PyObject *self, PyObject *args) {
+  double us;
+  if (!PyArg_ParseTuple(args, "d", &us)) return NULL;
+  Py_BEGIN_ALLOW_THREADS
+  if (us > 0) sleep_ns((long)(us * 1000));
+  Py_END_ALLOW_THREADS
+  Py_RETURN_NONE;
 }
 
 static PyObject *decode_crop(PyObject *self, PyObject *args) {
   Py_buffer data;
-  int y, x, h, w, denom, fast_dct = 0, oh = 0, ow = 0, status;
-  unsigned char *result = NULL;
-  char message[JMSG_LENGTH_MAX] = {0};
-  if (!PyArg_ParseTuple(args, "y*iiiii|p", &data, &y, &x, &h, &w, &denom, &fast_dct)) return NULL;
+  long y, x, h, w;
+  int denom, fast_dct = 0, oh = 0, ow = 0, status;
+  char message[MSG] = {0};
+  scratch_t buf = {0}, rows = {0};
+  if (!PyArg_ParseTuple(args, "y*lllli|p", &data, &y, &x, &h, &w, &denom, &fast_dct)) return NULL;
   if (denom != 1 && denom != 2 && denom != 4 && denom != 8) {
     PyBuffer_Release(&data);
     PyErr_SetString(PyExc_ValueError, "scale_denom must be 1, 2, 4 or 8");
     return NULL;
   }
   Py_BEGIN_ALLOW_THREADS
-  status = decode_window((const unsigned char *)data.buf, (unsigned long)data.len, y, x, h, w,
-                         denom, fast_dct, &result, &oh, &ow, message);
+  status = decode_window(data.buf, (size_t)data.len, y, x, h, w, denom, fast_dct, 0, &buf, &rows,
+                         &oh, &ow, message);
   Py_END_ALLOW_THREADS
   PyBuffer_Release(&data);
+  free(rows.p);
   if (status != 0) {
-    PyErr_Format(PyExc_ValueError, "JPEG decode failed: %s", message);
+    free(buf.p);
+    PyErr_Format(PyExc_ValueError, "JPEG decode failed: %s%s", message,
+                 status == -2 ? " (color conversion not supported)" : "");
     return NULL;
   }
-  PyObject *out = PyBytes_FromStringAndSize((const char *)result, (Py_ssize_t)oh * ow * 3);
-  free(result);
+  PyObject *out = PyBytes_FromStringAndSize((const char *)buf.p, (Py_ssize_t)oh * ow * 3);
+  free(buf.p);
   if (out == NULL) return NULL;
   return Py_BuildValue("(Nii)", out, oh, ow);
 }
 
-/* (height, width) from the SOF marker, without libjpeg and without releasing the GIL:
- * it reads a few bytes, so handing the GIL to another thread would cost more. */
 static PyObject *header(PyObject *self, PyObject *args) {
   Py_buffer data;
+  long h, w;
   if (!PyArg_ParseTuple(args, "y*", &data)) return NULL;
-  const unsigned char *b = (const unsigned char *)data.buf;
-  Py_ssize_t n = data.len, i = 2;
-  long h = -1, w = -1;
-  if (n < 4 || b[0] != 0xFF || b[1] != 0xD8) i = n;  /* not a JPEG */
-  while (i + 3 < n) {
-    if (b[i] != 0xFF) break;  /* lost sync: corrupt header */
-    unsigned char m = b[i + 1];
-    if (m == 0xFF) { i++; continue; }  /* fill byte */
-    if (m == 0xD8 || (m >= 0xD0 && m <= 0xD7) || m == 0x01) { i += 2; continue; }
-    if (m == 0xD9 || m == 0xDA) break;  /* end of image or start of scan before any SOF */
-    Py_ssize_t len = ((Py_ssize_t)b[i + 2] << 8) | b[i + 3];
-    int sof = m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC;
-    if (sof && i + 8 < n) {
-      h = ((long)b[i + 5] << 8) | b[i + 6];
-      w = ((long)b[i + 7] << 8) | b[i + 8];
-      break;
-    }
-    if (len < 2) break;
-    i += 2 + len;
-  }
+  int rc = jpeg_size(data.buf, (size_t)data.len, &h, &w);
   PyBuffer_Release(&data);
-  if (h <= 0 || w <= 0) {
+  if (rc) {
     PyErr_SetString(PyExc_ValueError, "no JPEG frame header (SOF) with a valid size");
     return NULL;
   }
@@ -163,12 +535,17 @@ static PyObject *header(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
+    {"decode_batch", decode_batch, METH_VARARGS,
+     "decode_batch(records, epochs, indices, labels, dims, arena, slot_bytes, start, stop, seed, "
+     "image_key, label_key, size, params, emulate_ns) -> [(i, status, message)] handed back"},
+    {"wait", wait, METH_VARARGS, "wait(microseconds): sleep without the GIL (benchmarks)"},
     {"header", header, METH_VARARGS, "header(data) -> (height, width) of a JPEG"},
     {"decode_crop", decode_crop, METH_VARARGS,
      "decode_crop(data, y, x, h, w, scale_denom, fast_dct=False) -> (rgb bytes, height, width)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg",
-                                    "Crop-aware JPEG decode (libjpeg-turbo).", -1, methods};
+                                    "Per-batch parse and crop-aware JPEG decode.", -1,
+                                    methods};
 
 PyMODINIT_FUNC PyInit__jpeg(void) { return PyModule_Create(&module); }

@@ -15,4 +15,4 @@ def run(module: str) -> None:
   if module.endswith("__main__"):
     tool.main()
   else:
-    tool.main(sys.argv[1:])
+    importlib.import_module("bench.measure").run_cli(tool.main, sys.argv[1:])

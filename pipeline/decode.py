@@ -1,6 +1,7 @@
 """Image decoding: read the size from the header, then decode only the crop window.
 
-JPEGs go through `pipeline._jpeg` (libjpeg-turbo with `jpeg_crop_scanline` and
+The batch path decodes in `pipeline._jpeg.decode_batch` (see `pipeline.loader`); these are the
+per-image functions of the Python path. JPEGs go through `pipeline._jpeg` (libjpeg-turbo with `jpeg_crop_scanline` and
 `jpeg_skip_scanlines`, DCT scaling, GIL released), the equivalent of tf.data's
 `decode_and_crop_jpeg`. If the extension was not built, simplejpeg decodes the whole image.
 Other formats (PNG, GIF, CMYK JPEG, ...) fall back to Pillow. Output is always uint8 RGB.
@@ -31,7 +32,7 @@ def _load_extension():
     except OSError:
       continue
   try:
-    from pipeline import _jpeg  # pylint: disable=g-import-not-at-top
+    from pipeline import _jpeg
 
     return _jpeg
   except ImportError:  # not built, or no libjpeg found: simplejpeg decodes whole images
@@ -39,6 +40,11 @@ def _load_extension():
 
 
 _jpeg = _load_extension()
+
+
+def native():
+  """The C extension (`pipeline/_jpeg.c`), or None where it was not built."""
+  return _jpeg
 
 MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb limit
 # Raster formats only: Pillow would hand EPS/PS to Ghostscript if it were installed.
@@ -62,7 +68,7 @@ def image_size(data: bytes) -> tuple[int, int]:
     else:
       with Image.open(io.BytesIO(data), formats=FORMATS) as im:
         w, h = im.size
-  except Exception as e:  # noqa: BLE001 - any header failure is a bad image
+  except Exception as e:  # any header failure is a bad image
     raise DecodeError(f"unreadable image header ({type(e).__name__}: {e})") from None
   if h * w > MAX_PIXELS:
     raise DecodeError(f"{w}x{h} image exceeds the {MAX_PIXELS}-pixel limit")
@@ -78,7 +84,7 @@ def _pil_rgb(data: bytes) -> np.ndarray:
       if im.mode not in ("RGB", "L"):
         im = im.convert("RGBA").convert("RGB") if "A" in im.mode or im.mode == "P" else im
       return np.asarray(im.convert("RGB"))
-  except Exception as e:  # noqa: BLE001
+  except Exception as e:  # Pillow raises many kinds
     raise DecodeError(f"cannot decode image ({type(e).__name__}: {e})") from None
 
 

@@ -1,12 +1,13 @@
-"""Device feeding: lay host batches out across a device mesh ahead of the train step.
+"""Device feeding: lay host batches out across the devices ahead of the train step.
 
 The "Load" of ETL. Each process hands in its share of the global batch as numpy arrays;
-`device_prefetch` turns them into global `jax.Array`s sharded on the batch dimension,
-`depth` batches ahead on a background thread, inside the checkpointed iterator chain.
+`device_prefetch` turns them into `jax.Array`s, `depth` batches ahead on a background
+thread, inside the checkpointed iterator chain. Two layouts: "global" (the batch dimension
+sharded over a mesh axis, for jit) and "pmap" (a leading axis of devices, for jax.pmap).
 """
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Literal
 
 import grain
@@ -18,93 +19,182 @@ from pipeline import lifecycle
 
 MASK_KEY = "mask"
 IMAGE_KEY = "image"
+PMAP_AXIS = "devices"
+# Mean and standard deviation per RGB channel, in pixel units (0..255).
+NORMALIZATIONS = {
+    "minus_one_one": ((127.5,) * 3, (127.5,) * 3),
+    "zero_one": ((0.0,) * 3, (255.0,) * 3),
+    "imagenet": ((0.485 * 255, 0.456 * 255, 0.406 * 255), (0.229 * 255, 0.224 * 255, 0.225 * 255)),
+}
+Normalize = bool | str | tuple | None
 
 
-@functools.partial(jax.jit, static_argnames="dtype")
-def normalize_images(x: jax.Array, dtype: Any = jnp.float32) -> jax.Array:
-  """Maps uint8 pixels [0, 255] to `dtype` in [-1, 1] on the device.
+def normalization(normalize: Normalize) -> tuple[tuple[float, ...], tuple[float, ...]] | None:
+  """(mean, std) per channel in pixel units for a preset name, True ("minus_one_one") or a
+  (mean, std) pair of numbers or per-channel sequences; None for False/None."""
+  if normalize is None or normalize is False:
+    return None
+  if normalize is True:
+    normalize = "minus_one_one"
+  if isinstance(normalize, str):
+    if normalize not in NORMALIZATIONS:
+      raise ValueError(f"normalize must be one of {sorted(NORMALIZATIONS)} or (mean, std), "
+                       f"got {normalize!r}")
+    return NORMALIZATIONS[normalize]
+  if not isinstance(normalize, Sequence) or len(normalize) != 2:
+    raise ValueError(f"normalize must be a preset name or a (mean, std) pair, got {normalize!r}")
+  mean, std = (tuple(float(v) for v in np.atleast_1d(x)) for x in normalize)
+  if min(std) <= 0:
+    raise ValueError(f"normalize std must be > 0, got {std}")
+  if max(mean + std) <= 1:
+    raise ValueError(f"normalize (mean, std) are in pixel units (0..255), got {mean}, {std}: "
+                     "multiply values given for [0, 1] images by 255")
+  return mean, std
+
+
+def normalize_images(x: jax.Array, dtype: Any = jnp.float32,
+                     normalize: Normalize = "minus_one_one") -> jax.Array:
+  """(pixels - mean) / std in `dtype` on the device; default maps uint8 [0, 255] to [-1, 1].
 
   Jitted and elementwise, so the output keeps the input's sharding; the host moves uint8.
+  `normalize` as `device_prefetch`'s; False only casts.
   """
-  return (x.astype(jnp.float32) * (2.0 / 255.0) - 1.0).astype(dtype)
+  return _normalize(x, jnp.dtype(dtype), _hashable(normalize))
+
+
+@functools.partial(jax.jit, static_argnames=("dtype", "normalize"))
+def _normalize(x: jax.Array, dtype: Any, normalize: Normalize) -> jax.Array:
+  stats = normalization(normalize)
+  if stats is None:
+    return x.astype(dtype)
+  mean, std = (np.asarray(s[:1] if len(set(s)) == 1 else s, np.float32) for s in stats)
+  for s in (mean, std):
+    if s.size > 1 and x.shape[-1] != s.size:
+      raise ValueError(f"normalize has {s.size} per-channel values, images have "
+                       f"{x.shape[-1]} channels (shape {x.shape})")
+  return ((x.astype(jnp.float32) - mean) * (1 / std)).astype(dtype)
 
 
 def device_prefetch(
     dataset: grain.IterDataset,
-    mesh: jax.sharding.Mesh,
+    mesh: jax.sharding.Mesh | None = None,
     *,
     data_axis: str = "data",
     depth: int = 2,
     remainder: Literal["pad", "drop"] = "pad",
-    normalize: bool = False,
+    normalize: Normalize = False,
+    dtype: Any = None,
     batch_size: int | None = None,
+    layout: Literal["global", "pmap"] = "global",
 ) -> grain.IterDataset:
-  """Returns `dataset` with its batches as global arrays sharded over `mesh`.
+  """Returns `dataset` with its batches as `jax.Array`s laid out over the devices.
 
   Elements of `dataset` are dicts of numpy arrays holding this process's rows of the
   global batch (global batch = per-process batch * processes whose devices split the
-  data axis). Outputs are dicts of `jax.Array`s with `PartitionSpec(data_axis)` on
-  dim 0, replicated over the other mesh axes. A background thread keeps `depth`
-  batches on the devices (0: transfer on the calling thread); the iterator's state is
-  that of the last batch returned, so `set_state` resumes at the next unseen batch.
+  data axis). `layout="global"`: arrays of the global batch with `PartitionSpec(data_axis)`
+  on dim 0 of `mesh` (default: every device on one "data" axis), replicated over its other
+  axes; an Explicit-axis mesh gives explicitly sharded arrays (fine under jit; for pmap use
+  the "pmap" layout). `layout="pmap"`: arrays shaped [devices, rows per device, ...] over
+  `jax.devices()`, as `jax.pmap` takes them (no mesh). Entries jax cannot hold (bytes,
+  strings, objects: e.g. a bytes feature) stay numpy arrays of this process's rows.
 
-  A batch with fewer rows than the full per-process batch (`batch_size`, by default
-  the first batch's) is zero-padded with a `MASK_KEY` entry (1 real, 0 padding; added
-  to every batch, or extended if present) when `remainder="pad"`, dropped when
-  `"drop"`. "drop" needs every process to see the same partial batches (equal
-  slices); "pad" never leaves one process waiting for another. With `normalize`,
-  `IMAGE_KEY` becomes float32 in [-1, 1] on the device (see `normalize_images`).
+  A background thread keeps `depth` batches on the devices (0: transfer on the calling
+  thread); the iterator's state is that of the last batch returned, so `set_state`
+  resumes at the next unseen batch. A batch with fewer rows than the full per-process
+  batch (`batch_size`, by default the first batch's) is zero-padded with a `MASK_KEY`
+  entry (1 real, 0 padding; added to every batch, or extended if present) when
+  `remainder="pad"`, dropped when `"drop"`. "drop" needs every process to see the same
+  partial batches (equal slices); "pad" never leaves one process waiting for another.
+
+  `normalize` (a preset of `NORMALIZATIONS`, True for "minus_one_one", or (mean, std) in
+  pixel units) maps `IMAGE_KEY` to `dtype` (default float32) on the device; `dtype` alone
+  casts it.
   """
-  if data_axis not in mesh.axis_names:
-    raise ValueError(f"Mesh axes {mesh.axis_names} have no data axis {data_axis!r}; "
-                     "pass data_axis= one of them.")
   if remainder not in ("pad", "drop"):
     raise ValueError(f"remainder must be 'pad' or 'drop', got {remainder!r}.")
   if depth < 0:
     raise ValueError(f"depth must be >= 0, got {depth}.")
-  put = DevicePutIterDataset(dataset, mesh, data_axis=data_axis, remainder=remainder,
-                             normalize=normalize, batch_size=batch_size)
+  normalization(normalize)
+  dtype = jnp.dtype(dtype) if dtype is not None else None
+  put = DevicePutIterDataset(dataset, make_layout(mesh, data_axis, layout),
+                             remainder=remainder, normalize=normalize, dtype=dtype,
+                             batch_size=batch_size)
   return lifecycle.ClosedAtExit(
       grain.experimental.ThreadPrefetchIterDataset(put, prefetch_buffer_size=depth))
 
 
-class DevicePutIterDataset(grain.IterDataset):
-  """Pads or drops partial batches and transfers each one to the mesh (synchronously)."""
+def make_layout(mesh: jax.sharding.Mesh | None, data_axis: str = "data",
+                layout: str = "global") -> "_Layout | _PmapLayout":
+  """Where this process's rows go, for `device_prefetch`'s `mesh`, `data_axis`, `layout`."""
+  if layout == "pmap":
+    if mesh is not None:
+      raise ValueError("layout='pmap' lays batches over jax.devices() as jax.pmap does and "
+                       "takes no mesh; pass mesh=None (or layout='global' for jit on a mesh).")
+    return _PmapLayout()
+  if layout != "global":
+    raise ValueError(f"layout must be 'global' or 'pmap', got {layout!r}.")
+  if mesh is None:
+    mesh = jax.make_mesh((jax.device_count(),), (data_axis,),
+                         axis_types=(jax.sharding.AxisType.Auto,))
+  if data_axis not in mesh.axis_names:
+    raise ValueError(f"Mesh axes {mesh.axis_names} have no data axis {data_axis!r}; "
+                     "pass data_axis= one of them.")
+  return _Layout(mesh, data_axis)
 
-  def __init__(self, parent: grain.IterDataset, mesh: jax.sharding.Mesh, *,
-               data_axis: str, remainder: str, normalize: bool, batch_size: int | None):
+
+class DevicePutIterDataset(grain.IterDataset):
+  """Pads or drops partial batches and transfers each one to the devices (synchronously)."""
+
+  def __init__(self, parent: grain.IterDataset, layout: "_Layout | _PmapLayout", *,
+               remainder: str, normalize: Normalize, dtype: Any, batch_size: int | None):
     super().__init__(parent)
-    self._layout = _Layout(mesh, data_axis)
+    self._layout = layout
     self._remainder = remainder
-    self._normalize = normalize
+    self._image = (normalize, dtype)
     self._batch_size = batch_size
     if batch_size is not None:
       self._layout.check(batch_size)
 
   def __str__(self) -> str:
-    return f"DevicePutIterDataset(remainder={self._remainder}, normalize={self._normalize})"
+    return f"DevicePutIterDataset(remainder={self._remainder}, image={self._image})"
 
   def __iter__(self) -> grain.DatasetIterator:
     return _DevicePutIterator(self._parent.__iter__(), self._layout, self._remainder,
-                              self._normalize, self._batch_size)
+                              self._image, self._batch_size)
 
 
 class _Layout:
-  """Where this process's rows go: the sharding and the global batch they belong to."""
+  """The global layout: the batch dimension sharded over the mesh's data axis."""
 
   def __init__(self, mesh: jax.sharding.Mesh, data_axis: str):
     axis = mesh.axis_names.index(data_axis)
     here = jax.process_index()
-    rows = {i[axis] for i, d in np.ndenumerate(mesh.devices) if d.process_index == here}
+    rows = sorted({i[axis] for i, d in np.ndenumerate(mesh.devices)
+                   if d.process_index == here})
     if not rows:
       raise ValueError(f"Process {here} owns no device of the mesh {dict(mesh.shape)}.")
     self.sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(data_axis))
     self.data_axis = data_axis
     self.data_size = mesh.shape[data_axis]
     self.local_shards = len(rows)
+    self._rows = rows
 
-  def global_rows(self, local_rows: int) -> int:
-    return local_rows * self.data_size // self.local_shards
+  @property
+  def shard(self) -> tuple[int, int]:
+    """(shard_index, shard_count): this process's slice of the data, the processes that
+    feed distinct rows (processes whose devices hold the same rows read the same data)."""
+    first = self._rows[0]
+    if self._rows != list(range(first, first + self.local_shards)) or first % self.local_shards:
+      raise ValueError(f"Process {jax.process_index()} holds rows {self._rows} of the data "
+                       f"axis {self.data_axis!r}: not one aligned block; pass shard_index and "
+                       "shard_count yourself.")
+    return first // self.local_shards, self.data_size // self.local_shards
+
+  def global_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (local_shape[0] * self.data_size // self.local_shards,) + local_shape[1:]
+
+  def local(self, x: np.ndarray) -> np.ndarray:
+    return x
 
   def check(self, local_rows: int) -> None:
     """Raises if the per-process batch cannot be split evenly over the data axis."""
@@ -118,18 +208,48 @@ class _Layout:
           f"{self.data_size}, i.e. the per-process batch a multiple of {self.local_shards}.")
 
 
+class _PmapLayout:
+  """The pmap layout: [devices, rows per device, ...] over jax.devices(), pmap's order."""
+
+  def __init__(self):
+    devices = jax.devices()
+    here = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
+    if here != list(range(here[0], here[0] + len(here))):
+      raise ValueError("This process's devices are not one block of jax.devices(); the "
+                       "pmap layout needs them to be.")
+    mesh = jax.sharding.Mesh(np.array(devices), (PMAP_AXIS,),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+    self.sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(PMAP_AXIS))
+    self.local_shards = len(here)
+    self.data_size = len(devices)
+    self.shard = (jax.process_index(), jax.process_count())
+
+  def global_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
+    return (self.data_size,) + local_shape[1:]
+
+  def local(self, x: np.ndarray) -> np.ndarray:
+    return x.reshape((self.local_shards, -1) + x.shape[1:])
+
+  def check(self, local_rows: int) -> None:
+    if local_rows % self.local_shards:
+      raise ValueError(
+          f"Per-process batch of {local_rows} rows does not divide over this process's "
+          f"{self.local_shards} devices (layout 'pmap'): make it a multiple of "
+          f"{self.local_shards}, the global batch a multiple of {self.data_size}.")
+
+
 class _DevicePutIterator(grain.DatasetIterator):
   """Iterator of `DevicePutIterDataset`; its state is its parent's."""
 
-  def __init__(self, parent: grain.DatasetIterator, layout: _Layout, remainder: str,
-               normalize: bool, batch_size: int | None):
+  def __init__(self, parent: grain.DatasetIterator, layout: "_Layout | _PmapLayout",
+               remainder: str, image: tuple[Normalize, Any], batch_size: int | None):
     super().__init__(parent)
     self._layout = layout
     self._remainder = remainder
-    self._normalize = normalize
+    self._normalize, self._dtype = image
     self._full = batch_size
 
-  def __next__(self) -> dict[str, jax.Array]:
+  def __next__(self) -> dict[str, jax.Array | np.ndarray]:
     while True:
       batch = _as_arrays(next(self._parent))
       rows = _leading_dim(batch)
@@ -143,14 +263,17 @@ class _DevicePutIterator(grain.DatasetIterator):
         break
     if self._remainder == "pad":
       batch = _pad(batch, self._full)
-    shapes = {k: (self._layout.global_rows(self._full),) + v.shape[1:]
-              for k, v in batch.items()}
-    out = jax.make_array_from_process_local_data(self._layout.sharding, batch, shapes)
-    if self._normalize:
+    batch = {k: self._layout.local(v) for k, v in batch.items()}
+    host = {k: v for k, v in batch.items() if not _on_device(v)}
+    device = {k: v for k, v in batch.items() if _on_device(v)}
+    shapes = {k: self._layout.global_shape(v.shape) for k, v in device.items()}
+    out = jax.make_array_from_process_local_data(self._layout.sharding, device, shapes)
+    if self._normalize or self._dtype is not None:
       if IMAGE_KEY not in out:
-        raise KeyError(f"normalize=True needs an {IMAGE_KEY!r} key; got {sorted(out)}.")
-      out[IMAGE_KEY] = normalize_images(out[IMAGE_KEY])
-    return out
+        raise KeyError(f"normalize/dtype need an {IMAGE_KEY!r} key; got {sorted(out)}.")
+      dtype = jnp.float32 if self._dtype is None else self._dtype
+      out[IMAGE_KEY] = normalize_images(out[IMAGE_KEY], dtype, self._normalize)
+    return {**out, **host}
 
   def get_state(self) -> dict[str, Any]:
     return self._parent.get_state()
@@ -160,6 +283,18 @@ class _DevicePutIterator(grain.DatasetIterator):
 
   def __str__(self) -> str:
     return f"DevicePutDatasetIterator(remainder={self._remainder})"
+
+
+def _hashable(normalize: Normalize) -> Normalize:
+  """A static jit argument: lists become tuples."""
+  if isinstance(normalize, (str, bool)) or normalize is None:
+    return normalize
+  return tuple(tuple(np.atleast_1d(x).tolist()) for x in normalize)
+
+
+def _on_device(x: np.ndarray) -> bool:
+  """Numbers and booleans go to the devices; bytes, strings and objects stay on the host."""
+  return x.dtype.kind in "biufc"
 
 
 def _as_arrays(batch: Any) -> dict[str, np.ndarray]:

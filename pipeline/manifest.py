@@ -3,17 +3,23 @@
     {"format": "grain-pipeline/1", "classes": ["cat", "dog"],
      "keys": {"image": ..., "label": ..., "filename": ...},
      "splits": {"train": {"num_records": 10, "shards": [
-         {"file": "train.array_record-00000-of-00001", "num_records": 10, "sha256": "..."}]}},
+         {"file": "train.array_record-00000-of-00001", "num_records": 10, "sha256": "...",
+          "bytes": 123456}]}},
      "skipped": [{"path": "cat/bad.jpg", "reason": "truncated JPEG"}],
      "created_by": {"tool": "pipeline.convert images", "version": "0.1.0",
-                    "args": {...}, "source": "/data/imagenet"}}
+                    "args": {...}, "source": "/data/imagenet", "splits": ["train"]}}
+
+`checked_shards` is what a reader calls at open: it refuses a dataset whose files do not
+match the manifest (missing, not regular files, another size, counts that do not add up).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import os
+import stat
 from typing import Any
 
 from etils import epath
@@ -22,6 +28,12 @@ from pipeline.records import Keys
 
 FILENAME = "manifest.json"
 FORMAT = "grain-pipeline/1"
+BUILD_DIR = ".convert-build"  # where a conversion into the folder writes until it is done
+VERIFY_LEVELS = ("none", "size", "sha256")
+
+
+class ManifestError(ValueError):
+  """A manifest that is unreadable or does not match its files; one line naming the file."""
 
 
 @dataclasses.dataclass
@@ -29,6 +41,7 @@ class Shard:
   file: str
   num_records: int
   sha256: str
+  bytes: int | None = None  # file size; manifests written before it existed lack it
 
 
 @dataclasses.dataclass
@@ -52,38 +65,168 @@ class Manifest:
   def shard_paths(self, data_dir, split: str) -> list[epath.Path]:
     """Paths of a split's shards, in order; a clear error names a missing split."""
     if split not in self.splits:
-      raise KeyError(f"split {split!r} not in {epath.Path(data_dir) / FILENAME}; "
-                     f"it has {sorted(self.splits)}")
+      raise KeyError(
+        f"split {split!r} not in {epath.Path(data_dir) / FILENAME}; it has {sorted(self.splits)}"
+      )
     return [epath.Path(data_dir) / s.file for s in self.splits[split].shards]
 
   def to_json(self) -> dict[str, Any]:
-    return {"format": FORMAT, **dataclasses.asdict(self)}
+    d = {"format": FORMAT, **dataclasses.asdict(self)}
+    for split in d["splits"].values():
+      for shard in split["shards"]:
+        if shard["bytes"] is None:
+          del shard["bytes"]
+    return d
 
 
-def from_json(d: dict[str, Any]) -> Manifest:
+def _field(d: Any, key: str, kind: type, where: str) -> Any:
+  if not isinstance(d, dict) or key not in d:
+    raise ManifestError(f"{where}: missing field {key!r}")
+  value = d[key]
+  if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+    raise ManifestError(f"{where}: field {key!r} is {value!r}, not {kind.__name__}")
+  return value
+
+
+def _count(d: Any, key: str, where: str) -> int:
+  value = _field(d, key, int, where)
+  if value < 0:
+    raise ManifestError(f"{where}: field {key!r} is negative ({value})")
+  return value
+
+
+def _shard(d: Any, where: str) -> Shard:
+  file = _field(d, "file", str, where)
+  if not file or os.path.basename(file) != file or file in (".", ".."):
+    raise ManifestError(f"{where}: shard file {file!r} is not a file name in the dataset folder")
+  size = d.get("bytes")
+  if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
+    raise ManifestError(f"{where}: field 'bytes' is {size!r}, not a size")
+  return Shard(file, _count(d, "num_records", where), _field(d, "sha256", str, where), size)
+
+
+def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
+  """A Manifest from its JSON form; `ManifestError` names `where` and the bad field."""
+  if not isinstance(d, dict):
+    raise ManifestError(f"{where}: not a JSON object")
+  if d.get("format", FORMAT) != FORMAT:
+    raise ManifestError(f"{where}: format {d['format']!r} is not {FORMAT!r}")
+  classes = _field(d, "classes", list, where)
+  if not all(isinstance(c, str) for c in classes):
+    raise ManifestError(f"{where}: classes must be strings")
+  splits = {}
+  for name, s in _field(d, "splits", dict, where).items():
+    shards = _field(s, "shards", list, f"{where} split {name!r}")
+    splits[name] = Split(
+      _count(s, "num_records", f"{where} split {name!r}"),
+      [_shard(sh, f"{where} split {name!r} shard {i}") for i, sh in enumerate(shards)],
+    )
+  keys = d.get("keys", {})
+  try:
+    keys = Keys(**keys)
+  except TypeError:
+    raise ManifestError(f"{where}: keys {keys!r} are not image/label/filename") from None
+  skipped, created_by = d.get("skipped", []), d.get("created_by", {})
+  if not isinstance(skipped, list) or not isinstance(created_by, dict):
+    raise ManifestError(f"{where}: skipped must be a list and created_by an object")
   return Manifest(
-      classes=list(d["classes"]),
-      splits={
-          name: Split(s["num_records"], [Shard(**sh) for sh in s["shards"]])
-          for name, s in d["splits"].items()
-      },
-      skipped=list(d.get("skipped", [])),
-      keys=Keys(**d.get("keys", {})),
-      created_by=dict(d.get("created_by", {})),
+    classes=list(classes),
+    splits=splits,
+    skipped=list(skipped),
+    keys=keys,
+    created_by=dict(created_by),
   )
 
 
+def _is_local(path: epath.Path) -> bool:
+  return "://" not in os.fspath(path)
+
+
+def _regular_size(path: epath.Path) -> int | None:
+  """The size of a regular file, None if `path` is something else; never opens it."""
+  if _is_local(path):
+    st = os.stat(path)
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+  st = path.stat()
+  return None if st.is_directory else st.length
+
+
 def load(data_dir) -> Manifest:
+  """Reads `data_dir/manifest.json`; a missing one is `FileNotFoundError`, a damaged one
+  `ManifestError`, each naming the file."""
   path = epath.Path(data_dir) / FILENAME
-  if not path.exists():
-    raise FileNotFoundError(f"{path} not found: convert the dataset first "
-                            "(python -m pipeline.convert --help)")
-  return from_json(json.loads(path.read_text()))
+  try:
+    size = _regular_size(path)
+  except FileNotFoundError:
+    if _is_local(path) and os.path.isdir(os.path.join(os.fspath(data_dir), BUILD_DIR)):
+      raise FileNotFoundError(
+        f"{path} not found: a conversion into {data_dir} is running or was interrupted; "
+        "re-run it to finish"
+      ) from None
+    raise FileNotFoundError(
+      f"{path} not found: convert the dataset first (python -m pipeline.convert --help)"
+    ) from None
+  if size is None:
+    raise ManifestError(f"{path} is not a regular file")
+  try:
+    data = json.loads(path.read_bytes())
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ManifestError(f"{path} is not valid JSON (truncated or damaged?): {e}") from None
+  return from_json(data, os.fspath(path))
 
 
 def save(manifest: Manifest, data_dir) -> None:
-  """Writes the manifest atomically (temporary name, then rename)."""
+  """Writes the manifest atomically (temporary name, then rename over the old one)."""
   path = epath.Path(data_dir) / FILENAME
   tmp = path.parent / f".{FILENAME}.tmp-{os.getpid()}"
   tmp.write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
   tmp.replace(path)
+
+
+def _sha256(path: epath.Path) -> str:
+  h = hashlib.sha256()
+  with path.open("rb") as f:
+    while block := f.read(1 << 22):
+      h.update(block)
+  return h.hexdigest()
+
+
+def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -> list[epath.Path]:
+  """The split's shard paths after checking them against the manifest, for a reader to open.
+
+  Always: the split exists and its `num_records` is the sum of its shards' counts.
+  verify="size" (cheap: one stat per shard): each shard is a regular file of the recorded
+  size (manifests without sizes skip the size check); "sha256": also its full digest;
+  "none": no per-file checks. Raises `ManifestError` naming the file.
+  """
+  if verify not in VERIFY_LEVELS:
+    raise ValueError(f"verify must be one of {VERIFY_LEVELS}, not {verify!r}")
+  where = epath.Path(data_dir) / FILENAME
+  if split not in meta.splits:
+    raise ManifestError(f"split {split!r} not in {where}; it has {sorted(meta.splits)}")
+  s = meta.splits[split]
+  total = sum(sh.num_records for sh in s.shards)
+  if s.num_records != total:
+    raise ManifestError(
+      f"{where}: split {split!r} says {s.num_records} records but its shards hold {total}"
+    )
+  paths = [epath.Path(data_dir) / sh.file for sh in s.shards]
+  if verify == "none":
+    return paths
+  for path, sh in zip(paths, s.shards):
+    try:
+      size = _regular_size(path)
+    except FileNotFoundError:
+      raise ManifestError(f"shard {path} is missing") from None
+    if size is None:
+      raise ManifestError(f"shard {path} is not a regular file")
+    if sh.bytes is not None and size != sh.bytes:
+      raise ManifestError(
+        f"shard {path} has {size} bytes, {where} says {sh.bytes}: it changed after conversion"
+      )
+    if verify == "sha256" and (digest := _sha256(path)) != sh.sha256:
+      raise ManifestError(
+        f"shard {path} has sha256 {digest[:12]}..., {where} says "
+        f"{sh.sha256[:12]}...: it changed after conversion"
+      )
+  return paths

@@ -17,7 +17,7 @@ class RecordError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Keys:
-  """Feature keys of an image record. Defaults are ours; `TFDS` and `LEGACY` read others."""
+  """Feature keys of an image record. Defaults are ours; `TFDS_KEYS` and `KNOWN_KEYS` list others."""
 
   image: str = "image/encoded"
   label: str = "image/class/label"
@@ -64,7 +64,7 @@ def detect_keys(record: bytes) -> Keys:
   """Guesses which known schema a record uses (ours, TFDS's or data/category/name)."""
   try:
     feature = tf_example_pb2.Example.FromString(record).features.feature
-  except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
+  except Exception as e:  # protobuf raises its own DecodeError
     raise RecordError(f"not a tf.train.Example ({type(e).__name__}: {e})") from None
   for keys in KNOWN_KEYS:
     if keys.image in feature and keys.label in feature:

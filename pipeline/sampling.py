@@ -2,7 +2,8 @@
 
 Position `i` of a process's stream is epoch `i // per_epoch`, and within that epoch the
 global position `j * shard_count + shard_index` of a permutation drawn fresh for the epoch
-(Grain's index shuffle: O(1) memory, no shuffle buffer, no stall at epoch start). So the
+(a keyed Feistel bijection with cycle walking: O(1) memory, no shuffle buffer, no stall at
+epoch start, computed for a whole batch of positions in a few numpy operations). So the
 processes' slices are disjoint, together cover every record each epoch, and the order is a
 pure function of (seed, position): resuming needs nothing but the next position.
 
@@ -19,9 +20,47 @@ import dataclasses
 import math
 import sys
 
-from grain.experimental import index_shuffle
+import numpy as np
 
 PAD = -1
+ROUNDS = 4
+
+
+def _mix(z: np.ndarray) -> np.ndarray:
+  """splitmix64's finalizer on uint64 (wrapping arithmetic)."""
+  z = z + np.uint64(0x9E3779B97F4A7C15)
+  z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+  z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+  return z ^ (z >> np.uint64(31))
+
+
+def permute(x: np.ndarray, n: int, key: int) -> np.ndarray:
+  """A pseudo-random permutation of [0, n) chosen by `key`, applied to each element of `x`.
+
+  An unbalanced Feistel network on the smallest power of two >= n, cycle-walked back into
+  [0, n) (fewer than 2 passes on average).
+  """
+  x = np.asarray(x, np.uint64)
+  if n <= 1:
+    return x.astype(np.int64)
+  bits = max(2, (n - 1).bit_length())
+  with np.errstate(over="ignore"):
+    keys = _mix(np.arange(ROUNDS, dtype=np.uint64) * np.uint64(2**61 - 1) + np.uint64(key))
+
+    def once(v: np.ndarray) -> np.ndarray:
+      a, b = bits // 2, bits - bits // 2  # bits of left and right
+      left, right = v >> np.uint64(b), v & np.uint64((1 << b) - 1)
+      for k in keys:
+        left, right = right, left ^ (_mix(right ^ k) & np.uint64((1 << a) - 1))
+        a, b = b, a
+      return (left << np.uint64(b)) | right
+
+    out = once(x)
+    outside = np.flatnonzero(out >= np.uint64(n))
+    while len(outside):  # cycle walking
+      out[outside] = once(out[outside])
+      outside = outside[out[outside] >= np.uint64(n)]
+  return out.astype(np.int64)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,16 +93,18 @@ class Sampler:
   def __len__(self) -> int:
     return sys.maxsize if self.num_epochs is None else self.per_epoch * self.num_epochs
 
-  def epoch(self, position: int) -> int:
-    return position // self.per_epoch
+  def records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(epoch, global record index or PAD) of each position of this process's stream."""
+    epochs, j = np.divmod(np.asarray(positions, np.int64), self.per_epoch)
+    g = j * self.shard_count + self.shard_index
+    pad = g >= self.num_records
+    if self.shuffle:
+      for epoch in range(int(epochs[0]), int(epochs[-1]) + 1) if len(epochs) else ():
+        at = (epochs == epoch) & ~pad  # a batch spans one epoch, rarely two
+        g[at] = permute(g[at], self.num_records, self.seed << 32 | epoch % 2**32)
+    g[pad] = PAD
+    return epochs, g
 
   def record_index(self, position: int) -> int:
     """The global record index at `position` of this process's stream, or PAD."""
-    epoch, j = divmod(position, self.per_epoch)
-    g = j * self.shard_count + self.shard_index
-    if g >= self.num_records:
-      return PAD
-    if not self.shuffle or self.num_records == 1:
-      return g
-    return index_shuffle(g, max_index=self.num_records - 1,
-                         seed=(self.seed + epoch) % 2**32, rounds=4)
+    return int(self.records(np.array([position]))[1][0])

@@ -8,11 +8,11 @@ starts on every call. Readers open lazily, so the source pickles to worker proce
 from __future__ import annotations
 
 import bisect
-import collections
 import os
 import threading
 from collections.abc import Sequence
 
+import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
@@ -32,6 +32,7 @@ class ShardedSource:
     self.starts = [0]
     for c in counts:
       self.starts.append(self.starts[-1] + c)
+    self._ends = np.array(self.starts[1:], np.int64)
     self._init_readers()
 
   def _init_readers(self):
@@ -69,7 +70,7 @@ class ShardedSource:
           found = reader.num_records() if reader.ok() else None
           if found != expected:
             reader.close()  # a reader that failed to open raises its error here
-        except Exception as e:  # noqa: BLE001 - array_record raises plain RuntimeErrors
+        except Exception as e:  # array_record raises plain RuntimeErrors
           raise OSError(f"cannot open shard {self.paths[shard]}: {e}") from None
         if found != expected:
           raise OSError(f"shard {self.paths[shard]} holds {found} records, the manifest "
@@ -79,20 +80,23 @@ class ShardedSource:
 
   def read(self, indices: Sequence[int]) -> list[bytes]:
     """The records at `indices`, in that order; one batched read per shard."""
-    by_shard = collections.defaultdict(list)
-    for slot, index in enumerate(indices):
-      shard, local = self.locate(index)
-      by_shard[shard].append((local, slot))
+    indices = np.asarray(indices, np.int64)
+    if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
+      bad = indices[(indices < 0) | (indices >= len(self))][0]
+      raise IndexError(f"record {bad} outside [0, {len(self)})")
+    shards = np.searchsorted(self._ends, indices, side="right")
     out: list[bytes] = [b""] * len(indices)
-    for shard, items in by_shard.items():
+    for shard in np.unique(shards).tolist():
+      slots = np.flatnonzero(shards == shard)
+      local = (indices[slots] - self.starts[shard]).tolist()
       try:
-        recs = self._reader(shard).read([local for local, _ in items])
+        recs = self._reader(shard).read(local)
       except OSError:
         raise
-      except Exception as e:  # noqa: BLE001
+      except Exception as e:  # array_record raises plain RuntimeErrors
         raise CorruptRecordsError(f"cannot read {self.names[shard]} records "
-                      f"{sorted(local for local, _ in items)[:8]}...: {e}") from None
-      for (_, slot), rec in zip(items, recs):
+                                  f"{sorted(local)[:8]}...: {e}") from None
+      for slot, rec in zip(slots.tolist(), recs):
         out[slot] = rec
     return out
 

@@ -3,19 +3,25 @@
 `photos_dir`: 64 ImageNet-like JPEGs (~470x390, 4 classes), splits train (48) and
 validation (16). `digits_dir`: 300 scikit-learn digits (32x32 RGB JPEGs, 10 classes),
 splits train (240) and validation (60). Both are folders holding manifest.json and shards;
-the raw image folders are `photos_raw` and `digits_raw`.
+the raw image folders are `photos_raw` and `digits_raw`. `run_python` runs a command line
+from the repository root.
 """
 
 from __future__ import annotations
 
 import hashlib
+import os
 import pathlib
+import subprocess
+import sys
 
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
 from pipeline import manifest
 from pipeline.convert import builtin, images
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture(scope="session")
@@ -64,3 +70,22 @@ def write_dataset():
     return str(path)
 
   return write
+
+
+@pytest.fixture
+def run_python():
+  """Runs `python ARGS...` in a fresh process from the repository root, as a user would
+  (progress bars off); returns the finished process, its output as text, whatever its
+  exit status."""
+
+  def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    return subprocess.run(
+      [sys.executable, *args],
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=timeout,
+      env={**os.environ, "TQDM_DISABLE": "1"},
+    )
+
+  return run

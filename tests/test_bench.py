@@ -1,4 +1,5 @@
-"""Benchmarks at tiny sizes: each runs end to end and reports well-formed, sane figures.
+"""Benchmarks at tiny sizes: each runs end to end and reports well-formed, sane figures;
+the tools stay beside the library, and the committed report's pictures exist once.
 
 No speed is asserted here (the machines are shared); `make bench` measures.
 """
@@ -7,8 +8,7 @@ import importlib.util
 import json
 import os
 import pathlib
-import subprocess
-import sys
+import re
 
 import pytest
 
@@ -20,8 +20,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 def test_ceiling_decodes_every_image_whole_and_scaled(photos_dir, tmp_path):
   out = tmp_path / "ceiling.json"
-  result = ceiling.main([str(photos_dir), "--images", "8", "--repeats", "1", "--threads", "2",
-                         "--json", str(out)])
+  result = ceiling.main(
+    [str(photos_dir), "--images", "8", "--repeats", "1", "--threads", "2", "--json", str(out)]
+  )
   assert result["images"] == 8 and result["mean_megapixels"] > 0.1
   combos = {(r["decoder"], r["scale"], r["threads"]) for r in result["rows"]}
   assert combos == {(d, s, t) for d in ceiling.decoders() for s in ("1/1", "1/2") for t in (1, 2)}
@@ -34,9 +35,21 @@ def test_ceiling_decodes_every_image_whole_and_scaled(photos_dir, tmp_path):
 def test_storage_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_path):
   work = tmp_path / "tmp"
   work.mkdir()
-  result = storage.main([str(photos_dir), "--repeats", "1", "--batch-size", "8",
-                         "--threads", "2", "--tmp-dir", str(work), "--json",
-                         str(tmp_path / "s.json")])
+  result = storage.main(
+    [
+      str(photos_dir),
+      "--repeats",
+      "1",
+      "--batch-size",
+      "8",
+      "--threads",
+      "2",
+      "--tmp-dir",
+      str(work),
+      "--json",
+      str(tmp_path / "s.json"),
+    ]
+  )
   assert list(work.iterdir()) == []  # the one-file-per-image copy is gone
   rows = result["rows"]
   assert len(rows) == 4 * 2 * 2  # readers x orders x cache states
@@ -60,8 +73,19 @@ def test_page_cache_share_follows_reads_and_eviction(tmp_path):
 
 
 def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
-  out = throughput.main([str(photos_dir), "--epochs", "0.5", "--batch-size", "8",
-                         "--image-size", "64", "--json", str(tmp_path / "t.json")])
+  out = throughput.main(
+    [
+      str(photos_dir),
+      "--epochs",
+      "0.5",
+      "--batch-size",
+      "8",
+      "--image-size",
+      "64",
+      "--json",
+      str(tmp_path / "t.json"),
+    ]
+  )
   assert out["images_per_sec"] > 0 and out["first_batch_s"] > 0 and out["peak_rss_mb"] > 0
   assert out["images"] >= 24
   stages = out["stages_ms_per_image"]
@@ -71,8 +95,21 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
 
 def test_peers_runs_each_contender_in_its_own_process(photos_dir, tmp_path):
   out = tmp_path / "p.json"
-  results = peers.main([str(photos_dir), "--loaders", "pipeline", "--epochs", "0.5",
-                        "--batch-size", "8", "--image-size", "64", "--json", str(out)])
+  results = peers.main(
+    [
+      str(photos_dir),
+      "--loaders",
+      "pipeline",
+      "--epochs",
+      "0.5",
+      "--batch-size",
+      "8",
+      "--image-size",
+      "64",
+      "--json",
+      str(out),
+    ]
+  )
   assert [r["name"] for r in results] == ["pipeline"]
   assert results[0]["images_per_sec"] > 0
   assert results[0]["command"].startswith("python -m pipeline.bench throughput")  # a child
@@ -82,47 +119,71 @@ def test_peers_runs_each_contender_in_its_own_process(photos_dir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.skipif(importlib.util.find_spec("tensorflow") is None, reason="peers extra")
 def test_peers_tfdata_reads_the_same_records(photos_dir):
-  results = peers.main([str(photos_dir), "--loaders", "tfdata", "--epochs", "0.5",
-                        "--batch-size", "8", "--image-size", "64"])
+  results = peers.main(
+    [
+      str(photos_dir),
+      "--loaders",
+      "tfdata",
+      "--epochs",
+      "0.5",
+      "--batch-size",
+      "8",
+      "--image-size",
+      "64",
+    ]
+  )
   assert results and results[0]["name"] == "tfdata" and results[0]["images_per_sec"] > 0
 
 
-def test_device_bench_prints_its_figures():
-  proc = subprocess.run([sys.executable, "-m", "pipeline.bench", "device", "--source",
-                         "premade", "--batches", "2", "--rounds", "1", "--batch", "4"],
-                        cwd=ROOT, capture_output=True, text=True, check=True,
-                        env={**os.environ, "TQDM_DISABLE": "1"})
+def test_device_bench_prints_its_figures(run_python):
+  proc = run_python(
+    "-m",
+    "pipeline.bench",
+    "device",
+    "--source",
+    "premade",
+    "--batches",
+    "2",
+    "--rounds",
+    "1",
+    "--batch",
+    "4",
+  )
+  assert proc.returncode == 0, proc.stderr
   figures = json.loads(proc.stdout.strip().splitlines()[-1])
   assert figures["host"]["images_per_s"] > 0 and figures["device"]["images_per_s"] > 0
   assert figures["ratio"] > 0
 
 
 def check_report(report: str, names: list[str]) -> None:
-  """A section per benchmark, each with the machine and the command beside its figures
-  (or saying that the benchmark does not exist in this version)."""
+  """A section per benchmark, each with the machine and the command beside its figures."""
   steps = [s for s in bench_all.STEPS if s.name in names]
   summary, *sections = report.split("\n## ")[1:]
   assert summary.startswith("Summary\n\n- ")  # the headline figures come first
   assert [s.split("\n")[0] for s in sections] == [s.title for s in steps]
-  for step, section in zip(steps, sections):
-    if step.available():
-      assert "*Machine: " in section and "Command: `python -m " in section, section
-    else:
-      assert "Not run: " in section
+  for section in sections:
+    assert "*Machine: " in section and "Command: `python -m " in section, section
   assert "Not reported" not in report
+
+
+def pictures(markdown: pathlib.Path) -> list[pathlib.Path]:
+  """The files a Markdown page shows, resolved from its folder."""
+  links = re.findall(r"!\[[^\]]*\]\(([^)\s]+)\)", markdown.read_text())
+  return [(markdown.parent / link).resolve() for link in links]
 
 
 def test_all_writes_a_report_with_machine_and_command_beside_every_figure(photos_dir, tmp_path):
   out = tmp_path / "bench"
   names = ["ceiling", "throughput", "doctor"]
-  report = bench_all.main([str(photos_dir), "--out", str(out), "--quick",
-                           "--only", ",".join(names)]).read_text()
+  report = bench_all.main(
+    [str(photos_dir), "--out", str(out), "--quick", "--only", ",".join(names)]
+  ).read_text()
   check_report(report, names)
   assert "of the cores' raw full-decode rate" in report  # throughput quoted against ceiling
   assert "- Doctor: bottleneck " in report
   assert "Bottleneck: **" in report
   assert (out / "doctor_timeline.png").read_bytes()[:4] == b"\x89PNG"
-  assert "](doctor_timeline.png)" in report
+  assert pictures(out / "REPORT.md") == [(out / "doctor_timeline.png").resolve()]
 
 
 @pytest.mark.slow
@@ -130,16 +191,86 @@ def test_all_runs_every_benchmark(photos_dir, tmp_path):
   out = tmp_path / "bench"
   report = bench_all.main([str(photos_dir), "--out", str(out), "--quick"]).read_text()
   check_report(report, [s.name for s in bench_all.STEPS])
-  for picture in ("storage.png", "throughput.png"):
-    assert (out / picture).read_bytes()[:4] == b"\x89PNG" and f"]({picture})" in report
+  shown = pictures(out / "REPORT.md")
+  for picture in ("storage.png", "throughput.png", "study/naive_chain.png"):
+    assert (out / picture).read_bytes()[:4] == b"\x89PNG" and (out / picture).resolve() in shown
 
 
 def test_all_reports_a_failing_benchmark_and_goes_on(tmp_path):
   out = tmp_path / "bench"
-  report = bench_all.main([str(tmp_path / "missing"), "--out", str(out),
-                           "--only", "ceiling"]).read_text()
-  assert "Not reported: ceiling failed" in report
+  report = bench_all.main(
+    [str(tmp_path / "missing"), "--out", str(out), "--only", "ceiling"]
+  ).read_text()
+  assert "Not reported: ceiling failed (exit 1): " in report
+  assert "manifest.json not found" in report.split("Not reported: ")[1].split("\n")[0]
   assert "manifest.json not found" in (out / "ceiling.log").read_text()
+
+
+def test_refresh_is_refused_for_a_partial_or_quick_run_and_writes_nothing(photos_dir, tmp_path):
+  report = ROOT / "bench" / "REPORT.md"
+  before = report.read_bytes()
+  for extra in (["--quick"], ["--only", "ceiling"]):
+    with pytest.raises(SystemExit) as exit_:
+      bench_all.main([str(photos_dir), "--out", str(tmp_path / "out"), "--refresh", *extra])
+    assert exit_.value.code == 2
+  assert report.read_bytes() == before and not (tmp_path / "out").exists()
+
+
+def test_refresh_writes_the_committed_report_with_links_into_docs():
+  out = bench_all.Outputs.at(pathlib.Path("runs/bench"), refresh=True)
+  assert out.report.resolve() == ROOT / "bench" / "REPORT.md"
+  assert out.pictures.resolve() == ROOT / "docs" / "bench"
+  assert out.study.resolve() == ROOT / "docs" / "study"
+  assert out.link(out.pictures / "storage.png") == "../docs/bench/storage.png"
+  plain = bench_all.Outputs.at(pathlib.Path("runs/bench"), refresh=False)
+  assert plain.report == pathlib.Path("runs/bench/REPORT.md")
+  assert plain.link(plain.study / "naive.png") == "study/naive.png"
+
+
+def test_committed_pictures_are_pngs_under_docs_and_every_shown_one_exists():
+  pages = [ROOT / "README.md", ROOT / "bench" / "REPORT.md", ROOT / "docs" / "study" / "RESULTS.md"]
+  shown = [p for page in pages for p in pictures(page)]
+  assert shown and all(p.is_file() for p in shown), [p for p in shown if not p.is_file()]
+  generated = {".git", ".venv", "data", "runs", "build"}  # not in the repository
+  kept = [
+    p
+    for top in ROOT.iterdir()
+    if top.name not in generated
+    for p in ([top] if top.is_file() else top.rglob("*"))
+    if p.suffix.lower() in (".png", ".svg", ".jpg", ".jpeg", ".gif")
+  ]
+  assert kept and all(p.suffix == ".png" and p.is_relative_to(ROOT / "docs") for p in kept), kept
+
+
+def test_a_failing_tool_prints_one_line_and_the_traceback_only_when_asked(run_python, tmp_path):
+  missing = str(tmp_path / "missing")
+  proc = run_python("-m", "bench.ceiling", missing)
+  assert proc.returncode == 1 and proc.stdout == ""
+  assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
+  assert proc.stderr.startswith("error: FileNotFoundError: ") and missing in proc.stderr
+  verbose = run_python("-m", "bench.ceiling", missing, "--verbose")
+  assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
+  usage = run_python("-m", "bench.ceiling", missing, "--no-such-flag")
+  assert usage.returncode == 2 and "usage: " in usage.stderr
+
+
+def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_python):
+  proc = run_python("-c", "import sys, pipeline; print(*sorted(sys.modules))")
+  loaded = {name.split(".")[0] for name in proc.stdout.split()}
+  assert proc.returncode == 0 and "pipeline" in loaded
+  tools = {
+    "bench",
+    "train",
+    "configs",
+    "matplotlib",
+    "sklearn",
+    "skimage",
+    "tensorboardX",
+    "flax",
+    "optax",
+    "ml_collections",
+  }
+  assert not loaded & tools, loaded & tools
 
 
 @pytest.mark.parametrize("module", [storage, ceiling, bench_all])

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from pipeline.convert import beam as convert_beam  # imports apache_beam only when it runs
 from pipeline.convert import images, tfrecord
 
-beam = pytest.importorskip("apache_beam", reason="optional extra: pip install '.[beam]'")
-
-from pipeline.convert import beam as convert_beam  # noqa: E402 - needs apache_beam
+pytest.importorskip("apache_beam", reason="optional extra: pip install '.[beam]'")
 
 
 def same_files(a, b) -> None:
@@ -19,10 +18,12 @@ def same_files(a, b) -> None:
 
 
 def test_beam_image_conversion_matches_the_local_one(photos_raw, tmp_path):
-  local = images.convert(photos_raw, tmp_path / "local", val_fraction=0.25,
-                         shard_size_mb=1, workers=1, progress=False)
-  on_beam = convert_beam.convert_images(photos_raw, tmp_path / "beam", runner="DirectRunner",
-                                        val_fraction=0.25, shard_size_mb=1)
+  local = images.convert(
+    photos_raw, tmp_path / "local", val_fraction=0.25, shard_size_mb=1, workers=1, progress=False
+  )
+  on_beam = convert_beam.convert_images(
+    photos_raw, tmp_path / "beam", runner="DirectRunner", val_fraction=0.25, shard_size_mb=1
+  )
   assert on_beam == local and len(local.splits["train"].shards) > 1
   same_files(tmp_path / "local", tmp_path / "beam")
 
@@ -30,11 +31,19 @@ def test_beam_image_conversion_matches_the_local_one(photos_raw, tmp_path):
 def test_beam_tfrecord_conversion_matches_the_local_one(photos_dir, tmp_path):
   from tests.test_convert_images import read_shard
   from tests.test_convert_tfrecord import write_tfrecord
+
   payloads = [r for p in sorted(photos_dir.glob("train.*")) for r in read_shard(p)]
   write_tfrecord(tmp_path / "in.tfrecord", payloads)
-  local = tfrecord.convert(str(tmp_path / "in.tfrecord"), tmp_path / "local", num_classes=4,
-                           shard_size_mb=1, workers=1, progress=False)
-  on_beam = convert_beam.convert_tfrecord(str(tmp_path / "in.tfrecord"), tmp_path / "beam",
-                                          num_classes=4, shard_size_mb=1)
+  local = tfrecord.convert(
+    str(tmp_path / "in.tfrecord"),
+    tmp_path / "local",
+    num_classes=4,
+    shard_size_mb=1,
+    workers=1,
+    progress=False,
+  )
+  on_beam = convert_beam.convert_tfrecord(
+    str(tmp_path / "in.tfrecord"), tmp_path / "beam", num_classes=4, shard_size_mb=1
+  )
   assert on_beam == local
   same_files(tmp_path / "local", tmp_path / "beam")

@@ -8,8 +8,9 @@ from bench import convert_speed as bench_convert
 
 
 def test_reports_rates_for_every_contender_on_the_same_images(photos_dir, tmp_path, capsys):
-  result = bench_convert.main([str(photos_dir), "--repeats", "1", "--workers", "2",
-                               "--json", str(tmp_path / "convert.json")])
+  result = bench_convert.main(
+    [str(photos_dir), "--repeats", "1", "--workers", "2", "--json", str(tmp_path / "convert.json")]
+  )
   assert result["images"] == 64
   assert result["source"].endswith("raw")  # found through the manifest's source
   assert len(result["rows"]) == 3

@@ -34,8 +34,9 @@ def test_photos_are_imagenet_like_and_reproducible(tmp_path):
       assert 430 <= im.width <= 510 and 350 <= im.height <= 430
     assert 40_000 < f.stat().st_size < 200_000
     assert f.read_bytes() == (tmp_path / "b" / f.relative_to(tmp_path / "a")).read_bytes()
-  assert files[0].read_bytes() != (tmp_path / "c" / files[0].relative_to(tmp_path / "a")
-                                   ).read_bytes()
+  assert (
+    files[0].read_bytes() != (tmp_path / "c" / files[0].relative_to(tmp_path / "a")).read_bytes()
+  )
 
 
 def test_every_command_has_help(capsys):
@@ -50,8 +51,10 @@ def test_every_command_has_help(capsys):
 def test_build_makes_both_datasets_once(tmp_path):
   made = builtin.build(tmp_path, progress=False)
   assert made["digits"].num_classes == 10
-  assert made["digits"].splits["train"].num_records + made["digits"].splits[
-      "validation"].num_records == 1797
+  assert (
+    made["digits"].splits["train"].num_records + made["digits"].splits["validation"].num_records
+    == 1797
+  )
   assert made["photos"].num_classes == len(builtin.PHOTO_SOURCES)
   assert sum(s.num_records for s in made["photos"].splits.values()) == 1000
   for name in ("digits", "photos"):
@@ -59,5 +62,4 @@ def test_build_makes_both_datasets_once(tmp_path):
   start = time.monotonic()
   assert builtin.build(tmp_path, progress=False) == made
   assert time.monotonic() - start < 30  # nothing regenerated or rewritten
-  assert manifest.load(tmp_path / "photos").created_by["source"] == str(tmp_path / "raw" /
-                                                                         "photos")
+  assert manifest.load(tmp_path / "photos").created_by["source"] == str(tmp_path / "raw" / "photos")

@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from pipeline.convert import images, verify
+from pipeline.convert import images, shards, verify
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 ARGS = ["--shard-size-mb", "0.5", "--val-fraction", "0.1", "--no-progress"]
@@ -35,8 +35,17 @@ def whole(big_src, tmp_path_factory):
 
 
 def convert_cmd(src, out, workers=2):
-  return [sys.executable, "-m", "pipeline.convert", "images", str(src), str(out), *ARGS,
-          "--workers", str(workers)]
+  return [
+    sys.executable,
+    "-m",
+    "pipeline.convert",
+    "images",
+    str(src),
+    str(out),
+    *ARGS,
+    "--workers",
+    str(workers),
+  ]
 
 
 def assert_identical(out, whole):
@@ -47,18 +56,21 @@ def assert_identical(out, whole):
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_sigkill_at_a_random_point_then_rerun_gives_identical_shards(big_src, whole, tmp_path,
-                                                                      seed):
+def test_sigkill_at_a_random_point_then_rerun_gives_identical_shards(
+  big_src, whole, tmp_path, seed
+):
   out = tmp_path / "out"
-  child = subprocess.Popen(convert_cmd(big_src, out), cwd=ROOT, stdout=subprocess.DEVNULL,
-                           stderr=subprocess.DEVNULL)
+  child = subprocess.Popen(
+    convert_cmd(big_src, out), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+  )
   time.sleep(random.Random(seed).uniform(0.5, 3.0))  # start-up, planning or writing
   child.send_signal(signal.SIGKILL)
   child.wait()
   if (out / "manifest.json").exists():  # finished before the kill: still must be whole
     assert verify.verify(out, progress=False).ok
-  rerun = subprocess.run(convert_cmd(big_src, out, workers=1), cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+  rerun = subprocess.run(
+    convert_cmd(big_src, out, workers=1), cwd=ROOT, capture_output=True, text=True, timeout=300
+  )
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   assert_identical(out, whole)
   assert verify.verify(out, progress=False).ok
@@ -68,23 +80,35 @@ def _limit_file_size(limit: int):
   def apply():
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (limit, limit))
+
   return apply
 
 
-def test_disk_full_fails_clearly_leaves_nothing_complete_looking_and_resumes(big_src, whole,
-                                                                             tmp_path):
+def test_disk_full_fails_clearly_leaves_nothing_complete_looking_and_resumes(
+  big_src, whole, tmp_path
+):
   out = tmp_path / "out"
-  full = subprocess.run(convert_cmd(big_src, out), cwd=ROOT, capture_output=True, text=True,
-                        timeout=300, preexec_fn=_limit_file_size(200_000))
+  full = subprocess.run(
+    convert_cmd(big_src, out),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    preexec_fn=_limit_file_size(200_000),
+  )
   assert full.returncode != 0
   assert "File too large" in full.stderr or "No space" in full.stderr, full.stderr[-2000:]
   assert "Traceback" not in full.stderr and "re-run the same command" in full.stderr
   assert not (out / "manifest.json").exists()
-  listed = [p for p in out.glob("*.array_record-*") if not p.name.startswith(".")]
+  assert not list(out.glob("*.array_record-*"))  # nothing is swapped into OUT before the end
+  listed = [
+    p for p in (out / shards.BUILD_DIR).glob("*.array_record-*") if not p.name.startswith(".")
+  ]
   for shard in listed:  # whatever was renamed into place is a complete shard; the rest
     # (the shard being written) stays under a hidden temporary name
     assert shard.read_bytes() == (whole / shard.name).read_bytes(), shard.name
-  rerun = subprocess.run(convert_cmd(big_src, out), cwd=ROOT, capture_output=True, text=True,
-                         timeout=300)
+  rerun = subprocess.run(
+    convert_cmd(big_src, out), cwd=ROOT, capture_output=True, text=True, timeout=300
+  )
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   assert_identical(out, whole)

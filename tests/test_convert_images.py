@@ -35,8 +35,7 @@ def read_shard(path) -> list[bytes]:
 
 def read_split(data_dir, split: str) -> list[tuple[bytes, int, str]]:
   m = manifest.load(data_dir)
-  return [records.parse(r, m.keys) for p in m.shard_paths(data_dir, split)
-          for r in read_shard(p)]
+  return [records.parse(r, m.keys) for p in m.shard_paths(data_dir, split) for r in read_shard(p)]
 
 
 def jpeg(shape=(40, 60, 3), seed=0, mode="RGB", **save) -> bytes:
@@ -49,7 +48,8 @@ def jpeg(shape=(40, 60, 3), seed=0, mode="RGB", **save) -> bytes:
 def png(shape=(40, 60, 3), seed=0) -> bytes:
   buf = io.BytesIO()
   Image.fromarray(np.random.default_rng(seed).integers(0, 255, shape, dtype=np.uint8)).save(
-      buf, "PNG")
+    buf, "PNG"
+  )
   return buf.getvalue()
 
 
@@ -99,18 +99,25 @@ def test_validation_split_is_per_class_disjoint_and_seeded(photos_raw, photos_di
   assert not train & set(val)
   counts = {c: sum(f.startswith(c + "/") for f in val) for c in manifest.load(photos_dir).classes}
   assert set(counts.values()) == {4}  # 25% of each 16-image class
-  other = images.convert(photos_raw, tmp_path / "seed1", val_fraction=0.25, seed=1,
-                         workers=1, progress=False)
+  other = images.convert(
+    photos_raw, tmp_path / "seed1", val_fraction=0.25, seed=1, workers=1, progress=False
+  )
   assert other.splits["validation"].num_records == 16
   assert {f for _, _, f in read_split(tmp_path / "seed1", "validation")} != set(val)
 
 
-@pytest.mark.parametrize("shard_size_mb", [0.5, 64], ids=["workers-write-shards",
-                                                         "workers-check-records"])
+@pytest.mark.parametrize(
+  "shard_size_mb", [0.5, 64], ids=["workers-write-shards", "workers-check-records"]
+)
 def test_output_is_byte_identical_for_any_worker_count(photos_raw, tmp_path, shard_size_mb):
   for workers in (1, 2):
-    images.convert(photos_raw, tmp_path / f"w{workers}", shard_size_mb=shard_size_mb,
-                   workers=workers, progress=False)
+    images.convert(
+      photos_raw,
+      tmp_path / f"w{workers}",
+      shard_size_mb=shard_size_mb,
+      workers=workers,
+      progress=False,
+    )
   files = sorted(p.name for p in (tmp_path / "w1").iterdir())
   assert len(files) == (12 if shard_size_mb < 1 else 2)  # shards + manifest.json
   assert files == sorted(p.name for p in (tmp_path / "w2").iterdir())
@@ -144,13 +151,13 @@ def messy(tmp_path) -> pathlib.Path:
   exif[0x0112] = 6  # orientation: rotate 90 degrees
   write(src / "cat" / "rotated.jpg", jpeg(seed=7, exif=exif.tobytes()))
   write(src / "dog" / "empty.jpg", b"")
-  write(src / "dog" / "truncated.jpg", good[:len(good) // 2])
+  write(src / "dog" / "truncated.jpg", good[: len(good) // 2])
   write(src / "dog" / "truncated.png", png(seed=8)[:200])
   write(src / "dog" / "notes.txt", b"not an image at all\n")
   write(src / "dog" / "bomb.png", png_claiming(20000, 20000))
   bomb = bytearray(jpeg(seed=9))
   sof = bomb.index(b"\xff\xc0")
-  bomb[sof + 5:sof + 9] = struct.pack(">HH", 30000, 30000)  # height, width in the SOF0 frame
+  bomb[sof + 5 : sof + 9] = struct.pack(">HH", 30000, 30000)  # height, width in the SOF0 frame
   write(src / "dog" / "bomb.jpg", bytes(bomb))
   write(src / "dog" / "ok.jpg", jpeg(seed=10))
   (src / "empty_class").mkdir()
@@ -173,16 +180,24 @@ def test_bad_inputs_are_skipped_with_reasons_and_odd_ones_reencoded(messy, tmp_p
   assert skipped["dog/link_out.jpg"].startswith("symlink outside the source folder")
   assert skipped["empty_class/"] == "empty class folder"
   assert skipped["stray.jpg"] == "not in a class folder"
-  assert len(skipped) == 9
+  assert skipped["dog/link_in.jpg"].startswith("same file as cat/good.jpg in class cat")
+  assert len(skipped) == 10
   assert m.classes == ["cat", "dog", "empty_class"]
 
   stored = {f: (image, label) for image, label, f in read_split(tmp_path / "out", "train")}
-  assert sorted(stored) == ["cat/cmyk.jpg", "cat/good.jpg", "cat/gray.jpg", "cat/png_named.jpg",
-                            "cat/progressive.jpg", "cat/real.png", "cat/rotated.jpg",
-                            "dog/link_in.jpg", "dog/ok.jpg"]
+  assert sorted(stored) == [
+    "cat/cmyk.jpg",
+    "cat/good.jpg",
+    "cat/gray.jpg",
+    "cat/png_named.jpg",
+    "cat/progressive.jpg",
+    "cat/real.png",
+    "cat/rotated.jpg",
+    "dog/ok.jpg",
+  ]
   for name in ("cat/good.jpg", "cat/gray.jpg", "cat/progressive.jpg", "cat/rotated.jpg"):
     assert stored[name][0] == (messy / name).read_bytes()  # untouched, EXIF tag and all
-  assert stored["dog/link_in.jpg"] == ((messy / "cat/good.jpg").read_bytes(), 1)
+  assert stored["cat/good.jpg"][1] == 0  # its one label, not also dog's through the link
   reencoded = {r["path"]: r["reason"] for r in m.created_by["reencoded"]}
   assert sorted(reencoded) == ["cat/cmyk.jpg", "cat/png_named.jpg", "cat/real.png"]
   assert reencoded["cat/cmyk.jpg"].startswith("jpeg CMYK")
@@ -191,21 +206,20 @@ def test_bad_inputs_are_skipped_with_reasons_and_odd_ones_reencoded(messy, tmp_p
     image = Image.open(io.BytesIO(stored[name][0]))
     assert (image.format, image.mode, image.size) == ("JPEG", "RGB", (60, 40))
   line = shards.summary(m)
-  assert "train: 9 records" in line and "skipped 9" in line and "re-encoded 3" in line
+  assert "train: 8 records" in line and "skipped 10" in line and "re-encoded 3" in line
   assert "2 decompression bomb" in line and "1 empty class folder" in line
 
 
 def test_symlinks_outside_source_are_followed_only_when_asked(messy, tmp_path):
   m = images.convert(messy, tmp_path / "out", follow_symlinks=True, workers=1, progress=False)
   assert "dog/link_out.jpg" not in {s["path"] for s in m.skipped}
-  assert m.splits["train"].num_records == 10
+  assert m.splits["train"].num_records == 9
 
 
 def test_max_size_reencodes_only_large_images(tmp_path):
   write(tmp_path / "src" / "a" / "big.jpg", jpeg((300, 200, 3)))
   write(tmp_path / "src" / "a" / "small.jpg", jpeg((90, 120, 3)))
-  m = images.convert(tmp_path / "src", tmp_path / "out", max_size=100, workers=1,
-                     progress=False)
+  m = images.convert(tmp_path / "src", tmp_path / "out", max_size=100, workers=1, progress=False)
   stored = {f: Image.open(io.BytesIO(b)).size for b, _, f in read_split(tmp_path / "out", "train")}
   assert stored == {"a/big.jpg": (100, 150), "a/small.jpg": (120, 90)}
   assert [r["path"] for r in m.created_by["reencoded"]] == ["a/big.jpg"]
@@ -213,10 +227,13 @@ def test_max_size_reencodes_only_large_images(tmp_path):
 
 def test_pixel_limit_is_configurable(tmp_path):
   write(tmp_path / "src" / "a" / "x.jpg", jpeg((400, 500, 3)))
-  m = images.convert(tmp_path / "src", tmp_path / "out", max_pixels=100_000, workers=1,
-                     progress=False)
-  assert m.skipped == [{"path": "a/x.jpg",
-                        "reason": "decompression bomb: 500x400 pixels > limit 100000"}]
+  write(tmp_path / "src" / "a" / "y.jpg", jpeg((40, 60, 3)))
+  m = images.convert(
+    tmp_path / "src", tmp_path / "out", max_pixels=100_000, workers=1, progress=False
+  )
+  assert m.skipped == [
+    {"path": "a/x.jpg", "reason": "decompression bomb: 500x400 pixels > limit 100000"}
+  ]
 
 
 def test_label_map_orders_classes_and_rejects_bad_maps(tmp_path):
@@ -224,24 +241,31 @@ def test_label_map_orders_classes_and_rejects_bad_maps(tmp_path):
     write(tmp_path / "src" / name / "x.jpg", jpeg())
   json_map = tmp_path / "map.json"
   json_map.write_text(json.dumps({"dog": 0, "cat": 1, "bird": 2}))
-  m = images.convert(tmp_path / "src", tmp_path / "out", label_map=json_map, workers=1,
-                     progress=False)
+  m = images.convert(
+    tmp_path / "src", tmp_path / "out", label_map=json_map, workers=1, progress=False
+  )
   assert m.classes == ["dog", "cat", "bird"]
-  assert {f: label for _, label, f in read_split(tmp_path / "out", "train")} == {"cat/x.jpg": 1,
-                                                                        "dog/x.jpg": 0}
+  assert {f: label for _, label, f in read_split(tmp_path / "out", "train")} == {
+    "cat/x.jpg": 1,
+    "dog/x.jpg": 0,
+  }
   text_map = tmp_path / "map.txt"
   text_map.write_text("dog\ncat\n")
-  assert images.convert(tmp_path / "src", tmp_path / "out2", label_map=text_map, workers=1,
-                        progress=False).classes == ["dog", "cat"]
-  bad = {"unknown class": ({"cat": 0}, r"\['dog'\].*not in the label map"),
-         "out of range": ({"cat": 0, "dog": 2}, r"label 2 of class 'dog' is out of range \[0, 2\)"),
-         "negative": ({"cat": -1, "dog": 0}, r"out of range"),
-         "duplicate": ({"cat": 0, "dog": 0, "x": 1}, r"label 0 used by both"),
-         "not an integer": ({"cat": "0", "dog": 1}, r"not an integer")}
+  assert images.convert(
+    tmp_path / "src", tmp_path / "out2", label_map=text_map, workers=1, progress=False
+  ).classes == ["dog", "cat"]
+  bad = {
+    "unknown class": ({"cat": 0}, r"\['dog'\].*not in the label map"),
+    "out of range": ({"cat": 0, "dog": 2}, r"label 2 of class 'dog' is out of range \[0, 2\)"),
+    "negative": ({"cat": -1, "dog": 0}, r"out of range"),
+    "duplicate": ({"cat": 0, "dog": 0, "x": 1}, r"label 0 used by both"),
+    "not an integer": ({"cat": "0", "dog": 1}, r"not an integer"),
+  }
   for label_map, message in bad.values():
     with pytest.raises(images.LabelMapError, match=message):
-      images.convert(tmp_path / "src", tmp_path / "bad", label_map=label_map, workers=1,
-                     progress=False)
+      images.convert(
+        tmp_path / "src", tmp_path / "bad", label_map=label_map, workers=1, progress=False
+      )
   assert not (tmp_path / "bad" / "manifest.json").exists()
 
 
@@ -249,9 +273,23 @@ def test_cli_reports_label_map_errors_with_exit_status(tmp_path):
   write(tmp_path / "src" / "cat" / "x.jpg", jpeg())
   (tmp_path / "map.json").write_text('{"dog": 0}')
   result = subprocess.run(
-      [sys.executable, "-m", "pipeline.convert", "images", str(tmp_path / "src"),
-       str(tmp_path / "out"), "--label-map", str(tmp_path / "map.json"), "--no-progress"],
-      cwd=ROOT, capture_output=True, text=True, timeout=120, check=False)
+    [
+      sys.executable,
+      "-m",
+      "pipeline.convert",
+      "images",
+      str(tmp_path / "src"),
+      str(tmp_path / "out"),
+      "--label-map",
+      str(tmp_path / "map.json"),
+      "--no-progress",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
   assert result.returncode == 2
   assert "error: class folders ['cat']" in result.stderr
 
@@ -270,26 +308,42 @@ def test_resume_after_sigkill_keeps_finished_shards_and_matches(photos_raw, tmp_
     for f in photos_raw.rglob("*.jpg"):
       (src / f.parent.name).mkdir(parents=True, exist_ok=True)
       os.link(f, src / f.parent.name / f"{i:02d}_{f.name}")
-  out, progress = tmp_path / "killed", tmp_path / "killed" / shards.PROGRESS_DIR
+  out, build = tmp_path / "killed", tmp_path / "killed" / shards.BUILD_DIR
   child = subprocess.Popen(
-      [sys.executable, "-m", "pipeline.convert", "images", str(src), str(out),
-       "--shard-size-mb", "0.5", "--workers", "1", "--val-fraction", "0.1", "--no-progress"],
-      cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    [
+      sys.executable,
+      "-m",
+      "pipeline.convert",
+      "images",
+      str(src),
+      str(out),
+      "--shard-size-mb",
+      "0.5",
+      "--workers",
+      "1",
+      "--val-fraction",
+      "0.1",
+      "--no-progress",
+    ],
+    cwd=ROOT,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   deadline = time.monotonic() + 120
   while time.monotonic() < deadline and child.poll() is None:
-    if progress.is_dir() and len(list(progress.glob("train*.json"))) >= 3:
+    if build.is_dir() and len(list(build.glob("train*.done"))) >= 3:
       break
     time.sleep(0.002)
   child.send_signal(signal.SIGKILL)
   child.wait()
   assert not (out / "manifest.json").exists(), "the conversion finished before the kill"
-  done = {p.stem: (out / p.stem).stat().st_mtime_ns for p in progress.glob("*.json")}
+  done = {p.stem: (build / p.stem).stat().st_mtime_ns for p in build.glob("*.done")}
   assert len(done) >= 3
 
-  resumed = images.convert(src, out, shard_size_mb=0.5, val_fraction=0.1, workers=2,
-                           progress=False)
-  whole = images.convert(src, tmp_path / "whole", shard_size_mb=0.5, val_fraction=0.1,
-                         workers=1, progress=False)
+  resumed = images.convert(src, out, shard_size_mb=0.5, val_fraction=0.1, workers=2, progress=False)
+  whole = images.convert(
+    src, tmp_path / "whole", shard_size_mb=0.5, val_fraction=0.1, workers=1, progress=False
+  )
   assert resumed == whole
   for name, stamp in done.items():
     assert (out / name).stat().st_mtime_ns == stamp, f"{name} was redone"
@@ -301,9 +355,12 @@ def test_resume_after_sigkill_keeps_finished_shards_and_matches(photos_raw, tmp_
 
 def test_stale_shards_of_an_earlier_conversion_are_removed(photos_raw, tmp_path):
   images.convert(photos_raw, tmp_path / "out", shard_size_mb=1, workers=1, progress=False)
-  m = images.convert(photos_raw, tmp_path / "out", shard_size_mb=4, workers=1, progress=False)
+  m = images.convert(
+    photos_raw, tmp_path / "out", shard_size_mb=4, workers=1, progress=False, overwrite=True
+  )
   assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
-      ["manifest.json"] + [s.file for s in m.splits["train"].shards])
+    ["manifest.json"] + [s.file for s in m.splits["train"].shards]
+  )
 
 
 def test_missing_source_and_no_classes_are_clear_errors(tmp_path):

@@ -61,8 +61,14 @@ def test_crc32c_matches_published_check_values():
 def test_records_are_copied_byte_for_byte_in_order(examples, tmp_path):
   write_tfrecord(tmp_path / "train-00000-of-00002", examples[:25])
   write_tfrecord(tmp_path / "train-00001-of-00002", examples[25:])
-  m = tfrecord.convert(str(tmp_path / "train-*"), tmp_path / "out", num_classes=4,
-                       shard_size_mb=1, workers=2, progress=False)
+  m = tfrecord.convert(
+    str(tmp_path / "train-*"),
+    tmp_path / "out",
+    num_classes=4,
+    shard_size_mb=1,
+    workers=2,
+    progress=False,
+  )
   assert read_all(tmp_path / "out") == examples
   assert m.keys == OTHER_KEYS  # detected from the first record
   assert m.classes == ["0", "1", "2", "3"]
@@ -73,8 +79,13 @@ def test_records_are_copied_byte_for_byte_in_order(examples, tmp_path):
 def test_class_names_from_a_file(examples, tmp_path):
   write_tfrecord(tmp_path / "a.tfrecord", examples[:8])
   (tmp_path / "classes.txt").write_text("ant\nbee\ncat\ndog\n")
-  m = tfrecord.convert(str(tmp_path / "*.tfrecord"), tmp_path / "out",
-                       classes=tmp_path / "classes.txt", workers=1, progress=False)
+  m = tfrecord.convert(
+    str(tmp_path / "*.tfrecord"),
+    tmp_path / "out",
+    classes=tmp_path / "classes.txt",
+    workers=1,
+    progress=False,
+  )
   assert m.classes == ["ant", "bee", "cat", "dog"]
   with pytest.raises(ValueError, match="needs the class count"):
     tfrecord.convert(str(tmp_path / "*.tfrecord"), tmp_path / "o2", progress=False)
@@ -83,8 +94,9 @@ def test_class_names_from_a_file(examples, tmp_path):
 def test_label_out_of_range_is_an_error_naming_file_and_record(examples, tmp_path):
   write_tfrecord(tmp_path / "a.tfrecord", examples[:10])
   with pytest.raises(records.RecordError, match=r"a.tfrecord:3: label 3 out of range \[0, 3\)"):
-    tfrecord.convert(str(tmp_path / "a.tfrecord"), tmp_path / "out", num_classes=3, workers=1,
-                     progress=False)
+    tfrecord.convert(
+      str(tmp_path / "a.tfrecord"), tmp_path / "out", num_classes=3, workers=1, progress=False
+    )
 
 
 def test_corrupt_data_checksum_names_file_and_record(examples, tmp_path):
@@ -116,8 +128,9 @@ def test_records_whose_image_does_not_decode_are_skipped_and_listed(examples, tm
   image, label, name = records.parse(examples[0], OTHER_KEYS)
   broken = records.encode(image[: len(image) // 2], label, name, OTHER_KEYS)
   write_tfrecord(tmp_path / "a.tfrecord", [examples[1], broken, examples[2]])
-  m = tfrecord.convert(str(tmp_path / "a.tfrecord"), tmp_path / "out", num_classes=4,
-                       workers=1, progress=False)
+  m = tfrecord.convert(
+    str(tmp_path / "a.tfrecord"), tmp_path / "out", num_classes=4, workers=1, progress=False
+  )
   assert read_all(tmp_path / "out") == [examples[1], examples[2]]
   assert [s["path"] for s in m.skipped] == [f"{tmp_path / 'a.tfrecord'}:1"]
   assert m.skipped[0]["reason"].startswith("truncated or corrupt JPEG")
@@ -126,5 +139,10 @@ def test_records_whose_image_does_not_decode_are_skipped_and_listed(examples, tm
 def test_unparseable_record_is_an_error(tmp_path):
   write_tfrecord(tmp_path / "a.tfrecord", [records.encode(b"x", 0), b"\xff\xff not a proto"])
   with pytest.raises(records.RecordError, match="a.tfrecord:1: not a tf.train.Example"):
-    tfrecord.convert(str(tmp_path / "a.tfrecord"), tmp_path / "out", num_classes=1,
-                     keys=records.DEFAULT_KEYS, progress=False)
+    tfrecord.convert(
+      str(tmp_path / "a.tfrecord"),
+      tmp_path / "out",
+      num_classes=1,
+      keys=records.DEFAULT_KEYS,
+      progress=False,
+    )

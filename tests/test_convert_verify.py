@@ -71,9 +71,17 @@ def test_bad_records_are_named_by_shard_and_index(photos_raw, tmp_path):
   shard.write(records.encode(image[:5000], 0, "truncated.jpg"))
   shard.write(b"\x00garbage")
   count, digest, _ = shard.commit()
-  manifest.save(manifest.Manifest(
-      classes=["a", "b"], splits={"train": manifest.Split(count, [manifest.Shard(
-          "train.array_record-00000-of-00001", count, digest)])}), out)
+  manifest.save(
+    manifest.Manifest(
+      classes=["a", "b"],
+      splits={
+        "train": manifest.Split(
+          count, [manifest.Shard("train.array_record-00000-of-00001", count, digest)]
+        )
+      },
+    ),
+    out,
+  )
   problems = verify.verify(out, workers=1, progress=False).problems
   name = "train.array_record-00000-of-00001"
   assert problems[0] == f"{name} record 1: label 7 out of range [0, 2)"

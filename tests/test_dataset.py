@@ -4,6 +4,7 @@ import hashlib
 import io
 import math
 
+import grain
 import numpy as np
 import pytest
 from PIL import Image
@@ -11,7 +12,10 @@ from PIL import Image
 import pipeline
 from pipeline import augment, decode, manifest, records
 from pipeline.dataset import BadRecordError
+from pipeline.loader import BatchLoader
 from pipeline.sampling import PAD, Sampler
+from pipeline.source import ShardedSource
+from pipeline.stream import StateError
 
 
 def fingerprints(batches) -> list[str]:
@@ -88,10 +92,9 @@ def test_sampler_rejects_bad_arguments():
 
 
 def test_random_resized_crop_stays_within_area_and_aspect_ranges():
-  rng = np.random.default_rng(0)
   for h, w in [(390, 470), (500, 333), (224, 224), (1000, 120)]:
-    for _ in range(500):
-      y, x, ch, cw = augment.random_resized_crop_box(h, w, rng)
+    for index in range(500):
+      y, x, ch, cw = augment.random_resized_crop_box(h, w, augment.example_key(0, 0, index))
       assert 0 <= y and y + ch <= h and 0 <= x and x + cw <= w
       if (h, w) != (1000, 120):  # the extreme shape needs the documented fallback
         assert 0.08 * 0.97 <= ch * cw / (h * w) <= 1.0
@@ -99,9 +102,18 @@ def test_random_resized_crop_stays_within_area_and_aspect_ranges():
 
 
 def test_crop_fallback_is_centred_and_in_ratio():
-  rng = np.random.default_rng(0)
-  y, x, ch, cw = augment.random_resized_crop_box(1000, 120, rng, area=(0.99, 1.0))
+  y, x, ch, cw = augment.random_resized_crop_box(1000, 120, augment.example_key(0, 0, 0),
+                                                 area=(0.99, 1.0))
   assert (cw, x) == (120, 0) and ch == 160 and y == (1000 - 160) // 2
+
+
+def test_an_examples_draws_depend_only_on_seed_epoch_and_index():
+  key = augment.example_key(5, 1, 42)
+  assert key == augment.example_key(5, 1, 42)
+  assert len({key, augment.example_key(6, 1, 42), augment.example_key(5, 2, 42),
+              augment.example_key(5, 1, 43)}) == 4
+  draws = [augment.uniform(augment.example_key(0, 0, i), 0) for i in range(4000)]
+  assert 0 <= min(draws) and max(draws) < 1 and abs(np.mean(draws) - 0.5) < 0.02
 
 
 @pytest.fixture(params=["libjpeg-turbo extension", "simplejpeg fallback"])
@@ -201,27 +213,72 @@ def test_exact_resume_mid_epoch(photos_dir):
   assert_same_batches(expected, take(resumed, 5))
 
 
-def test_eval_transform_is_deterministic_and_centred(photos_dir):
+def test_eval_images_are_the_resized_centre_crop_and_deterministic(photos_dir):
   def run():
     return list(pipeline.make_dataset(photos_dir, "validation", batch_size=8, train=False,
-                                      image_size=32, shard_index=0, shard_count=1))
+                                      image_size=32, shard_index=0, shard_count=1,
+                                      performance=dict(dct_scaling=False)))
 
-  assert_same_batches(run(), run())
+  batches = run()
+  assert_same_batches(batches, run())
+  meta = manifest.load(photos_dir)
+  source = ShardedSource(meta.shard_paths(photos_dir, "validation"),
+                         [s.num_records for s in meta.splits["validation"].shards])
+  images = np.concatenate([b["image"][b["mask"]] for b in batches])
+  for index, image in enumerate(images[:6]):  # eval is in record order
+    full = decode.decode(records.parse(source.read([index])[0])[0])
+    h, w = full.shape[:2]
+    y, x, ch, cw = augment.center_crop_box(h, w, 0.875)
+    centred = augment.resize(full[y:y + ch, x:x + cw], 32).astype(int)
+    shifted = augment.resize(full[y // 4:y // 4 + ch, x // 4:x // 4 + cw], 32).astype(int)
+    assert np.abs(image - centred).mean() < 1.5
+    assert np.abs(image - shifted).mean() > 3 * np.abs(image - centred).mean()
 
 
-def test_cache_serves_later_epochs_from_memory(photos_dir):
-  ds = pipeline.make_dataset(photos_dir,
-                             "validation",
-                             batch_size=4,
-                             image_size=32,
-                             shard_index=0,
-                             shard_count=1,
-                             num_epochs=3,
+def test_cache_decodes_each_record_once_over_epochs(photos_dir, monkeypatch):
+  decoded = []
+  real_decode = decode.decode
+  monkeypatch.setattr(decode, "decode", lambda data: decoded.append(1) or real_decode(data))
+  ds = pipeline.make_dataset(photos_dir, "validation", batch_size=4, image_size=32,
+                             shard_index=0, shard_count=1, num_epochs=3,
                              performance=dict(cache_mb=64))
   batches = list(ds)
   n = manifest.load(photos_dir).splits["validation"].num_records
   assert sum(len(b["label"]) for b in batches) == 4 * (3 * n // 4)  # drop_remainder
   assert all(b["image"].shape[1:] == (32, 32, 3) for b in batches)
+  assert len(decoded) == n  # epochs 2 and 3 crop the cached pixels
+
+
+def test_native_and_python_paths_give_identical_images(photos_dir):
+  if decode.native() is None:
+    pytest.skip("the C extension is not built here")
+  for train in (True, False):
+    ds = pipeline.make_dataset(photos_dir, batch_size=8, train=train, image_size=40, seed=3,
+                               shard_index=0, shard_count=1,
+                               augment=dict(interpolation="bicubic" if train else "bilinear"))
+    batch = next(iter(ds))
+    loader = find_loader(ds)
+    epochs, indices = loader.sampler.records(np.arange(8))
+    for slot in range(8):
+      data = records.parse(loader.source.read([indices[slot]])[0])[0]
+      out = np.empty((40, 40, 3), np.uint8)
+      loader.python_image(data, int(epochs[slot]), int(indices[slot]), out)
+      np.testing.assert_array_equal(batch["image"][slot], out)
+
+
+def find_loader(ds) -> BatchLoader:
+  """The BatchLoader inside a dataset made by make_dataset (walks Grain's parents)."""
+  todo = [ds]
+  while todo:
+    node = todo.pop()
+    for value in vars(node).values():
+      if isinstance(value, BatchLoader):
+        return value
+      if isinstance(value, (grain.MapDataset, grain.IterDataset)):
+        todo.append(value)
+      if isinstance(value, (list, tuple)):
+        todo += [v for v in value if isinstance(v, (grain.MapDataset, grain.IterDataset))]
+  raise AssertionError("no BatchLoader in the dataset")
 
 
 def test_host_normalization_gives_floats_in_minus_one_one(photos_dir):
@@ -270,6 +327,62 @@ def test_other_key_names_are_read(tmp_path, write_dataset):
   assert list(next(iter(ds))["label"]) == [0, 1, 0, 1]
 
 
+def test_worker_processes_give_the_batches_threads_give_and_resume_exactly(photos_dir):
+  def make(workers, threads):
+    return pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0,
+                                 shard_count=1,
+                                 performance=dict(num_workers=workers, num_threads=threads))
+
+  threads_only = take(iter(make(0, 2)), 5)
+  it = iter(make(2, 1))  # real Grain worker processes, batches in shared memory
+  with_workers = take(it, 2)
+  state = it.get_state()
+  with_workers += take(it, 3)
+  it.close()
+  assert_same_batches(threads_only, with_workers)
+  resumed = iter(make(2, 1))
+  resumed.set_state(state)
+  rest = take(resumed, 3)
+  resumed.close()
+  assert_same_batches(threads_only[2:], rest)
+
+
+def test_skipped_records_are_counted_in_the_iterator_and_its_state(tmp_path, write_dataset):
+  good = [records.encode(jpeg(i), i % 2) for i in range(6)]
+  recs = good[:2] + [b"\x00\x01not a proto", records.encode(b"\xff\xd8\xffbad", 0)] + good[2:]
+  data = write_dataset(tmp_path / "bad", recs)
+  it = iter(pipeline.make_dataset(data, batch_size=4, train=False, image_size=32,
+                                  on_error="skip", shard_index=0, shard_count=1))
+  list(it)
+  assert it.skipped == 2 and it.get_state()["skipped"] == 2
+
+
+def test_a_state_restored_with_numpy_values_resumes_at_the_next_unseen_batch(photos_dir):
+  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0,
+                             shard_count=1)
+  it = iter(ds)
+  take(it, 5)
+  state = it.get_state()
+  expected = take(it, 3)
+  as_arrays = {k: ({kk: np.array(vv) for kk, vv in v.items()} if isinstance(v, dict)
+                   else np.array(v)) for k, v in state.items()}  # as a pytree checkpoint returns
+  resumed = iter(ds)
+  resumed.set_state(as_arrays)
+  assert_same_batches(expected, take(resumed, 3))
+  assert resumed.get_state() == {**state, "next_index": state["next_index"] + 3}
+
+
+@pytest.mark.parametrize("state", [{"next_index": -1}, {"next_index": "3"}, {"bogus": 1},
+                                   [1, 2], {"next_index": 1.5}, {"next_index": True},
+                                   {"next_index": 2, "skipped": -4}])
+def test_garbage_states_are_refused_in_one_line(photos_dir, state):
+  it = iter(pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0,
+                                  shard_count=1))
+  with pytest.raises(StateError) as e:
+    it.set_state(state)
+  assert "\n" not in str(e.value)
+
+
 @pytest.mark.slow
 def test_worker_processes_give_the_same_batches_for_the_same_worker_count(photos_dir):
   def run():
@@ -285,3 +398,97 @@ def test_worker_processes_give_the_same_batches_for_the_same_worker_count(photos
     return out
 
   assert_same_batches(run(), run())
+
+
+def test_custom_ops_and_extra_features_are_deterministic_across_threads_workers_and_resume(
+    tmp_path, write_dataset):
+  from tensorflow_datasets.proto import tf_example_pb2
+
+  recs = []
+  for i in range(24):
+    example = tf_example_pb2.Example.FromString(records.encode(jpeg(i), i % 2))
+    example.features.feature["image/id"].int64_list.value.append(1000 + i)
+    recs.append(example.SerializeToString())
+  data = write_dataset(tmp_path / "extra", recs)
+
+  def make(workers, threads):
+    return pipeline.make_dataset(data, batch_size=4, image_size=32, shard_index=0, shard_count=1,
+                                 ops="color_jitter(0.4)", batch_ops="mixup(0.2)",
+                                 features={"id": "image/id"},
+                                 performance=dict(num_workers=workers, num_threads=threads))
+
+  in_order = list(pipeline.make_dataset(data, batch_size=5, train=False, image_size=32,
+                                        shard_index=0, shard_count=1, features={"id": "image/id"}))
+  ids = np.concatenate([b["id"][b["mask"]] for b in in_order])
+  labels = np.concatenate([b["label"][b["mask"]] for b in in_order])
+  np.testing.assert_array_equal(ids, 1000 + np.arange(24))  # each record's own value
+  np.testing.assert_array_equal(labels, np.arange(24) % 2)
+  threads = take(iter(make(0, 1)), 6)
+  for batch in threads:
+    assert set(batch["id"] - 1000) <= set(range(24))
+    assert batch["label"].shape == (4, 2) and np.allclose(batch["label"].sum(1), 1)  # mixup
+  assert_same_batches(threads, take(iter(make(0, 3)), 6))
+  it = iter(make(2, 1))
+  first = take(it, 2)
+  state = it.get_state()
+  it.close()
+  resumed = iter(make(2, 1))
+  resumed.set_state(state)
+  rest = take(resumed, 4)
+  resumed.close()
+  assert_same_batches(threads, first + rest)
+  plain = next(iter(pipeline.make_dataset(data, batch_size=4, image_size=32, shard_index=0,
+                                          shard_count=1)))
+  assert not np.array_equal(plain["image"], threads[0]["image"])  # the ops did something
+
+
+def test_a_failing_custom_op_names_the_record(photos_dir):
+  def broken(image, rng):
+    raise RuntimeError("boom")
+
+  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0,
+                             shard_count=1, ops=[broken])
+  with pytest.raises(ValueError, match=r"array_record-\d+-of-\d+ record \d+: RuntimeError: boom"):
+    next(iter(ds))
+
+
+def test_make_dataset_refuses_shards_that_disagree_with_the_manifest(tmp_path, photos_dir):
+  import json
+  import os
+  import shutil
+
+  data = tmp_path / "copy"
+  shutil.copytree(photos_dir, data)
+  path = data / "manifest.json"
+  meta = json.loads(path.read_text())
+  meta["splits"]["validation"]["num_records"] -= 3  # edited down: would serve fewer records
+  path.write_text(json.dumps(meta))
+  with pytest.raises(manifest.ManifestError, match="validation"):
+    pipeline.make_dataset(data, "validation", batch_size=4, shard_index=0, shard_count=1)
+  shutil.copy(photos_dir / "manifest.json", path)
+  shard = data / meta["splits"]["train"]["shards"][0]["file"]
+  shard.unlink()
+  os.mkfifo(shard)  # would hang a reader that opened it
+  with pytest.raises(manifest.ManifestError, match=shard.name):
+    pipeline.make_dataset(data, "train", batch_size=4, shard_index=0, shard_count=1)
+
+
+def test_a_many_core_host_gets_worker_processes_and_the_same_batches(photos_dir, monkeypatch,
+                                                                    capfd):
+  from pipeline import parallelism
+
+  def make():
+    return pipeline.make_dataset(photos_dir, batch_size=32, image_size=32, shard_index=0,
+                                 shard_count=1)
+
+  here = take(iter(make()), 3)
+  monkeypatch.setattr(parallelism, "available_cores", lambda: 24)  # as if on a bigger host
+  monkeypatch.setattr(parallelism, "available_memory", lambda: 64 << 30)
+  chosen = parallelism.plan(batch_size=32, image_bytes=32 * 32 * 3)
+  assert chosen.workers > 0
+  it = iter(make())
+  there = take(it, 3)
+  it.close()
+  assert f"{chosen.workers} worker processes x {chosen.threads} decode threads" in (
+      capfd.readouterr().err)
+  assert_same_batches(here, there)

@@ -158,6 +158,80 @@ def test_a_batch_that_does_not_split_over_the_data_axis_says_what_to_change():
     device_prefetch(host_batches(8, 8), mesh((8,)), data_axis="batch")
 
 
+@pytest.mark.parametrize("preset, mean, std", [
+    ("imagenet", [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]),
+    ("zero_one", [0, 0, 0], [255, 255, 255]),
+    (([10, 20, 30], 2), [10, 20, 30], [2, 2, 2]),
+])
+def test_normalize_presets_and_mean_std_map_pixels_on_device_in_the_given_dtype(preset, mean,
+                                                                              std):
+  pixels = np.arange(16 * 2 * 3, dtype=np.uint8).reshape(16, 1, 2, 3)
+  ds = grain.MapDataset.source(list(pixels)).map(lambda p: {"image": p}).batch(16)
+  it = iter(device_prefetch(ds.to_iter_dataset(), mesh((8,)), normalize=preset,
+                            dtype=jnp.bfloat16))
+  image = next(it)["image"]
+  it.close()
+  assert image.dtype == jnp.bfloat16 and image.sharding.spec == P("data")
+  expected = (pixels - np.array(mean, np.float32)) / np.array(std, np.float32)
+  np.testing.assert_allclose(np.asarray(image, np.float32), expected, rtol=1e-2, atol=1e-2)
+
+
+def test_dtype_alone_casts_the_images_and_bad_normalizations_are_refused():
+  it = iter(device_prefetch(host_batches(8, 8), mesh((8,)), dtype="float16"))
+  image = next(it)["image"]
+  it.close()
+  assert image.dtype == jnp.float16 and np.asarray(image).max() == 7
+  with pytest.raises(ValueError, match="one of .*'imagenet'"):
+    device_prefetch(host_batches(8, 8), mesh((8,)), normalize="imagenette")
+  with pytest.raises(ValueError, match="pixel units.*multiply"):
+    device_prefetch(host_batches(8, 8), mesh((8,)), normalize=((0.485, 0.456, 0.406), 0.2))
+
+
+def test_pmap_layout_gives_a_leading_device_axis_that_pmap_takes():
+  it = iter(device_prefetch(host_batches(32, 16), layout="pmap", normalize=True))
+  batch = next(it)
+  it.close()
+  assert batch["image"].shape == (8, 2, 4, 4, 3) and batch["label"].shape == (8, 2)
+  assert batch["mask"].shape == (8, 2)
+  per_device = jax.pmap(lambda b: b["label"].sum())(batch)
+  assert np.asarray(per_device).tolist() == [2 * d + (2 * d + 1) for d in range(8)]
+  with pytest.raises(ValueError, match="takes no mesh"):
+    device_prefetch(host_batches(8, 8), mesh((8,)), layout="pmap")
+  with pytest.raises(ValueError, match="multiple of 8"):
+    next(iter(device_prefetch(host_batches(12, 12), layout="pmap")))
+
+
+def test_an_explicit_axis_mesh_gives_arrays_on_that_mesh_for_a_model_on_it():
+  explicit = jax.make_mesh((8,), ("data",), axis_types=(jax.sharding.AxisType.Explicit,))
+  it = iter(device_prefetch(host_batches(16, 16), explicit, normalize=True))
+  batch = next(it)
+  it.close()
+  assert batch["image"].sharding.mesh.axis_types == (jax.sharding.AxisType.Explicit,)
+  # Weights replicated on the same Explicit mesh: jit takes both (arrays of an Auto mesh
+  # beside them would be refused, "Mesh for all inputs should be equal").
+  w = jax.device_put(np.ones((48, 2), np.float32), jax.sharding.NamedSharding(explicit, P()))
+  out = jax.jit(lambda w, x: x.reshape(x.shape[0], -1) @ w)(w, batch["image"])
+  np.testing.assert_allclose(np.asarray(out)[:, 0], (np.arange(16) / 127.5 - 1) * 48, rtol=1e-5)
+
+
+def test_without_a_mesh_the_batch_is_sharded_over_every_device():
+  it = iter(device_prefetch(host_batches(16, 16)))
+  batch = next(it)
+  it.close()
+  assert batch["label"].sharding.spec == P("data") and len(batch["label"].sharding.device_set) == 8
+
+
+def test_bytes_entries_stay_on_the_host_with_this_processs_rows_padded():
+  ds = grain.MapDataset.range(10).map(
+      lambda i: {"label": np.int32(i), "id": np.bytes_(f"id{i}")}).batch(8)
+  batches = list(iter(device_prefetch(ds.to_iter_dataset(), mesh((8,)))))
+  assert isinstance(batches[0]["label"], jax.Array)
+  ids = batches[1]["id"]
+  assert isinstance(ids, np.ndarray) and ids.tolist() == [b"id8", b"id9"] + [b""] * 6
+  pmapped = next(iter(device_prefetch(ds.to_iter_dataset(), layout="pmap")))
+  assert pmapped["id"].shape == (8, 1) and pmapped["id"][3, 0] == b"id3"
+
+
 def free_port() -> int:
   with socket.socket() as s:
     s.bind(("localhost", 0))

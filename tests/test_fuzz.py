@@ -1,4 +1,4 @@
-"""Fuzzing: random and mutated bytes through record parsing, image decoding and the Transform.
+"""Fuzzing: random and mutated bytes through record parsing, image decoding and the native batch path.
 
 Only `records.RecordError` and `decode.DecodeError` may escape: never a crash, a hang or
 unbounded memory. Images are decoded in a sandbox process (this file run as a script), so a
@@ -31,13 +31,14 @@ from PIL import Image
 
 import pipeline
 from pipeline import decode, records
-from pipeline.dataset import BadRecordError, Transform
+from pipeline import augment
+from pipeline.dataset import BadRecordError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SANDBOX_MEMORY = 3 << 30  # address space of the sandbox: a pixel-limited image fits
 MAX_RSS_MB = 1500  # what the sandbox may have touched at its peak
 CALL_TIMEOUT_S = 30  # one input through every decode path (loaded 2-core CI machine)
-OUT = 32  # Transform output size
+OUT = 32  # output image size
 FUZZ = settings(deadline=None, database=None, suppress_health_check=[HealthCheck.too_slow])
 
 
@@ -156,13 +157,29 @@ def _attempt(fn) -> dict:
   return {"value": value}
 
 
+def _native_batch(record: bytes, seed: int) -> list:
+  """The native batch path on one record (raw bytes exercise its Example parser)."""
+  native = decode.native()
+  if native is None:
+    return []
+  labels = np.zeros(2, np.int64)
+  index = np.array([seed, 0], np.int64)
+  dims, arena = np.zeros((2, 2), np.int32), np.empty(2 * augment.Head(OUT).slot_bytes(), np.uint8)
+  return native.decode_batch([record, None], index, index, labels, dims, arena,
+                             augment.Head(OUT).slot_bytes(), 0, 2, seed,
+                             b"image/encoded", b"image/class/label", OUT,
+                             augment.Head(OUT).native_params(), 0)
+
+
 def _every_path(data: bytes, req: dict) -> dict:
   """Runs `data` through each decode entry point the pipeline uses."""
-  rng = np.random.default_rng(req["seed"])
+  key = augment.example_key(req["seed"], 0, 0)
   out = {"image_size": _attempt(lambda: decode.image_size(data)),
          "decode": _attempt(lambda: decode.decode(data)),
-         "train": _attempt(lambda: Transform(OUT, train=True)(data, rng)),
-         "eval": _attempt(lambda: Transform(OUT, train=False)(data, rng))}
+         "train": _attempt(lambda: augment.Head(OUT, train=True)(data, key)),
+         "eval": _attempt(lambda: augment.Head(OUT, train=False)(data, key)),
+         "batch_of_record": _attempt(lambda: _native_batch(records.encode(data, 1), req["seed"])),
+         "batch_of_raw_bytes": _attempt(lambda: _native_batch(data, req["seed"]))}
   if "value" in out["image_size"]:
     h, w = out["image_size"]["value"]
     fy, fx, fh, fw = req["box"]
@@ -265,7 +282,9 @@ def check_answer(answer: dict, data: bytes) -> dict:
         f"{path} let {r['error']} escape on {where}:\n{r['trace']}")
   size = results["image_size"]
   if "error" in size:  # every path reads the header first
-    assert all("error" in r for r in results.values()), (where, results)
+    assert all("error" in r for k, r in results.items() if not k.startswith("batch_")), where
+    if decode.native() is not None:  # the native path hands the record back
+      assert results["batch_of_record"]["value"], (where, results["batch_of_record"])
   else:
     h, w = size["value"]
     assert 0 < h * w <= decode.MAX_PIXELS
@@ -280,6 +299,9 @@ def check_answer(answer: dict, data: bytes) -> dict:
   for path in ("train", "eval"):
     if "shape" in results[path]:
       assert results[path] == {"shape": [OUT, OUT, 3], "dtype": "uint8"}
+  for path in ("batch_of_record", "batch_of_raw_bytes"):  # never raises: hands records back
+    assert "value" in results[path], (path, results[path], where)
+    assert all(slot == 0 and status in (1, 2) for slot, status, _ in results[path]["value"])
   assert answer["maxrss_mb"] < MAX_RSS_MB, f"sandbox peaked at {answer['maxrss_mb']:.0f} MB"
   return results
 
@@ -391,6 +413,8 @@ def test_decompression_bombs_are_refused_by_the_pixel_limit(sandbox, fmt, h, w):
   for path in ("image_size", "decode", "train", "eval"):
     assert results[path]["error"] == "DecodeError"
     assert "pixel" in results[path]["message"] or "bomb" in results[path]["message"], results
+  if decode.native() is not None:  # handed to the Python path, which refuses it as above
+    assert [status for _, status, _ in results["batch_of_record"]["value"]] == [1]
 
 
 def test_a_forged_size_just_under_the_pixel_limit_costs_bounded_memory(sandbox):
@@ -438,7 +462,7 @@ def test_the_pipeline_serves_exactly_the_records_that_decode(tmp_path, write_dat
   expected = {}  # index -> hash of the eval image, for the records that parse and decode
   for i, rec in enumerate(recs):
     try:
-      image = Transform(OUT, train=False)(records.parse(rec)[0], np.random.default_rng(0))
+      image = augment.Head(OUT, train=False)(records.parse(rec)[0], key=0)
       expected[i] = hashlib.sha1(image.tobytes()).hexdigest()
     except (records.RecordError, decode.DecodeError):
       pass

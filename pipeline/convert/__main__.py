@@ -1,88 +1,178 @@
 """`python -m pipeline.convert`: image folders, TFRecords and TFDS datasets to ArrayRecord.
 
   python -m pipeline.convert images SRC OUT [--val-fraction 0.1] [--workers 8]
+  python -m pipeline.convert images train/ OUT && \\
+      python -m pipeline.convert images val/ OUT --split validation    # ImageNet layout
+      # (a flat val/: add --labels LOC_val_solution.csv)
   python -m pipeline.convert tfrecord 'train-*.tfrecord' OUT --num-classes 1000
   python -m pipeline.convert tfds imagenet2012 OUT --data-dir ~/tensorflow_datasets
   python -m pipeline.convert verify OUT
   python -m pipeline.convert builtin data
   python -m pipeline.convert images SRC OUT --runner DirectRunner   # Apache Beam
+
+A conversion adds its splits to a dataset already in OUT (same classes) and refuses to
+replace splits of another conversion unless --overwrite. Errors are one line (exit status 2
+for usage errors); --verbose shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 
+from pipeline import manifest as manifest_lib
 from pipeline import records
 from pipeline.convert import checks, shards
 
 
+class _Parser(argparse.ArgumentParser):
+  """Usage errors in one line (argparse prints the whole usage first)."""
+
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def _number(kind: type, low: float, low_ok: bool, high: float = math.inf):
+  """An argparse type: a `kind` number in (low, high) or [low, high)."""
+
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      raise argparse.ArgumentTypeError(
+        f"{text!r} is not {'a number' if kind is float else 'an integer'}"
+      ) from None
+    if not (math.isfinite(value) and (value >= low if low_ok else value > low) and value < high):
+      bounds = f"{'[' if low_ok else '('}{low:g}, {high:g})"
+      raise argparse.ArgumentTypeError(f"{text} is outside {bounds}")
+    return value
+
+  parse.__name__ = kind.__name__
+  return parse
+
+
+_POSITIVE_INT = _number(int, 0, low_ok=False)
+
+
+def _options(progress: bool = True) -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(add_help=False)
+  p.add_argument(
+    "--workers", type=_POSITIVE_INT, default=None, help="worker processes (default: all cores)"
+  )
+  if progress:
+    p.add_argument(
+      "--no-progress",
+      dest="progress",
+      action="store_false",
+      help="no progress (a bar on a terminal, else a line per 10%%)",
+    )
+  p.add_argument("--verbose", action="store_true", help="show tracebacks of errors")
+  return p
+
+
 def _common(p: argparse.ArgumentParser) -> None:
   p.add_argument("--split", default="train", help="split name (default: train)")
-  p.add_argument("--shard-size-mb", type=float, default=shards.DEFAULT_SHARD_SIZE_MB,
-                 help="target shard size in MiB (default: %(default)s)")
-  p.add_argument("--workers", type=int, default=None,
-                 help="worker processes (default: all cores)")
-  p.add_argument("--max-pixels", type=int, default=checks.MAX_PIXELS,
-                 help="images with more pixels are skipped as decompression bombs")
-  p.add_argument("--no-progress", dest="progress", action="store_false",
-                 help="no progress bar")
+  p.add_argument(
+    "--shard-size-mb",
+    type=_number(float, 0, low_ok=False),
+    default=shards.DEFAULT_SHARD_SIZE_MB,
+    help="target shard size in MiB (default: %(default)s)",
+  )
+  p.add_argument(
+    "--max-pixels",
+    type=_POSITIVE_INT,
+    default=checks.MAX_PIXELS,
+    help="images with more pixels are skipped as decompression bombs",
+  )
+  p.add_argument(
+    "--overwrite",
+    action="store_true",
+    help="replace splits of another conversion (or files) already in OUT",
+  )
 
 
 def _beam(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--runner", default=None,
-                 help="run as an Apache Beam pipeline on this runner (DirectRunner, "
-                      "DataflowRunner, FlinkRunner, SparkRunner); other unknown flags go "
-                      "to Beam's PipelineOptions")
+  p.add_argument(
+    "--runner",
+    default=None,
+    help="run as an Apache Beam pipeline on this runner (DirectRunner, "
+    "DataflowRunner, FlinkRunner, SparkRunner); other unknown flags go "
+    "to Beam's PipelineOptions",
+  )
 
 
 def _parser() -> argparse.ArgumentParser:
-  parser = argparse.ArgumentParser(prog="python -m pipeline.convert", description=__doc__,
-                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+  parser = _Parser(
+    prog="python -m pipeline.convert",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   sub = parser.add_subparsers(dest="command", required=True)
+  options = [_options()]
 
-  p = sub.add_parser("images", help="an image folder SRC/CLASS/IMAGE")
+  p = sub.add_parser("images", help="an image folder SRC/CLASS/IMAGE", parents=options)
   p.add_argument("src", help="image folder laid out as SRC/CLASS/IMAGE")
   p.add_argument("out", help="output folder for shards and manifest.json")
-  p.add_argument("--val-fraction", type=float, default=0.0,
-                 help="also write a 'validation' split with this fraction of each class")
+  p.add_argument(
+    "--val-fraction",
+    type=_number(float, 0, low_ok=True, high=1),
+    default=0.0,
+    help="also write a 'validation' split with this fraction of each class",
+  )
   p.add_argument("--seed", type=int, default=0, help="seed of the split and record order")
-  p.add_argument("--label-map", default=None,
-                 help="JSON {class: label} or one class name per line (line = label)")
-  p.add_argument("--max-size", type=int, default=None,
-                 help="re-encode images whose shorter side exceeds this many pixels")
-  p.add_argument("--follow-symlinks", action="store_true",
-                 help="follow symlinks that point outside SRC")
+  p.add_argument(
+    "--label-map",
+    default=None,
+    help="JSON {class: label} or one class name per line (line = label)",
+  )
+  p.add_argument(
+    "--max-size",
+    type=_POSITIVE_INT,
+    default=None,
+    help="re-encode images whose shorter side exceeds this many pixels",
+  )
+  p.add_argument(
+    "--follow-symlinks", action="store_true", help="follow symlinks that point outside SRC"
+  )
+  p.add_argument(
+    "--labels",
+    default=None,
+    help="SRC is a flat folder and this CSV names each file's class: FILE,CLASS "
+    "rows (header, extension and extra words optional), e.g. ImageNet's "
+    "LOC_val_solution.csv",
+  )
   _common(p)
   _beam(p)
 
-  p = sub.add_parser("tfrecord", help="TFRecord files of tf.train.Example, bytes copied")
+  p = sub.add_parser(
+    "tfrecord", help="TFRecord files of tf.train.Example, bytes copied", parents=options
+  )
   p.add_argument("pattern", help="glob of TFRecord files (quote it)")
   p.add_argument("out", help="output folder")
   group = p.add_mutually_exclusive_group(required=True)
-  group.add_argument("--num-classes", type=int, help="labels must lie in [0, N)")
+  group.add_argument("--num-classes", type=_POSITIVE_INT, help="labels must lie in [0, N)")
   group.add_argument("--classes", help="file with one class name per line (line = label)")
-  p.add_argument("--keys", default=None,
-                 help="IMAGE,LABEL[,FILENAME] feature keys (default: detected)")
+  p.add_argument(
+    "--keys", default=None, help="IMAGE,LABEL[,FILENAME] feature keys (default: detected)"
+  )
   _common(p)
   _beam(p)
 
-  p = sub.add_parser("tfds", help="a TFDS dataset prepared in a local data dir")
+  p = sub.add_parser("tfds", help="a TFDS dataset prepared in a local data dir", parents=options)
   p.add_argument("name", help="dataset name, e.g. imagenet2012 or mnist:3.0.1")
   p.add_argument("out", help="output folder")
   p.add_argument("--data-dir", required=True, help="TFDS data dir holding the prepared data")
   _common(p)
   p.set_defaults(split=None)
 
-  p = sub.add_parser("verify", help="re-read and check a converted dataset")
+  p = sub.add_parser("verify", help="re-read and check a converted dataset", parents=options)
   p.add_argument("out", help="converted dataset folder (holding manifest.json)")
-  p.add_argument("--workers", type=int, default=None, help="worker processes")
-  p.add_argument("--no-progress", dest="progress", action="store_false")
 
-  p = sub.add_parser("builtin", help="build the built-in digits and photos datasets")
+  p = sub.add_parser(
+    "builtin", help="build the built-in digits and photos datasets", parents=options
+  )
   p.add_argument("data_dir", nargs="?", default="data", help="default: data")
-  p.add_argument("--workers", type=int, default=None, help="worker processes")
-  p.add_argument("--no-progress", dest="progress", action="store_false")
   return parser
 
 
@@ -90,49 +180,91 @@ def _keys(text: str | None) -> records.Keys | None:
   if text is None:
     return None
   parts = text.split(",")
-  if len(parts) not in (2, 3):
+  if len(parts) not in (2, 3) or not all(parts[:2]):
     raise ValueError(f"--keys wants IMAGE,LABEL[,FILENAME], got {text!r}")
   return records.Keys(*parts)
 
 
+def _verify(args: argparse.Namespace) -> int:
+  from pipeline.convert import verify
+
+  try:
+    manifest_lib.load(args.out)  # a wrong folder is a usage error (exit 2), raised here
+  except manifest_lib.ManifestError as e:
+    print(f"{args.out}: {e}")
+    return 1
+  report = verify.verify(args.out, workers=args.workers, progress=args.progress)
+  print(report)
+  return 0 if report.ok else 1
+
+
 def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
   """Runs one command; returns the exit status."""
-  from pipeline.convert import beam, builtin, images, tfds, tfrecord, verify  # fast --help
-  common = {"shard_size_mb": getattr(args, "shard_size_mb", None),
-            "max_pixels": getattr(args, "max_pixels", None)}
-  if args.command == "images":
-    kwargs = dict(split=args.split, val_fraction=args.val_fraction, seed=args.seed,
-                  label_map=args.label_map, max_size=args.max_size,
-                  follow_symlinks=args.follow_symlinks, **common)
-    if args.runner:
-      m = beam.convert_images(args.src, args.out, runner=args.runner,
-                              pipeline_args=beam_args, **kwargs)
-    else:
-      m = images.convert(args.src, args.out, workers=args.workers, progress=args.progress,
-                         **kwargs)
-  elif args.command == "tfrecord":
-    kwargs = dict(split=args.split, keys=_keys(args.keys), num_classes=args.num_classes,
-                  classes=args.classes, **common)
-    if args.runner:
-      m = beam.convert_tfrecord(args.pattern, args.out, runner=args.runner,
-                                pipeline_args=beam_args, **kwargs)
-    else:
-      m = tfrecord.convert(args.pattern, args.out, workers=args.workers,
-                           progress=args.progress, **kwargs)
-  elif args.command == "tfds":
-    m = tfds.convert(args.name, args.out, data_dir=args.data_dir, split=args.split,
-                     workers=args.workers, progress=args.progress, **common)
-  elif args.command == "verify":
-    report = verify.verify(args.out, workers=args.workers, progress=args.progress)
-    print(report)
-    return 0 if report.ok else 1
-  else:
-    for name, m in builtin.build(args.data_dir, workers=args.workers,
-                                 progress=args.progress).items():
+  from pipeline.convert import beam, builtin, images, tfds, tfrecord  # fast --help
+
+  if args.command == "verify":
+    return _verify(args)
+  if args.command == "builtin":
+    for name, m in builtin.build(
+      args.data_dir, workers=args.workers, progress=args.progress
+    ).items():
       print(f"{args.data_dir}/{name}: {shards.summary(m)}")
     return 0
+  common = {
+    "shard_size_mb": args.shard_size_mb,
+    "max_pixels": args.max_pixels,
+    "overwrite": args.overwrite,
+  }
+  if args.command == "images":
+    kwargs = dict(
+      split=args.split,
+      val_fraction=args.val_fraction,
+      seed=args.seed,
+      label_map=args.label_map,
+      max_size=args.max_size,
+      follow_symlinks=args.follow_symlinks,
+      labels=args.labels,
+      **common,
+    )
+    if args.runner:
+      m = beam.convert_images(
+        args.src, args.out, runner=args.runner, pipeline_args=beam_args, **kwargs
+      )
+    else:
+      m = images.convert(args.src, args.out, workers=args.workers, progress=args.progress, **kwargs)
+  elif args.command == "tfrecord":
+    kwargs = dict(
+      split=args.split,
+      keys=_keys(args.keys),
+      num_classes=args.num_classes,
+      classes=args.classes,
+      **common,
+    )
+    if args.runner:
+      m = beam.convert_tfrecord(
+        args.pattern, args.out, runner=args.runner, pipeline_args=beam_args, **kwargs
+      )
+    else:
+      m = tfrecord.convert(
+        args.pattern, args.out, workers=args.workers, progress=args.progress, **kwargs
+      )
+  else:
+    m = tfds.convert(
+      args.name,
+      args.out,
+      data_dir=args.data_dir,
+      split=args.split,
+      workers=args.workers,
+      progress=args.progress,
+      **common,
+    )
   print(f"{args.out}: {shards.summary(m)}")
   return 0
+
+
+def _one_line(e: BaseException) -> str:
+  text = e.args[0] if isinstance(e, KeyError) and e.args else str(e)
+  return " ".join(line.strip() for line in str(text).splitlines() if line.strip())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -142,15 +274,30 @@ def main(argv: list[str] | None = None) -> int:
     parser.error(f"unrecognized arguments: {' '.join(rest)}")
   try:
     return _run(args, rest)
-  except (ValueError, KeyError, OSError) as e:  # bad input: a clear message, no traceback
-    print(f"error: {e}", file=sys.stderr)
-    return 2
-  except RuntimeError as e:
-    if "write() failed" not in str(e):
+  except KeyboardInterrupt:
+    if args.verbose:
       raise
-    # array_record reports ENOSPC/EFBIG as a RuntimeError: finished shards are kept.
-    print(f"error: cannot write a shard ({e}).\nFinished shards are kept; free some space "
-          "and re-run the same command to resume.", file=sys.stderr)
+    print(
+      "interrupted: finished shards are kept; re-run the same command to resume", file=sys.stderr
+    )
+    return 130
+  except Exception as e:  # every error is one line; --verbose shows the traceback
+    if args.verbose:
+      raise
+    if isinstance(e, RuntimeError) and "write() failed" in str(e):
+      # array_record reports ENOSPC/EFBIG as a RuntimeError: finished shards are kept.
+      print(
+        f"error: cannot write a shard ({_one_line(e)}); finished shards are kept: free "
+        "some space and re-run the same command to resume",
+        file=sys.stderr,
+      )
+      return 1
+    if isinstance(e, (ValueError, KeyError, OSError)):  # bad input or arguments
+      print(f"error: {_one_line(e)}", file=sys.stderr)
+      return 2
+    print(
+      f"error: {type(e).__name__}: {_one_line(e)} (--verbose shows the traceback)", file=sys.stderr
+    )
     return 1
 
 

@@ -3,8 +3,8 @@
 The driver plans the job exactly as the local converter does (same file order, split and
 byte-sized shard plan); each shard is one Beam element, written whole by one worker through
 the same writer, so the shards are byte-identical to `python -m pipeline.convert images`.
-Finished shards leave done markers, so a failed pipeline re-run only writes the rest; the
-driver writes manifest.json at the end.
+The driver holds OUT's lock; finished shards leave done markers in OUT's build folder, so a
+failed pipeline re-run only writes the rest; the driver swaps the result into OUT at the end.
 
     python -m pipeline.convert images SRC OUT --runner DirectRunner --direct_num_workers 4
 
@@ -34,35 +34,61 @@ from pipeline import manifest as manifest_lib
 from pipeline.convert import images, shards, tfrecord
 
 
-def run(job: shards.Job, *, runner: str = "DirectRunner",
-        pipeline_args: Sequence[str] = ()) -> manifest_lib.Manifest:
-  """Writes a planned job's unfinished shards with Beam, then the manifest."""
+def run(
+  job: shards.Job,
+  *,
+  runner: str = "DirectRunner",
+  pipeline_args: Sequence[str] = (),
+  overwrite: bool = False,
+) -> manifest_lib.Manifest:
+  """Writes a planned job's unfinished shards with Beam, then swaps the result into OUT."""
   import apache_beam as beam
   from apache_beam.options.pipeline_options import PipelineOptions
 
-  if (m := shards.completed(job)) is not None:
-    return m
-  todo = shards.pending(job)
-  worker_job = dataclasses.replace(job, plans=[])  # each element carries its own plan
-  options = PipelineOptions(list(pipeline_args), runner=runner)
-  with beam.Pipeline(options=options) as p:
-    _ = (p
-         | "Plan" >> beam.Create(todo)
-         | "Spread" >> beam.Reshuffle()
-         | "WriteShard" >> beam.Map(lambda plan: shards.write_shard(worker_job, plan)))
-  return shards.finish(job)
+  with shards.locked(job.out):
+    if (m := shards.start(job, overwrite)) is not None:
+      return m
+    todo = shards.pending(job)
+    worker_job = dataclasses.replace(job, plans=[])  # each element carries its own plan
+    options = PipelineOptions(list(pipeline_args), runner=runner)
+    with beam.Pipeline(options=options) as p:
+      _ = (
+        p
+        | "Plan" >> beam.Create(todo)
+        | "Spread" >> beam.Reshuffle()
+        | "WriteShard" >> beam.Map(lambda plan: shards.write_shard(worker_job, plan))
+      )
+    return shards.finish(job)
 
 
-def convert_images(src: str | os.PathLike, out: str | os.PathLike, *,
-                   runner: str = "DirectRunner", pipeline_args: Sequence[str] = (),
-                   **kwargs: Any) -> manifest_lib.Manifest:
+def convert_images(
+  src: str | os.PathLike,
+  out: str | os.PathLike,
+  *,
+  runner: str = "DirectRunner",
+  pipeline_args: Sequence[str] = (),
+  overwrite: bool = False,
+  **kwargs: Any,
+) -> manifest_lib.Manifest:
   """`images.convert` on Beam; `kwargs` are `images.plan`'s (split, val_fraction, ...)."""
-  return run(images.plan(src, out, **kwargs), runner=runner, pipeline_args=pipeline_args)
+  return run(
+    images.plan(src, out, **kwargs), runner=runner, pipeline_args=pipeline_args, overwrite=overwrite
+  )
 
 
-def convert_tfrecord(pattern: str | Sequence[str], out: str | os.PathLike, *,
-                     runner: str = "DirectRunner", pipeline_args: Sequence[str] = (),
-                     **kwargs: Any) -> manifest_lib.Manifest:
+def convert_tfrecord(
+  pattern: str | Sequence[str],
+  out: str | os.PathLike,
+  *,
+  runner: str = "DirectRunner",
+  pipeline_args: Sequence[str] = (),
+  overwrite: bool = False,
+  **kwargs: Any,
+) -> manifest_lib.Manifest:
   """`tfrecord.convert` on Beam; `kwargs` are `tfrecord.plan`'s (split, num_classes, ...)."""
-  return run(tfrecord.plan(pattern, out, **kwargs), runner=runner,
-             pipeline_args=pipeline_args)
+  return run(
+    tfrecord.plan(pattern, out, **kwargs),
+    runner=runner,
+    pipeline_args=pipeline_args,
+    overwrite=overwrite,
+  )

@@ -14,11 +14,11 @@ import shutil
 from collections.abc import Callable
 
 import numpy as np
-import tqdm
 from PIL import Image, ImageEnhance, ImageFilter
 
 from pipeline import manifest as manifest_lib
 from pipeline.convert import images, shards
+from pipeline.convert.progress import Progress
 
 DIGITS_SIZE = 32
 PHOTO_SIZE = (470, 390)  # width, height: the mean of ImageNet's training images is ~400x350
@@ -30,43 +30,51 @@ SHARD_SIZE_MB = 8  # the 90 MB of photos make 12 shards: parallel readers get th
 def _sklearn_sample(name: str) -> Callable[[], np.ndarray]:
   def load() -> np.ndarray:
     from sklearn.datasets import load_sample_image
+
     return load_sample_image(name)
+
   return load
 
 
 def _skimage(name: str) -> Callable[[], np.ndarray]:
   def load() -> np.ndarray:
     import skimage.data
+
     return getattr(skimage.data, name)()
+
   return load
 
 
 # Colour photos only; the order fixes which classes a `num_classes` subset gets.
 PHOTO_SOURCES: dict[str, Callable[[], np.ndarray]] = {
-    "astronaut": _skimage("astronaut"),
-    "chelsea": _skimage("chelsea"),
-    "coffee": _skimage("coffee"),
-    "rocket": _skimage("rocket"),
-    "china": _sklearn_sample("china.jpg"),
-    "flower": _sklearn_sample("flower.jpg"),
-    "hubble": _skimage("hubble_deep_field"),
-    "immunohistochemistry": _skimage("immunohistochemistry"),
-    "retina": _skimage("retina"),
+  "astronaut": _skimage("astronaut"),
+  "chelsea": _skimage("chelsea"),
+  "coffee": _skimage("coffee"),
+  "rocket": _skimage("rocket"),
+  "china": _sklearn_sample("china.jpg"),
+  "flower": _sklearn_sample("flower.jpg"),
+  "hubble": _skimage("hubble_deep_field"),
+  "immunohistochemistry": _skimage("immunohistochemistry"),
+  "retina": _skimage("retina"),
 }
 
 
-def make_digits(directory: str | os.PathLike, num_images: int | None = None,
-                progress: bool = False) -> int:
+def make_digits(
+  directory: str | os.PathLike, num_images: int | None = None, progress: bool = False
+) -> int:
   """Writes scikit-learn's digits as DIR/DIGIT/NNNN.jpg (32x32 RGB); returns the count."""
   from sklearn.datasets import load_digits
+
   digits = load_digits()
   count = len(digits.images) if num_images is None else min(num_images, len(digits.images))
-  for i in tqdm.trange(count, desc="make digits", unit="image", disable=not progress):
-    pixels = (digits.images[i] * (255.0 / 16.0)).round().astype(np.uint8)
-    im = Image.fromarray(pixels).resize((DIGITS_SIZE, DIGITS_SIZE), Image.BICUBIC)
-    folder = os.path.join(directory, str(digits.target[i]))
-    os.makedirs(folder, exist_ok=True)
-    im.convert("RGB").save(os.path.join(folder, f"{i:04d}.jpg"), quality=95)
+  with Progress(count, "make digits", "image", progress) as bar:
+    for i in range(count):
+      pixels = (digits.images[i] * (255.0 / 16.0)).round().astype(np.uint8)
+      im = Image.fromarray(pixels).resize((DIGITS_SIZE, DIGITS_SIZE), Image.BICUBIC)
+      folder = os.path.join(directory, str(digits.target[i]))
+      os.makedirs(folder, exist_ok=True)
+      im.convert("RGB").save(os.path.join(folder, f"{i:04d}.jpg"), quality=95)
+      bar.update(1)
   return count
 
 
@@ -83,7 +91,7 @@ def _photo(source: np.ndarray, rng: np.random.Generator) -> Image.Image:
     w, h = width, height
   x, y = rng.integers(0, width - w + 1), rng.integers(0, height - h + 1)
   size = (PHOTO_SIZE[0] + int(rng.integers(-40, 41)), PHOTO_SIZE[1] + int(rng.integers(-40, 41)))
-  im = Image.fromarray(source[y:y + h, x:x + w]).resize(size, Image.BICUBIC)
+  im = Image.fromarray(source[y : y + h, x : x + w]).resize(size, Image.BICUBIC)
   if rng.random() < 0.5:
     im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
   for enhance in (ImageEnhance.Brightness, ImageEnhance.Contrast, ImageEnhance.Color):
@@ -100,8 +108,9 @@ def _source(name: str) -> np.ndarray:
   return np.ascontiguousarray(PHOTO_SOURCES[name]()[..., :3])
 
 
-def _write_photos(task: tuple[int, ...], *, directory: str, names: tuple[str, ...],
-                  seed: int) -> int:
+def _write_photos(
+  task: tuple[int, ...], *, directory: str, names: tuple[str, ...], seed: int
+) -> int:
   """Worker: writes photos number `task`; each has its own seeded generator."""
   for i in task:
     name = names[i % len(names)]
@@ -110,9 +119,14 @@ def _write_photos(task: tuple[int, ...], *, directory: str, names: tuple[str, ..
   return len(task)
 
 
-def make_photos(directory: str | os.PathLike, num_images: int = 1000, seed: int = 0,
-                num_classes: int | None = None, workers: int | None = None,
-                progress: bool = False) -> int:
+def make_photos(
+  directory: str | os.PathLike,
+  num_images: int = 1000,
+  seed: int = 0,
+  num_classes: int | None = None,
+  workers: int | None = None,
+  progress: bool = False,
+) -> int:
   """Writes ImageNet-like JPEGs as DIR/SOURCE/SOURCE_NNNNN.jpg; image i is class i % C.
 
   The files are the same whatever `workers` is (default: all cores).
@@ -121,11 +135,9 @@ def make_photos(directory: str | os.PathLike, num_images: int = 1000, seed: int 
   for name in names:
     os.makedirs(os.path.join(directory, name), exist_ok=True)
   tasks = [tuple(range(a, min(a + 25, num_images))) for a in range(0, num_images, 25)]
-  work = functools.partial(_write_photos, directory=os.fspath(directory), names=names,
-                           seed=seed)
+  work = functools.partial(_write_photos, directory=os.fspath(directory), names=names, seed=seed)
   workers = min(workers or os.cpu_count() or 1, len(tasks))
-  with tqdm.tqdm(total=num_images, desc="make photos", unit="image",
-                 disable=not progress) as bar:
+  with Progress(num_images, "make photos", "image", progress) as bar:
     for done in shards.ordered_map(work, tasks, workers):
       bar.update(done)
   return num_images
@@ -141,17 +153,35 @@ def _make_once(directory: str, make: Callable[[str], int]) -> None:
   os.rename(tmp, directory)
 
 
-def build(data_dir: str | os.PathLike, *, workers: int | None = None,
-          progress: bool = True) -> dict[str, manifest_lib.Manifest]:
+def build(
+  data_dir: str | os.PathLike, *, workers: int | None = None, progress: bool = True
+) -> dict[str, manifest_lib.Manifest]:
   """Creates DATA/raw/{digits,photos} and converts them to DATA/digits and DATA/photos
-  (splits train and validation); work already done is skipped."""
+  (splits train and validation); work already done is skipped, and datasets made from the
+  same raw folders by an earlier version are rebuilt."""
   data_dir = os.fspath(data_dir)
   makers = {"digits": make_digits, "photos": functools.partial(make_photos, workers=workers)}
   manifests = {}
   for name, make in makers.items():
     raw, out = os.path.join(data_dir, "raw", name), os.path.join(data_dir, name)
     _make_once(raw, functools.partial(make, progress=progress))
-    manifests[name] = images.convert(raw, out, val_fraction=VAL_FRACTION, seed=0,
-                                     shard_size_mb=SHARD_SIZE_MB, workers=workers,
-                                     progress=progress)
+    manifests[name] = images.convert(
+      raw,
+      out,
+      val_fraction=VAL_FRACTION,
+      seed=0,
+      shard_size_mb=SHARD_SIZE_MB,
+      workers=workers,
+      progress=progress,
+      overwrite=_made_from(out, raw),
+    )
   return manifests
+
+
+def _made_from(out: str, raw: str) -> bool:
+  """Whether `out` holds a dataset converted from `raw` (one this command made before, which
+  it may rebuild), rather than something else it must not replace."""
+  try:
+    return manifest_lib.load(out).created_by.get("source") == os.path.abspath(raw)
+  except (FileNotFoundError, manifest_lib.ManifestError):
+    return False

@@ -108,8 +108,9 @@ def inspect(data: bytes, max_pixels: int = MAX_PIXELS) -> str | None:
   return f"{kind}: {why}"
 
 
-def prepare(data: bytes, *, max_size: int | None = None,
-            max_pixels: int = MAX_PIXELS) -> tuple[bytes, str | None]:
+def prepare(
+  data: bytes, *, max_size: int | None = None, max_pixels: int = MAX_PIXELS
+) -> tuple[bytes, str | None]:
   """Returns (bytes to store, why re-encoded or None); raises `BadImage` for a bad input.
 
   With `max_size`, images whose shorter side exceeds it are resized to that shorter side.
@@ -122,8 +123,11 @@ def prepare(data: bytes, *, max_size: int | None = None,
   side = min(im.size)
   if max_size is not None and side > max_size:
     scale = max_size / side
-    im = im.resize((max(1, round(im.width * scale)), max(1, round(im.height * scale))),
-                   Image.BICUBIC, reducing_gap=3.0)
+    im = im.resize(
+      (max(1, round(im.width * scale)), max(1, round(im.height * scale))),
+      Image.BICUBIC,
+      reducing_gap=3.0,
+    )
     reasons.append(f"shorter side {side} > {max_size}")
   return encode_jpeg(im), "; ".join(reasons)
 

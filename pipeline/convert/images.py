@@ -1,12 +1,16 @@
 """Image folders (`SRC/CLASS/IMAGE`, the ImageNet layout) to ArrayRecord shards.
 
-Classes are numbered in sorted order or by a label map. Files are split (per class, seeded)
-and put in a seeded shuffled order so every shard mixes classes; the shard plan is fixed
-from that order and the file sizes, so output bytes do not depend on `workers`.
+Classes are the class folders, numbered in sorted order or by a label map; hidden and tool
+folders, the output folder and other converted datasets are not classes, and no file gets
+two labels through links. A flat folder with a labels CSV (ImageNet's `val/`) works too.
+Files are split (per class, seeded) and put in a seeded shuffled order so every shard mixes
+classes; the shard plan is fixed from that order and the file sizes, so output bytes do not
+depend on `workers`.
 """
 
 from __future__ import annotations
 
+import csv
 import functools
 import json
 import os
@@ -18,13 +22,21 @@ from pipeline import __version__, records
 from pipeline import manifest as manifest_lib
 from pipeline.convert import checks, shards
 
+VALIDATION = "validation"  # the split `val_fraction` makes
+TOOL_FOLDERS = frozenset(
+  {"__MACOSX", "@eaDir", "$RECYCLE.BIN", "System Volume Information", "lost+found"}
+)
+
 
 class LabelMapError(ValueError):
   """A label map that does not number the classes 0..N-1, or a folder missing from it."""
 
 
-def load_label_map(label_map: str | os.PathLike | Mapping[str, int] | Sequence[str]
-                   ) -> list[str]:
+class LabelsError(ValueError):
+  """A labels file (FILE,CLASS rows) that cannot be read or labels a file twice."""
+
+
+def load_label_map(label_map: str | os.PathLike | Mapping[str, int] | Sequence[str]) -> list[str]:
   """Class names in label order from a JSON {name: label} file, a names-per-line file,
   a mapping or a list; labels must be exactly 0..N-1."""
   source = "label map"
@@ -43,17 +55,22 @@ def load_label_map(label_map: str | os.PathLike | Mapping[str, int] | Sequence[s
     if not isinstance(label, int) or isinstance(label, bool):
       raise LabelMapError(f"{source}: label of class {name!r} is {label!r}, not an integer")
     if not 0 <= label < len(label_map):
-      raise LabelMapError(f"{source}: label {label} of class {name!r} is out of range "
-                          f"[0, {len(label_map)})")
+      raise LabelMapError(
+        f"{source}: label {label} of class {name!r} is out of range [0, {len(label_map)})"
+      )
     if classes[label] is not None:
-      raise LabelMapError(f"{source}: label {label} used by both {classes[label]!r} "
-                          f"and {name!r}")
+      raise LabelMapError(f"{source}: label {label} used by both {classes[label]!r} and {name!r}")
     classes[label] = name
   return classes  # every slot is filled: N distinct labels in [0, N)
 
 
 def _inside(path: str, root: str) -> bool:
   return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+def _ignored(name: str) -> bool:
+  """Hidden entries and the folders tools leave behind are never classes or images."""
+  return name.startswith(".") or name in TOOL_FOLDERS
 
 
 def _link_problem(entry: os.DirEntry, root: str, follow_symlinks: bool) -> str | None:
@@ -68,44 +85,175 @@ def _link_problem(entry: os.DirEntry, root: str, follow_symlinks: bool) -> str |
   return None
 
 
-def scan(src: str, follow_symlinks: bool = False
-         ) -> tuple[dict[str, list[str]], list[dict[str, str]]]:
-  """Lists image files per class folder (sorted relative paths) and what was left out."""
-  root = os.path.realpath(src)
-  by_class: dict[str, list[str]] = {}
-  skipped: list[dict[str, str]] = []
-  visited = {root}
+def load_labels(path: str | os.PathLike) -> dict[str, str]:
+  """{file: class} from CSV rows FILE,CLASS[...]; the class is the first word of the second
+  column, so ImageNet's LOC_val_solution.csv reads as is. A file may omit its extension."""
+  labels: dict[str, str] = {}
+  with open(path, newline="") as f:
+    for line, row in enumerate(csv.reader(f), 1):
+      if not any(cell.strip() for cell in row):
+        continue
+      if len(row) < 2 or not row[0].strip() or not row[1].split():
+        raise LabelsError(
+          f"labels file {os.fspath(path)} line {line}: wants FILE,CLASS, got {','.join(row)[:80]!r}"
+        )
+      name, cls = row[0].strip(), row[1].split()[0]
+      if labels.setdefault(name, cls) != cls:
+        raise LabelsError(
+          f"labels file {os.fspath(path)} line {line}: {name} is labelled "
+          f"both {labels[name]!r} and {cls!r}"
+        )
+  return labels
 
-  def walk(path: str, rel: str, files: list[str]) -> None:
+
+def _scan(
+  src: str, follow_symlinks: bool, exclude: Sequence[str], labels: Mapping[str, str] | None = None
+) -> tuple[dict[str, list[tuple[str, os.stat_result]]], list[dict[str, str]]]:
+  """Image files per class (sorted relative paths and their stat) and what was left out.
+
+  Classes are SRC's folders, or with `labels` ({file: class}) every file under SRC gets
+  its class from there. Each file (by inode) gets one label: a link or hard link into
+  another class is skipped, and a class folder linking to another folder of SRC is not a
+  class."""
+  root = os.path.realpath(src)
+  excluded = {os.path.realpath(p) for p in exclude}
+  by_class: dict[str, list[tuple[str, os.stat_result]]] = {}
+  skipped: list[dict[str, str]] = []
+  found: list[tuple[str, str, os.stat_result, bool]] = []  # class, path, stat, not via a link
+
+  def walk(path: str, rel: str, name: str, canonical: bool) -> None:
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
       rel_path = os.path.join(rel, entry.name)
-      if problem := _link_problem(entry, root, follow_symlinks):
+      if _ignored(entry.name):
+        skipped.append({"path": rel_path, "reason": "hidden or tool file or folder"})
+      elif problem := _link_problem(entry, root, follow_symlinks):
         skipped.append({"path": rel_path, "reason": problem})
       elif entry.is_dir():
-        if (real := os.path.realpath(entry.path)) in visited:
-          skipped.append({"path": rel_path, "reason": "symlink loop: folder already listed"})
+        real = os.path.realpath(entry.path)
+        if real in excluded:
+          continue
+        if real in visited:
+          skipped.append({"path": rel_path, "reason": "symlink to a folder already listed"})
+        elif _is_dataset(entry.path):
+          skipped.append({"path": rel_path, "reason": "a converted dataset"})
         else:
           visited.add(real)
-          walk(entry.path, rel_path, files)
+          walk(entry.path, rel_path, name, canonical and not entry.is_symlink())
       elif entry.is_file():
-        files.append(rel_path)
+        found.append((name, rel_path, entry.stat(), canonical and not entry.is_symlink()))
       else:
         skipped.append({"path": rel_path, "reason": "not a regular file"})
 
-  for entry in sorted(os.scandir(src), key=lambda e: e.name):
-    if problem := _link_problem(entry, root, follow_symlinks):
-      skipped.append({"path": entry.name, "reason": problem})
-    elif entry.is_dir():
-      visited.add(os.path.realpath(entry.path))
+  visited = {root}
+  if labels is not None:
+    walk(src, "", "", True)
+    found[:] = _labelled(found, labels, skipped)
+    by_class.update((name, []) for name in sorted({name for name, *_ in found}))
+  else:
+    for entry in _class_folders(src, root, excluded, visited, follow_symlinks, skipped):
       by_class[entry.name] = []
-      walk(entry.path, entry.name, by_class[entry.name])
+      walk(entry.path, entry.name, entry.name, not entry.is_symlink())
+
+  def identity(rel: str, st: os.stat_result) -> tuple[int, int] | str:
+    return (st.st_dev, st.st_ino) if st.st_ino else os.path.realpath(os.path.join(src, rel))
+
+  owner: dict[tuple[int, int] | str, tuple[str, str]] = {}
+  for name, rel, st, _ in sorted(found, key=lambda f: not f[3]):  # real files first
+    owner.setdefault(identity(rel, st), (name, rel))
+  for name, rel, st, _ in found:
+    first_class, first = owner[identity(rel, st)]
+    if first_class == name:
+      by_class[name].append((rel, st))
     else:
-      skipped.append({"path": entry.name, "reason": "not in a class folder"})
+      skipped.append(
+        {
+          "path": rel,
+          "reason": f"same file as {first} in class {first_class}; an image gets one label",
+        }
+      )
   return by_class, skipped
 
 
-def process(task: tuple[tuple[str, int], ...], *, src: str, keys: records.Keys,
-            max_size: int | None, max_pixels: int) -> list[shards.Outcome]:
+def _class_folders(
+  src: str,
+  root: str,
+  excluded: set[str],
+  visited: set[str],
+  follow_symlinks: bool,
+  skipped: list[dict[str, str]],
+) -> list[os.DirEntry]:
+  """SRC's folders that are classes (their real paths join `visited`); the rest is skipped."""
+  classes = []
+  for entry in sorted(os.scandir(src), key=lambda e: e.name):
+    real = os.path.realpath(entry.path)
+    if real in excluded:
+      continue
+    if _ignored(entry.name):
+      skipped.append({"path": entry.name, "reason": "hidden or tool folder, not a class"})
+    elif problem := _link_problem(entry, root, follow_symlinks):
+      skipped.append({"path": entry.name, "reason": problem})
+    elif entry.is_dir() and entry.is_symlink() and _inside(real, root):
+      skipped.append(
+        {
+          "path": entry.name,
+          "reason": f"symlink to {os.path.relpath(real, root)} "
+          "in the source folder, whose images are listed there once",
+        }
+      )
+    elif entry.is_dir() and real in visited:
+      skipped.append({"path": entry.name, "reason": "symlink to a folder already listed"})
+    elif entry.is_dir() and _is_dataset(entry.path):
+      skipped.append({"path": entry.name, "reason": "a converted dataset, not a class"})
+    elif entry.is_dir():
+      visited.add(real)
+      classes.append(entry)
+    else:
+      skipped.append({"path": entry.name, "reason": "not in a class folder"})
+  return classes
+
+
+def _is_dataset(path: str) -> bool:
+  return any(
+    os.path.lexists(os.path.join(path, name))
+    for name in (manifest_lib.FILENAME, manifest_lib.BUILD_DIR)
+  )
+
+
+def _labelled(
+  found: list[tuple[str, str, os.stat_result, bool]],
+  labels: Mapping[str, str],
+  skipped: list[dict[str, str]],
+) -> list[tuple[str, str, os.stat_result, bool]]:
+  """Gives each found file its class from `labels` (by path, or path without extension)."""
+  out = []
+  for _, rel, st, canonical in found:
+    names = {labels.get(rel), labels.get(os.path.splitext(rel)[0])} - {None}
+    if len(names) > 1:
+      raise LabelsError(f"the labels file labels {rel} both {' and '.join(sorted(names))}")
+    name = names.pop() if names else None
+    if name is None:
+      skipped.append({"path": rel, "reason": "not in the labels file"})
+    else:
+      out.append((name, rel, st, canonical))
+  return out
+
+
+def scan(
+  src: str, follow_symlinks: bool = False, exclude: Sequence[str] = ()
+) -> tuple[dict[str, list[str]], list[dict[str, str]]]:
+  """Lists image files per class folder (sorted relative paths) and what was left out."""
+  by_class, skipped = _scan(src, follow_symlinks, exclude)
+  return {name: [rel for rel, _ in files] for name, files in by_class.items()}, skipped
+
+
+def process(
+  task: tuple[tuple[str, int], ...],
+  *,
+  src: str,
+  keys: records.Keys,
+  max_size: int | None,
+  max_pixels: int,
+) -> list[shards.Outcome]:
   """Worker: reads, checks and encodes each (relative path, label) of a task."""
   outcomes: list[shards.Outcome] = []
   for rel, label in task:
@@ -120,88 +268,180 @@ def process(task: tuple[tuple[str, int], ...], *, src: str, keys: records.Keys,
   return outcomes
 
 
-def _split_files(by_class: dict[str, list[str]], label_of: dict[str, int],
-                 val_fraction: float, seed: int, split: str
-                 ) -> dict[str, list[tuple[str, int]]]:
+def _split_files(
+  by_class: dict[str, list[tuple[str, os.stat_result]]],
+  label_of: dict[str, int],
+  val_fraction: float,
+  seed: int,
+  split: str,
+) -> dict[str, list[tuple[str, int, os.stat_result]]]:
   """Per-class seeded split into (train, validation), then a seeded shuffle of each split."""
   rng = np.random.default_rng(seed)
-  out: dict[str, list[tuple[str, int]]] = {split: []}
+  out: dict[str, list[tuple[str, int, os.stat_result]]] = {split: []}
   if val_fraction > 0:
-    out["validation"] = []
+    out[VALIDATION] = []
   for name in sorted(by_class):
-    files = [(f, label_of[name]) for f in by_class[name]]
+    files = [(f, label_of[name], st) for f, st in by_class[name]]
     order = rng.permutation(len(files))
     num_val = round(len(files) * val_fraction) if val_fraction > 0 else 0
     if num_val:
-      out["validation"] += [files[i] for i in sorted(order[:num_val])]
+      out[VALIDATION] += [files[i] for i in sorted(order[:num_val])]
     out[split] += [files[i] for i in sorted(order[num_val:])]
   for items in out.values():
     items[:] = [items[i] for i in rng.permutation(len(items))]
   return out
 
 
-def plan(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train",
-         val_fraction: float = 0.0, seed: int = 0,
-         label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
-         shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, max_size: int | None = None,
-         max_pixels: int = checks.MAX_PIXELS, follow_symlinks: bool = False,
-         keys: records.Keys = records.DEFAULT_KEYS) -> shards.Job:
-  """Scans `src`, numbers its classes, splits and orders its files and plans the shards."""
-  src, out = os.fspath(src), os.fspath(out)
-  if not os.path.isdir(src):
-    raise FileNotFoundError(f"image folder {src} not found")
+def _check_arguments(
+  split: str, val_fraction: float, max_size: int | None, max_pixels: int
+) -> None:
+  shards.check_split_name(split)
   if not 0.0 <= val_fraction < 1.0:
     raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
-  by_class, skipped = scan(src, follow_symlinks)
+  if val_fraction > 0 and split == VALIDATION:
+    raise ValueError(
+      f"split {split!r} is the name of the split val_fraction makes; choose another --split"
+    )
+  if max_size is not None and max_size < 1:
+    raise ValueError(f"max_size must be a positive number of pixels, got {max_size}")
+  if max_pixels < 1:
+    raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
+
+
+def plan(
+  src: str | os.PathLike,
+  out: str | os.PathLike,
+  *,
+  split: str = "train",
+  val_fraction: float = 0.0,
+  seed: int = 0,
+  label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
+  max_size: int | None = None,
+  max_pixels: int = checks.MAX_PIXELS,
+  follow_symlinks: bool = False,
+  keys: records.Keys = records.DEFAULT_KEYS,
+  labels: str | os.PathLike | None = None,
+) -> shards.Job:
+  """Scans `src`, numbers its classes, splits and orders its files and plans the shards.
+
+  `out` is left out of the scan when it lies inside `src`. With `labels` (a CSV of
+  FILE,CLASS rows) `src` is a flat folder, such as ImageNet's `val/`.
+  """
+  src, out = os.fspath(src), os.fspath(out)
+  _check_arguments(split, val_fraction, max_size, max_pixels)
+  shard_bytes = shards.shard_bytes(shard_size_mb)
+  if not os.path.isdir(src):
+    raise FileNotFoundError(f"image folder {src} not found")
+  if os.path.realpath(out) == os.path.realpath(src):
+    raise ValueError(f"the output folder must not be the image folder {src} itself")
+  by_class, skipped = _scan(
+    src, follow_symlinks, [out], None if labels is None else load_labels(labels)
+  )
   if label_map is not None:
     classes = load_label_map(label_map)
     unknown = sorted(set(by_class) - set(classes))
     if unknown:
-      raise LabelMapError(f"class folders {unknown} in {src} are not in the label map "
-                          f"(it has {len(classes)} classes)")
+      raise LabelMapError(
+        f"class folders {unknown} in {src} are not in the label map (it has {len(classes)} classes)"
+      )
   else:
     classes = sorted(by_class)
   if not classes:
-    raise ValueError(f"no class folders in {src} (expected SRC/CLASS/IMAGE)")
-  skipped += [{"path": name + "/", "reason": "empty class folder"}
-              for name in sorted(by_class) if not by_class[name]]
+    raise ValueError(
+      f"no class folders in {src} (expected SRC/CLASS/IMAGE)"
+      if labels is None
+      else f"no file in {src} is named in the labels file {labels}"
+    )
+  skipped += [
+    {"path": name + "/", "reason": "empty class folder"}
+    for name in sorted(by_class)
+    if not by_class[name]
+  ]
   label_of = {name: i for i, name in enumerate(classes)}
   split_items = _split_files(by_class, label_of, val_fraction, seed, split)
-  shard_bytes = int(shard_size_mb * (1 << 20))
   plans, inputs = [], []
   for name, items in split_items.items():
-    stats = [os.stat(os.path.join(src, rel)) for rel, _ in items]
-    plans += shards.plan_split(name, items, [s.st_size for s in stats], shard_bytes)
-    inputs.append([name, [(rel, label, s.st_size, s.st_mtime_ns)
-                          for (rel, label), s in zip(items, stats)]])
-  args = {"split": split, "val_fraction": val_fraction, "seed": seed,
-          "label_map": None if label_map is None else str(label_map),
-          "shard_size_mb": shard_size_mb, "max_size": max_size, "max_pixels": max_pixels,
-          "follow_symlinks": follow_symlinks}
+    plans += shards.plan_split(
+      name,
+      [(rel, label) for rel, label, _ in items],
+      [st.st_size for _, _, st in items],
+      shard_bytes,
+    )
+    inputs.append([name, [(rel, label, st.st_size, st.st_mtime_ns) for rel, label, st in items]])
+  args = {
+    "split": split,
+    "val_fraction": val_fraction,
+    "seed": seed,
+    "label_map": None if label_map is None else str(label_map),
+    "shard_size_mb": shard_size_mb,
+    "max_size": max_size,
+    "max_pixels": max_pixels,
+    "follow_symlinks": follow_symlinks,
+    "labels": None if labels is None else str(labels),
+  }
   return shards.Job(
-      out=out, plans=plans,
-      process=functools.partial(process, src=src, keys=keys, max_size=max_size,
-                                max_pixels=max_pixels),
-      fp=shards.fingerprint(__version__, args, classes, keys, inputs), classes=classes,
-      splits=list(split_items), keys=keys, skipped=skipped,
-      created_by={"tool": "pipeline.convert images", "version": __version__, "args": args,
-                  "source": os.path.abspath(src)})
+    out=out,
+    plans=plans,
+    process=functools.partial(
+      process, src=src, keys=keys, max_size=max_size, max_pixels=max_pixels
+    ),
+    fp=shards.fingerprint(__version__, args, classes, keys, inputs),
+    classes=classes,
+    splits=list(split_items),
+    keys=keys,
+    skipped=skipped,
+    created_by={
+      "tool": "pipeline.convert images",
+      "version": __version__,
+      "args": args,
+      "source": os.path.abspath(src),
+    },
+  )
 
 
-def convert(src: str | os.PathLike, out: str | os.PathLike, *, split: str = "train",
-            val_fraction: float = 0.0, seed: int = 0,
-            label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
-            shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, workers: int | None = None,
-            max_size: int | None = None, max_pixels: int = checks.MAX_PIXELS,
-            follow_symlinks: bool = False, keys: records.Keys = records.DEFAULT_KEYS,
-            progress: bool = True) -> manifest_lib.Manifest:
+def convert(
+  src: str | os.PathLike,
+  out: str | os.PathLike,
+  *,
+  split: str = "train",
+  val_fraction: float = 0.0,
+  seed: int = 0,
+  label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
+  workers: int | None = None,
+  max_size: int | None = None,
+  max_pixels: int = checks.MAX_PIXELS,
+  follow_symlinks: bool = False,
+  keys: records.Keys = records.DEFAULT_KEYS,
+  labels: str | os.PathLike | None = None,
+  progress: bool = True,
+  overwrite: bool = False,
+) -> manifest_lib.Manifest:
   """Converts an image folder to ArrayRecord shards and manifest.json in `out`.
 
   With `val_fraction` > 0 it writes splits `split` and "validation" (split per class).
-  Re-running after an interruption keeps finished shards; the result is the same.
+  With `labels`, a CSV of FILE,CLASS rows, `src` is a flat folder (ImageNet's `val/`).
+  Into a dataset already in `out` it adds the splits (classes must match); splits of
+  another conversion are replaced only with `overwrite`. Re-running after an interruption
+  keeps finished shards; the result is the same.
   """
-  job = plan(src, out, split=split, val_fraction=val_fraction, seed=seed, label_map=label_map,
-             shard_size_mb=shard_size_mb, max_size=max_size, max_pixels=max_pixels,
-             follow_symlinks=follow_symlinks, keys=keys)
+  shards.check_workers(workers)
+  job = plan(
+    src,
+    out,
+    split=split,
+    val_fraction=val_fraction,
+    seed=seed,
+    label_map=label_map,
+    shard_size_mb=shard_size_mb,
+    max_size=max_size,
+    max_pixels=max_pixels,
+    follow_symlinks=follow_symlinks,
+    keys=keys,
+    labels=labels,
+  )
   name = os.path.basename(os.path.normpath(os.fspath(src)))
-  return shards.run(job, workers=workers, progress=progress, desc=f"convert {name}")
+  return shards.run(
+    job, workers=workers, progress=progress, desc=f"convert {name}", overwrite=overwrite
+  )

@@ -2,14 +2,24 @@
 
 Records go to shards by a plan fixed before any work starts (the ordered inputs and their
 sizes), so the output is byte-identical whatever the worker count or completion order.
-A shard is written under a temporary name and renamed when complete; a done marker
-(count, sha256, skipped files) then lets a re-run after a crash keep it and skip its work.
+
+A conversion never touches the dataset already in OUT until it is complete. It holds a lock
+on OUT and builds in `OUT/.convert-build/` (tagged with the job's fingerprint: the source
+listing and every argument): each shard is written under a temporary name and renamed when
+complete, and a done marker (count, sha256, size, skipped files) lets a re-run after a crash
+keep it. At the end the new manifest is written to the build folder (the commit point) and
+swapped in: the shards are renamed into OUT, then manifest.json is replaced in one rename.
+Should a new shard take the name of a file already in OUT, the old manifest.json is removed
+first, so a reader sees the old dataset, no dataset, or the new one, never a mix.
 """
 
 from __future__ import annotations
 
 import collections
+import contextlib
 import dataclasses
+import errno
+import fcntl
 import functools
 import hashlib
 import itertools
@@ -17,27 +27,44 @@ import json
 import math
 import multiprocessing
 import os
+import re
+import shutil
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
-import tqdm
 from array_record.python import array_record_module
 
 from pipeline import manifest as manifest_lib
 from pipeline import records
+from pipeline.convert.progress import Progress
 
 OPTIONS = "group_size:1,uncompressed"  # random access; JPEG payloads are not compressed again
 DEFAULT_SHARD_SIZE_MB = 128
-PROGRESS_DIR = ".convert-progress"
+BUILD_DIR = manifest_lib.BUILD_DIR
+LOCK_FILE = ".convert.lock"
+_PLAN_FILE = "plan.json"  # the fingerprint of the job the build folder belongs to
+_SWAP_FILE = "swap.json"  # the finished manifest and the old shards to remove: the commit
+_OLD_PROGRESS_DIR = ".convert-progress"  # resume state of earlier versions, inside OUT
+# What `manifest.save` and earlier versions' shard writers leave behind when killed.
+_TEMPORARY = re.compile(r"\.(manifest\.json|[\w-]+\.array_record-\d+-of-\d+)\.tmp-\d+")
 _TASK_BYTES = 4 << 20  # work sent to a worker at a time
 _TASK_ITEMS = 256
-_WORKER_MODULES = ["pipeline.convert.builtin", "pipeline.convert.images",
-                   "pipeline.convert.tfrecord", "pipeline.convert.verify"]
+_WORKER_MODULES = [
+  "pipeline.convert.builtin",
+  "pipeline.convert.images",
+  "pipeline.convert.tfrecord",
+  "pipeline.convert.verify",
+]
 
 # What a worker returns per input: (serialized record or None, skipped entry or None,
 # re-encoded entry or None); entries are {"path": ..., "reason": ...}.
 Outcome = tuple[bytes | None, dict[str, str] | None, dict[str, str] | None]
+
+
+class ConversionError(ValueError):
+  """A conversion refused before it changes anything (clobbering, a busy OUT, no records)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -66,8 +93,34 @@ def shard_name(split: str, index: int, count: int) -> str:
   return f"{split}.array_record-{index:05d}-of-{count:05d}"
 
 
-def plan_split(split: str, items: Sequence[Any], sizes: Sequence[int],
-               shard_bytes: int) -> list[ShardPlan]:
+def shard_bytes(shard_size_mb: float) -> int:
+  """The target shard size in bytes; anything but a positive number is a ValueError."""
+  if (
+    isinstance(shard_size_mb, bool)
+    or not isinstance(shard_size_mb, (int, float))
+    or not math.isfinite(shard_size_mb)
+    or shard_size_mb <= 0
+  ):
+    raise ValueError(f"shard_size_mb must be a positive number of MiB, got {shard_size_mb!r}")
+  return max(1, int(shard_size_mb * (1 << 20)))
+
+
+def check_workers(workers: int | None) -> None:
+  if workers is not None and (
+    isinstance(workers, bool) or not isinstance(workers, int) or workers < 1
+  ):
+    raise ValueError(f"workers must be a positive integer, got {workers!r}")
+
+
+def check_split_name(split: str) -> None:
+  """Split names become file name prefixes: letters, digits, '_' and '-', not leading '-'."""
+  if not isinstance(split, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9_-]*", split):
+    raise ValueError(f"split name {split!r} must be letters, digits, '_' or '-'")
+
+
+def plan_split(
+  split: str, items: Sequence[Any], sizes: Sequence[int], shard_bytes: int
+) -> list[ShardPlan]:
   """Cuts a split's items, in order, into contiguous shards of about `shard_bytes` each."""
   if not items:
     return []
@@ -79,8 +132,8 @@ def plan_split(split: str, items: Sequence[Any], sizes: Sequence[int],
     cuts.append(min(max(cut, cuts[-1] + 1), len(items) - (count - k)))
   cuts.append(len(items))
   return [
-      ShardPlan(split, shard_name(split, i, count), tuple(items[a:b]), tuple(sizes[a:b]))
-      for i, (a, b) in enumerate(itertools.pairwise(cuts))
+    ShardPlan(split, shard_name(split, i, count), tuple(items[a:b]), tuple(sizes[a:b]))
+    for i, (a, b) in enumerate(itertools.pairwise(cuts))
   ]
 
 
@@ -97,12 +150,16 @@ def fingerprint(*parts: Any) -> str:
   return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def build_dir(out: str) -> str:
+  return os.path.join(out, BUILD_DIR)
+
+
 class AtomicShard:
   """An ArrayRecord shard written under a temporary name and renamed by `commit`."""
 
-  def __init__(self, out: str, name: str):
-    self.path = os.path.join(out, name)
-    self.tmp = os.path.join(out, f".{name}.tmp-{os.getpid()}")
+  def __init__(self, directory: str, name: str):
+    self.path = os.path.join(directory, name)
+    self.tmp = os.path.join(directory, f".{name}.tmp-{os.getpid()}")
     self.num_records = 0
     self._writer = array_record_module.ArrayRecordWriter(self.tmp, OPTIONS)
 
@@ -118,36 +175,90 @@ class AtomicShard:
     return self.num_records, digest, size
 
 
+def _write_json(path: str, data: Any) -> None:
+  tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.tmp-{os.getpid()}")
+  with open(tmp, "w") as f:
+    json.dump(data, f)
+    f.flush()
+    os.fsync(f.fileno())
+  os.replace(tmp, path)
+
+
+def _read_json(path: str) -> Any:
+  try:
+    with open(path) as f:
+      return json.load(f)
+  except (OSError, ValueError):
+    return None
+
+
 def _marker_path(out: str, name: str) -> str:
-  return os.path.join(out, PROGRESS_DIR, name + ".json")
+  return os.path.join(build_dir(out), name + ".done")
 
 
 def _load_done(out: str, name: str, fp: str) -> ShardResult | None:
   """The shard's done marker if it belongs to this plan and the shard file is intact."""
-  try:
-    with open(_marker_path(out, name)) as f:
-      marker = json.load(f)
-  except (OSError, ValueError):
+  marker = _read_json(_marker_path(out, name))
+  if not isinstance(marker, dict) or marker.get("fingerprint") != fp:
     return None
   result = ShardResult(**marker["result"])
-  path = os.path.join(out, name)
-  if marker.get("fingerprint") != fp or not os.path.exists(path):
-    return None
-  return result if os.path.getsize(path) == result.size else None
+  path = os.path.join(build_dir(out), name)
+  return result if os.path.isfile(path) and os.path.getsize(path) == result.size else None
 
 
 def _mark_done(out: str, result: ShardResult, fp: str) -> None:
-  path = _marker_path(out, result.name)
-  tmp = path + f".tmp-{os.getpid()}"
-  with open(tmp, "w") as f:
-    json.dump({"fingerprint": fp, "result": dataclasses.asdict(result)}, f)
-  os.replace(tmp, path)
+  _write_json(
+    _marker_path(out, result.name), {"fingerprint": fp, "result": dataclasses.asdict(result)}
+  )
 
 
-def _remove_stale_temporaries(out: str, names: set[str]) -> None:
-  for entry in os.scandir(out):
-    if entry.name.startswith(".") and entry.name[1:].split(".tmp-")[0] in names:
-      os.unlink(entry.path)
+@contextlib.contextmanager
+def locked(out: str) -> Iterator[None]:
+  """Holds an exclusive lock on OUT (a second conversion into it is refused in one line).
+
+  The lock file is removed when done; a process that opened it just before checks, once it
+  holds the lock, that the file is still the one in OUT, else it tries again.
+  """
+  if os.path.exists(out) and not os.path.isdir(out):
+    raise ConversionError(f"{out} exists and is not a folder")
+  os.makedirs(out, exist_ok=True)
+  path = os.path.join(out, LOCK_FILE)
+  while True:
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError as e:
+      holder = os.read(fd, 64).decode(errors="replace").strip() or "?"
+      os.close(fd)
+      if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+        raise ConversionError(
+          f"{out} is being converted by another process (pid {holder}); "
+          "wait for it to finish or stop it"
+        ) from None
+      if e.errno not in (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS):
+        raise
+      warnings.warn(
+        f"{out}: this file system has no locks; make sure no other conversion "
+        "writes into it at the same time",
+        stacklevel=3,
+      )
+      yield
+      return
+    try:
+      same = os.path.samestat(os.fstat(fd), os.stat(path))
+    except FileNotFoundError:
+      same = False
+    if same:
+      break
+    os.close(fd)
+  try:
+    os.ftruncate(fd, 0)
+    os.write(fd, str(os.getpid()).encode())
+    yield
+  finally:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(path)
+    os.close(fd)
 
 
 def _tasks(plan: ShardPlan) -> Iterator[tuple[Any, ...]]:
@@ -156,7 +267,7 @@ def _tasks(plan: ShardPlan) -> Iterator[tuple[Any, ...]]:
   for i, size in enumerate(plan.sizes):
     nbytes += size
     if nbytes >= _TASK_BYTES or i + 1 - start >= _TASK_ITEMS:
-      yield plan.items[start:i + 1]
+      yield plan.items[start : i + 1]
       start, nbytes = i + 1, 0
   if start < len(plan.items):
     yield plan.items[start:]
@@ -201,22 +312,129 @@ class Job:
   skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
 
 
-def completed(job: Job) -> manifest_lib.Manifest | None:
-  """The manifest in `job.out` if this very job made it and its shards are all there."""
+def _provenance(m: manifest_lib.Manifest) -> list[dict[str, Any]]:
+  """Who made which splits, oldest first: `created_by`, then its `added` entries; each
+  entry's "splits" lists the splits it still provides."""
+  top = {k: v for k, v in m.created_by.items() if k != "added"}
+  added = [dict(e) for e in m.created_by.get("added", []) if isinstance(e, dict)]
+  claimed = {s for e in added for s in e.get("splits", [])}
+  top.setdefault("splits", [s for s in m.splits if s not in claimed])
+  return [top] + added
+
+
+def split_fingerprints(m: manifest_lib.Manifest) -> dict[str, str]:
+  """The fingerprint of the conversion that made each split of `m`."""
+  return {s: e.get("fingerprint") for e in _provenance(m) for s in e.get("splits", [])}
+
+
+def _load_existing(out: str, overwrite: bool) -> manifest_lib.Manifest | None:
   try:
-    m = manifest_lib.load(job.out)
-  except (FileNotFoundError, ValueError, KeyError, TypeError):
+    return manifest_lib.load(out)
+  except FileNotFoundError:
     return None
-  if m.created_by.get("fingerprint") != job.fp:
-    return None
-  files = [s.file for split in m.splits.values() for s in split.shards]
-  return m if all(os.path.exists(os.path.join(job.out, f)) for f in files) else None
+  except manifest_lib.ManifestError as e:
+    if overwrite:
+      return None
+    raise ConversionError(
+      f"{out} holds a damaged dataset ({e}); pass --overwrite to replace it"
+    ) from None
+
+
+def _intact(out: str, m: manifest_lib.Manifest, splits: Sequence[str]) -> bool:
+  try:
+    for s in splits:
+      manifest_lib.checked_shards(out, m, s, verify="size")
+  except (manifest_lib.ManifestError, OSError):
+    return False
+  return True
+
+
+def _differences(ours: Sequence[str], theirs: Sequence[str]) -> str:
+  only_ours = [c for c in ours if c not in set(theirs)]
+  only_theirs = [c for c in theirs if c not in set(ours)]
+  if not only_ours and not only_theirs:
+    return "the same names in another order (label map?)"
+  return f"only in this conversion: {only_ours[:10]}; only in the dataset: {only_theirs[:10]}"
+
+
+def _check_can_join(job: Job, old: manifest_lib.Manifest, kept: list[str]) -> None:
+  """Splits are added to a dataset only if labels and keys mean the same in all of them."""
+  where = f"cannot add split(s) {job.splits} to {job.out} beside {kept}"
+  if list(job.classes) != list(old.classes):
+    raise ConversionError(f"{where}: the classes differ ({_differences(job.classes, old.classes)})")
+  if job.keys != old.keys:
+    raise ConversionError(f"{where}: the feature keys differ ({job.keys} vs {old.keys})")
+
+
+def _remove_stale_files(out: str) -> None:
+  """Temporary files of killed runs in OUT, and the resume state of earlier versions."""
+  for entry in os.scandir(out):
+    if _TEMPORARY.fullmatch(entry.name) and entry.is_file(follow_symlinks=False):
+      os.unlink(entry.path)
+  shutil.rmtree(os.path.join(out, _OLD_PROGRESS_DIR), ignore_errors=True)
+
+
+def _prepare_build(job: Job) -> None:
+  """A build folder for this job: another plan's (shards, markers, temporaries) is removed."""
+  build = build_dir(job.out)
+  plan = _read_json(os.path.join(build, _PLAN_FILE))
+  if plan is None or plan.get("fingerprint") != job.fp:
+    shutil.rmtree(build, ignore_errors=True)
+    os.makedirs(build)
+    _write_json(os.path.join(build, _PLAN_FILE), {"fingerprint": job.fp})
+  names = {p.name for p in job.plans} | {p.name + ".done" for p in job.plans}
+  for entry in os.scandir(build):
+    if entry.name not in names and entry.name != _PLAN_FILE:
+      if entry.is_dir(follow_symlinks=False):
+        shutil.rmtree(entry.path)
+      else:
+        os.unlink(entry.path)
+
+
+def start(job: Job, overwrite: bool = False) -> manifest_lib.Manifest | None:
+  """Readies OUT for `job` (call it holding `locked(job.out)`); returns the manifest if the
+  job is already done there.
+
+  Finishes a swap an interrupted run had committed, then refuses to replace another
+  dataset's splits (or files) unless `overwrite`, and to add splits whose classes or keys
+  differ from the dataset's other splits. Another plan's unfinished build is removed.
+  """
+  out = job.out
+  if os.path.exists(os.path.join(build_dir(out), _SWAP_FILE)):
+    swap_in(out)
+  if empty := [s for s in job.splits if not any(p.split == s for p in job.plans)]:
+    raise ConversionError(
+      f"split {empty[0]!r} would hold no records (skipped "
+      f"{len(job.skipped)}: {_reasons(job.skipped) or 'nothing'})"
+    )
+  _remove_stale_files(out)
+  old = _load_existing(out, overwrite)
+  if old is not None:
+    made = split_fingerprints(old)
+    if all(made.get(s) == job.fp for s in job.splits) and _intact(out, old, job.splits):
+      shutil.rmtree(build_dir(out), ignore_errors=True)  # another plan's unfinished work
+      return old
+    clash = [s for s in job.splits if s in old.splits and made.get(s) != job.fp]
+    if clash and not overwrite:
+      raise ConversionError(
+        f"{out} already holds split(s) {clash} of another conversion; "
+        "pass --overwrite to replace them, or convert into another folder"
+      )
+    if kept := [s for s in old.splits if s not in job.splits]:
+      _check_can_join(job, old, kept)
+  elif not overwrite:
+    names = [p.name for p in job.plans] + [manifest_lib.FILENAME]
+    if taken := [n for n in names if os.path.lexists(os.path.join(out, n))]:
+      raise ConversionError(
+        f"{out} holds files this conversion would replace ({taken[0]}, "
+        "not part of a dataset); pass --overwrite or choose another folder"
+      )
+  _prepare_build(job)
+  return None
 
 
 def pending(job: Job) -> list[ShardPlan]:
-  """Prepares `job.out` and returns the shards an earlier, interrupted run did not finish."""
-  os.makedirs(os.path.join(job.out, PROGRESS_DIR), exist_ok=True)
-  _remove_stale_temporaries(job.out, {p.name for p in job.plans})
+  """The shards an earlier, interrupted run of this very job did not finish."""
   return [p for p in job.plans if _load_done(job.out, p.name, job.fp) is None]
 
 
@@ -225,7 +443,7 @@ class _ShardBuilder:
 
   def __init__(self, job: Job, plan: ShardPlan):
     self.job, self.plan, self.left = job, plan, len(plan.items)
-    self.shard = AtomicShard(job.out, plan.name)
+    self.shard = AtomicShard(build_dir(job.out), plan.name)
     self.skipped: list[dict[str, str]] = []
     self.reencoded: list[dict[str, str]] = []
 
@@ -254,81 +472,144 @@ def write_shard(job: Job, plan: ShardPlan) -> str:
   return plan.name
 
 
-def run(job: Job, *, workers: int | None, progress: bool, desc: str) -> manifest_lib.Manifest:
-  """Writes every shard not already done, then the manifest.
+def run(
+  job: Job, *, workers: int | None, progress: bool, desc: str, overwrite: bool = False
+) -> manifest_lib.Manifest:
+  """Writes every shard not already done, then swaps the result into OUT.
 
   With at least as many shards to write as workers, each worker writes whole shards (no
   record crosses a process boundary); otherwise workers check records and this process
   writes them in plan order. Either way a shard's bytes follow from the plan alone.
-  Finished shards of an interrupted run are kept.
+  Finished shards of an interrupted run of the same job are kept.
   """
-  if (m := completed(job)) is not None:
-    return m
-  todo = pending(job)
-  workers = workers or os.cpu_count() or 1
-  with tqdm.tqdm(total=sum(len(p.items) for p in todo), desc=desc, unit="file",
-                 disable=not progress, dynamic_ncols=True) as bar:
-    if workers > 1 and len(todo) >= workers:
-      write = functools.partial(write_shard, dataclasses.replace(job, plans=[]))
-      for plan, _ in zip(todo, ordered_map(write, todo, workers)):
-        bar.update(len(plan.items))
-    else:
-      tasks = [(p, t) for p in todo for t in _tasks(p)]
-      outcomes = ordered_map(job.process, [t for _, t in tasks], min(workers, len(tasks)))
-      builder = None
-      for (plan, task), results in zip(tasks, outcomes):
-        builder = builder or _ShardBuilder(job, plan)
-        if builder.add(task, results):
-          builder = None
-        bar.update(len(task))
-  return finish(job)
+  check_workers(workers)
+  with locked(job.out):
+    if (m := start(job, overwrite)) is not None:
+      return m
+    todo = pending(job)
+    workers = workers or os.cpu_count() or 1
+    with Progress(sum(len(p.items) for p in todo), desc, "file", progress) as bar:
+      if workers > 1 and len(todo) >= workers:
+        write = functools.partial(write_shard, dataclasses.replace(job, plans=[]))
+        for plan, _ in zip(todo, ordered_map(write, todo, workers)):
+          bar.update(len(plan.items))
+      else:
+        tasks = [(p, t) for p in todo for t in _tasks(p)]
+        outcomes = ordered_map(job.process, [t for _, t in tasks], min(workers, len(tasks)))
+        builder = None
+        for (plan, task), results in zip(tasks, outcomes):
+          builder = builder or _ShardBuilder(job, plan)
+          if builder.add(task, results):
+            builder = None
+          bar.update(len(task))
+    return finish(job)
+
+
+def _reasons(skipped: list[dict[str, str]]) -> str:
+  counts = collections.Counter(s["reason"].split(":")[0] for s in skipped)
+  return ", ".join(f"{n} {r}" for r, n in sorted(counts.items()))
+
+
+def _merge(
+  old: manifest_lib.Manifest, kept: list[str], new: manifest_lib.Manifest, entry: dict[str, Any]
+) -> manifest_lib.Manifest:
+  """`old`'s `kept` splits, plus `new`'s; provenance and skipped files follow their splits."""
+  provenance = _provenance(old)
+  survivors = []
+  for e in provenance:
+    if left := [s for s in e.get("splits", []) if s in kept]:
+      survivors.append({**e, "splits": left})
+  top_kept = any(s in kept for s in provenance[0]["splits"])
+
+  def keep(s: dict[str, str]) -> bool:
+    tag = s.get("split")
+    return top_kept if tag is None else any(t in kept for t in tag.split(","))
+
+  tag = ",".join(new.splits)
+  return manifest_lib.Manifest(
+    classes=old.classes,
+    splits={**{s: old.splits[s] for s in kept}, **new.splits},
+    skipped=[s for s in old.skipped if keep(s)] + [{**s, "split": tag} for s in new.skipped],
+    keys=old.keys,
+    created_by={**survivors[0], "added": survivors[1:] + [entry]},
+  )
 
 
 def finish(job: Job) -> manifest_lib.Manifest:
-  """Writes manifest.json from the done markers; removes stale shards and the progress folder."""
+  """Builds the manifest from the done markers, commits it to the build folder and swaps
+  it into OUT (call it holding the lock). Zero records in a split is an error."""
   results = [_load_done(job.out, p.name, job.fp) for p in job.plans]
   if missing := [p.name for p, r in zip(job.plans, results) if r is None]:
     raise RuntimeError(f"{job.out}: shards not written: {missing[:5]}...")
   by_split = {s: manifest_lib.Split(0, []) for s in job.splits}
   for plan, r in zip(job.plans, results):
-    by_split[plan.split].shards.append(manifest_lib.Shard(r.name, r.num_records, r.sha256))
+    by_split[plan.split].shards.append(manifest_lib.Shard(r.name, r.num_records, r.sha256, r.size))
     by_split[plan.split].num_records += r.num_records
-  skipped = list(job.skipped) + [s for r in results for s in r.skipped]
-  reencoded = [n for r in results for n in r.reencoded]
+  skipped = sorted(
+    list(job.skipped) + [s for r in results for s in r.skipped],
+    key=lambda s: (s["path"], s["reason"]),
+  )
+  if empty := [s for s, split in by_split.items() if split.num_records == 0]:
+    shutil.rmtree(build_dir(job.out), ignore_errors=True)
+    raise ConversionError(
+      f"split {empty[0]!r} would hold no records (skipped "
+      f"{len(skipped)}: {_reasons(skipped) or 'nothing'})"
+    )
+  reencoded = sorted((n for r in results for n in r.reencoded), key=lambda s: s["path"])
+  entry = {
+    **job.created_by,
+    "splits": list(job.splits),
+    "fingerprint": job.fp,
+    "reencoded": reencoded,
+  }
   m = manifest_lib.Manifest(
-      classes=list(job.classes), splits=by_split,
-      skipped=sorted(skipped, key=lambda s: (s["path"], s["reason"])), keys=job.keys,
-      created_by={**job.created_by, "fingerprint": job.fp,
-                  "reencoded": sorted(reencoded, key=lambda s: s["path"])})
-  try:
-    old = manifest_lib.load(job.out)
-  except (FileNotFoundError, ValueError, KeyError, TypeError):
-    old = None
-  if old is not None:
-    # manifest_lib.save's rename does not overwrite. Until the new manifest exists the done
-    # markers are kept, so a crash here is repaired by a re-run.
-    os.unlink(os.path.join(job.out, manifest_lib.FILENAME))
-  manifest_lib.save(m, job.out)
-  if old is not None:
-    keep = {r.name for r in results}
-    for split in old.splits.values():
-      for s in split.shards:
-        if s.file not in keep and os.path.exists(os.path.join(job.out, s.file)):
-          os.unlink(os.path.join(job.out, s.file))
-  progress_dir = os.path.join(job.out, PROGRESS_DIR)
-  for name in os.listdir(progress_dir):
-    os.unlink(os.path.join(progress_dir, name))
-  os.rmdir(progress_dir)
+    classes=list(job.classes), splits=by_split, skipped=skipped, keys=job.keys, created_by=entry
+  )
+  old = _load_existing(job.out, overwrite=True)
+  if old is not None and (kept := [s for s in old.splits if s not in job.splits]):
+    m = _merge(old, kept, m, entry)
+  files = {sh.file for s in m.splits.values() for sh in s.shards}
+  remove = (
+    [] if old is None else sorted({sh.file for s in old.splits.values() for sh in s.shards} - files)
+  )
+  _write_json(
+    os.path.join(build_dir(job.out), _SWAP_FILE), {"manifest": m.to_json(), "remove": remove}
+  )
+  swap_in(job.out)
   return m
+
+
+def swap_in(out: str) -> None:
+  """Moves a committed build into OUT; repeating it after a crash at any point is safe."""
+  build = build_dir(out)
+  swap = _read_json(os.path.join(build, _SWAP_FILE))
+  if swap is None:  # unreadable: the build cannot be trusted
+    shutil.rmtree(build)
+    return
+  m = manifest_lib.from_json(swap["manifest"], os.path.join(build, _SWAP_FILE))
+  files = [sh.file for s in m.splits.values() for sh in s.shards]
+  moving = [f for f in files if os.path.exists(os.path.join(build, f))]
+  if any(os.path.lexists(os.path.join(out, f)) for f in moving):
+    # The old manifest may name these files: readers must not see it beside new shards.
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(os.path.join(out, manifest_lib.FILENAME))
+  for f in moving:
+    os.replace(os.path.join(build, f), os.path.join(out, f))
+  manifest_lib.save(m, out)
+  for f in swap["remove"]:
+    if f not in files:
+      with contextlib.suppress(FileNotFoundError):
+        os.unlink(os.path.join(out, f))
+  shutil.rmtree(build)
 
 
 def summary(m: manifest_lib.Manifest) -> str:
   """One line: records per split, shards, skipped files by reason, re-encoded images."""
-  parts = [f"{name}: {s.num_records} records in {len(s.shards)} shards"
-           for name, s in m.splits.items()]
-  reasons = collections.Counter(s["reason"].split(":")[0] for s in m.skipped)
-  skipped = ", ".join(f"{n} {r}" for r, n in sorted(reasons.items()))
+  parts = [
+    f"{name}: {s.num_records} records in {len(s.shards)} shards" for name, s in m.splits.items()
+  ]
+  reasons = _reasons(m.skipped)
   line = f"{'; '.join(parts)}; {len(m.classes)} classes; skipped {len(m.skipped)}"
-  line += f" ({skipped})" if skipped else ""
-  reencoded = m.created_by.get("reencoded", [])
-  return line + (f"; re-encoded {len(reencoded)}" if reencoded else "")
+  line += f" ({reasons})" if reasons else ""
+  reencoded = sum(len(e.get("reencoded", [])) for e in _provenance(m))
+  return line + (f"; re-encoded {reencoded}" if reencoded else "")

@@ -17,10 +17,10 @@ from pipeline.convert import checks, shards, tfrecord
 
 def _keys_and_classes(info) -> tuple[records.Keys, list[str]]:
   import tensorflow_datasets as tfds
+
   features = info.features
   image = next((k for k, f in features.items() if isinstance(f, tfds.features.Image)), None)
-  label = next((k for k, f in features.items() if isinstance(f, tfds.features.ClassLabel)),
-               None)
+  label = next((k for k, f in features.items() if isinstance(f, tfds.features.ClassLabel)), None)
   if image is None or label is None:
     found = {k: type(f).__name__ for k, f in features.items()}
     raise ValueError(f"{info.full_name}: needs an Image and a ClassLabel feature, has {found}")
@@ -28,16 +28,31 @@ def _keys_and_classes(info) -> tuple[records.Keys, list[str]]:
   return records.Keys(image=image, label=label, filename=filename), list(features[label].names)
 
 
-def convert(name: str, out: str | os.PathLike, *, data_dir: str | os.PathLike,
-            split: str | Sequence[str] | None = None,
-            shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, workers: int | None = None,
-            max_pixels: int = checks.MAX_PIXELS, progress: bool = True
-            ) -> manifest_lib.Manifest:
+def convert(
+  name: str,
+  out: str | os.PathLike,
+  *,
+  data_dir: str | os.PathLike,
+  split: str | Sequence[str] | None = None,
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
+  workers: int | None = None,
+  max_pixels: int = checks.MAX_PIXELS,
+  progress: bool = True,
+  overwrite: bool = False,
+) -> manifest_lib.Manifest:
   """Converts the prepared TFDS dataset `name` (e.g. "imagenet2012" or "mnist:3.0.1").
 
   `split` picks one split or several (default: all); records keep their TFDS order.
+  Splits of another conversion already in `out` are replaced only with `overwrite`.
   """
+  shards.check_workers(workers)
+  shards.shard_bytes(shard_size_mb)
+  if max_pixels < 1:
+    raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
+  if "://" not in os.fspath(data_dir) and not os.path.isdir(data_dir):
+    raise FileNotFoundError(f"TFDS data dir {os.fspath(data_dir)} not found")
   import tensorflow_datasets as tfds
+
   builder = tfds.builder(name, data_dir=os.fspath(data_dir))
   info = builder.info
   if not info.splits:
@@ -50,6 +65,7 @@ def convert(name: str, out: str | os.PathLike, *, data_dir: str | os.PathLike,
   for s in names:
     if s not in info.splits:
       raise KeyError(f"split {s!r} not in {info.full_name}; it has {sorted(info.splits)}")
+    shards.check_split_name(s)
     items, sizes = [], []
     for path, count in zip(info.splits[s].filepaths, info.splits[s].shard_lengths):
       files.append(os.fspath(path))
@@ -63,11 +79,29 @@ def convert(name: str, out: str | os.PathLike, *, data_dir: str | os.PathLike,
       else:
         raise ValueError(f"{info.full_name}: unsupported file format {file_format}")
     split_items[s] = (items, sizes)
-  args = {"name": name, "data_dir": os.fspath(data_dir), "split": names,
-          "shard_size_mb": shard_size_mb, "max_pixels": max_pixels}
-  created_by = {"tool": "pipeline.convert tfds", "version": __version__, "args": args,
-                "source": f"{info.full_name} in {os.path.abspath(data_dir)}"}
-  job = tfrecord.copy_job(split_items, files, out, classes=classes, keys=keys,
-                          created_by=created_by, shard_size_mb=shard_size_mb,
-                          max_pixels=max_pixels)
-  return shards.run(job, workers=workers, progress=progress, desc=f"convert {name}")
+  args = {
+    "name": name,
+    "data_dir": os.fspath(data_dir),
+    "split": names,
+    "shard_size_mb": shard_size_mb,
+    "max_pixels": max_pixels,
+  }
+  created_by = {
+    "tool": "pipeline.convert tfds",
+    "version": __version__,
+    "args": args,
+    "source": f"{info.full_name} in {os.path.abspath(data_dir)}",
+  }
+  job = tfrecord.copy_job(
+    split_items,
+    files,
+    out,
+    classes=classes,
+    keys=keys,
+    created_by=created_by,
+    shard_size_mb=shard_size_mb,
+    max_pixels=max_pixels,
+  )
+  return shards.run(
+    job, workers=workers, progress=progress, desc=f"convert {name}", overwrite=overwrite
+  )

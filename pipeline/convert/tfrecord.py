@@ -48,8 +48,12 @@ _TABLE = np.array(_TABLE_LIST, np.uint32)
 
 def _apply(tables: np.ndarray, c: np.ndarray) -> np.ndarray:
   """Applies a linear map on CRC registers given as four per-byte lookup tables."""
-  return tables[0][c & 0xFF] ^ tables[1][(c >> 8) & 0xFF] ^ tables[2][(c >> 16) & 0xFF] ^ (
-      tables[3][c >> 24])
+  return (
+    tables[0][c & 0xFF]
+    ^ tables[1][(c >> 8) & 0xFF]
+    ^ tables[2][(c >> 16) & 0xFF]
+    ^ (tables[3][c >> 24])
+  )
 
 
 @functools.cache
@@ -81,7 +85,7 @@ def crc32c(data: bytes) -> int:
   k = -(-n // chunk)
   buf = np.zeros(k * chunk, np.uint8)
   buf[-n:] = np.frombuffer(data, np.uint8)
-  buf[-n:-n + 4] ^= 0xFF
+  buf[-n : -n + 4] ^= 0xFF
   columns = np.ascontiguousarray(buf.reshape(k, chunk).T)
   c = np.zeros(k, np.uint32)
   low_byte, index, looked_up = c.view(np.uint8)[0::4], np.empty(k, np.uint8), np.empty_like(c)
@@ -118,8 +122,9 @@ def scan(path: str) -> list[tuple[int, int]]:
       if masked_crc32c(header[:8]) != crc:
         raise TFRecordError(f"{where}: length checksum mismatch (not a TFRecord, or corrupt)")
       if offset + 16 + length > size:
-        raise TFRecordError(f"{where}: truncated record ({length} bytes announced, "
-                            f"{size - offset - 16} left)")
+        raise TFRecordError(
+          f"{where}: truncated record ({length} bytes announced, {size - offset - 16} left)"
+        )
       spans.append((offset, length))
       offset += 16 + length
       f.seek(offset)
@@ -147,7 +152,8 @@ def _read_task(task: Sequence[tuple], files: Sequence[str]) -> list[tuple[str, b
         handles[path] = stack.enter_context(open(path, "rb"))
       elif path not in handles:
         handles[path] = stack.enter_context(
-            contextlib.closing(array_record_module.ArrayRecordReader(path)))
+          contextlib.closing(array_record_module.ArrayRecordReader(path))
+        )
       if kind == "tfrecord":
         out.append((f"{path}:{index}", read_record(handles[path], path, index, *span)))
       else:
@@ -155,8 +161,14 @@ def _read_task(task: Sequence[tuple], files: Sequence[str]) -> list[tuple[str, b
   return out
 
 
-def process(task: Sequence[tuple], *, files: Sequence[str], keys: records.Keys,
-            num_classes: int, max_pixels: int) -> list[shards.Outcome]:
+def process(
+  task: Sequence[tuple],
+  *,
+  files: Sequence[str],
+  keys: records.Keys,
+  num_classes: int,
+  max_pixels: int,
+) -> list[shards.Outcome]:
   """Worker: verifies each record (checksum, parse, label range, image) and passes its bytes."""
   outcomes: list[shards.Outcome] = []
   for place, data in _read_task(task, files):
@@ -175,8 +187,9 @@ def process(task: Sequence[tuple], *, files: Sequence[str], keys: records.Keys,
   return outcomes
 
 
-def load_classes(classes: str | os.PathLike | Sequence[str] | None,
-                 num_classes: int | None) -> list[str]:
+def load_classes(
+  classes: str | os.PathLike | Sequence[str] | None, num_classes: int | None
+) -> list[str]:
   """Class names from a names-per-line file or a list, or "0".."N-1" from a count."""
   if isinstance(classes, (str, os.PathLike)):
     with open(classes) as f:
@@ -186,35 +199,64 @@ def load_classes(classes: str | os.PathLike | Sequence[str] | None,
       raise ValueError(f"num_classes {num_classes} != {len(classes)} class names")
     return list(classes)
   if num_classes is None or num_classes <= 0:
-    raise ValueError("the label range check needs the class count: pass num_classes "
-                     "(--num-classes) or class names (--classes FILE)")
+    raise ValueError(
+      "the label range check needs the class count: pass num_classes "
+      "(--num-classes) or class names (--classes FILE)"
+    )
   return [str(i) for i in range(num_classes)]
 
 
-def copy_job(split_items: dict[str, tuple[list[tuple], list[int]]], files: list[str],
-             out: str | os.PathLike, *, classes: list[str], keys: records.Keys,
-             created_by: dict[str, Any], shard_size_mb: float, max_pixels: int
-             ) -> shards.Job:
+def copy_job(
+  split_items: dict[str, tuple[list[tuple], list[int]]],
+  files: list[str],
+  out: str | os.PathLike,
+  *,
+  classes: list[str],
+  keys: records.Keys,
+  created_by: dict[str, Any],
+  shard_size_mb: float,
+  max_pixels: int,
+) -> shards.Job:
   """Plans copying records located by `_read_task` items, per split in order, to `out`."""
-  shard_bytes = int(shard_size_mb * (1 << 20))
-  plans = [p for split, (items, sizes) in split_items.items()
-           for p in shards.plan_split(split, items, sizes, shard_bytes)]
+  shard_bytes = shards.shard_bytes(shard_size_mb)
+  plans = [
+    p
+    for split, (items, sizes) in split_items.items()
+    for p in shards.plan_split(split, items, sizes, shard_bytes)
+  ]
   stats = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
   return shards.Job(
-      out=os.fspath(out), plans=plans,
-      process=functools.partial(process, files=files, keys=keys, num_classes=len(classes),
-                                max_pixels=max_pixels),
-      fp=shards.fingerprint(__version__, created_by["args"], classes, keys, stats,
-                            [(p.name, len(p.items)) for p in plans]),
-      classes=classes, splits=list(split_items), keys=keys, created_by=created_by)
+    out=os.fspath(out),
+    plans=plans,
+    process=functools.partial(
+      process, files=files, keys=keys, num_classes=len(classes), max_pixels=max_pixels
+    ),
+    fp=shards.fingerprint(
+      __version__, created_by["args"], classes, keys, stats, [(p.name, len(p.items)) for p in plans]
+    ),
+    classes=classes,
+    splits=list(split_items),
+    keys=keys,
+    created_by=created_by,
+  )
 
 
-def plan(pattern: str | Sequence[str], out: str | os.PathLike, *, split: str = "train",
-         keys: records.Keys | None = None, num_classes: int | None = None,
-         classes: str | os.PathLike | Sequence[str] | None = None,
-         shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
-         max_pixels: int = checks.MAX_PIXELS) -> shards.Job:
+def plan(
+  pattern: str | Sequence[str],
+  out: str | os.PathLike,
+  *,
+  split: str = "train",
+  keys: records.Keys | None = None,
+  num_classes: int | None = None,
+  classes: str | os.PathLike | Sequence[str] | None = None,
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
+  max_pixels: int = checks.MAX_PIXELS,
+) -> shards.Job:
   """Lists the TFRecord files (glob, sorted), checks record headers and plans the shards."""
+  shards.check_split_name(split)
+  shards.shard_bytes(shard_size_mb)
+  if max_pixels < 1:
+    raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
   patterns = [pattern] if isinstance(pattern, str) else [os.fspath(p) for p in pattern]
   files = sorted({f for p in patterns for f in glob.glob(p)})
   if not files:
@@ -234,28 +276,66 @@ def plan(pattern: str | Sequence[str], out: str | os.PathLike, *, split: str = "
     try:
       keys = records.detect_keys(first)
     except protobuf_message.DecodeError as e:
-      raise records.RecordError(f"{files[file_index]}:{index}: not a tf.train.Example "
-                                f"({e})") from None
-  args = {"pattern": patterns, "split": split, "num_classes": len(names),
-          "classes": os.fspath(classes) if isinstance(classes, (str, os.PathLike)) else None,
-          "shard_size_mb": shard_size_mb, "max_pixels": max_pixels}
-  created_by = {"tool": "pipeline.convert tfrecord", "version": __version__, "args": args,
-                "source": [os.path.abspath(f) for f in files]}
-  return copy_job({split: (items, sizes)}, files, out, classes=names, keys=keys,
-                  created_by=created_by, shard_size_mb=shard_size_mb, max_pixels=max_pixels)
+      raise records.RecordError(
+        f"{files[file_index]}:{index}: not a tf.train.Example ({e})"
+      ) from None
+  args = {
+    "pattern": patterns,
+    "split": split,
+    "num_classes": len(names),
+    "classes": os.fspath(classes) if isinstance(classes, (str, os.PathLike)) else None,
+    "shard_size_mb": shard_size_mb,
+    "max_pixels": max_pixels,
+  }
+  created_by = {
+    "tool": "pipeline.convert tfrecord",
+    "version": __version__,
+    "args": args,
+    "source": [os.path.abspath(f) for f in files],
+  }
+  return copy_job(
+    {split: (items, sizes)},
+    files,
+    out,
+    classes=names,
+    keys=keys,
+    created_by=created_by,
+    shard_size_mb=shard_size_mb,
+    max_pixels=max_pixels,
+  )
 
 
-def convert(pattern: str | Sequence[str], out: str | os.PathLike, *, split: str = "train",
-            keys: records.Keys | None = None, num_classes: int | None = None,
-            classes: str | os.PathLike | Sequence[str] | None = None,
-            shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB, workers: int | None = None,
-            max_pixels: int = checks.MAX_PIXELS, progress: bool = True
-            ) -> manifest_lib.Manifest:
+def convert(
+  pattern: str | Sequence[str],
+  out: str | os.PathLike,
+  *,
+  split: str = "train",
+  keys: records.Keys | None = None,
+  num_classes: int | None = None,
+  classes: str | os.PathLike | Sequence[str] | None = None,
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
+  workers: int | None = None,
+  max_pixels: int = checks.MAX_PIXELS,
+  progress: bool = True,
+  overwrite: bool = False,
+) -> manifest_lib.Manifest:
   """Copies the records of TFRecord files (glob, sorted) into ArrayRecord shards in `out`.
 
   Record bytes are unchanged and keep their order. Keys are detected from the first record
-  unless given; labels must lie in [0, num_classes).
+  unless given; labels must lie in [0, num_classes). Adds the split to a dataset already in
+  `out` (same classes); replaces one of another conversion only with `overwrite`.
   """
-  job = plan(pattern, out, split=split, keys=keys, num_classes=num_classes, classes=classes,
-             shard_size_mb=shard_size_mb, max_pixels=max_pixels)
-  return shards.run(job, workers=workers, progress=progress, desc="convert tfrecord")
+  shards.check_workers(workers)
+  job = plan(
+    pattern,
+    out,
+    split=split,
+    keys=keys,
+    num_classes=num_classes,
+    classes=classes,
+    shard_size_mb=shard_size_mb,
+    max_pixels=max_pixels,
+  )
+  return shards.run(
+    job, workers=workers, progress=progress, desc="convert tfrecord", overwrite=overwrite
+  )

@@ -10,13 +10,14 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import stat
 
-import tqdm
 from array_record.python import array_record_module
 
 from pipeline import manifest as manifest_lib
 from pipeline import records
 from pipeline.convert import checks, shards
+from pipeline.convert.progress import Progress
 
 _RANGE = 256  # records per verification task
 _READ_ERRORS = (RuntimeError, ValueError, OSError)
@@ -44,10 +45,18 @@ class Report:
 
 
 def _check_file(path: str, shard: manifest_lib.Shard) -> tuple[bool, list[str]]:
-  """Shard-level checks (present, sha256, record count): (readable, problems)."""
-  if not os.path.exists(path):
+  """Shard-level checks (a regular file, size, sha256, record count): (readable, problems).
+
+  The file is stat'ed before it is opened: opening a FIFO would wait forever."""
+  try:
+    st = os.stat(path)
+  except FileNotFoundError:
     return False, [f"{shard.file}: missing"]
+  if not stat.S_ISREG(st.st_mode):
+    return False, [f"{shard.file}: not a regular file"]
   problems = []
+  if shard.bytes is not None and st.st_size != shard.bytes:
+    problems.append(f"{shard.file}: {st.st_size} bytes, manifest says {shard.bytes}")
   if (digest := shards.sha256_file(path)) != shard.sha256:
     problems.append(f"{shard.file}: sha256 {digest[:12]}... != manifest {shard.sha256[:12]}...")
   try:
@@ -75,13 +84,21 @@ def _check_record(data: bytes, keys: records.Keys, num_classes: int) -> str | No
   return None
 
 
-def _check_range(task: tuple[str, int, int], *, data_dir: str, keys: records.Keys,
-                 num_classes: int, shard_info: dict[str, manifest_lib.Shard]
-                 ) -> tuple[int, list[str]]:
+def _check_range(
+  task: tuple[str, int, int],
+  *,
+  data_dir: str,
+  keys: records.Keys,
+  num_classes: int,
+  shard_info: dict[str, manifest_lib.Shard],
+) -> tuple[int, list[str]]:
   """Worker: (records read, problems) for records [start, stop) of a shard."""
   name, start, stop = task
   path = os.path.join(data_dir, name)
-  readable, problems = _check_file(path, shard_info[name]) if start == 0 else (True, [])
+  if start == 0:
+    readable, problems = _check_file(path, shard_info[name])
+  else:  # the task starting at record 0 reports a missing or odd file
+    readable, problems = os.path.isfile(path), []
   if not readable:
     return 0, problems
   read = 0
@@ -105,8 +122,7 @@ def _check_range(task: tuple[str, int, int], *, data_dir: str, keys: records.Key
   return read, problems
 
 
-def verify(out: str | os.PathLike, *, workers: int | None = None,
-           progress: bool = True) -> Report:
+def verify(out: str | os.PathLike, *, workers: int | None = None, progress: bool = True) -> Report:
   """Checks every shard and record of the dataset in `out` against its manifest."""
   out = os.fspath(out)
   try:
@@ -114,22 +130,34 @@ def verify(out: str | os.PathLike, *, workers: int | None = None,
   except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
     return Report(out, {}, [f"manifest: {e}"])
   info = {s.file: s for split in m.splits.values() for s in split.shards}
-  tasks = [(s.file, a, a + _RANGE) for split in m.splits.values() for s in split.shards
-           for a in range(0, max(s.num_records, 1), _RANGE)]
-  work = functools.partial(_check_range, data_dir=out, keys=m.keys,
-                           num_classes=m.num_classes, shard_info=info)
+  tasks = [
+    (s.file, a, a + _RANGE)
+    for split in m.splits.values()
+    for s in split.shards
+    for a in range(0, max(s.num_records, 1), _RANGE)
+  ]
+  work = functools.partial(
+    _check_range, data_dir=out, keys=m.keys, num_classes=m.num_classes, shard_info=info
+  )
   read: dict[str, int] = {}
   problems: list[str] = []
   if not m.classes:
     problems.append("manifest: no classes")
+  if not m.splits:
+    problems.append("manifest: no splits")
   for split, s in m.splits.items():
     if s.num_records != sum(sh.num_records for sh in s.shards):
-      problems.append(f"manifest: split {split} has {s.num_records} records but its shards "
-                      f"hold {sum(sh.num_records for sh in s.shards)}")
+      problems.append(
+        f"manifest: split {split} has {s.num_records} records but its shards "
+        f"hold {sum(sh.num_records for sh in s.shards)}"
+      )
+    if s.num_records == 0:
+      problems.append(f"manifest: split {split} has no records")
   split_of = {s.file: name for name, split in m.splits.items() for s in split.shards}
   workers = min(workers or os.cpu_count() or 1, len(tasks))
-  with tqdm.tqdm(total=sum(s.num_records for s in info.values()), desc=f"verify {out}",
-                 unit="record", disable=not progress, dynamic_ncols=True) as bar:
+  with Progress(
+    sum(s.num_records for s in info.values()), f"verify {out}", "record", progress
+  ) as bar:
     for (name, _, _), (count, found) in zip(tasks, shards.ordered_map(work, tasks, workers)):
       read[split_of[name]] = read.get(split_of[name], 0) + count
       problems += found

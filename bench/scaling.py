@@ -1,0 +1,417 @@
+"""`python -m pipeline.bench scaling DATA_DIR`: one process's ceiling, and a many-core host's rate.
+
+    python -m pipeline.bench scaling data/photos --cores 96,224 --json scaling.json
+
+A 2-core machine cannot run a 224-core host's pipeline, so this measures the costs that
+decide it here and projects with `pipeline.parallelism`'s model. Every run is
+`make_dataset` (train augmentation, given batch and image size) in a fresh process, timed
+in steady state after its first batch:
+
+1. cpu: one decode thread: the process's CPU per image (`cpu_us_per_image`).
+2. rest: one thread with `PIPELINE_EMULATE_DECODE_US=D,R`, which makes the loader replace
+   each image's decode by a GIL-free wait of D microseconds and its resize by one of R
+   (read, parse, crop box, batching, Grain and the Python per image stay real), here with
+   waits of ~0: the CPU of everything else. decode + resize = cpu - rest is the GIL-free
+   work (`decode_us_per_image`), split between D and R as the two take alone on one thread.
+3. ceiling: that emulation with the real D and R, at 1, 2, 4, ... 32 threads: a host with
+   unlimited cores. The best img/s is one process's ceiling (`process_ceiling_img_s`); the
+   model's GIL time per image and hand-off penalty per thread are fitted to this curve
+   (`gil_held_us_per_image`).
+4. workers: real decode with Grain worker processes: the main process's CPU per image
+   receiving batches, touching every page as device_put would (its user time is Python,
+   holding the GIL; its system time the kernel mapping and unmapping pages, without it),
+   the workers' CPU per image beyond the same work in one process (shipping batches
+   through shared memory), the first batch and each worker's RSS.
+5. hosts: for each core count (and per-process batch size: the main process's Python per
+   received batch spreads over it), `parallelism.plan` and `parallelism.project` with
+   these costs (memory assumed 1 GiB per core; TPU VM hosts have more).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import pathlib
+import resource
+import subprocess
+import sys
+import time
+
+import numpy as np
+import psutil
+
+import pipeline
+from bench import measure
+from pipeline import augment, decode, parallelism, records
+from pipeline import manifest as manifest_lib
+from pipeline.loader import EMULATE_ENV as EMULATE
+from pipeline.source import ShardedSource
+
+PAGE = 4096
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+# ---------------------------------------------------------------- one process's runs
+
+
+def method() -> str:
+  """The method, as the module docstring numbers it (for the report)."""
+  return __doc__[__doc__.index("1. cpu") :].strip()
+
+
+def _cpu(proc) -> float:
+  """CPU seconds of another process (in clock ticks: precise over seconds, not over ms)."""
+  t = proc.cpu_times()
+  return t.user + t.system
+
+
+def _workers(proc) -> list:
+  """Grain's worker processes (spawned children; not multiprocessing's resource tracker)."""
+  out = []
+  for child in proc.children(recursive=True):
+    try:
+      if "spawn_main" in " ".join(child.cmdline()):
+        out.append(child)
+    except psutil.Error:  # a child that exited meanwhile
+      continue
+  return out
+
+
+def run_one(spec: dict, threads: int, workers: int) -> dict:
+  """Times one `make_dataset` configuration in this process (see the module docstring)."""
+  me = psutil.Process()
+  ds = pipeline.make_dataset(
+    spec["data_dir"],
+    spec["split"],
+    batch_size=spec["batch_size"],
+    image_size=spec["image_size"],
+    shard_index=0,
+    shard_count=1,
+    performance=dict(num_threads=threads, num_workers=workers),
+  )
+  start = time.perf_counter()
+  it = iter(ds)
+  next(it)
+  first_batch = time.perf_counter() - start
+  for _ in range(2 * workers):  # every worker started and past its imports: off the clock
+    next(it)
+  first = time.perf_counter()
+  kids = _workers(me)
+  main0, kids0 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
+  images = batches = 0
+  touch = np.zeros(2)  # user, system seconds
+  while time.perf_counter() - first < spec["seconds"] or batches < spec["min_batches"]:
+    image = next(it)["image"]
+    t0 = resource.getrusage(resource.RUSAGE_THREAD)
+    image.reshape(-1)[::PAGE].max()  # one byte per page: maps the batch, as a device_put would
+    t1 = resource.getrusage(resource.RUSAGE_THREAD)
+    touch += (t1.ru_utime - t0.ru_utime, t1.ru_stime - t0.ru_stime)
+    images += len(image)
+    batches += 1
+  end = time.perf_counter()
+  main1, kids1 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
+  rss = [k.memory_info().rss / 2**20 for k in kids]
+  it.close()
+  user = max(main1.ru_utime - main0.ru_utime - touch[0], 0.0)
+  system = max(main1.ru_stime - main0.ru_stime - touch[1], 0.0)
+  return {
+    "threads": threads,
+    "workers": workers,
+    "img_s": round(images / (end - first), 1),
+    "first_batch_s": round(first_batch, 3),
+    "cpu_us": round((user + system + touch.sum()) / images * 1e6, 2),
+    "user_us": round(user / images * 1e6, 2),
+    "system_us": round((system + touch.sum()) / images * 1e6, 2),
+    "workers_cpu_us": round((kids1 - kids0) / images * 1e6, 2),
+    "rss_mb_per_worker": round(float(np.mean(rss)), 1) if rss else 0.0,
+  }
+
+
+def measure_in_child(
+  spec: dict, runs: list[tuple[int, int]], emulate_us: tuple[float, float] | None
+) -> list[dict]:
+  """`run_one` for each (threads, workers) in a fresh process; `emulate_us` (decode and
+  resize waits; None: real work) is set in its environment, which Grain's workers inherit."""
+  env = {k: v for k, v in os.environ.items() if k != EMULATE}
+  if emulate_us is not None:
+    env[EMULATE] = ",".join(f"{max(us, 0.001):.3f}" for us in emulate_us)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  child = json.dumps({**spec, "runs": runs})
+  proc = subprocess.run(
+    [sys.executable, "-m", "bench.scaling", "--child", child],
+    capture_output=True,
+    text=True,
+    check=False,
+    env=env,
+    cwd=ROOT,
+  )
+  if proc.returncode:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    raise RuntimeError(f"a measuring process failed (exit {proc.returncode}): {tail[0]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+# ---------------------------------------------------------------- the model's costs
+
+
+def fit_gil(curve: list[dict], most: float = float("inf")) -> tuple[float, float]:
+  """(GIL us per image, hand-off per extra thread) whose model best matches the emulated
+  img/s at each thread count: rate(T) = min(T * r, 1e6 / (gil * (1 + handoff (T - 1)))),
+  r the best rate per thread seen.
+
+  A least-squares fit of log rates over a grid, the GIL time at most `most` (the CPU per
+  image outside decode); among equally good fits the largest GIL time (a curve that never
+  levels off only bounds it from above).
+  """
+  threads = np.array([r["threads"] for r in curve], float)
+  rates = np.array([r["img_s"] for r in curve], float)
+  per_thread = (rates / threads).max()
+  top = min(1e6 / rates.max(), most)
+  gil = np.geomspace(top, top / 8, 400)[:, None, None]
+  handoff = np.linspace(0.0, 0.3, 301)[None, :, None]
+  model = np.minimum(threads * per_thread, 1e6 / (gil * (1 + handoff * (threads - 1))))
+  err = (np.log(model / rates) ** 2).sum(axis=2)
+  good = np.argwhere(err <= err.min() * (1 + 1e-6) + 1e-12)
+  i, j = min(good, key=lambda ij: (ij[0], ij[1]))  # largest GIL time, then least hand-off
+  return float(gil[i, 0, 0]), float(handoff[0, j, 0])
+
+
+def resize_share(spec: dict, sample: int = 64) -> float:
+  """Resize's share of decode + resize per image, each timed alone on one thread through
+  the library's functions (the loader's native path does the same work)."""
+  meta = manifest_lib.load(spec["data_dir"])
+  split = meta.splits[spec["split"]]
+  source = ShardedSource(
+    meta.shard_paths(spec["data_dir"], spec["split"]), [s.num_records for s in split.shards]
+  )
+  head = augment.Head(image_size=spec["image_size"])
+  out = np.empty((head.image_size, head.image_size, 3), np.uint8)
+  decoding = resizing = 0.0
+  n = min(sample, len(source))
+  for index, rec in enumerate(source.read(list(range(n)))):
+    data = records.parse(rec, meta.keys)[0]
+    box = head.box(*decode.image_size(data), augment.example_key(0, 0, index))
+    t0 = time.process_time()
+    window = decode.decode_crop(data, box, head.dct_scale(box))
+    t1 = time.process_time()
+    augment.resize(window, head.image_size, out)
+    resizing += time.process_time() - t1
+    decoding += t1 - t0
+  return resizing / max(decoding + resizing, 1e-9)
+
+
+def measure_costs(spec: dict, threads: list[int], workers: int, worker_threads: int) -> dict:
+  """Steps 1-4 of the module docstring: the figures and the model's costs."""
+  real, alone, with_workers = measure_in_child(
+    spec, [(1, 0), (worker_threads, 0), (worker_threads, workers)], None
+  )
+  rest = measure_in_child(spec, [(1, 0)], (0.0, 0.0))[0]
+  cpu, rest_cpu = real["cpu_us"], rest["cpu_us"]
+  free = max(cpu - rest_cpu, 0.0)
+  honoured = rest_cpu < 0.8 * cpu  # decode and resize are most of an image's CPU
+  if not honoured:
+    print(
+      f"warning: the loader ignores {EMULATE} (CPU per image {rest_cpu:.0f} us with it, "
+      f"{cpu:.0f} us without): the curve below is the real decode's, bound by this "
+      "machine's cores, not the GIL",
+      file=sys.stderr,
+    )
+  share = resize_share(spec)
+  waits = (free * (1 - share), free * share)
+  measured = measure_in_child(spec, [(t, 0) for t in threads], waits)
+  gil, handoff = fit_gil(measured, min(r["cpu_us"] for r in measured))
+  best = max(measured, key=lambda r: r["img_s"])
+  costs = parallelism.Costs(
+    cpu_us=cpu,
+    gil_us=gil,
+    handoff=handoff,
+    send_us=max(with_workers["workers_cpu_us"] - alone["cpu_us"], 0.0),
+    receive_us=with_workers["user_us"],
+    receive_free_us=with_workers["system_us"],
+    worker_mb=with_workers["rss_mb_per_worker"],
+  )
+  return {
+    "process_ceiling_img_s": best["img_s"],
+    "process_ceiling_threads": best["threads"],
+    "gil_held_us_per_image": round(gil, 1),
+    "handoff_per_thread": round(handoff, 4),
+    "cpu_us_per_image": round(cpu, 1),
+    "decode_us_per_image": round(free, 1),
+    "resize_share": round(share, 3),
+    "rest_cpu_us_per_image": round(rest_cpu, 1),
+    "emulation_honoured": honoured,
+    "one_thread_img_s": real["img_s"],
+    "first_batch_s": real["first_batch_s"],
+    "threads": measured,
+    "workers": {
+      "workers": workers,
+      "threads": worker_threads,
+      "first_batch_s": with_workers["first_batch_s"],
+      "first_batch_s_without": alone["first_batch_s"],
+      "send_us_per_image": round(costs.send_us, 1),
+      "receive_us_per_image": round(costs.receive_us, 1),
+      "receive_free_us_per_image": round(costs.receive_free_us, 1),
+      "rss_mb_per_worker": costs.worker_mb,
+    },
+    "costs": dataclasses.asdict(costs),
+  }
+
+
+def hosts(
+  costs: parallelism.Costs, cores: list[int], batch: int, host_batches: list[int], image_size: int
+) -> list[dict]:
+  """The auto plan and its projected img/s for each core count and per-process batch size;
+  beside it, one process at its best thread count (the most a single process can do). The
+  main process's Python per received batch (`receive_us`, measured at `batch`) spreads
+  over the host's batch; every other cost is per image."""
+  out = []
+  for host_batch in host_batches:
+    host = parallelism.at_batch(costs, host_batch, batch)
+    for c in cores:
+      chosen = parallelism.plan(
+        c, batch_size=host_batch, image_bytes=image_size**2 * 3, costs=costs, memory_bytes=c * 2**30
+      )
+      one = max(parallelism.project(c, host, parallelism.Plan(0, t)) for t in range(1, c + 1))
+      out.append(
+        {
+          "cores": c,
+          "batch": host_batch,
+          "workers": chosen.workers,
+          "threads": chosen.threads,
+          "projected_img_s": round(parallelism.project(c, host, chosen)),
+          "bound_by": parallelism.bound(c, host, chosen),
+          "one_process_img_s": round(one),
+        }
+      )
+  return out
+
+
+def table(result: dict) -> str:
+  w = result["workers"]
+  lines = [
+    f"Per image: {result['cpu_us_per_image']:.0f} us of CPU, of which decode and resize "
+    f"{result['decode_us_per_image']:.0f} us (GIL released; resize "
+    f"{result['resize_share']:.0%} of it) and the rest "
+    f"{result['rest_cpu_us_per_image']:.0f} us; the model's GIL-held time "
+    f"{result['gil_held_us_per_image']:.0f} us, +{result['handoff_per_thread']:.1%} per "
+    "extra thread.",
+    "",
+    "| decode threads (emulated decode) | img/s | CPU us per image |",
+    "|---:|---:|---:|",
+  ]
+  lines += [f"| {r['threads']} | {r['img_s']:.0f} | {r['cpu_us']:.0f} |" for r in result["threads"]]
+  lines += [
+    "",
+    f"One process's ceiling: **{result['process_ceiling_img_s']:.0f} img/s** at "
+    f"{result['process_ceiling_threads']} threads. With {w['workers']} worker processes "
+    f"x {w['threads']} threads: first batch {w['first_batch_s']:.2f} s (no workers: "
+    f"{w['first_batch_s_without']:.2f} s), {w['rss_mb_per_worker']:.0f} MB RSS per worker; "
+    f"per image, {w['send_us_per_image']:.0f} us more CPU in the worker (writing fresh "
+    f"shared memory) and, in the main process, {w['receive_us_per_image']:.0f} us of "
+    f"Python + {w['receive_free_us_per_image']:.0f} us in the kernel (mapping pages).",
+    "",
+    "| host cores | batch per process | workers x threads | projected img/s | bound by | "
+    "one process at best |",
+    "|---:|---:|---|---:|---|---:|",
+  ]
+  lines += [
+    f"| {h['cores']} | {h['batch']} | {h['workers']} x {h['threads']} | "
+    f"{h['projected_img_s']:,} | {h['bound_by']} | {h['one_process_img_s']:,} |"
+    for h in result["hosts"]
+  ]
+  return "\n".join(lines)
+
+
+def _fail(message: str, code: int = 2):
+  print(f"error: {message}", file=sys.stderr)
+  sys.exit(code)
+
+
+def _ints(text: str) -> list[int]:
+  values = [int(x) for x in text.split(",") if x.strip()]
+  if not values or min(values) < 1:
+    raise ValueError
+  return values
+
+
+def parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(
+    prog="python -m pipeline.bench scaling",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument("data_dir", nargs="?", help="a converted dataset (manifest.json + shards)")
+  p.add_argument("--split", default="train")
+  p.add_argument("--batch-size", type=int, default=128)
+  p.add_argument("--image-size", type=int, default=224)
+  p.add_argument("--seconds", type=float, default=3.0, help="steady-state seconds per run")
+  p.add_argument("--threads", default="1,2,4,8,16,32", help="thread counts of the ceiling")
+  p.add_argument("--workers", type=int, default=2, help="worker processes of step 4")
+  p.add_argument("--worker-threads", type=int, default=2, help="their decode threads")
+  p.add_argument(
+    "--cores",
+    default="2,8,24,96,112,224",
+    help="host core counts to project (TPU v5e VMs: 24, 112, 224)",
+  )
+  p.add_argument(
+    "--host-batch",
+    default="",
+    help="per-process batch sizes to project, e.g. 128,1024 (default: "
+    "--batch-size); the main process's Python per batch spreads over it",
+  )
+  p.add_argument("--json", help="write the figures to this file")
+  p.add_argument("--child", help=argparse.SUPPRESS)
+  return p
+
+
+def main(argv: list[str]) -> dict:
+  p = parser()
+  args = p.parse_args(argv)
+  if args.child:
+    spec = json.loads(args.child)
+    print(json.dumps([run_one(spec, t, w) for t, w in spec["runs"]]))
+    return {}
+  if not args.data_dir:
+    p.error("give DATA_DIR, a converted dataset")
+  try:
+    threads, cores = _ints(args.threads), _ints(args.cores)
+    host_batches = _ints(args.host_batch) if args.host_batch else [args.batch_size]
+  except ValueError:
+    p.error(
+      "--threads, --cores and --host-batch take comma-separated positive integers, e.g. 96,224"
+    )
+  if args.workers < 1 or args.worker_threads < 1 or args.batch_size < 1 or args.seconds <= 0:
+    p.error("--workers, --worker-threads, --batch-size and --seconds must be positive")
+  try:
+    meta = manifest_lib.load(args.data_dir)
+  except (OSError, ValueError) as e:
+    _fail(str(e))
+  if args.split not in meta.splits:
+    _fail(f"{args.data_dir} has no split {args.split!r} (has: {sorted(meta.splits)})")
+  spec = {
+    "data_dir": args.data_dir,
+    "split": args.split,
+    "batch_size": args.batch_size,
+    "image_size": args.image_size,
+    "seconds": args.seconds,
+    "min_batches": 3,
+  }
+  try:
+    result = measure_costs(spec, threads, args.workers, args.worker_threads)
+  except RuntimeError as e:
+    _fail(str(e), code=1)
+  costs = parallelism.Costs(**result["costs"])
+  result["hosts"] = hosts(costs, cores, args.batch_size, host_batches, args.image_size)
+  result.update(
+    machine=measure.machine(), command="python -m pipeline.bench scaling " + " ".join(argv)
+  )
+  print(table(result))
+  if args.json:
+    measure.write_json(args.json, result)
+  return result
+
+
+if __name__ == "__main__":
+  main(sys.argv[1:])

@@ -1,0 +1,145 @@
+"""`pipeline.input`: the common case in one call, a split fed to the devices, with its sizes.
+
+    train = pipeline.input("data/imagenet", "train", global_batch_size=1024)
+    for step, batch in zip(range(train.steps_per_epoch * 90), train): ...
+
+It divides the global batch over the processes, builds `make_dataset` + `device_prefetch`
+and returns an `Input`: a Grain iterator (checkpoint it with
+`grain.checkpoint.CheckpointSave(train)`) that knows `num_examples`, `steps_per_epoch`,
+`num_classes` and `classes`. A finite stream (eval) starts a new pass after each one ends.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Literal
+
+import grain
+import jax
+from etils import epath
+
+from pipeline import dataset, device
+from pipeline import manifest as manifest_lib
+
+
+def input(
+    data_dir,
+    split: str = "train",
+    *,
+    global_batch_size: int,
+    mesh: jax.sharding.Mesh | None = None,
+    train: bool | None = None,
+    layout: Literal["global", "pmap"] = "global",
+    normalize: device.Normalize = None,
+    dtype: Any = None,
+    data_axis: str = "data",
+    depth: int = 2,
+    **make_dataset_keywords,
+) -> Input:
+  """`split` of the converted dataset in `data_dir` as batches of device arrays.
+
+  Args:
+    global_batch_size: examples per step over all processes; each process reads its share.
+    mesh, data_axis, layout, depth: where batches go (see `device_prefetch`); default mesh:
+      every device on one "data" axis. layout="pmap": [devices, rows per device, ...].
+    train: default: the split's name starts with "train". Train streams shuffle, augment
+      and repeat, in full batches of "image" and "label"; eval streams are one ordered pass,
+      the last batch padded, with a "mask" (1 real, 0 pad) in every batch.
+    normalize, dtype: on the device, `image` becomes (pixels - mean) / std as `dtype`
+      ("minus_one_one", "zero_one", "imagenet" or (mean, std) in pixel units); default:
+      uint8 as stored.
+    **make_dataset_keywords: the rest of `make_dataset`'s keywords (seed, image_size,
+      augment, performance, ...), except batch_size, which this derives.
+  """
+  if "batch_size" in make_dataset_keywords:
+    raise TypeError("pipeline.input takes global_batch_size=; the per-process batch_size is "
+                    "derived from it")
+  if not isinstance(global_batch_size, int) or global_batch_size < 1:
+    raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
+  train = split.startswith("train") if train is None else train
+  where = device.make_layout(mesh, data_axis, layout)
+  shard_index, shard_count = where.shard
+  if global_batch_size % shard_count:
+    raise ValueError(f"global_batch_size {global_batch_size} does not divide over the "
+                     f"{shard_count} processes that feed the data axis: make it a multiple "
+                     f"of {shard_count}")
+  batch_size = global_batch_size // shard_count
+  where.check(batch_size)
+  keywords = {"shard_index": shard_index, "shard_count": shard_count, **make_dataset_keywords}
+  drop = keywords.get("drop_remainder")
+  drop = train if drop is None else drop
+  meta = manifest_lib.load(epath.Path(data_dir))
+  host = dataset.make_dataset(data_dir, split, batch_size=batch_size, train=train, **keywords)
+  # Streams that drop their remainder only ever hold full batches: no mask to add.
+  fed = device.device_prefetch(host, mesh, data_axis=data_axis, depth=depth,
+                               remainder="drop" if drop else "pad", normalize=normalize,
+                               dtype=dtype, batch_size=batch_size, layout=layout)
+  num_examples = meta.splits[split].num_records
+  per_process = (num_examples // keywords["shard_count"] if train
+                 else math.ceil(num_examples / keywords["shard_count"]))
+  steps = per_process // batch_size if drop else math.ceil(per_process / batch_size)
+  return Input(fed, num_examples=num_examples, steps_per_epoch=steps, classes=meta.classes,
+               global_batch_size=global_batch_size, batch_size=batch_size, train=train)
+
+
+class Input(grain.DatasetIterator):
+  """Device batches of one split, with the sizes a training loop needs.
+
+  A Grain `DatasetIterator`: `get_state`/`set_state` (and Orbax through
+  `grain.checkpoint.CheckpointSave/CheckpointRestore`) save and resume the position. When
+  a finite pass ends (StopIteration), the next `next()` or `for` loop starts a new pass;
+  `reset()` starts one at once. `dataset` is the underlying `grain.IterDataset`.
+  """
+
+  def __init__(self, dataset: grain.IterDataset, *, num_examples: int, steps_per_epoch: int,
+               classes: list[str], global_batch_size: int, batch_size: int, train: bool):
+    super().__init__()
+    self.dataset = dataset
+    self.num_examples = num_examples
+    self.steps_per_epoch = steps_per_epoch
+    self.classes = list(classes)
+    self.global_batch_size = global_batch_size
+    self.batch_size = batch_size
+    self.train = train
+    self._it: grain.DatasetIterator | None = None
+
+  @property
+  def num_classes(self) -> int:
+    return len(self.classes)
+
+  def _live(self) -> grain.DatasetIterator:
+    self._assert_not_closed()
+    if self._it is None:
+      self._it = self.dataset.__iter__()
+    return self._it
+
+  def __next__(self) -> dict:
+    it = self._live()
+    try:
+      return next(it)
+    except StopIteration:
+      self.reset()
+      raise
+
+  def reset(self) -> None:
+    """Drops the current pass; the next batch is the first of a new one."""
+    if self._it is not None:
+      self._it.close()
+      self._it = None
+
+  def get_state(self) -> dict[str, Any]:
+    return self._live().get_state()
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    self._live().set_state(state)
+
+  def start_prefetch(self) -> None:
+    self._live().start_prefetch()
+
+  def close(self) -> None:
+    self.reset()
+    self._closed = True
+
+  def __str__(self) -> str:
+    return (f"Input({self.num_examples} examples, global batch {self.global_batch_size}, "
+            f"{'train' if self.train else 'eval'})")

@@ -1,0 +1,209 @@
+"""How many worker processes and decode threads per process a host should run, and why.
+
+One process's decode threads scale until the per-image work that holds the GIL fills one
+core: past that, more threads only add GIL hand-offs. A many-core host therefore runs Grain
+worker processes (`mp_prefetch`) with a few threads each, and the main process only
+receives their batches. A small model turns measured per-image costs into the images/s
+each resource allows (per image, in microseconds; T threads per process, W workers, C cores):
+
+    threads   max(W, 1) * T / (cpu + wait [+ send])   each thread decodes its images in turn
+    gil       max(W, 1) / (gil * handoff(T))          handoff(T) = 1 + handoff * (T - 1)
+    cores     C / (cpu [+ send + receive + receive_free])
+    receive   1 / receive                             the main process receives every batch
+
+([...]: with W > 0 workers, whose threads write each batch straight into fresh shared
+memory, and whose main process's Python receives it.)
+
+`project` is the smallest, `plan` the fewest processes (then threads) within 3% of the best
+plan for the host, and `python -m pipeline.bench scaling` measures the costs below. Memory:
+a worker takes ~300 MB (imports) plus its batches (prefetch + 4; ~115 MB at batch 128 of
+224 px images), and the workers together at most half the available memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+  """Per-image costs in microseconds (a 224 px train image, batch 128) and a worker's RSS."""
+
+  cpu_us: float  # all CPU of one image in the process that decodes it (one thread)
+  gil_us: float  # of which holding the GIL (read, parse, crop box, RNG, Python, Grain)
+  handoff: float  # extra GIL time per image for each thread beyond the first
+  send_us: float  # a worker's extra CPU per image (writing into fresh shared memory)
+  receive_us: float  # the main process's GIL-held CPU receiving it
+  receive_free_us: float  # and its GIL-free CPU (the kernel mapping, unmapping the pages)
+  worker_mb: float  # a worker's RSS before its batches (imports incl. jax, Grain)
+  wait_us: float = 0.0  # off-CPU time of a thread per image (slow storage); 0 on local disk
+
+
+# Measured with `python -m pipeline.bench scaling data/photos` (802 photos ~450x400, batch
+# 128, 224 px, train; 2 shared vCPUs); two runs, the constants their mean:
+#   cpu_us 1085 / 950: the process's CPU per image on one thread;
+#   gil_us 92 / 92, handoff 0.021 / 0.001: fitted to img/s at 1-32 threads with decode and
+#     resize replaced by GIL-free waits (one process's ceiling: 8,219 / 10,816 img/s);
+#   send_us 75 / 198: a worker's CPU per image beyond the same work in one process;
+#   receive_us 23 / 11, receive_free_us 28 / 43: the main process's user / system CPU per
+#     image with 2 workers;
+#   worker_mb: a worker's RSS under `python -m train` with batch 8 at 64 px (280 MB; Grain
+#     imports jax); at batch 128 of 224 px, 343 / 350 MB.
+COSTS = Costs(
+  cpu_us=1020.0,
+  gil_us=92.0,
+  handoff=0.011,
+  send_us=137.0,
+  receive_us=17.0,
+  receive_free_us=36.0,
+  worker_mb=300.0,
+)
+COSTS_BATCH = 128  # the batch size COSTS were measured at
+WORKER_BATCHES = 4  # batches a worker holds beyond its prefetch (measured: 5.7 at prefetch 2)
+MEMORY_SHARE = 0.5  # of the available memory the workers may take
+NEAR_BEST = 0.97  # a plan this close to the best rate counts as the best
+SMALL_HOST = 2  # cores up to which no workers are chosen: their start-up and memory never pay
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """Grain worker processes (0: decode in this process) and decode threads per process."""
+
+  workers: int
+  threads: int
+  why: str = ""
+
+  def describe(self) -> str:
+    where = (
+      f"{self.workers} worker processes x {self.threads} decode threads"
+      if self.workers
+      else f"no worker processes, {self.threads} decode threads"
+    )
+    return f"{where} ({self.why})" if self.why else where
+
+
+def available_cores() -> int:
+  """The cores this process may run on."""
+  return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+
+
+def available_memory() -> int:
+  """Bytes of memory available to new processes: MemAvailable (free plus reclaimable page
+  cache), or free pages where /proc/meminfo is missing."""
+  try:
+    with open("/proc/meminfo") as f:
+      for line in f:
+        if line.startswith("MemAvailable:"):
+          return int(line.split()[1]) * 1024
+  except OSError:
+    pass
+  return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def handoff_factor(threads: int, handoff: float) -> float:
+  return 1.0 + handoff * max(0, threads - 1)
+
+
+def limits(cores: int, costs: Costs, plan: Plan) -> dict[str, float]:
+  """Images/s each resource allows a host of `cores` cores running `plan` (see above)."""
+  w, t = plan.workers, plan.threads
+  processes = max(w, 1)
+  send = costs.send_us if w else 0.0
+  cpu = costs.cpu_us + send + (costs.receive_us + costs.receive_free_us if w else 0.0)
+  out = {
+    "threads": processes * t * 1e6 / (costs.cpu_us + costs.wait_us + send),
+    "gil": processes * 1e6 / (costs.gil_us * handoff_factor(t, costs.handoff)),
+    "cores": cores * 1e6 / cpu,
+  }
+  if w:
+    out["receive"] = 1e6 / max(costs.receive_us, 1e-3)
+  return out
+
+
+def project(cores: int, costs: Costs, plan: Plan) -> float:
+  """The images/s a host of `cores` cores delivers with `plan`: the smallest limit."""
+  return min(limits(cores, costs, plan).values())
+
+
+def bound(cores: int, costs: Costs, plan: Plan) -> str:
+  """The resource that sets `project`'s rate."""
+  lim = limits(cores, costs, plan)
+  return min(lim, key=lim.get)
+
+
+def at_batch(costs: Costs, batch_size: int, measured_at: int = COSTS_BATCH) -> Costs:
+  """`costs` for batches of `batch_size`: the main process's Python per received batch
+  (`receive_us`, measured at batches of `measured_at`) spreads over its images."""
+  return dataclasses.replace(costs, receive_us=costs.receive_us * measured_at / batch_size)
+
+
+def plan(
+  cores: int | None = None,
+  *,
+  num_workers: int | None = None,
+  num_threads: int | None = None,
+  batch_size: int = COSTS_BATCH,
+  image_bytes: int = 0,
+  prefetch: int = 2,
+  costs: Costs = COSTS,
+  memory_bytes: int | None = None,
+) -> Plan:
+  """Worker processes x decode threads for a host of `cores` cores (default: this one's),
+  batches of `batch_size` images of `image_bytes` each.
+
+  Settings you give (`num_workers`, `num_threads`) are kept; the others are chosen by
+  `project`. Memory budget: each worker takes `costs.worker_mb` plus `prefetch +
+  WORKER_BATCHES` batches, and the workers together at most half of `memory_bytes`
+  (default: the memory available now); threads never outnumber the cores. Up to
+  SMALL_HOST cores it is the fast path whatever the costs: no workers, one thread per core.
+  """
+  cores = cores or available_cores()
+  if num_workers is not None and num_threads is not None:
+    return Plan(num_workers, num_threads, "set by you")
+  costs = at_batch(costs, batch_size)
+  batch_bytes = batch_size * image_bytes
+  memory = available_memory() if memory_bytes is None else memory_bytes
+  per_worker = costs.worker_mb * 2**20 + (prefetch + WORKER_BATCHES) * batch_bytes
+  memory_cap = int(MEMORY_SHARE * memory // per_worker)
+  max_workers = 0 if cores <= SMALL_HOST else min(cores, memory_cap)
+  workers = [num_workers] if num_workers is not None else range(max_workers + 1)
+  candidates = []
+  for w in workers:
+    top = cores if w == 0 else max(1, cores // w)
+    for t in [num_threads] if num_threads is not None else range(1, top + 1):
+      candidates.append((project(cores, costs, Plan(w, t)), w, t))
+  best = max(rate for rate, _, _ in candidates)
+  rate, w, t = min((c for c in candidates if c[0] >= NEAR_BEST * best), key=lambda c: c[1:])
+  given = (
+    " (num_workers set by you)"
+    if num_workers is not None
+    else " (num_threads set by you)"
+    if num_threads is not None
+    else ""
+  )
+  memory_note = (
+    f", memory for at most {memory_cap} workers"
+    if num_workers is None and cores > SMALL_HOST and w == memory_cap < cores
+    else ""
+  )
+  why = (
+    f"auto for {cores} cores{given}: projected {rate:,.0f} img/s, bound by "
+    f"{bound(cores, costs, Plan(w, t))}{memory_note}"
+  )
+  return Plan(w, t, why)
+
+
+_announced: set[Plan] = set()
+
+
+def announce(chosen: Plan) -> None:
+  """Prints the plan once per process (make_dataset calls this for every dataset)."""
+  if chosen not in _announced:
+    _announced.add(chosen)
+    print(
+      f"pipeline: {chosen.describe()}; override with performance.num_workers / num_threads",
+      file=sys.stderr,
+      flush=True,
+    )

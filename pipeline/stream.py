@@ -1,0 +1,106 @@
+"""The outermost iterator of `make_dataset`: a state you can trust, and the skip count.
+
+A state is a batch position in one process's stream: restored with another shard_count,
+shard_index, seed or batch size it would silently read other records, so states are tagged
+with the stream they index and a state of another stream is refused. A state that went
+through a pytree checkpoint comes back with 0-d numpy arrays for its integers (which Grain
+accepts and then mis-counts), so states are normalized to plain Python values and checked
+against the shape of this iterator's own state before Grain sees them. The number of records
+skipped under `on_error="skip"` travels with each batch (also out of worker processes) and is
+summed here: `iterator.skipped`, and `get_state()["skipped"]`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import grain
+import numpy as np
+
+from pipeline.loader import SKIPPED_KEY
+
+
+class StateError(ValueError):
+  """An iterator state that does not belong to this dataset."""
+
+
+class StreamIterDataset(grain.IterDataset):
+  """Passes batches through; tags, validates and restores iterator states."""
+
+  def __init__(self, parent: grain.IterDataset, stream: dict):
+    super().__init__(parent)
+    self._stream = stream
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return StreamIterator(self._parent.__iter__(), self._stream)
+
+  def __str__(self) -> str:
+    return "StreamIterDataset"
+
+
+class StreamIterator(grain.DatasetIterator):
+
+  def __init__(self, parent: grain.DatasetIterator, stream: dict):
+    super().__init__(parent)
+    self._stream = stream
+    self.skipped = 0
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    batch = next(self._parent)
+    self.skipped += int(batch.pop(SKIPPED_KEY))
+    return batch
+
+  def get_state(self) -> dict:
+    return {**self._parent.get_state(), "stream": self._stream, "skipped": self.skipped}
+
+  def set_state(self, state: dict) -> None:
+    state = plain(state)
+    if not isinstance(state, dict):
+      raise StateError(f"an iterator state is a dict, not {type(state).__name__}")
+    saved = state.get("stream", self._stream)  # states saved before streams were tagged
+    if saved != self._stream:
+      diff = ", ".join(f"{k} {saved.get(k)} in the state, {v} here"
+                       for k, v in self._stream.items() if saved.get(k) != v)
+      raise StateError(f"iterator state of another stream ({diff or saved}): resume with the "
+                       "same shard_index/shard_count, seed, batch_size and dataset")
+    skipped = state.get("skipped", 0)
+    if not isinstance(skipped, int) or skipped < 0:
+      raise StateError(f"iterator state: 'skipped' must be a count, got {skipped!r}")
+    inner = {k: v for k, v in state.items() if k not in ("stream", "skipped")}
+    _check_like(inner, self._parent.get_state(), "state")
+    self._parent.set_state(inner)
+    self.skipped = skipped
+
+
+def plain(value: Any) -> Any:
+  """`value` with numpy scalars and 0-d arrays as Python values, arrays as lists."""
+  if isinstance(value, dict):
+    return {plain(k): plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [plain(v) for v in value]
+  if isinstance(value, (np.ndarray, np.generic)):
+    return plain(value.tolist())
+  return value
+
+
+def _check_like(value: Any, template: Any, where: str) -> None:
+  """Raises StateError unless `value` has the keys and value kinds of `template`."""
+  if isinstance(template, dict):
+    if not isinstance(value, dict):
+      raise StateError(f"iterator {where} must be a dict, got {value!r:.80}")
+    if template and set(value) != set(template):
+      raise StateError(f"iterator {where} has keys {sorted(map(str, value))}, this dataset's "
+                       f"states have {sorted(map(str, template))}")
+    for k in value:
+      _check_like(value[k], template.get(k, value[k]), f"{where}[{k!r}]")
+  elif isinstance(template, list):
+    if not isinstance(value, list):
+      raise StateError(f"iterator {where} must be a list, got {value!r:.80}")
+    for k, v in enumerate(value):
+      _check_like(v, template[k] if k < len(template) else v, f"{where}[{k}]")
+  elif isinstance(template, bool) or isinstance(value, bool):
+    if type(value) is not type(template):
+      raise StateError(f"iterator {where} must be {type(template).__name__}, got {value!r}")
+  elif isinstance(template, int):
+    if not isinstance(value, int) or value < 0:
+      raise StateError(f"iterator {where} must be a non-negative integer, got {value!r:.80}")

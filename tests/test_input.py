@@ -1,0 +1,140 @@
+"""pipeline.input: one call from a converted dataset to device batches, with its sizes."""
+
+import os
+import pathlib
+import socket
+import subprocess
+import sys
+
+import grain
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+import pipeline
+
+try:  # Must precede the first JAX operation of the pytest process (see test_device.py).
+  jax.config.update("jax_num_cpu_devices", 8)
+except RuntimeError:
+  pass
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+P = jax.sharding.PartitionSpec
+FAST = {"image_size": 16, "performance": {"num_threads": 2}}
+
+
+@pytest.fixture(autouse=True)
+def eight_devices():
+  if jax.device_count() != 8:
+    pytest.fail("test_input needs 8 CPU devices: set "
+                "XLA_FLAGS=--xla_force_host_platform_device_count=8.")
+
+
+def test_train_input_knows_its_sizes_and_feeds_global_batches(digits_dir):
+  train = pipeline.input(digits_dir, "train", global_batch_size=16, **FAST)
+  assert (train.num_examples, train.steps_per_epoch, train.num_classes) == (240, 15, 10)
+  assert train.classes == [str(d) for d in range(10)] and train.train
+  batch = next(train)
+  assert batch["image"].shape == (16, 16, 16, 3) and batch["image"].dtype == np.uint8
+  assert batch["image"].sharding.spec == P("data") and batch["label"].shape == (16,)
+  assert set(batch) == {"image", "label"}  # full batches need no mask
+  assert isinstance(train, grain.DatasetIterator) and iter(train) is train
+  train.close()
+
+
+def test_each_eval_pass_counts_every_example_once_and_the_next_loop_starts_another(digits_dir):
+  val = pipeline.input(digits_dir, "validation", global_batch_size=16, **FAST)
+  assert not val.train and val.steps_per_epoch == 4  # 60 examples, the last batch padded
+  passes = []
+  for _ in range(2):
+    labels = [np.asarray(b["label"])[np.asarray(b["mask"])] for b in val]
+    passes.append(np.concatenate(labels))
+  assert len(passes[0]) == 60 and passes[0].tolist() == passes[1].tolist()
+  next(val)
+  val.reset()  # a pass abandoned half-way: reset starts over
+  assert len(list(val)) == 4
+  val.close()
+
+
+def test_normalization_and_dtype_happen_on_device(digits_dir):
+  raw = pipeline.input(digits_dir, "validation", global_batch_size=8, **FAST)
+  norm = pipeline.input(digits_dir, "validation", global_batch_size=8, normalize="imagenet",
+                        dtype="bfloat16", **FAST)
+  pixels, image = np.asarray(next(raw)["image"], np.float32), next(norm)["image"]
+  assert image.dtype == "bfloat16" and image.sharding.spec == P("data")
+  mean, std = np.array([0.485, 0.456, 0.406]) * 255, np.array([0.229, 0.224, 0.225]) * 255
+  np.testing.assert_allclose(np.asarray(image, np.float32), (pixels - mean) / std, atol=0.03)
+  raw.close()
+  norm.close()
+
+
+def test_pmap_layout_gives_each_local_device_its_rows(digits_dir):
+  train = pipeline.input(digits_dir, "train", global_batch_size=16, layout="pmap",
+                         normalize="minus_one_one", **FAST)
+  batch = next(train)
+  assert batch["image"].shape == (8, 2, 16, 16, 3) and batch["label"].shape == (8, 2)
+  means = jax.pmap(lambda x: jax.lax.pmean(x.mean(), "d"), axis_name="d")(batch["image"])
+  np.testing.assert_allclose(np.asarray(means), np.asarray(batch["image"]).mean(), rtol=1e-4)
+  train.close()
+
+
+def test_a_batch_that_cannot_split_is_refused_before_reading(digits_dir):
+  with pytest.raises(ValueError, match="multiple of 8"):
+    pipeline.input(digits_dir, "train", global_batch_size=12, **FAST)
+  with pytest.raises(TypeError, match="takes global_batch_size="):
+    pipeline.input(digits_dir, "train", global_batch_size=16, batch_size=2)
+
+
+def test_orbax_saves_the_iterator_beside_the_model_state_and_resumes_it(digits_dir, tmp_path):
+  train = pipeline.input(digits_dir, "train", global_batch_size=16, seed=3, **FAST)
+  state = {"w": np.zeros(3, np.float32)}
+  manager = ocp.CheckpointManager(tmp_path / "ckpt")
+  for _ in range(2):
+    next(train)
+    state = {"w": state["w"] + 1}
+  manager.save(2, args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train)))
+  manager.wait_until_finished()
+  expected = [np.asarray(next(train)["label"]) for _ in range(3)]  # steps 3, 4, 5
+  train.close()
+
+  resumed = pipeline.input(digits_dir, "train", global_batch_size=16, seed=3, **FAST)
+  restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(state), data=grain.checkpoint.CheckpointRestore(resumed)))
+  assert restored.state["w"].tolist() == [2, 2, 2]
+  np.testing.assert_array_equal([np.asarray(next(resumed)["label"]) for _ in range(3)],
+                                expected)
+  resumed.close()
+  manager.close()
+
+
+def free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_each_read_their_share_of_every_global_batch(digits_dir, tmp_path):
+  port = free_port()
+  procs = [subprocess.Popen(
+      [sys.executable, str(ROOT / "tests" / "multihost_input_worker.py"), f"--process_id={i}",
+       f"--port={port}", f"--data_dir={digits_dir}", f"--out={tmp_path / f'{i}.npz'}"],
+      cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
+      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  for p in procs:
+    out, _ = p.communicate(timeout=300)
+    assert p.returncode == 0, out[-3000:]
+  seen = [np.load(tmp_path / f"{i}.npz") for i in range(2)]
+  got = seen[0]
+  assert int(got["train_local_rows"]) == 8  # 16 over 2 processes
+  # The global batch is both processes' rows: 16 different examples.
+  assert len(set(got["train_image_sum"].tolist())) == 16
+  np.testing.assert_array_equal(got["train_label"], seen[1]["train_label"])
+  # Eval: 60 examples, 30 per process, each counted once: 4 steps of 16 (the last padded).
+  assert int(got["eval_steps"]) == 4 and int(got["eval_real"]) == 60
+  # pmap: [8 devices, 2 rows]; a psum over all devices of both processes.
+  assert tuple(got["pmap_shape"]) == (8, 2)
+  assert int(got["pmap_psum"]) == int(got["pmap_label"].sum())
+  np.testing.assert_array_equal(got["pmap_label"].reshape(-1), got["train_label"])
+  assert "does not divide over the 2 processes" in str(got["error"])

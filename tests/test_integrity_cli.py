@@ -1,0 +1,149 @@
+"""`python -m pipeline.convert`: every user error is one line (exit status 2 for usage
+errors), tracebacks only with --verbose; a progress bar only on a terminal."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import pathlib
+import pty
+import shutil
+import struct
+import subprocess
+import sys
+import termios
+
+import pytest
+
+from pipeline import manifest
+from pipeline.convert import __main__ as cli
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+CONVERT = [sys.executable, "-m", "pipeline.convert"]
+
+
+def main(capsys, *args) -> tuple[int, str, str]:
+  try:
+    code = cli.main([str(a) for a in args])
+  except SystemExit as e:
+    code = e.code
+  out, err = capsys.readouterr()
+  return code, out, err
+
+
+def one_line(text: str) -> str:
+  assert "Traceback" not in text
+  lines = text.strip().splitlines()
+  assert len(lines) == 1, text
+  return lines[0]
+
+
+@pytest.fixture
+def damaged(photos_dir, tmp_path) -> pathlib.Path:
+  data = shutil.copytree(photos_dir, tmp_path / "damaged")
+  text = (data / manifest.FILENAME).read_text()
+  (data / manifest.FILENAME).write_text(text[: len(text) // 2])
+  return data
+
+
+@pytest.mark.parametrize(
+  "args, message",
+  [
+    ([], "the following arguments are required: command"),
+    (["images"], "the following arguments are required: src, out"),
+    (["images", "{tmp}/nope", "{tmp}/out"], "image folder {tmp}/nope not found"),
+    (["images", "{photos}", "{tmp}/out", "--frobnicate"], "unrecognized arguments: --frobnicate"),
+    (["images", "{photos}", "{photos}"], "must not be the image folder"),
+    (["tfrecord", "{tmp}/nope-*", "{tmp}/out", "--num-classes", "3"], "no TFRecord files match"),
+    (["tfrecord", "{tmp}/x", "{tmp}/out", "--num-classes", "0"], "--num-classes: 0 is outside"),
+    (["tfrecord", "{tmp}/a_file", "{tmp}/out", "--classes", "{tmp}/none.txt"], "none.txt"),
+    (["tfds", "mnist", "{tmp}/out", "--data-dir", "{tmp}/nope"], "TFDS data dir {tmp}/nope"),
+    (["verify", "{tmp}/nope"], "{tmp}/nope/manifest.json not found"),
+    (["verify", "{photos}", "--workers", "-1"], "--workers: -1 is outside"),
+    (["builtin", "{tmp}/a_file"], "a_file"),
+  ],
+)
+def test_usage_errors_are_one_line_with_exit_status_2(photos_raw, tmp_path, capsys, args, message):
+  (tmp_path / "a_file").write_text("not a folder")
+  fill = {"tmp": tmp_path, "photos": photos_raw}
+  code, out, err = main(
+    capsys, *[a.format(**fill) for a in args], *(["--no-progress"] if args else [])
+  )
+  assert code == 2
+  assert message.format(**fill) in one_line(err)
+
+
+def test_verify_of_a_damaged_manifest_is_one_line_with_exit_status_1(damaged, capsys):
+  code, out, err = main(capsys, "verify", damaged, "--no-progress")
+  assert code == 1
+  assert f"{damaged / manifest.FILENAME} is not valid JSON" in one_line(out)
+
+
+def test_in_a_new_process_too_and_verbose_shows_the_traceback(tmp_path):
+  args = [*CONVERT, "images", str(tmp_path / "nope"), str(tmp_path / "out"), "--no-progress"]
+  plain = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  assert plain.returncode == 2
+  assert one_line(plain.stderr) == f"error: image folder {tmp_path / 'nope'} not found"
+  verbose = subprocess.run(
+    args + ["--verbose"], cwd=ROOT, capture_output=True, text=True, timeout=120
+  )
+  assert verbose.returncode != 0
+  assert "Traceback" in verbose.stderr and "FileNotFoundError" in verbose.stderr
+
+
+def test_progress_is_a_line_per_tenth_when_not_on_a_terminal(photos_raw, tmp_path):
+  result = subprocess.run(
+    [
+      *CONVERT,
+      "images",
+      str(photos_raw),
+      str(tmp_path / "out"),
+      "--shard-size-mb",
+      "0.2",
+      "--workers",
+      "1",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert result.returncode == 0, result.stderr
+  assert "\r" not in result.stderr
+  lines = result.stderr.strip().splitlines()
+  assert 2 <= len(lines) <= 10 and lines[-1] == "convert raw: 100% (64/64 files)", lines
+  assert all(line.startswith("convert raw: ") and "%" in line for line in lines)
+
+
+def test_progress_is_a_bar_on_a_terminal(photos_raw, tmp_path):
+  controller, terminal = pty.openpty()
+  fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # rows, cols
+  child = subprocess.Popen(
+    [
+      *CONVERT,
+      "images",
+      str(photos_raw),
+      str(tmp_path / "out"),
+      "--shard-size-mb",
+      "0.2",
+      "--workers",
+      "1",
+    ],
+    cwd=ROOT,
+    stdout=subprocess.DEVNULL,
+    stderr=terminal,
+  )
+  os.close(terminal)
+  shown = b""
+  while True:
+    try:
+      chunk = os.read(controller, 4096)
+    except OSError:  # the terminal closed: the process is done
+      break
+    if not chunk:
+      break
+    shown += chunk
+  os.close(controller)
+  assert child.wait(timeout=300) == 0
+  assert b"\r" in shown and b"64/64" in shown and b"100%|" in shown
+  assert b"(64/64 files)" not in shown  # no log lines on a terminal

@@ -1,0 +1,206 @@
+"""What a reader checks at open (`manifest.checked_shards`), what `manifest.load` refuses, and
+what `verify` reports instead of hanging or saying OK."""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from pipeline import manifest
+from pipeline.convert import verify
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def dataset(photos_dir, tmp_path) -> pathlib.Path:
+  """A private copy of the converted photos (train 48, validation 16), safe to damage."""
+  return shutil.copytree(photos_dir, tmp_path / "photos")
+
+
+def shard_of(data_dir, split="train", index=0) -> pathlib.Path:
+  return data_dir / manifest.load(data_dir).splits[split].shards[index].file
+
+
+def edit(data_dir, change) -> None:
+  d = json.loads((data_dir / manifest.FILENAME).read_text())
+  change(d)
+  (data_dir / manifest.FILENAME).write_text(json.dumps(d))
+
+
+def in_a_process(code: str, timeout: float = 120) -> subprocess.CompletedProcess:
+  """Runs `code` in a new process: a call that would block forever fails on the timeout."""
+  return subprocess.run(
+    [sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=timeout
+  )
+
+
+def test_a_good_dataset_passes_every_level(dataset):
+  m = manifest.load(dataset)
+  for level in ("none", "size", "sha256"):
+    paths = manifest.checked_shards(dataset, m, "train", verify=level)
+    assert [p.name for p in paths] == [s.file for s in m.splits["train"].shards]
+
+
+def test_a_missing_split_names_the_splits_there(dataset):
+  with pytest.raises(
+    manifest.ManifestError,
+    match=r"split 'test' not in .*manifest.json; "
+    r"it has \['train', 'validation'\]",
+  ):
+    manifest.checked_shards(dataset, manifest.load(dataset), "test")
+
+
+def test_a_missing_shard_is_named(dataset):
+  shard = shard_of(dataset)
+  shard.unlink()
+  with pytest.raises(manifest.ManifestError, match=f"shard {shard} is missing"):
+    manifest.checked_shards(dataset, manifest.load(dataset), "train")
+  assert manifest.checked_shards(dataset, manifest.load(dataset), "train", verify="none")
+
+
+def test_a_fifo_in_place_of_a_shard_is_refused_without_opening_it(dataset):
+  shard = shard_of(dataset)
+  shard.unlink()
+  os.mkfifo(shard)
+  result = in_a_process(
+    "from pipeline import manifest\n"
+    f"m = manifest.load({str(dataset)!r})\n"
+    "try:\n"
+    f"  manifest.checked_shards({str(dataset)!r}, m, 'train', verify='sha256')\n"
+    "except manifest.ManifestError as e:\n"
+    "  print(e)\n"
+  )
+  assert result.stdout.strip() == f"shard {shard} is not a regular file", result.stderr
+
+
+def test_a_shard_of_another_size_is_refused(dataset):
+  shard = shard_of(dataset)
+  with open(shard, "ab") as f:
+    f.write(b"\0")
+  with pytest.raises(manifest.ManifestError, match=f"shard {shard} has .* bytes, .* says"):
+    manifest.checked_shards(dataset, manifest.load(dataset), "train")
+
+
+def test_changed_bytes_of_the_same_size_are_caught_by_sha256_only(dataset):
+  shard = shard_of(dataset)
+  data = bytearray(shard.read_bytes())
+  data[len(data) // 2] ^= 0xFF
+  shard.write_bytes(bytes(data))
+  m = manifest.load(dataset)
+  assert manifest.checked_shards(dataset, m, "train", verify="size")  # cheap: same size
+  with pytest.raises(manifest.ManifestError, match=f"shard {shard} has sha256 .* says"):
+    manifest.checked_shards(dataset, m, "train", verify="sha256")
+
+
+@pytest.mark.parametrize("num_records", [40, 49])
+def test_a_split_count_that_is_not_its_shards_sum_is_refused(dataset, num_records):
+  edit(dataset, lambda d: d["splits"]["train"].update(num_records=num_records))
+  for level in ("none", "size"):
+    with pytest.raises(
+      manifest.ManifestError,
+      match=f"split 'train' says {num_records} records but its shards hold 48",
+    ):
+      manifest.checked_shards(dataset, manifest.load(dataset), "train", verify=level)
+
+
+def test_manifests_without_sizes_skip_the_size_check(dataset):
+  edit(dataset, lambda d: [s.pop("bytes") for s in d["splits"]["train"]["shards"]])
+  with open(shard_of(dataset), "ab") as f:
+    f.write(b"\0")
+  m = manifest.load(dataset)
+  assert all(s.bytes is None for s in m.splits["train"].shards)
+  assert manifest.checked_shards(dataset, m, "train")
+  with pytest.raises(manifest.ManifestError, match="sha256"):
+    manifest.checked_shards(dataset, m, "train", verify="sha256")
+
+
+def test_an_unknown_level_is_a_value_error(dataset):
+  with pytest.raises(ValueError, match="verify must be one of"):
+    manifest.checked_shards(dataset, manifest.load(dataset), "train", verify="full")
+
+
+def test_a_truncated_manifest_is_a_manifest_error_naming_the_file(dataset):
+  path = dataset / manifest.FILENAME
+  path.write_text(path.read_text()[:200])
+  with pytest.raises(manifest.ManifestError, match=f"{path} is not valid JSON"):
+    manifest.load(dataset)
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (lambda d: d.pop("splits"), "missing field 'splits'"),
+    (lambda d: d["splits"]["train"].update(num_records="48"), "field 'num_records' is '48'"),
+    (
+      lambda d: d["splits"]["train"]["shards"][0].update(file="../../etc/passwd"),
+      "not a file name in the dataset folder",
+    ),
+    (lambda d: d.update(keys={"picture": "x"}), "keys .* are not image/label/filename"),
+    (lambda d: d.update(format="grain-pipeline/9"), "format 'grain-pipeline/9' is not"),
+  ],
+)
+def test_an_invalid_manifest_is_a_manifest_error_naming_the_file(dataset, change, message):
+  edit(dataset, change)
+  with pytest.raises(manifest.ManifestError, match=message) as error:
+    manifest.load(dataset)
+  assert str(dataset / manifest.FILENAME) in str(error.value)
+  assert "\n" not in str(error.value)
+
+
+def test_a_fifo_in_place_of_the_manifest_is_refused(dataset):
+  (dataset / manifest.FILENAME).unlink()
+  os.mkfifo(dataset / manifest.FILENAME)
+  result = in_a_process(
+    "from pipeline import manifest\n"
+    "try:\n"
+    f"  manifest.load({str(dataset)!r})\n"
+    "except manifest.ManifestError as e:\n"
+    "  print(e)\n"
+  )
+  assert result.stdout.strip().endswith("manifest.json is not a regular file"), result.stderr
+
+
+def test_verify_reports_a_fifo_in_place_of_a_shard_and_does_not_hang(dataset):
+  shard = shard_of(dataset, "validation")
+  shard.unlink()
+  os.mkfifo(shard)
+  result = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "pipeline.convert",
+      "verify",
+      str(dataset),
+      "--no-progress",
+      "--workers",
+      "1",
+    ],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=120,
+  )
+  assert result.returncode == 1
+  assert f"{shard.name}: not a regular file" in result.stdout
+
+
+def test_verify_of_a_dataset_without_records_is_not_ok(dataset):
+  edit(dataset, lambda d: d.update(splits={"train": {"num_records": 0, "shards": []}}))
+  report = verify.verify(dataset, workers=1, progress=False)
+  assert not report.ok
+  assert report.problems == ["manifest: split train has no records"]
+
+
+def test_verify_checks_recorded_sizes(dataset):
+  edit(dataset, lambda d: d["splits"]["train"]["shards"][0].update(bytes=1))
+  problems = verify.verify(dataset, workers=1, progress=False).problems
+  assert problems == [
+    f"{shard_of(dataset).name}: {shard_of(dataset).stat().st_size} bytes, manifest says 1"
+  ]
