@@ -23,7 +23,8 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Data: `make data` builds the digits from scikit-learn's (no downloads).
-  c.input = ml_collections.ConfigDict(dict(
+  c.input = ml_collections.ConfigDict(
+    dict(
       data_dir=str(REPO / "data" / "digits"),
       split="train",
       image_size=32,
@@ -32,7 +33,8 @@ def get_config() -> ml_collections.ConfigDict:
       augment=options(pipeline.Augment, area_range=(0.5, 1.0), flip=False),
       # Decoded digits fit in RAM: decode once, crop per epoch. None: chosen for the host.
       performance=options(pipeline.Performance, prefetch=2, cache_mb=256.0),
-  ))
+    )
+  )
   c.eval_input = ml_collections.ConfigDict(dict(split="validation"))
   c.device_depth = 2  # batches already on the devices
 

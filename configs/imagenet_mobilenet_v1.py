@@ -16,14 +16,16 @@ from train.config import options
 
 def get_config():
   c = default.get_config()
-  c.input = ml_collections.ConfigDict(dict(
+  c.input = ml_collections.ConfigDict(
+    dict(
       data_dir="/data/imagenet",  # python -m pipeline.convert images .../train ...
       split="train",
       image_size=224,
       on_error="raise",
       augment=options(pipeline.Augment),  # Inception crop (8-100% of the area), flip
       performance=options(pipeline.Performance),
-  ))
+    )
+  )
   c.eval_input = ml_collections.ConfigDict(dict(split="validation"))
   c.model = "mobilenet_v1"
   c.alpha = 1.0

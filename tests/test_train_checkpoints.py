@@ -13,13 +13,19 @@ import pytest
 
 from tests.test_train import ROOT, env, summary, train_cmd, wait_for
 
-STEPS = ["--config.num_steps=6", "--config.checkpoint_every_steps=2",
-         "--config.keep_checkpoints=3"]
+STEPS = ["--config.num_steps=6", "--config.checkpoint_every_steps=2", "--config.keep_checkpoints=3"]
 
 
 def train(workdir, data_dir, *extra, **kwargs):
-  return subprocess.run(train_cmd(workdir, data_dir, *STEPS, *extra), env=env(), cwd=ROOT,
-                        capture_output=True, text=True, timeout=600, **kwargs)
+  return subprocess.run(
+    train_cmd(workdir, data_dir, *STEPS, *extra),
+    env=env(),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    **kwargs,
+  )
 
 
 @pytest.fixture(scope="module")
@@ -45,7 +51,7 @@ def largest_state_file(workdir, step):
 
 
 def truncate(path):
-  path.write_bytes(path.read_bytes()[:path.stat().st_size // 2])
+  path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
 
 
 def flip_16_bytes(path):
@@ -58,8 +64,7 @@ def flip_16_bytes(path):
 def shift_data_state(path):
   """A silent change: valid JSON, a valid state, but not the one that was saved."""
   text = path.read_text()
-  path.write_text(re.sub(r'"next_index": (\d+)', lambda m: f'"next_index": {int(m[1]) - 1}',
-                         text))
+  path.write_text(re.sub(r'"next_index": (\d+)', lambda m: f'"next_index": {int(m[1]) - 1}', text))
 
 
 def data_state_file(workdir, step):
@@ -71,11 +76,17 @@ def test_training_logs_are_quiet(finished):
   lines = (out.stdout + out.stderr).splitlines()
   assert not [x for x in lines if re.match(r"[IWEF]\d{4} ", x) or "orbax" in x.lower()]
   assert [x.split()[0] for x in out.stdout.splitlines()] == [
-      "plan:", "step", "step", "step", "eval:"]
+    "plan:",
+    "step",
+    "step",
+    "step",
+    "eval:",
+  ]
 
 
-def test_a_finished_run_rerun_says_already_done_and_keeps_its_summary(finished, digits_dir,
-                                                                      tmp_path):
+def test_a_finished_run_rerun_says_already_done_and_keeps_its_summary(
+  finished, digits_dir, tmp_path
+):
   workdir = tmp_path / "run"
   shutil.copytree(finished[0], workdir)
   before = (workdir / "summary.json").read_bytes()
@@ -85,13 +96,17 @@ def test_a_finished_run_rerun_says_already_done_and_keeps_its_summary(finished, 
   assert (workdir / "summary.json").read_bytes() == before
 
 
-@pytest.mark.parametrize("damage, file", [
+@pytest.mark.parametrize(
+  "damage, file",
+  [
     (truncate, largest_state_file),
     (flip_16_bytes, largest_state_file),
     (shift_data_state, data_state_file),
-])
+  ],
+)
 def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes_exactly(
-    finished, digits_dir, tmp_path, damage, file):
+  finished, digits_dir, tmp_path, damage, file
+):
   workdir = interrupted_copy(finished, tmp_path)
   damage(file(workdir, 6))
   out = train(workdir, digits_dir)
@@ -105,8 +120,7 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes_e
   assert summary(workdir)["params_sha256"] == summary(finished[0])["params_sha256"]
 
 
-def test_when_no_checkpoint_restores_the_run_is_refused_in_one_line(finished, digits_dir,
-                                                                    tmp_path):
+def test_when_no_checkpoint_restores_the_run_is_refused_in_one_line(finished, digits_dir, tmp_path):
   workdir = interrupted_copy(finished, tmp_path)
   for step in (2, 4, 6):
     truncate(largest_state_file(workdir, step))
@@ -120,9 +134,13 @@ def test_when_no_checkpoint_restores_the_run_is_refused_in_one_line(finished, di
 
 def start(workdir, data_dir):
   return subprocess.Popen(
-      train_cmd(workdir, data_dir, "--config.num_steps=400",
-                "--config.checkpoint_every_steps=1000"),
-      env=env(), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    train_cmd(workdir, data_dir, "--config.num_steps=400", "--config.checkpoint_every_steps=1000"),
+    env=env(),
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
 
 
 def wait_for_line(proc, text):
@@ -160,9 +178,7 @@ def test_a_failed_save_says_why_in_one_line(digits_dir, tmp_path):
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
     resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
 
-  out = train(tmp_path, digits_dir, "--compilation_cache=",
-              preexec_fn=disk_full_at_one_megabyte)
+  out = train(tmp_path, digits_dir, "--compilation_cache=", preexec_fn=disk_full_at_one_megabyte)
   assert out.returncode == 1
   assert out.stderr.count("\n") == 1, out.stderr[-3000:]
-  assert re.search(r"saving checkpoint \d+ to .*checkpoints failed: File too large",
-                   out.stderr)
+  assert re.search(r"saving checkpoint \d+ to .*checkpoints failed: File too large", out.stderr)

@@ -18,7 +18,8 @@ SLEEP_S = 1.0
 
 @pytest.mark.slow
 def test_input_wait_is_near_zero_when_the_step_is_slow_despite_frequent_evals_and_saves(
-    digits_dir, tmp_path, monkeypatch):
+  digits_dir, tmp_path, monkeypatch
+):
   make_steps = train.make_steps
 
   def slow_steps(*args):

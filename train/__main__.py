@@ -22,12 +22,19 @@ from train import TrainError, UsageError
 from train import config as config_lib
 
 WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, TensorBoard logs, summary.json")
-config_flags.DEFINE_config_file("config", str(config_lib.CONFIGS / "default.py"),
-                                "a recipe: a name in the repo's configs/ or a path")
+config_flags.DEFINE_config_file(
+  "config",
+  str(config_lib.CONFIGS / "default.py"),
+  "a recipe: a name in the repo's configs/ or a path",
+)
 MULTIHOST = flags.DEFINE_bool(
-    "multihost", None, "call jax.distributed.initialize() (default: when on a TPU pod slice)")
-CACHE = flags.DEFINE_string("compilation_cache", os.path.expanduser("~/.cache/jax"),
-                            "persistent XLA compilation cache ('' to disable)")
+  "multihost", None, "call jax.distributed.initialize() (default: when on a TPU pod slice)"
+)
+CACHE = flags.DEFINE_string(
+  "compilation_cache",
+  os.path.expanduser("~/.cache/jax"),
+  "persistent XLA compilation cache ('' to disable)",
+)
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "check the config, data and fit; print the plan")
 VERBOSE = flags.DEFINE_bool("verbose", False, "tracebacks for errors")
 
@@ -54,11 +61,15 @@ def flag_error(e: Exception, argv: list[str]) -> str:
   if isinstance(e, (AttributeError, KeyError)):  # ml_collections: an unknown field
     text = ast.literal_eval(text) if text[:1] in "'\"" else text
     key = text.partition("\n")[0].strip("'\"")
-    given = [a.split("=")[0] for a in argv if a.startswith("--config.")
-             and key in a.split("=")[0].split(".")]
+    given = [
+      a.split("=")[0]
+      for a in argv
+      if a.startswith("--config.") and key in a.split("=")[0].split(".")
+    ]
     hint = re.search(r'Did you mean "([^"]+)"', text)
-    return (f"unknown config field {given[0] if given else key}"
-            + (f" (did you mean {hint.group(1)}?)" if hint else ""))
+    return f"unknown config field {given[0] if given else key}" + (
+      f" (did you mean {hint.group(1)}?)" if hint else ""
+    )
   return " ".join(text.split())
 
 

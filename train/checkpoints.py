@@ -72,7 +72,7 @@ def one_line(error: BaseException, limit: int = 300) -> str:
   else:
     text = f"{type(chain[-1]).__name__}: {chain[-1]}"
   text = " ".join(text.split())
-  return text if len(text) <= limit else text[:limit - 3] + "..."
+  return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 class Checkpoints:
@@ -82,7 +82,8 @@ class Checkpoints:
     self.workdir = workdir
     self.directory = workdir / "checkpoints"
     self.manager = ocp.CheckpointManager(
-        self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True))
+      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    )
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -90,18 +91,28 @@ class Checkpoints:
   def save(self, step: int, state, data) -> None:
     sums = {"state_sha256": checksum(state), "data_sha256": _all_processes(data_checksum(data))}
     try:
-      self.manager.save(step, args=ocp.args.Composite(
-          state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(data),
-          checksums=ocp.args.JsonSave(sums)), force=True)
+      self.manager.save(
+        step,
+        args=ocp.args.Composite(
+          state=ocp.args.StandardSave(state),
+          data=grain.checkpoint.CheckpointSave(data),
+          checksums=ocp.args.JsonSave(sums),
+        ),
+        force=True,
+      )
       self.manager.wait_until_finished()
     except Exception as e:
-      raise TrainError(f"saving checkpoint {step} to {self.directory} failed: "
-                       f"{one_line(e)}") from e
+      raise TrainError(f"saving checkpoint {step} to {self.directory} failed: {one_line(e)}") from e
 
   def _restore(self, step: int, abstract, data):
-    restored = self.manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(data),
-        checksums=ocp.args.JsonRestore()))
+    restored = self.manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract),
+        data=grain.checkpoint.CheckpointRestore(data),
+        checksums=ocp.args.JsonRestore(),
+      ),
+    )
     sums = restored.checksums
     if checksum(restored.state) != sums["state_sha256"]:
       raise ValueError("the model state does not match its checksum")
@@ -118,7 +129,7 @@ class Checkpoints:
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         restored, why = self._restore(step, abstract, data), None
-      except Exception as e:
+      except Exception as e:  # noqa: BLE001 - any failure to restore means: try the previous one
         restored, why = None, one_line(e)
       if not _agree(why is None):
         failed.append((step, why or "failed on another process"))
@@ -127,8 +138,10 @@ class Checkpoints:
       return step, restored
     if failed:
       reasons = "; ".join(f"step {s}: {why}" for s, why in failed)
-      raise TrainError(f"no checkpoint in {self.directory} restores ({reasons}); move the "
-                       "folder aside to start over")
+      raise TrainError(
+        f"no checkpoint in {self.directory} restores ({reasons}); move the "
+        "folder aside to start over"
+      )
     return 0, state
 
   def _set_aside(self, failed: list[tuple[int, str]], step: int) -> None:
@@ -141,8 +154,12 @@ class Checkpoints:
       if jax.process_index() == 0:
         aside.mkdir(exist_ok=True)
         (self.directory / str(bad)).rename(dest)
-        print(f"warning: checkpoint {self.directory / str(bad)} does not restore ({why}); "
-              f"moved it to {dest}, resuming from step {step}", file=sys.stderr, flush=True)
+        print(
+          f"warning: checkpoint {self.directory / str(bad)} does not restore ({why}); "
+          f"moved it to {dest}, resuming from step {step}",
+          file=sys.stderr,
+          flush=True,
+        )
     if failed:
       multihost_utils.sync_global_devices("checkpoints set aside")
       self.manager.reload()
@@ -163,8 +180,10 @@ def lock(workdir: epath.Path):
     f.seek(0)
     holder = f.read().strip() or "unknown process"
     f.close()
-    raise UsageError(f"{workdir} is in use by another trainer ({holder}); wait for it to "
-                     "finish or choose another --workdir") from None
+    raise UsageError(
+      f"{workdir} is in use by another trainer ({holder}); wait for it to "
+      "finish or choose another --workdir"
+    ) from None
   f.seek(0)
   f.truncate()
   f.write(f"pid {os.getpid()} on {socket.gethostname()}\n")

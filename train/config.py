@@ -54,18 +54,25 @@ def dataset_kwargs(config: ml_collections.ConfigDict, evaluation: bool = False) 
   kwargs = config.input.to_dict()
   if evaluation:
     for key, value in config.get("eval_input", {}).items():
-      kwargs[key] = ({**kwargs[key], **value.to_dict()}
-                     if isinstance(value, ml_collections.ConfigDict) else value)
+      kwargs[key] = (
+        {**kwargs[key], **value.to_dict()}
+        if isinstance(value, ml_collections.ConfigDict)
+        else value
+      )
   where = "config.eval_input" if evaluation else "config.input"
   for key in SET_BY_TRAINER:
     if key in kwargs:
-      raise UsageError(f"{where}.{key} is set by the trainer (batch_size from the global "
-                       "config.batch_size, train for the train/eval split); remove it")
+      raise UsageError(
+        f"{where}.{key} is set by the trainer (batch_size from the global "
+        "config.batch_size, train for the train/eval split); remove it"
+      )
   known = inspect.signature(pipeline.make_dataset).parameters
   unknown = sorted(set(kwargs) - set(known))
   if unknown:
-    raise UsageError(f"{where}.{unknown[0]} is not a pipeline.make_dataset keyword; "
-                     f"known: {sorted(set(known) - set(SET_BY_TRAINER))}")
+    raise UsageError(
+      f"{where}.{unknown[0]} is not a pipeline.make_dataset keyword; "
+      f"known: {sorted(set(known) - set(SET_BY_TRAINER))}"
+    )
   return {"seed": config.seed, **kwargs}
 
 
@@ -87,10 +94,12 @@ class Plan:
     return self.num_steps * self.batch_size / self.train_examples
 
   def describe(self) -> str:
-    return (f"{self.num_steps} steps of {self.batch_size} ({self.epochs:.1f} epochs of "
-            f"{self.train_examples} examples), lr {self.learning_rate:.3g}, warmup "
-            f"{self.warmup_steps} steps, eval every {self.eval_every}, checkpoint every "
-            f"{self.checkpoint_every}")
+    return (
+      f"{self.num_steps} steps of {self.batch_size} ({self.epochs:.1f} epochs of "
+      f"{self.train_examples} examples), lr {self.learning_rate:.3g}, warmup "
+      f"{self.warmup_steps} steps, eval every {self.eval_every}, checkpoint every "
+      f"{self.checkpoint_every}"
+    )
 
 
 def steps(config: ml_collections.ConfigDict, name: str, steps_per_epoch: float) -> int:
@@ -100,8 +109,7 @@ def steps(config: ml_collections.ConfigDict, name: str, steps_per_epoch: float) 
   return round(config[f"{name}_epochs"] * steps_per_epoch)
 
 
-def local_batch_size(config: ml_collections.ConfigDict, processes: int,
-                     data_devices: int) -> int:
+def local_batch_size(config: ml_collections.ConfigDict, processes: int, data_devices: int) -> int:
   """This process's share of the global `config.batch_size`, which must split evenly."""
   batch = config.batch_size
   for count, what in ((processes, "processes"), (data_devices, "devices on the data axis")):
@@ -110,22 +118,28 @@ def local_batch_size(config: ml_collections.ConfigDict, processes: int,
   return batch // processes
 
 
-def resolve(config: ml_collections.ConfigDict, train_examples: int, processes: int,
-            data_devices: int) -> Plan:
+def resolve(
+  config: ml_collections.ConfigDict, train_examples: int, processes: int, data_devices: int
+) -> Plan:
   """The plan for `config` on a split of `train_examples`."""
   local_batch = local_batch_size(config, processes, data_devices)
   batch = config.batch_size
   per_epoch = train_examples / batch
   if per_epoch < 1:
-    raise UsageError(f"config.batch_size={batch} is larger than the {train_examples} "
-                     "training examples (the train split drops a partial batch)")
+    raise UsageError(
+      f"config.batch_size={batch} is larger than the {train_examples} "
+      "training examples (the train split drops a partial batch)"
+    )
   plan = Plan(
-      batch_size=batch, local_batch_size=local_batch, train_examples=train_examples,
-      learning_rate=config.learning_rate_per_256 * batch / 256,
-      num_steps=steps(config, "num", per_epoch),
-      warmup_steps=steps(config, "warmup", per_epoch),
-      eval_every=steps(config, "eval_every", per_epoch),
-      checkpoint_every=steps(config, "checkpoint_every", per_epoch))
+    batch_size=batch,
+    local_batch_size=local_batch,
+    train_examples=train_examples,
+    learning_rate=config.learning_rate_per_256 * batch / 256,
+    num_steps=steps(config, "num", per_epoch),
+    warmup_steps=steps(config, "warmup", per_epoch),
+    eval_every=steps(config, "eval_every", per_epoch),
+    checkpoint_every=steps(config, "checkpoint_every", per_epoch),
+  )
   for field in ("num_steps", "eval_every", "checkpoint_every"):
     if getattr(plan, field) < 1:
       raise UsageError(f"{field} resolves to {getattr(plan, field)} steps; it must be >= 1")

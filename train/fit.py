@@ -18,13 +18,19 @@ def _intermediate_bytes(jaxpr) -> int:
   """Bytes of every value a jaxpr computes, nested calls included."""
   total = 0
   for eqn in jaxpr.eqns:
-    inner = [getattr(p, "jaxpr", p) for p in eqn.params.values()
-             if hasattr(p, "jaxpr") or isinstance(p, jax.extend.core.Jaxpr)]
+    inner = [
+      getattr(p, "jaxpr", p)
+      for p in eqn.params.values()
+      if hasattr(p, "jaxpr") or isinstance(p, jax.extend.core.Jaxpr)
+    ]
     if inner:
       total += sum(_intermediate_bytes(j) for j in inner)
       continue
-    total += sum(math.prod(v.aval.shape) * v.aval.dtype.itemsize for v in eqn.outvars
-                 if hasattr(v.aval, "shape"))
+    total += sum(
+      math.prod(v.aval.shape) * v.aval.dtype.itemsize
+      for v in eqn.outvars
+      if hasattr(v.aval, "shape")
+    )
   return total
 
 
@@ -54,8 +60,7 @@ def available_bytes() -> tuple[int, str]:
   return int(info["MemAvailable"].split()[0]) * 1024, "on this host"
 
 
-def check(model: nnx.Module, image_size: int, dtype, local_batch: int,
-          data_devices: int) -> None:
+def check(model: nnx.Module, image_size: int, dtype, local_batch: int, data_devices: int) -> None:
   """Refuses, in one line, a batch whose activations would not fit."""
   per_example = activation_bytes_per_example(model, image_size, dtype)
   free, where = available_bytes()
@@ -65,9 +70,9 @@ def check(model: nnx.Module, image_size: int, dtype, local_batch: int,
   if need > free:
     fits = max(1, free // per_example)
     raise UsageError(
-        f"config does not fit: {examples} examples of {image_size}x{image_size} "
-        f"{'per process' if shared else 'per device'} need ~{need / 2**30:.0f} GiB of "
-        f"activations ({per_example / 2**20:.0f} MiB each), {free / 2**30:.0f} GiB free "
-        f"{where}; lower config.batch_size (about {fits}{' per device' if not shared else ''} "
-        f"fit) or add devices")
-
+      f"config does not fit: {examples} examples of {image_size}x{image_size} "
+      f"{'per process' if shared else 'per device'} need ~{need / 2**30:.0f} GiB of "
+      f"activations ({per_example / 2**20:.0f} MiB each), {free / 2**30:.0f} GiB free "
+      f"{where}; lower config.batch_size (about {fits}{' per device' if not shared else ''} "
+      f"fit) or add devices"
+    )

@@ -48,23 +48,27 @@ def verdict(wait_share: float) -> str:
 def make_mesh(config) -> jax.sharding.Mesh:
   n = jax.device_count()
   if config.model_parallel < 1 or n % config.model_parallel:
-    raise UsageError(f"{n} devices do not split into config.model_parallel="
-                     f"{config.model_parallel}")
-  return jax.make_mesh((n // config.model_parallel, config.model_parallel), ("data", "model"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+    raise UsageError(f"{n} devices do not split into config.model_parallel={config.model_parallel}")
+  return jax.make_mesh(
+    (n // config.model_parallel, config.model_parallel),
+    ("data", "model"),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+  )
 
 
 def schedule(plan: config_lib.Plan) -> optax.Schedule:
   """Linear warmup, then cosine decay to zero at num_steps."""
   return optax.warmup_cosine_decay_schedule(
-      0.0, plan.learning_rate, plan.warmup_steps, max(plan.num_steps, plan.warmup_steps + 1))
+    0.0, plan.learning_rate, plan.warmup_steps, max(plan.num_steps, plan.warmup_steps + 1)
+  )
 
 
 def make_optimizer(config, plan: config_lib.Plan) -> optax.GradientTransformation:
   lr = schedule(plan)
   if config.optimizer == "sgd":
-    return optax.chain(optax.add_decayed_weights(config.weight_decay),
-                       optax.sgd(lr, momentum=0.9, nesterov=True))
+    return optax.chain(
+      optax.add_decayed_weights(config.weight_decay), optax.sgd(lr, momentum=0.9, nesterov=True)
+    )
   if config.optimizer == "adamw":
     return optax.adamw(lr, weight_decay=config.weight_decay)
   raise UsageError(f"unknown config.optimizer {config.optimizer!r}: use 'sgd' or 'adamw'")
@@ -72,9 +76,15 @@ def make_optimizer(config, plan: config_lib.Plan) -> optax.GradientTransformatio
 
 def create_model(config, num_classes: int) -> nnx.Module:
   return models.create_model(
-      config.model, num_classes, alpha=config.alpha, depth_multiplier=config.depth_multiplier,
-      dropout=config.dropout, bn_momentum=config.bn_momentum, dtype=config.compute_dtype,
-      rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))  # rbg: 3x faster init on CPU
+    config.model,
+    num_classes,
+    alpha=config.alpha,
+    depth_multiplier=config.depth_multiplier,
+    dropout=config.dropout,
+    bn_momentum=config.bn_momentum,
+    dtype=config.compute_dtype,
+    rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")),  # rbg: 3x faster init on CPU
+  )
 
 
 def loss_fn(model, batch, num_classes, label_smoothing, dtype):
@@ -107,9 +117,9 @@ def make_steps(graphdef, num_classes, config):
     top5 = jax.lax.top_k(logits, min(5, num_classes))[1]
     mask = batch["mask"].astype(jnp.float32)
     return {
-        "top1": jnp.sum((top5[:, 0] == batch["label"]) * mask),
-        "top5": jnp.sum(jnp.any(top5 == batch["label"][:, None], -1) * mask),
-        "count": jnp.sum(mask),
+      "top1": jnp.sum((top5[:, 0] == batch["label"]) * mask),
+      "top5": jnp.sum(jnp.any(top5 == batch["label"][:, None], -1) * mask),
+      "count": jnp.sum(mask),
     }
 
   return train_step, eval_step
@@ -137,8 +147,7 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
     kwargs = config_lib.dataset_kwargs(config, evaluation)
     where = "config.eval_input" if evaluation else "config.input"
     try:
-      datasets.append(pipeline.make_dataset(**kwargs, batch_size=local_batch,
-                                            train=not evaluation))
+      datasets.append(pipeline.make_dataset(**kwargs, batch_size=local_batch, train=not evaluation))
     except (ValueError, TypeError, OSError) as e:
       raise UsageError(f"{where}: {e}") from e
     except KeyError as e:
@@ -146,8 +155,9 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   inputs = config_lib.dataset_kwargs(config)
   meta = pipeline.load_manifest(inputs["data_dir"])
   abstract = nnx.eval_shape(lambda: create_model(config, meta.num_classes))
-  fit.check(abstract, inputs.get("image_size", 224), config.compute_dtype, local_batch,
-            data_devices)
+  fit.check(
+    abstract, inputs.get("image_size", 224), config.compute_dtype, local_batch, data_devices
+  )
   train_examples = meta.splits[inputs.get("split", "train")].num_records
   plan = config_lib.resolve(config, train_examples, jax.process_count(), data_devices)
   make_optimizer(config, plan)  # an unknown optimizer is refused here
@@ -160,8 +170,11 @@ def evaluate(eval_step, state, eval_ds) -> dict[str, float]:
     for k, v in eval_step(state, batch).items():
       sums[k] += float(v)
   n = max(sums["count"], 1.0)
-  return {"eval_top1": sums["top1"] / n, "eval_top5": sums["top5"] / n,
-          "eval_examples": int(sums["count"])}
+  return {
+    "eval_top1": sums["top1"] / n,
+    "eval_top5": sums["top5"] / n,
+    "eval_examples": int(sums["count"]),
+  }
 
 
 class Stop:
@@ -239,9 +252,11 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   done = already_done(workdir, plan)
   if done is not None:
     if is_chief:
-      print(f"already done: {done['steps']} steps, eval top-1 {done['eval_top1']:.4f} "
-            f"({workdir / 'summary.json'}); raise config.num_epochs to train further",
-            flush=True)
+      print(
+        f"already done: {done['steps']} steps, eval top-1 {done['eval_top1']:.4f} "
+        f"({workdir / 'summary.json'}); raise config.num_epochs to train further",
+        flush=True,
+      )
     return done
   if is_chief:
     print(f"plan: {plan.describe()}", flush=True)
@@ -253,8 +268,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   state = jax.device_put(state, replicated)
   train_step, eval_step = make_steps(graphdef, setup.num_classes, config)
   train_it = iter(pipeline.device_prefetch(setup.train_ds, mesh, depth=config.device_depth))
-  eval_ds = pipeline.device_prefetch(setup.eval_ds, mesh, depth=config.device_depth,
-                                     batch_size=plan.local_batch_size)
+  eval_ds = pipeline.device_prefetch(
+    setup.eval_ds, mesh, depth=config.device_depth, batch_size=plan.local_batch_size
+  )
 
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, train_it)
@@ -308,12 +324,19 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         history["images_per_sec"].append(ips)
         lr = float(lr_at(step))
         if is_chief:
-          print(f"step {step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
-                f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% "
-                f"({verdict(wait)}; blocked in next() {100 * window.blocked / elapsed:.1f}%)",
-                flush=True)
-          for k, v in {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "lr": lr,
-                       "images_per_sec": ips, "input_wait_share": wait}.items():
+          print(
+            f"step {step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
+            f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% "
+            f"({verdict(wait)}; blocked in next() {100 * window.blocked / elapsed:.1f}%)",
+            flush=True,
+          )
+          for k, v in {
+            "loss": metrics["loss"],
+            "accuracy": metrics["accuracy"],
+            "lr": lr,
+            "images_per_sec": ips,
+            "input_wait_share": wait,
+          }.items():
             writer.add_scalar(f"train/{k}", float(v), step)
         window = Window()
 
@@ -322,15 +345,20 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           ckpt.save(step, state, train_it)
       if stopping:
         if is_chief:
-          print(f"{signal.Signals(stop.signum).name}: saved checkpoint at step {step}; "
-                "re-run the command to resume", flush=True)
+          print(
+            f"{signal.Signals(stop.signum).name}: saved checkpoint at step {step}; "
+            "re-run the command to resume",
+            flush=True,
+          )
         raise SystemExit(128 + stop.signum)
       if eval_now:
         with window.pause():
           ev = evaluate(eval_step, state, eval_ds)
         if is_chief:
-          print(f"eval at step {step}: top-1 {ev['eval_top1']:.4f}  "
-                f"top-5 {ev['eval_top5']:.4f}", flush=True)
+          print(
+            f"eval at step {step}: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f}",
+            flush=True,
+          )
           writer.add_scalar("eval/top1", ev["eval_top1"], step)
 
     if ckpt.latest_step() != step:
@@ -341,22 +369,25 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   waits = history["input_wait"][1:] or history["input_wait"]
   wait = float(np.mean(waits)) if waits else None
   summary = {
-      **ev,
-      "steps": step,
-      "images_per_sec": (float(np.mean(history["images_per_sec"]))
-                         if history["images_per_sec"] else None),
-      "synthetic_step_s": synthetic,
-      "input_wait_share": wait,
-      "verdict": verdict(wait) if wait is not None else None,
-      "params_sha256": checkpoints.checksum(state),
-      "devices": jax.device_count(),
-      "processes": jax.process_count(),
-      "plan": dataclasses.asdict(plan),
+    **ev,
+    "steps": step,
+    "images_per_sec": (
+      float(np.mean(history["images_per_sec"])) if history["images_per_sec"] else None
+    ),
+    "synthetic_step_s": synthetic,
+    "input_wait_share": wait,
+    "verdict": verdict(wait) if wait is not None else None,
+    "params_sha256": checkpoints.checksum(state),
+    "devices": jax.device_count(),
+    "processes": jax.process_count(),
+    "plan": dataclasses.asdict(plan),
   }
   if is_chief:
-    print(f"eval: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f} over "
-          f"{ev['eval_examples']} examples; {summary['verdict'] or 'no steps timed'}",
-          flush=True)
+    print(
+      f"eval: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f} over "
+      f"{ev['eval_examples']} examples; {summary['verdict'] or 'no steps timed'}",
+      flush=True,
+    )
     writer.add_scalar("eval/top1", ev["eval_top1"], step)
     writer.close()
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
