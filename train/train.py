@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import io
 import json
 import os
 import signal
+import sys
 import time
 
 import grain
@@ -142,12 +144,15 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   mesh = make_mesh(config)
   data_devices = mesh.shape["data"]
   local_batch = config_lib.local_batch_size(config, jax.process_count(), data_devices)
-  datasets = []
+  datasets, notes = [], io.StringIO()
   for evaluation in (False, True):
     kwargs = config_lib.dataset_kwargs(config, evaluation)
     where = "config.eval_input" if evaluation else "config.input"
     try:
-      datasets.append(pipeline.make_dataset(**kwargs, batch_size=local_batch, train=not evaluation))
+      with contextlib.redirect_stderr(notes):  # the pipeline's notes, once all checks pass
+        datasets.append(
+          pipeline.make_dataset(**kwargs, batch_size=local_batch, train=not evaluation)
+        )
     except (ValueError, TypeError, OSError) as e:
       raise UsageError(f"{where}: {e}") from e
     except KeyError as e:
@@ -161,6 +166,7 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   train_examples = meta.splits[inputs.get("split", "train")].num_records
   plan = config_lib.resolve(config, train_examples, jax.process_count(), data_devices)
   make_optimizer(config, plan)  # an unknown optimizer is refused here
+  sys.stderr.write(notes.getvalue())
   return Setup(mesh, plan, meta.num_classes, *datasets)
 
 
