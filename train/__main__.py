@@ -126,7 +126,8 @@ def main(argv):
   config = flags.FLAGS.config
   try:
     if DRY_RUN.value:
-      print(f"plan: {train.prepare(config).plan.describe()}; fits")
+      setup = train.prepare(config)
+      print(f"plan: {setup.plan.describe()}; fits\n{setup.notes}", end="")
     else:
       train.train_and_evaluate(config, WORKDIR.value)
   except (UsageError, TrainError) as e:

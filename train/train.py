@@ -20,7 +20,6 @@ import io
 import json
 import os
 import signal
-import sys
 import time
 
 import grain
@@ -136,6 +135,7 @@ class Setup:
   num_classes: int
   train_ds: grain.IterDataset
   eval_ds: grain.IterDataset
+  notes: str  # what the pipeline chose for this host
 
 
 def prepare(config: ml_collections.ConfigDict) -> Setup:
@@ -149,7 +149,7 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
     kwargs = config_lib.dataset_kwargs(config, evaluation)
     where = "config.eval_input" if evaluation else "config.input"
     try:
-      with contextlib.redirect_stderr(notes):  # the pipeline's notes, once all checks pass
+      with contextlib.redirect_stderr(notes):  # the pipeline's notes: shown with the plan
         datasets.append(
           pipeline.make_dataset(**kwargs, batch_size=local_batch, train=not evaluation)
         )
@@ -166,8 +166,7 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   train_examples = meta.splits[inputs.get("split", "train")].num_records
   plan = config_lib.resolve(config, train_examples, jax.process_count(), data_devices)
   make_optimizer(config, plan)  # an unknown optimizer is refused here
-  sys.stderr.write(notes.getvalue())
-  return Setup(mesh, plan, meta.num_classes, *datasets)
+  return Setup(mesh, plan, meta.num_classes, *datasets, notes.getvalue())
 
 
 def evaluate(eval_step, state, eval_ds) -> dict[str, float]:
@@ -265,7 +264,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       )
     return done
   if is_chief:
-    print(f"plan: {plan.describe()}", flush=True)
+    print(f"plan: {plan.describe()}\n{setup.notes}", end="", flush=True)
 
   model = create_model(config, setup.num_classes)
   optimizer = nnx.Optimizer(model, make_optimizer(config, plan), wrt=nnx.Param)
