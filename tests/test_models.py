@@ -44,8 +44,11 @@ def load_keras_weights(keras_model, model: nnx.Module) -> None:
   """Copies a Keras MobileNet's weights into ours: layers with weights pair up in order."""
   units = [model.stem]
   for block in model.blocks:
-    names = ("depthwise", "pointwise") if hasattr(block, "pointwise") else (
-      "expand", "depthwise", "project")
+    names = (
+      ("depthwise", "pointwise")
+      if hasattr(block, "pointwise")
+      else ("expand", "depthwise", "project")
+    )
     units += [getattr(block, n) for n in names if getattr(block, n) is not None]
   units += [model.head] if hasattr(model, "head") else []
   layers = [layer for layer in keras_model.layers if layer.get_weights()]
@@ -53,8 +56,9 @@ def load_keras_weights(keras_model, model: nnx.Module) -> None:
   for unit, conv, bn in zip(units, layers[0:-1:2], layers[1:-1:2]):
     (kernel,) = conv.get_weights()  # a depthwise (3, 3, C, 1) kernel is our (3, 3, 1, C)
     unit.conv.kernel[...] = jnp.asarray(kernel).reshape(unit.conv.kernel.shape)
-    for variable, value in zip((unit.bn.scale, unit.bn.bias, unit.bn.mean, unit.bn.var),
-                               bn.get_weights()):
+    for variable, value in zip(
+      (unit.bn.scale, unit.bn.bias, unit.bn.mean, unit.bn.var), bn.get_weights()
+    ):
       variable[...] = jnp.asarray(value)
   kernel, bias = layers[-1].get_weights()
   model.classifier.kernel[...] = jnp.asarray(kernel).reshape(model.classifier.kernel.shape)
@@ -151,9 +155,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(small_models):
 
 
 @pytest.mark.parametrize("name, momentum", [("mobilenet_v1", 0.99), ("mobilenet_v2", 0.999)])
-def test_one_adam_step_reduces_the_loss_and_moves_statistics_as_keras(
-  small_models, name, momentum
-):
+def test_one_adam_step_reduces_the_loss_and_moves_statistics_as_keras(small_models, name, momentum):
   model = nnx.clone(small_models[name])
   model.train()
   optimizer = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
@@ -174,30 +176,43 @@ def test_one_adam_step_reduces_the_loss_and_moves_statistics_as_keras(
   before = train_step(model, optimizer, x, labels)
   # Keras and Flax agree: running = momentum * running + (1 - momentum) * batch statistic.
   np.testing.assert_allclose(
-    model.stem.bn.mean[...], momentum * old_mean + (1 - momentum) * batch_mean,
-    rtol=1e-5, atol=1e-7,
+    model.stem.bn.mean[...],
+    momentum * old_mean + (1 - momentum) * batch_mean,
+    rtol=1e-5,
+    atol=1e-7,
   )
   after = train_step(model, optimizer, x, labels)  # the loss the first step left behind
   assert np.isfinite(before) and after < before - 0.1
-
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(models.MODELS))
 def test_outputs_and_statistics_match_keras_with_the_same_weights(small_models, name):
   tf = pytest.importorskip("tensorflow")
-  build = {"mobilenet_v1": tf.keras.applications.MobileNet,
-           "mobilenet_v2": tf.keras.applications.MobileNetV2}[name]
+  build = {
+    "mobilenet_v1": tf.keras.applications.MobileNet,
+    "mobilenet_v2": tf.keras.applications.MobileNetV2,
+  }[name]
   extra = {"dropout": 0.0} if name == "mobilenet_v1" else {}
   # 34x34 makes the first stride-2 depthwise input odd (17x17), where V1's fixed
   # ((0, 1), (0, 1)) padding and V2's `correct_pad` ((1, 1), (1, 1)) part ways.
-  keras_model = build(input_shape=(34, 34, 3), alpha=0.25, weights=None, classes=10,
-                      classifier_activation=None, **extra)
+  keras_model = build(
+    input_shape=(34, 34, 3),
+    alpha=0.25,
+    weights=None,
+    classes=10,
+    classifier_activation=None,
+    **extra,
+  )
   rng = np.random.default_rng(0)
   for layer in keras_model.layers:  # random BatchNorm weights and statistics, not 1 and 0
     if isinstance(layer, tf.keras.layers.BatchNormalization):
-      layer.set_weights([rng.uniform(0.5, 1.5, w.shape) if i in (0, 3) else
-                         rng.normal(0, 0.2, w.shape) for i, w in enumerate(layer.get_weights())])
+      layer.set_weights(
+        [
+          rng.uniform(0.5, 1.5, w.shape) if i in (0, 3) else rng.normal(0, 0.2, w.shape)
+          for i, w in enumerate(layer.get_weights())
+        ]
+      )
   model = nnx.clone(small_models[name])
   load_keras_weights(keras_model, model)
   x = np.asarray(images(batch=4, size=34))
@@ -208,7 +223,9 @@ def test_outputs_and_statistics_match_keras_with_the_same_weights(small_models, 
   model.train()
   expected = keras_model(x, training=True).numpy()  # batch statistics; moves Keras' means
   np.testing.assert_allclose(forward(model, x), expected, atol=1e-4 * np.abs(expected).max())
-  keras_stem_bn = next(layer for layer in keras_model.layers
-                       if isinstance(layer, tf.keras.layers.BatchNormalization))
-  np.testing.assert_allclose(model.stem.bn.mean[...], keras_stem_bn.moving_mean.numpy(),
-                             rtol=1e-5, atol=1e-6)
+  keras_stem_bn = next(
+    layer for layer in keras_model.layers if isinstance(layer, tf.keras.layers.BatchNormalization)
+  )
+  np.testing.assert_allclose(
+    model.stem.bn.mean[...], keras_stem_bn.moving_mean.numpy(), rtol=1e-5, atol=1e-6
+  )

@@ -16,10 +16,21 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
 def train_cmd(workdir, data_dir, *overrides):
-  return [sys.executable, "-m", "train", "--config", str(ROOT / "configs/default.py"),
-          "--workdir", str(workdir), f"--config.data_dir={data_dir}",
-          "--config.batch_size=32", "--config.log_every=2", "--config.eval_every=1000",
-          "--config.synthetic_steps=2", *overrides]
+  return [
+    sys.executable,
+    "-m",
+    "train",
+    "--config",
+    str(ROOT / "configs/default.py"),
+    "--workdir",
+    str(workdir),
+    f"--config.input.data_dir={data_dir}",
+    "--config.batch_size=32",
+    "--config.log_every=2",
+    "--config.eval_every_steps=1000",
+    "--config.synthetic_steps=2",
+    *overrides,
+  ]
 
 
 def env():
@@ -49,19 +60,36 @@ def test_input_bound_verdict_uses_the_profiler_thresholds():
 
 
 def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path):
-  steps = ["--config.num_steps=12", "--config.checkpoint_every=4"]
-  subprocess.run(train_cmd(tmp_path / "whole", digits_dir, *steps), env=env(), check=True,
-                 capture_output=True, cwd=ROOT, timeout=600)
+  steps = ["--config.num_steps=12", "--config.checkpoint_every_steps=4"]
+  subprocess.run(
+    train_cmd(tmp_path / "whole", digits_dir, *steps),
+    env=env(),
+    check=True,
+    capture_output=True,
+    cwd=ROOT,
+    timeout=600,
+  )
 
   killed = tmp_path / "killed"
-  proc = subprocess.Popen(train_cmd(killed, digits_dir, *steps), env=env(), cwd=ROOT,
-                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+  proc = subprocess.Popen(
+    train_cmd(killed, digits_dir, *steps),
+    env=env(),
+    cwd=ROOT,
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
   wait_for(lambda: (killed / "checkpoints" / "8").exists(), proc)
   proc.send_signal(signal.SIGKILL)
   proc.wait()
   assert not (killed / "summary.json").exists()
-  done = subprocess.run(train_cmd(killed, digits_dir, *steps), env=env(), cwd=ROOT,
-                        capture_output=True, text=True, timeout=600)
+  done = subprocess.run(
+    train_cmd(killed, digits_dir, *steps),
+    env=env(),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert done.returncode == 0, done.stderr[-3000:]
   assert "resumed from step" in done.stderr + done.stdout
   assert summary(killed)["params_sha256"] == summary(tmp_path / "whole")["params_sha256"]
@@ -69,9 +97,15 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path
 
 
 def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(digits_dir, tmp_path):
-  steps = ["--config.num_steps=400", "--config.checkpoint_every=1000"]
-  proc = subprocess.Popen(train_cmd(tmp_path, digits_dir, *steps), env=env(), cwd=ROOT,
-                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+  steps = ["--config.num_steps=400", "--config.checkpoint_every_steps=1000"]
+  proc = subprocess.Popen(
+    train_cmd(tmp_path, digits_dir, *steps),
+    env=env(),
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
   lines = []
   wait_for(lambda: lines.append(proc.stdout.readline()) or "step      4" in lines[-1], proc)
   proc.send_signal(signal.SIGTERM)
@@ -87,12 +121,12 @@ def test_short_run_on_eight_devices(digits_dir, tmp_path):
   from configs import default
 
   config = default.get_config()
-  config.data_dir = str(digits_dir)
+  config.input.data_dir = str(digits_dir)
   config.batch_size = 32
   config.num_steps = 4
   config.log_every = 2
-  config.eval_every = 1000
-  config.checkpoint_every = 1000
+  config.eval_every_steps = 1000
+  config.checkpoint_every_steps = 1000
   config.synthetic_steps = 1
   result = train.train_and_evaluate(config, tmp_path)
   assert result["devices"] == 8 and result["steps"] == 4

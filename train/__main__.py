@@ -1,26 +1,117 @@
-"""`python -m train --config configs/NAME.py --workdir DIR [--config.FIELD=VALUE ...]`
+"""`python -m train --config NAME --workdir DIR [--config.FIELD=VALUE ...]`
 
-Trains and evaluates; re-running the same command resumes from the latest checkpoint.
-On a TPU pod slice run it on every host (`--worker=all`); JAX joins the hosts.
+Trains and evaluates; re-running the same command resumes from the latest checkpoint (or
+says "already done"). NAME is a recipe in the repo's configs/ (`default`,
+`imagenet_mobilenet_v1`, ...) or the path of one. `--dry_run` checks the config, the data
+and the fit, prints the plan and stops. On a TPU pod slice run it on every host
+(`--worker=all`); JAX joins the hosts. Mistakes are one line (exit 2); `--verbose` shows
+the traceback.
 """
 
+import ast
+import logging as pylogging
 import os
+import re
+import sys
+import traceback
 
-from absl import app, flags
+from absl import app, flags, logging
 from ml_collections import config_flags
 
-FLAGS = flags.DEFINE_string("workdir", None, "checkpoints, TensorBoard logs, summary.json",
-                            required=True)
-config_flags.DEFINE_config_file("config", "configs/default.py", "a configs/*.py recipe")
+from train import TrainError, UsageError
+from train import config as config_lib
+
+WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, TensorBoard logs, summary.json")
+config_flags.DEFINE_config_file(
+  "config",
+  str(config_lib.CONFIGS / "default.py"),
+  "a recipe: a name in the repo's configs/ or a path",
+)
 MULTIHOST = flags.DEFINE_bool(
-    "multihost", None, "call jax.distributed.initialize() (default: when on a TPU pod slice)")
-CACHE = flags.DEFINE_string("compilation_cache", os.path.expanduser("~/.cache/jax"),
-                            "persistent XLA compilation cache ('' to disable)")
+  "multihost", None, "call jax.distributed.initialize() (default: when on a TPU pod slice)"
+)
+CACHE = flags.DEFINE_string(
+  "compilation_cache",
+  os.path.expanduser("~/.cache/jax"),
+  "persistent XLA compilation cache ('' to disable)",
+)
+DRY_RUN = flags.DEFINE_bool("dry_run", False, "check the config, data and fit; print the plan")
+VERBOSE = flags.DEFINE_bool("verbose", False, "tracebacks for errors")
+
+
+def fail(message: str, code: int = 2):
+  print(f"python -m train: {message}", file=sys.stderr, flush=True)
+  raise SystemExit(code)
+
+
+def config_path(argv: list[str]) -> list[str]:
+  """`--config NAME` (or a path relative to configs/) replaced by the recipe's path."""
+  out = list(argv)
+  for i, arg in enumerate(out):
+    if arg == "--config" and i + 1 < len(out):
+      out[i + 1] = str(config_lib.find(out[i + 1]))
+    elif arg.startswith("--config="):
+      out[i] = "--config=" + str(config_lib.find(arg.split("=", 1)[1]))
+  return out
+
+
+def flag_error(e: Exception, argv: list[str]) -> str:
+  """A flag or config-override error as one line."""
+  text = str(e)
+  if isinstance(e, (AttributeError, KeyError)):  # ml_collections: an unknown field
+    text = ast.literal_eval(text) if text[:1] in "'\"" else text
+    key = text.partition("\n")[0].strip("'\"")
+    given = [
+      a.split("=")[0]
+      for a in argv
+      if a.startswith("--config.") and key in a.split("=")[0].split(".")
+    ]
+    hint = re.search(r'Did you mean "([^"]+)"', text)
+    return f"unknown config field {given[0] if given else key}" + (
+      f" (did you mean {hint.group(1)}?)" if hint else ""
+    )
+  return " ".join(text.split())
+
+
+def parse_flags(argv: list[str]) -> list[str]:
+  """absl's flag parsing with one-line errors; quiet logs (warnings and up) by default."""
+  verbose = any(a in ("--verbose", "--verbose=true", "--verbose=True") for a in argv)
+  try:
+    rest = flags.FLAGS(config_path(argv))
+    if WORKDIR.value is None and not DRY_RUN.value:
+      raise UsageError("--workdir is required (checkpoints, logs and summary.json go there)")
+  except (flags.Error, AttributeError, KeyError, ValueError, OSError) as e:
+    if verbose:
+      raise
+    fail(flag_error(e, argv))
+  if flags.FLAGS["verbosity"].using_default_value and not verbose:
+    flags.FLAGS.verbosity = logging.WARNING  # no Orbax INFO flood; --verbosity=0 shows it
+    logging.get_absl_logger().addFilter(quiet_orbax)
+    pylogging.getLogger("asyncio").setLevel(pylogging.CRITICAL)  # Orbax's unread futures
+    sys.unraisablehook = quiet_orbax_leftovers
+  return rest
+
+
+def quiet_orbax(record) -> bool:
+  """Drops Orbax's own log lines: its failures reach the trainer as exceptions, reported in
+  one line (a failed save logged hundreds of lines of tracebacks from its threads)."""
+  return f"{os.sep}orbax{os.sep}" not in record.pathname
+
+
+def quiet_orbax_leftovers(unraisable):
+  """Drops what Orbax's aborted operations leave behind after a failed save or restore, which
+  the trainer reports itself: TensorStore callbacks into a closed event loop and coroutines
+  that died with the error (hundreds of tracebacks). Anything else is reported as usual."""
+  value, tb = unraisable.exc_value, unraisable.exc_traceback
+  closed_loop = isinstance(value, RuntimeError) and str(value) == "Event loop is closed"
+  files = [frame.f_code.co_filename for frame, _ in traceback.walk_tb(tb)]
+  if not (closed_loop or any(f"{os.sep}orbax{os.sep}" in f for f in files)):
+    sys.__unraisablehook__(unraisable)
 
 
 def main(argv):
   del argv
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax
 
   multihost = MULTIHOST.value
   if multihost is None:  # TPU VMs of a pod slice list their peers here
@@ -30,12 +121,24 @@ def main(argv):
   if CACHE.value:
     jax.config.update("jax_compilation_cache_dir", CACHE.value)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  from train import train  # pylint: disable=g-import-not-at-top
+  from train import train
 
   config = flags.FLAGS.config
-  train.train_and_evaluate(config, FLAGS.value)
+  try:
+    if DRY_RUN.value:
+      setup = train.prepare(config)
+      print(f"plan: {setup.plan.describe()}; fits\n{setup.notes}", end="")
+    else:
+      train.train_and_evaluate(config, WORKDIR.value)
+  except (UsageError, TrainError) as e:
+    if VERBOSE.value:
+      raise
+    fail(str(e), 2 if isinstance(e, UsageError) else 1)
+  except KeyboardInterrupt:
+    if VERBOSE.value:
+      raise
+    fail("interrupted; steps since the last checkpoint are lost", 130)
 
 
 if __name__ == "__main__":
-  flags.FLAGS.set_default("verbosity", -1)  # warnings and up; --verbosity=0 for Orbax's info
-  app.run(main)
+  app.run(main, flags_parser=parse_flags)

@@ -24,14 +24,30 @@ KERNEL_INIT = nnx.initializers.glorot_uniform()
 
 # MobileNet V1 after the stem: (pointwise filters, stride) of Keras blocks conv_dw_1..13.
 V1_BLOCKS: tuple[tuple[int, int], ...] = (
-  (64, 1), (128, 2), (128, 1), (256, 2), (256, 1), (512, 2),
-  (512, 1), (512, 1), (512, 1), (512, 1), (512, 1), (1024, 2), (1024, 1),
+  (64, 1),
+  (128, 2),
+  (128, 1),
+  (256, 2),
+  (256, 1),
+  (512, 2),
+  (512, 1),
+  (512, 1),
+  (512, 1),
+  (512, 1),
+  (512, 1),
+  (1024, 2),
+  (1024, 1),
 )
 
 # MobileNet V2 stages: (expansion, filters, repeats, first stride); Keras blocks 0..16.
 V2_STAGES: tuple[tuple[int, int, int, int], ...] = (
-  (1, 16, 1, 1), (6, 24, 2, 2), (6, 32, 3, 2), (6, 64, 4, 2),
-  (6, 96, 3, 1), (6, 160, 3, 2), (6, 320, 1, 1),
+  (1, 16, 1, 1),
+  (6, 24, 2, 2),
+  (6, 32, 3, 2),
+  (6, 64, 4, 2),
+  (6, 96, 3, 1),
+  (6, 160, 3, 2),
+  (6, 320, 1, 1),
 )
 
 
@@ -63,13 +79,25 @@ class ConvBN(nnx.Module):
     rngs: nnx.Rngs,
   ):
     self.conv = nnx.Conv(
-      in_features, out_features, (kernel_size, kernel_size), strides=strides, padding=padding,
-      feature_group_count=groups, use_bias=False, kernel_init=KERNEL_INIT, dtype=dtype,
-      param_dtype=param_dtype, rngs=rngs,
+      in_features,
+      out_features,
+      (kernel_size, kernel_size),
+      strides=strides,
+      padding=padding,
+      feature_group_count=groups,
+      use_bias=False,
+      kernel_init=KERNEL_INIT,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
     )
     self.bn = nnx.BatchNorm(
-      out_features, momentum=momentum, epsilon=BN_EPSILON, dtype=dtype,
-      param_dtype=param_dtype, rngs=rngs,
+      out_features,
+      momentum=momentum,
+      epsilon=BN_EPSILON,
+      dtype=dtype,
+      param_dtype=param_dtype,
+      rngs=rngs,
     )
     self.relu = relu
 
@@ -128,7 +156,12 @@ class MobileNetV1(nnx.Module):
     self.dropout = nnx.Dropout(dropout, rngs=rngs)
     # Keras' "conv_preds": a 1x1 conv with bias on the pooled (N, 1, 1, C) features.
     self.classifier = nnx.Conv(
-      width, num_classes, (1, 1), kernel_init=KERNEL_INIT, dtype=dtype, param_dtype=param_dtype,
+      width,
+      num_classes,
+      (1, 1),
+      kernel_init=KERNEL_INIT,
+      dtype=dtype,
+      param_dtype=param_dtype,
       rngs=rngs,
     )
 

@@ -1,19 +1,22 @@
 """Train and evaluate a MobileNet on the pipeline: one loop a newcomer can read in a sitting.
 
-Data: `pipeline.make_dataset` -> `pipeline.device_prefetch` (uint8 batches sharded on the
-mesh's data axis, normalized on device). State: model + optimizer, replicated; BatchNorm
-statistics are over the global batch because the step is one jitted program on the mesh.
-Checkpoints (Orbax) hold the state *and* each process's data-iterator state, so a resumed
-run sees exactly the batches an uninterrupted one would.
+Data: `pipeline.make_dataset(**config.input)` -> `pipeline.device_prefetch` (uint8 batches
+sharded on the mesh's data axis, normalized on device). State: model + optimizer, replicated;
+BatchNorm statistics are over the global batch because the step is one jitted program on the
+mesh. Checkpoints (`train.checkpoints`) hold the state *and* each process's data-iterator
+state, so a resumed run sees exactly the batches an uninterrupted one would.
 
 Input-bound verdict: `synthetic_steps` steps are timed on one batch already on the devices
-(no input at all); the real step time over a log window is compared with it, and the
-difference is the share of time spent waiting for input.
+(no input at all); the real step time over a log window (checkpoint saves, evals and
+logging left out) is compared with it, and the difference is the share of time spent
+waiting for input.
 """
 
 from __future__ import annotations
 
-import hashlib
+import contextlib
+import dataclasses
+import io
 import json
 import os
 import signal
@@ -25,12 +28,12 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 import optax
-import orbax.checkpoint as ocp
 from etils import epath
 from flax import nnx
 
 import pipeline
-from train import models
+from train import UsageError, checkpoints, fit, models
+from train import config as config_lib
 
 MODERATE, HIGH = 0.05, 0.20  # TensorBoard profiler's input-bound thresholds
 
@@ -45,27 +48,44 @@ def verdict(wait_share: float) -> str:
 
 def make_mesh(config) -> jax.sharding.Mesh:
   n = jax.device_count()
-  if n % config.model_parallel:
-    raise ValueError(f"{n} devices do not split into model_parallel={config.model_parallel}")
-  return jax.make_mesh((n // config.model_parallel, config.model_parallel), ("data", "model"),
-                       axis_types=(jax.sharding.AxisType.Auto,) * 2)
+  if config.model_parallel < 1 or n % config.model_parallel:
+    raise UsageError(f"{n} devices do not split into config.model_parallel={config.model_parallel}")
+  return jax.make_mesh(
+    (n // config.model_parallel, config.model_parallel),
+    ("data", "model"),
+    axis_types=(jax.sharding.AxisType.Auto,) * 2,
+  )
 
 
-def schedule(config) -> optax.Schedule:
+def schedule(plan: config_lib.Plan) -> optax.Schedule:
   """Linear warmup, then cosine decay to zero at num_steps."""
   return optax.warmup_cosine_decay_schedule(
-      0.0, config.learning_rate, config.warmup_steps,
-      max(config.num_steps, config.warmup_steps + 1))
+    0.0, plan.learning_rate, plan.warmup_steps, max(plan.num_steps, plan.warmup_steps + 1)
+  )
 
 
-def make_optimizer(config) -> optax.GradientTransformation:
-  lr = schedule(config)
+def make_optimizer(config, plan: config_lib.Plan) -> optax.GradientTransformation:
+  lr = schedule(plan)
   if config.optimizer == "sgd":
-    return optax.chain(optax.add_decayed_weights(config.weight_decay),
-                       optax.sgd(lr, momentum=0.9, nesterov=True))
+    return optax.chain(
+      optax.add_decayed_weights(config.weight_decay), optax.sgd(lr, momentum=0.9, nesterov=True)
+    )
   if config.optimizer == "adamw":
     return optax.adamw(lr, weight_decay=config.weight_decay)
-  raise ValueError(f"unknown optimizer {config.optimizer!r}: use 'sgd' or 'adamw'")
+  raise UsageError(f"unknown config.optimizer {config.optimizer!r}: use 'sgd' or 'adamw'")
+
+
+def create_model(config, num_classes: int) -> nnx.Module:
+  return models.create_model(
+    config.model,
+    num_classes,
+    alpha=config.alpha,
+    depth_multiplier=config.depth_multiplier,
+    dropout=config.dropout,
+    bn_momentum=config.bn_momentum,
+    dtype=config.compute_dtype,
+    rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")),  # rbg: 3x faster init on CPU
+  )
 
 
 def loss_fn(model, batch, num_classes, label_smoothing, dtype):
@@ -98,67 +118,113 @@ def make_steps(graphdef, num_classes, config):
     top5 = jax.lax.top_k(logits, min(5, num_classes))[1]
     mask = batch["mask"].astype(jnp.float32)
     return {
-        "top1": jnp.sum((top5[:, 0] == batch["label"]) * mask),
-        "top5": jnp.sum(jnp.any(top5 == batch["label"][:, None], -1) * mask),
-        "count": jnp.sum(mask),
+      "top1": jnp.sum((top5[:, 0] == batch["label"]) * mask),
+      "top5": jnp.sum(jnp.any(top5 == batch["label"][:, None], -1) * mask),
+      "count": jnp.sum(mask),
     }
 
   return train_step, eval_step
 
 
-def params_checksum(state) -> str:
-  """sha256 of every parameter's bytes, in a fixed order: equal runs give equal sums."""
-  h = hashlib.sha256()
-  leaves = jax.tree_util.tree_leaves_with_path(nnx.state(state))
-  for path, leaf in sorted(leaves, key=lambda kv: jax.tree_util.keystr(kv[0])):
-    h.update(jax.tree_util.keystr(path).encode())
-    if jax.dtypes.issubdtype(leaf.dtype, jax.dtypes.prng_key):
-      leaf = jax.random.key_data(leaf)
-    h.update(np.asarray(jax.device_get(leaf)).tobytes())
-  return h.hexdigest()
+@dataclasses.dataclass
+class Setup:
+  """Everything decided before the model is built: checked config, data, plan."""
+
+  mesh: jax.sharding.Mesh
+  plan: config_lib.Plan
+  num_classes: int
+  train_ds: grain.IterDataset
+  eval_ds: grain.IterDataset
+  notes: str  # what the pipeline chose for this host
 
 
-def datasets(config, mesh):
-  """The train iterator, and a function giving a fresh pass over the eval split (the eval
-  dataset is made once, so its RAM cache, if any, serves every pass)."""
-  local_batch, rest = divmod(config.batch_size, jax.process_count())
-  if rest:
-    raise ValueError(f"batch_size {config.batch_size} must divide by the "
-                     f"{jax.process_count()} processes")
-  common = dict(batch_size=local_batch, image_size=config.image_size, seed=config.seed)
-  performance = dict(num_threads=config.num_threads or None, prefetch=config.prefetch,
-                     cache_mb=config.cache_mb)
-  train_ds = pipeline.make_dataset(
-      config.data_dir, config.train_split, train=True, performance=performance,
-      augment=dict(area_range=tuple(config.area_range), flip=config.flip), **common)
-  eval_ds = pipeline.device_prefetch(
-      pipeline.make_dataset(config.data_dir, config.eval_split, train=False,
-                            performance=performance, **common),
-      mesh, depth=config.device_depth, batch_size=local_batch)
-  train_it = iter(pipeline.device_prefetch(train_ds, mesh, depth=config.device_depth))
-  return train_it, lambda: iter(eval_ds)
+def prepare(config: ml_collections.ConfigDict) -> Setup:
+  """Checks the config, opens the data and resolves the plan; refuses, with a UsageError
+  naming the field, anything that would fail later (no model is built, nothing compiled)."""
+  mesh = make_mesh(config)
+  data_devices = mesh.shape["data"]
+  local_batch = config_lib.local_batch_size(config, jax.process_count(), data_devices)
+  datasets, notes = [], io.StringIO()
+  for evaluation in (False, True):
+    kwargs = config_lib.dataset_kwargs(config, evaluation)
+    where = "config.eval_input" if evaluation else "config.input"
+    try:
+      with contextlib.redirect_stderr(notes):  # the pipeline's notes: shown with the plan
+        datasets.append(
+          pipeline.make_dataset(**kwargs, batch_size=local_batch, train=not evaluation)
+        )
+    except (ValueError, TypeError, OSError) as e:
+      raise UsageError(f"{where}: {e}") from e
+    except KeyError as e:
+      raise UsageError(f"{where}: {e.args[0]}") from e
+  inputs = config_lib.dataset_kwargs(config)
+  meta = pipeline.load_manifest(inputs["data_dir"])
+  abstract = nnx.eval_shape(lambda: create_model(config, meta.num_classes))
+  fit.check(
+    abstract, inputs.get("image_size", 224), config.compute_dtype, local_batch, data_devices
+  )
+  train_examples = meta.splits[inputs.get("split", "train")].num_records
+  plan = config_lib.resolve(config, train_examples, jax.process_count(), data_devices)
+  make_optimizer(config, plan)  # an unknown optimizer is refused here
+  return Setup(mesh, plan, meta.num_classes, *datasets, notes.getvalue())
 
 
-def evaluate(eval_step, state, eval_iter) -> dict[str, float]:
+def evaluate(eval_step, state, eval_ds) -> dict[str, float]:
   sums = {"top1": 0.0, "top5": 0.0, "count": 0.0}
-  for batch in eval_iter():
+  for batch in iter(eval_ds):
     for k, v in eval_step(state, batch).items():
       sums[k] += float(v)
   n = max(sums["count"], 1.0)
-  return {"eval_top1": sums["top1"] / n, "eval_top5": sums["top5"] / n,
-          "eval_examples": int(sums["count"])}
+  return {
+    "eval_top1": sums["top1"] / n,
+    "eval_top5": sums["top5"] / n,
+    "eval_examples": int(sums["count"]),
+  }
 
 
-class Preemption:
-  """Turns SIGTERM (TPU VM preemption) into a flag the loop checks after each step."""
+class Stop:
+  """SIGTERM (TPU VM preemption) and SIGINT (Ctrl-C) become a flag the loop checks after
+  each step: it saves a checkpoint and exits 128 + the signal (143, 130). A second Ctrl-C
+  quits at once, without saving."""
 
   def __init__(self):
-    self.requested = False
-    signal.signal(signal.SIGTERM, self._handle)
+    self.signum = None
+    self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
 
   def _handle(self, signum, frame):
-    del signum, frame
-    self.requested = True
+    del frame
+    if self.signum == signum == signal.SIGINT:
+      raise KeyboardInterrupt
+    self.signum = signum
+
+  @property
+  def requested(self) -> bool:
+    return self.signum is not None
+
+  def restore(self) -> None:
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+
+
+@dataclasses.dataclass
+class Window:
+  """The steps since the last log line, timed without checkpoint saves, evals and logging."""
+
+  start: float = dataclasses.field(default_factory=time.perf_counter)
+  steps: int = 0
+  blocked: float = 0.0  # in next(train_it)
+  paused: float = 0.0  # saving, evaluating: not step time
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start - self.paused
+
+  @contextlib.contextmanager
+  def pause(self):
+    t = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.paused += time.perf_counter() - t
 
 
 def synthetic_step_time(train_step, state, batch, steps: int) -> float:
@@ -172,131 +238,167 @@ def synthetic_step_time(train_step, state, batch, steps: int) -> float:
   return (time.perf_counter() - start) / steps
 
 
+def already_done(workdir: epath.Path, plan: config_lib.Plan) -> dict | None:
+  """The summary of a run that finished at least `plan.num_steps` steps, if any."""
+  path = workdir / "summary.json"
+  if not path.exists():
+    return None
+  summary = json.loads(path.read_text())
+  return summary if summary.get("steps", 0) >= plan.num_steps else None
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  setup = prepare(config)
+  plan, mesh = setup.plan, setup.mesh
   workdir = epath.Path(workdir).absolute()
   workdir.mkdir(parents=True, exist_ok=True)
   is_chief = jax.process_index() == 0
-  mesh = make_mesh(config)
-  meta = pipeline.load_manifest(config.data_dir)
-  num_classes = meta.num_classes
+  lock = checkpoints.lock(workdir)
+  done = already_done(workdir, plan)
+  if done is not None:
+    if is_chief:
+      print(
+        f"already done: {done['steps']} steps, eval top-1 {done['eval_top1']:.4f} "
+        f"({workdir / 'summary.json'}); raise config.num_epochs to train further",
+        flush=True,
+      )
+    return done
+  if is_chief:
+    print(f"plan: {plan.describe()}\n{setup.notes}", end="", flush=True)
 
-  model = models.create_model(
-      config.model, num_classes, alpha=config.alpha, depth_multiplier=config.depth_multiplier,
-      dropout=config.dropout, bn_momentum=config.bn_momentum, dtype=config.compute_dtype,
-      rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")))  # rbg: 3x faster init on CPU
-  optimizer = nnx.Optimizer(model, make_optimizer(config), wrt=nnx.Param)
+  model = create_model(config, setup.num_classes)
+  optimizer = nnx.Optimizer(model, make_optimizer(config, plan), wrt=nnx.Param)
   graphdef, state = nnx.split((model, optimizer))
   replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   state = jax.device_put(state, replicated)
-  train_step, eval_step = make_steps(graphdef, num_classes, config)
-  train_it, eval_iter = datasets(config, mesh)
+  train_step, eval_step = make_steps(graphdef, setup.num_classes, config)
+  train_it = iter(pipeline.device_prefetch(setup.train_ds, mesh, depth=config.device_depth))
+  eval_ds = pipeline.device_prefetch(
+    setup.eval_ds, mesh, depth=config.device_depth, batch_size=plan.local_batch_size
+  )
 
-  manager = ocp.CheckpointManager(
-      workdir / "checkpoints",
-      options=ocp.CheckpointManagerOptions(max_to_keep=config.keep_checkpoints, create=True))
-  step = 0
-  if manager.latest_step() is not None:
-    step = manager.latest_step()
-    abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract),
-        data=grain.checkpoint.CheckpointRestore(train_it)))
-    state = restored.state
-    if is_chief:
-      print(f"resumed from step {step} ({workdir / 'checkpoints'})", flush=True)
-
-  def save(at: int) -> None:
-    manager.save(at, args=ocp.args.Composite(
-        state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train_it)),
-        force=True)
-    manager.wait_until_finished()
+  ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
+  step, state = ckpt.restore(state, train_it)
+  if step and is_chief:
+    print(f"resumed from step {step} ({ckpt.directory})", flush=True)
 
   writer = None
   if is_chief:
-    from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+    from tensorboardX import SummaryWriter
 
     writer = SummaryWriter(os.fspath(workdir / "tensorboard"))
-  preemption = Preemption()
+  stop = Stop()
   history = {"input_wait": [], "images_per_sec": []}
   synthetic = None
-  window_start, window_steps, window_blocked = time.perf_counter(), 0, 0.0
+  window = Window()
   metrics = {}
   profile = tuple(config.profile_steps)
-  lr_at = schedule(config)
+  lr_at = schedule(plan)
 
-  while step < config.num_steps:
-    if profile and step == profile[0] and is_chief:
-      jax.profiler.start_trace(os.fspath(workdir / "profile"))
-    with jax.profiler.StepTraceAnnotation("train", step_num=step):
-      t0 = time.perf_counter()
-      batch = next(train_it)
-      window_blocked += time.perf_counter() - t0
-      if synthetic is None:  # first step: compile, then the no-input baseline
-        jax.block_until_ready(train_step(state, batch))
-        synthetic = synthetic_step_time(train_step, state, batch, config.synthetic_steps)
-        window_start, window_blocked = time.perf_counter(), 0.0
-      state, metrics = train_step(state, batch)
-    step += 1
-    window_steps += 1
-    if profile and step == profile[1] and is_chief:
-      jax.profiler.stop_trace()
+  try:
+    while step < plan.num_steps:
+      if profile and step == profile[0] and is_chief:
+        jax.profiler.start_trace(os.fspath(workdir / "profile"))
+      with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        t0 = time.perf_counter()
+        batch = next(train_it)
+        window.blocked += time.perf_counter() - t0
+        if synthetic is None:  # first step: compile, then the no-input baseline
+          jax.block_until_ready(train_step(state, batch))
+          synthetic = synthetic_step_time(train_step, state, batch, config.synthetic_steps)
+          window = Window()
+        state, metrics = train_step(state, batch)
+      step += 1
+      window.steps += 1
+      if profile and step == profile[1] and is_chief:
+        jax.profiler.stop_trace()
 
-    if step % config.log_every == 0 or step == config.num_steps:
-      metrics = jax.device_get(metrics)
-      elapsed = time.perf_counter() - window_start
-      step_time = elapsed / window_steps
-      wait = max(0.0, step_time - synthetic) / step_time
-      ips = window_steps * config.batch_size / elapsed
-      history["input_wait"].append(wait)
-      history["images_per_sec"].append(ips)
-      lr = float(lr_at(step))
-      line = (f"step {step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
-              f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% "
-              f"({verdict(wait)}; blocked in next() {100 * window_blocked / elapsed:.1f}%)")
-      if is_chief:
-        print(line, flush=True)
-        for k, v in {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "lr": lr,
-                     "images_per_sec": ips, "input_wait_share": wait}.items():
-          writer.add_scalar(f"train/{k}", float(v), step)
-      window_start, window_steps, window_blocked = time.perf_counter(), 0, 0.0
+      stopping = stop.requested  # read once: a signal may land at any moment
+      log_now = step % config.log_every == 0 or step == plan.num_steps
+      save_now = step % plan.checkpoint_every == 0 or stopping
+      eval_now = step % plan.eval_every == 0 and step < plan.num_steps
+      if log_now or save_now or eval_now:
+        jax.block_until_ready(state)  # the steps' compute belongs to the window
+      if log_now:
+        metrics = jax.device_get(metrics)
+        elapsed = window.elapsed()
+        step_time = elapsed / window.steps
+        wait = max(0.0, step_time - synthetic) / step_time
+        ips = window.steps * plan.batch_size / elapsed
+        history["input_wait"].append(wait)
+        history["images_per_sec"].append(ips)
+        lr = float(lr_at(step))
+        if is_chief:
+          print(
+            f"step {step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
+            f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% "
+            f"({verdict(wait)}; blocked in next() {100 * window.blocked / elapsed:.1f}%)",
+            flush=True,
+          )
+          for k, v in {
+            "loss": metrics["loss"],
+            "accuracy": metrics["accuracy"],
+            "lr": lr,
+            "images_per_sec": ips,
+            "input_wait_share": wait,
+          }.items():
+            writer.add_scalar(f"train/{k}", float(v), step)
+        window = Window()
 
-    if step % config.checkpoint_every == 0 or preemption.requested:
-      save(step)
-    if preemption.requested:
-      if is_chief:
-        print(f"SIGTERM: saved checkpoint at step {step}; re-run the command to resume",
-              flush=True)
-      raise SystemExit(143)
-    if step % config.eval_every == 0 and step < config.num_steps:
-      ev = evaluate(eval_step, state, eval_iter)
-      if is_chief:
-        print(f"eval at step {step}: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f}",
-              flush=True)
-        writer.add_scalar("eval/top1", ev["eval_top1"], step)
+      if save_now:
+        with window.pause():
+          ckpt.save(step, state, train_it)
+      if stopping:
+        if is_chief:
+          print(
+            f"{signal.Signals(stop.signum).name}: saved checkpoint at step {step}; "
+            "re-run the command to resume",
+            flush=True,
+          )
+        raise SystemExit(128 + stop.signum)
+      if eval_now:
+        with window.pause():
+          ev = evaluate(eval_step, state, eval_ds)
+        if is_chief:
+          print(
+            f"eval at step {step}: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f}",
+            flush=True,
+          )
+          writer.add_scalar("eval/top1", ev["eval_top1"], step)
 
-  if manager.latest_step() != step:
-    save(step)
-  ev = evaluate(eval_step, state, eval_iter)
-  wait = float(np.mean(history["input_wait"][1:] or history["input_wait"] or [0.0]))
+    if ckpt.latest_step() != step:
+      ckpt.save(step, state, train_it)
+  finally:
+    stop.restore()
+  ev = evaluate(eval_step, state, eval_ds)
+  waits = history["input_wait"][1:] or history["input_wait"]
+  wait = float(np.mean(waits)) if waits else None
   summary = {
-      **ev,
-      "steps": step,
-      "images_per_sec": float(np.mean(history["images_per_sec"] or [0.0])),
-      "synthetic_step_s": synthetic,
-      "input_wait_share": wait,
-      "verdict": verdict(wait),
-      "params_sha256": params_checksum(state),
-      "devices": jax.device_count(),
-      "processes": jax.process_count(),
+    **ev,
+    "steps": step,
+    "images_per_sec": (
+      float(np.mean(history["images_per_sec"])) if history["images_per_sec"] else None
+    ),
+    "synthetic_step_s": synthetic,
+    "input_wait_share": wait,
+    "verdict": verdict(wait) if wait is not None else None,
+    "params_sha256": checkpoints.checksum(state),
+    "devices": jax.device_count(),
+    "processes": jax.process_count(),
+    "plan": dataclasses.asdict(plan),
   }
   if is_chief:
-    print(f"eval: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f} over "
-          f"{ev['eval_examples']} examples; {summary['verdict']}", flush=True)
+    print(
+      f"eval: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f} over "
+      f"{ev['eval_examples']} examples; {summary['verdict'] or 'no steps timed'}",
+      flush=True,
+    )
     writer.add_scalar("eval/top1", ev["eval_top1"], step)
     writer.close()
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-  manager.close()
+  ckpt.close()
   if hasattr(train_it, "close"):
     train_it.close()
+  if lock is not None:
+    lock.close()
   return summary
-

@@ -1,0 +1,185 @@
+"""Checkpoints you can trust: damaged ones are never loaded silently, the run falls back to
+the previous one; one trainer per workdir; Ctrl-C saves; a failed save and a finished run
+say so in one line; the logs carry no Orbax chatter. Real runs, real files, real signals."""
+
+import random
+import re
+import resource
+import shutil
+import signal
+import subprocess
+
+import pytest
+
+from tests.test_train import ROOT, env, summary, train_cmd, wait_for
+
+STEPS = ["--config.num_steps=6", "--config.checkpoint_every_steps=2", "--config.keep_checkpoints=3"]
+
+
+def train(workdir, data_dir, *extra, **kwargs):
+  return subprocess.run(
+    train_cmd(workdir, data_dir, *STEPS, *extra),
+    env=env(),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    **kwargs,
+  )
+
+
+@pytest.fixture(scope="module")
+def finished(digits_dir, tmp_path_factory):
+  """A 6-step run with checkpoints at steps 2, 4 and 6, and its output."""
+  workdir = tmp_path_factory.mktemp("finished") / "run"
+  out = train(workdir, digits_dir)
+  assert out.returncode == 0, out.stderr[-3000:]
+  return workdir, out
+
+
+def interrupted_copy(finished, tmp_path):
+  """The finished run as if killed before its final eval: checkpoints, no summary."""
+  workdir = tmp_path / "run"
+  shutil.copytree(finished[0], workdir)
+  (workdir / "summary.json").unlink()
+  return workdir
+
+
+def largest_state_file(workdir, step):
+  files = [p for p in (workdir / "checkpoints" / str(step) / "state").rglob("*") if p.is_file()]
+  return max(files, key=lambda p: p.stat().st_size)
+
+
+def truncate(path):
+  path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+
+
+def flip_16_bytes(path):
+  data = bytearray(path.read_bytes())
+  for i in random.Random(0).sample(range(len(data)), 16):
+    data[i] ^= 0xFF
+  path.write_bytes(bytes(data))
+
+
+def shift_data_state(path):
+  """A silent change: valid JSON, a valid state, but not the one that was saved."""
+  text = path.read_text()
+  path.write_text(re.sub(r'"next_index": (\d+)', lambda m: f'"next_index": {int(m[1]) - 1}', text))
+
+
+def data_state_file(workdir, step):
+  return next((workdir / "checkpoints" / str(step) / "data").glob("process_*.json"))
+
+
+def test_training_logs_are_quiet(finished):
+  _, out = finished
+  lines = (out.stdout + out.stderr).splitlines()
+  assert not [x for x in lines if re.match(r"[IWEF]\d{4} ", x) or "orbax" in x.lower()]
+  trainer_lines = [x for x in out.stdout.splitlines() if not x.startswith("pipeline: ")]
+  assert [x.split()[0] for x in trainer_lines] == [
+    "plan:",
+    "step",
+    "step",
+    "step",
+    "eval:",
+  ]
+
+
+def test_a_finished_run_rerun_says_already_done_and_keeps_its_summary(
+  finished, digits_dir, tmp_path
+):
+  workdir = tmp_path / "run"
+  shutil.copytree(finished[0], workdir)
+  before = (workdir / "summary.json").read_bytes()
+  out = train(workdir, digits_dir)
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.startswith("already done: 6 steps") and "step " not in out.stdout
+  assert (workdir / "summary.json").read_bytes() == before
+
+
+@pytest.mark.parametrize(
+  "damage, file",
+  [
+    (truncate, largest_state_file),
+    (flip_16_bytes, largest_state_file),
+    (shift_data_state, data_state_file),
+  ],
+)
+def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes_exactly(
+  finished, digits_dir, tmp_path, damage, file
+):
+  workdir = interrupted_copy(finished, tmp_path)
+  damage(file(workdir, 6))
+  out = train(workdir, digits_dir)
+  assert out.returncode == 0, out.stderr[-3000:]
+  warnings = [x for x in out.stderr.splitlines() if x.startswith("warning:")]
+  assert len(warnings) == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert f"checkpoint {workdir / 'checkpoints' / '6'} does not restore" in warnings[0]
+  assert "resuming from step 4" in warnings[0]
+  assert (workdir / "unrestorable" / "6").is_dir()  # kept for a post-mortem, not deleted
+  assert "resumed from step 4" in out.stdout
+  assert summary(workdir)["params_sha256"] == summary(finished[0])["params_sha256"]
+
+
+def test_when_no_checkpoint_restores_the_run_is_refused_in_one_line(finished, digits_dir, tmp_path):
+  workdir = interrupted_copy(finished, tmp_path)
+  for step in (2, 4, 6):
+    truncate(largest_state_file(workdir, step))
+  out = train(workdir, digits_dir)
+  assert out.returncode == 1
+  assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert "no checkpoint in" in out.stderr and "step 2:" in out.stderr
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]
+  assert not (workdir / "summary.json").exists()
+
+
+def start(workdir, data_dir):
+  return subprocess.Popen(
+    train_cmd(workdir, data_dir, "--config.num_steps=400", "--config.checkpoint_every_steps=1000"),
+    env=env(),
+    cwd=ROOT,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+  )
+
+
+def wait_for_line(proc, text):
+  lines = []
+  wait_for(lambda: lines.append(proc.stdout.readline()) or text in lines[-1], proc)
+
+
+def test_a_second_trainer_on_the_same_workdir_is_refused(digits_dir, tmp_path):
+  first = start(tmp_path, digits_dir)
+  try:
+    wait_for_line(first, "plan:")
+    second = train(tmp_path, digits_dir)
+    assert second.returncode == 2
+    assert second.stderr.count("\n") == 1, second.stderr[-3000:]
+    assert f"{tmp_path} is in use by another trainer (pid {first.pid} on " in second.stderr
+    assert first.poll() is None
+  finally:
+    first.kill()
+    first.wait()
+
+
+def test_sigint_saves_a_checkpoint_and_exits_130(digits_dir, tmp_path):
+  proc = start(tmp_path, digits_dir)
+  wait_for_line(proc, "step      4")
+  proc.send_signal(signal.SIGINT)
+  out = proc.communicate(timeout=120)[0]
+  assert proc.returncode == 130, out[-3000:]
+  saved = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
+  assert saved and 4 <= saved[0] < 400
+  assert f"SIGINT: saved checkpoint at step {saved[0]}" in out
+
+
+def test_a_failed_save_says_why_in_one_line(digits_dir, tmp_path):
+  def disk_full_at_one_megabyte():
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit fail with EFBIG
+    resource.setrlimit(resource.RLIMIT_FSIZE, (1_000_000, 1_000_000))
+
+  out = train(tmp_path, digits_dir, "--compilation_cache=", preexec_fn=disk_full_at_one_megabyte)
+  assert out.returncode == 1
+  assert out.stderr.count("\n") == 1, out.stderr[-3000:]
+  assert re.search(r"saving checkpoint \d+ to .*checkpoints failed: File too large", out.stderr)

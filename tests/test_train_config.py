@@ -1,0 +1,236 @@
+"""Train configs: one input block passed whole to make_dataset, fields derived after the
+command line's overrides, recipes found by name from any folder, mistakes refused in one
+line before anything is built or compiled."""
+
+import dataclasses
+import inspect
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+from flax import nnx
+
+import pipeline
+from configs import default, imagenet_mobilenet_v1, imagenet_mobilenet_v2
+from tests.test_train import ROOT
+from train import UsageError, fit, models
+from train import config as config_lib
+
+
+def run_train(*args, cwd, devices=1):
+  """`python -m train ARGS` from `cwd` with the repo on PYTHONPATH (not installed)."""
+  env = dict(
+    os.environ, PYTHONPATH=str(ROOT), XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}"
+  )
+  return subprocess.run(
+    [sys.executable, "-m", "train", *args],
+    cwd=cwd,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+
+
+def plan_line(out) -> dict[str, float]:
+  assert out.returncode == 0, out.stderr[-3000:]
+  line = next(x for x in out.stdout.splitlines() if x.startswith("plan: "))
+  numbers = re.match(
+    r"plan: (\d+) steps of (\d+) .* lr ([\d.e-]+), warmup (\d+) steps, "
+    r"eval every (\d+), checkpoint every (\d+)",
+    line,
+  )
+  keys = ("steps", "batch", "lr", "warmup", "eval_every", "checkpoint_every")
+  return dict(zip(keys, map(float, numbers.groups())))
+
+
+def test_the_learning_rate_and_schedule_follow_the_batch_size_given_on_the_command_line(
+  digits_dir, tmp_path
+):
+  plans = {
+    batch: plan_line(
+      run_train(
+        "--config",
+        "imagenet_mobilenet_v1",
+        "--dry_run",
+        f"--config.input.data_dir={digits_dir}",
+        f"--config.batch_size={batch}",
+        cwd=tmp_path,
+      )
+    )
+    for batch in (16, 32)
+  }
+  for batch, plan in plans.items():  # 0.1 per 256 examples; 300 and 5 epochs of 240 examples
+    assert plan["lr"] == pytest.approx(0.1 * batch / 256)
+    assert plan["steps"] == round(300 * 240 / batch)
+    assert plan["warmup"] == round(5 * 240 / batch)
+    assert plan["eval_every"] == round(5 * 240 / batch)
+  steps = plan_line(
+    run_train(
+      "--config",
+      "imagenet_mobilenet_v1",
+      "--dry_run",
+      f"--config.input.data_dir={digits_dir}",
+      "--config.batch_size=16",
+      "--config.num_steps=7",
+      cwd=tmp_path,
+    )
+  )
+  assert steps["steps"] == 7  # a count in steps, when given, wins over the epochs
+
+
+def test_recipes_are_found_by_name_or_path_from_any_folder(digits_dir, tmp_path):
+  data = f"--config.input.data_dir={digits_dir}"
+  for recipe in (
+    "default",
+    "imagenet_mobilenet_v2",
+    "imagenet_mobilenet_v1.py",
+    str(ROOT / "configs" / "default.py"),
+  ):
+    plan_line(
+      run_train("--config", recipe, "--dry_run", data, "--config.batch_size=16", cwd=tmp_path)
+    )
+  missing = run_train("--config", "mobilenet_v3", "--dry_run", cwd=tmp_path)
+  assert missing.returncode == 2
+  assert missing.stderr.strip().splitlines() == [missing.stderr.strip()]
+  assert "mobilenet_v3" in missing.stderr and "imagenet_mobilenet_v1" in missing.stderr
+
+
+def test_the_default_recipe_reads_the_repos_data_from_any_folder():
+  assert config_lib.dataset_kwargs(default.get_config())["data_dir"] == str(
+    ROOT / "data" / "digits"
+  )
+
+
+@pytest.mark.parametrize(
+  "override, says",
+  [
+    ("--config.input.data_dir={tmp}/nowhere", "nowhere/manifest.json not found"),
+    ("--config.input.split=test", "split 'test' not in"),
+    ("--config.eval_input.split=test", "config.eval_input: split 'test' not in"),
+    (
+      "--config.batch_sise=4",
+      "unknown config field --config.batch_sise (did you mean batch_size?)",
+    ),
+    ("--config.input.image_size=0", "image_size must be positive, got 0"),
+    ("--config.batch_size=12", "config.batch_size=12 does not divide over the 8 devices"),
+    ("--config.input.augment.crop_fraction=2.0", "crop_fraction must be in (0, 1]"),
+    ("--config.optimizer=adam", "unknown config.optimizer 'adam'"),
+  ],
+)
+def test_a_user_error_is_one_line_exit_2_and_nothing_is_written(
+  digits_dir, tmp_path, override, says
+):
+  workdir = tmp_path / "run"
+  out = run_train(
+    "--config",
+    "default",
+    "--workdir",
+    str(workdir),
+    f"--config.input.data_dir={digits_dir}",
+    override.format(tmp=tmp_path),
+    cwd=tmp_path,
+    devices=8,
+  )
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert says in out.stderr
+  assert not workdir.exists()
+
+
+def test_verbose_shows_the_traceback(digits_dir, tmp_path):
+  out = run_train(
+    "--config",
+    "default",
+    "--workdir",
+    str(tmp_path / "run"),
+    "--verbose",
+    "--config.input.split=test",
+    f"--config.input.data_dir={digits_dir}",
+    cwd=tmp_path,
+  )
+  assert out.returncode != 0 and "Traceback" in out.stderr
+
+
+def test_the_input_block_is_exactly_make_datasets_keywords_with_every_option_settable():
+  keywords = set(inspect.signature(pipeline.make_dataset).parameters)
+  for recipe in (default, imagenet_mobilenet_v1, imagenet_mobilenet_v2):
+    config = recipe.get_config()
+    for evaluation in (False, True):
+      kwargs = config_lib.dataset_kwargs(config, evaluation)
+      assert set(kwargs) <= keywords - {"batch_size", "train"}
+      for group, cls in (("augment", pipeline.Augment), ("performance", pipeline.Performance)):
+        assert set(kwargs[group]) == {f.name for f in dataclasses.fields(cls)}
+        cls(**kwargs[group])  # valid as given
+    assert config_lib.dataset_kwargs(config, evaluation=True)["split"] == "validation"
+
+
+def test_options_left_to_the_host_are_typed_placeholders_that_overrides_can_set(
+  digits_dir, tmp_path
+):
+  performance = default.get_config().input.performance
+  assert performance.num_threads is None and performance.num_workers is None
+  performance.num_threads = 4
+  with pytest.raises(TypeError):
+    performance.num_workers = "two"
+  out = run_train(
+    "--config",
+    "default",
+    "--dry_run",
+    f"--config.input.data_dir={digits_dir}",
+    "--config.input.performance.num_threads=4",
+    "--config.input.performance.num_workers=0",
+    "--config.input.augment.aspect_range=(0.5,2.0)",
+    "--config.input.on_error=skip",
+    "--config.eval_input.split=train",
+    cwd=tmp_path,
+  )
+  plan_line(out)
+
+
+def test_eval_input_overrides_only_what_it_names():
+  config = default.get_config()
+  config.eval_input.performance = {"cache_mb": 0.0}
+  train_kwargs = config_lib.dataset_kwargs(config)
+  eval_kwargs = config_lib.dataset_kwargs(config, evaluation=True)
+  assert eval_kwargs["split"] == "validation" and train_kwargs["split"] == "train"
+  assert eval_kwargs["performance"] == {**train_kwargs["performance"], "cache_mb": 0.0}
+  assert eval_kwargs["augment"] == train_kwargs["augment"]
+
+
+def test_keywords_the_trainer_sets_or_make_dataset_lacks_are_refused():
+  config = default.get_config()
+  config.input.batch_size = 8
+  with pytest.raises(UsageError, match="config.input.batch_size is set by the trainer"):
+    config_lib.dataset_kwargs(config)
+  config = default.get_config()
+  config.eval_input.num_thread = 2
+  with pytest.raises(UsageError, match="num_thread is not a pipeline.make_dataset keyword"):
+    config_lib.dataset_kwargs(config, evaluation=True)
+
+
+def test_a_batch_too_large_for_the_host_is_refused_before_compiling(digits_dir, tmp_path):
+  free, _ = fit.available_bytes()
+  if free > 300 * 2**30:
+    pytest.skip("this host has room for the ImageNet recipe's batch of 4096")
+  out = run_train(
+    "--config",
+    "imagenet_mobilenet_v1",
+    "--workdir",
+    str(tmp_path / "run"),
+    f"--config.input.data_dir={digits_dir}",
+    cwd=tmp_path,
+  )
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert out.stderr.count("\n") == 1
+  assert "config does not fit: 4096 examples of 224x224" in out.stderr
+  assert "lower config.batch_size" in out.stderr
+
+
+def test_the_activation_estimate_is_near_what_xla_allocates():
+  # XLA's temporary buffers for this model's train step (CPU, float32): 66 MiB per example.
+  model = nnx.eval_shape(lambda: models.create_model("mobilenet_v1", 1000, rngs=nnx.Rngs(0)))
+  per_example = fit.activation_bytes_per_example(model, 224, "float32")
+  assert 50 * 2**20 < per_example < 100 * 2**20

@@ -1,0 +1,148 @@
+"""What a recipe means once its overrides are applied.
+
+A recipe (`configs/*.py`) names its data as `config.input`: exactly `pipeline.make_dataset`'s
+keywords (the trainer adds `batch_size`, this process's share, and `train`), with
+`config.eval_input` overriding some of them for evaluation. Fields derived from others
+(the learning rate, step counts given in epochs) are resolved here, after the command
+line's overrides, from the final batch size and the dataset's size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import pathlib
+import typing
+
+import ml_collections
+from ml_collections import config_dict
+
+import pipeline
+from train import UsageError
+
+CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
+SET_BY_TRAINER = ("batch_size", "train")
+
+
+def find(name_or_path: str) -> pathlib.Path:
+  """A recipe by path (absolute, or relative to this folder) or by name in the repo's configs/."""
+  path = pathlib.Path(name_or_path).expanduser()
+  for candidate in (path, CONFIGS / path, CONFIGS / f"{name_or_path}.py"):
+    if candidate.is_file():
+      return candidate.resolve()
+  names = sorted(p.stem for p in CONFIGS.glob("*.py") if not p.stem.startswith("_"))
+  raise UsageError(f"no config {name_or_path!r}: not a file, nor one of {names} in {CONFIGS}")
+
+
+def options(cls, **values) -> ml_collections.ConfigDict:
+  """Every field of `pipeline.Augment` or `pipeline.Performance`, `values` replacing the
+  defaults, so that any of them can be overridden (`--config.input.augment.flip=False`).
+  Fields that are None become typed placeholders (`--config.input.performance.num_workers=2`).
+  """
+  hints = typing.get_type_hints(cls)
+  fields = dataclasses.asdict(cls(**values))  # checks names and values now
+  for name, value in fields.items():
+    if value is None:
+      (kind,) = [t for t in typing.get_args(hints[name]) if t is not type(None)]
+      fields[name] = config_dict.placeholder(kind)
+  return ml_collections.ConfigDict(fields)
+
+
+def dataset_kwargs(config: ml_collections.ConfigDict, evaluation: bool = False) -> dict:
+  """`config.input` (updated by `config.eval_input` for evaluation) as `make_dataset`
+  keywords, seeded by `config.seed` unless the input names its own seed."""
+  kwargs = config.input.to_dict()
+  if evaluation:
+    for key, value in config.get("eval_input", {}).items():
+      kwargs[key] = (
+        {**kwargs[key], **value.to_dict()}
+        if isinstance(value, ml_collections.ConfigDict)
+        else value
+      )
+  where = "config.eval_input" if evaluation else "config.input"
+  for key in SET_BY_TRAINER:
+    if key in kwargs:
+      raise UsageError(
+        f"{where}.{key} is set by the trainer (batch_size from the global "
+        "config.batch_size, train for the train/eval split); remove it"
+      )
+  known = inspect.signature(pipeline.make_dataset).parameters
+  unknown = sorted(set(kwargs) - set(known))
+  if unknown:
+    raise UsageError(
+      f"{where}.{unknown[0]} is not a pipeline.make_dataset keyword; "
+      f"known: {sorted(set(known) - set(SET_BY_TRAINER))}"
+    )
+  return {"seed": config.seed, **kwargs}
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The numbers a run uses, resolved from the final config and the dataset's size."""
+
+  batch_size: int  # global, over all processes
+  local_batch_size: int  # this process's
+  train_examples: int
+  learning_rate: float  # peak: learning_rate_per_256 * batch_size / 256
+  num_steps: int
+  warmup_steps: int
+  eval_every: int
+  checkpoint_every: int
+
+  @property
+  def epochs(self) -> float:
+    return self.num_steps * self.batch_size / self.train_examples
+
+  def describe(self) -> str:
+    return (
+      f"{self.num_steps} steps of {self.batch_size} ({self.epochs:.1f} epochs of "
+      f"{self.train_examples} examples), lr {self.learning_rate:.3g}, warmup "
+      f"{self.warmup_steps} steps, eval every {self.eval_every}, checkpoint every "
+      f"{self.checkpoint_every}"
+    )
+
+
+def steps(config: ml_collections.ConfigDict, name: str, steps_per_epoch: float) -> int:
+  """`config.{name}_steps` when set, else `config.{name}_epochs` in steps of the final batch."""
+  if config[f"{name}_steps"] is not None:
+    return config[f"{name}_steps"]
+  return round(config[f"{name}_epochs"] * steps_per_epoch)
+
+
+def local_batch_size(config: ml_collections.ConfigDict, processes: int, data_devices: int) -> int:
+  """This process's share of the global `config.batch_size`, which must split evenly."""
+  batch = config.batch_size
+  for count, what in ((processes, "processes"), (data_devices, "devices on the data axis")):
+    if batch < 1 or batch % count:
+      raise UsageError(f"config.batch_size={batch} does not divide over the {count} {what}")
+  return batch // processes
+
+
+def resolve(
+  config: ml_collections.ConfigDict, train_examples: int, processes: int, data_devices: int
+) -> Plan:
+  """The plan for `config` on a split of `train_examples`."""
+  local_batch = local_batch_size(config, processes, data_devices)
+  batch = config.batch_size
+  per_epoch = train_examples / batch
+  if per_epoch < 1:
+    raise UsageError(
+      f"config.batch_size={batch} is larger than the {train_examples} "
+      "training examples (the train split drops a partial batch)"
+    )
+  plan = Plan(
+    batch_size=batch,
+    local_batch_size=local_batch,
+    train_examples=train_examples,
+    learning_rate=config.learning_rate_per_256 * batch / 256,
+    num_steps=steps(config, "num", per_epoch),
+    warmup_steps=steps(config, "warmup", per_epoch),
+    eval_every=steps(config, "eval_every", per_epoch),
+    checkpoint_every=steps(config, "checkpoint_every", per_epoch),
+  )
+  for field in ("num_steps", "eval_every", "checkpoint_every"):
+    if getattr(plan, field) < 1:
+      raise UsageError(f"{field} resolves to {getattr(plan, field)} steps; it must be >= 1")
+  if plan.warmup_steps < 0:
+    raise UsageError(f"warmup resolves to {plan.warmup_steps} steps; it must be >= 0")
+  return plan
