@@ -146,7 +146,8 @@ def make_dataset(
   if chosen.workers:
     _ensure_absl_flags_parsed()
     it = _SharedMemoryOutput(it, loader).mp_prefetch(
-        grain.MultiprocessingOptions(num_workers=chosen.workers))
+        grain.MultiprocessingOptions(num_workers=chosen.workers),
+        worker_init_fn=_ignore_sigint)
   stream = {"shard_index": shard_index, "shard_count": shard_count, "seed": seed,
             "batch_size": batch_size, "num_records": sampler.num_records}
   return lifecycle.ClosedAtExit(StreamIterDataset(it, stream))
@@ -176,6 +177,15 @@ def _process_shard(shard_index, shard_count) -> tuple[int, int]:
 
     return jax.process_index(), jax.process_count()
   return shard_index, shard_count
+
+
+def _ignore_sigint(worker_index: int, worker_count: int) -> None:
+  """Ctrl-C is the main process's to handle (the trainer saves a checkpoint); workers that
+  also received it would die with tracebacks mid-save."""
+  del worker_index, worker_count
+  import signal
+
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _ensure_absl_flags_parsed() -> None:
