@@ -7,7 +7,7 @@ DATA    := data
 ARGS    ?=
 CONFIG  ?= configs/default.py
 WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
-SOURCES := pipeline bench train configs tests setup.py
+SOURCES := pipeline bench train configs tests examples setup.py
 
 .PHONY: setup data convert train bench bench-report test test-slow format lint clean
 

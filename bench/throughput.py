@@ -46,7 +46,8 @@ def stage_breakdown(data_dir: str, split: str, image_size: int, sample: int = 25
   parsed = timed("parse", lambda r: records.parse(r, meta.keys)[0], recs)
   keys = iter(range(n))
   boxes = timed(
-    "crop_choice", lambda d: head.box(*decode.image_size(d), augment.example_key(0, 0, next(keys))),
+    "crop_choice",
+    lambda d: head.box(*decode.image_size(d), augment.example_key(0, 0, next(keys))),
     parsed,
   )
   crops = timed(

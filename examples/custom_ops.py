@@ -29,12 +29,11 @@ def cutout(image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
   side = max(1, image.shape[0] // 4)
   y, x = rng.integers(0, image.shape[0] - side + 1), rng.integers(0, image.shape[1] - side + 1)
   image = image.copy()
-  image[y:y + side, x:x + side] = 0
+  image[y : y + side, x : x + side] = 0
   return image
 
 
 class SmallCNN(nnx.Module):
-
   def __init__(self, num_classes: int, rngs: nnx.Rngs):
     self.conv1 = nnx.Conv(3, 16, (3, 3), strides=2, rngs=rngs)
     self.conv2 = nnx.Conv(16, 32, (3, 3), strides=2, rngs=rngs)
@@ -46,8 +45,9 @@ class SmallCNN(nnx.Module):
 
 
 @nnx.jit
-def train_step(model: SmallCNN, optimizer: nnx.Optimizer, image: jax.Array,
-               label: jax.Array) -> jax.Array:
+def train_step(
+  model: SmallCNN, optimizer: nnx.Optimizer, image: jax.Array, label: jax.Array
+) -> jax.Array:
   def loss_fn(model):  # mixup made the labels soft: float32[B, num_classes]
     return optax.softmax_cross_entropy(model(image), label).mean()
 
@@ -78,22 +78,37 @@ def main(argv: list[str] | None = None) -> int:
   parser.add_argument("--batch-size", type=int, default=32, help="global batch")
   parser.add_argument("--image-size", type=int, default=32)
   parser.add_argument("--log-every", type=int, default=50)
-  parser.add_argument("--make-digits", type=int, metavar="N",
-                      help="first convert N built-in digit images into DATA_DIR")
+  parser.add_argument(
+    "--make-digits",
+    type=int,
+    metavar="N",
+    help="first convert N built-in digit images into DATA_DIR",
+  )
   args = parser.parse_args(argv)
   if not (args.data_dir / "manifest.json").exists():
     if not args.make_digits:
-      parser.exit(2, f"error: {args.data_dir}/manifest.json not found: convert a dataset "
-                     "there first, or pass --make-digits N\n")
+      parser.exit(
+        2,
+        f"error: {args.data_dir}/manifest.json not found: convert a dataset "
+        "there first, or pass --make-digits N\n",
+      )
     make_digits(args.data_dir, args.make_digits)
 
   filename = pipeline.Feature("image/filename", dtype="bytes", max_bytes=64)
-  common = dict(global_batch_size=args.batch_size, image_size=args.image_size,
-                normalize="minus_one_one", features={"filename": filename})
+  common = dict(
+    global_batch_size=args.batch_size,
+    image_size=args.image_size,
+    normalize="minus_one_one",
+    features={"filename": filename},
+  )
   num_classes = pipeline.load_manifest(args.data_dir).num_classes
-  train = pipeline.input(args.data_dir, "train", **common,
-                         ops=[pipeline.ColorJitter(0.3, 0.3, 0.3), cutout],
-                         batch_ops=[pipeline.Mixup(0.2, num_classes)])
+  train = pipeline.input(
+    args.data_dir,
+    "train",
+    **common,
+    ops=[pipeline.ColorJitter(0.3, 0.3, 0.3), cutout],
+    batch_ops=[pipeline.Mixup(0.2, num_classes)],
+  )
   val = pipeline.input(args.data_dir, "validation", **common)
 
   model = SmallCNN(train.num_classes, nnx.Rngs(0))
@@ -103,8 +118,12 @@ def main(argv: list[str] | None = None) -> int:
   if manager and manager.latest_step() is not None:
     step = manager.latest_step()
     abstract = nnx.state((model, optimizer))
-    restored = manager.restore(step, args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(train)))
+    restored = manager.restore(
+      step,
+      args=ocp.args.Composite(
+        state=ocp.args.StandardRestore(abstract), data=grain.checkpoint.CheckpointRestore(train)
+      ),
+    )
     nnx.update((model, optimizer), restored.state)
     print(f"resumed at step {step}")
 
@@ -122,13 +141,19 @@ def main(argv: list[str] | None = None) -> int:
     hits += int(ok.sum())
     real = np.asarray(batch["mask"])
     wrong += [f.decode() for f in batch["filename"][real & ~ok]]  # host bytes, this process's
-  print(f"validation accuracy {hits / val.num_examples:.3f} over {val.num_examples} images; "
-        f"e.g. wrong: {wrong[:3]}")
+  print(
+    f"validation accuracy {hits / val.num_examples:.3f} over {val.num_examples} images; "
+    f"e.g. wrong: {wrong[:3]}"
+  )
 
   if manager:
-    manager.save(step, args=ocp.args.Composite(
+    manager.save(
+      step,
+      args=ocp.args.Composite(
         state=ocp.args.StandardSave(nnx.state((model, optimizer))),
-        data=grain.checkpoint.CheckpointSave(train)))
+        data=grain.checkpoint.CheckpointSave(train),
+      ),
+    )
     manager.wait_until_finished()
     manager.close()
   train.close()

@@ -1,8 +1,8 @@
 """A Grain input pipeline that keeps TPUs and GPUs fed when training Flax models with JAX.
 
-    ds = pipeline.make_dataset("data/photos", "train", batch_size=128)   # grain.IterDataset
-    ds = pipeline.device_prefetch(ds, mesh)                             # global jax.Arrays
-    train = pipeline.input("data/photos", "train", global_batch_size=128)   # both, in one call
+ds = pipeline.make_dataset("data/photos", "train", batch_size=128)   # grain.IterDataset
+ds = pipeline.device_prefetch(ds, mesh)                             # global jax.Arrays
+train = pipeline.input("data/photos", "train", global_batch_size=128)   # both, in one call
 """
 
 from pipeline import features, ops
@@ -15,12 +15,31 @@ from pipeline.options import Augment, Performance
 from pipeline.records import Keys
 
 __version__ = "0.1.0"
-__all__ = ["Augment", "BadRecordError", "ColorJitter", "Feature", "Input", "Keys", "Manifest",
-           "Mixup", "Performance", "device_prefetch", "features", "input", "load_manifest",
-           "make_dataset", "normalize_images", "ops"]
+__all__ = [
+  "Augment",
+  "BadRecordError",
+  "ColorJitter",
+  "Feature",
+  "Input",
+  "Keys",
+  "Manifest",
+  "Mixup",
+  "Performance",
+  "device_prefetch",
+  "features",
+  "input",
+  "load_manifest",
+  "make_dataset",
+  "normalize_images",
+  "ops",
+]
 
-_LAZY = {"device_prefetch": "device", "normalize_images": "device", "input": "inputs",
-         "Input": "inputs"}
+_LAZY = {
+  "device_prefetch": "device",
+  "normalize_images": "device",
+  "input": "inputs",
+  "Input": "inputs",
+}
 
 
 def __getattr__(name: str):

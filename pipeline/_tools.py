@@ -10,8 +10,10 @@ def run(module: str) -> None:
   except ModuleNotFoundError as e:
     if e.name not in ("bench", module):
       sys.exit(f"error: {module} needs {e.name!r}: pip install -e '.[bench]' in the checkout")
-    sys.exit(f"error: {module.split('.')[0]}/ is a folder of the repository, not of the installed "
-             "package: run this from a checkout (git clone ...; cd grain-pipeline)")
+    sys.exit(
+      f"error: {module.split('.')[0]}/ is a folder of the repository, not of the installed "
+      "package: run this from a checkout (git clone ...; cd grain-pipeline)"
+    )
   if module.endswith("__main__"):
     tool.main()
   else:

@@ -60,8 +60,15 @@ class Head:
 
   def native_params(self) -> tuple:
     """The parameter tuple of `_jpeg.decode_batch` and `_jpeg.crop_boxes`."""
-    return (self.train, self.flip, self.dct_scaling, self.fast_dct, tuple(self.area_range),
-            tuple(self.aspect_range), self.crop_fraction)
+    return (
+      self.train,
+      self.flip,
+      self.dct_scaling,
+      self.fast_dct,
+      tuple(self.area_range),
+      tuple(self.aspect_range),
+      self.crop_fraction,
+    )
 
   def slot_bytes(self) -> int:
     """Room for one decoded window in the native path's arena: after DCT scaling the shorter
@@ -86,20 +93,26 @@ class Head:
     """The Python path for encoded bytes: header, window, decode the window, flip, resize."""
     box = self.box(*decode.image_size(data), key)
     crop = decode.decode_crop(data, box, self.dct_scale(box), self.fast_dct)
-    return resize(crop[:, ::-1] if self.flips(key) else crop, self.image_size, out,
-                  bicubic=self.bicubic)
+    return resize(
+      crop[:, ::-1] if self.flips(key) else crop, self.image_size, out, bicubic=self.bicubic
+    )
 
   def from_decoded(self, image: np.ndarray, key: int, out: np.ndarray | None = None) -> np.ndarray:
     """The same on already decoded pixels (the RAM cache)."""
     y, x, ch, cw = self.box(*image.shape[:2], key)
-    crop = image[y:y + ch, x:x + cw]
-    return resize(crop[:, ::-1] if self.flips(key) else crop, self.image_size, out,
-                  bicubic=self.bicubic)
+    crop = image[y : y + ch, x : x + cw]
+    return resize(
+      crop[:, ::-1] if self.flips(key) else crop, self.image_size, out, bicubic=self.bicubic
+    )
 
 
-def random_resized_crop_box(h: int, w: int, key: int,
-                            area: tuple[float, float] = (0.08, 1.0),
-                            ratio: tuple[float, float] = (3 / 4, 4 / 3)) -> Box:
+def random_resized_crop_box(
+  h: int,
+  w: int,
+  key: int,
+  area: tuple[float, float] = (0.08, 1.0),
+  ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> Box:
   """Inception-style crop: area share in `area`, aspect (w/h) log-uniform in `ratio`.
 
   After ATTEMPTS misses falls back to the largest centred crop within `ratio`, as
@@ -111,8 +124,12 @@ def random_resized_crop_box(h: int, w: int, key: int,
     aspect = math.exp(log_lo + uniform(key, 4 * a + 1) * (log_hi - log_lo))
     cw, ch = _round(math.sqrt(target * aspect)), _round(math.sqrt(target / aspect))
     if 0 < cw <= w and 0 < ch <= h:
-      return (int(uniform(key, 4 * a + 2) * (h - ch + 1)),
-              int(uniform(key, 4 * a + 3) * (w - cw + 1)), ch, cw)
+      return (
+        int(uniform(key, 4 * a + 2) * (h - ch + 1)),
+        int(uniform(key, 4 * a + 3) * (w - cw + 1)),
+        ch,
+        cw,
+      )
   in_ratio, lo, hi = w / h, math.exp(log_lo), math.exp(log_hi)
   ch, cw = h, w
   if in_ratio < lo:
@@ -151,12 +168,17 @@ def interpolation(h: int, w: int, size: int, bicubic: bool = False) -> int:
   return cv2.INTER_CUBIC if bicubic else cv2.INTER_LINEAR
 
 
-def resize(image: np.ndarray, size: int, out: np.ndarray | None = None, *,
-           bicubic: bool = False) -> np.ndarray:
+def resize(
+  image: np.ndarray, size: int, out: np.ndarray | None = None, *, bicubic: bool = False
+) -> np.ndarray:
   """Resizes to size x size (into `out` if given), with `interpolation`'s filter."""
   h, w = image.shape[:2]
-  return cv2.resize(np.ascontiguousarray(image), (size, size), dst=out,
-                    interpolation=interpolation(h, w, size, bicubic))
+  return cv2.resize(
+    np.ascontiguousarray(image),
+    (size, size),
+    dst=out,
+    interpolation=interpolation(h, w, size, bicubic),
+  )
 
 
 def resize_shorter(image: np.ndarray, size: int) -> np.ndarray:
@@ -165,5 +187,6 @@ def resize_shorter(image: np.ndarray, size: int) -> np.ndarray:
   if min(h, w) <= size:
     return image
   f = size / min(h, w)
-  return cv2.resize(image, (max(size, round(w * f)), max(size, round(h * f))),
-                    interpolation=cv2.INTER_AREA)
+  return cv2.resize(
+    image, (max(size, round(w * f)), max(size, round(h * f))), interpolation=cv2.INTER_AREA
+  )

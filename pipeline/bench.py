@@ -1,4 +1,4 @@
-"""Entry point `python -m pipeline.bench COMMAND ...`: the benchmarks live in the repo's `bench/`."""
+"""Entry point `python -m pipeline.bench COMMAND ...`: benchmarks live in the repo's `bench/`."""
 
 from pipeline._tools import run
 

@@ -34,27 +34,27 @@ __all__ = ["BadRecordError", "make_dataset"]
 
 
 def make_dataset(
-    data_dir,
-    split: str = "train",
-    *,
-    batch_size: int,
-    train: bool = True,
-    seed: int = 0,
-    image_size: int = 224,
-    num_epochs: int | None = None,
-    shuffle: bool | None = None,
-    drop_remainder: bool | None = None,
-    shard_index: int | None = None,
-    shard_count: int | None = None,
-    augment: Augment | Mapping | None = None,
-    ops: str | Sequence = (),
-    batch_ops: str | Sequence = (),
-    features: Mapping | None = None,
-    keys: records.Keys | None = None,
-    normalize: bool = False,
-    on_error: str = "raise",
-    verify: str = "size",
-    performance: Performance | Mapping | None = None,
+  data_dir,
+  split: str = "train",
+  *,
+  batch_size: int,
+  train: bool = True,
+  seed: int = 0,
+  image_size: int = 224,
+  num_epochs: int | None = None,
+  shuffle: bool | None = None,
+  drop_remainder: bool | None = None,
+  shard_index: int | None = None,
+  shard_count: int | None = None,
+  augment: Augment | Mapping | None = None,
+  ops: str | Sequence = (),
+  batch_ops: str | Sequence = (),
+  features: Mapping | None = None,
+  keys: records.Keys | None = None,
+  normalize: bool = False,
+  on_error: str = "raise",
+  verify: str = "size",
+  performance: Performance | Mapping | None = None,
 ) -> grain.IterDataset:
   """Batches {"image": uint8[B, S, S, 3], "label": int32[B]} (+ "mask": bool[B] in eval).
 
@@ -97,23 +97,29 @@ def make_dataset(
   counts = [s.num_records for s in meta.splits[split].shards]
   shard_index, shard_count = _process_shard(shard_index, shard_count)
   sampler = Sampler(
-      num_records=meta.splits[split].num_records,
-      seed=seed,
-      shuffle=train if shuffle is None else shuffle,
-      num_epochs=num_epochs if num_epochs is not None else (None if train else 1),
-      shard_index=shard_index,
-      shard_count=shard_count,
-      remainder="drop" if train else "pad",
+    num_records=meta.splits[split].num_records,
+    seed=seed,
+    shuffle=train if shuffle is None else shuffle,
+    num_epochs=num_epochs if num_epochs is not None else (None if train else 1),
+    shard_index=shard_index,
+    shard_count=shard_count,
+    remainder="drop" if train else "pad",
   )
   aug = options.coerce(Augment, augment)
   perf = options.coerce(Performance, performance)
   if image_size < 1:
     raise ValueError(f"image_size must be positive, got {image_size}")
   head = augment_lib.Head(
-      image_size=image_size, train=train, area_range=aug.area_range,
-      aspect_range=aug.aspect_range, flip=aug.flip, crop_fraction=aug.eval_fraction(image_size),
-      bicubic=aug.interpolation == "bicubic", dct_scaling=perf.dct_scaling,
-      fast_dct=perf.fast_dct)
+    image_size=image_size,
+    train=train,
+    area_range=aug.area_range,
+    aspect_range=aug.aspect_range,
+    flip=aug.flip,
+    crop_fraction=aug.eval_fraction(image_size),
+    bicubic=aug.interpolation == "bicubic",
+    dct_scaling=perf.dct_scaling,
+    fast_dct=perf.fast_dct,
+  )
   source = ShardedSource(paths, counts)
   if features:
     from pipeline import features as features_lib
@@ -123,33 +129,57 @@ def make_dataset(
     from pipeline import ops as ops_lib
 
     ops = ops_lib.build(ops, "image", image_size=image_size, num_classes=meta.num_classes)
-    batch_ops = ops_lib.build(batch_ops, "batch", image_size=image_size,
-                              num_classes=meta.num_classes)
-  chosen = parallelism.plan(num_workers=perf.num_workers, num_threads=perf.num_threads,
-                            batch_size=batch_size, image_bytes=image_size**2 * 3,
-                            prefetch=perf.prefetch)
+    batch_ops = ops_lib.build(
+      batch_ops, "batch", image_size=image_size, num_classes=meta.num_classes
+    )
+  chosen = parallelism.plan(
+    num_workers=perf.num_workers,
+    num_threads=perf.num_threads,
+    batch_size=batch_size,
+    image_bytes=image_size**2 * 3,
+    prefetch=perf.prefetch,
+  )
   parallelism.announce(chosen)
   loader = BatchLoader(
-      source, sampler, head, batch_size=batch_size,
-      num_classes=meta.num_classes, keys=keys or meta.keys, seed=seed,
-      num_threads=chosen.threads, on_error=on_error,
-      cache_mb=perf.cache_mb, with_mask=not train, image_ops=ops, batch_ops=batch_ops,
-      features=features or None)
+    source,
+    sampler,
+    head,
+    batch_size=batch_size,
+    num_classes=meta.num_classes,
+    keys=keys or meta.keys,
+    seed=seed,
+    num_threads=chosen.threads,
+    on_error=on_error,
+    cache_mb=perf.cache_mb,
+    with_mask=not train,
+    image_ops=ops,
+    batch_ops=batch_ops,
+    features=features or None,
+  )
   drop = train if drop_remainder is None else drop_remainder
-  num_batches = (len(sampler) // batch_size if drop or sampler.num_epochs is None
-                 else -(-len(sampler) // batch_size))
+  num_batches = (
+    len(sampler) // batch_size
+    if drop or sampler.num_epochs is None
+    else -(-len(sampler) // batch_size)
+  )
   ds = grain.MapDataset.range(num_batches).map(loader)
   if normalize:
     ds = ds.map(_normalize_host)
-  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=perf.prefetch,
-                                            prefetch_buffer_size=perf.prefetch))
+  it = ds.to_iter_dataset(
+    grain.ReadOptions(num_threads=perf.prefetch, prefetch_buffer_size=perf.prefetch)
+  )
   if chosen.workers:
     _ensure_absl_flags_parsed()
     it = _SharedMemoryOutput(it, loader).mp_prefetch(
-        grain.MultiprocessingOptions(num_workers=chosen.workers),
-        worker_init_fn=_ignore_sigint)
-  stream = {"shard_index": shard_index, "shard_count": shard_count, "seed": seed,
-            "batch_size": batch_size, "num_records": sampler.num_records}
+      grain.MultiprocessingOptions(num_workers=chosen.workers), worker_init_fn=_ignore_sigint
+    )
+  stream = {
+    "shard_index": shard_index,
+    "shard_count": shard_count,
+    "seed": seed,
+    "batch_size": batch_size,
+    "num_records": sampler.num_records,
+  }
   return lifecycle.ClosedAtExit(StreamIterDataset(it, stream))
 
 

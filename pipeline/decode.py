@@ -1,10 +1,11 @@
 """Image decoding: read the size from the header, then decode only the crop window.
 
-The batch path decodes in `pipeline._jpeg.decode_batch` (see `pipeline.loader`); these are the
-per-image functions of the Python path. JPEGs go through `pipeline._jpeg` (libjpeg-turbo with `jpeg_crop_scanline` and
-`jpeg_skip_scanlines`, DCT scaling, GIL released), the equivalent of tf.data's
-`decode_and_crop_jpeg`. If the extension was not built, simplejpeg decodes the whole image.
-Other formats (PNG, GIF, CMYK JPEG, ...) fall back to Pillow. Output is always uint8 RGB.
+The batch path decodes in `pipeline._jpeg.decode_batch` (see `pipeline.loader`); these are
+the per-image functions of the Python path. JPEGs go through `pipeline._jpeg` (libjpeg-turbo
+with `jpeg_crop_scanline` and `jpeg_skip_scanlines`, DCT scaling, GIL released), the
+equivalent of tf.data's `decode_and_crop_jpeg`. If the extension was not built, simplejpeg
+decodes the whole image. Other formats (PNG, GIF, CMYK JPEG, ...) fall back to Pillow.
+Output is always uint8 RGB.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from PIL import Image
 def _load_extension():
   """Imports `_jpeg` after loading a libjpeg for it: Pillow's bundled libjpeg-turbo 3
   (as fast as simplejpeg's, 15% faster than Debian's 2.1), else the system's."""
-  bundled = glob.glob(os.path.join(os.path.dirname(PIL.__file__), os.pardir, "pillow.libs",
-                                   "libjpeg*.so*"))
+  bundled = glob.glob(
+    os.path.join(os.path.dirname(PIL.__file__), os.pardir, "pillow.libs", "libjpeg*.so*")
+  )
   for lib in sorted(bundled) + ["libjpeg.so.62", "libjpeg.so"]:
     try:
       ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
@@ -46,10 +48,26 @@ def native():
   """The C extension (`pipeline/_jpeg.c`), or None where it was not built."""
   return _jpeg
 
+
 MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb limit
 # Raster formats only: Pillow would hand EPS/PS to Ghostscript if it were installed.
-FORMATS = ("JPEG", "PNG", "GIF", "BMP", "WEBP", "TIFF", "PPM", "TGA", "ICO", "JPEG2000", "AVIF",
-           "PSD", "PCX", "SGI", "QOI")
+FORMATS = (
+  "JPEG",
+  "PNG",
+  "GIF",
+  "BMP",
+  "WEBP",
+  "TIFF",
+  "PPM",
+  "TGA",
+  "ICO",
+  "JPEG2000",
+  "AVIF",
+  "PSD",
+  "PCX",
+  "SGI",
+  "QOI",
+)
 
 
 class DecodeError(ValueError):
@@ -68,7 +86,7 @@ def image_size(data: bytes) -> tuple[int, int]:
     else:
       with Image.open(io.BytesIO(data), formats=FORMATS) as im:
         w, h = im.size
-  except Exception as e:  # any header failure is a bad image
+  except Exception as e:  # noqa: BLE001 - any header failure is a bad image
     raise DecodeError(f"unreadable image header ({type(e).__name__}: {e})") from None
   if h * w > MAX_PIXELS:
     raise DecodeError(f"{w}x{h} image exceeds the {MAX_PIXELS}-pixel limit")
@@ -84,12 +102,13 @@ def _pil_rgb(data: bytes) -> np.ndarray:
       if im.mode not in ("RGB", "L"):
         im = im.convert("RGBA").convert("RGB") if "A" in im.mode or im.mode == "P" else im
       return np.asarray(im.convert("RGB"))
-  except Exception as e:  # Pillow raises many kinds
+  except Exception as e:  # noqa: BLE001 - Pillow raises many kinds
     raise DecodeError(f"cannot decode image ({type(e).__name__}: {e})") from None
 
 
-def decode_crop(data: bytes, box: tuple[int, int, int, int], scale: int = 1,
-                fast_dct: bool = False) -> np.ndarray:
+def decode_crop(
+  data: bytes, box: tuple[int, int, int, int], scale: int = 1, fast_dct: bool = False
+) -> np.ndarray:
   """Decodes window `box` = (y, x, h, w) at 1/`scale` resolution (1, 2, 4 or 8) as uint8 RGB.
 
   `fast_dct` uses libjpeg's fast integer IDCT (tf.data's default), slightly less exact.
@@ -106,17 +125,23 @@ def decode_crop(data: bytes, box: tuple[int, int, int, int], scale: int = 1,
     else:
       try:
         full_h, full_w = image_size(data)  # simplejpeg scales the whole image, then we crop
-        img = simplejpeg.decode_jpeg(data, colorspace="RGB", strict=True, fastdct=fast_dct,
-                                     min_height=-(-full_h // scale),
-                                     min_width=-(-full_w // scale))
+        img = simplejpeg.decode_jpeg(
+          data,
+          colorspace="RGB",
+          strict=True,
+          fastdct=fast_dct,
+          min_height=-(-full_h // scale),
+          min_width=-(-full_w // scale),
+        )
         f = img.shape[0] / full_h
-        return img[int(y * f):int(y * f) + max(1, int(h * f)),
-                   int(x * f):int(x * f) + max(1, int(w * f))]
+        return img[
+          int(y * f) : int(y * f) + max(1, int(h * f)), int(x * f) : int(x * f) + max(1, int(w * f))
+        ]
       except ValueError as e:
         if "colorspace" not in str(e).lower():
           raise DecodeError(str(e)) from None
   img = _pil_rgb(data)
-  return img[y:y + h, x:x + w]
+  return img[y : y + h, x : x + w]
 
 
 def decode(data: bytes) -> np.ndarray:

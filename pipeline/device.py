@@ -22,9 +22,9 @@ IMAGE_KEY = "image"
 PMAP_AXIS = "devices"
 # Mean and standard deviation per RGB channel, in pixel units (0..255).
 NORMALIZATIONS = {
-    "minus_one_one": ((127.5,) * 3, (127.5,) * 3),
-    "zero_one": ((0.0,) * 3, (255.0,) * 3),
-    "imagenet": ((0.485 * 255, 0.456 * 255, 0.406 * 255), (0.229 * 255, 0.224 * 255, 0.225 * 255)),
+  "minus_one_one": ((127.5,) * 3, (127.5,) * 3),
+  "zero_one": ((0.0,) * 3, (255.0,) * 3),
+  "imagenet": ((0.485 * 255, 0.456 * 255, 0.406 * 255), (0.229 * 255, 0.224 * 255, 0.225 * 255)),
 }
 Normalize = bool | str | tuple | None
 
@@ -38,8 +38,9 @@ def normalization(normalize: Normalize) -> tuple[tuple[float, ...], tuple[float,
     normalize = "minus_one_one"
   if isinstance(normalize, str):
     if normalize not in NORMALIZATIONS:
-      raise ValueError(f"normalize must be one of {sorted(NORMALIZATIONS)} or (mean, std), "
-                       f"got {normalize!r}")
+      raise ValueError(
+        f"normalize must be one of {sorted(NORMALIZATIONS)} or (mean, std), got {normalize!r}"
+      )
     return NORMALIZATIONS[normalize]
   if not isinstance(normalize, Sequence) or len(normalize) != 2:
     raise ValueError(f"normalize must be a preset name or a (mean, std) pair, got {normalize!r}")
@@ -47,13 +48,16 @@ def normalization(normalize: Normalize) -> tuple[tuple[float, ...], tuple[float,
   if min(std) <= 0:
     raise ValueError(f"normalize std must be > 0, got {std}")
   if max(mean + std) <= 1:
-    raise ValueError(f"normalize (mean, std) are in pixel units (0..255), got {mean}, {std}: "
-                     "multiply values given for [0, 1] images by 255")
+    raise ValueError(
+      f"normalize (mean, std) are in pixel units (0..255), got {mean}, {std}: "
+      "multiply values given for [0, 1] images by 255"
+    )
   return mean, std
 
 
-def normalize_images(x: jax.Array, dtype: Any = jnp.float32,
-                     normalize: Normalize = "minus_one_one") -> jax.Array:
+def normalize_images(
+  x: jax.Array, dtype: Any = jnp.float32, normalize: Normalize = "minus_one_one"
+) -> jax.Array:
   """(pixels - mean) / std in `dtype` on the device; default maps uint8 [0, 255] to [-1, 1].
 
   Jitted and elementwise, so the output keeps the input's sharding; the host moves uint8.
@@ -70,22 +74,24 @@ def _normalize(x: jax.Array, dtype: Any, normalize: Normalize) -> jax.Array:
   mean, std = (np.asarray(s[:1] if len(set(s)) == 1 else s, np.float32) for s in stats)
   for s in (mean, std):
     if s.size > 1 and x.shape[-1] != s.size:
-      raise ValueError(f"normalize has {s.size} per-channel values, images have "
-                       f"{x.shape[-1]} channels (shape {x.shape})")
+      raise ValueError(
+        f"normalize has {s.size} per-channel values, images have "
+        f"{x.shape[-1]} channels (shape {x.shape})"
+      )
   return ((x.astype(jnp.float32) - mean) * (1 / std)).astype(dtype)
 
 
 def device_prefetch(
-    dataset: grain.IterDataset,
-    mesh: jax.sharding.Mesh | None = None,
-    *,
-    data_axis: str = "data",
-    depth: int = 2,
-    remainder: Literal["pad", "drop"] = "pad",
-    normalize: Normalize = False,
-    dtype: Any = None,
-    batch_size: int | None = None,
-    layout: Literal["global", "pmap"] = "global",
+  dataset: grain.IterDataset,
+  mesh: jax.sharding.Mesh | None = None,
+  *,
+  data_axis: str = "data",
+  depth: int = 2,
+  remainder: Literal["pad", "drop"] = "pad",
+  normalize: Normalize = False,
+  dtype: Any = None,
+  batch_size: int | None = None,
+  layout: Literal["global", "pmap"] = "global",
 ) -> grain.IterDataset:
   """Returns `dataset` with its batches as `jax.Array`s laid out over the devices.
 
@@ -116,37 +122,56 @@ def device_prefetch(
     raise ValueError(f"depth must be >= 0, got {depth}.")
   normalization(normalize)
   dtype = jnp.dtype(dtype) if dtype is not None else None
-  put = DevicePutIterDataset(dataset, make_layout(mesh, data_axis, layout),
-                             remainder=remainder, normalize=normalize, dtype=dtype,
-                             batch_size=batch_size)
+  put = DevicePutIterDataset(
+    dataset,
+    make_layout(mesh, data_axis, layout),
+    remainder=remainder,
+    normalize=normalize,
+    dtype=dtype,
+    batch_size=batch_size,
+  )
   return lifecycle.ClosedAtExit(
-      grain.experimental.ThreadPrefetchIterDataset(put, prefetch_buffer_size=depth))
+    grain.experimental.ThreadPrefetchIterDataset(put, prefetch_buffer_size=depth)
+  )
 
 
-def make_layout(mesh: jax.sharding.Mesh | None, data_axis: str = "data",
-                layout: str = "global") -> "_Layout | _PmapLayout":
+def make_layout(
+  mesh: jax.sharding.Mesh | None, data_axis: str = "data", layout: str = "global"
+) -> "_Layout | _PmapLayout":
   """Where this process's rows go, for `device_prefetch`'s `mesh`, `data_axis`, `layout`."""
   if layout == "pmap":
     if mesh is not None:
-      raise ValueError("layout='pmap' lays batches over jax.devices() as jax.pmap does and "
-                       "takes no mesh; pass mesh=None (or layout='global' for jit on a mesh).")
+      raise ValueError(
+        "layout='pmap' lays batches over jax.devices() as jax.pmap does and "
+        "takes no mesh; pass mesh=None (or layout='global' for jit on a mesh)."
+      )
     return _PmapLayout()
   if layout != "global":
     raise ValueError(f"layout must be 'global' or 'pmap', got {layout!r}.")
   if mesh is None:
-    mesh = jax.make_mesh((jax.device_count(),), (data_axis,),
-                         axis_types=(jax.sharding.AxisType.Auto,))
+    mesh = jax.make_mesh(
+      (jax.device_count(),), (data_axis,), axis_types=(jax.sharding.AxisType.Auto,)
+    )
   if data_axis not in mesh.axis_names:
-    raise ValueError(f"Mesh axes {mesh.axis_names} have no data axis {data_axis!r}; "
-                     "pass data_axis= one of them.")
+    raise ValueError(
+      f"Mesh axes {mesh.axis_names} have no data axis {data_axis!r}; pass data_axis= one of them."
+    )
   return _Layout(mesh, data_axis)
 
 
 class DevicePutIterDataset(grain.IterDataset):
   """Pads or drops partial batches and transfers each one to the devices (synchronously)."""
 
-  def __init__(self, parent: grain.IterDataset, layout: "_Layout | _PmapLayout", *,
-               remainder: str, normalize: Normalize, dtype: Any, batch_size: int | None):
+  def __init__(
+    self,
+    parent: grain.IterDataset,
+    layout: "_Layout | _PmapLayout",
+    *,
+    remainder: str,
+    normalize: Normalize,
+    dtype: Any,
+    batch_size: int | None,
+  ):
     super().__init__(parent)
     self._layout = layout
     self._remainder = remainder
@@ -159,8 +184,9 @@ class DevicePutIterDataset(grain.IterDataset):
     return f"DevicePutIterDataset(remainder={self._remainder}, image={self._image})"
 
   def __iter__(self) -> grain.DatasetIterator:
-    return _DevicePutIterator(self._parent.__iter__(), self._layout, self._remainder,
-                              self._image, self._batch_size)
+    return _DevicePutIterator(
+      self._parent.__iter__(), self._layout, self._remainder, self._image, self._batch_size
+    )
 
 
 class _Layout:
@@ -169,8 +195,7 @@ class _Layout:
   def __init__(self, mesh: jax.sharding.Mesh, data_axis: str):
     axis = mesh.axis_names.index(data_axis)
     here = jax.process_index()
-    rows = sorted({i[axis] for i, d in np.ndenumerate(mesh.devices)
-                   if d.process_index == here})
+    rows = sorted({i[axis] for i, d in np.ndenumerate(mesh.devices) if d.process_index == here})
     if not rows:
       raise ValueError(f"Process {here} owns no device of the mesh {dict(mesh.shape)}.")
     self.sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(data_axis))
@@ -185,9 +210,11 @@ class _Layout:
     feed distinct rows (processes whose devices hold the same rows read the same data)."""
     first = self._rows[0]
     if self._rows != list(range(first, first + self.local_shards)) or first % self.local_shards:
-      raise ValueError(f"Process {jax.process_index()} holds rows {self._rows} of the data "
-                       f"axis {self.data_axis!r}: not one aligned block; pass shard_index and "
-                       "shard_count yourself.")
+      raise ValueError(
+        f"Process {jax.process_index()} holds rows {self._rows} of the data "
+        f"axis {self.data_axis!r}: not one aligned block; pass shard_index and "
+        "shard_count yourself."
+      )
     return first // self.local_shards, self.data_size // self.local_shards
 
   def global_shape(self, local_shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -201,11 +228,12 @@ class _Layout:
     if local_rows % self.local_shards:
       processes = self.data_size // self.local_shards
       raise ValueError(
-          f"Per-process batch of {local_rows} rows does not divide over the "
-          f"{self.local_shards} data shards on this process's devices (mesh axis "
-          f"{self.data_axis!r} of size {self.data_size} over {processes} process(es)): "
-          f"make the global batch ({local_rows * processes}) a multiple of "
-          f"{self.data_size}, i.e. the per-process batch a multiple of {self.local_shards}.")
+        f"Per-process batch of {local_rows} rows does not divide over the "
+        f"{self.local_shards} data shards on this process's devices (mesh axis "
+        f"{self.data_axis!r} of size {self.data_size} over {processes} process(es)): "
+        f"make the global batch ({local_rows * processes}) a multiple of "
+        f"{self.data_size}, i.e. the per-process batch a multiple of {self.local_shards}."
+      )
 
 
 class _PmapLayout:
@@ -215,10 +243,13 @@ class _PmapLayout:
     devices = jax.devices()
     here = [i for i, d in enumerate(devices) if d.process_index == jax.process_index()]
     if here != list(range(here[0], here[0] + len(here))):
-      raise ValueError("This process's devices are not one block of jax.devices(); the "
-                       "pmap layout needs them to be.")
-    mesh = jax.sharding.Mesh(np.array(devices), (PMAP_AXIS,),
-                             axis_types=(jax.sharding.AxisType.Auto,))
+      raise ValueError(
+        "This process's devices are not one block of jax.devices(); the "
+        "pmap layout needs them to be."
+      )
+    mesh = jax.sharding.Mesh(
+      np.array(devices), (PMAP_AXIS,), axis_types=(jax.sharding.AxisType.Auto,)
+    )
     self.sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(PMAP_AXIS))
     self.local_shards = len(here)
     self.data_size = len(devices)
@@ -233,16 +264,23 @@ class _PmapLayout:
   def check(self, local_rows: int) -> None:
     if local_rows % self.local_shards:
       raise ValueError(
-          f"Per-process batch of {local_rows} rows does not divide over this process's "
-          f"{self.local_shards} devices (layout 'pmap'): make it a multiple of "
-          f"{self.local_shards}, the global batch a multiple of {self.data_size}.")
+        f"Per-process batch of {local_rows} rows does not divide over this process's "
+        f"{self.local_shards} devices (layout 'pmap'): make it a multiple of "
+        f"{self.local_shards}, the global batch a multiple of {self.data_size}."
+      )
 
 
 class _DevicePutIterator(grain.DatasetIterator):
   """Iterator of `DevicePutIterDataset`; its state is its parent's."""
 
-  def __init__(self, parent: grain.DatasetIterator, layout: "_Layout | _PmapLayout",
-               remainder: str, image: tuple[Normalize, Any], batch_size: int | None):
+  def __init__(
+    self,
+    parent: grain.DatasetIterator,
+    layout: "_Layout | _PmapLayout",
+    remainder: str,
+    image: tuple[Normalize, Any],
+    batch_size: int | None,
+  ):
     super().__init__(parent)
     self._layout = layout
     self._remainder = remainder
@@ -257,8 +295,10 @@ class _DevicePutIterator(grain.DatasetIterator):
         self._layout.check(rows)
         self._full = rows
       if rows > self._full:
-        raise ValueError(f"Got a batch of {rows} rows after batches of {self._full}; pass "
-                         "batch_size= the full per-process batch to device_prefetch.")
+        raise ValueError(
+          f"Got a batch of {rows} rows after batches of {self._full}; pass "
+          "batch_size= the full per-process batch to device_prefetch."
+        )
       if rows == self._full or self._remainder == "pad":
         break
     if self._remainder == "pad":

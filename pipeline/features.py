@@ -23,8 +23,13 @@ from pipeline.records import RecordError
 
 BYTES = "bytes"
 RESERVED = ("image", "label", "mask")
-_LISTS = {"i": "int64_list", "u": "int64_list", "b": "int64_list", "f": "float_list",
-          "S": "bytes_list"}
+_LISTS = {
+  "i": "int64_list",
+  "u": "int64_list",
+  "b": "int64_list",
+  "f": "float_list",
+  "S": "bytes_list",
+}
 _DEFAULT_DTYPES = {"int64_list": "int32", "float_list": "float32", "bytes_list": BYTES}
 
 
@@ -70,8 +75,9 @@ def parse_specs(mapping: Mapping | None, sample: bytes | None = None) -> dict[st
   if mapping is None:
     return {}
   if not isinstance(mapping, Mapping) and not hasattr(mapping, "to_dict"):
-    raise ValueError(f"features must map batch keys to record keys or Features, got "
-                     f"{type(mapping).__name__}")
+    raise ValueError(
+      f"features must map batch keys to record keys or Features, got {type(mapping).__name__}"
+    )
   mapping = dict(mapping.to_dict() if hasattr(mapping, "to_dict") else mapping)
   specs = {name: _spec(name, value, sample) for name, value in mapping.items()}
   taken = set(RESERVED)
@@ -79,8 +85,10 @@ def parse_specs(mapping: Mapping | None, sample: bytes | None = None) -> dict[st
     keys = [name] + ([length_key(name)] if spec.max_length is not None else [])
     for key in keys:
       if key in taken:
-        raise ValueError(f"feature {name!r}: batch key {key!r} is already taken "
-                         f"(reserved: {list(RESERVED)}); choose another name")
+        raise ValueError(
+          f"feature {name!r}: batch key {key!r} is already taken "
+          f"(reserved: {list(RESERVED)}); choose another name"
+        )
       taken.add(key)
   return specs
 
@@ -96,14 +104,17 @@ def _spec(name, value, sample: bytes | None) -> Feature:
     fields = dict(value.to_dict() if hasattr(value, "to_dict") else value)
     known = {f.name for f in dataclasses.fields(Feature)}
     if set(fields) - known:
-      raise ValueError(f"feature {name!r}: unknown field(s) {sorted(set(fields) - known)}; "
-                       f"known: {sorted(known)}")
+      raise ValueError(
+        f"feature {name!r}: unknown field(s) {sorted(set(fields) - known)}; known: {sorted(known)}"
+      )
     if "shape" in fields:
       fields["shape"] = tuple(fields["shape"])
     spec = Feature(**fields)
   else:
-    raise ValueError(f"feature {name!r}: expected a record key, a pipeline.Feature or a dict "
-                     f"of its fields, got {type(value).__name__}")
+    raise ValueError(
+      f"feature {name!r}: expected a record key, a pipeline.Feature or a dict "
+      f"of its fields, got {type(value).__name__}"
+    )
   if spec.dtype is None:
     spec = _resolve(name, spec, sample)
   _check(name, spec)
@@ -113,14 +124,18 @@ def _spec(name, value, sample: bytes | None) -> Feature:
 def _resolve(name: str, spec: Feature, sample: bytes | None) -> Feature:
   """Takes dtype (and, for a scalar-shaped fixed spec, the value count) from `sample`."""
   if sample is None:
-    raise ValueError(f"feature {name!r}: give its dtype, e.g. pipeline.Feature("
-                     f"{spec.key!r}, dtype='int32'), or a sample record to read it from")
+    raise ValueError(
+      f"feature {name!r}: give its dtype, e.g. pipeline.Feature("
+      f"{spec.key!r}, dtype='int32'), or a sample record to read it from"
+    )
   feature = _feature_map(sample)
   kind = feature[spec.key].WhichOneof("kind") if spec.key in feature else None
   count = len(getattr(feature[spec.key], kind).value) if kind else 0
   if not count:
-    raise ValueError(f"feature {name!r}: key {spec.key!r} has no values in the sample record "
-                     f"(it has {sorted(feature)}); give its dtype")
+    raise ValueError(
+      f"feature {name!r}: key {spec.key!r} has no values in the sample record "
+      f"(it has {sorted(feature)}); give its dtype"
+    )
   shape = spec.shape
   if spec.max_length is None and shape == () and count != 1:
     shape = (count,)
@@ -136,19 +151,20 @@ def _check(name: str, spec: Feature) -> None:
   except TypeError:
     raise ValueError(f"{where}: unknown dtype {spec.dtype!r}") from None
   if spec.dtype != BYTES and dtype.kind not in "iubf":
-    raise ValueError(f"{where}: dtype must be an integer, bool or float dtype or 'bytes', "
-                     f"got {spec.dtype!r}")
+    raise ValueError(
+      f"{where}: dtype must be an integer, bool or float dtype or 'bytes', got {spec.dtype!r}"
+    )
   if not all(isinstance(d, int) and d > 0 for d in spec.shape):
     raise ValueError(f"{where}: shape must be a tuple of positive ints, got {spec.shape!r}")
-  if spec.max_length is not None and not (isinstance(spec.max_length, int)
-                                          and spec.max_length > 0):
+  if spec.max_length is not None and not (isinstance(spec.max_length, int) and spec.max_length > 0):
     raise ValueError(f"{where}: max_length must be a positive int, got {spec.max_length!r}")
   if not isinstance(spec.max_bytes, int) or spec.max_bytes < 1:
     raise ValueError(f"{where}: max_bytes must be a positive int, got {spec.max_bytes!r}")
   if spec.default is not None:
     if spec.max_length is not None:
-      raise ValueError(f"{where}: a variable-length feature has no default (a record "
-                       "without it has zero items)")
+      raise ValueError(
+        f"{where}: a variable-length feature has no default (a record without it has zero items)"
+      )
     try:
       _convert(spec, [spec.default] * spec.item_size)
     except RecordError as e:
@@ -165,37 +181,48 @@ def allocate(specs: Mapping[str, Feature], n: int) -> dict[str, np.ndarray]:
   return arrays
 
 
-def fill(specs: Mapping[str, Feature], record: bytes | tf_example_pb2.Example,
-         arrays: Mapping[str, np.ndarray], slot: int) -> None:
+def fill(
+  specs: Mapping[str, Feature],
+  record: bytes | tf_example_pb2.Example,
+  arrays: Mapping[str, np.ndarray],
+  slot: int,
+) -> None:
   """Writes one record's features into row `slot` of `arrays` (from `allocate`).
 
   `record` is serialized or an already parsed Example (parse once, fill and read the image).
   Raises `RecordError` naming the key of a missing, mistyped or oversized feature.
   """
-  feature = (record.features.feature if isinstance(record, tf_example_pb2.Example)
-             else _feature_map(record))
+  feature = (
+    record.features.feature if isinstance(record, tf_example_pb2.Example) else _feature_map(record)
+  )
   for name, spec in specs.items():
     values = _values(spec, feature)
     if spec.max_length is None:
       if values is None:
         if spec.default is None:
-          raise RecordError(f"missing feature {spec.key!r} (batch key {name!r}; has: "
-                            f"{sorted(feature)})")
+          raise RecordError(
+            f"missing feature {spec.key!r} (batch key {name!r}; has: {sorted(feature)})"
+          )
         values = [spec.default] * spec.item_size
       if len(values) != spec.item_size:
-        raise RecordError(f"feature {spec.key!r} has {len(values)} values, expected "
-                          f"{spec.item_size} (shape {spec.shape}); for a variable count "
-                          "give max_length=")
+        raise RecordError(
+          f"feature {spec.key!r} has {len(values)} values, expected "
+          f"{spec.item_size} (shape {spec.shape}); for a variable count "
+          "give max_length="
+        )
       arrays[name][slot] = _convert(spec, values).reshape(spec.shape)
       continue
     values = values or []
     items, extra = divmod(len(values), spec.item_size)
     if extra:
-      raise RecordError(f"feature {spec.key!r} has {len(values)} values, not a multiple of "
-                        f"its item shape {spec.shape}")
+      raise RecordError(
+        f"feature {spec.key!r} has {len(values)} values, not a multiple of "
+        f"its item shape {spec.shape}"
+      )
     if items > spec.max_length:
-      raise RecordError(f"feature {spec.key!r} has {items} items, more than its max_length "
-                        f"{spec.max_length}")
+      raise RecordError(
+        f"feature {spec.key!r} has {items} items, more than its max_length {spec.max_length}"
+      )
     row = arrays[name][slot]
     row[:items] = _convert(spec, values).reshape((items, *spec.shape))
     row[items:] = 0
@@ -205,7 +232,7 @@ def fill(specs: Mapping[str, Feature], record: bytes | tf_example_pb2.Example,
 def _feature_map(record: bytes):
   try:
     return tf_example_pb2.Example.FromString(record).features.feature
-  except Exception as e:  # protobuf raises its own DecodeError
+  except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
     raise RecordError(f"not a tf.train.Example ({type(e).__name__}: {e})") from None
 
 
@@ -219,8 +246,9 @@ def _values(spec: Feature, feature) -> list | None:
     return None
   expected = _LISTS[spec.numpy_dtype.kind]
   if kind != expected:
-    raise RecordError(f"feature {spec.key!r} is a {kind}, expected a {expected} for dtype "
-                      f"{spec.dtype}")
+    raise RecordError(
+      f"feature {spec.key!r} is a {kind}, expected a {expected} for dtype {spec.dtype}"
+    )
   return list(getattr(feature[spec.key], kind).value)
 
 
@@ -233,8 +261,10 @@ def _convert(spec: Feature, values: list) -> np.ndarray:
       raise RecordError(f"feature {spec.key!r}: bytes values expected")
     longest = max((len(v) for v in values), default=0)
     if longest > spec.max_bytes:
-      raise RecordError(f"feature {spec.key!r} holds a value of {longest} bytes, more than "
-                        f"its max_bytes {spec.max_bytes}")
+      raise RecordError(
+        f"feature {spec.key!r} holds a value of {longest} bytes, more than "
+        f"its max_bytes {spec.max_bytes}"
+      )
     return np.array(values, dtype)
   if dtype.kind in "iub":
     array = np.array(values, np.int64)
@@ -244,8 +274,10 @@ def _convert(spec: Feature, values: list) -> np.ndarray:
     elif array.size:
       info = np.iinfo(dtype)
       if array.min() < info.min or array.max() > info.max:
-        raise RecordError(f"feature {spec.key!r} value {int(array.min())}..{int(array.max())}"
-                          f" does not fit {spec.dtype}; give a wider dtype")
+        raise RecordError(
+          f"feature {spec.key!r} value {int(array.min())}..{int(array.max())}"
+          f" does not fit {spec.dtype}; give a wider dtype"
+        )
     return array.astype(dtype)
   try:
     return np.array(values, np.float64).astype(dtype)

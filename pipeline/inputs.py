@@ -23,18 +23,18 @@ from pipeline import manifest as manifest_lib
 
 
 def input(
-    data_dir,
-    split: str = "train",
-    *,
-    global_batch_size: int,
-    mesh: jax.sharding.Mesh | None = None,
-    train: bool | None = None,
-    layout: Literal["global", "pmap"] = "global",
-    normalize: device.Normalize = None,
-    dtype: Any = None,
-    data_axis: str = "data",
-    depth: int = 2,
-    **make_dataset_keywords,
+  data_dir,
+  split: str = "train",
+  *,
+  global_batch_size: int,
+  mesh: jax.sharding.Mesh | None = None,
+  train: bool | None = None,
+  layout: Literal["global", "pmap"] = "global",
+  normalize: device.Normalize = None,
+  dtype: Any = None,
+  data_axis: str = "data",
+  depth: int = 2,
+  **make_dataset_keywords,
 ) -> Input:
   """`split` of the converted dataset in `data_dir` as batches of device arrays.
 
@@ -52,17 +52,20 @@ def input(
       augment, performance, ...), except batch_size, which this derives.
   """
   if "batch_size" in make_dataset_keywords:
-    raise TypeError("pipeline.input takes global_batch_size=; the per-process batch_size is "
-                    "derived from it")
+    raise TypeError(
+      "pipeline.input takes global_batch_size=; the per-process batch_size is derived from it"
+    )
   if not isinstance(global_batch_size, int) or global_batch_size < 1:
     raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
   train = split.startswith("train") if train is None else train
   where = device.make_layout(mesh, data_axis, layout)
   shard_index, shard_count = where.shard
   if global_batch_size % shard_count:
-    raise ValueError(f"global_batch_size {global_batch_size} does not divide over the "
-                     f"{shard_count} processes that feed the data axis: make it a multiple "
-                     f"of {shard_count}")
+    raise ValueError(
+      f"global_batch_size {global_batch_size} does not divide over the "
+      f"{shard_count} processes that feed the data axis: make it a multiple "
+      f"of {shard_count}"
+    )
   batch_size = global_batch_size // shard_count
   where.check(batch_size)
   keywords = {"shard_index": shard_index, "shard_count": shard_count, **make_dataset_keywords}
@@ -71,15 +74,33 @@ def input(
   meta = manifest_lib.load(epath.Path(data_dir))
   host = dataset.make_dataset(data_dir, split, batch_size=batch_size, train=train, **keywords)
   # Streams that drop their remainder only ever hold full batches: no mask to add.
-  fed = device.device_prefetch(host, mesh, data_axis=data_axis, depth=depth,
-                               remainder="drop" if drop else "pad", normalize=normalize,
-                               dtype=dtype, batch_size=batch_size, layout=layout)
+  fed = device.device_prefetch(
+    host,
+    mesh,
+    data_axis=data_axis,
+    depth=depth,
+    remainder="drop" if drop else "pad",
+    normalize=normalize,
+    dtype=dtype,
+    batch_size=batch_size,
+    layout=layout,
+  )
   num_examples = meta.splits[split].num_records
-  per_process = (num_examples // keywords["shard_count"] if train
-                 else math.ceil(num_examples / keywords["shard_count"]))
+  per_process = (
+    num_examples // keywords["shard_count"]
+    if train
+    else math.ceil(num_examples / keywords["shard_count"])
+  )
   steps = per_process // batch_size if drop else math.ceil(per_process / batch_size)
-  return Input(fed, num_examples=num_examples, steps_per_epoch=steps, classes=meta.classes,
-               global_batch_size=global_batch_size, batch_size=batch_size, train=train)
+  return Input(
+    fed,
+    num_examples=num_examples,
+    steps_per_epoch=steps,
+    classes=meta.classes,
+    global_batch_size=global_batch_size,
+    batch_size=batch_size,
+    train=train,
+  )
 
 
 class Input(grain.DatasetIterator):
@@ -91,8 +112,17 @@ class Input(grain.DatasetIterator):
   `reset()` starts one at once. `dataset` is the underlying `grain.IterDataset`.
   """
 
-  def __init__(self, dataset: grain.IterDataset, *, num_examples: int, steps_per_epoch: int,
-               classes: list[str], global_batch_size: int, batch_size: int, train: bool):
+  def __init__(
+    self,
+    dataset: grain.IterDataset,
+    *,
+    num_examples: int,
+    steps_per_epoch: int,
+    classes: list[str],
+    global_batch_size: int,
+    batch_size: int,
+    train: bool,
+  ):
     super().__init__()
     self.dataset = dataset
     self.num_examples = num_examples
@@ -141,5 +171,7 @@ class Input(grain.DatasetIterator):
     self._closed = True
 
   def __str__(self) -> str:
-    return (f"Input({self.num_examples} examples, global batch {self.global_batch_size}, "
-            f"{'train' if self.train else 'eval'})")
+    return (
+      f"Input({self.num_examples} examples, global batch {self.global_batch_size}, "
+      f"{'train' if self.train else 'eval'})"
+    )

@@ -53,7 +53,7 @@ def _close_live_iterators() -> None:
   for it in list(_LIVE):
     try:
       it.close()
-    except Exception:  # best effort at shutdown
+    except Exception:  # noqa: BLE001 - best effort at shutdown
       pass
     for node in _chain(it):  # their __del__ would close again, after modules are gone
       node.close = _noop

@@ -50,10 +50,24 @@ class BatchLoader:
   """Loads batch `i` of a process's stream. Picklable (worker processes): the thread pool
   and the cache are made on first use in each process."""
 
-  def __init__(self, source: ShardedSource, sampler: Sampler, head: augment.Head, *,
-               batch_size: int, num_classes: int, keys: records.Keys, seed: int,
-               num_threads: int, on_error: str, cache_mb: float, with_mask: bool,
-               image_ops: Sequence = (), batch_ops: Sequence = (), features: dict | None = None):
+  def __init__(
+    self,
+    source: ShardedSource,
+    sampler: Sampler,
+    head: augment.Head,
+    *,
+    batch_size: int,
+    num_classes: int,
+    keys: records.Keys,
+    seed: int,
+    num_threads: int,
+    on_error: str,
+    cache_mb: float,
+    with_mask: bool,
+    image_ops: Sequence = (),
+    batch_ops: Sequence = (),
+    features: dict | None = None,
+  ):
     self.source, self.sampler, self.head = source, sampler, head
     self.batch_size, self.num_classes, self.keys, self.seed = batch_size, num_classes, keys, seed
     self.num_threads, self.on_error, self.with_mask = num_threads, on_error, with_mask
@@ -73,8 +87,11 @@ class BatchLoader:
     self.emulate_ns = _emulation()
 
   def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items()
-            if k not in ("_pool", "_lock", "_cache", "_cache_used", "_local", "emulate_ns")}
+    return {
+      k: v
+      for k, v in self.__dict__.items()
+      if k not in ("_pool", "_lock", "_cache", "_cache_used", "_local", "emulate_ns")
+    }
 
   def __setstate__(self, state):
     self.__dict__.update(state)
@@ -95,7 +112,8 @@ class BatchLoader:
     with self._lock:
       if self._pool is None:
         self._pool = concurrent.futures.ThreadPoolExecutor(
-            self.num_threads, thread_name_prefix="pipeline-decode")
+          self.num_threads, thread_name_prefix="pipeline-decode"
+        )
       return self._pool
 
   def __call__(self, batch_index: int) -> dict[str, np.ndarray]:
@@ -141,8 +159,9 @@ class _Batch:
     self.loader, self.epochs, self.indices = loader, epochs, indices
     n, size = len(indices), loader.head.image_size
     shape = (n, size, size, 3)
-    self.images = SharedMemoryArray(shape, np.uint8) if loader.shared_memory else np.empty(
-        shape, np.uint8)
+    self.images = (
+      SharedMemoryArray(shape, np.uint8) if loader.shared_memory else np.empty(shape, np.uint8)
+    )
     self.labels = np.zeros(n, np.int64)
     self.dims = np.zeros((n, 2), np.int32)
     self.real = indices != PAD
@@ -189,23 +208,41 @@ class _Batch:
     loader, head = self.loader, self.loader.head
     arena = loader.arena(stop - start)
     handed_back = native.decode_batch(
-        self.native_records, self.epochs, self.indices, self.labels, self.dims, arena,
-        loader.slot_bytes, start, stop, loader.seed, loader.key_bytes[0], loader.key_bytes[1],
-        head.image_size, head.native_params(), loader.emulate_ns)
+      self.native_records,
+      self.epochs,
+      self.indices,
+      self.labels,
+      self.dims,
+      arena,
+      loader.slot_bytes,
+      start,
+      stop,
+      loader.seed,
+      loader.key_bytes[0],
+      loader.key_bytes[1],
+      head.image_size,
+      head.native_params(),
+      loader.emulate_ns,
+    )
     todo = [slot for slot, _, _ in handed_back] + [
-        s for s in range(start, stop) if isinstance(self.records[s], CorruptRecordsError)]
+      s for s in range(start, stop) if isinstance(self.records[s], CorruptRecordsError)
+    ]
     skip = set(todo)
     real, dims = self.real[start:stop].tolist(), self.dims[start:stop].tolist()
     size, bicubic, slot_bytes = head.image_size, head.bicubic, loader.slot_bytes
     emulated = np.empty((1, 1, 3), np.uint8) if loader.emulate_ns else None
     for k, (h, w) in enumerate(dims):  # the per-image Python: a view and one OpenCV call
       if real[k] and start + k not in skip:
-        window = arena[k * slot_bytes:k * slot_bytes + h * w * 3].reshape(h, w, 3)
+        window = arena[k * slot_bytes : k * slot_bytes + h * w * 3].reshape(h, w, 3)
         if emulated is not None:  # the call without its pixel work (waited for above)
           cv2.resize(window, (1, 1), dst=emulated)
           continue
-        cv2.resize(window, (size, size), dst=self.images[start + k],
-                   interpolation=augment.interpolation(h, w, size, bicubic))
+        cv2.resize(
+          window,
+          (size, size),
+          dst=self.images[start + k],
+          interpolation=augment.interpolation(h, w, size, bicubic),
+        )
     return todo
 
   def _python_slot(self, slot: int) -> None:
@@ -214,8 +251,9 @@ class _Batch:
       if isinstance(record, CorruptRecordsError):
         raise BadRecordError(f"{self.where(slot)}: corrupt record ({record})")
       data, self.labels[slot], _ = records.parse(record, self.loader.keys)
-      self.loader.python_image(data, int(self.epochs[slot]), int(self.indices[slot]),
-                               self.images[slot])
+      self.loader.python_image(
+        data, int(self.epochs[slot]), int(self.indices[slot]), self.images[slot]
+      )
     except (records.RecordError, decode.DecodeError) as e:
       self.fail(slot, BadRecordError(f"{self.where(slot)}: {e}"))
     except BadRecordError as e:
@@ -246,9 +284,13 @@ class _Batch:
     ok = self.real & ~self.bad
     out_of_range = ok & ((self.labels < 0) | (self.labels >= loader.num_classes))
     for slot in np.flatnonzero(out_of_range):
-      self.fail(slot, BadRecordError(
+      self.fail(
+        slot,
+        BadRecordError(
           f"{self.where(slot)}: label {self.labels[slot]} outside [0, {loader.num_classes}) "
-          "of the manifest's classes"))
+          "of the manifest's classes"
+        ),
+      )
     ok = self.real & ~self.bad
     images = self.images
     if loader.image_ops:
@@ -305,8 +347,10 @@ def _stack(images: list[np.ndarray | None], ok: np.ndarray) -> np.ndarray:
   for slot, (im, good) in enumerate(zip(images, ok)):
     if good:
       if im.shape != first.shape or im.dtype != first.dtype:
-        raise ValueError(f"per-image ops gave {im.dtype}{list(im.shape)} and "
-                         f"{first.dtype}{list(first.shape)} in one batch: they must agree")
+        raise ValueError(
+          f"per-image ops gave {im.dtype}{list(im.shape)} and "
+          f"{first.dtype}{list(first.shape)} in one batch: they must agree"
+        )
       out[slot] = im
   return out
 

@@ -46,8 +46,7 @@ def _philox(stream: int, seed: int, counter: tuple[int, int]) -> np.random.Gener
   if hi < 0 or lo < 0:
     raise ValueError(f"epoch and indices must be >= 0, got {counter}")
   # Philox increments the first counter word per draw; the last two name the stream.
-  return np.random.Generator(np.random.Philox(key=(stream << 64) | seed,
-                                              counter=[0, 0, hi, lo]))
+  return np.random.Generator(np.random.Philox(key=(stream << 64) | seed, counter=[0, 0, hi, lo]))
 
 
 def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
@@ -64,21 +63,23 @@ def _name(op) -> str:
   return getattr(op, "__name__", None) or type(op).__name__
 
 
-def apply(image_ops: Sequence[ImageOp], image: np.ndarray,
-          rng: np.random.Generator) -> np.ndarray:
+def apply(image_ops: Sequence[ImageOp], image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
   """Runs `image_ops` in order on one image. They may change its shape and dtype, but the
   loader stacks a batch's images, so every image must come out alike."""
   for op in image_ops:
     result = op(image, rng)
     if not isinstance(result, np.ndarray):
-      raise OpError(f"image op {_name(op)} returned {type(result).__name__}, not a numpy "
-                    "array (an op returns the new image)")
+      raise OpError(
+        f"image op {_name(op)} returned {type(result).__name__}, not a numpy "
+        "array (an op returns the new image)"
+      )
     image = result
   return image
 
 
-def apply_batch(batch_ops: Sequence[BatchOp], batch: Mapping[str, np.ndarray],
-                rng: np.random.Generator) -> dict[str, np.ndarray]:
+def apply_batch(
+  batch_ops: Sequence[BatchOp], batch: Mapping[str, np.ndarray], rng: np.random.Generator
+) -> dict[str, np.ndarray]:
   """Runs `batch_ops` in order on a host batch; each must keep the rows and the mask."""
   batch = dict(batch)
   rows = _rows(batch, "the batch")
@@ -90,8 +91,10 @@ def apply_batch(batch_ops: Sequence[BatchOp], batch: Mapping[str, np.ndarray],
     if MASK_KEY in batch and MASK_KEY not in result:
       raise OpError(f"batch op {_name(op)} dropped the {MASK_KEY!r} entry; pass it through")
     if _rows(result, f"batch op {_name(op)}'s output") != rows:
-      raise OpError(f"batch op {_name(op)} changed the batch from {rows} rows to "
-                    f"{_rows(result, '')}; ops must keep every row")
+      raise OpError(
+        f"batch op {_name(op)} changed the batch from {rows} rows to "
+        f"{_rows(result, '')}; ops must keep every row"
+      )
     batch = result
   return batch
 
@@ -145,8 +148,9 @@ def build(spec: str | Sequence[str | Callable] | None, kind: Kind, **context) ->
       if item.strip():
         ops.append(_lookup(item.strip(), kind, context))
     else:
-      raise TypeError(f"{kind} ops are callables or registered names, got "
-                      f"{type(item).__name__} {item!r}")
+      raise TypeError(
+        f"{kind} ops are callables or registered names, got {type(item).__name__} {item!r}"
+      )
   return tuple(ops)
 
 
@@ -156,8 +160,9 @@ def _lookup(text: str, kind: Kind, context: dict) -> Callable:
   if factory is None:
     other = "batch" if kind == "image" else "image"
     hint = f" (it is a {other} op)" if name in _REGISTRY[other] else ""
-    raise ValueError(f"unknown {kind} op {name!r} in {text!r}{hint}; registered: "
-                     f"{sorted(_REGISTRY[kind])}")
+    raise ValueError(
+      f"unknown {kind} op {name!r} in {text!r}{hint}; registered: {sorted(_REGISTRY[kind])}"
+    )
   params = inspect.signature(factory).parameters
   for key, value in context.items():
     if key in params and key not in kwargs:
@@ -169,7 +174,7 @@ def _lookup(text: str, kind: Kind, context: dict) -> Callable:
 
 
 def _parse_call(text: str) -> tuple[str, tuple, dict]:
-  """"name" or "name(1, b=2)" with literal arguments only (nothing is evaluated)."""
+  """ "name" or "name(1, b=2)" with literal arguments only (nothing is evaluated)."""
   try:
     expr = ast.parse(text, mode="eval").body
     if isinstance(expr, ast.Name):
@@ -211,14 +216,20 @@ class ColorJitter:
 
   def __call__(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-      raise OpError(f"color_jitter needs uint8 HxWx3 RGB images, got "
-                    f"{image.dtype}{list(image.shape)}")
+      raise OpError(
+        f"color_jitter needs uint8 HxWx3 RGB images, got {image.dtype}{list(image.shape)}"
+      )
     # Every draw happens whatever is switched off, so one setting never shifts another's.
-    factors = [rng.uniform(max(0.0, 1 - x), 1 + x)
-               for x in (self.brightness, self.contrast, self.saturation)]
+    factors = [
+      rng.uniform(max(0.0, 1 - x), 1 + x) for x in (self.brightness, self.contrast, self.saturation)
+    ]
     shift = rng.uniform(-self.hue, self.hue)
-    steps = [(_brightness, factors[0], self.brightness), (_contrast, factors[1], self.contrast),
-             (_saturation, factors[2], self.saturation), (_hue, shift, self.hue)]
+    steps = [
+      (_brightness, factors[0], self.brightness),
+      (_contrast, factors[1], self.contrast),
+      (_saturation, factors[2], self.saturation),
+      (_hue, shift, self.hue),
+    ]
     for k in rng.permutation(len(steps)):
       step, value, enabled = steps[k]
       if enabled:
@@ -301,6 +312,7 @@ class Mixup:
     if self.num_classes is None:
       raise OpError("mixup needs num_classes to make soft labels from class indices")
     if labels.size and not 0 <= labels.min() <= labels.max() < self.num_classes:
-      raise OpError(f"mixup: labels outside [0, {self.num_classes}): "
-                    f"{labels.min()}..{labels.max()}")
+      raise OpError(
+        f"mixup: labels outside [0, {self.num_classes}): {labels.min()}..{labels.max()}"
+      )
     return np.eye(self.num_classes, dtype=np.float32)[labels]

@@ -19,7 +19,8 @@ class Augment:
   Train: Inception random-resized-crop (share of the area in `area_range`, aspect w/h
   log-uniform in `aspect_range`) and a random left-right flip. Eval: the centre square of
   `crop_fraction` of the shorter side (or, with `crop_padding`, of image_size /
-  (image_size + crop_padding), as Flax's ImageNet example). Either way resized to `image_size` with `interpolation`.
+  (image_size + crop_padding), as Flax's ImageNet example). Either way resized to
+  `image_size` with `interpolation`.
   """
 
   area_range: tuple[float, float] = (0.08, 1.0)
@@ -37,17 +38,22 @@ class Augment:
   def __post_init__(self):
     lo, hi = self.area_range
     if not 0 < lo <= hi <= 1:
-      raise ValueError(f"augment.area_range must satisfy 0 < low <= high <= 1, got {self.area_range}")
+      raise ValueError(
+        f"augment.area_range must satisfy 0 < low <= high <= 1, got {self.area_range}"
+      )
     lo, hi = self.aspect_range
     if not 0 < lo <= hi:
-      raise ValueError(f"augment.aspect_range must satisfy 0 < low <= high, got {self.aspect_range}")
+      raise ValueError(
+        f"augment.aspect_range must satisfy 0 < low <= high, got {self.aspect_range}"
+      )
     if not 0 < self.crop_fraction <= 1:
       raise ValueError(f"augment.crop_fraction must be in (0, 1], got {self.crop_fraction}")
     if self.crop_padding is not None and self.crop_padding < 0:
       raise ValueError(f"augment.crop_padding must be >= 0, got {self.crop_padding}")
     if self.interpolation not in INTERPOLATIONS:
-      raise ValueError(f"augment.interpolation must be one of {INTERPOLATIONS}, "
-                       f"got {self.interpolation!r}")
+      raise ValueError(
+        f"augment.interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}"
+      )
 
 
 INTERPOLATIONS = ("bilinear", "bicubic")
@@ -75,8 +81,10 @@ class Performance:
     for name in ("num_threads", "num_workers"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, int) or value < (name == "num_threads")):
-        raise ValueError(f"performance.{name} must be None or an integer >= "
-                         f"{int(name == 'num_threads')}, got {value!r}")
+        raise ValueError(
+          f"performance.{name} must be None or an integer >= "
+          f"{int(name == 'num_threads')}, got {value!r}"
+        )
     if self.prefetch < 1:
       raise ValueError(f"performance.prefetch must be >= 1, got {self.prefetch}")
     if self.cache_mb < 0:

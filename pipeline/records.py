@@ -17,7 +17,7 @@ class RecordError(ValueError):
 
 @dataclasses.dataclass(frozen=True)
 class Keys:
-  """Feature keys of an image record. Defaults are ours; `TFDS_KEYS` and `KNOWN_KEYS` list others."""
+  """Feature keys of an image record. Defaults are ours; `TFDS_KEYS`, `KNOWN_KEYS`: others."""
 
   image: str = "image/encoded"
   label: str = "image/class/label"
@@ -44,7 +44,7 @@ def parse(record: bytes, keys: Keys = DEFAULT_KEYS) -> tuple[bytes, int, str]:
   """Returns (image bytes, label, filename) of a serialized Example; raises `RecordError`."""
   try:
     feature = tf_example_pb2.Example.FromString(record).features.feature
-  except Exception as e:  # protobuf raises its own DecodeError
+  except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
     raise RecordError(f"not a tf.train.Example ({type(e).__name__}: {e})") from None
   if keys.image not in feature or not feature[keys.image].bytes_list.value:
     raise RecordError(f"missing bytes feature {keys.image!r} (has: {sorted(feature)})")
@@ -54,9 +54,9 @@ def parse(record: bytes, keys: Keys = DEFAULT_KEYS) -> tuple[bytes, int, str]:
   if keys.filename in feature and feature[keys.filename].bytes_list.value:
     filename = feature[keys.filename].bytes_list.value[0].decode("utf-8", "replace")
   return (
-      feature[keys.image].bytes_list.value[0],
-      int(feature[keys.label].int64_list.value[0]),
-      filename,
+    feature[keys.image].bytes_list.value[0],
+    int(feature[keys.label].int64_list.value[0]),
+    filename,
   )
 
 
@@ -64,7 +64,7 @@ def detect_keys(record: bytes) -> Keys:
   """Guesses which known schema a record uses (ours, TFDS's or data/category/name)."""
   try:
     feature = tf_example_pb2.Example.FromString(record).features.feature
-  except Exception as e:  # protobuf raises its own DecodeError
+  except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
     raise RecordError(f"not a tf.train.Example ({type(e).__name__}: {e})") from None
   for keys in KNOWN_KEYS:
     if keys.image in feature and keys.label in feature:

@@ -70,11 +70,13 @@ class ShardedSource:
           found = reader.num_records() if reader.ok() else None
           if found != expected:
             reader.close()  # a reader that failed to open raises its error here
-        except Exception as e:  # array_record raises plain RuntimeErrors
+        except Exception as e:  # noqa: BLE001 - array_record raises plain RuntimeErrors
           raise OSError(f"cannot open shard {self.paths[shard]}: {e}") from None
         if found != expected:
-          raise OSError(f"shard {self.paths[shard]} holds {found} records, the manifest "
-                        f"{expected}: it changed after conversion")
+          raise OSError(
+            f"shard {self.paths[shard]} holds {found} records, the manifest "
+            f"{expected}: it changed after conversion"
+          )
         self._readers[shard] = reader
       return self._readers[shard]
 
@@ -93,9 +95,10 @@ class ShardedSource:
         recs = self._reader(shard).read(local)
       except OSError:
         raise
-      except Exception as e:  # array_record raises plain RuntimeErrors
-        raise CorruptRecordsError(f"cannot read {self.names[shard]} records "
-                                  f"{sorted(local)[:8]}...: {e}") from None
+      except Exception as e:  # noqa: BLE001 - array_record raises plain RuntimeErrors
+        raise CorruptRecordsError(
+          f"cannot read {self.names[shard]} records {sorted(local)[:8]}...: {e}"
+        ) from None
       for slot, rec in zip(slots.tolist(), recs):
         out[slot] = rec
     return out

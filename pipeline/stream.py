@@ -39,7 +39,6 @@ class StreamIterDataset(grain.IterDataset):
 
 
 class StreamIterator(grain.DatasetIterator):
-
   def __init__(self, parent: grain.DatasetIterator, stream: dict):
     super().__init__(parent)
     self._stream = stream
@@ -59,10 +58,15 @@ class StreamIterator(grain.DatasetIterator):
       raise StateError(f"an iterator state is a dict, not {type(state).__name__}")
     saved = state.get("stream", self._stream)  # states saved before streams were tagged
     if saved != self._stream:
-      diff = ", ".join(f"{k} {saved.get(k)} in the state, {v} here"
-                       for k, v in self._stream.items() if saved.get(k) != v)
-      raise StateError(f"iterator state of another stream ({diff or saved}): resume with the "
-                       "same shard_index/shard_count, seed, batch_size and dataset")
+      diff = ", ".join(
+        f"{k} {saved.get(k)} in the state, {v} here"
+        for k, v in self._stream.items()
+        if saved.get(k) != v
+      )
+      raise StateError(
+        f"iterator state of another stream ({diff or saved}): resume with the "
+        "same shard_index/shard_count, seed, batch_size and dataset"
+      )
     skipped = state.get("skipped", 0)
     if not isinstance(skipped, int) or skipped < 0:
       raise StateError(f"iterator state: 'skipped' must be a count, got {skipped!r}")
@@ -89,8 +93,10 @@ def _check_like(value: Any, template: Any, where: str) -> None:
     if not isinstance(value, dict):
       raise StateError(f"iterator {where} must be a dict, got {value!r:.80}")
     if template and set(value) != set(template):
-      raise StateError(f"iterator {where} has keys {sorted(map(str, value))}, this dataset's "
-                       f"states have {sorted(map(str, template))}")
+      raise StateError(
+        f"iterator {where} has keys {sorted(map(str, value))}, this dataset's "
+        f"states have {sorted(map(str, template))}"
+      )
     for k in value:
       _check_like(value[k], template.get(k, value[k]), f"{where}[{k!r}]")
   elif isinstance(template, list):

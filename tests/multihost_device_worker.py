@@ -20,7 +20,8 @@ LOCAL_BATCH = 4
 def examples(ids):
   """Examples whose label is the global example id and whose pixels encode it."""
   return grain.MapDataset.source(ids).map(
-      lambda i: {"image": np.full((2, 2, 3), i, np.uint8), "label": np.int32(i)})
+    lambda i: {"image": np.full((2, 2, 3), i, np.uint8), "label": np.int32(i)}
+  )
 
 
 def main() -> None:
@@ -33,10 +34,11 @@ def main() -> None:
 
   jax.config.update("jax_num_cpu_devices", 4)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"localhost:{args.port}", num_processes=NUM_PROCESSES,
-                             process_id=args.process_id)
+  jax.distributed.initialize(
+    f"localhost:{args.port}", num_processes=NUM_PROCESSES, process_id=args.process_id
+  )
   shape = tuple(int(s) for s in args.mesh.split(","))
-  names = ("data", "model")[:len(shape)]
+  names = ("data", "model")[: len(shape)]
   mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
   def gather(x: jax.Array) -> np.ndarray:
@@ -46,8 +48,7 @@ def main() -> None:
 
   # Training: process p feeds ids 16p..16p+15; 3 steps, then resume from the state after 1.
   ids = list(range(16 * args.process_id, 16 * (args.process_id + 1)))
-  ds = device_prefetch(examples(ids).batch(LOCAL_BATCH).to_iter_dataset(), mesh,
-                       normalize=True)
+  ds = device_prefetch(examples(ids).batch(LOCAL_BATCH).to_iter_dataset(), mesh, normalize=True)
   it = iter(ds)
   out["train_label"], out["train_image"], out["spec"] = [], [], []
   for step in range(3):
@@ -64,8 +65,13 @@ def main() -> None:
   resumed.close()
 
   # Eval: 21 ids, uneven slices (11 and 10), padded to full batches with a mask.
-  ds = device_prefetch(examples(list(range(21))[args.process_id::NUM_PROCESSES])
-                       .batch(LOCAL_BATCH).to_iter_dataset(), mesh, remainder="pad")
+  ds = device_prefetch(
+    examples(list(range(21))[args.process_id :: NUM_PROCESSES])
+    .batch(LOCAL_BATCH)
+    .to_iter_dataset(),
+    mesh,
+    remainder="pad",
+  )
   count = jax.jit(lambda m: m.astype(np.int32).sum())
   out["eval_label"], out["eval_mask"], out["eval_count"] = [], [], []
   it = iter(ds)

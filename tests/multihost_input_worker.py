@@ -25,8 +25,7 @@ def main() -> None:
 
   jax.config.update("jax_num_cpu_devices", 4)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"localhost:{args.port}", num_processes=2,
-                             process_id=args.process_id)
+  jax.distributed.initialize(f"localhost:{args.port}", num_processes=2, process_id=args.process_id)
   gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
   out = {}
 
@@ -38,13 +37,13 @@ def main() -> None:
   train.close()
 
   val = pipeline.input(args.data_dir, "validation", global_batch_size=16, **FAST)
-  real = [gather(b["image"].astype(np.int32).sum(axis=(1, 2, 3)))[gather(b["mask"])]
-          for b in val]
+  real = [gather(b["image"].astype(np.int32).sum(axis=(1, 2, 3)))[gather(b["mask"])] for b in val]
   out["eval_steps"], out["eval_real"] = val.steps_per_epoch, sum(len(r) for r in real)
   val.close()
 
-  pmapped = pipeline.input(args.data_dir, "train", global_batch_size=16, seed=1,
-                           layout="pmap", **FAST)
+  pmapped = pipeline.input(
+    args.data_dir, "train", global_batch_size=16, seed=1, layout="pmap", **FAST
+  )
   batch = next(pmapped)
   out["pmap_shape"] = batch["label"].shape
   total = jax.pmap(lambda x: jax.lax.psum(x.sum(), "d"), axis_name="d")(batch["label"])

@@ -34,25 +34,32 @@ def main() -> None:
 
   jax.config.update("jax_num_cpu_devices", 1)
   jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"localhost:{args.port}", num_processes=args.num_processes,
-                             process_id=args.process_id)
-  ds = pipeline.make_dataset(args.data,
-                             args.split,
-                             batch_size=args.batch_size,
-                             train=False,
-                             shuffle=True,
-                             num_epochs=2,
-                             seed=SEED,
-                             image_size=IMAGE_SIZE,
-                             shard_index=jax.process_index(),
-                             shard_count=jax.process_count(),
-                             performance=dict(num_threads=1))
+  jax.distributed.initialize(
+    f"localhost:{args.port}", num_processes=args.num_processes, process_id=args.process_id
+  )
+  ds = pipeline.make_dataset(
+    args.data,
+    args.split,
+    batch_size=args.batch_size,
+    train=False,
+    shuffle=True,
+    num_epochs=2,
+    seed=SEED,
+    image_size=IMAGE_SIZE,
+    shard_index=jax.process_index(),
+    shard_count=jax.process_count(),
+    performance=dict(num_threads=1),
+  )
   it = iter(ds)
   out = {"process_index": jax.process_index(), "process_count": jax.process_count()}
   out["batches"] = []
   for batch in it:
-    out["batches"].append([hashlib.sha1(image.tobytes()).hexdigest() if real else None
-                           for image, real in zip(batch["image"], batch["mask"])])
+    out["batches"].append(
+      [
+        hashlib.sha1(image.tobytes()).hexdigest() if real else None
+        for image, real in zip(batch["image"], batch["mask"])
+      ]
+    )
     if len(out["batches"]) == args.save_at:
       out["state"] = it.get_state()
   it.close()

@@ -102,16 +102,26 @@ def test_random_resized_crop_stays_within_area_and_aspect_ranges():
 
 
 def test_crop_fallback_is_centred_and_in_ratio():
-  y, x, ch, cw = augment.random_resized_crop_box(1000, 120, augment.example_key(0, 0, 0),
-                                                 area=(0.99, 1.0))
+  y, x, ch, cw = augment.random_resized_crop_box(
+    1000, 120, augment.example_key(0, 0, 0), area=(0.99, 1.0)
+  )
   assert (cw, x) == (120, 0) and ch == 160 and y == (1000 - 160) // 2
 
 
 def test_an_examples_draws_depend_only_on_seed_epoch_and_index():
   key = augment.example_key(5, 1, 42)
   assert key == augment.example_key(5, 1, 42)
-  assert len({key, augment.example_key(6, 1, 42), augment.example_key(5, 2, 42),
-              augment.example_key(5, 1, 43)}) == 4
+  assert (
+    len(
+      {
+        key,
+        augment.example_key(6, 1, 42),
+        augment.example_key(5, 2, 42),
+        augment.example_key(5, 1, 43),
+      }
+    )
+    == 4
+  )
   draws = [augment.uniform(augment.example_key(0, 0, i), 0) for i in range(4000)]
   assert 0 <= min(draws) and max(draws) < 1 and abs(np.mean(draws) - 0.5) < 0.02
 
@@ -150,8 +160,7 @@ def test_decode_refuses_garbage_and_truncated_jpeg(decoder):
 
 
 def test_train_batches_have_the_documented_form(photos_dir):
-  ds = pipeline.make_dataset(photos_dir, batch_size=8, image_size=64, shard_index=0,
-                             shard_count=1)
+  ds = pipeline.make_dataset(photos_dir, batch_size=8, image_size=64, shard_index=0, shard_count=1)
   b = next(iter(ds))
   assert b["image"].shape == (8, 64, 64, 3) and b["image"].dtype == np.uint8
   assert b["label"].shape == (8,) and b["label"].dtype == np.int32
@@ -161,8 +170,17 @@ def test_train_batches_have_the_documented_form(photos_dir):
 
 def test_eval_covers_every_record_exactly_once_per_epoch(photos_dir):
   n = manifest.load(photos_dir).splits["train"].num_records
-  ds = pipeline.make_dataset(photos_dir, "train", batch_size=5, train=False, image_size=32,
-                             shuffle=True, num_epochs=2, shard_index=0, shard_count=1)
+  ds = pipeline.make_dataset(
+    photos_dir,
+    "train",
+    batch_size=5,
+    train=False,
+    image_size=32,
+    shuffle=True,
+    num_epochs=2,
+    shard_index=0,
+    shard_count=1,
+  )
   batches = list(ds)
   prints = fingerprints(batches)
   assert len(prints) == 2 * n
@@ -175,8 +193,15 @@ def test_processes_read_disjoint_slices_that_cover_the_split(photos_dir):
   n = manifest.load(photos_dir).splits["validation"].num_records
   per_process = []
   for k in range(3):
-    ds = pipeline.make_dataset(photos_dir, "validation", batch_size=4, train=False,
-                               image_size=32, shard_index=k, shard_count=3)
+    ds = pipeline.make_dataset(
+      photos_dir,
+      "validation",
+      batch_size=4,
+      train=False,
+      image_size=32,
+      shard_index=k,
+      shard_count=3,
+    )
     batches = list(ds)
     per_process.append(fingerprints(batches))
     assert len(batches) == math.ceil(math.ceil(n / 3) / 4)  # the same count on every process
@@ -186,13 +211,15 @@ def test_processes_read_disjoint_slices_that_cover_the_split(photos_dir):
 
 def test_same_seed_same_batches_whatever_the_thread_count(photos_dir):
   def run(threads, seed=0):
-    ds = pipeline.make_dataset(photos_dir,
-                               batch_size=6,
-                               image_size=48,
-                               seed=seed,
-                               shard_index=0,
-                               shard_count=1,
-                               performance=dict(num_threads=threads))
+    ds = pipeline.make_dataset(
+      photos_dir,
+      batch_size=6,
+      image_size=48,
+      seed=seed,
+      shard_index=0,
+      shard_count=1,
+      performance=dict(num_threads=threads),
+    )
     return take(iter(ds), 4)
 
   one = run(1)
@@ -202,8 +229,7 @@ def test_same_seed_same_batches_whatever_the_thread_count(photos_dir):
 
 
 def test_exact_resume_mid_epoch(photos_dir):
-  ds = pipeline.make_dataset(photos_dir, batch_size=7, image_size=40, shard_index=0,
-                             shard_count=1)
+  ds = pipeline.make_dataset(photos_dir, batch_size=7, image_size=40, shard_index=0, shard_count=1)
   it = iter(ds)
   take(it, 3)
   state = it.get_state()
@@ -215,22 +241,33 @@ def test_exact_resume_mid_epoch(photos_dir):
 
 def test_eval_images_are_the_resized_centre_crop_and_deterministic(photos_dir):
   def run():
-    return list(pipeline.make_dataset(photos_dir, "validation", batch_size=8, train=False,
-                                      image_size=32, shard_index=0, shard_count=1,
-                                      performance=dict(dct_scaling=False)))
+    return list(
+      pipeline.make_dataset(
+        photos_dir,
+        "validation",
+        batch_size=8,
+        train=False,
+        image_size=32,
+        shard_index=0,
+        shard_count=1,
+        performance=dict(dct_scaling=False),
+      )
+    )
 
   batches = run()
   assert_same_batches(batches, run())
   meta = manifest.load(photos_dir)
-  source = ShardedSource(meta.shard_paths(photos_dir, "validation"),
-                         [s.num_records for s in meta.splits["validation"].shards])
+  source = ShardedSource(
+    meta.shard_paths(photos_dir, "validation"),
+    [s.num_records for s in meta.splits["validation"].shards],
+  )
   images = np.concatenate([b["image"][b["mask"]] for b in batches])
   for index, image in enumerate(images[:6]):  # eval is in record order
     full = decode.decode(records.parse(source.read([index])[0])[0])
     h, w = full.shape[:2]
     y, x, ch, cw = augment.center_crop_box(h, w, 0.875)
-    centred = augment.resize(full[y:y + ch, x:x + cw], 32).astype(int)
-    shifted = augment.resize(full[y // 4:y // 4 + ch, x // 4:x // 4 + cw], 32).astype(int)
+    centred = augment.resize(full[y : y + ch, x : x + cw], 32).astype(int)
+    shifted = augment.resize(full[y // 4 : y // 4 + ch, x // 4 : x // 4 + cw], 32).astype(int)
     assert np.abs(image - centred).mean() < 1.5
     assert np.abs(image - shifted).mean() > 3 * np.abs(image - centred).mean()
 
@@ -239,9 +276,16 @@ def test_cache_decodes_each_record_once_over_epochs(photos_dir, monkeypatch):
   decoded = []
   real_decode = decode.decode
   monkeypatch.setattr(decode, "decode", lambda data: decoded.append(1) or real_decode(data))
-  ds = pipeline.make_dataset(photos_dir, "validation", batch_size=4, image_size=32,
-                             shard_index=0, shard_count=1, num_epochs=3,
-                             performance=dict(cache_mb=64))
+  ds = pipeline.make_dataset(
+    photos_dir,
+    "validation",
+    batch_size=4,
+    image_size=32,
+    shard_index=0,
+    shard_count=1,
+    num_epochs=3,
+    performance=dict(cache_mb=64),
+  )
   batches = list(ds)
   n = manifest.load(photos_dir).splits["validation"].num_records
   assert sum(len(b["label"]) for b in batches) == 4 * (3 * n // 4)  # drop_remainder
@@ -253,9 +297,16 @@ def test_native_and_python_paths_give_identical_images(photos_dir):
   if decode.native() is None:
     pytest.skip("the C extension is not built here")
   for train in (True, False):
-    ds = pipeline.make_dataset(photos_dir, batch_size=8, train=train, image_size=40, seed=3,
-                               shard_index=0, shard_count=1,
-                               augment=dict(interpolation="bicubic" if train else "bilinear"))
+    ds = pipeline.make_dataset(
+      photos_dir,
+      batch_size=8,
+      train=train,
+      image_size=40,
+      seed=3,
+      shard_index=0,
+      shard_count=1,
+      augment=dict(interpolation="bicubic" if train else "bilinear"),
+    )
     batch = next(iter(ds))
     loader = find_loader(ds)
     epochs, indices = loader.sampler.records(np.arange(8))
@@ -282,8 +333,9 @@ def find_loader(ds) -> BatchLoader:
 
 
 def test_host_normalization_gives_floats_in_minus_one_one(photos_dir):
-  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, normalize=True,
-                             shard_index=0, shard_count=1)
+  ds = pipeline.make_dataset(
+    photos_dir, batch_size=4, image_size=32, normalize=True, shard_index=0, shard_count=1
+  )
   img = next(iter(ds))["image"]
   assert img.dtype == np.float32 and img.min() >= -1.0 and img.max() <= 1.0
 
@@ -292,8 +344,9 @@ def test_bad_records_raise_naming_shard_and_index(tmp_path, write_dataset):
   good = [records.encode(jpeg(i), i % 2) for i in range(6)]
   recs = good[:3] + [records.encode(b"\xff\xd8\xffgarbage", 0)] + good[3:]
   data = write_dataset(tmp_path / "bad", recs)
-  ds = pipeline.make_dataset(data, batch_size=7, train=False, image_size=32, shard_index=0,
-                             shard_count=1)
+  ds = pipeline.make_dataset(
+    data, batch_size=7, train=False, image_size=32, shard_index=0, shard_count=1
+  )
   with pytest.raises(BadRecordError, match=r"train\.array_record-00000-of-00001 record 3"):
     list(ds)
 
@@ -303,11 +356,19 @@ def test_bad_records_are_skipped_and_counted_when_asked(tmp_path, write_dataset)
   missing_key = records.encode(jpeg(9), 1, keys=records.Keys(image="other"))
   recs = good[:2] + [b"\x00\x01not a proto", missing_key] + good[2:]
   data = write_dataset(tmp_path / "bad", recs)
-  eval_batches = list(pipeline.make_dataset(data, batch_size=8, train=False, image_size=32,
-                                            on_error="skip", shard_index=0, shard_count=1))
+  eval_batches = list(
+    pipeline.make_dataset(
+      data, batch_size=8, train=False, image_size=32, on_error="skip", shard_index=0, shard_count=1
+    )
+  )
   assert sum(int(b["mask"].sum()) for b in eval_batches) == 6
-  train = next(iter(pipeline.make_dataset(data, batch_size=8, image_size=32, on_error="skip",
-                                          shard_index=0, shard_count=1)))
+  train = next(
+    iter(
+      pipeline.make_dataset(
+        data, batch_size=8, image_size=32, on_error="skip", shard_index=0, shard_count=1
+      )
+    )
+  )
   assert train["image"].shape[0] == 8 and "mask" not in train
 
 
@@ -322,16 +383,22 @@ def test_other_key_names_are_read(tmp_path, write_dataset):
   keys = records.TFDS_KEYS
   recs = [records.encode(jpeg(i), i % 2, f"{i}.jpg", keys=keys) for i in range(4)]
   data = write_dataset(tmp_path / "tfds", recs)
-  ds = pipeline.make_dataset(data, batch_size=4, image_size=32, keys=keys, train=False,
-                             shard_index=0, shard_count=1)
+  ds = pipeline.make_dataset(
+    data, batch_size=4, image_size=32, keys=keys, train=False, shard_index=0, shard_count=1
+  )
   assert list(next(iter(ds))["label"]) == [0, 1, 0, 1]
 
 
 def test_worker_processes_give_the_batches_threads_give_and_resume_exactly(photos_dir):
   def make(workers, threads):
-    return pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0,
-                                 shard_count=1,
-                                 performance=dict(num_workers=workers, num_threads=threads))
+    return pipeline.make_dataset(
+      photos_dir,
+      batch_size=4,
+      image_size=32,
+      shard_index=0,
+      shard_count=1,
+      performance=dict(num_workers=workers, num_threads=threads),
+    )
 
   threads_only = take(iter(make(0, 2)), 5)
   it = iter(make(2, 1))  # real Grain worker processes, batches in shared memory
@@ -351,33 +418,47 @@ def test_skipped_records_are_counted_in_the_iterator_and_its_state(tmp_path, wri
   good = [records.encode(jpeg(i), i % 2) for i in range(6)]
   recs = good[:2] + [b"\x00\x01not a proto", records.encode(b"\xff\xd8\xffbad", 0)] + good[2:]
   data = write_dataset(tmp_path / "bad", recs)
-  it = iter(pipeline.make_dataset(data, batch_size=4, train=False, image_size=32,
-                                  on_error="skip", shard_index=0, shard_count=1))
+  it = iter(
+    pipeline.make_dataset(
+      data, batch_size=4, train=False, image_size=32, on_error="skip", shard_index=0, shard_count=1
+    )
+  )
   list(it)
   assert it.skipped == 2 and it.get_state()["skipped"] == 2
 
 
 def test_a_state_restored_with_numpy_values_resumes_at_the_next_unseen_batch(photos_dir):
-  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0,
-                             shard_count=1)
+  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0, shard_count=1)
   it = iter(ds)
   take(it, 5)
   state = it.get_state()
   expected = take(it, 3)
-  as_arrays = {k: ({kk: np.array(vv) for kk, vv in v.items()} if isinstance(v, dict)
-                   else np.array(v)) for k, v in state.items()}  # as a pytree checkpoint returns
+  as_arrays = {
+    k: ({kk: np.array(vv) for kk, vv in v.items()} if isinstance(v, dict) else np.array(v))
+    for k, v in state.items()
+  }  # as a pytree checkpoint returns
   resumed = iter(ds)
   resumed.set_state(as_arrays)
   assert_same_batches(expected, take(resumed, 3))
   assert resumed.get_state() == {**state, "next_index": state["next_index"] + 3}
 
 
-@pytest.mark.parametrize("state", [{"next_index": -1}, {"next_index": "3"}, {"bogus": 1},
-                                   [1, 2], {"next_index": 1.5}, {"next_index": True},
-                                   {"next_index": 2, "skipped": -4}])
+@pytest.mark.parametrize(
+  "state",
+  [
+    {"next_index": -1},
+    {"next_index": "3"},
+    {"bogus": 1},
+    [1, 2],
+    {"next_index": 1.5},
+    {"next_index": True},
+    {"next_index": 2, "skipped": -4},
+  ],
+)
 def test_garbage_states_are_refused_in_one_line(photos_dir, state):
-  it = iter(pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0,
-                                  shard_count=1))
+  it = iter(
+    pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0, shard_count=1)
+  )
   with pytest.raises(StateError) as e:
     it.set_state(state)
   assert "\n" not in str(e.value)
@@ -386,12 +467,14 @@ def test_garbage_states_are_refused_in_one_line(photos_dir, state):
 @pytest.mark.slow
 def test_worker_processes_give_the_same_batches_for_the_same_worker_count(photos_dir):
   def run():
-    ds = pipeline.make_dataset(photos_dir,
-                               batch_size=4,
-                               image_size=32,
-                               shard_index=0,
-                               shard_count=1,
-                               performance=dict(num_workers=2))
+    ds = pipeline.make_dataset(
+      photos_dir,
+      batch_size=4,
+      image_size=32,
+      shard_index=0,
+      shard_count=1,
+      performance=dict(num_workers=2),
+    )
     it = iter(ds)
     out = take(it, 3)
     it.close()
@@ -401,7 +484,8 @@ def test_worker_processes_give_the_same_batches_for_the_same_worker_count(photos
 
 
 def test_custom_ops_and_extra_features_are_deterministic_across_threads_workers_and_resume(
-    tmp_path, write_dataset):
+  tmp_path, write_dataset
+):
   from tensorflow_datasets.proto import tf_example_pb2
 
   recs = []
@@ -412,13 +496,29 @@ def test_custom_ops_and_extra_features_are_deterministic_across_threads_workers_
   data = write_dataset(tmp_path / "extra", recs)
 
   def make(workers, threads):
-    return pipeline.make_dataset(data, batch_size=4, image_size=32, shard_index=0, shard_count=1,
-                                 ops="color_jitter(0.4)", batch_ops="mixup(0.2)",
-                                 features={"id": "image/id"},
-                                 performance=dict(num_workers=workers, num_threads=threads))
+    return pipeline.make_dataset(
+      data,
+      batch_size=4,
+      image_size=32,
+      shard_index=0,
+      shard_count=1,
+      ops="color_jitter(0.4)",
+      batch_ops="mixup(0.2)",
+      features={"id": "image/id"},
+      performance=dict(num_workers=workers, num_threads=threads),
+    )
 
-  in_order = list(pipeline.make_dataset(data, batch_size=5, train=False, image_size=32,
-                                        shard_index=0, shard_count=1, features={"id": "image/id"}))
+  in_order = list(
+    pipeline.make_dataset(
+      data,
+      batch_size=5,
+      train=False,
+      image_size=32,
+      shard_index=0,
+      shard_count=1,
+      features={"id": "image/id"},
+    )
+  )
   ids = np.concatenate([b["id"][b["mask"]] for b in in_order])
   labels = np.concatenate([b["label"][b["mask"]] for b in in_order])
   np.testing.assert_array_equal(ids, 1000 + np.arange(24))  # each record's own value
@@ -437,8 +537,9 @@ def test_custom_ops_and_extra_features_are_deterministic_across_threads_workers_
   rest = take(resumed, 4)
   resumed.close()
   assert_same_batches(threads, first + rest)
-  plain = next(iter(pipeline.make_dataset(data, batch_size=4, image_size=32, shard_index=0,
-                                          shard_count=1)))
+  plain = next(
+    iter(pipeline.make_dataset(data, batch_size=4, image_size=32, shard_index=0, shard_count=1))
+  )
   assert not np.array_equal(plain["image"], threads[0]["image"])  # the ops did something
 
 
@@ -446,8 +547,9 @@ def test_a_failing_custom_op_names_the_record(photos_dir):
   def broken(image, rng):
     raise RuntimeError("boom")
 
-  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0,
-                             shard_count=1, ops=[broken])
+  ds = pipeline.make_dataset(
+    photos_dir, batch_size=4, image_size=32, shard_index=0, shard_count=1, ops=[broken]
+  )
   with pytest.raises(ValueError, match=r"array_record-\d+-of-\d+ record \d+: RuntimeError: boom"):
     next(iter(ds))
 
@@ -473,13 +575,15 @@ def test_make_dataset_refuses_shards_that_disagree_with_the_manifest(tmp_path, p
     pipeline.make_dataset(data, "train", batch_size=4, shard_index=0, shard_count=1)
 
 
-def test_a_many_core_host_gets_worker_processes_and_the_same_batches(photos_dir, monkeypatch,
-                                                                    capfd):
+def test_a_many_core_host_gets_worker_processes_and_the_same_batches(
+  photos_dir, monkeypatch, capfd
+):
   from pipeline import parallelism
 
   def make():
-    return pipeline.make_dataset(photos_dir, batch_size=32, image_size=32, shard_index=0,
-                                 shard_count=1)
+    return pipeline.make_dataset(
+      photos_dir, batch_size=32, image_size=32, shard_index=0, shard_count=1
+    )
 
   here = take(iter(make()), 3)
   monkeypatch.setattr(parallelism, "available_cores", lambda: 24)  # as if on a bigger host
@@ -490,5 +594,6 @@ def test_a_many_core_host_gets_worker_processes_and_the_same_batches(photos_dir,
   there = take(it, 3)
   it.close()
   assert f"{chosen.workers} worker processes x {chosen.threads} decode threads" in (
-      capfd.readouterr().err)
+    capfd.readouterr().err
+  )
   assert_same_batches(here, there)

@@ -27,16 +27,19 @@ P = jax.sharding.PartitionSpec
 
 def mesh(shape: tuple[int, ...]) -> jax.sharding.Mesh:
   if jax.device_count() < 8:
-    pytest.fail("test_device needs 8 CPU devices, but JAX started before it could ask for "
-                "them: set XLA_FLAGS=--xla_force_host_platform_device_count=8.")
-  names = ("data", "model")[:len(shape)]
+    pytest.fail(
+      "test_device needs 8 CPU devices, but JAX started before it could ask for "
+      "them: set XLA_FLAGS=--xla_force_host_platform_device_count=8."
+    )
+  names = ("data", "model")[: len(shape)]
   return jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
 
 
 def examples(n: int) -> grain.MapDataset:
   """Examples whose label is their index and whose pixels encode it."""
   return grain.MapDataset.range(n).map(
-      lambda i: {"image": np.full((4, 4, 3), i, np.uint8), "label": np.int32(i)})
+    lambda i: {"image": np.full((4, 4, 3), i, np.uint8), "label": np.int32(i)}
+  )
 
 
 def host_batches(n: int, batch: int) -> grain.IterDataset:
@@ -80,9 +83,11 @@ def test_normalize_moves_uint8_and_maps_pixels_to_minus_one_one_on_device():
 
 def test_transfer_runs_on_a_background_thread_at_most_depth_batches_ahead():
   produced = []
+
   def record(batch):
     produced.append(threading.current_thread())
     return batch
+
   depth = 2
   it = iter(device_prefetch(host_batches(80, 8).map(record), mesh((8,)), depth=depth))
   next(it)
@@ -131,6 +136,7 @@ def test_pad_fills_the_last_batch_and_masks_the_padding():
 def test_pad_extends_an_existing_mask_in_its_dtype():
   def with_mask(i):  # the dataset layer marks example 9 as padding of its own
     return {"label": np.int32(i), "mask": np.int32(i != 9)}
+
   ds = grain.MapDataset.range(10).map(with_mask).batch(8).to_iter_dataset()
   batches = list(iter(device_prefetch(ds, mesh((8,)))))
   assert np.asarray(batches[1]["mask"]).tolist() == [1, 0, 0, 0, 0, 0, 0, 0]
@@ -158,17 +164,18 @@ def test_a_batch_that_does_not_split_over_the_data_axis_says_what_to_change():
     device_prefetch(host_batches(8, 8), mesh((8,)), data_axis="batch")
 
 
-@pytest.mark.parametrize("preset, mean, std", [
+@pytest.mark.parametrize(
+  "preset, mean, std",
+  [
     ("imagenet", [123.675, 116.28, 103.53], [58.395, 57.12, 57.375]),
     ("zero_one", [0, 0, 0], [255, 255, 255]),
     (([10, 20, 30], 2), [10, 20, 30], [2, 2, 2]),
-])
-def test_normalize_presets_and_mean_std_map_pixels_on_device_in_the_given_dtype(preset, mean,
-                                                                              std):
+  ],
+)
+def test_normalize_presets_and_mean_std_map_pixels_on_device_in_the_given_dtype(preset, mean, std):
   pixels = np.arange(16 * 2 * 3, dtype=np.uint8).reshape(16, 1, 2, 3)
   ds = grain.MapDataset.source(list(pixels)).map(lambda p: {"image": p}).batch(16)
-  it = iter(device_prefetch(ds.to_iter_dataset(), mesh((8,)), normalize=preset,
-                            dtype=jnp.bfloat16))
+  it = iter(device_prefetch(ds.to_iter_dataset(), mesh((8,)), normalize=preset, dtype=jnp.bfloat16))
   image = next(it)["image"]
   it.close()
   assert image.dtype == jnp.bfloat16 and image.sharding.spec == P("data")
@@ -222,8 +229,11 @@ def test_without_a_mesh_the_batch_is_sharded_over_every_device():
 
 
 def test_bytes_entries_stay_on_the_host_with_this_processs_rows_padded():
-  ds = grain.MapDataset.range(10).map(
-      lambda i: {"label": np.int32(i), "id": np.bytes_(f"id{i}")}).batch(8)
+  ds = (
+    grain.MapDataset.range(10)
+    .map(lambda i: {"label": np.int32(i), "id": np.bytes_(f"id{i}")})
+    .batch(8)
+  )
   batches = list(iter(device_prefetch(ds.to_iter_dataset(), mesh((8,)))))
   assert isinstance(batches[0]["label"], jax.Array)
   ids = batches[1]["id"]
@@ -241,12 +251,24 @@ def free_port() -> int:
 @pytest.mark.parametrize("shape", ["8", "4,2"])
 def test_two_processes_each_feed_their_slice_of_one_global_batch(tmp_path, shape):
   port = free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, str(ROOT / "tests" / "multihost_device_worker.py"),
-       f"--process_id={i}", f"--port={port}", f"--mesh={shape}",
-       f"--out={tmp_path / f'{i}.npz'}"],
-      cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        str(ROOT / "tests" / "multihost_device_worker.py"),
+        f"--process_id={i}",
+        f"--port={port}",
+        f"--mesh={shape}",
+        f"--out={tmp_path / f'{i}.npz'}",
+      ],
+      cwd=ROOT,
+      env={**os.environ, "PYTHONPATH": str(ROOT)},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   for p in procs:
     out, _ = p.communicate(timeout=240)
     assert p.returncode == 0, out[-3000:]
@@ -255,11 +277,11 @@ def test_two_processes_each_feed_their_slice_of_one_global_batch(tmp_path, shape
     np.testing.assert_array_equal(seen[0][key], seen[1][key])
   got = seen[0]
   # Process 0 feeds ids 0..15, process 1 ids 16..31, four per step each.
-  expected = [list(range(4 * s, 4 * s + 4)) + list(range(16 + 4 * s, 20 + 4 * s))
-              for s in range(3)]
+  expected = [list(range(4 * s, 4 * s + 4)) + list(range(16 + 4 * s, 20 + 4 * s)) for s in range(3)]
   assert got["train_label"].tolist() == expected
-  np.testing.assert_allclose(got["train_image"][..., 0, 0, 0],
-                             np.array(expected) / 127.5 - 1, atol=1e-6)
+  np.testing.assert_allclose(
+    got["train_image"][..., 0, 0, 0], np.array(expected) / 127.5 - 1, atol=1e-6
+  )
   assert set(got["spec"]) == {"P('data',)"}
   assert got["resumed_label"].tolist() == expected[1]
   # Eval over 21 ids split 11/10: every id counted once, padding masked out.

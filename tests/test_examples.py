@@ -12,8 +12,9 @@ EXAMPLE = ROOT / "examples" / "custom_ops.py"
 
 def run(args: list[str], cwd: pathlib.Path) -> str:
   env = {k: v for k, v in os.environ.items() if k not in ("XLA_FLAGS", "PYTHONPATH")}
-  out = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True,
-                       text=True, timeout=600)
+  out = subprocess.run(
+    [sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   return out.stdout
 
@@ -29,19 +30,25 @@ def test_custom_ops_example_trains_and_resumes_exactly_from_any_folder(tmp_path)
   assert "validation accuracy" in straight and "e.g. wrong:" in straight
   # Interrupted after 3 steps, then resumed in the same workdir: the same losses.
   resume = (
-      "import importlib.util, sys\n"
-      f"spec = importlib.util.spec_from_file_location('custom_ops', {str(EXAMPLE)!r})\n"
-      "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
-      f"flags = {flags!r}\n"
-      f"m.main([{str(data)!r}, '--workdir', 'run', *flags[2:], '--steps', '3'])\n"
-      f"m.main([{str(data)!r}, '--workdir', 'run', *flags])\n")
+    "import importlib.util, sys\n"
+    f"spec = importlib.util.spec_from_file_location('custom_ops', {str(EXAMPLE)!r})\n"
+    "m = importlib.util.module_from_spec(spec); spec.loader.exec_module(m)\n"
+    f"flags = {flags!r}\n"
+    f"m.main([{str(data)!r}, '--workdir', 'run', *flags[2:], '--steps', '3'])\n"
+    f"m.main([{str(data)!r}, '--workdir', 'run', *flags])\n"
+  )
   resumed = run(["-c", resume], cwd=tmp_path)
   assert "resumed at step 3" in resumed
   assert losses(resumed) == losses(straight) and len(losses(straight)) == 6
 
 
 def test_the_example_says_what_is_missing_without_data(tmp_path):
-  out = subprocess.run([sys.executable, str(EXAMPLE), str(tmp_path / "none")], cwd=tmp_path,
-                       capture_output=True, text=True, timeout=300)
+  out = subprocess.run(
+    [sys.executable, str(EXAMPLE), str(tmp_path / "none")],
+    cwd=tmp_path,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert out.returncode == 2
   assert out.stderr.strip().endswith("convert a dataset there first, or pass --make-digits N")

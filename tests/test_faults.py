@@ -44,8 +44,11 @@ def assert_same_batches(a: list[dict], b: list[dict]) -> None:
 
 def spawned_workers(before: set[int]) -> list[psutil.Process]:
   """Grain's worker processes started since `before` (not multiprocessing's tracker)."""
-  return [p for p in psutil.Process().children(recursive=True)
-          if p.pid not in before and "spawn_main" in " ".join(p.cmdline())]
+  return [
+    p
+    for p in psutil.Process().children(recursive=True)
+    if p.pid not in before and "spawn_main" in " ".join(p.cmdline())
+  ]
 
 
 # --- a worker process killed ----------------------------------------------------------------
@@ -54,13 +57,15 @@ def spawned_workers(before: set[int]) -> list[psutil.Process]:
 @pytest.mark.timeout(300)
 def test_a_killed_worker_raises_promptly_and_a_restart_resumes_exactly(digits_dir):
   def dataset(workers: int) -> grain.IterDataset:
-    return pipeline.make_dataset(digits_dir,
-                                 batch_size=8,
-                                 image_size=16,
-                                 seed=1,
-                                 shard_index=0,
-                                 shard_count=1,
-                                 performance=dict(num_threads=1, num_workers=workers))
+    return pipeline.make_dataset(
+      digits_dir,
+      batch_size=8,
+      image_size=16,
+      seed=1,
+      shard_index=0,
+      shard_count=1,
+      performance=dict(num_threads=1, num_workers=workers),
+    )
 
   expected = take(iter(dataset(0)), 12)  # workers only change where batches are made
   before = {p.pid for p in psutil.Process().children(recursive=True)}
@@ -77,7 +82,7 @@ def test_a_killed_worker_raises_promptly_and_a_restart_resumes_exactly(digits_di
     for _ in range(20):  # batches already in flight may still arrive
       served.append(next(it))
   assert time.monotonic() - start < 60
-  assert_same_batches(served, expected[4:4 + len(served)])
+  assert_same_batches(served, expected[4 : 4 + len(served)])
   it.close()
   psutil.wait_procs(workers, timeout=30)
   assert not any(w.is_running() and w.status() != psutil.STATUS_ZOMBIE for w in workers)
@@ -113,22 +118,28 @@ def flip_byte_in_record(data_dir: pathlib.Path, index: int) -> None:
 
 
 def eval_dataset(data, on_error: str = "raise", verify: str = "size") -> grain.IterDataset:
-  return pipeline.make_dataset(data,
-                               "validation",
-                               verify=verify,
-                               batch_size=16,
-                               train=False,
-                               image_size=16,
-                               on_error=on_error,
-                               shard_index=0,
-                               shard_count=1,
-                               performance=dict(num_threads=1))
+  return pipeline.make_dataset(
+    data,
+    "validation",
+    verify=verify,
+    batch_size=16,
+    train=False,
+    image_size=16,
+    on_error=on_error,
+    shard_index=0,
+    shard_count=1,
+    performance=dict(num_threads=1),
+  )
 
 
 def hashes(batches) -> list[str]:
   """One hash per real example, in order (eval images are a function of the record)."""
-  return [hashlib.sha1(image.tobytes()).hexdigest()
-          for b in batches for image, real in zip(b["image"], b["mask"], strict=True) if real]
+  return [
+    hashlib.sha1(image.tobytes()).hexdigest()
+    for b in batches
+    for image, real in zip(b["image"], b["mask"], strict=True)
+    if real
+  ]
 
 
 @pytest.mark.parametrize("on_error", ["raise", "skip"])
@@ -168,11 +179,16 @@ def test_a_bit_flipped_record_is_skipped_when_asked(damaged):
   assert len(hashes(eval_dataset(damaged, "skip"))) == n - 1
 
 
-@settings(max_examples=200, deadline=None, database=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+  max_examples=200,
+  deadline=None,
+  database=None,
+  suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 @given(offset=st.floats(0, 1, exclude_max=True), bit=st.integers(0, 7))
-def test_any_flipped_bit_in_a_shard_is_detected_or_harmless(digits_dir, tmp_path_factory,
-                                                            offset, bit):
+def test_any_flipped_bit_in_a_shard_is_detected_or_harmless(
+  digits_dir, tmp_path_factory, offset, bit
+):
   """Where a bit flips (header, index, record, padding) the reader raises or reads true."""
   original = digits_dir / SHARD
   n = pipeline.load_manifest(digits_dir).splits["validation"].num_records

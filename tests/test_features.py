@@ -37,10 +37,14 @@ def example(i: int, **extra) -> bytes:
 
 def rich(i: int) -> bytes:
   """Record i: an id, a box, a variable number of objects (i % 3) with labels and boxes."""
-  return example(i, image__id=[1000 + i], image__key=[f"key-{i}".encode()],
-                 image__bbox=[0.1 * i, 0.2, 0.5, 0.5 + 0.1 * i],
-                 objects__label=list(range(i % 3)),
-                 objects__bbox=[float(i)] * 4 * (i % 3))
+  return example(
+    i,
+    image__id=[1000 + i],
+    image__key=[f"key-{i}".encode()],
+    image__bbox=[0.1 * i, 0.2, 0.5, 0.5 + 0.1 * i],
+    objects__label=list(range(i % 3)),
+    objects__bbox=[float(i)] * 4 * (i % 3),
+  )
 
 
 @pytest.fixture
@@ -54,11 +58,11 @@ def shard(tmp_path, write_dataset):
 
 
 SPECS = {
-    "id": "image/id",
-    "key": Feature("image/key", dtype="bytes", max_bytes=16),
-    "box": Feature("image/bbox", dtype="float32", shape=(4,)),
-    "objects": Feature("objects/label", dtype="int32", max_length=3),
-    "object_boxes": {"key": "objects/bbox", "dtype": "float32", "shape": [4], "max_length": 3},
+  "id": "image/id",
+  "key": Feature("image/key", dtype="bytes", max_bytes=16),
+  "box": Feature("image/bbox", dtype="float32", shape=(4,)),
+  "objects": Feature("objects/label", dtype="int32", max_length=3),
+  "object_boxes": {"key": "objects/bbox", "dtype": "float32", "shape": [4], "max_length": 3},
 }
 
 
@@ -75,9 +79,13 @@ def test_batch_arrays_have_one_row_per_example():
   specs = features.parse_specs({k: v for k, v in SPECS.items() if k != "id"})
   arrays = features.allocate(specs, 5)
   assert {k: (v.dtype.str, v.shape) for k, v in arrays.items()} == {
-      "key": ("|S16", (5,)), "box": ("<f4", (5, 4)), "objects": ("<i4", (5, 3)),
-      "objects_length": ("<i4", (5,)), "object_boxes": ("<f4", (5, 3, 4)),
-      "object_boxes_length": ("<i4", (5,))}
+    "key": ("|S16", (5,)),
+    "box": ("<f4", (5, 4)),
+    "objects": ("<i4", (5, 3)),
+    "objects_length": ("<i4", (5,)),
+    "object_boxes": ("<f4", (5, 3, 4)),
+    "object_boxes_length": ("<i4", (5,)),
+  }
   assert not any(v.any() for v in arrays.values())
 
 
@@ -107,16 +115,22 @@ def test_fill_accepts_an_already_parsed_example(shard):
   assert arrays["id"].tolist() == [1002] and arrays["id"].dtype == np.int64
 
 
-@pytest.mark.parametrize("spec, record, message", [
+@pytest.mark.parametrize(
+  "spec, record, message",
+  [
     (Feature("image/id", "int32"), example(0), r"missing feature 'image/id' \(batch key 'f'"),
-    (Feature("image/key", "float32"), rich(0),
-     "'image/key' is a bytes_list, expected a float_list for dtype float32"),
+    (
+      Feature("image/key", "float32"),
+      rich(0),
+      "'image/key' is a bytes_list, expected a float_list for dtype float32",
+    ),
     (Feature("image/bbox", "float32", (3,)), rich(0), "has 4 values, expected 3"),
     (Feature("objects/label", "int32", max_length=1), rich(2), "2 items, more than its max"),
     (Feature("objects/bbox", "float32", (3,), max_length=4), rich(1), "not a multiple"),
     (Feature("image/id", "int8"), rich(0), "1000..1000 does not fit int8"),
     (Feature("image/key", "bytes", max_bytes=3), rich(0), "5 bytes, more than its max_bytes"),
-])
+  ],
+)
 def test_fill_names_the_key_of_a_bad_feature(spec, record, message):
   specs = features.parse_specs({"f": spec})
   with pytest.raises(RecordError, match=message):
@@ -124,18 +138,23 @@ def test_fill_names_the_key_of_a_bad_feature(spec, record, message):
 
 
 def test_a_missing_feature_takes_its_default_or_has_no_items():
-  specs = features.parse_specs({"weight": Feature("w", "float32", default=1.0),
-                                "tags": Feature("tags", "bytes", max_length=2)})
+  specs = features.parse_specs(
+    {"weight": Feature("w", "float32", default=1.0), "tags": Feature("tags", "bytes", max_length=2)}
+  )
   arrays = features.allocate(specs, 1)
   features.fill(specs, example(0), arrays, 0)
   assert arrays["weight"].tolist() == [1.0] and arrays["tags_length"].tolist() == [0]
 
 
-@pytest.mark.parametrize("mapping, message", [
+@pytest.mark.parametrize(
+  "mapping, message",
+  [
     ({"id": "image/id"}, "give its dtype"),
     ({"label": Feature("image/id", "int32")}, "'label' is already taken"),
-    ({"n": Feature("a", "int32", max_length=2), "n_length": Feature("b", "int32")},
-     "'n_length' is already taken"),
+    (
+      {"n": Feature("a", "int32", max_length=2), "n_length": Feature("b", "int32")},
+      "'n_length' is already taken",
+    ),
     ({"x": Feature("a", "complex64")}, "dtype must be an integer, bool or float"),
     ({"x": Feature("a", "nonsense")}, "unknown dtype 'nonsense'"),
     ({"x": Feature("a", "float32", shape=(0,))}, "shape must be a tuple of positive ints"),
@@ -144,7 +163,8 @@ def test_a_missing_feature_takes_its_default_or_has_no_items():
     ({"x": Feature("a", "int8", default=300)}, "default 300 does not fit"),
     ({"x": Feature("a", "int8", max_length=2, default=0)}, "has no default"),
     (["image/id"], "features must map batch keys"),
-])
+  ],
+)
 def test_bad_specs_are_refused_with_the_feature_named(mapping, message):
   with pytest.raises(ValueError, match=message):
     features.parse_specs(mapping)

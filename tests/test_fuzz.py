@@ -1,4 +1,4 @@
-"""Fuzzing: random and mutated bytes through record parsing, image decoding and the native batch path.
+"""Fuzzing: random and mutated bytes through parsing, decoding and the native batch path.
 
 Only `records.RecordError` and `decode.DecodeError` may escape: never a crash, a hang or
 unbounded memory. Images are decoded in a sandbox process (this file run as a script), so a
@@ -30,8 +30,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import pipeline
-from pipeline import decode, records
-from pipeline import augment
+from pipeline import augment, decode, records
 from pipeline.dataset import BadRecordError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -64,21 +63,21 @@ def _save(array: np.ndarray, fmt: str, mode: str | None = None, **kw) -> bytes:
 def _sample_images() -> dict[str, bytes]:
   """Small real images in every JPEG flavour the C decoder meets, and Pillow's formats."""
   a, b = _pixels(48, 64), _pixels(37, 53, seed=1)
-  gray16 = (a[..., 0].astype(np.uint16) * 257)
+  gray16 = a[..., 0].astype(np.uint16) * 257
   return {
-      "jpeg420": _save(a, "JPEG", quality=90),
-      "jpeg444": _save(b, "JPEG", quality=95, subsampling=0),
-      "jpeg422": _save(b, "JPEG", subsampling=1),
-      "jpeg_gray": _save(a, "JPEG", mode="L"),
-      "jpeg_progressive": _save(b, "JPEG", progressive=True),
-      "jpeg_restart": _save(a, "JPEG", restart_marker_blocks=1),
-      "jpeg_cmyk": _save(b, "JPEG", mode="CMYK"),
-      "png": _save(b, "PNG"),
-      "png16": _save(gray16, "PNG"),
-      "gif": _save(a, "GIF", mode="P"),
-      "bmp": _save(b, "BMP"),
-      "webp": _save(a, "WEBP", quality=80),
-      "tiff": _save(b, "TIFF", compression="tiff_lzw"),
+    "jpeg420": _save(a, "JPEG", quality=90),
+    "jpeg444": _save(b, "JPEG", quality=95, subsampling=0),
+    "jpeg422": _save(b, "JPEG", subsampling=1),
+    "jpeg_gray": _save(a, "JPEG", mode="L"),
+    "jpeg_progressive": _save(b, "JPEG", progressive=True),
+    "jpeg_restart": _save(a, "JPEG", restart_marker_blocks=1),
+    "jpeg_cmyk": _save(b, "JPEG", mode="CMYK"),
+    "png": _save(b, "PNG"),
+    "png16": _save(gray16, "PNG"),
+    "gif": _save(a, "GIF", mode="P"),
+    "bmp": _save(b, "BMP"),
+    "webp": _save(a, "WEBP", quality=80),
+    "tiff": _save(b, "TIFF", compression="tiff_lzw"),
   }
 
 
@@ -91,9 +90,9 @@ def set_jpeg_size(data: bytes, h: int, w: int) -> bytes:
   """Rewrites the frame header's height and width (the bytes a decoder sizes buffers by)."""
   out, i = bytearray(data), 2
   while i + 9 < len(out) and out[i] == 0xFF:
-    marker, length = out[i + 1], struct.unpack(">H", out[i + 2:i + 4])[0]
+    marker, length = out[i + 1], struct.unpack(">H", out[i + 2 : i + 4])[0]
     if marker in JPEG_SOF:
-      out[i + 5:i + 9] = struct.pack(">HH", h, w)
+      out[i + 5 : i + 9] = struct.pack(">HH", h, w)
       return bytes(out)
     i += 2 + length
   return data
@@ -125,7 +124,7 @@ def mutated(draw, base: bytes) -> bytes:
     elif kind == "insert":
       data[pos:pos] = draw(st.binary(min_size=1, max_size=64))
     else:
-      del data[pos:pos + draw(st.integers(1, 256))]
+      del data[pos : pos + draw(st.integers(1, 256))]
   return bytes(data)
 
 
@@ -150,8 +149,11 @@ def _attempt(fn) -> dict:
   try:
     value = fn()
   except Exception as e:  # noqa: BLE001 - the parent judges what escaped
-    return {"error": type(e).__name__, "message": str(e)[:300],
-            "trace": traceback.format_exc()[-2000:]}
+    return {
+      "error": type(e).__name__,
+      "message": str(e)[:300],
+      "trace": traceback.format_exc()[-2000:],
+    }
   if isinstance(value, np.ndarray):
     return {"shape": list(value.shape), "dtype": str(value.dtype)}
   return {"value": value}
@@ -165,28 +167,44 @@ def _native_batch(record: bytes, seed: int) -> list:
   labels = np.zeros(2, np.int64)
   index = np.array([seed, 0], np.int64)
   dims, arena = np.zeros((2, 2), np.int32), np.empty(2 * augment.Head(OUT).slot_bytes(), np.uint8)
-  return native.decode_batch([record, None], index, index, labels, dims, arena,
-                             augment.Head(OUT).slot_bytes(), 0, 2, seed,
-                             b"image/encoded", b"image/class/label", OUT,
-                             augment.Head(OUT).native_params(), 0)
+  return native.decode_batch(
+    [record, None],
+    index,
+    index,
+    labels,
+    dims,
+    arena,
+    augment.Head(OUT).slot_bytes(),
+    0,
+    2,
+    seed,
+    b"image/encoded",
+    b"image/class/label",
+    OUT,
+    augment.Head(OUT).native_params(),
+    0,
+  )
 
 
 def _every_path(data: bytes, req: dict) -> dict:
   """Runs `data` through each decode entry point the pipeline uses."""
   key = augment.example_key(req["seed"], 0, 0)
-  out = {"image_size": _attempt(lambda: decode.image_size(data)),
-         "decode": _attempt(lambda: decode.decode(data)),
-         "train": _attempt(lambda: augment.Head(OUT, train=True)(data, key)),
-         "eval": _attempt(lambda: augment.Head(OUT, train=False)(data, key)),
-         "batch_of_record": _attempt(lambda: _native_batch(records.encode(data, 1), req["seed"])),
-         "batch_of_raw_bytes": _attempt(lambda: _native_batch(data, req["seed"]))}
+  out = {
+    "image_size": _attempt(lambda: decode.image_size(data)),
+    "decode": _attempt(lambda: decode.decode(data)),
+    "train": _attempt(lambda: augment.Head(OUT, train=True)(data, key)),
+    "eval": _attempt(lambda: augment.Head(OUT, train=False)(data, key)),
+    "batch_of_record": _attempt(lambda: _native_batch(records.encode(data, 1), req["seed"])),
+    "batch_of_raw_bytes": _attempt(lambda: _native_batch(data, req["seed"])),
+  }
   if "value" in out["image_size"]:
     h, w = out["image_size"]["value"]
     fy, fx, fh, fw = req["box"]
     ch, cw = max(1, round(fh * h)), max(1, round(fw * w))
     box = (round(fy * (h - ch)), round(fx * (w - cw)), ch, cw)
     out["decode_crop"] = _attempt(
-        lambda: decode.decode_crop(data, box, req["scale"], fast_dct=req["fast_dct"]))
+      lambda: decode.decode_crop(data, box, req["scale"], fast_dct=req["fast_dct"])
+    )
     out["decode_crop"].update(box=box, scale=req["scale"])
   return out
 
@@ -214,11 +232,21 @@ class Sandbox:
     self.log = log  # the child's stderr, shown when it dies
 
   def _start(self) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OPENBLAS_NUM_THREADS": "1",
-           "OMP_NUM_THREADS": "1"}
+    env = {
+      **os.environ,
+      "PYTHONPATH": str(ROOT),
+      "OPENBLAS_NUM_THREADS": "1",
+      "OMP_NUM_THREADS": "1",
+    }
     with open(self.log, "wb") as log:
-      self.proc = subprocess.Popen([sys.executable, __file__], stdin=subprocess.PIPE,
-                                   stdout=subprocess.PIPE, stderr=log, cwd=ROOT, env=env)
+      self.proc = subprocess.Popen(
+        [sys.executable, __file__],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=log,
+        cwd=ROOT,
+        env=env,
+      )
     ready = self._read_line(120)
     assert ready == b"ready\n", f"sandbox did not start: {self._why()}"
 
@@ -232,16 +260,23 @@ class Sandbox:
     what = f"killed by {signal.Signals(-rc).name}" if rc < 0 else f"exit code {rc}"
     return f"{what}; stderr: {self.log.read_bytes()[-1500:].decode(errors='replace')}"
 
-  def run(self, data: bytes, seed: int = 0, box=(0.0, 0.0, 1.0, 1.0), scale: int = 1,
-          fast_dct: bool = False) -> dict:
+  def run(
+    self,
+    data: bytes,
+    seed: int = 0,
+    box=(0.0, 0.0, 1.0, 1.0),
+    scale: int = 1,
+    fast_dct: bool = False,
+  ) -> dict:
     """Every decode path's outcome for `data`, or {"fatal": why} if the process died or hung.
 
     `box` is the crop window as fractions (y, x, h, w) of the size read from the header.
     """
     if self.proc is None or self.proc.poll() is not None:
       self._start()
-    header = json.dumps({"size": len(data), "seed": seed, "box": box, "scale": scale,
-                         "fast_dct": fast_dct})
+    header = json.dumps(
+      {"size": len(data), "seed": seed, "box": box, "scale": scale, "fast_dct": fast_dct}
+    )
     try:
       self.proc.stdin.write(header.encode() + b"\n" + data)
       self.proc.stdin.flush()
@@ -279,7 +314,8 @@ def check_answer(answer: dict, data: bytes) -> dict:
   results = answer["results"]
   for path, r in results.items():
     assert r.get("error") in (None, "DecodeError"), (
-        f"{path} let {r['error']} escape on {where}:\n{r['trace']}")
+      f"{path} let {r['error']} escape on {where}:\n{r['trace']}"
+    )
   size = results["image_size"]
   if "error" in size:  # every path reads the header first
     assert all("error" in r for k, r in results.items() if not k.startswith("batch_")), where
@@ -316,7 +352,7 @@ def parses_or_raises_record_error(data: bytes) -> None:
     assert str(e)
     return
   assert isinstance(image, bytes) and isinstance(filename, str)
-  assert isinstance(label, int) and -2**63 <= label < 2**63
+  assert isinstance(label, int) and -(2**63) <= label < 2**63
 
 
 @settings(FUZZ, max_examples=400)
@@ -336,16 +372,16 @@ def test_mutated_records_parse_or_raise_record_error(data):
 
 FEATURE_KEYS = st.sampled_from(["image/encoded", "image/class/label", "image/filename", "x"])
 FEATURE = st.one_of(
-    st.tuples(st.just("bytes"), st.lists(st.binary(max_size=16), max_size=3)),
-    st.tuples(st.just("int64"), st.lists(st.integers(-2**63, 2**63 - 1), max_size=3)),
-    st.tuples(st.just("float"), st.lists(st.floats(width=32), max_size=3)),
+  st.tuples(st.just("bytes"), st.lists(st.binary(max_size=16), max_size=3)),
+  st.tuples(st.just("int64"), st.lists(st.integers(-(2**63), 2**63 - 1), max_size=3)),
+  st.tuples(st.just("float"), st.lists(st.floats(width=32), max_size=3)),
 )
 
 
 @settings(FUZZ, max_examples=300)
 @given(st.dictionaries(FEATURE_KEYS, FEATURE))
 def test_any_example_parses_exactly_or_names_the_missing_feature(features):
-  from tensorflow_datasets.proto import tf_example_pb2  # pylint: disable=g-import-not-at-top
+  from tensorflow_datasets.proto import tf_example_pb2
 
   example = tf_example_pb2.Example()
   for key, (kind, values) in features.items():
@@ -360,10 +396,8 @@ def test_any_example_parses_exactly_or_names_the_missing_feature(features):
       records.parse(example.SerializeToString())
   else:
     name = features.get("image/filename", ("", []))
-    expected_name = (name[1][0].decode("utf-8", "replace")
-                     if name[0] == "bytes" and name[1] else "")
-    assert records.parse(example.SerializeToString()) == (image[1][0], label[1][0],
-                                                          expected_name)
+    expected_name = name[1][0].decode("utf-8", "replace") if name[0] == "bytes" and name[1] else ""
+    assert records.parse(example.SerializeToString()) == (image[1][0], label[1][0], expected_name)
 
 
 @settings(FUZZ, max_examples=50)
@@ -395,20 +429,26 @@ def test_mutated_images_decode_or_raise_decode_error(sandbox, data, seed, box, s
 
 
 @settings(FUZZ, max_examples=300)
-@given(st.sampled_from([b"", b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF89a", b"RIFF"]),
-       st.binary(max_size=1024), BOXES, SCALES)
-def test_random_bytes_behind_image_signatures_raise_decode_error(sandbox, magic, tail, box,
-                                                                 scale):
+@given(
+  st.sampled_from([b"", b"\xff\xd8\xff", b"\x89PNG\r\n\x1a\n", b"GIF89a", b"RIFF"]),
+  st.binary(max_size=1024),
+  BOXES,
+  SCALES,
+)
+def test_random_bytes_behind_image_signatures_raise_decode_error(sandbox, magic, tail, box, scale):
   data = magic + tail
   check_answer(sandbox.run(data, box=box, scale=scale), data)
 
 
-@pytest.mark.parametrize("fmt,h,w", [("jpeg", 65500, 65500), ("jpeg", 9500, 9500),
-                                     ("png", 20000, 20000), ("png", 9500, 9500)])
+@pytest.mark.parametrize(
+  "fmt,h,w",
+  [("jpeg", 65500, 65500), ("jpeg", 9500, 9500), ("png", 20000, 20000), ("png", 9500, 9500)],
+)
 def test_decompression_bombs_are_refused_by_the_pixel_limit(sandbox, fmt, h, w):
   assert h * w > decode.MAX_PIXELS
-  data = (set_jpeg_size(IMAGES["jpeg420"], h, w) if fmt == "jpeg"
-          else set_png_size(IMAGES["png"], h, w))
+  data = (
+    set_jpeg_size(IMAGES["jpeg420"], h, w) if fmt == "jpeg" else set_png_size(IMAGES["png"], h, w)
+  )
   results = check_answer(sandbox.run(data), data)
   for path in ("image_size", "decode", "train", "eval"):
     assert results[path]["error"] == "DecodeError"
@@ -458,7 +498,7 @@ def test_the_pipeline_serves_exactly_the_records_that_decode(tmp_path, write_dat
     for _ in range(edits):
       data[rng.randrange(len(data))] ^= 1 << rng.randrange(8)
     rec = records.encode(bytes(data), i % 3, f"{i}.{name}")
-    recs.append(rec[:rng.randrange(len(rec))] if i % 13 == 5 else rec)
+    recs.append(rec[: rng.randrange(len(rec))] if i % 13 == 5 else rec)
   expected = {}  # index -> hash of the eval image, for the records that parse and decode
   for i, rec in enumerate(recs):
     try:
@@ -470,17 +510,23 @@ def test_the_pipeline_serves_exactly_the_records_that_decode(tmp_path, write_dat
   write_dataset(tmp_path / "data", recs, ["a", "b", "c"])
 
   def dataset(on_error):
-    return pipeline.make_dataset(tmp_path / "data",
-                                 batch_size=8,
-                                 train=False,
-                                 image_size=OUT,
-                                 on_error=on_error,
-                                 shard_index=0,
-                                 shard_count=1,
-                                 performance=dict(num_threads=2))
+    return pipeline.make_dataset(
+      tmp_path / "data",
+      batch_size=8,
+      train=False,
+      image_size=OUT,
+      on_error=on_error,
+      shard_index=0,
+      shard_count=1,
+      performance=dict(num_threads=2),
+    )
 
-  served = [hashlib.sha1(image.tobytes()).hexdigest()
-            for b in dataset("skip") for image, real in zip(b["image"], b["mask"], strict=True) if real]
+  served = [
+    hashlib.sha1(image.tobytes()).hexdigest()
+    for b in dataset("skip")
+    for image, real in zip(b["image"], b["mask"], strict=True)
+    if real
+  ]
   assert served == list(expected.values())
   first_bad = min(set(range(40)) - set(expected))
   with pytest.raises(BadRecordError, match=f"00001 record {first_bad}:"):

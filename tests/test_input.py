@@ -27,8 +27,9 @@ FAST = {"image_size": 16, "performance": {"num_threads": 2}}
 @pytest.fixture(autouse=True)
 def eight_devices():
   if jax.device_count() != 8:
-    pytest.fail("test_input needs 8 CPU devices: set "
-                "XLA_FLAGS=--xla_force_host_platform_device_count=8.")
+    pytest.fail(
+      "test_input needs 8 CPU devices: set XLA_FLAGS=--xla_force_host_platform_device_count=8."
+    )
 
 
 def test_train_input_knows_its_sizes_and_feeds_global_batches(digits_dir):
@@ -59,8 +60,9 @@ def test_each_eval_pass_counts_every_example_once_and_the_next_loop_starts_anoth
 
 def test_normalization_and_dtype_happen_on_device(digits_dir):
   raw = pipeline.input(digits_dir, "validation", global_batch_size=8, **FAST)
-  norm = pipeline.input(digits_dir, "validation", global_batch_size=8, normalize="imagenet",
-                        dtype="bfloat16", **FAST)
+  norm = pipeline.input(
+    digits_dir, "validation", global_batch_size=8, normalize="imagenet", dtype="bfloat16", **FAST
+  )
   pixels, image = np.asarray(next(raw)["image"], np.float32), next(norm)["image"]
   assert image.dtype == "bfloat16" and image.sharding.spec == P("data")
   mean, std = np.array([0.485, 0.456, 0.406]) * 255, np.array([0.229, 0.224, 0.225]) * 255
@@ -70,8 +72,9 @@ def test_normalization_and_dtype_happen_on_device(digits_dir):
 
 
 def test_pmap_layout_gives_each_local_device_its_rows(digits_dir):
-  train = pipeline.input(digits_dir, "train", global_batch_size=16, layout="pmap",
-                         normalize="minus_one_one", **FAST)
+  train = pipeline.input(
+    digits_dir, "train", global_batch_size=16, layout="pmap", normalize="minus_one_one", **FAST
+  )
   batch = next(train)
   assert batch["image"].shape == (8, 2, 16, 16, 3) and batch["label"].shape == (8, 2)
   means = jax.pmap(lambda x: jax.lax.pmean(x.mean(), "d"), axis_name="d")(batch["image"])
@@ -93,18 +96,25 @@ def test_orbax_saves_the_iterator_beside_the_model_state_and_resumes_it(digits_d
   for _ in range(2):
     next(train)
     state = {"w": state["w"] + 1}
-  manager.save(2, args=ocp.args.Composite(
-      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train)))
+  manager.save(
+    2,
+    args=ocp.args.Composite(
+      state=ocp.args.StandardSave(state), data=grain.checkpoint.CheckpointSave(train)
+    ),
+  )
   manager.wait_until_finished()
   expected = [np.asarray(next(train)["label"]) for _ in range(3)]  # steps 3, 4, 5
   train.close()
 
   resumed = pipeline.input(digits_dir, "train", global_batch_size=16, seed=3, **FAST)
-  restored = manager.restore(manager.latest_step(), args=ocp.args.Composite(
-      state=ocp.args.StandardRestore(state), data=grain.checkpoint.CheckpointRestore(resumed)))
+  restored = manager.restore(
+    manager.latest_step(),
+    args=ocp.args.Composite(
+      state=ocp.args.StandardRestore(state), data=grain.checkpoint.CheckpointRestore(resumed)
+    ),
+  )
   assert restored.state["w"].tolist() == [2, 2, 2]
-  np.testing.assert_array_equal([np.asarray(next(resumed)["label"]) for _ in range(3)],
-                                expected)
+  np.testing.assert_array_equal([np.asarray(next(resumed)["label"]) for _ in range(3)], expected)
   resumed.close()
   manager.close()
 
@@ -117,11 +127,24 @@ def free_port() -> int:
 
 def test_two_processes_each_read_their_share_of_every_global_batch(digits_dir, tmp_path):
   port = free_port()
-  procs = [subprocess.Popen(
-      [sys.executable, str(ROOT / "tests" / "multihost_input_worker.py"), f"--process_id={i}",
-       f"--port={port}", f"--data_dir={digits_dir}", f"--out={tmp_path / f'{i}.npz'}"],
-      cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for i in range(2)]
+  procs = [
+    subprocess.Popen(
+      [
+        sys.executable,
+        str(ROOT / "tests" / "multihost_input_worker.py"),
+        f"--process_id={i}",
+        f"--port={port}",
+        f"--data_dir={digits_dir}",
+        f"--out={tmp_path / f'{i}.npz'}",
+      ],
+      cwd=ROOT,
+      env={**os.environ, "PYTHONPATH": str(ROOT)},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(2)
+  ]
   for p in procs:
     out, _ = p.communicate(timeout=300)
     assert p.returncode == 0, out[-3000:]

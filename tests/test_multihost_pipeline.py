@@ -43,10 +43,21 @@ def odd_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def record_hashes(odd_dir) -> set[str]:
   """The hash of every record's eval image, read by one process in order."""
-  ds = pipeline.make_dataset(odd_dir, batch_size=BATCH, train=False, image_size=IMAGE_SIZE,
-                             seed=SEED, shard_index=0, shard_count=1)
-  hashes = [hashlib.sha1(image.tobytes()).hexdigest()
-            for b in ds for image, real in zip(b["image"], b["mask"], strict=True) if real]
+  ds = pipeline.make_dataset(
+    odd_dir,
+    batch_size=BATCH,
+    train=False,
+    image_size=IMAGE_SIZE,
+    seed=SEED,
+    shard_index=0,
+    shard_count=1,
+  )
+  hashes = [
+    hashlib.sha1(image.tobytes()).hexdigest()
+    for b in ds
+    for image, real in zip(b["image"], b["mask"], strict=True)
+    if real
+  ]
   assert len(set(hashes)) == len(hashes) == NUM_RECORDS  # a hash identifies a record
   return set(hashes)
 
@@ -57,18 +68,35 @@ def free_port() -> int:
     return s.getsockname()[1]
 
 
-def run_cluster(num_processes: int, data: pathlib.Path, out: pathlib.Path,
-                save_at: int) -> list[dict]:
+def run_cluster(
+  num_processes: int, data: pathlib.Path, out: pathlib.Path, save_at: int
+) -> list[dict]:
   """Starts `num_processes` workers joined on a fresh localhost port; returns their JSON."""
   port = free_port()
   out.mkdir(parents=True, exist_ok=True)
   procs = []
   for i in range(num_processes):
-    cmd = [sys.executable, str(WORKER), f"--process_id={i}", f"--num_processes={num_processes}",
-           f"--port={port}", f"--data={data}", f"--batch_size={BATCH}",
-           f"--save_at={save_at}", f"--out={out / f'{i}.json'}"]
-    procs.append(subprocess.Popen(cmd, cwd=ROOT, env={**os.environ, "PYTHONPATH": str(ROOT)},
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+    cmd = [
+      sys.executable,
+      str(WORKER),
+      f"--process_id={i}",
+      f"--num_processes={num_processes}",
+      f"--port={port}",
+      f"--data={data}",
+      f"--batch_size={BATCH}",
+      f"--save_at={save_at}",
+      f"--out={out / f'{i}.json'}",
+    ]
+    procs.append(
+      subprocess.Popen(
+        cmd,
+        cwd=ROOT,
+        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+      )
+    )
   try:
     for p in procs:
       log, _ = p.communicate(timeout=300)
@@ -92,25 +120,33 @@ def by_epoch(results: list[dict], num_processes: int) -> list[list[str]]:
 
 def stream(data, state: dict, shard_index: int, shard_count: int) -> list[list[str | None]]:
   """The rest of a process's stream after `state`, as the worker writes it."""
-  ds = pipeline.make_dataset(data,
-                             batch_size=BATCH,
-                             train=False,
-                             shuffle=True,
-                             num_epochs=2,
-                             seed=SEED,
-                             image_size=IMAGE_SIZE,
-                             shard_index=shard_index,
-                             shard_count=shard_count,
-                             performance=dict(num_threads=1))
+  ds = pipeline.make_dataset(
+    data,
+    batch_size=BATCH,
+    train=False,
+    shuffle=True,
+    num_epochs=2,
+    seed=SEED,
+    image_size=IMAGE_SIZE,
+    shard_index=shard_index,
+    shard_count=shard_count,
+    performance=dict(num_threads=1),
+  )
   it = iter(ds)
   it.set_state(json.loads(json.dumps(state)))
-  return [[hashlib.sha1(image.tobytes()).hexdigest() if real else None
-           for image, real in zip(b["image"], b["mask"])] for b in it]
+  return [
+    [
+      hashlib.sha1(image.tobytes()).hexdigest() if real else None
+      for image, real in zip(b["image"], b["mask"])
+    ]
+    for b in it
+  ]
 
 
 @pytest.mark.parametrize("num_processes", [2, 4])
-def test_processes_cover_each_epoch_once_and_resume_exactly(tmp_path, odd_dir, record_hashes,
-                                                            num_processes):
+def test_processes_cover_each_epoch_once_and_resume_exactly(
+  tmp_path, odd_dir, record_hashes, num_processes
+):
   per_process = 2 * math.ceil(NUM_RECORDS / num_processes)
   num_batches = math.ceil(per_process / BATCH)
   save_at = num_batches // 2 - 1  # mid-way through the first epoch
@@ -134,9 +170,17 @@ def test_processes_cover_each_epoch_once_and_resume_exactly(tmp_path, odd_dir, r
 
 def test_a_state_from_another_process_count_is_refused_clearly(odd_dir):
   """A state is a position in one process's stream: restoring it elsewhere must not guess."""
-  ds = pipeline.make_dataset(odd_dir, batch_size=BATCH, train=False, shuffle=True,
-                             num_epochs=2, seed=SEED, image_size=IMAGE_SIZE, shard_index=1,
-                             shard_count=2)
+  ds = pipeline.make_dataset(
+    odd_dir,
+    batch_size=BATCH,
+    train=False,
+    shuffle=True,
+    num_epochs=2,
+    seed=SEED,
+    image_size=IMAGE_SIZE,
+    shard_index=1,
+    shard_count=2,
+  )
   it = iter(ds)
   next(it)
   state = it.get_state()

@@ -107,9 +107,12 @@ def test_an_op_that_returns_no_array_is_named():
 
 def batch_of(rows: int, num_classes: int, mask=None) -> dict:
   """Row i: every pixel 10 * i, label i."""
-  batch = {"image": np.repeat(np.arange(rows, dtype=np.uint8)[:, None, None, None] * 10,
-                              4, axis=1).repeat(4, axis=2).repeat(3, axis=3),
-           "label": np.arange(rows, dtype=np.int32) % num_classes}
+  batch = {
+    "image": np.repeat(np.arange(rows, dtype=np.uint8)[:, None, None, None] * 10, 4, axis=1)
+    .repeat(4, axis=2)
+    .repeat(3, axis=3),
+    "label": np.arange(rows, dtype=np.int32) % num_classes,
+  }
   if mask is not None:
     batch["mask"] = np.array(mask, bool)
   return batch

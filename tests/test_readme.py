@@ -18,17 +18,19 @@ def test_readme_flax_example_runs_as_written(digits_dir, tmp_path):
   (home / "pipeline-data").mkdir(parents=True)
   (home / "pipeline-data" / "digits").symlink_to(digits_dir)
   check = "\n".join(blocks) + (
-      "\nassert batch['image'].sharding.spec[0] == 'data'"
-      "\nassert 0 <= hits <= 60 and float(loss) > 0"
-      "\nassert next(train)['image'].shape[0] == 64"
-      "\nassert batch['label'].shape == (64, 10) and batch['label2'].shape == (64,)"
-      "\nassert batch['filename'].dtype.kind == 'S' and b'/' in batch['filename'][0]"
-      "\nprint('OK')\n")
+    "\nassert batch['image'].sharding.spec[0] == 'data'"
+    "\nassert 0 <= hits <= 60 and float(loss) > 0"
+    "\nassert next(train)['image'].shape[0] == 64"
+    "\nassert batch['label'].shape == (64, 10) and batch['label2'].shape == (64,)"
+    "\nassert batch['filename'].dtype.kind == 'S' and b'/' in batch['filename'][0]"
+    "\nprint('OK')\n"
+  )
   env = dict(os.environ, HOME=str(home), XLA_FLAGS="--xla_force_host_platform_device_count=4")
   env.pop("PYTHONPATH", None)
   empty = tmp_path / "cwd"
   empty.mkdir()
-  out = subprocess.run([sys.executable, "-c", check], cwd=empty, env=env,
-                       capture_output=True, text=True, timeout=300)
+  out = subprocess.run(
+    [sys.executable, "-c", check], cwd=empty, env=env, capture_output=True, text=True, timeout=300
+  )
   assert out.returncode == 0, out.stderr[-3000:]
   assert "OK" in out.stdout
