@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import os
 import pathlib
+import socket
 import subprocess
 import sys
 
@@ -89,3 +90,31 @@ def run_python():
     )
 
   return run
+
+
+def run_processes(script: str, count: int, timeout: float = 300, **flags) -> None:
+  """Runs tests/SCRIPT as `count` processes that join over a fresh localhost port
+  (each gets --process_id and --port, plus --NAME=VALUE per flag, where a value may contain
+  `{i}` for the process id); fails with a process's output if any exits non-zero."""
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    port = s.getsockname()[1]
+  procs = [
+    subprocess.Popen(
+      [sys.executable, str(REPO / "tests" / script), f"--process_id={i}", f"--port={port}"]
+      + [f"--{k}={str(v).format(i=i)}" for k, v in flags.items()],
+      cwd=REPO,
+      env={**os.environ, "PYTHONPATH": str(REPO)},
+      stdout=subprocess.PIPE,
+      stderr=subprocess.STDOUT,
+      text=True,
+    )
+    for i in range(count)
+  ]
+  try:
+    for p in procs:
+      out, _ = p.communicate(timeout=timeout)
+      assert p.returncode == 0, out[-3000:]
+  finally:
+    for p in procs:
+      p.kill()

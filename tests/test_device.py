@@ -1,10 +1,6 @@
 """device_prefetch: host batches become sharded global arrays, ahead, resumably."""
 
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 import threading
 import time
 
@@ -15,6 +11,7 @@ import numpy as np
 import pytest
 
 from pipeline.device import device_prefetch, normalize_images
+from tests.conftest import run_processes
 
 try:  # Must precede the first JAX operation of the pytest process; see mesh().
   jax.config.update("jax_num_cpu_devices", 8)
@@ -242,36 +239,9 @@ def test_bytes_entries_stay_on_the_host_with_this_processs_rows_padded():
   assert pmapped["id"].shape == (8, 1) and pmapped["id"][3, 0] == b"id3"
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("shape", ["8", "4,2"])
 def test_two_processes_each_feed_their_slice_of_one_global_batch(tmp_path, shape):
-  port = free_port()
-  procs = [
-    subprocess.Popen(
-      [
-        sys.executable,
-        str(ROOT / "tests" / "multihost_device_worker.py"),
-        f"--process_id={i}",
-        f"--port={port}",
-        f"--mesh={shape}",
-        f"--out={tmp_path / f'{i}.npz'}",
-      ],
-      cwd=ROOT,
-      env={**os.environ, "PYTHONPATH": str(ROOT)},
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  for p in procs:
-    out, _ = p.communicate(timeout=240)
-    assert p.returncode == 0, out[-3000:]
+  run_processes("multihost_device_worker.py", 2, 240, mesh=shape, out=tmp_path / "{i}.npz")
   seen = [np.load(tmp_path / f"{i}.npz") for i in range(2)]
   for key in seen[0].files:  # both processes see the same global arrays
     np.testing.assert_array_equal(seen[0][key], seen[1][key])

@@ -1,10 +1,6 @@
 """pipeline.input: one call from a converted dataset to device batches, with its sizes."""
 
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 
 import grain
 import jax
@@ -13,6 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import pipeline
+from tests.conftest import run_processes
 
 try:  # Must precede the first JAX operation of the pytest process (see test_device.py).
   jax.config.update("jax_num_cpu_devices", 8)
@@ -119,35 +116,8 @@ def test_orbax_saves_the_iterator_beside_the_model_state_and_resumes_it(digits_d
   manager.close()
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def test_two_processes_each_read_their_share_of_every_global_batch(digits_dir, tmp_path):
-  port = free_port()
-  procs = [
-    subprocess.Popen(
-      [
-        sys.executable,
-        str(ROOT / "tests" / "multihost_input_worker.py"),
-        f"--process_id={i}",
-        f"--port={port}",
-        f"--data_dir={digits_dir}",
-        f"--out={tmp_path / f'{i}.npz'}",
-      ],
-      cwd=ROOT,
-      env={**os.environ, "PYTHONPATH": str(ROOT)},
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(2)
-  ]
-  for p in procs:
-    out, _ = p.communicate(timeout=300)
-    assert p.returncode == 0, out[-3000:]
+  run_processes("multihost_input_worker.py", 2, data_dir=digits_dir, out=tmp_path / "{i}.npz")
   seen = [np.load(tmp_path / f"{i}.npz") for i in range(2)]
   got = seen[0]
   assert int(got["train_local_rows"]) == 8  # 16 over 2 processes

@@ -12,19 +12,15 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import os
 import pathlib
-import socket
-import subprocess
-import sys
 
 import pytest
 
 import pipeline
 from pipeline.convert import builtin, images
+from tests.conftest import run_processes
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
-WORKER = ROOT / "tests" / "multihost_pipeline_worker.py"
 NUM_RECORDS = 45  # divides by neither 2 nor 4: the last places of a slice are padding
 BATCH = 4
 SEED, IMAGE_SIZE = 7, 16  # as in the worker
@@ -62,48 +58,20 @@ def record_hashes(odd_dir) -> set[str]:
   return set(hashes)
 
 
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    return s.getsockname()[1]
-
-
 def run_cluster(
   num_processes: int, data: pathlib.Path, out: pathlib.Path, save_at: int
 ) -> list[dict]:
   """Starts `num_processes` workers joined on a fresh localhost port; returns their JSON."""
-  port = free_port()
   out.mkdir(parents=True, exist_ok=True)
-  procs = []
-  for i in range(num_processes):
-    cmd = [
-      sys.executable,
-      str(WORKER),
-      f"--process_id={i}",
-      f"--num_processes={num_processes}",
-      f"--port={port}",
-      f"--data={data}",
-      f"--batch_size={BATCH}",
-      f"--save_at={save_at}",
-      f"--out={out / f'{i}.json'}",
-    ]
-    procs.append(
-      subprocess.Popen(
-        cmd,
-        cwd=ROOT,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-      )
-    )
-  try:
-    for p in procs:
-      log, _ = p.communicate(timeout=300)
-      assert p.returncode == 0, log[-3000:]
-  finally:
-    for p in procs:
-      p.kill()
+  run_processes(
+    "multihost_pipeline_worker.py",
+    num_processes,
+    num_processes=num_processes,
+    data=data,
+    batch_size=BATCH,
+    save_at=save_at,
+    out=out / "{i}.json",
+  )
   return [json.loads((out / f"{i}.json").read_text()) for i in range(num_processes)]
 
 

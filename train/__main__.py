@@ -14,6 +14,7 @@ import os
 import re
 import sys
 import traceback
+import warnings
 
 from absl import app, flags, logging
 from ml_collections import config_flags
@@ -89,6 +90,9 @@ def parse_flags(argv: list[str]) -> list[str]:
     logging.get_absl_logger().addFilter(quiet_orbax)
     pylogging.getLogger("asyncio").setLevel(pylogging.CRITICAL)  # Orbax's unread futures
     sys.unraisablehook = quiet_orbax_leftovers
+    warnings.filterwarnings(  # Orbax's writes a failed save abandoned, collected at exit
+      "ignore", message="coroutine .* was never awaited", category=RuntimeWarning
+    )
   return rest
 
 
