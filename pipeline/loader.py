@@ -38,6 +38,7 @@ from pipeline.source import CorruptRecordsError, ShardedSource
 # everything else stays real, the per-image resize call included (on a 1x1 window): one
 # process's ceiling on a host with many more cores.
 EMULATE_ENV = "PIPELINE_EMULATE_DECODE_US"
+MAX_CHUNK = 8
 SKIPPED_KEY = "_skipped"  # per-batch skip count; `pipeline.dataset` sums and removes it
 PYTHON_PATH = 1
 
@@ -122,8 +123,9 @@ class BatchLoader:
     epochs, indices = self.sampler.records(positions)
     b = _Batch(self, epochs, indices)
     n = len(indices)
-    # A few contiguous chunks per thread: one GIL release each, still balanced.
-    step = max(1, -(-n // (2 * self.num_threads)))
+    # A few contiguous chunks per thread, one GIL release each, balanced, and at most
+    # MAX_CHUNK images so a thread's arena of decoded windows stays small (~7 MB at 224 px).
+    step = max(1, min(MAX_CHUNK, -(-n // (2 * self.num_threads))))
     chunks = [(k, min(k + step, n)) for k in range(0, n, step)]
     if len(chunks) == 1:
       b.load(*chunks[0])

@@ -44,8 +44,11 @@ class Costs:
 # Measured with `python -m pipeline.bench scaling data/photos` (802 photos ~450x400, batch
 # 128, 224 px, train; 2 shared vCPUs); two runs, the constants their mean:
 #   cpu_us 1085 / 950: the process's CPU per image on one thread;
-#   gil_us 92 / 92, handoff 0.021 / 0.001: fitted to img/s at 1-32 threads with decode and
-#     resize replaced by GIL-free waits (one process's ceiling: 8,219 / 10,816 img/s);
+#   gil_us 60: measured after the native path as the non-decode CPU less the read's GIL-free
+#     CPU (an upper bound): 25 us on a quiet machine, 59-75 us beside other loads; the
+#     conservative end is kept (fitted to the thread curve instead: 63-131 us);
+#   handoff 0.021 / 0.001: fitted to img/s at 1-32 threads with decode and resize replaced
+#     by GIL-free waits (one process's ceiling: 8,100-10,800 img/s on these 2 vCPUs);
 #   send_us 75 / 198: a worker's CPU per image beyond the same work in one process;
 #   receive_us 23 / 11, receive_free_us 28 / 43: the main process's user / system CPU per
 #     image with 2 workers;
@@ -53,7 +56,7 @@ class Costs:
 #     imports jax); at batch 128 of 224 px, 343 / 350 MB.
 COSTS = Costs(
   cpu_us=1020.0,
-  gil_us=92.0,
+  gil_us=60.0,
   handoff=0.011,
   send_us=137.0,
   receive_us=17.0,

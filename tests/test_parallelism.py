@@ -29,7 +29,8 @@ def test_many_cores_run_workers_with_a_few_threads_each(cores):
   assert chosen.workers >= 2 and 2 <= chosen.threads <= 16
   assert chosen.workers * chosen.threads <= cores
   one_process = max(project(cores, COSTS, Plan(0, t)) for t in range(1, cores + 1))
-  assert project(cores, COSTS, chosen) > 5 * one_process  # one process is capped by its GIL
+  # one process is capped by its GIL; workers multiply it until receiving their batches binds
+  assert project(cores, COSTS, chosen) > 3 * one_process
 
 
 def test_eight_cores_beat_one_thread_per_core_in_one_process_without_oversubscribing():
