@@ -582,13 +582,13 @@ def test_a_many_core_host_gets_worker_processes_and_the_same_batches(
 
   def make():
     return pipeline.make_dataset(
-      photos_dir, batch_size=32, image_size=32, shard_index=0, shard_count=1
+      photos_dir, batch_size=48, image_size=32, shard_index=0, shard_count=1
     )
 
   here = take(iter(make()), 3)
   monkeypatch.setattr(parallelism, "available_cores", lambda: 24)  # as if on a bigger host
   monkeypatch.setattr(parallelism, "available_memory", lambda: 64 << 30)
-  chosen = parallelism.plan(batch_size=32, image_bytes=32 * 32 * 3)
+  chosen = parallelism.plan(batch_size=48, image_bytes=32 * 32 * 3)
   assert chosen.workers > 0
   it = iter(make())
   there = take(it, 3)
