@@ -414,16 +414,26 @@ def test_worker_processes_give_the_batches_threads_give_and_resume_exactly(photo
   assert_same_batches(threads_only[2:], rest)
 
 
-def test_skipped_records_are_counted_in_the_iterator_and_its_state(tmp_path, write_dataset):
+@pytest.mark.parametrize("workers", [0, 2])
+def test_skipped_records_are_counted_in_the_iterator_and_its_state(
+  tmp_path, write_dataset, workers
+):
   good = [records.encode(jpeg(i), i % 2) for i in range(6)]
   recs = good[:2] + [b"\x00\x01not a proto", records.encode(b"\xff\xd8\xffbad", 0)] + good[2:]
   data = write_dataset(tmp_path / "bad", recs)
   it = iter(
     pipeline.make_dataset(
-      data, batch_size=4, train=False, image_size=32, on_error="skip", shard_index=0, shard_count=1
+      data,
+      batch_size=4,
+      train=False,
+      image_size=32,
+      on_error="skip",
+      shard_index=0,
+      shard_count=1,
+      performance=dict(num_workers=workers, num_threads=1),
     )
   )
-  list(it)
+  list(it)  # with workers, the counts travel with the batches out of each worker process
   assert it.skipped == 2 and it.get_state()["skipped"] == 2
 
 
