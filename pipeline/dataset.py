@@ -170,7 +170,7 @@ def make_dataset(
   )
   if chosen.workers:
     _ensure_absl_flags_parsed()
-    it = _SharedMemoryOutput(it, loader).mp_prefetch(
+    it = it.mp_prefetch(
       grain.MultiprocessingOptions(num_workers=chosen.workers), worker_init_fn=_ignore_sigint
     )
   stream = {
@@ -181,20 +181,6 @@ def make_dataset(
     "num_records": sampler.num_records,
   }
   return lifecycle.ClosedAtExit(StreamIterDataset(it, stream))
-
-
-class _SharedMemoryOutput(grain.IterDataset):
-  """Tells the loader to allocate batches in shared memory when Grain starts workers."""
-
-  def __init__(self, parent: grain.IterDataset, loader: BatchLoader):
-    super().__init__(parent)
-    self._loader = loader
-
-  def enable_shared_memory_output(self) -> None:
-    self._loader.enable_shared_memory_output()
-
-  def __iter__(self) -> grain.DatasetIterator:
-    return self._parent.__iter__()
 
 
 def _normalize_host(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -8,7 +8,7 @@
    call into `_jpeg.decode_batch`, which holds no GIL while it parses every Example, draws
    every crop window and flip from (seed, epoch, index) and decodes the windows (mirrored)
    into this thread's arena; each window is then resized by OpenCV straight into its slot of
-   the batch array (allocated in shared memory when a Grain worker process will send it);
+   the batch array (which a Grain worker process copies into shared memory to send);
 3. what the native path hands back (other formats, odd records, errors; everything when the
    extension is missing or a RAM cache is on) takes the per-image Python path, which draws
    the same windows;
@@ -27,7 +27,6 @@ from collections.abc import Sequence
 import cv2
 import numpy as np
 from absl import logging
-from grain.multiprocessing import SharedMemoryArray
 
 from pipeline import augment, decode, records
 from pipeline.sampling import PAD, Sampler
@@ -74,7 +73,6 @@ class BatchLoader:
     self.num_threads, self.on_error, self.with_mask = num_threads, on_error, with_mask
     self.image_ops, self.batch_ops, self.features = tuple(image_ops), tuple(batch_ops), features
     self.cache_bytes = int(cache_mb * 2**20)
-    self.shared_memory = False
     self.slot_bytes = head.slot_bytes()
     self.key_bytes = (keys.image.encode(), keys.label.encode())
     self._init_runtime()
@@ -104,10 +102,6 @@ class BatchLoader:
     if arena is None or len(arena) < slots * self.slot_bytes:
       arena = self._local.arena = np.empty(slots * self.slot_bytes, np.uint8)
     return arena
-
-  def enable_shared_memory_output(self) -> None:
-    """Batches go straight into shared memory, which Grain's workers then send uncopied."""
-    self.shared_memory = True
 
   def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
     with self._lock:
@@ -161,9 +155,7 @@ class _Batch:
     self.loader, self.epochs, self.indices = loader, epochs, indices
     n, size = len(indices), loader.head.image_size
     shape = (n, size, size, 3)
-    self.images = (
-      SharedMemoryArray(shape, np.uint8) if loader.shared_memory else np.empty(shape, np.uint8)
-    )
+    self.images = np.empty(shape, np.uint8)
     self.labels = np.zeros(n, np.int64)
     self.dims = np.zeros((n, 2), np.int32)
     self.real = indices != PAD

@@ -11,8 +11,8 @@ each resource allows (per image, in microseconds; T threads per process, W worke
     cores     C / (cpu [+ send + receive + receive_free])
     receive   1 / receive                             the main process receives every batch
 
-([...]: with W > 0 workers, whose threads write each batch straight into fresh shared
-memory, and whose main process's Python receives it.)
+([...]: with W > 0 workers, which copy each batch into fresh shared memory (Grain), and
+whose main process's Python receives it.)
 
 `project` is the smallest, `plan` the fewest processes (then threads) within 3% of the best
 plan for the host, and `python -m pipeline.bench scaling` measures the costs below. Memory:
@@ -34,7 +34,7 @@ class Costs:
   cpu_us: float  # all CPU of one image in the process that decodes it (one thread)
   gil_us: float  # of which holding the GIL (read, parse, crop box, RNG, Python, Grain)
   handoff: float  # extra GIL time per image for each thread beyond the first
-  send_us: float  # a worker's extra CPU per image (writing into fresh shared memory)
+  send_us: float  # a worker's extra CPU per image (copying into fresh shared memory)
   receive_us: float  # the main process's GIL-held CPU receiving it
   receive_free_us: float  # and its GIL-free CPU (the kernel mapping, unmapping the pages)
   worker_mb: float  # a worker's RSS before its batches (imports incl. jax, Grain)
