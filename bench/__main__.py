@@ -3,6 +3,8 @@
 import importlib
 import sys
 
+from bench import measure
+
 MODULES = {"convert": "convert_speed", "device": "device_feed"}  # command -> module
 
 COMMANDS = {
@@ -26,7 +28,7 @@ def main() -> None:
     sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)
   name = sys.argv[1].replace("-", "_")
   module = importlib.import_module(f"bench.{MODULES.get(name, name)}")
-  module.main(sys.argv[2:])
+  measure.run_cli(module.main, sys.argv[2:])
 
 
 if __name__ == "__main__":

@@ -252,6 +252,8 @@ def test_a_failing_tool_prints_one_line_and_the_traceback_only_when_asked(run_py
   assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
   usage = run_python("-m", "bench.ceiling", missing, "--no-such-flag")
   assert usage.returncode == 2 and "usage: " in usage.stderr
+  entry = run_python("-m", "pipeline.bench", "ceiling", missing)  # the documented entry point
+  assert entry.returncode == 1 and entry.stderr.count("\n") == 1 and missing in entry.stderr
 
 
 def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_python):
