@@ -8,7 +8,7 @@ decide it here and projects with `pipeline.parallelism`'s model. Every run is
 in steady state after its first batch:
 
 1. cpu: one decode thread: the process's CPU per image (`cpu_us_per_image`).
-2. rest: one thread with `PIPELINE_EMULATE_DECODE_US=D,R`, which makes the loader replace
+2. rest: one thread with decode emulation (`bench.emulate`, waits D,R), which replaces
    each image's decode by a GIL-free wait of D microseconds and its resize by one of R
    (read, parse, crop box, batching, Grain and the Python per image stay real), here with
    waits of ~0: the CPU of everything else (`rest_cpu_us_per_image`). decode + resize =
@@ -68,11 +68,9 @@ import time
 import numpy as np
 import psutil
 
-import pipeline
-from bench import measure
+from bench import emulate, measure
 from pipeline import augment, decode, parallelism, records
 from pipeline import manifest as manifest_lib
-from pipeline.loader import EMULATE_ENV as EMULATE
 from pipeline.source import ShardedSource
 
 PAGE = 4096
@@ -111,7 +109,7 @@ def _workers(proc) -> list:
 def run_one(spec: dict, threads: int, workers: int) -> dict:
   """Times one `make_dataset` configuration in this process (see the module docstring)."""
   me = psutil.Process()
-  ds = pipeline.make_dataset(
+  ds = emulate.make_dataset(
     spec["data_dir"],
     spec["split"],
     batch_size=spec["batch_size"],
@@ -119,6 +117,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     shard_index=0,
     shard_count=1,
     performance=dict(num_threads=threads, num_workers=workers),
+    emulate_us=spec.get("emulate_us"),
   )
   start = time.perf_counter()
   it = iter(ds)
@@ -226,15 +225,15 @@ def measure_in_child(
   spec: dict, runs: list[tuple[int, int]], emulate_us: tuple[float, float] | None
 ) -> list[dict]:
   """`run_one` for each (threads, workers) in a fresh process; `emulate_us` (decode and
-  resize waits; None: real work) is set in its environment, which Grain's workers inherit."""
-  return _child({**spec, "runs": runs}, emulate_us)
-
-
-def _child(child_spec: dict, emulate_us: tuple[float, float] | None = None):
-  """The JSON a fresh `python -m bench.scaling --child SPEC` prints (see `main`)."""
-  env = {k: v for k, v in os.environ.items() if k != EMULATE}
+  resize waits; None: real work) goes to its decode stage (`bench.emulate`)."""
   if emulate_us is not None:
-    env[EMULATE] = ",".join(f"{max(us, 0.001):.3f}" for us in emulate_us)
+    emulate_us = [max(us, 0.001) for us in emulate_us]
+  return _child({**spec, "runs": runs, "emulate_us": emulate_us})
+
+
+def _child(child_spec: dict):
+  """The JSON a fresh `python -m bench.scaling --child SPEC` prints (see `main`)."""
+  env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   child = json.dumps(child_spec)
   proc = subprocess.run(
@@ -337,7 +336,7 @@ def measure_costs(
   honoured = rest_cpu < 0.8 * cpu  # decode and resize are most of an image's CPU
   if not honoured:
     print(
-      f"warning: the loader ignores {EMULATE} (CPU per image {rest_cpu:.0f} us with it, "
+      f"warning: the decode emulation was ignored (CPU per image {rest_cpu:.0f} us with it, "
       f"{cpu:.0f} us without): the curve below is the real decode's, bound by this "
       "machine's cores, not the GIL",
       file=sys.stderr,
