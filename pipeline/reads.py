@@ -105,64 +105,55 @@ class ReadRecords:
     slots = np.flatnonzero(batch.real)
     wanted = batch.indices[slots]
     shards = self.source.shards_of(wanted)
-    locals_ = wanted - np.asarray(self.source.starts, np.int64)[shards]
-    if self.cache is not None:
-      missing = []
-      for k, (slot, index, shard, local) in enumerate(
-        zip(slots.tolist(), wanted.tolist(), shards.tolist(), locals_.tolist())
-      ):
-        data = self.cache.get(index, shard, local)
-        if data is None:
-          missing.append(k)
-        else:
-          batch.records[slot] = data
-      self.stats.cached += len(slots) - len(missing)
-      slots, wanted, shards, locals_ = (
-        slots[missing],
-        wanted[missing],
-        shards[missing],
-        locals_[missing],
-      )
-    futures = []
+    local = wanted - np.asarray(self.source.starts, np.int64)[shards]
     pool = self._executor() if len(slots) else None
+    futures = []
     for shard in np.unique(shards).tolist():
       at = shards == shard
-      task = (shard, slots[at].tolist(), wanted[at].tolist(), locals_[at].tolist())
+      task = (shard, slots[at].tolist(), wanted[at].tolist(), local[at].tolist())
       futures.append(pool.submit(self._read, *task))
     return batch, futures
 
   def _read(self, shard: int, slots: list, indices: list, local: list) -> tuple:
-    """One shard's records of a batch (on an I/O thread); after a corrupt read, one read per
-    record, so each bad one is named and the good ones kept."""
-    begin = time.perf_counter()
-    try:
-      got = self.source.read_shard(shard, local)
-    except CorruptRecordsError:
-      got = []
-      for i in local:
-        try:
-          got.append(self.source.read_shard(shard, [i])[0])
-        except CorruptRecordsError as e:
-          got.append(e)
-    seconds = time.perf_counter() - begin
+    """One shard's records of a batch, on an I/O thread: the cache's, then one batched
+    read of the rest (after a corrupt read, one read per record, so each bad one is named
+    and the good ones kept). Returns (slots, records, records read, seconds reading)."""
+    got: list = [None] * len(local)
     if self.cache is not None:
-      for index, i, rec in zip(indices, local, got):
-        if isinstance(rec, bytes):
-          self.cache.put(index, shard, i, rec)
-    return slots, got, seconds
+      got = [self.cache.get(g, shard, i) for g, i in zip(indices, local)]
+    todo = [k for k, rec in enumerate(got) if rec is None]
+    begin = seconds = time.perf_counter()
+    if todo:
+      try:
+        fresh = self.source.read_shard(shard, [local[k] for k in todo])
+      except CorruptRecordsError:
+        fresh = []
+        for k in todo:
+          try:
+            fresh.append(self.source.read_shard(shard, [local[k]])[0])
+          except CorruptRecordsError as e:
+            fresh.append(e)
+      seconds = time.perf_counter()
+      for k, rec in zip(todo, fresh):
+        got[k] = rec
+        if self.cache is not None and isinstance(rec, bytes):
+          self.cache.put(indices[k], shard, local[k], rec)
+    return slots, got, len(todo), seconds - begin
 
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, futures = started
     s = self.stats
     for future in futures:
-      slots, got, seconds = future.result()
+      slots, got, read, seconds = future.result()
       for slot, rec in zip(slots, got):
         batch.records[slot] = rec
-      size = sum(len(r) for r in got if isinstance(r, bytes)) / max(1, len(got))
-      s.latency_s += EWMA * (seconds - s.latency_s)
-      s.record_bytes += EWMA * (size - s.record_bytes)
-      s.reads += len(got)
-      s.tasks += 1
+      s.cached += len(got) - read
+      if read:
+        size = sum(len(r) for r in got if isinstance(r, bytes)) / len(got)
+        s.latency_s += EWMA * (seconds - s.latency_s)
+        s.record_bytes += EWMA * (size - s.record_bytes)
+        s.reads += read
+        s.tasks += 1
     return batch
 
 
