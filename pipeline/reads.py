@@ -106,11 +106,12 @@ class ReadRecords:
     wanted = batch.indices[slots]
     shards = self.source.shards_of(wanted)
     local = wanted - np.asarray(self.source.starts, np.int64)[shards]
+    order = np.argsort(shards, kind="stable")  # group the slots by shard, in slot order
+    cuts = np.flatnonzero(np.diff(shards[order])) + 1
     pool = self._executor() if len(slots) else None
     futures = []
-    for shard in np.unique(shards).tolist():
-      at = shards == shard
-      task = (shard, slots[at].tolist(), wanted[at].tolist(), local[at].tolist())
+    for at in np.split(order, cuts) if len(order) else ():
+      task = (int(shards[at[0]]), slots[at].tolist(), wanted[at].tolist(), local[at].tolist())
       futures.append(pool.submit(self._read, *task))
     return batch, futures
 
