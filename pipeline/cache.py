@@ -33,10 +33,10 @@ class RecordCache:
     self._ram: dict[int, bytes] = {}
     self._used = 0
     self._lock = threading.Lock()
-    self.hits = self.misses = 0
+    self._reading: dict[int, threading.Event] = {}
 
   def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k not in ("_ram", "_lock")}
+    return {k: v for k, v in self.__dict__.items() if k not in ("_ram", "_lock", "_reading")}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
@@ -52,12 +52,22 @@ class RecordCache:
       data = self._read_disk(self._path(shard, local))
       if data is not None:
         self._keep(index, data)
-    with self._lock:
-      if data is None:
-        self.misses += 1
-      else:
-        self.hits += 1
     return data
+
+  def claim(self, index: int) -> threading.Event | None:
+    """None: the caller reads record `index` (and then `release`s it); else the read of
+    another thread to wait for (batches read ahead overlap at epoch ends: one read each)."""
+    with self._lock:
+      if index in self._reading:
+        return self._reading[index]
+      self._reading[index] = threading.Event()
+      return None
+
+  def release(self, index: int) -> None:
+    with self._lock:
+      done = self._reading.pop(index, None)
+    if done is not None:
+      done.set()
 
   def put(self, index: int, shard: int, local: int, data: bytes) -> None:
     self._keep(index, data)

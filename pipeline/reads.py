@@ -117,29 +117,57 @@ class ReadRecords:
 
   def _read(self, shard: int, slots: list, indices: list, local: list) -> tuple:
     """One shard's records of a batch, on an I/O thread: the cache's, then one batched
-    read of the rest (after a corrupt read, one read per record, so each bad one is named
-    and the good ones kept). Returns (slots, records, records read, seconds reading)."""
+    read of the rest. Returns (slots, records, records read, seconds reading)."""
     got: list = [None] * len(local)
+    waits: list = []
     if self.cache is not None:
       got = [self.cache.get(g, shard, i) for g, i in zip(indices, local)]
-    todo = [k for k, rec in enumerate(got) if rec is None]
+      for k, rec in enumerate(got):
+        if rec is not None:
+          continue
+        other = self.cache.claim(indices[k])
+        if other is not None:
+          waits.append((k, other))  # another task reads it now: one read per record
+          continue
+        got[k] = self.cache.get(indices[k], shard, local[k])
+        if got[k] is not None:  # kept between the first look and the claim
+          self.cache.release(indices[k])
+    waiting = {k for k, _ in waits}
+    todo = [k for k, rec in enumerate(got) if rec is None and k not in waiting]
     begin = seconds = time.perf_counter()
-    if todo:
-      try:
-        fresh = self.source.read_shard(shard, [local[k] for k in todo])
-      except CorruptRecordsError:
-        fresh = []
+    try:
+      if todo:
+        fresh = self._read_shard(shard, [local[k] for k in todo])
+        seconds = time.perf_counter()
+        for k, rec in zip(todo, fresh):
+          got[k] = rec
+          if self.cache is not None and isinstance(rec, bytes):
+            self.cache.put(indices[k], shard, local[k], rec)
+    finally:
+      if self.cache is not None:
         for k in todo:
-          try:
-            fresh.append(self.source.read_shard(shard, [local[k]])[0])
-          except CorruptRecordsError as e:
-            fresh.append(e)
-      seconds = time.perf_counter()
-      for k, rec in zip(todo, fresh):
-        got[k] = rec
-        if self.cache is not None and isinstance(rec, bytes):
-          self.cache.put(indices[k], shard, local[k], rec)
+          self.cache.release(indices[k])
+    for k, other in waits:
+      other.wait()
+      got[k] = self.cache.get(indices[k], shard, local[k])
+      if got[k] is None:  # not kept (budget full, or it failed): read it here
+        got[k] = self._read_shard(shard, [local[k]])[0]
+        todo.append(k)
     return slots, got, len(todo), seconds - begin
+
+  def _read_shard(self, shard: int, local: list) -> list:
+    """The records, or for each that is corrupt its error (read one by one after a corrupt
+    batched read, so each bad one is named and the good ones kept)."""
+    try:
+      return self.source.read_shard(shard, local)
+    except CorruptRecordsError:
+      out = []
+      for i in local:
+        try:
+          out.append(self.source.read_shard(shard, [i])[0])
+        except CorruptRecordsError as e:
+          out.append(e)
+      return out
 
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, futures = started
