@@ -13,7 +13,7 @@ import re
 import pytest
 
 from bench import all as bench_all
-from bench import ceiling, peers, storage, throughput
+from bench import ceiling, layout, peers, throughput
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -32,10 +32,10 @@ def test_ceiling_decodes_every_image_whole_and_scaled(photos_dir, tmp_path):
   assert saved["command"].startswith("python -m pipeline.bench ceiling") and saved["machine"]
 
 
-def test_storage_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_path):
+def test_layout_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_path):
   work = tmp_path / "tmp"
   work.mkdir()
-  result = storage.main(
+  result = layout.main(
     [
       str(photos_dir),
       "--repeats",
@@ -66,10 +66,10 @@ def test_page_cache_share_follows_reads_and_eviction(tmp_path):
   path = tmp_path / "blob"
   path.write_bytes(os.urandom(1 << 20))  # dirty pages: evict() writes them back first
   path.read_bytes()
-  assert storage.cached_share([str(path)]) == 1.0
-  storage.evict([str(path)])
-  if storage.filesystem(str(path)) not in ("tmpfs", "ramfs", "overlay"):
-    assert storage.cached_share([str(path)]) < 0.5
+  assert layout.cached_share([str(path)]) == 1.0
+  layout.evict([str(path)])
+  if layout.filesystem(str(path)) not in ("tmpfs", "ramfs", "overlay"):
+    assert layout.cached_share([str(path)]) < 0.5
 
 
 def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
@@ -192,7 +192,7 @@ def test_all_runs_every_benchmark(photos_dir, tmp_path):
   report = bench_all.main([str(photos_dir), "--out", str(out), "--quick"]).read_text()
   check_report(report, [s.name for s in bench_all.STEPS])
   shown = pictures(out / "REPORT.md")
-  for picture in ("storage.png", "throughput.png", "study/naive_chain.png"):
+  for picture in ("layout.png", "throughput.png", "study/naive_chain.png"):
     assert (out / picture).read_bytes()[:4] == b"\x89PNG" and (out / picture).resolve() in shown
 
 
@@ -221,7 +221,7 @@ def test_refresh_writes_the_committed_report_with_links_into_docs():
   assert out.report.resolve() == ROOT / "bench" / "REPORT.md"
   assert out.pictures.resolve() == ROOT / "docs" / "bench"
   assert out.study.resolve() == ROOT / "docs" / "study"
-  assert out.link(out.pictures / "storage.png") == "../docs/bench/storage.png"
+  assert out.link(out.pictures / "layout.png") == "../docs/bench/layout.png"
   plain = bench_all.Outputs.at(pathlib.Path("runs/bench"), refresh=False)
   assert plain.report == pathlib.Path("runs/bench/REPORT.md")
   assert plain.link(plain.study / "naive.png") == "study/naive.png"
@@ -275,7 +275,7 @@ def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_pyth
   assert not loaded & tools, loaded & tools
 
 
-@pytest.mark.parametrize("module", [storage, ceiling, bench_all])
+@pytest.mark.parametrize("module", [layout, ceiling, bench_all])
 def test_cli_help(module, capsys):
   with pytest.raises(SystemExit) as exit_:
     module.main(["--help"])
