@@ -10,10 +10,13 @@ import os
 import pathlib
 import re
 
+import grain
 import pytest
 
 from bench import all as bench_all
-from bench import ceiling, layout, peers, throughput
+from bench import ceiling, layout, peers, storage, throughput
+from pipeline import manifest
+from pipeline.convert import tfrecord
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -60,6 +63,40 @@ def test_layout_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_p
   assert all(r["cached_share_before"] == 1.0 for r in rows if r["cache"] == "warm")
   if result["filesystem"]["files"] not in ("tmpfs", "ramfs", "overlay"):
     assert all(r["cached_share_before"] < 0.5 for r in rows if r["cache"] == "cold")
+
+
+def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
+  storage_rig, photos_dir, tmp_path
+):
+  work = tmp_path / "work"
+  argv = [str(photos_dir), "--latency-ms", "2", "--rounds", "1", "--batches", "3"]
+  argv += ["--batch-size", "8", "--shard-size-mb", "0.2", "--loaders", "pipeline"]
+  result = storage.main([*argv, "--work-dir", str(work), "--json", str(tmp_path / "s.json")])
+  data = result["dataset"]
+  assert data["records"] == 48 and data["shards"] > 1  # the 1-shard split, re-sharded
+  assert data["tfrecord_files"] == data["shards"]
+  # The TFRecord twin holds the same records, shard by shard.
+  meta = manifest.load(data["dir"])
+  for path in meta.shard_paths(data["dir"], "train"):
+    twin = pathlib.Path(
+      data["dir"], "peers-tfrecord", path.name.replace("array_record", "tfrecord")
+    )
+    with open(twin, "rb") as f:
+      got = [
+        tfrecord.read_record(f, str(twin), i, *span) for i, span in enumerate(tfrecord.scan(twin))
+      ]
+    source = grain.sources.ArrayRecordDataSource([os.fspath(path)])
+    assert got == source.__getitems__(list(range(len(source))))
+  local, slow = result["rows"]
+  assert (local["storage"], slow["storage"]) == ("local disk", "2 ms")
+  assert local["rounds"] == slow["rounds"] == 1 and "reads_per_image" not in local
+  assert slow["images_per_sec"] > 0 and slow["first_batch_s"] > 0 and slow["peak_rss_mb"] > 0
+  assert slow["reads_per_image"] > 0 and slow["kb_per_read"] > 0 and slow["max_in_flight"] >= 1
+  saved = json.loads((tmp_path / "s.json").read_text())
+  assert saved["command"].startswith("python -m pipeline.bench storage") and len(saved["runs"]) == 2
+  stamp = (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns
+  assert storage.prepare(str(photos_dir), "train", 0.2, str(work)) == pathlib.Path(data["dir"])
+  assert (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns == stamp  # reused
 
 
 def test_page_cache_share_follows_reads_and_eviction(tmp_path):
@@ -275,7 +312,7 @@ def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_pyth
   assert not loaded & tools, loaded & tools
 
 
-@pytest.mark.parametrize("module", [layout, ceiling, bench_all])
+@pytest.mark.parametrize("module", [layout, storage, ceiling, bench_all])
 def test_cli_help(module, capsys):
   with pytest.raises(SystemExit) as exit_:
     module.main(["--help"])
