@@ -29,7 +29,7 @@ from importlib import metadata
 import tqdm
 from matplotlib import figure
 
-from bench import ceiling, measure, scaling, storage
+from bench import ceiling, layout, measure, scaling
 from pipeline import manifest as manifest_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -96,12 +96,12 @@ def _ceiling(out: Outputs, info, command) -> str:
   return f"{ceiling.table(info)}\n\n{_figure_line(info, command)}"
 
 
-def _storage(out: Outputs, info, command) -> str:
+def _layout(out: Outputs, info, command) -> str:
   fs = info["filesystem"]
-  picture = out.pictures / "storage.png"
+  picture = out.pictures / "layout.png"
   _bars(
     picture,
-    "storage: records/s (higher is better)",
+    "layout: records/s (higher is better)",
     {f"{r['reader']}, {r['order']}, {r['cache']}": r["records_per_sec"] for r in info["rows"]},
   )
   return (
@@ -111,7 +111,7 @@ def _storage(out: Outputs, info, command) -> str:
     "Warm rows read with every page in the page cache; cold rows after dropping the "
     "files' pages with posix_fadvise(DONTNEED), the cached share measured by mincore "
     "just before.\n\n"
-    f"{storage.table(info['rows'])}\n\n![storage]({out.link(picture)})\n\n"
+    f"{layout.table(info['rows'])}\n\n![layout]({out.link(picture)})\n\n"
     f"{_figure_line(info, command)}"
   )
 
@@ -265,10 +265,10 @@ STEPS = [
     _ceiling,
   ),
   Step(
-    "storage",
-    "Storage: one file per image vs ArrayRecord shards",
-    lambda a, o: [a.data_dir, *_flags(a, repeats=(2, 1), json=o.work / "storage.json")],
-    _storage,
+    "layout",
+    "Layout: one file per image vs ArrayRecord shards",
+    lambda a, o: [a.data_dir, *_flags(a, repeats=(2, 1), json=o.work / "layout.json")],
+    _layout,
   ),
   Step(
     "throughput",
@@ -388,7 +388,7 @@ def _header(args, argv, load: float) -> str:
     f"{metadata.version('grain')}; load average {load:.1f} at the start (figures from a "
     "shared machine are noisy: compare ratios within one run, not against other runs).\n"
     f"Data: `{args.data_dir}`; {_cached(args.data_dir)} of its shards' pages were in the "
-    "page cache at the start (mincore), so every benchmark but storage's cold rows "
+    "page cache at the start (mincore), so every benchmark but layout's cold rows "
     "reads from a warm cache.\n"
   )
 
@@ -397,7 +397,7 @@ def _cached(data_dir: str) -> str:
   try:
     meta = manifest_lib.load(data_dir)
     paths = [os.fspath(p) for split in meta.splits for p in meta.shard_paths(data_dir, split)]
-    return f"{storage.cached_share(paths):.0%}"
+    return f"{layout.cached_share(paths):.0%}"
   except (OSError, KeyError, ValueError):
     return "an unknown share"
 
@@ -427,7 +427,7 @@ def _summary(out: pathlib.Path) -> str:
       f"{a['first_batch_s'] / b['first_batch_s']:.2f}, peak RSS x"
       f"{a['peak_rss_mb'] / b['peak_rss_mb']:.2f}."
     )
-  st = _load(out / "storage.json")
+  st = _load(out / "layout.json")
   if st:
     cold = {
       r["reader"]: r["records_per_sec"]

@@ -72,19 +72,28 @@ class RssSampler:
 
 
 def run(
-  name: str, make_iterator: Callable[[], Iterator], batch_size: int, num_images: int
+  name: str,
+  make_iterator: Callable[[], Iterator],
+  batch_size: int,
+  num_images: int,
+  timed: Callable[[bool], None] | None = None,
 ) -> Result:
-  """Times `num_images` images (after the first batch) from a fresh iterator."""
+  """Times `num_images` images (after the first batch) from a fresh iterator. `timed(True)`
+  is called when the timed part starts, `timed(False)` when it ends (e.g. to read counters)."""
   with RssSampler() as rss:
     start = time.perf_counter()
     it = make_iterator()
     next(it)
+    if timed:
+      timed(True)
     first = time.perf_counter()
     seen = 0
     while seen < num_images:
       next(it)
       seen += batch_size
     end = time.perf_counter()
+    if timed:
+      timed(False)
     close = getattr(it, "close", None)
     if close:
       close()

@@ -77,11 +77,16 @@ def _tfdata(args):
     image = tf.image.resize(image, [size, size], method="bilinear")
     return tf.cast(image, tf.uint8), tf.cast(ex[keys.label], tf.int32)
 
+  # Files read at once and bytes per read request (the storage bench sets both; default:
+  # AUTOTUNE and TFRecordDataset's own buffer).
+  cycle = getattr(args, "cycle_length", None) or autotune
+  buffer = getattr(args, "read_buffer_bytes", None)
+
   def make():
     files = tf.data.Dataset.list_files(pattern, shuffle=True, seed=0)
     ds = files.interleave(
-      tf.data.TFRecordDataset,
-      cycle_length=autotune,
+      lambda f: tf.data.TFRecordDataset(f, buffer_size=buffer),
+      cycle_length=cycle,
       num_parallel_calls=autotune,
       deterministic=False,
     )

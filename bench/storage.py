@@ -1,201 +1,366 @@
-"""`python -m pipeline.bench storage DATA_DIR`: one file per image vs ArrayRecord shards.
+"""`python -m pipeline.bench storage DATA_DIR`: the pipeline vs tf.data on slow storage.
 
-    python -m pipeline.bench storage data/photos --json storage.json
+    python -m pipeline.bench storage data/photos --latency-ms 0,5,20,50 --rounds 3
 
-Tests the common claim that packing records into shards makes reading much faster. The
-split's JPEGs are written out as one file per image (a temporary image folder), then both
-layouts are read in file order and in random order: files one by one and on a thread pool,
-shards one record per call and a batch per call (what the pipeline does). Each reading runs
-warm (pages in the page cache) and cold: every file's pages are dropped with
-posix_fadvise(DONTNEED) first, which needs no root, and the share of pages still cached is
-measured with mincore(2) and reported beside the figure, so nobody has to trust it worked.
+Object storage (a GCS bucket through gcsfuse) answers each read after 5-100 ms. This serves
+one copy of DATA_DIR's split through the storage rig (bench/rig.py: FUSE, a fixed latency
+per read request, no page cache) and runs, each in a fresh process, on the same records:
+- pipeline: `make_dataset(DIR, split, batch_size=128)`, nothing else set (224 px train);
+- tfdata: tf.data as `peers` runs it (parallel map with decode_and_crop_jpeg, AUTOTUNE),
+  interleaving 8 TFRecord files with 256 KB read buffers.
+The split is first re-sharded into --shard-size-mb shards (the issue's rig: 1 MB, >= 100
+shards) and copied as TFRecord files with the same partition, once, into --work-dir.
+Rounds are interleaved (for each round, each storage, each loader), plus a local-disk
+column read without the rig (page cache warm). Per cell: img/s after the first batch
+(median of rounds, min-max), first-batch s, peak RSS, and from the rig's counters over the
+timed batches: read requests per image delivered (in steady state a loader reads ahead as
+much as it consumes), KB per read request; most reads in flight at once over the whole run.
 """
 
 from __future__ import annotations
 
 import argparse
-import concurrent.futures
-import ctypes
-import mmap
+import contextlib
+import hashlib
+import importlib.util
+import json
 import os
+import pathlib
 import shutil
+import statistics
+import struct
+import subprocess
 import sys
-import tempfile
 import time
-from collections.abc import Callable, Sequence
-
-import grain
-import numpy as np
-import tqdm
+import types
 
 from bench import measure
 from pipeline import manifest as manifest_lib
-from pipeline import records
-from pipeline.parallelism import available_cores
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [
-  ctypes.c_void_p,
-  ctypes.c_size_t,
-  ctypes.c_int,
-  ctypes.c_int,
-  ctypes.c_int,
-  ctypes.c_long,
-]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+LOADERS = {
+  "pipeline": "this pipeline, defaults",
+  "tfdata": "tf.data, interleave 8, 256 KB buffers",
+}
+TFDATA_CYCLE, TFDATA_BUFFER = 8, 256 * 1024
+LOCAL = "local disk"
 
 
-def cached_share(paths: Sequence[str]) -> float:
-  """Share of the files' pages now in the page cache (mincore(2); does not read them)."""
-  cached = total = 0
+# ---------------------------------------------------------------- the data
+
+
+def write_tfrecord(path: str | os.PathLike, recs) -> None:
+  """Writes records as a TFRecord file (no TensorFlow needed)."""
+  from pipeline.convert.tfrecord import masked_crc32c
+
+  tmp = f"{path}.tmp"
+  with open(tmp, "wb") as f:
+    for data in recs:
+      length = struct.pack("<Q", len(data))
+      f.write(length + struct.pack("<I", masked_crc32c(length)))
+      f.write(data + struct.pack("<I", masked_crc32c(data)))
+  os.replace(tmp, path)
+
+
+def _records(paths: list[str]):
+  """Every record of the shards, in order, a shard at a time."""
+  import grain
+
   for path in paths:
-    size = os.path.getsize(path)
-    if not size:
-      continue
-    pages = -(-size // mmap.PAGESIZE)
-    with open(path, "rb") as f:
-      addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
-      if addr in (None, ctypes.c_void_p(-1).value):
-        raise OSError(ctypes.get_errno(), f"mmap failed on {path}")
-      try:
-        vec = ctypes.create_string_buffer(pages)
-        if _libc.mincore(addr, size, vec):
-          raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
-        cached += sum(b & 1 for b in vec.raw)
-      finally:
-        _libc.munmap(addr, size)
-    total += pages
-  return cached / total if total else 1.0
+    source = grain.sources.ArrayRecordDataSource([path])
+    yield from source.__getitems__(list(range(len(source))))
 
 
-def evict(paths: Sequence[str]) -> None:
-  """Drops the files' pages from the page cache (no root needed); dirty pages (a file just
-  written) cannot be dropped, so they are written back first."""
-  for path in paths:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-      os.fdatasync(fd)
-      os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-      os.close(fd)
+def prepare(data_dir: str, split: str, shard_size_mb: float, work: str) -> pathlib.Path:
+  """A dataset folder in `work` holding DATA_DIR's split re-sharded (0: shards as they are)
+  and the same shards as TFRecord files in peers-tfrecord/ (named as `peers` names them);
+  made once and reused while DATA_DIR's shards are unchanged."""
+  from pipeline.convert import tfrecord
 
-
-def filesystem(path: str) -> str:
-  """The type of the filesystem holding `path` (from /proc/mounts), e.g. 'ext4'."""
-  real, best, kind = os.path.realpath(path), "", "unknown"
-  try:
-    with open("/proc/mounts") as f:
-      for line in f:
-        _, mount, fstype, *_ = line.split()
-        if (real == mount or real.startswith(mount.rstrip("/") + "/")) and len(mount) > len(best):
-          best, kind = mount, fstype
-  except OSError:
-    pass
-  return kind
-
-
-def export_files(source, keys: records.Keys, out_dir: str) -> list[str]:
-  """Writes each record's image bytes to OUT_DIR/NNNNNNN.jpg, as an image folder holds them."""
-  paths = []
-  for start in tqdm.trange(0, len(source), 256, desc="write one file per image", unit_scale=256):
-    for i, rec in enumerate(source.__getitems__(list(range(start, min(start + 256, len(source)))))):
-      path = os.path.join(out_dir, f"{start + i:07d}.jpg")
-      with open(path, "wb") as f:
-        f.write(records.parse(rec, keys)[0])
-      paths.append(path)
-  return paths
-
-
-def _read_file(path: str) -> int:
-  with open(path, "rb") as f:
-    return len(f.read())
-
-
-def readers(
-  files: list[str], shards: list[str], batch: int, threads: int
-) -> dict[str, Callable[[Sequence[int]], int]]:
-  """name -> fn(order) reading every record in `order`; returns the bytes delivered."""
-
-  def files_one(order):
-    return sum(_read_file(files[i]) for i in order)
-
-  def files_pool(order):
-    with concurrent.futures.ThreadPoolExecutor(threads) as pool:
-      return sum(pool.map(_read_file, [files[i] for i in order]))
-
-  def shards_one(order):
-    source = grain.sources.ArrayRecordDataSource(shards)  # fresh readers: nothing kept
-    return sum(len(source[i]) for i in order)
-
-  def shards_batch(order):
-    source = grain.sources.ArrayRecordDataSource(shards)
-    return sum(
-      sum(map(len, source.__getitems__(list(order[k : k + batch]))))
-      for k in range(0, len(order), batch)
+  meta = manifest_lib.load(data_dir)
+  if split not in meta.splits:
+    raise KeyError(f"split {split!r} not in {data_dir} (has {', '.join(meta.splits)})")
+  shards = [os.fspath(p) for p in meta.shard_paths(data_dir, split)]
+  key = hashlib.sha256(
+    json.dumps(
+      [
+        os.path.abspath(data_dir),
+        split,
+        shard_size_mb,
+        [s.sha256 for s in meta.splits[split].shards],
+      ]
+    ).encode()
+  ).hexdigest()[:12]
+  name = os.path.basename(os.path.abspath(data_dir))
+  out = pathlib.Path(work) / f"{name}-{split}-{shard_size_mb:g}mb-{key}"
+  if (out / "manifest.json").exists():
+    return out
+  tmp = out.with_name(out.name + ".tmp")
+  shutil.rmtree(tmp, ignore_errors=True)
+  tmp.mkdir(parents=True)
+  dataset = tmp / "dataset"
+  if shard_size_mb > 0:
+    write_tfrecord(tmp / "all.tfrecord", _records(shards))
+    tfrecord.convert(
+      str(tmp / "all.tfrecord"),
+      dataset,
+      split=split,
+      keys=meta.keys,
+      classes=meta.classes,
+      shard_size_mb=shard_size_mb,
+      workers=1,
+      progress=False,
     )
+    (tmp / "all.tfrecord").unlink()
+  else:
+    dataset.mkdir()
+    for path in shards:
+      shutil.copy(path, dataset)
+    only = manifest_lib.Manifest(meta.classes, {split: meta.splits[split]}, keys=meta.keys)
+    manifest_lib.save(only, dataset)
+  new = manifest_lib.load(dataset)
+  (dataset / "peers-tfrecord").mkdir()
+  for path in new.shard_paths(dataset, split):
+    target = dataset / "peers-tfrecord" / path.name.replace("array_record", "tfrecord")
+    write_tfrecord(target, _records([os.fspath(path)]))
+  os.replace(dataset, tmp / "ready")
+  shutil.rmtree(out, ignore_errors=True)
+  os.replace(tmp / "ready", out)
+  shutil.rmtree(tmp, ignore_errors=True)
+  return out
 
+
+def describe(dataset: pathlib.Path, split: str) -> dict:
+  meta = manifest_lib.load(dataset)
+  paths = meta.shard_paths(dataset, split)
+  records = meta.splits[split].num_records
+  record_bytes = sum(len(r) for r in _records([os.fspath(p) for p in paths]))
   return {
-    "files, one per read": files_one,
-    f"files, {threads} threads": files_pool,
-    "ArrayRecord, one record per call": shards_one,
-    f"ArrayRecord, {batch} records per call": shards_batch,
+    "dir": os.fspath(dataset),
+    "records": records,
+    "shards": len(paths),
+    "shards_mb": round(sum(os.path.getsize(p) for p in paths) / 1e6, 1),
+    "mean_record_kb": round(record_bytes / records / 1e3, 1),
+    "tfrecord_files": len(list((dataset / "peers-tfrecord").iterdir())),
   }
 
 
-def measure_storage(
-  files: list[str], shards: list[str], batch: int, threads: int, repeats: int = 1
-) -> list[dict]:
-  """records/s and MB/s of every reader x order x cache state (best of `repeats`)."""
-  n = len(files)
-  orders = {
-    "sequential": list(range(n)),
-    "random": np.random.default_rng(0).permutation(n).tolist(),
-  }
-  fns = readers(files, shards, batch, threads)
-  rows = []
-  todo = [(c, o, r) for c in ("warm", "cold") for o in orders for r in fns]
-  for cache, order_name, name in tqdm.tqdm(todo, desc="storage", unit="run"):
-    layout = files if name.startswith("files") else shards
-    best = None
-    for _ in range(repeats):
-      if cache == "cold":
-        evict(layout)
-      else:
-        fns[name](orders[order_name])  # fill the cache
-      share = cached_share(layout)
-      start = time.perf_counter()
-      size = fns[name](orders[order_name])
-      seconds = time.perf_counter() - start
-      if best is None or seconds < best[0]:
-        best = (seconds, size, share)
-    seconds, size, share = best
-    rows.append(
-      {
-        "reader": name,
-        "order": order_name,
-        "cache": cache,
-        "cached_share_before": round(share, 3),
-        "records_per_sec": round(n / seconds, 1),
-        "mb_per_sec": round(size / seconds / 1e6, 1),
-        "records": n,
-      }
+# ---------------------------------------------------------------- one run, in its own process
+
+
+def run_one(loader: str, data_dir: str, split: str, batches: int, batch_size: int) -> dict:
+  """Times `batches` batches (the first apart) of one loader reading `data_dir`."""
+  if loader == "pipeline":
+    from pipeline import dataset
+
+    make = lambda: iter(dataset.make_dataset(data_dir, split, batch_size=batch_size))
+  else:
+    from bench import peers
+
+    args = types.SimpleNamespace(
+      data_dir=data_dir,
+      split=split,
+      image_size=224,
+      batch_size=batch_size,
+      cycle_length=TFDATA_CYCLE,
+      read_buffer_bytes=TFDATA_BUFFER,
     )
+    make = peers.make_loader(loader, args)
+  rig = pathlib.Path(data_dir)
+  through_rig = (rig / ".rig-stats").exists()
+  parts = {}
+
+  def timed(starts: bool) -> None:  # the rig's counters up to the first batch, then after
+    if through_rig:
+      name = "first_batch" if starts else "timed"
+      parts[name] = json.loads((rig / (".rig-reset" if starts else ".rig-stats")).read_text())
+
+  result = measure.run(loader, make, batch_size, (batches - 1) * batch_size, timed)
+  out = {**result.__dict__}
+  if parts:
+    out["rig"] = parts
+  return out
+
+
+def _child(loader: str, data_dir: str, args, timeout: float) -> dict:
+  cmd = [
+    sys.executable,
+    "-m",
+    "pipeline.bench",
+    "storage",
+    data_dir,
+    "--run-one",
+    loader,
+    "--split",
+    args.split,
+    "--batches",
+    str(args.batches),
+    "--batch-size",
+    str(args.batch_size),
+  ]
+  env = {**os.environ, "TQDM_DISABLE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
+  try:
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+  except subprocess.TimeoutExpired:
+    return {"error": f"timed out after {timeout:.0f} s"}
+  lines = proc.stdout.strip().splitlines()
+  if proc.returncode or not lines or not lines[-1].startswith("{"):
+    last = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [""]
+    return {"error": f"exit {proc.returncode}: {last[0][:300]}"}
+  return json.loads(lines[-1])
+
+
+# ---------------------------------------------------------------- the rounds
+
+
+def measure_all(dataset: pathlib.Path, latencies, loaders, args) -> list[dict]:
+  """Every (round, storage, loader) run, interleaved; one dict each."""
+  from bench import rig
+
+  runs = []
+  storages = [LOCAL, *latencies]
+  total, done = args.rounds * len(storages) * len(loaders), 0
+  for round_ in range(args.rounds):
+    for storage in storages:
+      with contextlib.ExitStack() as stack:
+        path, mounted = dataset, None
+        if storage != LOCAL:
+          mounted = stack.enter_context(rig.mount(dataset, storage))
+          path = mounted.path
+        for loader in loaders:
+          if mounted:
+            mounted.reset()
+          start = time.perf_counter()
+          run = _child(loader, os.fspath(path), args, args.timeout)
+          run.update(round=round_, storage=storage, loader=loader)
+          run["wall_s"] = round(time.perf_counter() - start, 1)
+          if mounted and "error" not in run:
+            run["rig"] = _io(run["rig"], run["images"])
+          runs.append(run)
+          done += 1
+          print(f"[{done}/{total}] {_line(run)}", flush=True)
+  return runs
+
+
+def _io(parts: dict, images_timed: int) -> dict:
+  """The rig's figures of one run: the timed batches' reads per image and KB per read;
+  the most reads in flight over the whole run; what the first batch read."""
+  first, timed = parts["first_batch"], parts["timed"]
+  return {
+    "reads_per_image": round(timed["reads"] / images_timed, 3),
+    "kb_per_read": round(timed["bytes"] / timed["reads"] / 1e3, 1) if timed["reads"] else 0,
+    "max_in_flight": max(first["max_in_flight"], timed["max_in_flight"]),
+    "first_batch_reads": first["reads"],
+    "first_batch_mb": round(first["bytes"] / 1e6, 1),
+    "timed": timed,
+  }
+
+
+def _storage_name(storage) -> str:
+  return storage if storage == LOCAL else f"{storage:g} ms"
+
+
+def _line(run: dict) -> str:
+  where = f"round {run['round'] + 1}, {_storage_name(run['storage'])}, {run['loader']}"
+  if "error" in run:
+    return f"{where}: FAILED ({run['error']})"
+  rig = run.get("rig")
+  io = (
+    f"; {rig['reads_per_image']:.2f} reads/image, {rig['kb_per_read']:.0f} KB/read, "
+    f"{rig['max_in_flight']} in flight; first batch read {rig['first_batch_reads']} times, "
+    f"{rig['first_batch_mb']} MB"
+    if rig
+    else ""
+  )
+  return (
+    f"{where}: {run['images_per_sec']:.0f} img/s, first batch {run['first_batch_s']:.2f} s, "
+    f"peak RSS {run['peak_rss_mb']:.0f} MB{io}"
+  )
+
+
+def summarize(runs: list[dict], latencies, loaders) -> list[dict]:
+  """One row per (loader, storage): medians over the rounds that ran."""
+  rows = []
+  for loader in loaders:
+    for storage in [LOCAL, *latencies]:
+      ok = [
+        r for r in runs if r["loader"] == loader and r["storage"] == storage and "error" not in r
+      ]
+      row = {"loader": loader, "storage": _storage_name(storage), "rounds": len(ok)}
+      if ok:
+        rates = [r["images_per_sec"] for r in ok]
+        row.update(
+          images_per_sec=round(statistics.median(rates), 1),
+          images_per_sec_min=round(min(rates), 1),
+          images_per_sec_max=round(max(rates), 1),
+          first_batch_s=round(statistics.median(r["first_batch_s"] for r in ok), 2),
+          peak_rss_mb=round(statistics.median(r["peak_rss_mb"] for r in ok)),
+        )
+        rigs = [r["rig"] for r in ok if "rig" in r]
+        if rigs:
+          row.update(
+            reads_per_image=statistics.median(r["reads_per_image"] for r in rigs),
+            kb_per_read=statistics.median(r["kb_per_read"] for r in rigs),
+            first_batch_reads=statistics.median(r["first_batch_reads"] for r in rigs),
+            max_in_flight=max(r["max_in_flight"] for r in rigs),
+          )
+      rows.append(row)
   return rows
 
 
-def table(rows: list[dict]) -> str:
-  lines = ["| reader | order | page cache before | records/s | MB/s |", "|---|---|---|---:|---:|"]
-  lines += [
-    f"| {r['reader']} | {r['order']} | {r['cache']} ({r['cached_share_before']:.0%} "
-    f"cached) | {r['records_per_sec']:.0f} | {r['mb_per_sec']:.0f} |"
-    for r in rows
+def table(rows: list[dict], latencies, loaders) -> str:
+  """The issue's table (img/s: loaders x storages), then every figure per cell."""
+  columns = [LOCAL, *(_storage_name(x) for x in latencies)]
+  by = {(r["loader"], r["storage"]): r for r in rows}
+
+  def rate(r):
+    if not r or not r["rounds"]:
+      return "failed"
+    spread = f" ({r['images_per_sec_min']:.0f}–{r['images_per_sec_max']:.0f})"
+    return f"{r['images_per_sec']:.0f}" + (spread if r["rounds"] > 1 else "")
+
+  lines = [
+    "| img/s, median (min–max) | " + " | ".join(columns) + " |",
+    "|---|" + "---:|" * len(columns),
   ]
+  lines += [
+    f"| {LOADERS[ld]} | " + " | ".join(rate(by.get((ld, c))) for c in columns) + " |"
+    for ld in loaders
+  ]
+  lines += [
+    "",
+    "| loader | storage | img/s | first batch (s) | peak RSS (MB) | reads/image | KB/read "
+    "| most reads in flight |",
+    "|---|---|---:|---:|---:|---:|---:|---:|",
+  ]
+  for r in rows:
+    if not r["rounds"]:
+      lines.append(f"| {r['loader']} | {r['storage']} | failed | | | | | |")
+      continue
+    io = (
+      f"{r['reads_per_image']:.2f} | {r['kb_per_read']:.0f} | {r['max_in_flight']}"
+      if "reads_per_image" in r
+      else "— | — | —"
+    )
+    lines.append(
+      f"| {r['loader']} | {r['storage']} | {rate(r)} | {r['first_batch_s']:.2f} | "
+      f"{r['peak_rss_mb']:.0f} | {io} |"
+    )
   return "\n".join(lines)
 
 
-def main(argv: list[str]) -> dict:
+def _latencies(text: str) -> list[float]:
+  try:
+    values = [float(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise argparse.ArgumentTypeError(
+      f"expected milliseconds like 0,5,20,50, got {text!r}"
+    ) from None
+  if not values or min(values) < 0:
+    raise argparse.ArgumentTypeError(f"latencies must be >= 0 ms, got {text!r}")
+  return values
+
+
+def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
     prog="python -m pipeline.bench storage",
     description=__doc__,
@@ -203,48 +368,84 @@ def main(argv: list[str]) -> dict:
   )
   p.add_argument("data_dir", help="a converted dataset (manifest.json + shards)")
   p.add_argument("--split", default="train")
-  p.add_argument("--batch-size", type=int, default=128, help="records per batched read")
-  p.add_argument("--threads", type=int, default=None, help="file-reading threads (default: cores)")
-  p.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest counts")
   p.add_argument(
-    "--tmp-dir",
-    default=None,
-    help="where the one-file-per-image copy goes (default: the system temp dir); "
-    "deleted afterwards",
+    "--latency-ms",
+    type=_latencies,
+    default=[0.0, 5.0, 20.0, 50.0],
+    help="per read request, comma-separated (default 0,5,20,50); local disk is added",
   )
-  p.add_argument("--json", help="write the figures to this file")
-  args = p.parse_args(argv)
-  meta = manifest_lib.load(args.data_dir)
-  shards = [os.fspath(p) for p in meta.shard_paths(args.data_dir, args.split)]
-  tmp = tempfile.mkdtemp(prefix="storage-bench-", dir=args.tmp_dir)
-  try:
-    files = export_files(grain.sources.ArrayRecordDataSource(shards), meta.keys, tmp)
-    rows = measure_storage(
-      files, shards, args.batch_size, args.threads or available_cores(), args.repeats
+  p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
+  p.add_argument(
+    "--shard-size-mb",
+    type=float,
+    default=1.0,
+    help="re-shard the split into shards of this size first (default 1; 0 keeps its shards)",
+  )
+  p.add_argument(
+    "--batches",
+    type=int,
+    default=12,
+    help="batches per run, the first timed apart (default 12)",
+  )
+  p.add_argument("--batch-size", type=int, default=128)
+  p.add_argument("--loaders", default="pipeline,tfdata", help="comma-separated: pipeline,tfdata")
+  p.add_argument(
+    "--work-dir",
+    default="runs/storage-bench",
+    help="where the re-sharded copy and its TFRecord twin are kept (default runs/storage-bench)",
+  )
+  p.add_argument("--timeout", type=float, default=600, help="seconds per run before giving up")
+  p.add_argument("--json", help="write every run and the table's figures to this file")
+  p.add_argument("--run-one", choices=list(LOADERS), help=argparse.SUPPRESS)
+  return p
+
+
+def main(argv: list[str]) -> dict:
+  args = parser().parse_args(argv)
+  if args.run_one:  # the child: one loader, figures as the last line
+    print(
+      json.dumps(run_one(args.run_one, args.data_dir, args.split, args.batches, args.batch_size))
     )
-    same_device = os.stat(tmp).st_dev == os.stat(shards[0]).st_dev
-    result = {
-      "machine": measure.machine(),
-      "command": "python -m pipeline.bench storage " + " ".join(argv),
-      "records": len(files),
-      "shards": len(shards),
-      "files_mb": round(sum(map(os.path.getsize, files)) / 1e6, 1),
-      "shards_mb": round(sum(map(os.path.getsize, shards)) / 1e6, 1),
-      "filesystem": {
-        "shards": filesystem(shards[0]),
-        "files": filesystem(tmp),
-        "same_device": same_device,
-      },
-      "rows": rows,
-    }
-  finally:
-    shutil.rmtree(tmp, ignore_errors=True)
-  print(table(rows))
+    return {}
+  if args.batches < 2 or args.rounds < 1:
+    raise ValueError("--batches must be >= 2 (the first is timed apart) and --rounds >= 1")
+  loaders = [x.strip() for x in args.loaders.split(",") if x.strip()]
+  unknown = sorted(set(loaders) - set(LOADERS))
+  if unknown:
+    raise ValueError(f"unknown loaders {unknown}: choose from {', '.join(LOADERS)}")
+  if "tfdata" in loaders and importlib.util.find_spec("tensorflow") is None:
+    print("tfdata skipped: tensorflow is not installed (pip install -e '.[peers]')", flush=True)
+    loaders.remove("tfdata")
+  from bench import rig
+
+  rig.ensure_built()  # fails here, in one line, before any work
+  dataset = prepare(args.data_dir, args.split, args.shard_size_mb, args.work_dir)
+  info = describe(dataset, args.split)
   print(
-    f"{result['records']} records: {result['files_mb']} MB as files on "
-    f"{result['filesystem']['files']}, {result['shards_mb']} MB in {result['shards']} shards "
-    f"on {result['filesystem']['shards']}   [{result['machine']}]"
+    f"{info['records']} records ({info['mean_record_kb']} KB each on average) in "
+    f"{info['shards']} ArrayRecord shards and {info['tfrecord_files']} TFRecord files: "
+    f"{info['dir']}",
+    flush=True,
   )
+  runs = measure_all(dataset, args.latency_ms, loaders, args)
+  rows = summarize(runs, args.latency_ms, loaders)
+  print()
+  print(table(rows, args.latency_ms, loaders))
+  print(
+    f"\n{args.rounds} interleaved round(s), {args.batches} batches of {args.batch_size} "
+    f"per run   [{measure.machine()}]"
+  )
+  result = {
+    "machine": measure.machine(),
+    "command": "python -m pipeline.bench storage " + " ".join(argv),
+    "dataset": info,
+    "latencies_ms": args.latency_ms,
+    "rounds": args.rounds,
+    "batches": args.batches,
+    "batch_size": args.batch_size,
+    "rows": rows,
+    "runs": runs,
+  }
   if args.json:
     measure.write_json(args.json, result)
   return result

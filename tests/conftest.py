@@ -4,7 +4,8 @@
 validation (16). `digits_dir`: 300 scikit-learn digits (32x32 RGB JPEGs, 10 classes),
 splits train (240) and validation (60). Both are folders holding manifest.json and shards;
 the raw image folders are `photos_raw` and `digits_raw`. `run_python` runs a command line
-from the repository root.
+from the repository root. `storage_rig` is bench.rig (latency-injecting FUSE), built once;
+a machine that cannot run it skips the tests using it, except in CI (CI=true): there they fail.
 """
 
 from __future__ import annotations
@@ -51,6 +52,20 @@ def digits_dir(digits_raw) -> pathlib.Path:
   out = digits_raw.parent / "data"
   images.convert(digits_raw, out, val_fraction=0.2, seed=0, workers=1, progress=False)
   return out
+
+
+@pytest.fixture(scope="session")
+def storage_rig():
+  """bench.rig with its filesystem built (FUSE 3 installed first if needed and allowed)."""
+  from bench import rig
+
+  try:
+    rig.ensure_built()
+  except rig.RigUnavailable as e:
+    if os.environ.get("CI", "").lower() == "true":
+      pytest.fail(f"storage rig unavailable in CI: {e}")
+    pytest.skip(f"storage rig unavailable: {e}")
+  return rig
 
 
 @pytest.fixture

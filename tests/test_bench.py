@@ -10,10 +10,13 @@ import os
 import pathlib
 import re
 
+import grain
 import pytest
 
 from bench import all as bench_all
-from bench import ceiling, peers, storage, throughput
+from bench import ceiling, layout, peers, storage, throughput
+from pipeline import manifest
+from pipeline.convert import tfrecord
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -32,10 +35,10 @@ def test_ceiling_decodes_every_image_whole_and_scaled(photos_dir, tmp_path):
   assert saved["command"].startswith("python -m pipeline.bench ceiling") and saved["machine"]
 
 
-def test_storage_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_path):
+def test_layout_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_path):
   work = tmp_path / "tmp"
   work.mkdir()
-  result = storage.main(
+  result = layout.main(
     [
       str(photos_dir),
       "--repeats",
@@ -62,14 +65,48 @@ def test_storage_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_
     assert all(r["cached_share_before"] < 0.5 for r in rows if r["cache"] == "cold")
 
 
+def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
+  storage_rig, photos_dir, tmp_path
+):
+  work = tmp_path / "work"
+  argv = [str(photos_dir), "--latency-ms", "2", "--rounds", "1", "--batches", "3"]
+  argv += ["--batch-size", "8", "--shard-size-mb", "0.2", "--loaders", "pipeline"]
+  result = storage.main([*argv, "--work-dir", str(work), "--json", str(tmp_path / "s.json")])
+  data = result["dataset"]
+  assert data["records"] == 48 and data["shards"] > 1  # the 1-shard split, re-sharded
+  assert data["tfrecord_files"] == data["shards"]
+  # The TFRecord twin holds the same records, shard by shard.
+  meta = manifest.load(data["dir"])
+  for path in meta.shard_paths(data["dir"], "train"):
+    twin = pathlib.Path(
+      data["dir"], "peers-tfrecord", path.name.replace("array_record", "tfrecord")
+    )
+    with open(twin, "rb") as f:
+      got = [
+        tfrecord.read_record(f, str(twin), i, *span) for i, span in enumerate(tfrecord.scan(twin))
+      ]
+    source = grain.sources.ArrayRecordDataSource([os.fspath(path)])
+    assert got == source.__getitems__(list(range(len(source))))
+  local, slow = result["rows"]
+  assert (local["storage"], slow["storage"]) == ("local disk", "2 ms")
+  assert local["rounds"] == slow["rounds"] == 1 and "reads_per_image" not in local
+  assert slow["images_per_sec"] > 0 and slow["first_batch_s"] > 0 and slow["peak_rss_mb"] > 0
+  assert slow["reads_per_image"] > 0 and slow["kb_per_read"] > 0 and slow["max_in_flight"] >= 1
+  saved = json.loads((tmp_path / "s.json").read_text())
+  assert saved["command"].startswith("python -m pipeline.bench storage") and len(saved["runs"]) == 2
+  stamp = (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns
+  assert storage.prepare(str(photos_dir), "train", 0.2, str(work)) == pathlib.Path(data["dir"])
+  assert (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns == stamp  # reused
+
+
 def test_page_cache_share_follows_reads_and_eviction(tmp_path):
   path = tmp_path / "blob"
   path.write_bytes(os.urandom(1 << 20))  # dirty pages: evict() writes them back first
   path.read_bytes()
-  assert storage.cached_share([str(path)]) == 1.0
-  storage.evict([str(path)])
-  if storage.filesystem(str(path)) not in ("tmpfs", "ramfs", "overlay"):
-    assert storage.cached_share([str(path)]) < 0.5
+  assert layout.cached_share([str(path)]) == 1.0
+  layout.evict([str(path)])
+  if layout.filesystem(str(path)) not in ("tmpfs", "ramfs", "overlay"):
+    assert layout.cached_share([str(path)]) < 0.5
 
 
 def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
@@ -192,7 +229,7 @@ def test_all_runs_every_benchmark(photos_dir, tmp_path):
   report = bench_all.main([str(photos_dir), "--out", str(out), "--quick"]).read_text()
   check_report(report, [s.name for s in bench_all.STEPS])
   shown = pictures(out / "REPORT.md")
-  for picture in ("storage.png", "throughput.png", "study/naive_chain.png"):
+  for picture in ("layout.png", "throughput.png", "study/naive_chain.png"):
     assert (out / picture).read_bytes()[:4] == b"\x89PNG" and (out / picture).resolve() in shown
 
 
@@ -221,7 +258,7 @@ def test_refresh_writes_the_committed_report_with_links_into_docs():
   assert out.report.resolve() == ROOT / "bench" / "REPORT.md"
   assert out.pictures.resolve() == ROOT / "docs" / "bench"
   assert out.study.resolve() == ROOT / "docs" / "study"
-  assert out.link(out.pictures / "storage.png") == "../docs/bench/storage.png"
+  assert out.link(out.pictures / "layout.png") == "../docs/bench/layout.png"
   plain = bench_all.Outputs.at(pathlib.Path("runs/bench"), refresh=False)
   assert plain.report == pathlib.Path("runs/bench/REPORT.md")
   assert plain.link(plain.study / "naive.png") == "study/naive.png"
@@ -275,7 +312,7 @@ def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_pyth
   assert not loaded & tools, loaded & tools
 
 
-@pytest.mark.parametrize("module", [storage, ceiling, bench_all])
+@pytest.mark.parametrize("module", [layout, storage, ceiling, bench_all])
 def test_cli_help(module, capsys):
   with pytest.raises(SystemExit) as exit_:
     module.main(["--help"])

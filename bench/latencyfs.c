@@ -1,0 +1,263 @@
+/* latencyfs: a read-only FUSE passthrough of a directory where every read waits.
+
+   latencyfs SOURCE MOUNTPOINT -f -o latency_ms=20 [-o threads=1024]
+
+   Stands in for object storage (a GCS bucket through gcsfuse): every read request of a
+   file is answered no sooner than `latency_ms` after it arrived, and never from the page
+   cache (files are opened with direct_io, so there is no readahead either and every epoch
+   pays the latency again). Requests are served on many threads, so concurrent reads wait
+   concurrently: up to `threads` (default 1024; libfuse's own default is 10).
+
+   Two virtual files at the root, absent from listings, report the counters as one line of
+   JSON (reads, bytes, reads in flight now and at most, opens; data files only):
+     /.rig-stats   a snapshot
+     /.rig-reset   a snapshot, then every counter back to zero (max_in_flight: to in_flight)
+
+   Built and mounted by bench/rig.py; `python -m bench.rig --help` runs it by hand. */
+
+#define FUSE_USE_VERSION 35
+#define _GNU_SOURCE
+
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <fuse.h>
+#include <limits.h>
+#include <stdatomic.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <time.h>
+#include <unistd.h>
+
+#define STATS_PATH "/.rig-stats"
+#define RESET_PATH "/.rig-reset"
+
+static struct {
+  char *source;      /* absolute path of the source directory */
+  char *latency_ms;  /* as given; parsed into latency_ns */
+  unsigned threads;  /* libfuse's max_threads and max_idle_threads */
+  int64_t latency_ns;
+} config;
+
+static atomic_llong reads, bytes_read, opens, in_flight, max_in_flight;
+
+struct handle {
+  int fd;      /* the source file, or -1 for a virtual file */
+  char *text;  /* a virtual file's contents */
+  size_t size;
+};
+
+static char *source_path(const char *path) {
+  char *full = NULL;
+  if (asprintf(&full, "%s%s", config.source, path) < 0) return NULL;
+  return full;
+}
+
+static int is_virtual(const char *path) {
+  return strcmp(path, STATS_PATH) == 0 || strcmp(path, RESET_PATH) == 0;
+}
+
+static char *snapshot(int reset) {
+  long long r, b, o, now, peak;
+  if (reset) {
+    r = atomic_exchange(&reads, 0);
+    b = atomic_exchange(&bytes_read, 0);
+    o = atomic_exchange(&opens, 0);
+    now = atomic_load(&in_flight);
+    peak = atomic_exchange(&max_in_flight, now);
+  } else {
+    r = atomic_load(&reads);
+    b = atomic_load(&bytes_read);
+    o = atomic_load(&opens);
+    now = atomic_load(&in_flight);
+    peak = atomic_load(&max_in_flight);
+  }
+  char *text = NULL;
+  if (asprintf(&text,
+               "{\"reads\": %lld, \"bytes\": %lld, \"in_flight\": %lld, "
+               "\"max_in_flight\": %lld, \"opens\": %lld, \"latency_ms\": %.6g}\n",
+               r, b, now, peak, o, config.latency_ns / 1e6) < 0)
+    return NULL;
+  return text;
+}
+
+static void *rig_init(struct fuse_conn_info *conn, struct fuse_config *cfg) {
+  (void)conn;
+  cfg->use_ino = 1;
+  cfg->direct_io = 1;   /* no page cache, no readahead: every read reaches us */
+  cfg->kernel_cache = 0;
+  cfg->entry_timeout = cfg->attr_timeout = 60; /* metadata is not what we measure */
+  return NULL;
+}
+
+static int rig_getattr(const char *path, struct stat *st, struct fuse_file_info *fi) {
+  (void)fi;
+  if (is_virtual(path)) {
+    memset(st, 0, sizeof *st);
+    st->st_mode = S_IFREG | 0444;
+    st->st_nlink = 1;
+    st->st_size = 0; /* direct_io: reads are not cut at the size */
+    return 0;
+  }
+  char *full = source_path(path);
+  if (!full) return -ENOMEM;
+  int res = lstat(full, st);
+  int err = errno;
+  free(full);
+  if (res) return -err;
+  st->st_mode &= ~(S_IWUSR | S_IWGRP | S_IWOTH);
+  return 0;
+}
+
+static int rig_readdir(const char *path, void *buf, fuse_fill_dir_t fill, off_t offset,
+                       struct fuse_file_info *fi, enum fuse_readdir_flags flags) {
+  (void)offset, (void)fi, (void)flags;
+  char *full = source_path(path);
+  if (!full) return -ENOMEM;
+  DIR *dir = opendir(full);
+  int err = errno;
+  free(full);
+  if (!dir) return -err;
+  struct dirent *entry;
+  while ((entry = readdir(dir))) {
+    struct stat st = {.st_ino = entry->d_ino, .st_mode = (mode_t)DTTOIF(entry->d_type)};
+    if (fill(buf, entry->d_name, &st, 0, 0)) break;
+  }
+  closedir(dir);
+  return 0;
+}
+
+static int rig_open(const char *path, struct fuse_file_info *fi) {
+  if ((fi->flags & O_ACCMODE) != O_RDONLY) return -EROFS;
+  struct handle *h = calloc(1, sizeof *h);
+  if (!h) return -ENOMEM;
+  h->fd = -1;
+  if (is_virtual(path)) {
+    h->text = snapshot(strcmp(path, RESET_PATH) == 0);
+    if (!h->text) {
+      free(h);
+      return -ENOMEM;
+    }
+    h->size = strlen(h->text);
+  } else {
+    char *full = source_path(path);
+    if (!full) {
+      free(h);
+      return -ENOMEM;
+    }
+    h->fd = open(full, O_RDONLY);
+    int err = errno;
+    free(full);
+    if (h->fd < 0) {
+      free(h);
+      return -err;
+    }
+    atomic_fetch_add(&opens, 1);
+  }
+  fi->fh = (uint64_t)(uintptr_t)h;
+  fi->direct_io = 1;
+  fi->keep_cache = 0;
+  return 0;
+}
+
+static void add_ns(struct timespec *t, int64_t ns) {
+  ns += t->tv_nsec;
+  t->tv_sec += ns / 1000000000;
+  t->tv_nsec = ns % 1000000000;
+}
+
+static int rig_read(const char *path, char *buf, size_t size, off_t offset,
+                    struct fuse_file_info *fi) {
+  (void)path;
+  struct handle *h = (struct handle *)(uintptr_t)fi->fh;
+  if (h->fd < 0) { /* a virtual file: no latency, not counted */
+    if ((size_t)offset >= h->size) return 0;
+    size_t n = h->size - (size_t)offset < size ? h->size - (size_t)offset : size;
+    memcpy(buf, h->text + offset, n);
+    return (int)n;
+  }
+  struct timespec deadline;
+  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  long long now = atomic_fetch_add(&in_flight, 1) + 1;
+  long long peak = atomic_load(&max_in_flight);
+  while (now > peak && !atomic_compare_exchange_weak(&max_in_flight, &peak, now)) {
+  }
+  ssize_t n = pread(h->fd, buf, size, offset);
+  int err = errno;
+  add_ns(&deadline, config.latency_ns);
+  while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &deadline, NULL) == EINTR) {
+  }
+  atomic_fetch_add(&reads, 1);
+  if (n > 0) atomic_fetch_add(&bytes_read, n);
+  atomic_fetch_sub(&in_flight, 1);
+  return n < 0 ? -err : (int)n;
+}
+
+static int rig_release(const char *path, struct fuse_file_info *fi) {
+  (void)path;
+  struct handle *h = (struct handle *)(uintptr_t)fi->fh;
+  if (h->fd >= 0) close(h->fd);
+  free(h->text);
+  free(h);
+  return 0;
+}
+
+static const struct fuse_operations rig_ops = {
+  .init = rig_init,
+  .getattr = rig_getattr,
+  .readdir = rig_readdir,
+  .open = rig_open,
+  .read = rig_read,
+  .release = rig_release,
+};
+
+static const struct fuse_opt rig_opts[] = {
+  {"latency_ms=%s", offsetof(typeof(config), latency_ms), 0},
+  {"threads=%u", offsetof(typeof(config), threads), 0},
+  FUSE_OPT_END,
+};
+
+static int keep_source(void *data, const char *arg, int key, struct fuse_args *args) {
+  (void)data, (void)args;
+  if (key == FUSE_OPT_KEY_NONOPT && !config.source) {
+    config.source = realpath(arg, NULL);
+    if (!config.source) {
+      fprintf(stderr, "latencyfs: source %s: %s\n", arg, strerror(errno));
+      exit(2);
+    }
+    return 0; /* consumed: the rest (the mountpoint) goes to fuse_main */
+  }
+  return 1;
+}
+
+int main(int argc, char *argv[]) {
+  struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
+  config.threads = 1024;
+  if (fuse_opt_parse(&args, &config, rig_opts, keep_source) == -1) return 2;
+  if (!config.source) {
+    fprintf(stderr, "usage: latencyfs SOURCE MOUNTPOINT -f -o latency_ms=MS [fuse options]\n");
+    return 2;
+  }
+  double ms = config.latency_ms ? strtod(config.latency_ms, NULL) : 0.0;
+  if (ms < 0 || ms > 1e6) {
+    fprintf(stderr, "latencyfs: latency_ms must be in [0, 1e6], got %s\n", config.latency_ms);
+    return 2;
+  }
+  config.latency_ns = (int64_t)(ms * 1e6);
+  if (config.threads < 1 || config.threads > 100000) {
+    fprintf(stderr, "latencyfs: threads must be in [1, 100000], got %u\n", config.threads);
+    return 2;
+  }
+  char threads[80]; /* idle threads are kept: creating one costs more than keeping it */
+  snprintf(threads, sizeof threads, "-omax_threads=%u,max_idle_threads=%u", config.threads,
+           config.threads);
+  fuse_opt_add_arg(&args, threads);
+  fuse_opt_add_arg(&args, "-oro,default_permissions,fsname=latencyfs,subtype=latencyfs");
+  int res = fuse_main(args.argc, args.argv, &rig_ops, NULL);
+  fuse_opt_free_args(&args);
+  return res;
+}

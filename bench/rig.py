@@ -1,0 +1,217 @@
+"""A storage rig: a directory served with a fixed latency per read and no page cache.
+
+    python -m bench.rig data/photos /tmp/slow-photos --latency-ms 20    # Ctrl-C unmounts
+
+Object storage (a GCS bucket through gcsfuse, `gs://`) answers each read after 5-100 ms and
+a local page cache hides nothing from it. `latencyfs` (bench/latencyfs.c, FUSE) is a
+read-only passthrough that answers every read request of a file no sooner than the latency
+after it arrived, never from the page cache (direct_io: every epoch pays again, no kernel
+readahead), on up to 1024 threads so concurrent reads wait concurrently. It counts read
+requests, bytes, and reads in flight (now and at most): `Mount.stats()`, or
+`cat MOUNTPOINT/.rig-stats`; reading `.rig-reset` zeroes the counters.
+
+`ensure_built()` compiles it once into ~/.cache/pipeline-rig (keyed by the source's hash),
+installing fuse3 and libfuse3-dev with apt-get first when they are missing and we are root;
+`mount()` mounts it for a `with` block and always unmounts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import hashlib
+import json
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+
+SOURCE = pathlib.Path(__file__).with_name("latencyfs.c")
+APT_PACKAGES = ("fuse3", "libfuse3-dev", "pkg-config")
+
+
+class RigUnavailable(RuntimeError):
+  """The rig cannot run on this machine; the message says why in one line."""
+
+
+def cache_dir() -> pathlib.Path:
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  return pathlib.Path(base) / "pipeline-rig"
+
+
+def _have_fuse3() -> bool:
+  if not shutil.which("fusermount3") or not shutil.which("pkg-config"):
+    return False
+  return subprocess.run(["pkg-config", "--exists", "fuse3"], check=False).returncode == 0
+
+
+def _install_fuse3() -> None:
+  if os.geteuid() != 0 or not shutil.which("apt-get"):
+    raise RigUnavailable(
+      "the storage rig needs FUSE 3: install fuse3, libfuse3-dev and pkg-config "
+      "(Debian/Ubuntu: sudo apt-get install -y fuse3 libfuse3-dev pkg-config)"
+    )
+  env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
+  for cmd in (["apt-get", "update", "-qq"], ["apt-get", "install", "-y", "-qq", *APT_PACKAGES]):
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if proc.returncode:
+      last = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [""]
+      raise RigUnavailable(f"`{' '.join(cmd)}` failed: {last[0]}")
+
+
+def ensure_built() -> pathlib.Path:
+  """The latencyfs binary, compiled (and FUSE 3 installed) if needed; raises RigUnavailable."""
+  if not os.path.exists("/dev/fuse"):
+    raise RigUnavailable("no /dev/fuse on this machine: the storage rig needs FUSE")
+  code = SOURCE.read_bytes()
+  binary = cache_dir() / f"latencyfs-{hashlib.sha256(code).hexdigest()[:16]}"
+  if binary.exists() and shutil.which("fusermount3"):
+    return binary
+  if not _have_fuse3():
+    _install_fuse3()
+    if not _have_fuse3():
+      raise RigUnavailable("fuse3 and libfuse3-dev were installed but pkg-config finds no fuse3")
+  cc = shutil.which(os.environ.get("CC", "cc"))
+  if not cc:
+    raise RigUnavailable("no C compiler (cc) to build the storage rig")
+  flags = subprocess.run(
+    ["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True, text=True, check=True
+  ).stdout.split()
+  binary.parent.mkdir(parents=True, exist_ok=True)
+  tmp = binary.with_name(f"{binary.name}.{os.getpid()}.tmp")
+  proc = subprocess.run(
+    [cc, "-O2", "-Wall", "-o", str(tmp), str(SOURCE), *flags],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  if proc.returncode:
+    first = next((x for x in proc.stderr.splitlines() if "error" in x), proc.stderr.strip())
+    raise RigUnavailable(f"building {SOURCE.name} failed: {first}")
+  os.replace(tmp, binary)
+  return binary
+
+
+@dataclasses.dataclass
+class Mount:
+  """A mounted rig: `path` serves the source directory with `latency_ms` per read."""
+
+  path: pathlib.Path
+  source: pathlib.Path
+  latency_ms: float
+
+  def stats(self) -> dict:
+    """reads, bytes, in_flight, max_in_flight, opens (data files only), latency_ms."""
+    return json.loads((self.path / ".rig-stats").read_text())
+
+  def reset(self) -> dict:
+    """Zeroes the counters; returns them as they were."""
+    return json.loads((self.path / ".rig-reset").read_text())
+
+
+def _die_with_parent() -> None:
+  """In the daemon (before exec): SIGTERM when the process that mounted it dies, so a
+  crashed benchmark leaves no mount behind (latencyfs unmounts on SIGTERM)."""
+  ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
+def _mounted(path: pathlib.Path) -> bool:
+  real = os.path.realpath(path)
+  with open("/proc/mounts") as f:
+    return any(line.split()[1] == real for line in f)
+
+
+def _unmount(path: pathlib.Path, proc: subprocess.Popen) -> None:
+  if proc.poll() is None or _mounted(path):
+    res = subprocess.run(["fusermount3", "-u", str(path)], capture_output=True, check=False)
+    if res.returncode and _mounted(path):  # still busy: detach now, free when unused
+      subprocess.run(["fusermount3", "-u", "-z", str(path)], capture_output=True, check=False)
+  try:
+    proc.wait(timeout=10)
+  except subprocess.TimeoutExpired:
+    proc.kill()
+    proc.wait()
+
+
+@contextlib.contextmanager
+def mount(
+  source_dir: str | os.PathLike,
+  latency_ms: float,
+  mountpoint: str | os.PathLike | None = None,
+  threads: int = 1024,
+) -> Iterator[Mount]:
+  """Serves `source_dir` read-only at `mountpoint` (default: a fresh temporary folder,
+  removed afterwards) with `latency_ms` per read request, for the `with` block."""
+  source = pathlib.Path(source_dir).resolve()
+  if not source.is_dir():
+    raise FileNotFoundError(f"rig source {source_dir} is not a directory")
+  if latency_ms < 0:
+    raise ValueError(f"latency_ms must be >= 0, got {latency_ms}")
+  binary = ensure_built()
+  made = mountpoint is None
+  path = pathlib.Path(mountpoint or tempfile.mkdtemp(prefix="pipeline-rig-")).resolve()
+  path.mkdir(parents=True, exist_ok=True)
+  if _mounted(path):
+    raise RigUnavailable(f"{path} is already a mount point")
+  log = tempfile.TemporaryFile(mode="w+")
+  proc = subprocess.Popen(
+    [str(binary), str(source), str(path), "-f", "-o", f"latency_ms={latency_ms},threads={threads}"],
+    stdin=subprocess.DEVNULL,
+    stdout=log,
+    stderr=log,
+    preexec_fn=_die_with_parent,
+  )
+  try:
+    deadline = time.monotonic() + 10
+    while not _mounted(path):
+      if proc.poll() is not None or time.monotonic() > deadline:
+        log.seek(0)
+        lines = log.read().strip().splitlines() or ["no output"]
+        raise RigUnavailable(f"latencyfs could not mount {path}: {lines[-1]}")
+      time.sleep(0.01)
+    yield Mount(path, source, float(latency_ms))
+  finally:
+    _unmount(path, proc)
+    log.close()
+    if made:
+      with contextlib.suppress(OSError):
+        path.rmdir()
+
+
+def main(argv: list[str]) -> None:
+  p = argparse.ArgumentParser(
+    prog="python -m bench.rig",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  p.add_argument("source", help="the directory to serve, e.g. a converted dataset")
+  p.add_argument("mountpoint", help="where to mount it (created if missing)")
+  p.add_argument("--latency-ms", type=float, default=20.0, help="per read request (default 20)")
+  p.add_argument("--threads", type=int, default=1024, help="most reads served at once")
+  args = p.parse_args(argv)
+  with mount(args.source, args.latency_ms, args.mountpoint, args.threads) as m:
+    print(
+      f"{m.source} -> {m.path}: {m.latency_ms:g} ms per read, no page cache; "
+      f"counters: cat {m.path}/.rig-stats; Ctrl-C unmounts",
+      flush=True,
+    )
+    try:
+      signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+      while True:
+        time.sleep(3600)
+    except KeyboardInterrupt:
+      pass
+    print(json.dumps(m.stats()))
+
+
+if __name__ == "__main__":
+  from bench import measure
+
+  measure.run_cli(main, sys.argv[1:])

@@ -1,0 +1,155 @@
+"""The storage rig (bench/rig.py, bench/latencyfs.c): every read request waits the latency,
+every time (no page cache); its counters are exact; concurrent reads wait together; data
+read through it is the data on disk; it always unmounts.
+
+Timings here are lower bounds (a read cannot answer sooner than its latency) or generous
+upper bounds (concurrent reads take a few latencies, not one per read).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import grain
+import pytest
+
+from pipeline import manifest
+
+
+@pytest.fixture
+def blob(tmp_path):
+  """A folder holding one 1 MB file of random bytes; returns (folder, bytes)."""
+  data = os.urandom(1 << 20)
+  (tmp_path / "src").mkdir()
+  (tmp_path / "src" / "blob.bin").write_bytes(data)
+  return tmp_path / "src", data
+
+
+def mounted(path) -> bool:
+  with open("/proc/mounts") as f:
+    return any(line.split()[1] == os.path.realpath(path) for line in f)
+
+
+def test_a_4kb_read_waits_the_latency_and_again_when_repeated(storage_rig, blob):
+  src, data = blob
+  with storage_rig.mount(src, latency_ms=30) as rig:
+    fd = os.open(rig.path / "blob.bin", os.O_RDONLY)
+    try:
+      for _ in range(2):  # the same bytes again: no page cache answers for the rig
+        start = time.perf_counter()
+        assert os.pread(fd, 4096, 8192) == data[8192 : 8192 + 4096]
+        assert time.perf_counter() - start >= 0.030
+    finally:
+      os.close(fd)
+    assert rig.stats()["reads"] == 2 and rig.stats()["bytes"] == 2 * 4096
+  assert not mounted(rig.path) and not rig.path.exists()
+
+
+def test_counters_are_exact_for_a_known_read_pattern_and_reset(storage_rig, blob):
+  src, data = blob
+  # Each read of at most 128 KiB is one request on any kernel (FUSE's smallest request cap).
+  pattern = [(0, 4096), (10, 100), (5000, 131072), (len(data) - 1000, 4096), (len(data), 4096)]
+  with storage_rig.mount(src, latency_ms=1) as rig:
+    assert rig.stats() == {
+      "reads": 0,
+      "bytes": 0,
+      "in_flight": 0,
+      "max_in_flight": 0,
+      "opens": 0,
+      "latency_ms": 1,
+    }
+    fd = os.open(rig.path / "blob.bin", os.O_RDONLY)
+    try:
+      got = [os.pread(fd, size, offset) for offset, size in pattern]
+    finally:
+      os.close(fd)
+    assert got == [data[o : o + s] for o, s in pattern]
+    expected = {"reads": 5, "bytes": 4096 + 100 + 131072 + 1000 + 0, "opens": 1}
+    stats = rig.reset()
+    assert {k: stats[k] for k in expected} == expected
+    assert stats["max_in_flight"] == 1 and stats["in_flight"] == 0  # one after another
+    assert rig.stats()["reads"] == rig.stats()["bytes"] == rig.stats()["opens"] == 0
+    assert sorted(os.listdir(rig.path)) == ["blob.bin"]  # the counter files are not listed
+
+
+def test_concurrent_reads_wait_together_not_one_after_another(storage_rig, blob):
+  src, data = blob
+  n, latency = 64, 0.05
+  with storage_rig.mount(src, latency_ms=latency * 1000) as rig:
+    fd = os.open(rig.path / "blob.bin", os.O_RDONLY)
+    ready = threading.Barrier(n + 1)
+    got = [None] * n
+
+    def read(i):
+      ready.wait()
+      got[i] = os.pread(fd, 4096, i * 4096)
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(n)]
+    for t in threads:
+      t.start()
+    try:
+      ready.wait()
+      start = time.perf_counter()
+      for t in threads:
+        t.join()
+      seconds = time.perf_counter() - start
+    finally:
+      os.close(fd)
+    stats = rig.stats()
+  assert got == [data[i * 4096 : (i + 1) * 4096] for i in range(n)]
+  assert stats["reads"] == n and stats["bytes"] == n * 4096
+  assert latency <= seconds < n * latency / 4  # one after another would take n latencies
+  assert stats["max_in_flight"] >= n // 4 and stats["in_flight"] == 0
+
+
+def test_shards_read_through_the_rig_are_the_shards_on_disk(storage_rig, photos_dir):
+  meta = manifest.load(photos_dir)
+  with storage_rig.mount(photos_dir, latency_ms=1) as rig:
+    for split in meta.splits:
+      direct = [os.fspath(p) for p in meta.shard_paths(photos_dir, split)]
+      through = [os.fspath(p) for p in meta.shard_paths(rig.path, split)]
+      for a, b in zip(direct, through, strict=True):
+        assert open(a, "rb").read() == open(b, "rb").read()
+      local, remote = (grain.sources.ArrayRecordDataSource(p) for p in (direct, through))
+      everything = list(range(len(local)))
+      assert len(remote) == len(local) == meta.splits[split].num_records
+      assert remote.__getitems__(everything) == local.__getitems__(everything)
+    assert rig.stats()["reads"] > 0
+
+
+def test_unmounts_when_the_block_raises_and_refuses_a_missing_source(storage_rig, blob, tmp_path):
+  src, _ = blob
+  with pytest.raises(KeyError):
+    with storage_rig.mount(src, latency_ms=0, mountpoint=tmp_path / "mnt") as rig:
+      assert mounted(rig.path)
+      raise KeyError("boom")
+  assert not mounted(tmp_path / "mnt") and (tmp_path / "mnt").is_dir()  # given: kept
+  with pytest.raises(FileNotFoundError, match="missing"):
+    with storage_rig.mount(tmp_path / "missing", latency_ms=1):
+      pass
+
+
+def test_cli_mounts_until_interrupted_then_unmounts(storage_rig, blob, tmp_path, run_python):
+  src, data = blob
+  mnt = tmp_path / "mnt"
+  proc = subprocess.Popen(
+    [sys.executable, "-m", "bench.rig", str(src), str(mnt), "--latency-ms", "2"],
+    cwd=os.path.dirname(os.path.dirname(__file__)),
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    line = proc.stdout.readline()
+    assert "2 ms per read" in line and str(mnt) in line
+    assert (mnt / "blob.bin").read_bytes() == data
+  finally:
+    proc.send_signal(signal.SIGINT)
+    out, err = proc.communicate(timeout=30)
+  assert proc.returncode == 0, err
+  assert '"reads": ' in out and not mounted(mnt)
+  help_ = run_python("-m", "bench.rig", "--help")
+  assert help_.returncode == 0 and "usage: python -m bench.rig" in help_.stdout
