@@ -39,10 +39,10 @@ class ShardedSource:
 
   def _init_readers(self):
     self._readers: list = [None] * len(self.paths)
-    self._lock = threading.Lock()
+    self._locks = [threading.Lock() for _ in self.paths]  # shards open in parallel
 
   def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_lock")}
+    return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_locks")}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
@@ -64,7 +64,9 @@ class ShardedSource:
     return f"{self.names[shard]} record {local}"
 
   def _reader(self, shard: int):
-    with self._lock:
+    if self._readers[shard] is not None:
+      return self._readers[shard]
+    with self._locks[shard]:
       if self._readers[shard] is None:
         expected = self.starts[shard + 1] - self.starts[shard]
         try:
@@ -114,8 +116,8 @@ class ShardedSource:
     return out
 
   def close(self) -> None:
-    with self._lock:
-      for r in self._readers:
-        if r is not None:
-          r.close()
-      self._readers = [None] * len(self.paths)
+    for shard, lock in enumerate(self._locks):
+      with lock:
+        if self._readers[shard] is not None:
+          self._readers[shard].close()
+          self._readers[shard] = None
