@@ -45,10 +45,16 @@ in steady state after its first batch:
    holding the GIL; its system time the kernel mapping and unmapping pages, without it),
    the workers' CPU per image beyond the same work in one process (shipping batches
    through shared memory), the first batch and each worker's RSS.
-8. hosts: for each core count (and per-process batch size: the main process's Python per
+8. storage (`--latency-ms`, default 20; needs the rig, `bench/rig.py`): step 5's best run
+   again with the shards behind a FUSE layer answering each read after the latency, never
+   from the page cache: the share of the local ceiling it keeps, reads per image, KB per
+   read, most reads in flight.
+9. hosts: for each core count (and per-process batch size: the main process's Python per
    received batch spreads over it), `parallelism.plan` and `parallelism.project` with
    these costs, the GIL term being step 4's measured time (at least 1 us) and step 5's
-   fitted hand-off (memory assumed 1 GiB per core; TPU VM hosts have more).
+   fitted hand-off (memory assumed 1 GiB per core; TPU VM hosts have more). With step 8:
+   the rate on that storage (times the share kept, at most 1), the reads in flight it needs
+   (`pipeline.reads.reads_in_flight`, Little's law with headroom), their memory, GET/s.
 """
 
 from __future__ import annotations
@@ -69,7 +75,7 @@ import numpy as np
 import psutil
 
 from bench import emulate, measure
-from pipeline import augment, decode, parallelism, records
+from pipeline import augment, decode, parallelism, reads, records
 from pipeline import manifest as manifest_lib
 from pipeline.source import ShardedSource
 
@@ -159,6 +165,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     "workers_cpu_us": round((kids1 - kids0) / images * 1e6, 2),
     "rss_mb_per_worker": round(float(np.mean(rss)), 1) if rss else 0.0,
     "gil_share_pyspy": gil_share,
+    "images_served": images + len(image) * (1 + 2 * workers),
   }
 
 
@@ -324,9 +331,14 @@ def ceiling_bound(best: dict, cores: int) -> tuple[float, str]:
 
 
 def measure_costs(
-  spec: dict, threads: list[int], workers: int, worker_threads: int, py_spy: str | None = None
+  spec: dict,
+  threads: list[int],
+  workers: int,
+  worker_threads: int,
+  py_spy: str | None = None,
+  latency_ms: float = 0.0,
 ) -> dict:
-  """Steps 1-7 of the module docstring: the figures and the model's costs."""
+  """Steps 1-8 of the module docstring: the figures and the model's costs."""
   real, alone, with_workers = measure_in_child(
     spec, [(1, 0), (worker_threads, 0), (worker_threads, workers)], None
   )
@@ -356,6 +368,7 @@ def measure_costs(
     spy_run = measure_in_child({**spec, "py_spy": py_spy}, [(best["threads"], 0)], waits)[0]
     if spy_run["gil_share_pyspy"] is not None:
       spied = round(spy_run["gil_share_pyspy"] * 1e6 / spy_run["img_s"], 1)
+  storage = at_latency(spec, best, waits, latency_ms) if latency_ms else None
   costs = parallelism.Costs(
     cpu_us=cpu,
     gil_us=max(gil, 1.0),
@@ -385,6 +398,7 @@ def measure_costs(
     "one_thread_img_s": real["img_s"],
     "first_batch_s": real["first_batch_s"],
     "threads": measured,
+    "storage": storage,
     "workers": {
       "workers": workers,
       "threads": worker_threads,
@@ -399,13 +413,51 @@ def measure_costs(
   }
 
 
+def at_latency(spec: dict, best: dict, waits: tuple, latency_ms: float) -> dict:
+  """Step 8: the ceiling's best run again, its shards behind the storage rig (`bench.rig`:
+  `latency_ms` per read request, no page cache): does the read stage keep decode fed?"""
+  from bench import rig
+
+  with rig.mount(spec["data_dir"], latency_ms) as m:
+    run = measure_in_child({**spec, "data_dir": str(m.path)}, [(best["threads"], 0)], waits)[0]
+    st = m.stats()
+  return {
+    "latency_ms": latency_ms,
+    "img_s": run["img_s"],
+    "of_local_ceiling": round(run["img_s"] / best["img_s"], 3),
+    "first_batch_s": run["first_batch_s"],
+    "reads_per_image": round(st["reads"] / run["images_served"], 3),
+    "kb_per_read": round(st["bytes"] / max(1, st["reads"]) / 1e3, 1),
+    "max_reads_in_flight": st["max_in_flight"],
+  }
+
+
+def storage_needs(rate: float, storage: dict, record_kb: float) -> dict:
+  """What a host reading `rate` img/s from storage of that latency keeps in flight, holds,
+  and asks of the bucket (Little's law with the read stage's headroom)."""
+  in_flight = reads.reads_in_flight(rate, storage["latency_ms"] / 1e3)
+  return {
+    "reads_in_flight": in_flight,
+    "read_ahead_mb": round(in_flight * record_kb / 1e3, 1),
+    "gets_per_s": round(rate * storage["reads_per_image"]),
+  }
+
+
 def hosts(
-  costs: parallelism.Costs, cores: list[int], batch: int, host_batches: list[int], image_size: int
+  costs: parallelism.Costs,
+  cores: list[int],
+  batch: int,
+  host_batches: list[int],
+  image_size: int,
+  storage: dict | None = None,
+  record_kb: float = 0.0,
 ) -> list[dict]:
   """The auto plan and its projected img/s for each core count and per-process batch size;
   beside it, one process at its best thread count (the most a single process can do). The
   main process's Python per received batch (`receive_us`, measured at `batch`) spreads
-  over the host's batch; every other cost is per image."""
+  over the host's batch; every other cost is per image. With `storage` (step 8), the rate
+  on that storage: the projection times the share of its ceiling a process kept there (at
+  most 1), and what it needs of the storage."""
   out = []
   for host_batch in host_batches:
     host = parallelism.at_batch(costs, host_batch, batch)
@@ -425,6 +477,10 @@ def hosts(
           "one_process_img_s": round(one),
         }
       )
+      if storage:
+        rate = out[-1]["projected_img_s"] * min(1.0, storage["of_local_ceiling"])
+        out[-1]["at_latency_img_s"] = round(rate)
+        out[-1].update(storage_needs(rate, storage, record_kb))
   return out
 
 
@@ -477,7 +533,40 @@ def table(result: dict) -> str:
     f"{h['projected_img_s']:,} | {h['bound_by']} | {h['one_process_img_s']:,} |"
     for h in result["hosts"]
   ]
+  st = result.get("storage")
+  if st:
+    lines += [
+      "",
+      f"Behind the storage rig at {st['latency_ms']:g} ms per read (no page cache), the "
+      f"ceiling's run kept **{st['img_s']:.0f} img/s = {st['of_local_ceiling']:.0%}** of its "
+      f"local rate (first batch {st['first_batch_s']:.2f} s; {st['reads_per_image']:.2f} "
+      f"reads per image of {st['kb_per_read']:.0f} KB, at most {st['max_reads_in_flight']} "
+      "in flight). On such storage a host needs:",
+      "",
+      f"| host cores | batch per process | img/s at {st['latency_ms']:g} ms | reads in flight "
+      "| read-ahead MB | GET/s |",
+      "|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+      f"| {h['cores']} | {h['batch']} | {h['at_latency_img_s']:,} | {h['reads_in_flight']:,} "
+      f"| {h['read_ahead_mb']:,} | {h['gets_per_s']:,} |"
+      for h in result["hosts"]
+    ]
   return "\n".join(lines)
+
+
+def _latency(latency_ms: float) -> float:
+  """The rig's latency for step 8, or 0 (skipped, with the reason) where it cannot run."""
+  if latency_ms <= 0:
+    return 0.0
+  from bench import rig
+
+  try:
+    rig.ensure_built()
+  except rig.RigUnavailable as e:
+    print(f"warning: step 8 (storage) skipped: {e}", file=sys.stderr)
+    return 0.0
+  return latency_ms
 
 
 def _rate(result: dict) -> str:
@@ -527,6 +616,13 @@ def parser() -> argparse.ArgumentParser:
     default=shutil.which("py-spy") or shutil.which("py-spy", path=BIN),
     help="py-spy for step 6's cross-check (default: on PATH or beside python; '' skips it)",
   )
+  p.add_argument(
+    "--latency-ms",
+    type=float,
+    default=20.0,
+    help="step 8: the ceiling again behind the storage rig at this latency per read "
+    "(default 20, a bucket; 0 skips it)",
+  )
   p.add_argument("--json", help="write the figures to this file")
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p
@@ -568,11 +664,21 @@ def main(argv: list[str]) -> dict:
     "min_batches": 3,
   }
   try:
-    result = measure_costs(spec, threads, args.workers, args.worker_threads, args.py_spy)
+    result = measure_costs(
+      spec, threads, args.workers, args.worker_threads, args.py_spy, _latency(args.latency_ms)
+    )
   except RuntimeError as e:
     _fail(str(e), code=1)
   costs = parallelism.Costs(**result["costs"])
-  result["hosts"] = hosts(costs, cores, args.batch_size, host_batches, args.image_size)
+  result["hosts"] = hosts(
+    costs,
+    cores,
+    args.batch_size,
+    host_batches,
+    args.image_size,
+    result["storage"],
+    result["record_kb"],
+  )
   result.update(
     machine=measure.machine(), command="python -m pipeline.bench scaling " + " ".join(argv)
   )
