@@ -5,8 +5,9 @@ first byte, so reads must overlap: by Little's law a process decoding R images/s
 storage of latency L needs R x L reads in flight. The plan of every future batch is known
 (`pipeline.plan`), so `ReadRecords` starts the reads of the next `depth()` batches, one
 task per shard of each batch, all at once on its I/O threads; decode threads never wait on
-storage. The depth follows the read latency measured as it runs (and the decode rate the
-host plan projects), bounded by the bytes it may hold. The record cache (`pipeline.cache`)
+storage. The depth follows the read latency and the rate records are taken, both measured
+as it runs (the rate at least the one the host plan projects), bounded by the bytes it may
+hold. The record cache (`pipeline.cache`)
 answers before storage. Read errors stay with their slot; the decode stage applies the
 error policy.
 """
@@ -41,6 +42,7 @@ class ReadStats:
 
   latency_s: float  # moving average of one read task's duration
   record_bytes: float  # moving average of a record's size
+  rate_per_s: float = 0.0  # moving average of the records/s taken from this stage
   reads: int = 0  # records read from storage
   tasks: int = 0  # read calls (one per shard of a batch)
   cached: int = 0  # records the cache answered
@@ -73,11 +75,13 @@ class ReadRecords:
 
   def _init_runtime(self):
     self.stats = ReadStats(*self._initial)
+    self._last_finish = None
     self._pool = None
     self._lock = threading.Lock()
 
   def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k not in ("stats", "_pool", "_lock")}
+    runtime = ("stats", "_last_finish", "_pool", "_lock")
+    return {k: v for k, v in self.__dict__.items() if k not in runtime}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
@@ -92,9 +96,10 @@ class ReadRecords:
       return self._pool
 
   def depth(self) -> int:
-    """Batches to keep reading: Little's law on the measured latency, within the bytes."""
+    """Batches to keep reading: Little's law on the measured latency and the planned (or
+    measured, when higher) rate, within the bytes."""
     s = self.stats
-    need = reads_in_flight(self.rate_per_s, s.latency_s)
+    need = reads_in_flight(max(self.rate_per_s, s.rate_per_s), s.latency_s)
     depth = 1 + math.ceil(need / self.batch_size)
     by_bytes = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
     return min(depth, by_bytes, self.max_depth or depth)
@@ -183,6 +188,11 @@ class ReadRecords:
         s.record_bytes += EWMA * (size - s.record_bytes)
         s.reads += read
         s.tasks += 1
+    now = time.perf_counter()
+    if self._last_finish is not None and now > self._last_finish:
+      rate = len(batch.indices) / (now - self._last_finish)
+      s.rate_per_s += EWMA * (rate - s.rate_per_s)
+    self._last_finish = now
     return batch
 
 
