@@ -196,13 +196,17 @@ class ReadRecords:
     return batch
 
 
-def probe(source: ShardedSource) -> tuple[float, float]:
-  """(seconds, bytes) of one record read, the shard already open: what the read stage
-  starts from before it measures its own reads."""
+def probe(source: ShardedSource, reads: int = 3) -> tuple[float, float]:
+  """(seconds, bytes) of one record read, the shard already open: the fastest of a few
+  (a loaded machine's stalls are not storage latency). The read stage starts from it
+  before it measures its own reads."""
   source.read([0])  # opens the first shard (its footer reads cost latency too)
-  begin = time.perf_counter()
-  data = source.read([min(1, len(source) - 1)])[0]
-  return time.perf_counter() - begin, float(len(data))
+  times, sizes = [], []
+  for index in range(1, min(reads, len(source) - 1) + 1) or [0]:
+    begin = time.perf_counter()
+    sizes.append(len(source.read([index])[0]))
+    times.append(time.perf_counter() - begin)
+  return min(times), float(np.mean(sizes))
 
 
 def describe(read: ReadRecords, cache: RecordCache | None) -> str:
