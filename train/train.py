@@ -144,6 +144,15 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   mesh = make_mesh(config)
   data_devices = mesh.shape["data"]
   local_batch = config_lib.local_batch_size(config, jax.process_count(), data_devices)
+  inputs = config_lib.dataset_kwargs(config)
+  try:
+    meta = pipeline.load_manifest(inputs["data_dir"])
+  except (ValueError, OSError) as e:
+    raise UsageError(f"config.input: {e}") from e
+  abstract = nnx.eval_shape(lambda: create_model(config, meta.num_classes))
+  fit.check(  # before any data is opened: a batch that cannot fit is the first thing to say
+    abstract, inputs.get("image_size", 224), config.compute_dtype, local_batch, data_devices
+  )
   datasets, notes = [], io.StringIO()
   for evaluation in (False, True):
     kwargs = config_lib.dataset_kwargs(config, evaluation)
@@ -157,12 +166,6 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
       raise UsageError(f"{where}: {e}") from e
     except KeyError as e:
       raise UsageError(f"{where}: {e.args[0]}") from e
-  inputs = config_lib.dataset_kwargs(config)
-  meta = pipeline.load_manifest(inputs["data_dir"])
-  abstract = nnx.eval_shape(lambda: create_model(config, meta.num_classes))
-  fit.check(
-    abstract, inputs.get("image_size", 224), config.compute_dtype, local_batch, data_devices
-  )
   train_examples = meta.splits[inputs.get("split", "train")].num_records
   plan = config_lib.resolve(config, train_examples, jax.process_count(), data_devices)
   make_optimizer(config, plan)  # an unknown optimizer is refused here
