@@ -319,7 +319,7 @@ def chain(stages: Stages) -> grain.IterDataset:
       grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=_ignore_sigint
     )
   else:
-    it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=stages.prefetch)
+    it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=1)
   return lifecycle.ClosedAtExit(StreamIterDataset(it, stages.stream))
 
 
