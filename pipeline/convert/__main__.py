@@ -22,7 +22,7 @@ import math
 import sys
 
 from pipeline import manifest as manifest_lib
-from pipeline import records
+from pipeline import records, remote
 from pipeline.convert import checks, shards
 
 
@@ -203,7 +203,14 @@ def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
   from pipeline.convert import beam, builtin, images, tfds, tfrecord  # fast --help
 
   if args.command == "verify":
+    remote.check(args.out)
     return _verify(args)
+  out = args.data_dir if args.command == "builtin" else args.out
+  if remote.scheme(out):
+    raise remote.RemoteStorageError(
+      f"cannot write to {out}: shards are written as local files; convert into a local "
+      f"folder, then upload it: gcloud storage rsync -r DIR {out}"
+    )
   if args.command == "builtin":
     for name, m in builtin.build(
       args.data_dir, workers=args.workers, progress=args.progress
