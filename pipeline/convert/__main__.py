@@ -200,17 +200,21 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
   """Runs one command; returns the exit status."""
-  from pipeline.convert import beam, builtin, images, tfds, tfrecord  # fast --help
-
-  if args.command == "verify":
-    remote.check(args.out)
-    return _verify(args)
   out = args.data_dir if args.command == "builtin" else args.out
+  if remote.scheme(out) and args.command == "verify":
+    raise remote.RemoteStorageError(
+      f"cannot verify {out}: verify reads a local folder; run it before uploading, or on "
+      "the bucket mounted with gcsfuse"
+    )
   if remote.scheme(out):
     raise remote.RemoteStorageError(
       f"cannot write to {out}: shards are written as local files; convert into a local "
       f"folder, then upload it: gcloud storage rsync -r DIR {out}"
     )
+  from pipeline.convert import beam, builtin, images, tfds, tfrecord  # fast --help
+
+  if args.command == "verify":
+    return _verify(args)
   if args.command == "builtin":
     for name, m in builtin.build(
       args.data_dir, workers=args.workers, progress=args.progress
