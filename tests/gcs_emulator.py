@@ -1,11 +1,13 @@
 """A local GCS for tests: `python tests/gcs_emulator.py PORT BUCKET` serves the JSON API of
 `gcp-storage-emulator` (in memory) on 127.0.0.1:PORT with BUCKET created, until killed.
 
-One gap of the emulator is filled here: it ignores suffix ranges (`Range: bytes=-N`, the
+Two gaps of the emulator are filled here. It ignores suffix ranges (`Range: bytes=-N`, the
 last N bytes, which real GCS serves and array_record's reader asks for first to find a
 shard's footer) and answers them with the whole object from byte 0, which the reader then
 takes for the file's tail ("Invalid Riegeli/records file: chunk boundary is ..."). The
 wrapper turns `bytes=-N` into the equivalent `bytes=SIZE-N-` before the emulator sees it.
+And it serves one connection at a time with a backlog of 5, which drops the connections of
+array_record's parallel reads (54 s for 1,438 records); here each gets a thread (1.8 s).
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ class _ThreadingHTTPServer(http.server.ThreadingHTTPServer):
   request_queue_size = 256
 
 
+# The emulator's API thread builds `server.HTTPServer(...)` from its module's `server` name.
 server.server = types.SimpleNamespace(HTTPServer=_ThreadingHTTPServer)
 
 
