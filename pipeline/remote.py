@@ -17,6 +17,8 @@ import re
 
 from etils import epath
 
+from pipeline.manifest import FILENAME
+
 INSTALL = "pip install 'grain-pipeline[gcs]'"
 GCSFUSE = "or mount the bucket with gcsfuse and pass the mount path"
 # gcsfs (and so epath without TensorFlow) reads this; array_record's reader reads the other.
@@ -85,8 +87,9 @@ def explain(e: BaseException) -> str:
 def check(data_dir, probe: bool = True) -> None:
   """Raises `RemoteStorageError` (one line) if `data_dir` is a URL this host cannot read.
 
-  A local path returns at once. For gs://: a reader for the manifest must be installed,
-  an emulator must be set for both readers or neither, and (`probe`) manifest.json is
+  A local path returns at once. For gs://: an emulator must be set for both readers or
+  neither (and for gcsfs as it needs), a reader for the manifest must be installed, and
+  (`probe`) manifest.json is
   stat'ed once, so missing credentials or network are named here; a missing manifest is
   left to `manifest.load`, which says how to make one.
   """
@@ -98,8 +101,6 @@ def check(data_dir, probe: bool = True) -> None:
       f"cannot read {data_dir}: shards are read by array_record, which opens local paths "
       f"and gs:// only; mount the {kind}:// storage and pass the mount path"
     )
-  if gs_reader() is None:
-    raise RemoteStorageError(f"reading {data_dir} needs gcsfs: {INSTALL}; {GCSFUSE}")
   emulator = [v for v in EMULATOR_VARS if os.environ.get(v)]
   if len(emulator) == 1:
     (other,) = set(EMULATOR_VARS) - set(emulator)
@@ -108,10 +109,12 @@ def check(data_dir, probe: bool = True) -> None:
       "from different places (gcsfs reads the first, array_record the second); set both to "
       "the emulator's URL, or neither"
     )
+  if gs_reader() is None:
+    raise RemoteStorageError(f"reading {data_dir} needs gcsfs: {INSTALL}; {GCSFUSE}")
   if emulator and gs_reader() == "tensorflow":
     raise RemoteStorageError(
-      f"{emulator[0]} is set but epath reads gs:// with TensorFlow's gfile here, which "
-      "ignores it: set EPATH_USE_TF=false (epath then uses gcsfs)"
+      "STORAGE_EMULATOR_HOST is set but epath reads gs:// with TensorFlow's gfile here, "
+      "which ignores it: set EPATH_USE_TF=false (epath then uses gcsfs)"
     )
   if emulator and os.environ.get(_HNS, "").lower() not in ("false", "0"):
     raise RemoteStorageError(
@@ -120,8 +123,6 @@ def check(data_dir, probe: bool = True) -> None:
     )
   if not probe:
     return
-  from pipeline.manifest import FILENAME  # manifest imports nothing of ours at module level
-
   path = epath.Path(data_dir) / FILENAME
   try:
     path.stat()

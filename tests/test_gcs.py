@@ -110,6 +110,27 @@ def test_an_emulator_set_for_one_reader_only_is_refused():
   )
 
 
+@needs_emulator
+def test_an_emulator_without_the_gcsfs_setting_it_needs_is_refused():
+  p = run(
+    "from pipeline import remote; remote.check('gs://bucket/ds')",
+    env={
+      "STORAGE_EMULATOR_HOST": "http://127.0.0.1:1",
+      "CLOUD_STORAGE_EMULATOR_ENDPOINT": "http://127.0.0.1:1",
+      "EPATH_USE_TF": "false",
+      "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "",
+    },
+  )
+  assert (
+    p.stderr.strip()
+    .splitlines()[-1]
+    .startswith(
+      "pipeline.remote.RemoteStorageError: STORAGE_EMULATOR_HOST is set: also set "
+      "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false (else gcsfs asks the emulator"
+    )
+  )
+
+
 @pytest.mark.parametrize("command", ["images SRC", "tfrecord 'x-*' --num-classes 2", "builtin"])
 def test_convert_to_gs_refuses_in_one_line_and_writes_nothing(tmp_path, command):
   argv = command.replace("SRC", str(tmp_path)).replace("'", "").split()
