@@ -22,7 +22,7 @@ import math
 import sys
 
 from pipeline import manifest as manifest_lib
-from pipeline import records
+from pipeline import records, remote
 from pipeline.convert import checks, shards
 
 
@@ -200,6 +200,17 @@ def _verify(args: argparse.Namespace) -> int:
 
 def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
   """Runs one command; returns the exit status."""
+  out = args.data_dir if args.command == "builtin" else args.out
+  if remote.scheme(out) and args.command == "verify":
+    raise remote.RemoteStorageError(
+      f"cannot verify {out}: verify reads a local folder; run it before uploading, or on "
+      "the bucket mounted with gcsfuse"
+    )
+  if remote.scheme(out):
+    raise remote.RemoteStorageError(
+      f"cannot write to {out}: shards are written as local files; convert into a local "
+      f"folder, then upload it: gcloud storage rsync -r DIR {out}"
+    )
   from pipeline.convert import beam, builtin, images, tfds, tfrecord  # fast --help
 
   if args.command == "verify":

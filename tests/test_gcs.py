@@ -1,0 +1,259 @@
+"""Datasets in a gs:// bucket: read end to end from a local Cloud Storage emulator, and every
+way it cannot work said in one line that names the fix.
+
+The emulator (`tests/gcs_emulator.py`, gcp-storage-emulator on 127.0.0.1) serves both
+readers a dataset has: gcsfs (manifest, shard sizes) through STORAGE_EMULATOR_HOST and
+array_record's own C++ reader (the shards) through CLOUD_STORAGE_EMULATOR_ENDPOINT. Reads
+run in fresh processes, because epath picks and caches its gs:// backend per process.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.request
+
+import pytest
+
+from pipeline import remote
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+EMULATOR_MISSING = [
+  name for name in ("gcp_storage_emulator", "gcsfs") if importlib.util.find_spec(name) is None
+]
+# Both are in the dev extra, so CI has them: there a missing one fails instead of skipping.
+needs_emulator = pytest.mark.skipif(
+  bool(EMULATOR_MISSING) and os.environ.get("CI") != "true",
+  reason=f"not installed: {EMULATOR_MISSING} (pip install -e '.[dev]')",
+)
+# A plain install: `import gcsfs` raises ImportError, and epath finds no TensorFlow either.
+WITHOUT_GCSFS = "import sys; sys.modules['gcsfs'] = None; sys.modules['tensorflow'] = None\n"
+
+
+def run(
+  code: str, env: dict | None = None, cwd: str = REPO, args=()
+) -> subprocess.CompletedProcess:
+  """Runs `python -c CODE ARGS...` (or `python ARGS...` when CODE is empty) from `cwd` with
+  this checkout first on the path."""
+  command = [sys.executable, *(["-c", code] if code else []), *args]
+  return subprocess.run(
+    command,
+    cwd=cwd,
+    capture_output=True,
+    text=True,
+    timeout=300,
+    env={**os.environ, "PYTHONPATH": REPO, "TQDM_DISABLE": "1", **(env or {})},
+  )
+
+
+# --- one-line refusals ---------------------------------------------------------------------
+
+
+def test_a_local_data_dir_is_not_looked_at():
+  remote.check("/no/such/dir")
+  remote.check("relative/dir")
+
+
+def test_a_scheme_array_record_cannot_open_is_refused_in_one_line():
+  with pytest.raises(remote.RemoteStorageError, match=r"^cannot read s3://b/ds: .*mount") as e:
+    remote.check("s3://b/ds")
+  assert "\n" not in str(e.value)
+
+
+def test_gs_without_gcsfs_says_what_to_install():
+  p = run(WITHOUT_GCSFS + "from pipeline import remote; remote.check('gs://bucket/ds')")
+  last = p.stderr.strip().splitlines()[-1]
+  assert last == (
+    "pipeline.remote.RemoteStorageError: reading gs://bucket/ds needs gcsfs: "
+    "pip install 'grain-pipeline[gcs]'; or mount the bucket with gcsfuse and pass the mount path"
+  )
+
+
+def _make_dataset_checks() -> bool:
+  from pipeline import dataset
+
+  return "remote.check" in inspect.getsource(dataset)
+
+
+@pytest.mark.skipif(
+  not _make_dataset_checks(), reason="make_dataset does not call pipeline.remote.check yet"
+)
+def test_make_dataset_of_gs_without_gcsfs_is_one_line():
+  p = run(WITHOUT_GCSFS + "import pipeline; pipeline.make_dataset('gs://bucket/ds', batch_size=2)")
+  assert p.returncode == 1
+  assert (
+    p.stderr.strip()
+    .splitlines()[-1]
+    .endswith(
+      "reading gs://bucket/ds needs gcsfs: pip install 'grain-pipeline[gcs]'; "
+      "or mount the bucket with gcsfuse and pass the mount path"
+    )
+  )
+
+
+def test_an_emulator_set_for_one_reader_only_is_refused():
+  p = run(
+    "from pipeline import remote; remote.check('gs://bucket/ds')",
+    env={"STORAGE_EMULATOR_HOST": "http://127.0.0.1:1", "CLOUD_STORAGE_EMULATOR_ENDPOINT": ""},
+  )
+  assert p.stderr.strip().splitlines()[-1] == (
+    "pipeline.remote.RemoteStorageError: STORAGE_EMULATOR_HOST is set but "
+    "CLOUD_STORAGE_EMULATOR_ENDPOINT is not: the manifest and the shards would be read from "
+    "different places (gcsfs reads the first, array_record the second); set both to the "
+    "emulator's URL, or neither"
+  )
+
+
+@needs_emulator
+def test_an_emulator_without_the_gcsfs_setting_it_needs_is_refused():
+  p = run(
+    "from pipeline import remote; remote.check('gs://bucket/ds')",
+    env={
+      "STORAGE_EMULATOR_HOST": "http://127.0.0.1:1",
+      "CLOUD_STORAGE_EMULATOR_ENDPOINT": "http://127.0.0.1:1",
+      "EPATH_USE_TF": "false",
+      "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "",
+    },
+  )
+  assert (
+    p.stderr.strip()
+    .splitlines()[-1]
+    .startswith(
+      "pipeline.remote.RemoteStorageError: STORAGE_EMULATOR_HOST is set: also set "
+      "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false (else gcsfs asks the emulator"
+    )
+  )
+
+
+@pytest.mark.parametrize("command", ["images SRC", "tfrecord 'x-*' --num-classes 2", "builtin"])
+def test_convert_to_gs_refuses_in_one_line_and_writes_nothing(tmp_path, command):
+  argv = command.replace("SRC", str(tmp_path)).replace("'", "").split()
+  if command == "builtin":
+    argv.append("gs://bkt/ds")
+  else:
+    argv.insert(2, "gs://bkt/ds")
+  p = run("", cwd=str(tmp_path), args=["-m", "pipeline.convert", *argv])
+  assert p.returncode == 2, p.stderr
+  assert p.stderr == (
+    "error: cannot write to gs://bkt/ds: shards are written as local files; convert into a "
+    "local folder, then upload it: gcloud storage rsync -r DIR gs://bkt/ds\n"
+  )
+  assert not (tmp_path / "gs:").exists()
+
+
+def test_convert_verify_of_gs_refuses_in_one_line():
+  p = run("", args=["-m", "pipeline.convert", "verify", "gs://bkt/ds"])
+  assert p.returncode == 2
+  assert p.stderr == (
+    "error: cannot verify gs://bkt/ds: verify reads a local folder; run it before uploading, "
+    "or on the bucket mounted with gcsfuse\n"
+  )
+
+
+def test_errors_of_reading_gcs_are_explained():
+  assert remote.explain(PermissionError("401 Anonymous caller does not have access")).startswith(
+    "no access (PermissionError: 401 Anonymous caller does not have access): run `gcloud auth "
+  )
+  assert remote.explain(OSError("Cannot connect to host storage.googleapis.com:443")).startswith(
+    "cannot reach Cloud Storage (OSError: Cannot connect to host storage.googleapis.com:443)"
+  )
+  assert remote.explain(RuntimeError("first\nsecond")) == "RuntimeError: first"
+
+
+# --- end to end against the local emulator --------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gcs():
+  """A local Cloud Storage with bucket "bkt"; yields the environment that points gcsfs, epath
+  and array_record at it."""
+  assert not EMULATOR_MISSING, f"CI=true but not installed: {EMULATOR_MISSING}"
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  url = f"http://127.0.0.1:{port}"
+  proc = subprocess.Popen(
+    [sys.executable, os.path.join(REPO, "tests", "gcs_emulator.py"), str(port), "bkt"],
+    stdout=subprocess.DEVNULL,
+    stderr=subprocess.DEVNULL,
+  )
+  try:
+    deadline = time.monotonic() + 30
+    while True:
+      try:
+        urllib.request.urlopen(f"{url}/storage/v1/b/bkt", timeout=1).read()
+        break
+      except OSError:
+        if time.monotonic() > deadline or proc.poll() is not None:
+          raise
+        time.sleep(0.1)
+    yield {
+      "STORAGE_EMULATOR_HOST": url,
+      "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,
+      "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+      "EPATH_USE_TF": "false",
+    }
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+@needs_emulator
+def test_a_dataset_in_a_bucket_reads_as_it_does_from_disk(gcs, digits_dir):
+  code = textwrap.dedent(
+    """
+    import sys
+    import gcsfs
+    import numpy as np
+    from pipeline import make_dataset, manifest, remote
+    from pipeline.source import ShardedSource
+
+    local, url = sys.argv[1], "gs://bkt/digits"
+    gcsfs.GCSFileSystem(token="anon").put(local, "bkt/digits", recursive=True)
+    remote.check(url)
+
+    meta = manifest.load(url)
+    assert meta == manifest.load(local)
+    for split in meta.splits:
+      paths = manifest.checked_shards(url, meta, split, verify="sha256")
+      assert [str(p) for p in paths][0].startswith("gs://bkt/digits/"), paths
+      counts = [s.num_records for s in meta.splits[split].shards]
+      remote_src = ShardedSource(paths, counts)
+      local_src = ShardedSource(manifest.checked_shards(local, meta, split), counts)
+      shuffled = np.random.default_rng(0).permutation(len(local_src))
+      assert remote_src.read(shuffled) == local_src.read(shuffled), split
+
+    def batches(data_dir):
+      ds = make_dataset(data_dir, "validation", batch_size=16, train=False, image_size=32)
+      return [(b["image"], b["label"], b["mask"]) for b in ds]
+
+    got, want = batches(url), batches(local)
+    assert len(got) == len(want) > 1
+    for g, w in zip(got, want):
+      for a, b in zip(g, w):
+        np.testing.assert_array_equal(a, b)
+    print("same", len(got), "batches")
+    """
+  )
+  p = run(code, env=gcs, args=[str(digits_dir)])
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert "same" in p.stdout
+
+
+@needs_emulator
+def test_a_missing_dataset_in_a_bucket_says_convert_first(gcs):
+  p = run(
+    "from pipeline import manifest, remote; remote.check('gs://bkt/none'); "
+    "manifest.load('gs://bkt/none')",
+    env=gcs,
+  )
+  assert p.stderr.strip().splitlines()[-1] == (
+    "FileNotFoundError: gs://bkt/none/manifest.json not found: convert the dataset first "
+    "(python -m pipeline.convert --help)"
+  )
