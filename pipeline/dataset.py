@@ -30,7 +30,7 @@ import numpy as np
 from etils import epath
 
 from pipeline import augment as augment_lib
-from pipeline import lifecycle, options, parallelism, reads, records
+from pipeline import lifecycle, options, parallelism, reads, records, remote
 from pipeline import manifest as manifest_lib
 from pipeline.ahead import AheadIterDataset
 from pipeline.cache import RecordCache, dataset_id
@@ -186,6 +186,7 @@ def _build(
     raise ValueError(f"batch_size must be positive, got {batch_size}")
   if sharding not in ("records", "shards"):
     raise ValueError(f"sharding must be 'records' or 'shards', not {sharding!r}")
+  remote.check(data_dir)
   data_dir = epath.Path(data_dir)
   meta = manifest_lib.load(data_dir)
   paths = manifest_lib.checked_shards(data_dir, meta, split, verify=verify)

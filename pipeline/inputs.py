@@ -18,7 +18,7 @@ import grain
 import jax
 from etils import epath
 
-from pipeline import dataset, device
+from pipeline import dataset, device, remote
 from pipeline import manifest as manifest_lib
 from pipeline.sampling import Sampler
 
@@ -72,6 +72,7 @@ def input(
   keywords = {"shard_index": shard_index, "shard_count": shard_count, **make_dataset_keywords}
   drop = keywords.get("drop_remainder")
   drop = train if drop is None else drop
+  remote.check(data_dir)
   meta = manifest_lib.load(epath.Path(data_dir))
   host = dataset.make_dataset(data_dir, split, batch_size=batch_size, train=train, **keywords)
   # Streams that drop their remainder only ever hold full batches: no mask to add.
