@@ -43,10 +43,9 @@ import numpy as np
 import psutil
 
 import pipeline
-from bench import measure, storage_check, timeline
+from bench import emulate, measure, storage_check, timeline
 from pipeline import augment, decode, options, parallelism, records
 from pipeline import manifest as manifest_lib
-from pipeline.loader import EMULATE_ENV as EMULATE
 from pipeline.source import ShardedSource
 
 STAGES = ("read", "parse", "decode", "augment")
@@ -120,8 +119,9 @@ class Settings:
     options.coerce(pipeline.Augment, self.augment)
     options.coerce(pipeline.Performance, self.performance)
 
-  def dataset(self) -> grain.IterDataset:
-    return pipeline.make_dataset(
+  def dataset(self, emulate_us: tuple[float, float] | None = None) -> grain.IterDataset:
+    """The dataset these settings make (decode and resize emulated with `emulate_us`)."""
+    return emulate.make_dataset(
       self.data_dir,
       self.split,
       batch_size=self.batch_size,
@@ -132,6 +132,7 @@ class Settings:
       shard_count=1,
       augment=self.augment,
       performance=self.performance,
+      emulate_us=emulate_us,
       **self.other,
     )
 
@@ -403,19 +404,11 @@ def measure_all(
 def measure_python(s: Settings, costs: dict[str, Cost], seconds: float) -> float:
   """GIL-held time per image of the native path: `make_dataset` on CEILING_THREADS threads
   with each image's decode and resize replaced by GIL-free waits of their measured length
-  (the loader's PIPELINE_EMULATE_DECODE_US), so that the GIL binds; the rate it reaches
-  is 1 / (GIL time x hand-off factor)."""
-  waits = f"{costs['decode'].cpu_ms * 1e3:.1f},{costs['augment'].cpu_ms * 1e3:.1f}"
+  (`bench.emulate`), so that the GIL binds; the rate it reaches is 1 / (GIL time x
+  hand-off factor)."""
+  waits = (costs["decode"].cpu_ms * 1e3, costs["augment"].cpu_ms * 1e3)
   perf = {**s.performance, "num_threads": CEILING_THREADS, "num_workers": 0, "cache_mb": 0.0}
-  saved = os.environ.get(EMULATE)
-  os.environ[EMULATE] = waits
-  try:
-    run = measure_run(dataclasses.replace(s, performance=perf).dataset(), seconds)
-  finally:
-    if saved is None:
-      del os.environ[EMULATE]
-    else:
-      os.environ[EMULATE] = saved
+  run = measure_run(dataclasses.replace(s, performance=perf).dataset(waits), seconds)
   factor = parallelism.handoff_factor(CEILING_THREADS, parallelism.COSTS.handoff)
   return round(1e6 / run.images_per_sec / factor, 1)
 

@@ -8,7 +8,7 @@ decide it here and projects with `pipeline.parallelism`'s model. Every run is
 in steady state after its first batch:
 
 1. cpu: one decode thread: the process's CPU per image (`cpu_us_per_image`).
-2. rest: one thread with `PIPELINE_EMULATE_DECODE_US=D,R`, which makes the loader replace
+2. rest: one thread with decode emulation (`bench.emulate`, waits D,R), which replaces
    each image's decode by a GIL-free wait of D microseconds and its resize by one of R
    (read, parse, crop box, batching, Grain and the Python per image stay real), here with
    waits of ~0: the CPU of everything else (`rest_cpu_us_per_image`). decode + resize =
@@ -45,10 +45,16 @@ in steady state after its first batch:
    holding the GIL; its system time the kernel mapping and unmapping pages, without it),
    the workers' CPU per image beyond the same work in one process (shipping batches
    through shared memory), the first batch and each worker's RSS.
-8. hosts: for each core count (and per-process batch size: the main process's Python per
+8. storage (`--latency-ms`, default 20; needs the rig, `bench/rig.py`): step 5's best run
+   again with the shards behind a FUSE layer answering each read after the latency, never
+   from the page cache: the share of the local ceiling it keeps, reads per image, KB per
+   read, most reads in flight.
+9. hosts: for each core count (and per-process batch size: the main process's Python per
    received batch spreads over it), `parallelism.plan` and `parallelism.project` with
    these costs, the GIL term being step 4's measured time (at least 1 us) and step 5's
-   fitted hand-off (memory assumed 1 GiB per core; TPU VM hosts have more).
+   fitted hand-off (memory assumed 1 GiB per core; TPU VM hosts have more). With step 8:
+   the rate on that storage (times the share kept, at most 1), the reads in flight it needs
+   (`pipeline.reads.reads_in_flight`, Little's law with headroom), their memory, GET/s.
 """
 
 from __future__ import annotations
@@ -68,11 +74,9 @@ import time
 import numpy as np
 import psutil
 
-import pipeline
-from bench import measure
-from pipeline import augment, decode, parallelism, records
+from bench import emulate, measure
+from pipeline import augment, decode, parallelism, reads, records
 from pipeline import manifest as manifest_lib
-from pipeline.loader import EMULATE_ENV as EMULATE
 from pipeline.source import ShardedSource
 
 PAGE = 4096
@@ -111,7 +115,7 @@ def _workers(proc) -> list:
 def run_one(spec: dict, threads: int, workers: int) -> dict:
   """Times one `make_dataset` configuration in this process (see the module docstring)."""
   me = psutil.Process()
-  ds = pipeline.make_dataset(
+  ds = emulate.make_dataset(
     spec["data_dir"],
     spec["split"],
     batch_size=spec["batch_size"],
@@ -119,6 +123,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     shard_index=0,
     shard_count=1,
     performance=dict(num_threads=threads, num_workers=workers),
+    emulate_us=spec.get("emulate_us"),
   )
   start = time.perf_counter()
   it = iter(ds)
@@ -160,6 +165,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     "workers_cpu_us": round((kids1 - kids0) / images * 1e6, 2),
     "rss_mb_per_worker": round(float(np.mean(rss)), 1) if rss else 0.0,
     "gil_share_pyspy": gil_share,
+    "images_served": images + len(image) * (1 + 2 * workers),
   }
 
 
@@ -226,15 +232,15 @@ def measure_in_child(
   spec: dict, runs: list[tuple[int, int]], emulate_us: tuple[float, float] | None
 ) -> list[dict]:
   """`run_one` for each (threads, workers) in a fresh process; `emulate_us` (decode and
-  resize waits; None: real work) is set in its environment, which Grain's workers inherit."""
-  return _child({**spec, "runs": runs}, emulate_us)
-
-
-def _child(child_spec: dict, emulate_us: tuple[float, float] | None = None):
-  """The JSON a fresh `python -m bench.scaling --child SPEC` prints (see `main`)."""
-  env = {k: v for k, v in os.environ.items() if k != EMULATE}
+  resize waits; None: real work) goes to its decode stage (`bench.emulate`)."""
   if emulate_us is not None:
-    env[EMULATE] = ",".join(f"{max(us, 0.001):.3f}" for us in emulate_us)
+    emulate_us = [max(us, 0.001) for us in emulate_us]
+  return _child({**spec, "runs": runs, "emulate_us": emulate_us})
+
+
+def _child(child_spec: dict):
+  """The JSON a fresh `python -m bench.scaling --child SPEC` prints (see `main`)."""
+  env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
   child = json.dumps(child_spec)
   proc = subprocess.run(
@@ -325,9 +331,14 @@ def ceiling_bound(best: dict, cores: int) -> tuple[float, str]:
 
 
 def measure_costs(
-  spec: dict, threads: list[int], workers: int, worker_threads: int, py_spy: str | None = None
+  spec: dict,
+  threads: list[int],
+  workers: int,
+  worker_threads: int,
+  py_spy: str | None = None,
+  latency_ms: float = 0.0,
 ) -> dict:
-  """Steps 1-7 of the module docstring: the figures and the model's costs."""
+  """Steps 1-8 of the module docstring: the figures and the model's costs."""
   real, alone, with_workers = measure_in_child(
     spec, [(1, 0), (worker_threads, 0), (worker_threads, workers)], None
   )
@@ -337,7 +348,7 @@ def measure_costs(
   honoured = rest_cpu < 0.8 * cpu  # decode and resize are most of an image's CPU
   if not honoured:
     print(
-      f"warning: the loader ignores {EMULATE} (CPU per image {rest_cpu:.0f} us with it, "
+      f"warning: the decode emulation was ignored (CPU per image {rest_cpu:.0f} us with it, "
       f"{cpu:.0f} us without): the curve below is the real decode's, bound by this "
       "machine's cores, not the GIL",
       file=sys.stderr,
@@ -357,6 +368,7 @@ def measure_costs(
     spy_run = measure_in_child({**spec, "py_spy": py_spy}, [(best["threads"], 0)], waits)[0]
     if spy_run["gil_share_pyspy"] is not None:
       spied = round(spy_run["gil_share_pyspy"] * 1e6 / spy_run["img_s"], 1)
+  storage = at_latency(spec, best, waits, latency_ms) if latency_ms else None
   costs = parallelism.Costs(
     cpu_us=cpu,
     gil_us=max(gil, 1.0),
@@ -386,6 +398,7 @@ def measure_costs(
     "one_thread_img_s": real["img_s"],
     "first_batch_s": real["first_batch_s"],
     "threads": measured,
+    "storage": storage,
     "workers": {
       "workers": workers,
       "threads": worker_threads,
@@ -400,13 +413,51 @@ def measure_costs(
   }
 
 
+def at_latency(spec: dict, best: dict, waits: tuple, latency_ms: float) -> dict:
+  """Step 8: the ceiling's best run again, its shards behind the storage rig (`bench.rig`:
+  `latency_ms` per read request, no page cache): does the read stage keep decode fed?"""
+  from bench import rig
+
+  with rig.mount(spec["data_dir"], latency_ms) as m:
+    run = measure_in_child({**spec, "data_dir": str(m.path)}, [(best["threads"], 0)], waits)[0]
+    st = m.stats()
+  return {
+    "latency_ms": latency_ms,
+    "img_s": run["img_s"],
+    "of_local_ceiling": round(run["img_s"] / best["img_s"], 3),
+    "first_batch_s": run["first_batch_s"],
+    "reads_per_image": round(st["reads"] / run["images_served"], 3),
+    "kb_per_read": round(st["bytes"] / max(1, st["reads"]) / 1e3, 1),
+    "max_reads_in_flight": st["max_in_flight"],
+  }
+
+
+def storage_needs(rate: float, storage: dict, record_kb: float) -> dict:
+  """What a host reading `rate` img/s from storage of that latency keeps in flight, holds,
+  and asks of the bucket (Little's law with the read stage's headroom)."""
+  in_flight = reads.reads_in_flight(rate, storage["latency_ms"] / 1e3)
+  return {
+    "reads_in_flight": in_flight,
+    "read_ahead_mb": round(in_flight * record_kb / 1e3, 1),
+    "gets_per_s": round(rate * storage["reads_per_image"]),
+  }
+
+
 def hosts(
-  costs: parallelism.Costs, cores: list[int], batch: int, host_batches: list[int], image_size: int
+  costs: parallelism.Costs,
+  cores: list[int],
+  batch: int,
+  host_batches: list[int],
+  image_size: int,
+  storage: dict | None = None,
+  record_kb: float = 0.0,
 ) -> list[dict]:
   """The auto plan and its projected img/s for each core count and per-process batch size;
   beside it, one process at its best thread count (the most a single process can do). The
   main process's Python per received batch (`receive_us`, measured at `batch`) spreads
-  over the host's batch; every other cost is per image."""
+  over the host's batch; every other cost is per image. With `storage` (step 8), the rate
+  on that storage: the projection times the share of its ceiling a process kept there (at
+  most 1), and what it needs of the storage."""
   out = []
   for host_batch in host_batches:
     host = parallelism.at_batch(costs, host_batch, batch)
@@ -426,6 +477,10 @@ def hosts(
           "one_process_img_s": round(one),
         }
       )
+      if storage:
+        rate = out[-1]["projected_img_s"] * min(1.0, storage["of_local_ceiling"])
+        out[-1]["at_latency_img_s"] = round(rate)
+        out[-1].update(storage_needs(rate, storage, record_kb))
   return out
 
 
@@ -478,7 +533,40 @@ def table(result: dict) -> str:
     f"{h['projected_img_s']:,} | {h['bound_by']} | {h['one_process_img_s']:,} |"
     for h in result["hosts"]
   ]
+  st = result.get("storage")
+  if st:
+    lines += [
+      "",
+      f"Behind the storage rig at {st['latency_ms']:g} ms per read (no page cache), the "
+      f"ceiling's run kept **{st['img_s']:.0f} img/s = {st['of_local_ceiling']:.0%}** of its "
+      f"local rate (first batch {st['first_batch_s']:.2f} s; {st['reads_per_image']:.2f} "
+      f"reads per image of {st['kb_per_read']:.0f} KB, at most {st['max_reads_in_flight']} "
+      "in flight). On such storage a host needs:",
+      "",
+      f"| host cores | batch per process | img/s at {st['latency_ms']:g} ms | reads in flight "
+      "| read-ahead MB | GET/s |",
+      "|---:|---:|---:|---:|---:|---:|",
+    ]
+    lines += [
+      f"| {h['cores']} | {h['batch']} | {h['at_latency_img_s']:,} | {h['reads_in_flight']:,} "
+      f"| {h['read_ahead_mb']:,} | {h['gets_per_s']:,} |"
+      for h in result["hosts"]
+    ]
   return "\n".join(lines)
+
+
+def _latency(latency_ms: float) -> float:
+  """The rig's latency for step 8, or 0 (skipped, with the reason) where it cannot run."""
+  if latency_ms <= 0:
+    return 0.0
+  from bench import rig
+
+  try:
+    rig.ensure_built()
+  except rig.RigUnavailable as e:
+    print(f"warning: step 8 (storage) skipped: {e}", file=sys.stderr)
+    return 0.0
+  return latency_ms
 
 
 def _rate(result: dict) -> str:
@@ -528,6 +616,13 @@ def parser() -> argparse.ArgumentParser:
     default=shutil.which("py-spy") or shutil.which("py-spy", path=BIN),
     help="py-spy for step 6's cross-check (default: on PATH or beside python; '' skips it)",
   )
+  p.add_argument(
+    "--latency-ms",
+    type=float,
+    default=20.0,
+    help="step 8: the ceiling again behind the storage rig at this latency per read "
+    "(default 20, a bucket; 0 skips it)",
+  )
   p.add_argument("--json", help="write the figures to this file")
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p
@@ -569,11 +664,21 @@ def main(argv: list[str]) -> dict:
     "min_batches": 3,
   }
   try:
-    result = measure_costs(spec, threads, args.workers, args.worker_threads, args.py_spy)
+    result = measure_costs(
+      spec, threads, args.workers, args.worker_threads, args.py_spy, _latency(args.latency_ms)
+    )
   except RuntimeError as e:
     _fail(str(e), code=1)
   costs = parallelism.Costs(**result["costs"])
-  result["hosts"] = hosts(costs, cores, args.batch_size, host_batches, args.image_size)
+  result["hosts"] = hosts(
+    costs,
+    cores,
+    args.batch_size,
+    host_batches,
+    args.image_size,
+    result["storage"],
+    result["record_kb"],
+  )
   result.update(
     machine=measure.machine(), command="python -m pipeline.bench scaling " + " ".join(argv)
   )

@@ -6,6 +6,7 @@ Object storage (a GCS bucket through gcsfuse) answers each read after 5-100 ms. 
 one copy of DATA_DIR's split through the storage rig (bench/rig.py: FUSE, a fixed latency
 per read request, no page cache) and runs, each in a fresh process, on the same records:
 - pipeline: `make_dataset(DIR, split, batch_size=128)`, nothing else set (224 px train);
+  pipeline-nocache: the same with its record cache off (every epoch read from storage);
 - tfdata: tf.data as `peers` runs it (parallel map with decode_and_crop_jpeg, AUTOTUNE),
   interleaving 8 TFRecord files with 256 KB read buffers.
 The split is first re-sharded into --shard-size-mb shards (the issue's rig: 1 MB, >= 100
@@ -39,6 +40,7 @@ from pipeline import manifest as manifest_lib
 
 LOADERS = {
   "pipeline": "this pipeline, defaults",
+  "pipeline-nocache": "this pipeline, record cache off",
   "tfdata": "tf.data, interleave 8, 256 KB buffers",
 }
 TFDATA_CYCLE, TFDATA_BUFFER = 8, 256 * 1024
@@ -149,10 +151,13 @@ def describe(dataset: pathlib.Path, split: str) -> dict:
 
 def run_one(loader: str, data_dir: str, split: str, batches: int, batch_size: int) -> dict:
   """Times `batches` batches (the first apart) of one loader reading `data_dir`."""
-  if loader == "pipeline":
+  if loader.startswith("pipeline"):
     from pipeline import dataset
 
-    make = lambda: iter(dataset.make_dataset(data_dir, split, batch_size=batch_size))
+    perf = {"record_cache_mb": 0.0} if loader == "pipeline-nocache" else None
+    make = lambda: iter(
+      dataset.make_dataset(data_dir, split, batch_size=batch_size, performance=perf)
+    )
   else:
     from bench import peers
 
@@ -388,7 +393,9 @@ def parser() -> argparse.ArgumentParser:
     help="batches per run, the first timed apart (default 12)",
   )
   p.add_argument("--batch-size", type=int, default=128)
-  p.add_argument("--loaders", default="pipeline,tfdata", help="comma-separated: pipeline,tfdata")
+  p.add_argument(
+    "--loaders", default="pipeline,tfdata", help="comma-separated: pipeline,pipeline-nocache,tfdata"
+  )
   p.add_argument(
     "--work-dir",
     default="runs/storage-bench",

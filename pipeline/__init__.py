@@ -6,7 +6,8 @@ train = pipeline.input("data/photos", "train", global_batch_size=128)   # both, 
 """
 
 from pipeline import features, ops
-from pipeline.dataset import BadRecordError, make_dataset
+from pipeline.dataset import make_dataset
+from pipeline.errors import BadRecordError
 from pipeline.features import Feature
 from pipeline.manifest import Manifest
 from pipeline.manifest import load as load_manifest

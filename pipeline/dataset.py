@@ -1,20 +1,28 @@
 """`make_dataset`: ArrayRecord shards -> batches of uint8 images, as a Grain dataset.
 
-The chain, in Grain terms:
+The chain, in Grain terms: one stage per step of the data flow, each in its own module:
 
-    MapDataset of batch indices
-      .map(BatchLoader)        sampler -> one batched read -> native parse + crop-window decode
-                               + resize into the batch, a chunk per GIL release (pipeline.loader)
-      .to_iter_dataset(...)    `prefetch` batches in flight on Grain's prefetch threads
-      [.mp_prefetch(...)]      worker processes on many-core hosts (pipeline.parallelism)
-      StreamIterDataset        validated, stream-tagged iterator state; skip count
+    MapDataset.range(num_batches)
+      .map(PlanBatches)               plan: the (epoch, record) of each slot     pipeline.plan
+      .to_iter_dataset()
+    AheadIterDataset(ReadRecords)     read: next batches' records, many reads    pipeline.reads
+                                      in flight, record cache first              pipeline.cache
+    AheadIterDataset(DecodeImages)    decode/augment: native crop-window decode  pipeline.images
+                                      + resize into the batch, on decode threads
+      .map(FinishBatch)               ops: labels checked, features, your ops    pipeline.finish
+      [.map(normalize)]
+      .mp_prefetch(...) | ThreadPrefetchIterDataset    worker processes on many-core hosts
+    StreamIterDataset                 validated, stream-tagged state; skip count pipeline.stream
 
-Every buffer sits inside Grain's iterator, whose state is the next batch position, so
-`get_state()`/`set_state()` resume exactly.
+`build` makes the stages and `chain` joins them, so you (or a benchmark) can change one stage
+or add Grain steps between them. Every buffer sits inside the chain, whose state is the next
+batch position, so `get_state()`/`set_state()` resume exactly; work started ahead is dropped.
 """
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from collections.abc import Mapping, Sequence
 
 import grain
@@ -22,15 +30,38 @@ import numpy as np
 from etils import epath
 
 from pipeline import augment as augment_lib
-from pipeline import lifecycle, options, parallelism, records
+from pipeline import lifecycle, options, parallelism, reads, records
 from pipeline import manifest as manifest_lib
-from pipeline.loader import BadRecordError, BatchLoader
+from pipeline.ahead import AheadIterDataset
+from pipeline.cache import RecordCache, dataset_id
+from pipeline.errors import BadRecordError
+from pipeline.finish import FinishBatch
+from pipeline.images import DecodeImages
 from pipeline.options import Augment, Performance
+from pipeline.plan import PlanBatches
 from pipeline.sampling import Sampler
 from pipeline.source import ShardedSource
 from pipeline.stream import StreamIterDataset
 
-__all__ = ["BadRecordError", "make_dataset"]
+__all__ = ["BadRecordError", "Stages", "build", "chain", "make_dataset"]
+
+SLOW_READ_S = 0.002  # reads at least this slow get the record cache by default
+CACHE_MEMORY_SHARE = 0.25  # of the available memory the default record cache may take
+
+
+@dataclasses.dataclass
+class Stages:
+  """The stages of one dataset and how they are joined (`chain`)."""
+
+  plan: PlanBatches
+  num_batches: int
+  read: reads.ReadRecords
+  decode: DecodeImages
+  finish: FinishBatch
+  normalize: bool
+  workers: int
+  prefetch: int
+  stream: dict
 
 
 def make_dataset(
@@ -46,6 +77,7 @@ def make_dataset(
   drop_remainder: bool | None = None,
   shard_index: int | None = None,
   shard_count: int | None = None,
+  sharding: str = "records",
   augment: Augment | Mapping | None = None,
   ops: str | Sequence = (),
   batch_ops: str | Sequence = (),
@@ -71,6 +103,10 @@ def make_dataset(
     shuffle: default `train`.
     drop_remainder: drop the last partial batch of a finite stream (default: train).
     shard_index, shard_count: this process's slice; default jax.process_index()/count().
+    sharding: "records" (default): each epoch's global shuffle is dealt out to the processes;
+      "shards": each process owns whole shards (shard k: process k % shard_count) and
+      shuffles within them, so a host reads and caches 1/shard_count of the dataset (the
+      shuffle then never mixes records across processes' shards).
     augment: the crop, flip and resize filter (`pipeline.Augment` or a dict of its fields).
     ops: your per-image ops, run after the built-in head on each image with a per-example
       RNG: callables or registered names ("color_jitter(0.4)"; see `pipeline.ops`);
@@ -82,15 +118,74 @@ def make_dataset(
       The skip count is `iterator.skipped`, also in `get_state()["skipped"]`.
     verify: what is checked of the shards at open against the manifest: "size" (regular
       files, sizes, record counts), "sha256" (also every byte), or "none".
-    performance: threads, worker processes, prefetch, RAM cache, DCT scaling
+    performance: threads, worker processes, prefetch, read-ahead, caches, DCT scaling
       (`pipeline.Performance` or a dict of its fields); never changes what a batch holds.
       Threads and workers left None are chosen for this host (`pipeline.parallelism`; 2
-      cores: no workers, a thread per core) and the choice is printed once.
+      cores: no workers, a thread per core), the read-ahead for the read latency measured at
+      open (`pipeline.reads`), and the choice is printed once.
   """
+  return chain(
+    build(
+      data_dir,
+      split,
+      batch_size=batch_size,
+      train=train,
+      seed=seed,
+      image_size=image_size,
+      num_epochs=num_epochs,
+      shuffle=shuffle,
+      drop_remainder=drop_remainder,
+      shard_index=shard_index,
+      shard_count=shard_count,
+      sharding=sharding,
+      augment=augment,
+      ops=ops,
+      batch_ops=batch_ops,
+      features=features,
+      keys=keys,
+      normalize=normalize,
+      on_error=on_error,
+      verify=verify,
+      performance=performance,
+    )
+  )
+
+
+def build(data_dir, split: str = "train", *, batch_size: int, **kwargs) -> Stages:
+  """The stages `make_dataset` joins, for the same arguments (see there)."""
+  return _build(data_dir, split, batch_size=batch_size, **kwargs)
+
+
+def _build(
+  data_dir,
+  split: str,
+  *,
+  batch_size: int,
+  train: bool = True,
+  seed: int = 0,
+  image_size: int = 224,
+  num_epochs: int | None = None,
+  shuffle: bool | None = None,
+  drop_remainder: bool | None = None,
+  shard_index: int | None = None,
+  shard_count: int | None = None,
+  sharding: str = "records",
+  augment: Augment | Mapping | None = None,
+  ops: str | Sequence = (),
+  batch_ops: str | Sequence = (),
+  features: Mapping | None = None,
+  keys: records.Keys | None = None,
+  normalize: bool = False,
+  on_error: str = "raise",
+  verify: str = "size",
+  performance: Performance | Mapping | None = None,
+) -> Stages:
   if on_error not in ("raise", "skip"):
     raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
   if batch_size < 1:
     raise ValueError(f"batch_size must be positive, got {batch_size}")
+  if sharding not in ("records", "shards"):
+    raise ValueError(f"sharding must be 'records' or 'shards', not {sharding!r}")
   data_dir = epath.Path(data_dir)
   meta = manifest_lib.load(data_dir)
   paths = manifest_lib.checked_shards(data_dir, meta, split, verify=verify)
@@ -104,6 +199,7 @@ def make_dataset(
     shard_index=shard_index,
     shard_count=shard_count,
     remainder="drop" if train else "pad",
+    shard_records=tuple(counts) if sharding == "shards" else None,
   )
   aug = options.coerce(Augment, augment)
   perf = options.coerce(Performance, performance)
@@ -139,39 +235,35 @@ def make_dataset(
     image_bytes=image_size**2 * 3,
     prefetch=perf.prefetch,
   )
-  parallelism.announce(chosen)
-  loader = BatchLoader(
+  latency_s, record_bytes = reads.probe(source)
+  cache = _record_cache(meta, split, perf, latency_s, chosen, sampler)
+  read = reads.ReadRecords(
     source,
-    sampler,
-    head,
     batch_size=batch_size,
-    num_classes=meta.num_classes,
-    keys=keys or meta.keys,
-    seed=seed,
-    num_threads=chosen.threads,
-    on_error=on_error,
-    cache_mb=perf.cache_mb,
-    with_mask=not train,
-    image_ops=ops,
-    batch_ops=batch_ops,
-    features=features or None,
+    rate_per_s=parallelism.project(parallelism.available_cores(), parallelism.COSTS, chosen)
+    / max(1, chosen.workers),
+    latency_s=latency_s,
+    record_bytes=record_bytes,
+    ahead_bytes=int(perf.read_ahead_mb * 2**20),
+    cache=cache,
+    max_depth=perf.read_ahead,
   )
+  parallelism.announce(chosen, reads.describe(read, cache))
   drop = train if drop_remainder is None else drop_remainder
   num_batches = (
     len(sampler) // batch_size
     if drop or sampler.num_epochs is None
     else -(-len(sampler) // batch_size)
   )
-  ds = grain.MapDataset.range(num_batches).map(loader)
-  if normalize:
-    ds = ds.map(_normalize_host)
-  it = ds.to_iter_dataset(
-    grain.ReadOptions(num_threads=perf.prefetch, prefetch_buffer_size=perf.prefetch)
-  )
-  if chosen.workers:
-    _ensure_absl_flags_parsed()
-    it = it.mp_prefetch(
-      grain.MultiprocessingOptions(num_workers=chosen.workers), worker_init_fn=_ignore_sigint
+  if num_batches == 0 and sampler.num_epochs is not None:
+    raise ValueError(
+      f"batch_size {batch_size} is larger than this process's {len(sampler)} records of "
+      f"split {split!r} and drop_remainder is on: no batch would come out"
+    )
+  if sampler.num_epochs is None and batch_size > sampler.per_epoch:
+    raise ValueError(
+      f"batch_size {batch_size} is larger than this process's {sampler.per_epoch} records "
+      f"per epoch of split {split!r}: every batch would repeat records"
     )
   stream = {
     "shard_index": shard_index,
@@ -180,7 +272,76 @@ def make_dataset(
     "batch_size": batch_size,
     "num_records": sampler.num_records,
   }
-  return lifecycle.ClosedAtExit(StreamIterDataset(it, stream))
+  if sharding != "records":
+    stream["sharding"] = sharding
+  return Stages(
+    plan=PlanBatches(sampler, batch_size),
+    num_batches=num_batches,
+    read=read,
+    decode=DecodeImages(
+      head,
+      keys=keys or meta.keys,
+      seed=seed,
+      num_threads=chosen.threads,
+      prefetch=perf.prefetch,
+      on_error=on_error,
+      cache_mb=perf.cache_mb,
+    ),
+    finish=FinishBatch(
+      num_classes=meta.num_classes,
+      seed=seed,
+      num_threads=chosen.threads,
+      on_error=on_error,
+      with_mask=not train,
+      image_ops=ops,
+      batch_ops=batch_ops,
+      features=features or None,
+    ),
+    normalize=normalize,
+    workers=chosen.workers,
+    prefetch=perf.prefetch,
+    stream=stream,
+  )
+
+
+def chain(stages: Stages) -> grain.IterDataset:
+  """The Grain dataset of `stages`: plan -> read -> decode/augment -> ops -> prefetch."""
+  ds = grain.MapDataset.range(stages.num_batches).map(stages.plan)
+  it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
+  it = AheadIterDataset(it, stages.read)
+  it = AheadIterDataset(it, stages.decode)
+  it = it.map(stages.finish)
+  if stages.normalize:
+    it = it.map(_normalize_host)
+  if stages.workers:
+    _ensure_absl_flags_parsed()
+    it = it.mp_prefetch(
+      grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=_ignore_sigint
+    )
+  else:
+    it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=stages.prefetch)
+  return lifecycle.ClosedAtExit(StreamIterDataset(it, stages.stream))
+
+
+def _record_cache(meta, split, perf, latency_s, chosen, sampler) -> RecordCache | None:
+  """The record cache `perf` asks for; by default the whole split in RAM when storage is
+  slow (>= SLOW_READ_S a read) and every process's copy fits CACHE_MEMORY_SHARE of memory."""
+  shards = meta.splits[split].shards
+  ram_mb = perf.record_cache_mb
+  if ram_mb is None:
+    split_bytes = sum(s.bytes or 0 for s in shards)
+    if sampler.shard_records is not None:
+      split_bytes //= sampler.shard_count
+    copies = max(1, chosen.workers)
+    fits = copies * split_bytes <= CACHE_MEMORY_SHARE * parallelism.available_memory()
+    ram_mb = split_bytes * 1.05 / 2**20 if latency_s >= SLOW_READ_S and fits else 0.0
+  if not ram_mb and not perf.record_cache_dir:
+    return None
+  names = [s.file for s in shards]
+  directory = os.fspath(perf.record_cache_dir) if perf.record_cache_dir else None
+  return RecordCache(
+    int(ram_mb * 2**20), directory, dataset_id([s.sha256 for s in shards], names), names
+  )
 
 
 def _normalize_host(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

@@ -20,6 +20,7 @@ from etils import epath
 
 from pipeline import dataset, device
 from pipeline import manifest as manifest_lib
+from pipeline.sampling import Sampler
 
 
 def input(
@@ -86,11 +87,16 @@ def input(
     layout=layout,
   )
   num_examples = meta.splits[split].num_records
-  per_process = (
-    num_examples // keywords["shard_count"]
-    if train
-    else math.ceil(num_examples / keywords["shard_count"])
-  )
+  shards = meta.splits[split].shards
+  per_process = Sampler(
+    num_examples,
+    shard_index=keywords["shard_index"],
+    shard_count=keywords["shard_count"],
+    remainder="drop" if train else "pad",
+    shard_records=tuple(s.num_records for s in shards)
+    if keywords.get("sharding") == "shards"
+    else None,
+  ).per_epoch
   steps = per_process // batch_size if drop else math.ceil(per_process / batch_size)
   return Input(
     fed,

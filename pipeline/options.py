@@ -64,8 +64,14 @@ class Performance:
   """How the work is spread and how much is kept; none of it changes a batch's content.
 
   num_threads / num_workers: decode threads per process and Grain worker processes
-  (None: chosen for this host, see `pipeline.parallelism`). prefetch: batches in flight per
-  process. cache_mb: RAM for decoded images ("map, cache, map"). dct_scaling: decode at 1/2,
+  (None: chosen for this host, see `pipeline.parallelism`). prefetch: batches being decoded
+  at once per process. read_ahead: batches whose records are read ahead (None: as many as
+  the read latency measured at open and as it runs needs, by Little's law; see
+  `pipeline.reads`), holding at most read_ahead_mb of records. record_cache_mb: RAM for stored
+  record bytes, so storage is read once (None: the whole split when one read takes
+  >= 2 ms and the split fits in a quarter of the available memory, else 0);
+  record_cache_dir: a local-disk folder for them too, shared by the host's processes and kept
+  across runs. cache_mb: RAM for decoded images ("map, cache, map"). dct_scaling: decode at 1/2,
   1/4, 1/8 when the crop is that much larger than the target. fast_dct: libjpeg's fast
   integer IDCT (tf.data's default; slightly less exact, so it does change pixels a little).
   """
@@ -73,6 +79,10 @@ class Performance:
   num_threads: int | None = None
   num_workers: int | None = None
   prefetch: int = 2
+  read_ahead: int | None = None
+  read_ahead_mb: float = 256.0
+  record_cache_mb: float | None = None
+  record_cache_dir: str | None = None
   cache_mb: float = 0.0
   dct_scaling: bool = True
   fast_dct: bool = False
@@ -87,6 +97,16 @@ class Performance:
         )
     if self.prefetch < 1:
       raise ValueError(f"performance.prefetch must be >= 1, got {self.prefetch}")
+    if self.read_ahead is not None and (
+      not isinstance(self.read_ahead, int) or self.read_ahead < 1
+    ):
+      raise ValueError(f"performance.read_ahead must be None or >= 1, got {self.read_ahead!r}")
+    if self.read_ahead_mb <= 0:
+      raise ValueError(f"performance.read_ahead_mb must be > 0, got {self.read_ahead_mb}")
+    if self.record_cache_mb is not None and self.record_cache_mb < 0:
+      raise ValueError(
+        f"performance.record_cache_mb must be None or >= 0, got {self.record_cache_mb}"
+      )
     if self.cache_mb < 0:
       raise ValueError(f"performance.cache_mb must be >= 0, got {self.cache_mb}")
 

@@ -198,15 +198,18 @@ def plan(
   return Plan(w, t, why)
 
 
-_announced: set[Plan] = set()
+_announced: set[tuple[Plan, str]] = set()
 
 
-def announce(chosen: Plan) -> None:
-  """Prints the plan once per process (make_dataset calls this for every dataset)."""
-  if chosen not in _announced:
-    _announced.add(chosen)
+def announce(chosen: Plan, reads_note: str = "") -> None:
+  """Prints the plan (and the read stage's `reads_note`) once per process; make_dataset
+  calls this for every dataset."""
+  if (chosen, reads_note) not in _announced:
+    _announced.add((chosen, reads_note))
     print(
       f"pipeline: {chosen.describe()}; override with performance.num_workers / num_threads",
       file=sys.stderr,
       flush=True,
     )
+    if reads_note:
+      print(f"pipeline: {reads_note}", file=sys.stderr, flush=True)

@@ -7,6 +7,13 @@ epoch start, computed for a whole batch of positions in a few numpy operations).
 processes' slices are disjoint, together cover every record each epoch, and the order is a
 pure function of (seed, position): resuming needs nothing but the next position.
 
+With `shard_records` (the records of each shard) a process instead owns whole shards, the
+same ones every epoch (shard k goes to process k % shard_count), and shuffles its own records
+each epoch: a host then reads, and can cache, only 1/shard_count of the dataset, at the price
+of a shuffle that never mixes records across processes' shards (the global shuffle, the
+default, does). Every process takes the same number of positions per epoch (the smallest
+share under "drop", the largest under "pad").
+
 Remainder policy when `num_records` does not divide by `shard_count`:
 - "drop": each process takes `num_records // shard_count` per epoch; the few records left
   over differ each epoch (they are the tail of that epoch's permutation). For training.
@@ -72,8 +79,14 @@ class Sampler:
   shard_index: int = 0
   shard_count: int = 1
   remainder: str = "drop"
+  shard_records: tuple[int, ...] | None = None  # set: this process owns whole shards
 
   def __post_init__(self):
+    if self.shard_records is not None and len(self.shard_records) < self.shard_count:
+      raise ValueError(
+        f"{len(self.shard_records)} shards cannot be owned by {self.shard_count} processes: "
+        "use sharding='records' or convert to more shards"
+      )
     if not 0 <= self.shard_index < self.shard_count:
       raise ValueError(f"shard_index {self.shard_index} not in [0, {self.shard_count})")
     if self.remainder not in ("drop", "pad"):
@@ -83,9 +96,17 @@ class Sampler:
     if not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
 
+  def _owned(self, process: int) -> np.ndarray:
+    """The shard numbers process `process` owns (sharding by shards)."""
+    return np.arange(process, len(self.shard_records), self.shard_count)
+
   @property
   def per_epoch(self) -> int:
     """Positions per epoch for this process (the same for every process)."""
+    if self.shard_records is not None:
+      counts = np.asarray(self.shard_records, np.int64)
+      shares = [int(counts[self._owned(p)].sum()) for p in range(self.shard_count)]
+      return min(shares) if self.remainder == "drop" else max(shares)
     if self.remainder == "drop":
       return self.num_records // self.shard_count
     return math.ceil(self.num_records / self.shard_count)
@@ -95,6 +116,8 @@ class Sampler:
 
   def records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(epoch, global record index or PAD) of each position of this process's stream."""
+    if self.shard_records is not None:
+      return self._owned_records(positions)
     epochs, j = np.divmod(np.asarray(positions, np.int64), self.per_epoch)
     g = j * self.shard_count + self.shard_index
     pad = g >= self.num_records
@@ -102,6 +125,25 @@ class Sampler:
       for epoch in range(int(epochs[0]), int(epochs[-1]) + 1) if len(epochs) else ():
         at = (epochs == epoch) & ~pad  # a batch spans one epoch, rarely two
         g[at] = permute(g[at], self.num_records, self.seed << 32 | epoch % 2**32)
+    g[pad] = PAD
+    return epochs, g
+
+  def _owned_records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`records` when this process owns whole shards: its records, shuffled per epoch."""
+    epochs, j = np.divmod(np.asarray(positions, np.int64), self.per_epoch)
+    counts = np.asarray(self.shard_records, np.int64)
+    starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
+    owned = self._owned(self.shard_index)
+    total = int(counts[owned].sum())
+    pad = j >= total
+    local = j.copy()
+    if self.shuffle:
+      for epoch in range(int(epochs[0]), int(epochs[-1]) + 1) if len(epochs) else ():
+        at = (epochs == epoch) & ~pad
+        local[at] = permute(local[at], total, self.seed << 32 | epoch % 2**32)
+    ends = np.cumsum(counts[owned])
+    k = np.searchsorted(ends, np.minimum(local, total - 1), side="right")
+    g = starts[owned][k] + local - (ends[k] - counts[owned][k])
     g[pad] = PAD
     return epochs, g
 

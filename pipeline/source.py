@@ -1,8 +1,8 @@
 """The source: a split's ArrayRecord shards as one random-access sequence of records.
 
-Reads a batch's records with one `ArrayRecordReader.read(indices)` call per shard (the
-batched reads array_record is fast at), without the thread pool Grain's data source
-starts on every call. Readers open lazily, so the source pickles to worker processes.
+`read_shard` is one `ArrayRecordReader.read(indices)` call (the batched reads array_record
+is fast at); the read stage (`pipeline.reads`) runs one per shard of a batch, many at once.
+Readers open lazily, so the source pickles to worker processes.
 """
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
-READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"  # random access, read on our threads
+# Random access: no sequential read-ahead. (`max_parallelism` only governs that read-ahead:
+# a batched `read(indices)` of 2+ records still runs on array_record's global pool.)
+READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0"
 
 
 class CorruptRecordsError(OSError):
@@ -37,10 +39,10 @@ class ShardedSource:
 
   def _init_readers(self):
     self._readers: list = [None] * len(self.paths)
-    self._lock = threading.Lock()
+    self._locks = [threading.Lock() for _ in self.paths]  # shards open in parallel
 
   def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_lock")}
+    return {k: v for k, v in self.__dict__.items() if k not in ("_readers", "_locks")}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
@@ -62,7 +64,9 @@ class ShardedSource:
     return f"{self.names[shard]} record {local}"
 
   def _reader(self, shard: int):
-    with self._lock:
+    if self._readers[shard] is not None:
+      return self._readers[shard]
+    with self._locks[shard]:
       if self._readers[shard] is None:
         expected = self.starts[shard + 1] - self.starts[shard]
         try:
@@ -80,32 +84,40 @@ class ShardedSource:
         self._readers[shard] = reader
       return self._readers[shard]
 
-  def read(self, indices: Sequence[int]) -> list[bytes]:
-    """The records at `indices`, in that order; one batched read per shard."""
+  def shards_of(self, indices: np.ndarray) -> np.ndarray:
+    """The shard number of each global index."""
     indices = np.asarray(indices, np.int64)
     if len(indices) and (indices.min() < 0 or indices.max() >= len(self)):
       bad = indices[(indices < 0) | (indices >= len(self))][0]
       raise IndexError(f"record {bad} outside [0, {len(self)})")
-    shards = np.searchsorted(self._ends, indices, side="right")
+    return np.searchsorted(self._ends, indices, side="right")
+
+  def read_shard(self, shard: int, local: list[int]) -> list[bytes]:
+    """Records `local` (indices within the shard) of one shard, in that order."""
+    try:
+      return self._reader(shard).read(local)
+    except OSError:
+      raise
+    except Exception as e:  # noqa: BLE001 - array_record raises plain RuntimeErrors
+      raise CorruptRecordsError(
+        f"cannot read {self.names[shard]} records {sorted(local)[:8]}...: {e}"
+      ) from None
+
+  def read(self, indices: Sequence[int]) -> list[bytes]:
+    """The records at `indices`, in that order; one batched read per shard, in turn."""
+    indices = np.asarray(indices, np.int64)
+    shards = self.shards_of(indices)
     out: list[bytes] = [b""] * len(indices)
     for shard in np.unique(shards).tolist():
       slots = np.flatnonzero(shards == shard)
-      local = (indices[slots] - self.starts[shard]).tolist()
-      try:
-        recs = self._reader(shard).read(local)
-      except OSError:
-        raise
-      except Exception as e:  # noqa: BLE001 - array_record raises plain RuntimeErrors
-        raise CorruptRecordsError(
-          f"cannot read {self.names[shard]} records {sorted(local)[:8]}...: {e}"
-        ) from None
+      recs = self.read_shard(shard, (indices[slots] - self.starts[shard]).tolist())
       for slot, rec in zip(slots.tolist(), recs):
         out[slot] = rec
     return out
 
   def close(self) -> None:
-    with self._lock:
-      for r in self._readers:
-        if r is not None:
-          r.close()
-      self._readers = [None] * len(self.paths)
+    for shard, lock in enumerate(self._locks):
+      with lock:
+        if self._readers[shard] is not None:
+          self._readers[shard].close()
+          self._readers[shard] = None

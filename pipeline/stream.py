@@ -17,7 +17,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from pipeline.loader import SKIPPED_KEY
+from pipeline.finish import SKIPPED_KEY
 
 
 class StateError(ValueError):

@@ -4,15 +4,13 @@ import hashlib
 import io
 import math
 
-import grain
 import numpy as np
 import pytest
 from PIL import Image
 
 import pipeline
-from pipeline import augment, decode, manifest, records
+from pipeline import augment, dataset, decode, manifest, records
 from pipeline.dataset import BadRecordError
-from pipeline.loader import BatchLoader
 from pipeline.sampling import PAD, Sampler
 from pipeline.source import ShardedSource
 from pipeline.stream import StateError
@@ -297,7 +295,7 @@ def test_native_and_python_paths_give_identical_images(photos_dir):
   if decode.native() is None:
     pytest.skip("the C extension is not built here")
   for train in (True, False):
-    ds = pipeline.make_dataset(
+    stages = dataset.build(
       photos_dir,
       batch_size=8,
       train=train,
@@ -307,29 +305,13 @@ def test_native_and_python_paths_give_identical_images(photos_dir):
       shard_count=1,
       augment=dict(interpolation="bicubic" if train else "bilinear"),
     )
-    batch = next(iter(ds))
-    loader = find_loader(ds)
-    epochs, indices = loader.sampler.records(np.arange(8))
+    batch = next(iter(dataset.chain(stages)))
+    epochs, indices = stages.plan.sampler.records(np.arange(8))
     for slot in range(8):
-      data = records.parse(loader.source.read([indices[slot]])[0])[0]
+      data = records.parse(stages.read.source.read([indices[slot]])[0])[0]
       out = np.empty((40, 40, 3), np.uint8)
-      loader.python_image(data, int(epochs[slot]), int(indices[slot]), out)
+      stages.decode.python_image(data, int(epochs[slot]), int(indices[slot]), out)
       np.testing.assert_array_equal(batch["image"][slot], out)
-
-
-def find_loader(ds) -> BatchLoader:
-  """The BatchLoader inside a dataset made by make_dataset (walks Grain's parents)."""
-  todo = [ds]
-  while todo:
-    node = todo.pop()
-    for value in vars(node).values():
-      if isinstance(value, BatchLoader):
-        return value
-      if isinstance(value, (grain.MapDataset, grain.IterDataset)):
-        todo.append(value)
-      if isinstance(value, (list, tuple)):
-        todo += [v for v in value if isinstance(v, (grain.MapDataset, grain.IterDataset))]
-  raise AssertionError("no BatchLoader in the dataset")
 
 
 def test_host_normalization_gives_floats_in_minus_one_one(photos_dir):

@@ -6,6 +6,7 @@ import json
 import pytest
 
 from bench import scaling
+from pipeline import reads
 
 
 def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
@@ -27,6 +28,8 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
       "1",
       "--cores",
       "224,2,8",
+      "--latency-ms",
+      "5",
       "--json",
       str(out),
     ]
@@ -71,6 +74,15 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   assert rates == sorted(rates) and rates[0] > 0
   for h in hosts:
     assert max(h["workers"], 1) * h["threads"] <= h["cores"]
+  storage = result["storage"]  # step 8: the best run again behind the 5 ms rig
+  assert storage["latency_ms"] == 5 and storage["img_s"] > 0
+  assert storage["reads_per_image"] > 0 and storage["max_reads_in_flight"] >= 1
+  for h in hosts:
+    assert h["at_latency_img_s"] <= h["projected_img_s"]
+    assert h["reads_in_flight"] == reads.reads_in_flight(h["at_latency_img_s"], 0.005)
+    assert h["gets_per_s"] == pytest.approx(
+      h["at_latency_img_s"] * storage["reads_per_image"], abs=2
+    )
   assert json.loads(out.read_text())["hosts"] == hosts
 
 

@@ -1,0 +1,81 @@
+"""`AheadIterDataset`: a Grain step that starts its work on the next elements before they
+are asked for, and hands them out in order.
+
+A stage is two calls: `start(element)` submits the element's work to the stage's own
+threads and returns at once; `finish(started)` waits for it and returns the result. The
+iterator keeps up to `stage.depth()` elements started (asked again as it runs, so the depth
+may follow measured latency), and its state is its parent's state after the element it
+yielded last: work started ahead is discarded on `set_state`, so a resumed stream is the
+stream. Reads (`pipeline.reads`) and decoding (`pipeline.images`) are such stages.
+"""
+
+from __future__ import annotations
+
+import collections
+import copy
+from typing import Any, Protocol
+
+import grain
+
+
+class Stage(Protocol):
+  def depth(self) -> int:
+    """How many elements to keep started."""
+
+  def start(self, element: Any) -> Any:
+    """Submits the work of `element`; returns without waiting for it."""
+
+  def finish(self, started: Any) -> Any:
+    """Waits for the work `start` returned and gives the stage's output."""
+
+
+class AheadIterDataset(grain.IterDataset):
+  """`stage` applied to each element of `parent`, up to `stage.depth()` elements ahead."""
+
+  def __init__(self, parent: grain.IterDataset, stage: Stage):
+    super().__init__(parent)
+    self.stage = stage
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return AheadIterator(self._parent.__iter__(), self.stage)
+
+  def __str__(self) -> str:
+    return f"AheadIterDataset({type(self.stage).__name__})"
+
+
+class AheadIterator(grain.DatasetIterator):
+  def __init__(self, parent: grain.DatasetIterator, stage: Stage):
+    super().__init__(parent)
+    self.stage = stage
+    self._started: collections.deque = collections.deque()  # (started, parent state after)
+    self._state = copy.deepcopy(parent.get_state())
+    self._exhausted = False
+
+  def _fill(self) -> None:
+    while not self._exhausted and len(self._started) < max(1, self.stage.depth()):
+      try:
+        element = next(self._parent)
+      except StopIteration:
+        self._exhausted = True
+        return
+      state = copy.deepcopy(self._parent.get_state())
+      self._started.append((self.stage.start(element), state))
+
+  def __next__(self) -> Any:
+    self._fill()
+    if not self._started:
+      raise StopIteration
+    started, state = self._started.popleft()
+    self._fill()  # keep the pipe full while this element finishes
+    out = self.stage.finish(started)
+    self._state = state
+    return out
+
+  def get_state(self) -> dict:
+    return copy.deepcopy(self._state)
+
+  def set_state(self, state: dict) -> None:
+    self._started.clear()  # work started for the old position is dropped
+    self._exhausted = False
+    self._parent.set_state(state)
+    self._state = copy.deepcopy(self._parent.get_state())

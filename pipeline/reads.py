@@ -1,0 +1,222 @@
+"""Stage 2, read: the records of the next batches, fetched ahead with many reads in flight.
+
+On remote storage (a bucket through gcsfuse or `gs://`) each read waits 5-100 ms for its
+first byte, so reads must overlap: by Little's law a process decoding R images/s from
+storage of latency L needs R x L reads in flight. The plan of every future batch is known
+(`pipeline.plan`), so `ReadRecords` starts the reads of the next `depth()` batches, one
+task per shard of each batch, all at once on its I/O threads; decode threads never wait on
+storage. The depth follows the read latency and the rate records are taken, both measured
+as it runs (the rate at least the one the host plan projects), bounded by the bytes it may
+hold. The record cache (`pipeline.cache`)
+answers before storage. Read errors stay with their slot; the decode stage applies the
+error policy.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import dataclasses
+import math
+import threading
+import time
+
+import numpy as np
+
+from pipeline.cache import RecordCache
+from pipeline.plan import Batch
+from pipeline.source import CorruptRecordsError, ShardedSource
+
+HEADROOM = 2.0  # reads in flight per Little's law, times this: latency and rate vary
+MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait, not compute)
+EWMA = 0.2  # weight of the newest latency measurement
+
+
+def reads_in_flight(rate_per_s: float, latency_s: float) -> int:
+  """Reads to keep in flight for `rate_per_s` records/s at `latency_s` per read."""
+  return max(1, math.ceil(HEADROOM * rate_per_s * latency_s))
+
+
+@dataclasses.dataclass
+class ReadStats:
+  """What the read stage did in this process (for the plan note, benchmarks and tests)."""
+
+  latency_s: float  # moving average of one read task's duration
+  record_bytes: float  # moving average of a record's size
+  rate_per_s: float = 0.0  # moving average of the records/s taken from this stage
+  reads: int = 0  # records read from storage
+  tasks: int = 0  # read calls (one per shard of a batch)
+  cached: int = 0  # records the cache answered
+
+
+class ReadRecords:
+  """The read stage (an `AheadIterDataset` stage): fills `batch.records`.
+
+  rate_per_s: the decode rate this process is planned for (records/s); latency_s: one read's
+  latency measured at open; ahead_bytes: the most record bytes held by batches read ahead.
+  Picklable: threads, counters and the cache's RAM are made anew in each process.
+  """
+
+  def __init__(
+    self,
+    source: ShardedSource,
+    *,
+    batch_size: int,
+    rate_per_s: float,
+    latency_s: float,
+    record_bytes: float,
+    ahead_bytes: int,
+    cache: RecordCache | None = None,
+    max_depth: int | None = None,
+  ):
+    self.source, self.batch_size, self.cache = source, batch_size, cache
+    self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
+    self._initial = (latency_s, record_bytes)
+    self._init_runtime()
+
+  def _init_runtime(self):
+    self.stats = ReadStats(*self._initial)
+    self._last_finish = None
+    self._pool = None
+    self._lock = threading.Lock()
+
+  def __getstate__(self):
+    runtime = ("stats", "_last_finish", "_pool", "_lock")
+    return {k: v for k, v in self.__dict__.items() if k not in runtime}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._init_runtime()
+
+  def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
+    with self._lock:
+      if self._pool is None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+          MAX_READ_THREADS, thread_name_prefix="pipeline-read"
+        )
+      return self._pool
+
+  def depth(self) -> int:
+    """Batches to keep reading: Little's law on the measured latency and the planned (or
+    measured, when higher) rate, within the bytes."""
+    s = self.stats
+    need = reads_in_flight(max(self.rate_per_s, s.rate_per_s), s.latency_s)
+    depth = 1 + math.ceil(need / self.batch_size)
+    by_bytes = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
+    return min(depth, by_bytes, self.max_depth or depth)
+
+  def start(self, batch: Batch) -> tuple[Batch, list]:
+    n = len(batch.indices)
+    batch.records, batch.where = [None] * n, self.source.where
+    slots = np.flatnonzero(batch.real)
+    wanted = batch.indices[slots]
+    shards = self.source.shards_of(wanted)
+    local = wanted - np.asarray(self.source.starts, np.int64)[shards]
+    order = np.argsort(shards, kind="stable")  # group the slots by shard, in slot order
+    cuts = np.flatnonzero(np.diff(shards[order])) + 1
+    pool = self._executor() if len(slots) else None
+    futures = []
+    for at in np.split(order, cuts) if len(order) else ():
+      task = (int(shards[at[0]]), slots[at].tolist(), wanted[at].tolist(), local[at].tolist())
+      futures.append(pool.submit(self._read, *task))
+    return batch, futures
+
+  def _read(self, shard: int, slots: list, indices: list, local: list) -> tuple:
+    """One shard's records of a batch, on an I/O thread: the cache's, then one batched
+    read of the rest. Returns (slots, records, records read, seconds reading)."""
+    got: list = [None] * len(local)
+    waits: list = []
+    if self.cache is not None:
+      got = [self.cache.get(g, shard, i) for g, i in zip(indices, local)]
+      for k, rec in enumerate(got):
+        if rec is not None:
+          continue
+        other = self.cache.claim(indices[k])
+        if other is not None:
+          waits.append((k, other))  # another task reads it now: one read per record
+          continue
+        got[k] = self.cache.get(indices[k], shard, local[k])
+        if got[k] is not None:  # kept between the first look and the claim
+          self.cache.release(indices[k])
+    waiting = {k for k, _ in waits}
+    todo = [k for k, rec in enumerate(got) if rec is None and k not in waiting]
+    begin = seconds = time.perf_counter()
+    try:
+      if todo:
+        fresh = self._read_shard(shard, [local[k] for k in todo])
+        seconds = time.perf_counter()
+        for k, rec in zip(todo, fresh):
+          got[k] = rec
+          if self.cache is not None and isinstance(rec, bytes):
+            self.cache.put(indices[k], shard, local[k], rec)
+    finally:
+      if self.cache is not None:
+        for k in todo:
+          self.cache.release(indices[k])
+    for k, other in waits:
+      other.wait()
+      got[k] = self.cache.get(indices[k], shard, local[k])
+      if got[k] is None:  # not kept (budget full, or it failed): read it here
+        got[k] = self._read_shard(shard, [local[k]])[0]
+        todo.append(k)
+    return slots, got, len(todo), seconds - begin
+
+  def _read_shard(self, shard: int, local: list) -> list:
+    """The records, or for each that is corrupt its error (read one by one after a corrupt
+    batched read, so each bad one is named and the good ones kept)."""
+    try:
+      return self.source.read_shard(shard, local)
+    except CorruptRecordsError:
+      out = []
+      for i in local:
+        try:
+          out.append(self.source.read_shard(shard, [i])[0])
+        except CorruptRecordsError as e:
+          out.append(e)
+      return out
+
+  def finish(self, started: tuple[Batch, list]) -> Batch:
+    batch, futures = started
+    s = self.stats
+    for future in futures:
+      slots, got, read, seconds = future.result()
+      for slot, rec in zip(slots, got):
+        batch.records[slot] = rec
+      s.cached += len(got) - read
+      if read:
+        size = sum(len(r) for r in got if isinstance(r, bytes)) / len(got)
+        s.latency_s += EWMA * (seconds - s.latency_s)
+        s.record_bytes += EWMA * (size - s.record_bytes)
+        s.reads += read
+        s.tasks += 1
+    now = time.perf_counter()
+    if self._last_finish is not None and now > self._last_finish:
+      rate = len(batch.indices) / (now - self._last_finish)
+      s.rate_per_s += EWMA * (rate - s.rate_per_s)
+    self._last_finish = now
+    return batch
+
+
+def probe(source: ShardedSource) -> tuple[float, float]:
+  """(seconds, bytes) of one record read, the shard already open: what the read stage
+  starts from before it measures its own reads."""
+  source.read([0])  # opens the first shard (its footer reads cost latency too)
+  begin = time.perf_counter()
+  data = source.read([min(1, len(source) - 1)])[0]
+  return time.perf_counter() - begin, float(len(data))
+
+
+def describe(read: ReadRecords, cache: RecordCache | None) -> str:
+  """The read plan in one line, as make_dataset prints it."""
+  s, depth = read.stats, read.depth()
+  held = depth * read.batch_size * s.record_bytes / 2**20
+  if cache is None:
+    kept = "record cache off (performance.record_cache_mb / record_cache_dir)"
+  else:
+    where = [f"{cache.ram_bytes / 2**20:,.0f} MB RAM"] if cache.ram_bytes else []
+    where += [cache.directory] if cache.directory else []
+    kept = "record cache " + " + ".join(where)
+  return (
+    f"reads: {s.latency_s * 1e3:.1f} ms per read at open -> {depth} batches read ahead "
+    f"(up to {depth * read.batch_size} reads in flight, ~{held:.0f} MB, adjusted as "
+    f"latency is measured; performance.read_ahead overrides); {kept}"
+  )

@@ -1,0 +1,180 @@
+"""The read stage: reads ahead of need without changing a batch, resumes exactly, keeps what
+it read (record cache), and lets a process own whole shards.
+
+Latency itself (a bucket's 5-100 ms) is emulated by the FUSE rig in tests/test_rig.py and the
+slow tests there; here the stage runs on local shards, where its bookkeeping is exact.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+
+from pipeline import dataset, reads
+from pipeline.cache import RecordCache
+from pipeline.convert import images
+from pipeline.sampling import PAD, Sampler
+
+
+def take(it, n):
+  return [next(it) for _ in range(n)]
+
+
+def assert_same_batches(a, b):
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+
+
+@pytest.fixture(scope="module")
+def sharded_dir(photos_raw, tmp_path_factory):
+  """The 64 photos in ~8 shards (a bucket's dataset has many)."""
+  out = tmp_path_factory.mktemp("sharded") / "data"
+  images.convert(photos_raw, out, shard_size_mb=0.4, workers=1, progress=False)
+  return out
+
+
+def stages(data_dir, **kwargs):
+  kwargs = {"batch_size": 8, "image_size": 32, "shard_index": 0, "shard_count": 1, **kwargs}
+  return dataset.build(data_dir, **kwargs)
+
+
+def test_batches_are_the_same_for_any_read_ahead_and_thread_count(sharded_dir):
+  def run(read_ahead, threads):
+    perf = dict(read_ahead=read_ahead, num_threads=threads, num_workers=0)
+    return take(iter(dataset.chain(stages(sharded_dir, seed=5, performance=perf))), 12)
+
+  reference = run(1, 1)
+  assert_same_batches(reference, run(6, 3))
+  assert_same_batches(reference, run(None, 2))
+
+
+def test_resume_drops_the_reads_started_ahead(sharded_dir):
+  ds = dataset.chain(stages(sharded_dir, performance=dict(read_ahead=5)))
+  it = iter(ds)
+  take(it, 4)
+  state = it.get_state()
+  assert state["next_index"] == 4  # the next batch, whatever was read ahead of it
+  expected = take(it, 6)
+  resumed = iter(ds)
+  resumed.set_state(state)
+  assert_same_batches(expected, take(resumed, 6))
+
+
+def test_reads_in_flight_follow_littles_law_within_the_bytes():
+  assert reads.reads_in_flight(2000, 0.020) == 80  # 2 x rate x latency
+  source = type("S", (), {})()  # depth() reads only the stage's own fields
+  stage = reads.ReadRecords(
+    source,
+    batch_size=128,
+    rate_per_s=2000,
+    latency_s=0.020,
+    record_bytes=60_000,
+    ahead_bytes=256 * 2**20,
+  )
+  assert stage.depth() == 2  # 80 reads: one batch ahead of the one being read
+  stage.stats.latency_s = 0.100
+  assert stage.depth() == 5  # 400 reads in flight: the depth follows measured latency
+  stage.ahead_bytes = 3 * 128 * 60_000
+  assert stage.depth() == 3  # ... but never holds more bytes than allowed
+
+
+def test_with_the_record_cache_the_second_epoch_reads_nothing_from_storage(sharded_dir):
+  st = stages(sharded_dir, num_epochs=2, performance=dict(record_cache_mb=64, num_workers=0))
+  batches = list(dataset.chain(st))
+  n = st.plan.sampler.num_records
+  assert sum(len(b["label"]) for b in batches) == 2 * n // 8 * 8
+  assert st.read.stats.reads == n  # every record once, in epoch 1
+  assert st.read.stats.cached == len(batches) * 8 - n  # epoch 2 from RAM
+  again = stages(sharded_dir, num_epochs=2, performance=dict(record_cache_mb=0, num_workers=0))
+  assert_same_batches(batches, list(dataset.chain(again)))  # the cache changes no batch
+
+
+def test_the_disk_cache_serves_a_restart_and_rereads_a_damaged_entry(sharded_dir, tmp_path):
+  perf = dict(record_cache_mb=0, record_cache_dir=str(tmp_path / "cache"), num_workers=0)
+  first = stages(sharded_dir, train=False, performance=perf)
+  truth = list(dataset.chain(first))
+  n = first.plan.sampler.num_records
+  assert first.read.stats.reads == n
+  entries = sorted((tmp_path / "cache").rglob("*.rec"))
+  assert len(entries) == n
+  restart = stages(sharded_dir, train=False, performance=perf)  # a new process would, too
+  assert_same_batches(truth, list(dataset.chain(restart)))
+  assert restart.read.stats.reads == 0
+  with open(entries[3], "r+b") as f:  # one flipped byte in one entry
+    f.seek(20)
+    byte = f.read(1)
+    f.seek(20)
+    f.write(bytes([byte[0] ^ 0xFF]))
+  damaged = stages(sharded_dir, train=False, performance=perf)
+  assert_same_batches(truth, list(dataset.chain(damaged)))
+  assert damaged.read.stats.reads == 1  # that record alone, from storage again
+
+
+def test_a_cache_folder_never_serves_another_datasets_records(sharded_dir, photos_dir, tmp_path):
+  perf = dict(record_cache_mb=0, record_cache_dir=str(tmp_path), num_workers=0)
+  list(dataset.chain(stages(sharded_dir, train=False, performance=perf)))
+  other = stages(photos_dir, train=False, performance=perf)
+  list(dataset.chain(other))
+  assert other.read.stats.reads == other.plan.sampler.num_records
+  assert len(os.listdir(tmp_path)) == 2  # one folder per dataset
+
+
+def test_the_record_cache_is_on_by_default_only_for_slow_storage(sharded_dir):
+  st = stages(sharded_dir)  # local disk: well under 2 ms a read
+  assert st.read.cache is None
+
+
+@pytest.mark.parametrize("remainder", ["drop", "pad"])
+def test_processes_that_own_shards_read_only_their_shards_each_epoch(remainder):
+  counts = (5, 7, 6, 4, 9)
+  starts = np.concatenate([[0], np.cumsum(counts)])
+  seen = []
+  for p in range(2):
+    s = Sampler(
+      sum(counts), seed=3, shard_index=p, shard_count=2, remainder=remainder, shard_records=counts
+    )
+    owned = [range(starts[k], starts[k + 1]) for k in range(p, len(counts), 2)]
+    mine = {i for r in owned for i in r}
+    epochs = [s.records(np.arange(e * s.per_epoch, (e + 1) * s.per_epoch))[1] for e in range(3)]
+    for got in epochs:
+      real = got[got != PAD]
+      assert set(real.tolist()) <= mine and len(set(real.tolist())) == len(real)
+      if remainder == "pad":
+        assert set(real.tolist()) == mine  # every owned record once per epoch
+    assert not np.array_equal(epochs[0], epochs[1])  # a fresh order each epoch
+    seen.append(mine)
+  assert not seen[0] & seen[1]
+  per_epoch = {
+    Sampler(31, shard_index=p, shard_count=2, shard_records=counts).per_epoch for p in range(2)
+  }
+  assert len(per_epoch) == 1  # every process takes the same number of positions
+
+
+def test_owning_shards_needs_a_shard_per_process(sharded_dir):
+  with pytest.raises(ValueError, match="cannot be owned by 99 processes"):
+    stages(sharded_dir, sharding="shards", shard_index=0, shard_count=99)
+  st = stages(sharded_dir, sharding="shards", shard_index=1, shard_count=2)
+  batch = next(iter(dataset.chain(st)))
+  assert batch["image"].shape == (8, 32, 32, 3)
+
+
+def test_a_train_batch_larger_than_the_split_is_refused_an_eval_one_is_padded(photos_dir):
+  with pytest.raises(ValueError, match="batch_size 1000 is larger than"):
+    stages(photos_dir, batch_size=1000)
+  (batch,) = list(dataset.chain(stages(photos_dir, batch_size=1000, train=False)))
+  n = stages(photos_dir, train=False).plan.sampler.num_records
+  assert batch["mask"].all() and len(batch["mask"]) == n  # one short batch: every record once
+
+
+def test_record_cache_entries_are_checked(tmp_path):
+  cache = RecordCache(0, str(tmp_path), "d", ["shard"])
+  cache.put(7, 0, 7, b"\x07\x00record")
+  assert cache.get(7, 0, 7) == b"\x07\x00record"
+  path = tmp_path / "d" / "shard" / "7.rec"
+  path.write_bytes(path.read_bytes()[:-1])  # truncated
+  assert cache.get(7, 0, 7) is None and not path.exists()
