@@ -113,8 +113,8 @@ def _level(tasks: list[tuple[ArrayRecordReader, int]], threads: int) -> tuple[Le
   level = Level(
     threads,
     len(tasks),
-    round(float(np.median(ms)), 2),
-    round(float(np.percentile(ms, 90)), 2),
+    round(float(np.median(ms)), 3),
+    round(float(np.percentile(ms, 90)), 3),
     round(len(tasks) / seconds, 1),
     round(sum(nbytes) / seconds / 1e6, 1),
     round(cpu / seconds, 2),
