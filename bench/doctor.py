@@ -1019,12 +1019,12 @@ def _main(args, argv: list[str]) -> Diagnosis:
   d = diagnose(s, m, args.step_ms, args.cores)
   print(report(d))
   storage = None
-  if args.storage_levels:  # the host's decode rate, and this process's share of it
+  if args.storage_levels:  # for the rate the CPUs allow when no read waits (not d.predicted,
+    # which slow storage already lowers), and this process's share of it
     check = storage_check.measure(s.data_dir, s.split, args.storage_levels)
     processes = max(1, d.plan.get("workers") or 0)
-    advice = storage_check.advise(
-      check, d.predicted / processes, d.cores, d.predicted, args.get_price, processes
-    )
+    rate = min(v for k, v in d.limits.items() if k in ("cores", "gil", "receive"))
+    advice = storage_check.advise(check, rate / processes, d.cores, rate, args.get_price, processes)
     print("\n" + storage_check.report(check, advice))
     storage = {"check": dataclasses.asdict(check), "advice": dataclasses.asdict(advice)}
   if args.timeline:

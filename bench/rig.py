@@ -195,13 +195,18 @@ def main(argv: list[str]) -> None:
       f"counters: cat {m.path}/.rig-stats; Ctrl-C unmounts",
       flush=True,
     )
+
+    def stop(*_):
+      raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)  # also when started in the background (SIGINT ignored)
     try:
-      signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
       while True:
         time.sleep(3600)
     except KeyboardInterrupt:
       pass
-    print(json.dumps(m.stats()))
+    print(json.dumps(m.stats()), flush=True)
 
 
 if __name__ == "__main__":

@@ -224,8 +224,9 @@ def report(check: StorageCheck, advice: Advice | None = None) -> str:
   if advice:
     a = advice
     lines += [
-      f"At {a.rate_per_s:,.0f} images/s this process keeps ~{a.keep_in_flight} reads in "
-      f"flight ({check.latency_s * 1e3:.1f} ms x rate, with headroom).",
+      f"At {a.rate_per_s:,.0f} images/s (what the cores decode when no read waits) this "
+      f"process keeps ~{a.keep_in_flight} reads in flight ({check.latency_s * 1e3:.1f} ms x "
+      "rate, with headroom).",
       f"A host of {a.host_cores} cores at {a.host_rate_per_s:,.0f} images/s needs "
       f"{a.host_needs_in_flight:,} reads in flight (Little's law: rate x latency); from a "
       f"bucket that is {a.gets_per_s:,.0f} GET/s.",
