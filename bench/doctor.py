@@ -43,7 +43,7 @@ import numpy as np
 import psutil
 
 import pipeline
-from bench import emulate, measure, timeline
+from bench import emulate, measure, storage_check, timeline
 from pipeline import augment, decode, options, parallelism, records
 from pipeline import manifest as manifest_lib
 from pipeline.source import ShardedSource
@@ -936,6 +936,17 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--timeline", default="doctor_timeline.png", help="timeline picture of the run ('' to skip)"
   )
+  p.add_argument(
+    "--storage-levels",
+    default="1,16,128",
+    help="reads in flight at which to time DATA_DIR's reads ('' skips the storage check)",
+  )
+  p.add_argument(
+    "--get-price",
+    type=float,
+    default=storage_check.GET_PRICE_PER_1000,
+    help="USD per 1,000 GETs for the epoch's cost (default: GCS class B, 0.0004)",
+  )
   p.add_argument("--apply", metavar="OUT.py", help="write the tuned settings to this config")
   p.add_argument("--json", help="write the diagnosis to this file")
   p.add_argument("--verbose", action="store_true", help="tracebacks for errors")
@@ -973,6 +984,14 @@ def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | N
       raise UsageError(f"{name} must be positive, got {value}")
   if args.seconds <= 0 or (args.step_ms is not None and args.step_ms <= 0):
     raise UsageError("--seconds and --step-ms must be positive")
+  try:
+    args.storage_levels = [int(x) for x in args.storage_levels.split(",") if x.strip()]
+  except ValueError:
+    raise UsageError(
+      f"--storage-levels takes integers like 1,16,128: {args.storage_levels}"
+    ) from None
+  if any(x < 1 for x in args.storage_levels) or args.get_price < 0:
+    raise UsageError("--storage-levels must be >= 1 and --get-price >= 0")
   s.check()
   meta = manifest_lib.load(s.data_dir)
   if s.split not in meta.splits:
@@ -999,6 +1018,15 @@ def _main(args, argv: list[str]) -> Diagnosis:
   m = measure_all(s, args.seconds, args.step_ms, args.sample, recorder)
   d = diagnose(s, m, args.step_ms, args.cores)
   print(report(d))
+  storage = None
+  if args.storage_levels:  # for the rate the CPUs allow when no read waits (not d.predicted,
+    # which slow storage already lowers), and this process's share of it
+    check = storage_check.measure(s.data_dir, s.split, args.storage_levels)
+    processes = max(1, d.plan.get("workers") or 0)
+    rate = min(v for k, v in d.limits.items() if k in ("cores", "gil", "receive"))
+    advice = storage_check.advise(check, rate / processes, d.cores, rate, args.get_price, processes)
+    print("\n" + storage_check.report(check, advice))
+    storage = {"check": dataclasses.asdict(check), "advice": dataclasses.asdict(advice)}
   if args.timeline:
     events = recorder.events()
     start = min(e.start for e in events)
@@ -1016,7 +1044,13 @@ def _main(args, argv: list[str]) -> Diagnosis:
     print(f"wrote {args.apply}")
   if args.json:
     measure.write_json(
-      args.json, {**dataclasses.asdict(d), "machine": measure.machine(), "command": command}
+      args.json,
+      {
+        **dataclasses.asdict(d),
+        "storage": storage,
+        "machine": measure.machine(),
+        "command": command,
+      },
     )
   return d
 

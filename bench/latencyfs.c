@@ -23,12 +23,14 @@
 #include <fcntl.h>
 #include <fuse.h>
 #include <limits.h>
+#include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/prctl.h>
 #include <sys/stat.h>
 #include <time.h>
 #include <unistd.h>
@@ -235,6 +237,11 @@ static int keep_source(void *data, const char *arg, int key, struct fuse_args *a
 }
 
 int main(int argc, char *argv[]) {
+  /* In the foreground, unmount (SIGTERM) when the process that started us dies, so a crashed
+     benchmark leaves no mount behind; a daemonized copy (no -f) forks and loses this. */
+  pid_t parent = getppid();
+  prctl(PR_SET_PDEATHSIG, SIGTERM);
+  if (getppid() != parent) return 1; /* it died before we asked */
   struct fuse_args args = FUSE_ARGS_INIT(argc, argv);
   config.threads = 1024;
   if (fuse_opt_parse(&args, &config, rig_opts, keep_source) == -1) return 2;

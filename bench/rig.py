@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import ctypes
 import dataclasses
 import hashlib
 import json
@@ -116,12 +115,6 @@ class Mount:
     return json.loads((self.path / ".rig-reset").read_text())
 
 
-def _die_with_parent() -> None:
-  """In the daemon (before exec): SIGTERM when the process that mounted it dies, so a
-  crashed benchmark leaves no mount behind (latencyfs unmounts on SIGTERM)."""
-  ctypes.CDLL(None).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
 def _mounted(path: pathlib.Path) -> bool:
   real = os.path.realpath(path)
   with open("/proc/mounts") as f:
@@ -148,7 +141,8 @@ def mount(
   threads: int = 1024,
 ) -> Iterator[Mount]:
   """Serves `source_dir` read-only at `mountpoint` (default: a fresh temporary folder,
-  removed afterwards) with `latency_ms` per read request, for the `with` block."""
+  removed afterwards) with `latency_ms` per read request, for the `with` block. The
+  filesystem also unmounts itself if this process dies."""
   source = pathlib.Path(source_dir).resolve()
   if not source.is_dir():
     raise FileNotFoundError(f"rig source {source_dir} is not a directory")
@@ -166,7 +160,6 @@ def mount(
     stdin=subprocess.DEVNULL,
     stdout=log,
     stderr=log,
-    preexec_fn=_die_with_parent,
   )
   try:
     deadline = time.monotonic() + 10
@@ -202,13 +195,18 @@ def main(argv: list[str]) -> None:
       f"counters: cat {m.path}/.rig-stats; Ctrl-C unmounts",
       flush=True,
     )
+
+    def stop(*_):
+      raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)  # also when started in the background (SIGINT ignored)
     try:
-      signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
       while True:
         time.sleep(3600)
     except KeyboardInterrupt:
       pass
-    print(json.dumps(m.stats()))
+    print(json.dumps(m.stats()), flush=True)
 
 
 if __name__ == "__main__":

@@ -211,7 +211,7 @@ def _child(loader: str, data_dir: str, args, timeout: float) -> dict:
   if proc.returncode or not lines or not lines[-1].startswith("{"):
     last = (proc.stderr.strip() or proc.stdout.strip()).splitlines()[-1:] or [""]
     return {"error": f"exit {proc.returncode}: {last[0][:300]}"}
-  return json.loads(lines[-1])
+  return {**json.loads(lines[-1]), "printed": lines[:-1][-4:]}  # e.g. the pipeline's plan
 
 
 # ---------------------------------------------------------------- the rounds

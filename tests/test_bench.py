@@ -91,7 +91,9 @@ def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
   assert (local["storage"], slow["storage"]) == ("local disk", "2 ms")
   assert local["rounds"] == slow["rounds"] == 1 and "reads_per_image" not in local
   assert slow["images_per_sec"] > 0 and slow["first_batch_s"] > 0 and slow["peak_rss_mb"] > 0
-  assert slow["reads_per_image"] > 0 and slow["kb_per_read"] > 0 and slow["max_in_flight"] >= 1
+  # Reads ahead (and a record cache) may leave the timed batches nothing to read.
+  assert slow["first_batch_reads"] > 0 and slow["max_in_flight"] >= 1
+  assert slow["reads_per_image"] >= 0 and slow["kb_per_read"] >= 0
   saved = json.loads((tmp_path / "s.json").read_text())
   assert saved["command"].startswith("python -m pipeline.bench storage") and len(saved["runs"]) == 2
   stamp = (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns

@@ -6,6 +6,7 @@ the real pipeline on real shards; the slow tests inject slowness into it for rea
 """
 
 import json
+import math
 import pathlib
 import subprocess
 import sys
@@ -13,9 +14,11 @@ import textwrap
 import time
 
 import pytest
+from array_record.python.array_record_module import ArrayRecordReader
 
+import pipeline.manifest
 import pipeline.source
-from bench import doctor
+from bench import doctor, storage_check
 from bench.doctor import Cost, Measurements, Run, Settings
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -212,6 +215,10 @@ def test_cli_measures_projects_for_another_host_and_applies(digits_dir, tmp_path
   assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
   saved = json.loads(out.read_text())
   assert saved["cores"] == 224 and saved["bottleneck"] == d.bottleneck
+  levels = saved["storage"]["check"]["levels"]
+  assert [x["concurrency"] for x in levels] == [1, 16, 128]
+  assert all(x["median_ms"] > 0 and x["mb_per_s"] > 0 for x in levels)
+  assert saved["storage"]["advice"]["host_cores"] == 224
 
 
 @pytest.mark.parametrize(
@@ -225,6 +232,8 @@ def test_cli_measures_projects_for_another_host_and_applies(digits_dir, tmp_path
     (["--config", "{missing}/x.py"], "no config file"),
     (["--config", "{flat}"], "has no `input` block"),
     (["{photos}", "--apply", "x.py"], "--apply needs a --config inside a package"),
+    (["{photos}", "--storage-levels", "1,x"], "--storage-levels takes integers"),
+    (["{photos}", "--get-price", "-1"], "--get-price >= 0"),
   ],
 )
 def test_user_errors_are_one_line_with_exit_2(argv, message, photos_dir, tmp_path, capsys):
@@ -280,3 +289,25 @@ def test_one_thread_on_decode_heavy_photos_is_named_decode_in_a_real_run(photos_
   d = doctor.diagnose(s, doctor.measure_all(s, seconds=1.0, sample=24))
   assert d.bottleneck == "decode", doctor.report(d)
   assert proposal(d, "num_workers x num_threads").proposed == "0 x 2"
+
+
+def test_storage_check_times_reads_through_the_rig_and_applies_littles_law(storage_rig, photos_dir):
+  with storage_rig.mount(photos_dir, latency_ms=10) as rig:
+    check = storage_check.measure(rig.path, "train", levels=(1, 8), reads_per_level=24)
+    stats = rig.reset()
+    shard = pipeline.manifest.load(rig.path).shard_paths(rig.path, "train")[0]
+    ArrayRecordReader(str(shard), "readahead_buffer_size:0").close()
+    open_reads = rig.stats()["reads"]  # what opening a reader reads (footer and index)
+  one, eight = check.levels
+  assert one.median_ms >= 10 and eight.median_ms >= 10  # none answers sooner than storage
+  assert one.reads == eight.reads == 24 and check.records == 48
+  assert eight.records_per_s > 2 * one.records_per_s  # 8 in flight wait together
+  # Every read reached storage: each record read once, plus each shard's open.
+  assert check.shards == 1 and stats["reads"] == 48 + open_reads
+  advice = storage_check.advise(check, 1000, 224, 40_000, price_per_1000=0.0004, processes=2)
+  assert advice.host_needs_in_flight == math.ceil(40_000 * check.latency_s) >= 400
+  assert advice.keep_in_flight >= math.ceil(1000 * check.latency_s)
+  assert advice.gets_per_epoch == 48 + storage_check.READS_PER_OPEN * check.shards * 2
+  assert advice.cost_per_epoch == pytest.approx(advice.gets_per_epoch * 0.0004 / 1000)
+  text = storage_check.report(check, advice)
+  assert "Little's law" in text and "40,000 GET/s" in text and "$0.0004 per 1,000" in text
