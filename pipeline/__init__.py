@@ -10,7 +10,7 @@ from pipeline.dataset import BadRecordError, make_dataset
 from pipeline.features import Feature
 from pipeline.manifest import Manifest
 from pipeline.manifest import load as load_manifest
-from pipeline.ops import ColorJitter, Mixup
+from pipeline.ops import ColorJitter, Mixup, OneHot
 from pipeline.options import Augment, Performance
 from pipeline.records import Keys
 
@@ -24,6 +24,7 @@ __all__ = [
   "Keys",
   "Manifest",
   "Mixup",
+  "OneHot",
   "Performance",
   "device_prefetch",
   "features",
