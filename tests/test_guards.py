@@ -94,3 +94,23 @@ def test_a_batch_no_epoch_can_hold_is_refused_naming_the_sizes():
 def test_make_dataset_refuses_a_batch_larger_than_the_split(digits_dir):
   with pytest.raises(ValueError, match="is larger than the 240 records"):
     pipeline.make_dataset(digits_dir, "train", batch_size=256, image_size=16)
+
+
+def test_a_missing_c_decoder_is_reported_once_with_its_cost(digits_dir):
+  # As on a host without libjpeg headers, where pip builds no extension and says so only
+  # with -v: the first batch prints one line, once, and the batches still come.
+  code = (
+    "import sys; sys.modules['pipeline._jpeg'] = None\n"
+    "import pipeline\n"
+    f"ds = pipeline.make_dataset({str(digits_dir)!r}, 'train', batch_size=8, image_size=16,"
+    " performance={'num_threads': 1})\n"
+    "it = iter(ds); [next(it) for _ in range(3)]; it.close(); print('batches')\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = [line for line in out.stderr.splitlines() if "C JPEG decoder" in line]
+  assert len(lines) == 1, out.stderr
+  assert "not available" in lines[0] and "half the throughput" in lines[0]
+  assert "install libjpeg-dev" in lines[0] and out.stdout.strip() == "batches"
