@@ -158,3 +158,16 @@ def test_images_an_op_already_scaled_are_not_normalized_twice(digits_dir):
   ):
     next(twice)
   twice.close()
+
+
+def test_a_global_batch_larger_than_the_split_is_refused_naming_the_sizes(digits_dir):
+  # Before: "0 steps per epoch", then batches that repeated records.
+  with pytest.raises(
+    ValueError,
+    match=r"batch_size=256 is larger than the 240 records of "
+    r"'train' this process reads",
+  ):
+    pipeline.input(digits_dir, "train", global_batch_size=256, **FAST)
+  val = pipeline.input(digits_dir, "validation", global_batch_size=64, **FAST)  # one padded
+  assert val.steps_per_epoch == 1
+  val.close()
