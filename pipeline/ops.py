@@ -145,7 +145,8 @@ def _definition(obj, depth: int = 0):
     return None
   code = getattr(obj, "__code__", None)
   if code is not None:
-    return (_where(obj), _code(code))
+    defaults = repr((getattr(obj, "__defaults__", None), getattr(obj, "__kwdefaults__", None)))
+    return (_where(obj), _code(code), defaults)
   if isinstance(obj, type):
     members = sorted(
       (k, _definition(v, depth + 1))
