@@ -218,3 +218,25 @@ def test_bytes_features_arrive_exactly_through_the_dataset_and_device_feeding(
   got = [v for b in batches for v, m in zip(b["blob"], b["mask"]) if m]
   assert got == values
   assert batches[-1]["blob"].tolist() == [b"6\x00"] + [b""] * 7  # padding rows hold b""
+
+
+def test_bytes_features_arrive_exactly_from_a_worker_process(tmp_path, write_dataset):
+  import pipeline
+
+  values = [b"\x07\x00", np.array([3.0, 0.0], np.float32).tobytes(), b"", b"z\x00\x00"]
+  path = write_dataset(tmp_path / "ds", [example(i, blob=[v]) for i, v in enumerate(values)])
+  ds = pipeline.make_dataset(
+    path,
+    "train",
+    batch_size=2,
+    train=False,
+    image_size=8,
+    features={"blob": Feature("blob", "bytes", max_bytes=8)},
+    performance={"num_workers": 1, "num_threads": 1},
+  )
+  it = iter(ds)
+  try:
+    got = [v for b in it for v in b["blob"].tolist()]
+  finally:
+    it.close()
+  assert got == values
