@@ -235,7 +235,7 @@ def _parse_call(text: str) -> tuple[str, tuple, dict]:
   raise ValueError(f"cannot read op {text!r}: write name or name(literal, key=literal)")
 
 
-# Two ops that ship: colour jitter per image, mixup per batch.
+# Ops that ship: colour jitter per image; mixup and onehot (below) per batch.
 
 
 @register("color_jitter", "image")
