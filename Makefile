@@ -9,13 +9,22 @@ CONFIG  ?= configs/default.py
 WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 SOURCES := pipeline bench train configs tests examples setup.py
 
-.PHONY: setup data convert train bench bench-report test test-slow format lint clean
+.PHONY: _venv setup data convert train bench bench-report test test-slow format lint clean
 
+# Two targets started at once in a fresh clone (two `make train`): the second waits on the
+# lock (flock, util-linux), then finds the environment installed instead of running pip
+# beside the first.
 $(STAMP): pyproject.toml setup.py pipeline/_jpeg.c
-	python3 -m venv .venv
-	.venv/bin/pip install --quiet --upgrade pip
-	.venv/bin/pip install --quiet -e '.[$(EXTRAS)]'
-	touch $(STAMP)
+	@mkdir -p .venv
+	@flock .venv/.lock $(MAKE) --no-print-directory _venv
+
+_venv:
+	@if [ -f $(STAMP) ] && [ -z "$$(find pyproject.toml setup.py pipeline/_jpeg.c -newer $(STAMP))" ]; \
+	then echo "$(STAMP): installed by another make meanwhile"; else \
+	set -e; python3 -m venv .venv; \
+	.venv/bin/pip install --quiet --upgrade pip; \
+	.venv/bin/pip install --quiet -e '.[$(EXTRAS)]'; \
+	touch $(STAMP); fi
 
 setup: $(STAMP)  ## create .venv: the library plus the extras $(EXTRAS)
 

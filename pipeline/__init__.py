@@ -11,7 +11,7 @@ from pipeline.errors import BadRecordError
 from pipeline.features import Feature
 from pipeline.manifest import Manifest
 from pipeline.manifest import load as load_manifest
-from pipeline.ops import ColorJitter, Mixup
+from pipeline.ops import ColorJitter, Mixup, OneHot
 from pipeline.options import Augment, Performance
 from pipeline.records import Keys
 
@@ -25,6 +25,7 @@ __all__ = [
   "Keys",
   "Manifest",
   "Mixup",
+  "OneHot",
   "Performance",
   "device_prefetch",
   "features",

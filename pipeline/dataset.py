@@ -30,7 +30,7 @@ import numpy as np
 from etils import epath
 
 from pipeline import augment as augment_lib
-from pipeline import lifecycle, options, parallelism, reads, records, remote
+from pipeline import guards, lifecycle, options, parallelism, reads, records, remote
 from pipeline import manifest as manifest_lib
 from pipeline.ahead import AheadIterDataset
 from pipeline.cache import RecordCache, dataset_id
@@ -256,16 +256,7 @@ def _build(
     if drop or sampler.num_epochs is None
     else -(-len(sampler) // batch_size)
   )
-  if num_batches == 0 and sampler.num_epochs is not None:
-    raise ValueError(
-      f"batch_size {batch_size} is larger than this process's {len(sampler)} records of "
-      f"split {split!r} and drop_remainder is on: no batch would come out"
-    )
-  if sampler.num_epochs is None and batch_size > sampler.per_epoch:
-    raise ValueError(
-      f"batch_size {batch_size} is larger than this process's {sampler.per_epoch} records "
-      f"per epoch of split {split!r}: every batch would repeat records"
-    )
+  guards.check_batch_fits(batch_size, sampler.per_epoch, drop_remainder=drop, split=repr(split))
   stream = {
     "shard_index": shard_index,
     "shard_count": shard_count,
@@ -315,6 +306,7 @@ def chain(stages: Stages) -> grain.IterDataset:
   if stages.normalize:
     it = it.map(_normalize_host)
   if stages.workers:
+    guards.check_main_guard()
     _ensure_absl_flags_parsed()
     it = it.mp_prefetch(
       grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=_ignore_sigint
@@ -346,6 +338,11 @@ def _record_cache(meta, split, perf, latency_s, chosen, sampler) -> RecordCache 
 
 
 def _normalize_host(batch: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+  if batch["image"].dtype != np.uint8:
+    raise ValueError(
+      f"normalize=True scales uint8 pixels, but the ops made {batch['image'].dtype} images: "
+      "normalize in your op, or drop normalize="
+    )
   return {**batch, "image": batch["image"].astype(np.float32) / 127.5 - 1.0}
 
 

@@ -33,19 +33,36 @@ def _load_extension():
       break
     except OSError:
       continue
+  global _missing
   try:
     from pipeline import _jpeg
 
     return _jpeg
-  except ImportError:  # not built, or no libjpeg found: simplejpeg decodes whole images
+  except ImportError as e:  # not built, or no libjpeg found: simplejpeg decodes whole images
+    _missing = str(e) or type(e).__name__
     return None
 
 
+_missing: str | None = None  # why the extension did not load
 _jpeg = _load_extension()
+_reported = False
+MISSING = (
+  "pipeline: the C JPEG decoder (pipeline/_jpeg.c) is not available ({why}): whole images "
+  "are decoded by simplejpeg instead, about half the throughput (176 vs 355 img/s measured "
+  "on 2 cores); install libjpeg-dev and rebuild (pip install -e . or make setup)"
+)
 
 
 def native():
-  """The C extension (`pipeline/_jpeg.c`), or None where it was not built."""
+  """The C extension (`pipeline/_jpeg.c`), or None where it was not built; the first call
+  without it says so once per process on stderr, with the cost, as `pip` only says it
+  with -v."""
+  global _reported
+  if _jpeg is None and not _reported:
+    _reported = True
+    import sys
+
+    print(MISSING.format(why=_missing), file=sys.stderr, flush=True)
   return _jpeg
 
 

@@ -61,8 +61,16 @@ def normalize_images(
   """(pixels - mean) / std in `dtype` on the device; default maps uint8 [0, 255] to [-1, 1].
 
   Jitted and elementwise, so the output keeps the input's sharding; the host moves uint8.
-  `normalize` as `device_prefetch`'s; False only casts.
+  `normalize` as `device_prefetch`'s; False only casts. Images that are already floats (an
+  image op scaled them, e.g. a ported `value_range(-1, 1)`) are refused: normalizing them
+  again would be silently wrong, and whether they hold pixels or scaled values is unknown.
   """
+  if normalization(normalize) is not None and jnp.dtype(x.dtype).kind not in "iub":
+    raise ValueError(
+      f"normalize={normalize!r} maps pixel values (0..255) but the {IMAGE_KEY!r} entry is "
+      f"already {jnp.dtype(x.dtype).name} (did an image op scale it?): drop normalize= "
+      "(dtype= alone casts) or let the op return uint8 pixels"
+    )
   return _normalize(x, jnp.dtype(dtype), _hashable(normalize))
 
 
@@ -361,6 +369,8 @@ def _pad(batch: dict[str, np.ndarray], full: int) -> dict[str, np.ndarray]:
   padded = {}
   for k, v in batch.items():
     p = np.zeros((full,) + v.shape[1:], v.dtype)
+    if v.dtype.hasobject:
+      p.fill(b"")  # bytes features: padding rows hold empty values, not 0
     p[:rows] = v
     padded[k] = p
   return padded

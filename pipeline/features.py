@@ -1,8 +1,9 @@
 """Extra record features in the batch: `features={"id": "image/id", "box": Feature(...)}`.
 
 Each entry names a batch key and the `tf.train.Example` feature it comes from. int64 and
-float features become numeric arrays (jax-ready); bytes features become fixed-width numpy
-bytes (dtype "S<max_bytes>"), which `device_prefetch` keeps on the host. A feature is
+float features become numeric arrays (jax-ready); bytes features become numpy object arrays
+of Python `bytes`, exactly as stored (trailing NUL bytes included: numpy's fixed-width "S"
+dtype would strip them), which `device_prefetch` keeps on the host. A feature is
 fixed-shape, or variable-length up to `max_length` items: then zero-padded, with the item
 count in "<name>_length" (int32), as tf.io.VarLenFeature + to_dense would give.
 
@@ -29,6 +30,7 @@ _LISTS = {
   "b": "int64_list",
   "f": "float_list",
   "S": "bytes_list",
+  "O": "bytes_list",
 }
 _DEFAULT_DTYPES = {"int64_list": "int32", "float_list": "float32", "bytes_list": BYTES}
 
@@ -41,8 +43,10 @@ class Feature:
     type (int64 -> int32, float -> float32, bytes) and value count, from a sample record.
   shape: the shape of one item (() a scalar). max_length: variable-length, up to this many
     items ([max_length, *shape], zero-padded, count in "<name>_length"); a record without
-    the key has none. max_bytes: the width of a bytes value. default: a fixed-shape
-    feature's value when a record lacks the key (None: the record is an error).
+    the key has none. max_bytes: the longest bytes value allowed (longer is an error,
+    never cut); bytes arrive exactly as stored, in an object array (b"" when padded).
+    default: a fixed-shape feature's value when a record lacks the key (None: the record is
+    an error).
   """
 
   key: str
@@ -54,7 +58,7 @@ class Feature:
 
   @property
   def numpy_dtype(self) -> np.dtype:
-    return np.dtype(f"S{self.max_bytes}") if self.dtype == BYTES else np.dtype(self.dtype)
+    return np.dtype(object) if self.dtype == BYTES else np.dtype(self.dtype)
 
   @property
   def item_size(self) -> int:
@@ -150,7 +154,7 @@ def _check(name: str, spec: Feature) -> None:
     dtype = spec.numpy_dtype
   except TypeError:
     raise ValueError(f"{where}: unknown dtype {spec.dtype!r}") from None
-  if spec.dtype != BYTES and dtype.kind not in "iubf":
+  if spec.dtype != BYTES and (dtype.kind not in "iubf" or dtype.hasobject):
     raise ValueError(
       f"{where}: dtype must be an integer, bool or float dtype or 'bytes', got {spec.dtype!r}"
     )
@@ -172,10 +176,13 @@ def _check(name: str, spec: Feature) -> None:
 
 
 def allocate(specs: Mapping[str, Feature], n: int) -> dict[str, np.ndarray]:
-  """Zeroed batch arrays for `n` examples (plus "<name>_length" for variable-length ones)."""
+  """Zeroed batch arrays for `n` examples (plus "<name>_length" for variable-length ones);
+  bytes features hold b"" until filled."""
   arrays = {}
   for name, spec in specs.items():
     arrays[name] = np.zeros((n, *spec.example_shape), spec.numpy_dtype)
+    if spec.dtype == BYTES:
+      arrays[name].fill(b"")
     if spec.max_length is not None:
       arrays[length_key(name)] = np.zeros((n,), np.int32)
   return arrays
@@ -210,7 +217,9 @@ def fill(
           f"{spec.item_size} (shape {spec.shape}); for a variable count "
           "give max_length="
         )
-      arrays[name][slot] = _convert(spec, values).reshape(spec.shape)
+      converted = _convert(spec, values)
+      # [0]: an object array would store a 0-d array as the element itself.
+      arrays[name][slot] = converted[0] if spec.shape == () else converted.reshape(spec.shape)
       continue
     values = values or []
     items, extra = divmod(len(values), spec.item_size)
@@ -225,7 +234,7 @@ def fill(
       )
     row = arrays[name][slot]
     row[:items] = _convert(spec, values).reshape((items, *spec.shape))
-    row[items:] = 0
+    row[items:] = b"" if spec.dtype == BYTES else 0
     arrays[length_key(name)][slot] = items
 
 
@@ -256,7 +265,7 @@ def _convert(spec: Feature, values: list) -> np.ndarray:
   """`values` as the spec's dtype; integers out of the dtype's range and bytes longer than
   max_bytes are errors, never silently wrapped or cut."""
   dtype = spec.numpy_dtype
-  if dtype.kind == "S":
+  if spec.dtype == BYTES:
     if any(not isinstance(v, bytes) for v in values):
       raise RecordError(f"feature {spec.key!r}: bytes values expected")
     longest = max((len(v) for v in values), default=0)
@@ -265,7 +274,9 @@ def _convert(spec: Feature, values: list) -> np.ndarray:
         f"feature {spec.key!r} holds a value of {longest} bytes, more than "
         f"its max_bytes {spec.max_bytes}"
       )
-    return np.array(values, dtype)
+    array = np.empty(len(values), object)  # exact bytes: "S" arrays drop trailing NULs
+    array[:] = values
+    return array
   if dtype.kind in "iub":
     array = np.array(values, np.int64)
     if dtype.kind == "b":

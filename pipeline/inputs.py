@@ -18,7 +18,7 @@ import grain
 import jax
 from etils import epath
 
-from pipeline import dataset, device, remote
+from pipeline import dataset, device, guards, remote
 from pipeline import manifest as manifest_lib
 from pipeline.sampling import Sampler
 
@@ -74,6 +74,10 @@ def input(
   drop = train if drop is None else drop
   remote.check(data_dir)
   meta = manifest_lib.load(epath.Path(data_dir))
+  if split in meta.splits:  # a missing split: make_dataset names the ones there are
+    records = meta.splits[split].num_records
+    share = records // shard_count if drop else math.ceil(records / shard_count)
+    guards.check_batch_fits(batch_size, share, drop_remainder=drop, split=repr(split))
   host = dataset.make_dataset(data_dir, split, batch_size=batch_size, train=train, **keywords)
   # Streams that drop their remainder only ever hold full batches: no mask to add.
   fed = device.device_prefetch(

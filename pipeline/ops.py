@@ -111,18 +111,64 @@ def _rows(batch: Mapping[str, np.ndarray], what: str) -> int:
 _REGISTRY: dict[Kind, dict[str, Callable[..., Callable]]] = {"image": {}, "batch": {}}
 
 
-def register(name: str, kind: Kind):
-  """Decorator: `factory(*args, **kwargs)` builds the op that `build` names `name`."""
+def register(name: str, kind: Kind, *, replace: bool = False):
+  """Decorator: `factory(*args, **kwargs)` builds the op that `build` names `name`.
+
+  Registering the same definition again (a re-run notebook cell, `importlib.reload`) is a
+  no-op that keeps the newest object; a different definition under a taken name is refused
+  unless `replace=True`.
+  """
   if kind not in _REGISTRY:
     raise ValueError(f"kind must be 'image' or 'batch', got {kind!r}")
 
   def add(factory):
-    if name in _REGISTRY[kind] and _REGISTRY[kind][name] is not factory:
-      raise ValueError(f"a {kind} op named {name!r} is already registered")
+    taken = _REGISTRY[kind].get(name)
+    if taken is not None and not replace and _definition(taken) != _definition(factory):
+      raise ValueError(
+        f"a different {kind} op is already registered as {name!r} "
+        f"({_where(taken)}); choose another name or pass register(..., replace=True)"
+      )
     _REGISTRY[kind][name] = factory
     return factory
 
   return add
+
+
+def _where(factory) -> str:
+  return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', _name(factory))}"
+
+
+def _definition(obj, depth: int = 0):
+  """What makes two factories the same definition: module, name and code (for a class, the
+  code of its methods), not object identity, so re-running the defining code matches."""
+  if depth > 3:
+    return None
+  code = getattr(obj, "__code__", None)
+  if code is not None:
+    defaults = repr((getattr(obj, "__defaults__", None), getattr(obj, "__kwdefaults__", None)))
+    return (_where(obj), _code(code), defaults)
+  if isinstance(obj, type):
+    members = sorted(
+      (k, _definition(v, depth + 1))
+      for k, v in vars(obj).items()
+      if callable(v) or isinstance(v, (staticmethod, classmethod, property))
+    )
+    values = sorted(
+      (k, repr(v))
+      for k, v in vars(obj).items()
+      if not k.startswith("__") and isinstance(v, (int, float, str, bytes, tuple, type(None)))
+    )
+    fields = sorted((k, str(v)) for k, v in getattr(obj, "__annotations__", {}).items())
+    return (_where(obj), tuple(members), tuple(values), tuple(fields))
+  inner = getattr(obj, "__func__", None) or getattr(obj, "fget", None)
+  if inner is not None:
+    return _definition(inner, depth + 1)
+  return (_where(obj), id(obj))
+
+
+def _code(code):
+  consts = tuple(_code(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts)
+  return (code.co_code, consts, code.co_names, code.co_varnames)
 
 
 def build(spec: str | Sequence[str | Callable] | None, kind: Kind, **context) -> tuple:
@@ -189,7 +235,7 @@ def _parse_call(text: str) -> tuple[str, tuple, dict]:
   raise ValueError(f"cannot read op {text!r}: write name or name(literal, key=literal)")
 
 
-# Two ops that ship: colour jitter per image, mixup per batch.
+# Ops that ship: colour jitter per image; mixup and onehot (below) per batch.
 
 
 @register("color_jitter", "image")
@@ -276,13 +322,17 @@ class Mixup:
   a partner row, lam ~ Beta(alpha, alpha) once per batch, partners a random permutation.
 
   Output keys: "image" keeps its dtype (uint8 rounds, as timm's fast-collate mixup, so the
-  host still moves uint8); "label" becomes soft, float32[B, num_classes] summing to 1 (int
-  labels are one-hot first; soft ones mix as they are). With a "mask" (eval, padding), only
-  real rows mix, with each other; padding rows stay as they were.
+  host still moves uint8); the labels (`key`, default "label") become soft,
+  float32[B, num_classes] summing to 1 (int labels are one-hot first; soft ones mix as they
+  are). With a "mask" (eval, padding), only real rows mix, with each other; padding rows
+  stay as they were. A batch without `key` is refused, and so is one where another entry
+  holds the soft labels (e.g. `onehot(key_result="labels")` ran first) unless `key` names
+  the entry to mix: mixing images but not the labels the model reads would be silent.
   """
 
   alpha: float = 0.2
   num_classes: int | None = None
+  key: str | None = None
 
   def __post_init__(self):
     if self.alpha <= 0:
@@ -291,7 +341,8 @@ class Mixup:
       raise ValueError(f"mixup num_classes must be >= 1, got {self.num_classes}")
 
   def __call__(self, batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict:
-    labels = self._soft(np.asarray(batch["label"]))
+    key = _label_key("mixup", self.key, batch)
+    labels = self._soft(np.asarray(batch[key]))
     rows = len(labels)
     real = np.flatnonzero(batch[MASK_KEY]) if MASK_KEY in batch else np.arange(rows)
     lam = np.float32(rng.beta(self.alpha, self.alpha))
@@ -304,7 +355,7 @@ class Mixup:
       mixed = mixed.reshape(image.shape)
     else:
       mixed = (lam * image + (1 - lam) * image[partner]).astype(image.dtype)
-    return {**batch, "image": mixed, "label": lam * labels + (1 - lam) * labels[partner]}
+    return {**batch, "image": mixed, key: lam * labels + (1 - lam) * labels[partner]}
 
   def _soft(self, labels: np.ndarray) -> np.ndarray:
     if labels.ndim == 2:
@@ -316,3 +367,65 @@ class Mixup:
         f"mixup: labels outside [0, {self.num_classes}): {labels.min()}..{labels.max()}"
       )
     return np.eye(self.num_classes, dtype=np.float32)[labels]
+
+
+def _label_key(op: str, key: str | None, batch: Mapping[str, np.ndarray]) -> str:
+  """The batch entry a label-mixing op works on: `key`, or "label" when that is the only
+  entry holding labels; anything ambiguous or missing is refused, naming the keys."""
+  if key is not None:
+    if key not in batch:
+      raise OpError(f"{op}: the batch has no {key!r} entry (it has {sorted(batch)})")
+    return key
+  soft = [
+    k
+    for k, v in batch.items()
+    if k not in ("label", "image", MASK_KEY) and _looks_like_soft_labels(np.asarray(v))
+  ]
+  if soft:
+    raise OpError(
+      f"{op}: the batch holds soft labels in {soft[0]!r} but {op} mixes 'label'; "
+      f"pass {op}(..., key={soft[0]!r}) (big_vision: the onehot op's key_result)"
+    )
+  if "label" not in batch:
+    raise OpError(
+      f"{op}: the batch has no 'label' entry (it has {sorted(batch)}); pass key= the labels' key"
+    )
+  return "label"
+
+
+def _looks_like_soft_labels(v: np.ndarray) -> bool:
+  if v.ndim != 2 or v.dtype.kind != "f" or v.shape[1] < 2 or not v.size:
+    return False
+  return bool((v >= 0).all() and np.allclose(v.sum(axis=1), 1, atol=1e-3))
+
+
+@register("onehot", "batch")
+@dataclasses.dataclass(frozen=True)
+class OneHot:
+  """big_vision's onehot on a host batch: int labels in `key` -> float32[B, depth] in
+  `key_result` (default: `key` itself), `on` for the class and `off` elsewhere.
+  Labels outside [0, depth) are refused, never an all-`off` row."""
+
+  depth: int
+  key: str = "label"
+  key_result: str | None = None
+  on: float = 1.0
+  off: float = 0.0
+
+  def __post_init__(self):
+    if not isinstance(self.depth, int) or self.depth < 1:
+      raise ValueError(f"onehot depth must be a positive int, got {self.depth!r}")
+
+  def __call__(self, batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict:
+    if self.key not in batch:
+      raise OpError(f"onehot: the batch has no {self.key!r} entry (it has {sorted(batch)})")
+    labels = np.asarray(batch[self.key])
+    if labels.ndim != 1 or labels.dtype.kind not in "iu":
+      raise OpError(
+        f"onehot: {self.key!r} must hold int class indices, got {labels.dtype}{list(labels.shape)}"
+      )
+    if labels.size and not 0 <= labels.min() <= labels.max() < self.depth:
+      raise OpError(f"onehot: labels outside [0, {self.depth}): {labels.min()}..{labels.max()}")
+    out = np.full((len(labels), self.depth), self.off, np.float32)
+    out[np.arange(len(labels)), labels] = self.on
+    return {**batch, self.key_result or self.key: out}

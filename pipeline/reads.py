@@ -4,13 +4,14 @@ On remote storage (a bucket through gcsfuse or `gs://`) each read waits 5-100 ms
 first byte, so reads must overlap: by Little's law a process decoding R images/s from
 storage of latency L needs R x L reads in flight. The plan of every future batch is known
 (`pipeline.plan`), so `ReadRecords` starts the reads of the next `depth()` batches all at
-once on its I/O threads, one batched read per shard of a batch (measured through the rig at
-20 ms: 1.8x the rate of one task per record, whose Python per read costs more than
-array_record's own pool saves); decode threads never wait on storage. The depth follows the read latency
+once on its I/O threads, one batched read per shard of a batch (through the rig at 20 ms:
+1.8x the rate of one task per record, whose Python per read costs more than array_record's
+own pool saves); decode threads never wait on storage. The depth follows the read latency
 and the rate records are taken, both measured as it runs (the rate at least the one the host
 plan projects), bounded by the bytes it may hold. The record cache (`pipeline.cache`)
 answers before storage. Read errors stay with their slot; the decode stage applies the
-error policy."""
+error policy.
+"""
 
 from __future__ import annotations
 

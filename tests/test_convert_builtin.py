@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import time
 
 import pytest
@@ -63,3 +64,48 @@ def test_build_makes_both_datasets_once(tmp_path):
   assert builtin.build(tmp_path, progress=False) == made
   assert time.monotonic() - start < 30  # nothing regenerated or rewritten
   assert manifest.load(tmp_path / "photos").created_by["source"] == str(tmp_path / "raw" / "photos")
+
+
+def test_a_second_builtin_build_of_the_same_folder_waits_for_the_first(tmp_path):
+  # The first build holds DATA/.builtin.lock; a second `convert builtin DATA` says it waits
+  # and touches nothing (before: both built raw/ and one died with "Directory not empty").
+  import fcntl
+  import subprocess
+  import sys
+
+  with open(tmp_path / ".builtin.lock", "a") as held:
+    fcntl.flock(held, fcntl.LOCK_EX)
+    second = subprocess.Popen(
+      [sys.executable, "-m", "pipeline.convert", "builtin", str(tmp_path)],
+      cwd=pathlib.Path(__file__).resolve().parent.parent,
+      stderr=subprocess.PIPE,
+      text=True,
+    )
+    try:
+      line = second.stderr.readline()
+      assert line.strip() == (
+        f"convert builtin: another process is building {tmp_path}; waiting for it to finish"
+      )
+      time.sleep(0.5)
+      assert second.poll() is None and not (tmp_path / "raw").exists()
+    finally:
+      second.kill()
+      second.wait()
+
+
+@pytest.mark.slow
+def test_two_builtin_builds_at_once_both_succeed_with_one_dataset(tmp_path):
+  import subprocess
+  import sys
+
+  command = [sys.executable, "-m", "pipeline.convert", "builtin", str(tmp_path)]
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  runs = [
+    subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    for _ in range(2)
+  ]
+  outs = [run.communicate(timeout=900) for run in runs]
+  assert [run.returncode for run in runs] == [0, 0], outs
+  assert sum("waiting for it to finish" in err for _, err in outs) == 1
+  for name in ("digits", "photos"):
+    assert verify.verify(tmp_path / name, progress=False).ok

@@ -589,3 +589,20 @@ def test_a_many_core_host_gets_worker_processes_and_the_same_batches(
     capfd.readouterr().err
   )
   assert_same_batches(here, there)
+
+
+def test_host_normalization_refuses_images_an_op_made_float(photos_dir):
+  def scaled(image, rng):
+    return image.astype(np.float32) / 127.5 - 1.0
+
+  ds = pipeline.make_dataset(
+    photos_dir,
+    batch_size=4,
+    image_size=32,
+    normalize=True,
+    ops=[scaled],
+    shard_index=0,
+    shard_count=1,
+  )
+  with pytest.raises(ValueError, match="normalize=True scales uint8 pixels"):
+    next(iter(ds))

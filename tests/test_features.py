@@ -79,7 +79,7 @@ def test_batch_arrays_have_one_row_per_example():
   specs = features.parse_specs({k: v for k, v in SPECS.items() if k != "id"})
   arrays = features.allocate(specs, 5)
   assert {k: (v.dtype.str, v.shape) for k, v in arrays.items()} == {
-    "key": ("|S16", (5,)),
+    "key": ("|O", (5,)),
     "box": ("<f4", (5, 4)),
     "objects": ("<i4", (5, 3)),
     "objects_length": ("<i4", (5,)),
@@ -173,3 +173,70 @@ def test_bad_specs_are_refused_with_the_feature_named(mapping, message):
 def test_a_bare_key_must_be_in_the_sample_record():
   with pytest.raises(ValueError, match=r"'image/id' has no values in the sample record \(it has"):
     features.parse_specs({"id": "image/id"}, sample=example(0))
+
+
+def test_bytes_features_round_trip_exactly_trailing_nul_bytes_included(tmp_path, write_dataset):
+  # numpy's fixed-width "S" dtype strips trailing NULs: b"\x07\x00" would come back b"\x07",
+  # and a float32 array's bytes would be cut. Values come back exactly as stored.
+  floats = np.array([1.5, 0.0], np.float32).tobytes()  # ends in four NUL bytes
+  values = [b"\x07\x00", floats, b"", b"\x00\x00\x00", b"plain"]
+  recs = [example(i, blob=[v], tags=[v, b"\x00"]) for i, v in enumerate(values)]
+  path = write_dataset(tmp_path / "ds", recs)
+  reader = ArrayRecordReader(f"{path}/{SHARD}")
+  stored = reader.read(list(range(len(recs))))
+  reader.close()
+  specs = features.parse_specs(
+    {"blob": Feature("blob", "bytes", max_bytes=8), "tags": Feature("tags", "bytes", max_length=3)}
+  )
+  arrays = features.allocate(specs, len(recs))
+  for slot, record in enumerate(stored):
+    features.fill(specs, record, arrays, slot)
+  assert arrays["blob"].tolist() == values
+  assert np.frombuffer(arrays["blob"][1], np.float32).tolist() == [1.5, 0.0]
+  assert arrays["tags"].tolist() == [[v, b"\x00", b""] for v in values]
+  assert arrays["tags_length"].tolist() == [2] * len(values)
+
+
+def test_bytes_features_arrive_exactly_through_the_dataset_and_device_feeding(
+  tmp_path, write_dataset
+):
+  import pipeline
+
+  values = [b"\x07\x00", np.array([2.0, 0.0], np.float32).tobytes()] + [
+    b"%d\x00" % i for i in range(7)
+  ]
+  path = write_dataset(tmp_path / "ds", [example(i, blob=[v]) for i, v in enumerate(values)])
+  host = pipeline.make_dataset(
+    path,
+    "train",
+    batch_size=8,
+    train=False,
+    image_size=8,
+    features={"blob": Feature("blob", "bytes", max_bytes=8)},
+  )
+  batches = list(pipeline.device_prefetch(host, remainder="pad", batch_size=8))
+  got = [v for b in batches for v, m in zip(b["blob"], b["mask"]) if m]
+  assert got == values
+  assert batches[-1]["blob"].tolist() == [b"6\x00"] + [b""] * 7  # padding rows hold b""
+
+
+def test_bytes_features_arrive_exactly_from_a_worker_process(tmp_path, write_dataset):
+  import pipeline
+
+  values = [b"\x07\x00", np.array([3.0, 0.0], np.float32).tobytes(), b"", b"z\x00\x00"]
+  path = write_dataset(tmp_path / "ds", [example(i, blob=[v]) for i, v in enumerate(values)])
+  ds = pipeline.make_dataset(
+    path,
+    "train",
+    batch_size=2,
+    train=False,
+    image_size=8,
+    features={"blob": Feature("blob", "bytes", max_bytes=8)},
+    performance={"num_workers": 1, "num_threads": 1},
+  )
+  it = iter(ds)
+  try:
+    got = [v for b in it for v in b["blob"].tolist()]
+  finally:
+    it.close()
+  assert got == values

@@ -131,3 +131,43 @@ def test_two_processes_each_read_their_share_of_every_global_batch(digits_dir, t
   assert int(got["pmap_psum"]) == int(got["pmap_label"].sum())
   np.testing.assert_array_equal(got["pmap_label"].reshape(-1), got["train_label"])
   assert "does not divide over the 2 processes" in str(got["error"])
+
+
+def value_range(image, rng):  # big_vision's value_range(-1, 1), ported as an image op
+  return image.astype(np.float32) / 127.5 - 1
+
+
+def test_images_an_op_already_scaled_are_not_normalized_twice(digits_dir):
+  # The op's floats in [-1, 1] normalized again would all land in [-1.0, -0.992], silently.
+  scaled = pipeline.input(digits_dir, "validation", global_batch_size=8, ops=[value_range], **FAST)
+  image = np.asarray(next(scaled)["image"])
+  assert image.dtype == np.float32 and image.min() < -0.5 and image.max() > 0.5
+  scaled.close()
+  twice = pipeline.input(
+    digits_dir,
+    "validation",
+    global_batch_size=8,
+    ops=[value_range],
+    normalize="minus_one_one",
+    **FAST,
+  )
+  with pytest.raises(
+    ValueError,
+    match=r"normalize='minus_one_one' maps pixel values .* "
+    r"'image' entry is already float32 .*drop normalize=",
+  ):
+    next(twice)
+  twice.close()
+
+
+def test_a_global_batch_larger_than_the_split_is_refused_naming_the_sizes(digits_dir):
+  # Before: "0 steps per epoch", then batches that repeated records.
+  with pytest.raises(
+    ValueError,
+    match=r"batch_size=256 is larger than the 240 records of "
+    r"'train' this process reads",
+  ):
+    pipeline.input(digits_dir, "train", global_batch_size=256, **FAST)
+  val = pipeline.input(digits_dir, "validation", global_batch_size=64, **FAST)  # one padded
+  assert val.steps_per_epoch == 1
+  val.close()

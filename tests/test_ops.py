@@ -200,3 +200,81 @@ def test_a_bad_spec_says_what_is_wrong():
     ops.build("color_jitter(1, 2, 3, 4, 5)", "image")
   with pytest.raises(ValueError, match="already registered"):
     ops.register("color_jitter", "image")(lambda: None)
+
+
+def test_mixup_after_onehot_to_another_key_mixes_the_labels_the_model_reads():
+  # big_vision's "onehot(8, key_result='labels')|mixup(...)": the labels live in "labels".
+  batch = batch_of(8, 8)
+  chain = ops.build("onehot(8, key_result='labels')|mixup(0.4, key='labels')", "batch")
+  out = ops.apply_batch(chain, batch, ops.batch_rng(0, 3))
+  plain = ops.apply_batch([ops.Mixup(0.4, 8)], batch, ops.batch_rng(0, 3))
+  np.testing.assert_array_equal(out["labels"], plain["label"])  # mixed as "label" would be
+  np.testing.assert_array_equal(out["image"], plain["image"])
+  np.testing.assert_array_equal(out["label"], batch["label"])  # the int labels untouched
+  # Without key=, mixing the images but not "labels" is refused, naming the key to pass.
+  with pytest.raises(ops.OpError, match=r"soft labels in 'labels'.*key='labels'"):
+    ops.apply_batch(
+      ops.build("onehot(8, key_result='labels')|mixup(0.4, 8)", "batch"), batch, ops.batch_rng(0, 3)
+    )
+  # A batch without the labels' key is refused, naming what it has.
+  no_label = {"image": batch["image"]}
+  with pytest.raises(ops.OpError, match=r"no 'label' entry \(it has \['image'\]\)"):
+    ops.apply_batch([ops.Mixup(0.4, 8)], no_label, ops.batch_rng(0, 0))
+  with pytest.raises(ops.OpError, match=r"no 'labels' entry"):
+    ops.apply_batch([ops.Mixup(0.4, 8, key="labels")], batch, ops.batch_rng(0, 0))
+  with pytest.raises(ops.OpError, match=r"onehot: labels outside \[0, 3\)"):
+    ops.apply_batch([ops.OneHot(3)], batch, ops.batch_rng(0, 0))
+
+
+OP_SOURCE = '''
+import numpy as np
+from pipeline import ops
+
+@ops.register("test_reloaded_{n}", "image")
+def shift(amount=1):  # a comment
+  return lambda image, rng: np.roll(image, amount, axis=0)
+
+@ops.register("test_reloaded_class_{n}", "batch")
+class Keep:
+  scale = 1.0
+  def __call__(self, batch, rng):
+    return batch
+'''
+
+
+def test_registering_the_same_definition_again_is_a_no_op_and_another_is_refused(tmp_path):
+  import importlib
+  import sys
+
+  # A notebook cell run twice: the same source executed again makes new objects.
+  for _ in range(2):
+    exec(compile(OP_SOURCE.format(n=1), "<cell>", "exec"), {"__name__": "__main__"})
+  assert ops.build("test_reloaded_1(2)", "image")[0](photo(0), None).shape == photo(0).shape
+  # importlib.reload of a module that registers ops.
+  (tmp_path / "my_ops_module.py").write_text(OP_SOURCE.format(n=2))
+  sys.path.insert(0, str(tmp_path))
+  try:
+    module = importlib.import_module("my_ops_module")
+    importlib.reload(module)
+    assert ops.build("test_reloaded_2", "image")
+    # A different definition under a taken name: refused in one line, naming it.
+    edited = OP_SOURCE.format(n=2).replace("amount, axis=0", "amount, axis=1")
+    (tmp_path / "my_ops_module.py").write_text(edited)
+    importlib.invalidate_caches()
+    with pytest.raises(
+      ValueError,
+      match=r"a different image op is already registered as "
+      r"'test_reloaded_2' \(my_ops_module\.shift\).*replace=True",
+    ):
+      exec(
+        compile(edited, str(tmp_path / "my_ops_module.py"), "exec"), {"__name__": "my_ops_module"}
+      )
+    changed_class = OP_SOURCE.format(n=2).replace("scale = 1.0", "scale = 2.0")
+    changed_class = changed_class.replace('"test_reloaded_2"', '"test_reloaded_other"')
+    with pytest.raises(ValueError, match="'test_reloaded_class_2'"):
+      exec(compile(changed_class, "<edited>", "exec"), {"__name__": "my_ops_module"})
+    # replace=True is the way to swap one in on purpose.
+    ops.register("test_reloaded_2", "image", replace=True)(lambda: lambda image, rng: image)
+  finally:
+    sys.path.remove(str(tmp_path))
+    sys.modules.pop("my_ops_module", None)

@@ -164,7 +164,7 @@ def test_owning_shards_needs_a_shard_per_process(sharded_dir):
 
 
 def test_a_train_batch_larger_than_the_split_is_refused_an_eval_one_is_padded(photos_dir):
-  with pytest.raises(ValueError, match="batch_size 1000 is larger than"):
+  with pytest.raises(ValueError, match="batch_size=1000 is larger than"):
     stages(photos_dir, batch_size=1000)
   (batch,) = list(dataset.chain(stages(photos_dir, batch_size=1000, train=False)))
   n = stages(photos_dir, train=False).plan.sampler.num_records

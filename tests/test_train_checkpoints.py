@@ -78,6 +78,7 @@ def test_training_logs_are_quiet(finished):
   trainer_lines = [x for x in out.stdout.splitlines() if not x.startswith("pipeline: ")]
   assert [x.split()[0] for x in trainer_lines] == [
     "plan:",
+    "input",  # what the input wait measures, once
     "step",
     "step",
     "step",

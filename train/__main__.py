@@ -16,6 +16,19 @@ import sys
 import traceback
 import warnings
 
+try:  # the 'train' extra: named in one line when missing (`pip install .` has only the library)
+  import flax  # noqa: F401
+  import ml_collections  # noqa: F401
+  import optax  # noqa: F401
+  import orbax.checkpoint  # noqa: F401
+except ModuleNotFoundError as e:
+  from pipeline import extras
+
+  if extras.hint(e.name, "python -m train") is None:
+    raise
+  print(extras.hint(e.name, "python -m train"), file=sys.stderr)
+  raise SystemExit(2) from None
+
 from absl import app, flags, logging
 from ml_collections import config_flags
 

@@ -6,10 +6,12 @@ BatchNorm statistics are over the global batch because the step is one jitted pr
 mesh. Checkpoints (`train.checkpoints`) hold the state *and* each process's data-iterator
 state, so a resumed run sees exactly the batches an uninterrupted one would.
 
-Input-bound verdict: `synthetic_steps` steps are timed on one batch already on the devices
-(no input at all); the real step time over a log window (checkpoint saves, evals and
-logging left out) is compared with it, and the difference is the share of time spent
-waiting for input.
+Input-bound verdict, as XProf defines it: the share of step time the devices sit idle
+waiting for the next batch. Before each `next()` the loop waits for the previous step to
+finish, so the time then blocked in `next()` is time the devices had nothing to do (without
+that wait, `next()` would also count time the devices were still busy). Compilation, the
+first log window, and the step right after each eval or checkpoint save are left out; the
+steps' own time (`synthetic_steps` on a batch already on the devices) is reported beside it.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ from train import UsageError, checkpoints, fit, models
 from train import config as config_lib
 
 MODERATE, HIGH = 0.05, 0.20  # TensorBoard profiler's input-bound thresholds
+EXPLAIN_WAIT = (
+  "input wait: share of step time the devices sat idle for the next batch (time blocked in "
+  "next() after the previous step finished; compilation, the first window and the step after "
+  "each eval or save left out); >= 5% is moderately, >= 20% highly input-bound (XProf)"
+)
 
 
 def verdict(wait_share: float) -> str:
@@ -215,8 +222,9 @@ class Window:
 
   start: float = dataclasses.field(default_factory=time.perf_counter)
   steps: int = 0
-  blocked: float = 0.0  # in next(train_it)
+  blocked: float = 0.0  # in next(train_it) with the devices idle (previous step finished)
   paused: float = 0.0  # saving, evaluating: not step time
+  settling: int = 0  # steps still to leave out of `blocked` after a pause
 
   def elapsed(self) -> float:
     return time.perf_counter() - self.start - self.paused
@@ -228,6 +236,7 @@ class Window:
       yield
     finally:
       self.paused += time.perf_counter() - t
+      self.settling = 1
 
 
 def synthetic_step_time(train_step, state, batch, steps: int) -> float:
@@ -267,7 +276,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       )
     return done
   if is_chief:
-    print(f"plan: {plan.describe()}\n{setup.notes}", end="", flush=True)
+    print(f"plan: {plan.describe()}\n{setup.notes}{EXPLAIN_WAIT}", flush=True)
 
   model = create_model(config, setup.num_classes)
   optimizer = nnx.Optimizer(model, make_optimizer(config, plan), wrt=nnx.Param)
@@ -303,9 +312,14 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if profile and step == profile[0] and is_chief:
         jax.profiler.start_trace(os.fspath(workdir / "profile"))
       with jax.profiler.StepTraceAnnotation("train", step_num=step):
+        if metrics:  # the devices wait for input only once the previous step is done
+          jax.block_until_ready(metrics)
         t0 = time.perf_counter()
         batch = next(train_it)
-        window.blocked += time.perf_counter() - t0
+        if window.settling:  # right after an eval or a save: not a steady-state wait
+          window.settling -= 1
+        else:
+          window.blocked += time.perf_counter() - t0
         if synthetic is None:  # first step: compile, then the no-input baseline
           jax.block_until_ready(train_step(state, batch))
           synthetic = synthetic_step_time(train_step, state, batch, config.synthetic_steps)
@@ -325,8 +339,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if log_now:
         metrics = jax.device_get(metrics)
         elapsed = window.elapsed()
-        step_time = elapsed / window.steps
-        wait = max(0.0, step_time - synthetic) / step_time
+        wait = min(1.0, window.blocked / elapsed)
         ips = window.steps * plan.batch_size / elapsed
         history["input_wait"].append(wait)
         history["images_per_sec"].append(ips)
@@ -334,8 +347,9 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         if is_chief:
           print(
             f"step {step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
-            f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% "
-            f"({verdict(wait)}; blocked in next() {100 * window.blocked / elapsed:.1f}%)",
+            f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% ({verdict(wait)}; "
+            f"step {1000 * elapsed / window.steps:.0f} ms, {1000 * synthetic:.0f} ms on device "
+            "data)",
             flush=True,
           )
           for k, v in {

@@ -21,8 +21,8 @@ import argparse
 import math
 import sys
 
+from pipeline import extras, records, remote
 from pipeline import manifest as manifest_lib
-from pipeline import records, remote
 from pipeline.convert import checks, shards
 
 
@@ -303,6 +303,9 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
       )
       return 1
+    if isinstance(e, ModuleNotFoundError) and extras.hint(e.name, f"convert {args.command}"):
+      print(f"error: {extras.hint(e.name, f'convert {args.command}')}", file=sys.stderr)
+      return 2
     if isinstance(e, (ValueError, KeyError, OSError)):  # bad input or arguments
       print(f"error: {_one_line(e)}", file=sys.stderr)
       return 2

@@ -8,9 +8,12 @@ scikit-image by random crops, scales, flips and colour jitter; one class per sou
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import functools
 import os
 import shutil
+import sys
 from collections.abc import Callable
 
 import numpy as np
@@ -158,8 +161,36 @@ def build(
 ) -> dict[str, manifest_lib.Manifest]:
   """Creates DATA/raw/{digits,photos} and converts them to DATA/digits and DATA/photos
   (splits train and validation); work already done is skipped, and datasets made from the
-  same raw folders by an earlier version are rebuilt."""
+  same raw folders by an earlier version are rebuilt. A second build of the same DATA at
+  once (two `make train` in a fresh clone) waits for the first, then finds its work done."""
   data_dir = os.fspath(data_dir)
+  with _exclusive(data_dir):
+    return _build(data_dir, workers=workers, progress=progress)
+
+
+@contextlib.contextmanager
+def _exclusive(data_dir: str):
+  """Holds DATA/.builtin.lock (flock: released if the process dies) for one build."""
+  os.makedirs(data_dir, exist_ok=True)
+  with open(os.path.join(data_dir, ".builtin.lock"), "a") as lock:
+    try:
+      fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      print(
+        f"convert builtin: another process is building {data_dir}; waiting for it to finish",
+        file=sys.stderr,
+        flush=True,
+      )
+      fcntl.flock(lock, fcntl.LOCK_EX)
+    try:
+      yield
+    finally:
+      fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def _build(
+  data_dir: str, *, workers: int | None, progress: bool
+) -> dict[str, manifest_lib.Manifest]:
   makers = {"digits": make_digits, "photos": functools.partial(make_photos, workers=workers)}
   manifests = {}
   for name, make in makers.items():

@@ -1,0 +1,114 @@
+"""Setups refused before anything is built: a batch no epoch can hold, and a script whose
+worker processes would build the pipeline again (no `if __name__ == "__main__":`)."""
+
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+import pipeline
+from pipeline import guards
+from tests.conftest import REPO
+
+BUILD = """
+import pipeline
+from pipeline import guards
+guards.check_main_guard()  # what make_dataset runs before starting worker processes
+ds = pipeline.make_dataset({data!r}, "train", batch_size=8, image_size=16,
+                           performance={{"num_workers": 1, "num_threads": 1}})
+it = iter(ds)
+print("batch", next(it)["image"].shape)
+it.close()
+"""
+
+
+def run_script(tmp_path, source: str, name: str = "experiment.py") -> subprocess.CompletedProcess:
+  script = tmp_path / name
+  script.write_text(source)
+  env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+  return subprocess.run(
+    [sys.executable, str(script)],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
+
+
+def indented(code: str) -> str:
+  return textwrap.indent(code.strip(), "  ")
+
+
+def test_an_unguarded_script_is_refused_in_one_line_before_any_worker_starts(tmp_path, digits_dir):
+  out = run_script(tmp_path, BUILD.format(data=str(digits_dir)))
+  assert out.returncode == 1
+  last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("ValueError: worker processes re-import the main script, and ")
+  assert "experiment.py:4 builds the pipeline at module level" in last
+  assert 'put that code under `if __name__ == "__main__":`' in last
+  assert "terminated unexpectedly" not in out.stderr and "bootstrapping" not in out.stderr
+  # A function called from the unguarded module level is the same mistake.
+  wrapped = "def main():\n" + indented(BUILD.format(data=str(digits_dir))) + "\nmain()\n"
+  out = run_script(tmp_path, wrapped, "wrapped.py")
+  line = wrapped.splitlines().index("main()") + 1
+  assert f"wrapped.py:{line} builds the pipeline at module level" in out.stderr
+
+
+def test_a_guarded_script_starts_its_worker_processes_and_gets_batches(tmp_path, digits_dir):
+  guarded = 'if __name__ == "__main__":\n' + indented(BUILD.format(data=str(digits_dir)))
+  out = run_script(tmp_path, guarded)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "batch (8, 16, 16, 3)" in out.stdout
+
+
+def test_notebooks_and_python_c_are_not_scripts_to_guard():
+  code = "from pipeline import guards; guards.check_main_guard(); print('ok')"
+  out = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
+  )
+  assert out.stdout.strip() == "ok", out.stderr
+  guards.check_main_guard()  # under pytest: called from a function, never module level
+
+
+def test_make_dataset_refuses_an_unguarded_script_that_needs_workers(tmp_path, digits_dir):
+  source = BUILD.format(data=str(digits_dir)).replace("guards.check_main_guard()", "")
+  out = run_script(tmp_path, source)
+  assert "put that code under `if __name__" in out.stderr.strip().splitlines()[-1]
+
+
+def test_a_batch_no_epoch_can_hold_is_refused_naming_the_sizes():
+  with pytest.raises(
+    ValueError,
+    match=r"batch_size=256 is larger than the 240 records of "
+    r"'train' this process reads.*at most 240, or drop_remainder=False",
+  ):
+    guards.check_batch_fits(256, 240, drop_remainder=True, split="'train'")
+  guards.check_batch_fits(240, 240, drop_remainder=True)
+  guards.check_batch_fits(256, 240, drop_remainder=False)  # one padded batch: fine
+
+
+def test_make_dataset_refuses_a_batch_larger_than_the_split(digits_dir):
+  with pytest.raises(ValueError, match="is larger than the 240 records"):
+    pipeline.make_dataset(digits_dir, "train", batch_size=256, image_size=16)
+
+
+def test_a_missing_c_decoder_is_reported_once_with_its_cost(digits_dir):
+  # As on a host without libjpeg headers, where pip builds no extension and says so only
+  # with -v: the first batch prints one line, once, and the batches still come.
+  code = (
+    "import sys; sys.modules['pipeline._jpeg'] = None\n"
+    "import pipeline\n"
+    f"ds = pipeline.make_dataset({str(digits_dir)!r}, 'train', batch_size=8, image_size=16,"
+    " performance={'num_threads': 1})\n"
+    "it = iter(ds); [next(it) for _ in range(3)]; it.close(); print('batches')\n"
+  )
+  out = subprocess.run(
+    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  lines = [line for line in out.stderr.splitlines() if "C JPEG decoder" in line]
+  assert len(lines) == 1, out.stderr
+  assert "not available" in lines[0] and "half the throughput" in lines[0]
+  assert "install libjpeg-dev" in lines[0] and out.stdout.strip() == "batches"
