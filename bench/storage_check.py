@@ -22,19 +22,14 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
 from pipeline import manifest as manifest_lib
+from pipeline.reads import reads_in_flight
+from pipeline.source import READER_OPTIONS
 
 LEVELS = (1, 16, 128)
 GET_PRICE_PER_1000 = 0.0004  # USD; GCS class B (object reads), standard storage
-READS_PER_OPEN = 2  # an ArrayRecord reader's open reads its footer and index: 1-4 requests
-# measured (up to 1 MB) on 0.7-8 MB shards through bench/rig.py; 2 assumed
+READS_PER_OPEN = 2  # an ArrayRecord reader's open reads its footer and index: 2 requests
+# (126 KB) on a 1.2 MB shard through bench/rig.py with the pipeline's reader options
 SATURATED = 0.9  # a level within this share of the best throughput counts as saturated
-
-try:  # the read stage's own rule (pipeline/reads.py), once merged
-  from pipeline.reads import reads_in_flight
-except ImportError:  # before it: Little's law with the read stage's headroom of 2
-
-  def reads_in_flight(rate_per_s: float, latency_s: float) -> int:
-    return max(1, math.ceil(2.0 * rate_per_s * latency_s))
 
 
 @dataclasses.dataclass
@@ -77,7 +72,7 @@ def _open(paths: list[str]) -> tuple[list[ArrayRecordReader], float]:
 
   def open_one(i):
     start = time.perf_counter()
-    reader = ArrayRecordReader(paths[i], "readahead_buffer_size:0,max_parallelism:0")
+    reader = ArrayRecordReader(paths[i], READER_OPTIONS)
     took[i] = time.perf_counter() - start
     return reader
 
