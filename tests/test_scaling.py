@@ -77,6 +77,7 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   storage = result["storage"]  # step 8: the best run again behind the 5 ms rig
   assert storage["latency_ms"] == 5 and storage["img_s"] > 0
   assert storage["reads_per_image"] > 0 and storage["max_reads_in_flight"] >= 1
+  assert storage["rig_0ms_img_s"] > 0 and storage["of_rig_0ms"] > 0
   for h in hosts:
     assert h["at_latency_img_s"] <= h["projected_img_s"]
     assert h["reads_in_flight"] == reads.reads_in_flight(h["at_latency_img_s"], 0.005)
