@@ -54,11 +54,12 @@ class DecodeImages:
     self._pool = None
     self._lock = threading.Lock()
     self._cache: dict[int, np.ndarray] = {}
+    self._decoding: dict[int, threading.Event] = {}
     self._cache_used = 0
     self._local = threading.local()
 
   def __getstate__(self):
-    runtime = ("_pool", "_lock", "_cache", "_cache_used", "_local")
+    runtime = ("_pool", "_lock", "_cache", "_decoding", "_cache_used", "_local")
     return {k: v for k, v in self.__dict__.items() if k not in runtime}
 
   def __setstate__(self, state):
@@ -176,13 +177,31 @@ class DecodeImages:
       self.head(data, key, out)
 
   def _cached(self, index: int, data: bytes) -> np.ndarray:
-    """The decoded image, its shorter side resized to image_size / crop_fraction."""
-    image = self._cache.get(index)
-    if image is None:
-      size = round(self.head.image_size / self.head.crop_fraction)
+    """The decoded image, its shorter side resized to image_size / crop_fraction; decoded
+    once even when two batches in flight hold the record (an epoch's end and next start)."""
+    with self._lock:
+      image = self._cache.get(index)
+      if image is None:
+        done = self._decoding.get(index)
+        if done is None:
+          self._decoding[index] = threading.Event()
+    if image is not None:
+      return image
+    if done is not None:
+      done.wait()
+      image = self._cache.get(index)
+      if image is not None:
+        return image
+    size = round(self.head.image_size / self.head.crop_fraction)
+    try:
       image = augment.resize_shorter(decode.decode(data), size)
+    finally:
       with self._lock:
-        if self._cache_used + image.nbytes <= self.cache_bytes:
+        event = self._decoding.pop(index, None) if done is None else None
+        fits = image is not None and self._cache_used + image.nbytes <= self.cache_bytes
+        if fits and index not in self._cache:
           self._cache[index] = image
           self._cache_used += image.nbytes
+      if event is not None:
+        event.set()
     return image
