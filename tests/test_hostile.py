@@ -1,0 +1,145 @@
+"""Hostile bytes (issue 20): rare JPEG modes, hidden frames, and the pixel limit.
+
+Every input here once crashed a decoder, fooled a guard or cost gigabytes. Decoding that could
+crash runs in a child process, so a crash fails the test instead of killing pytest.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from pipeline import decode
+from pipeline.convert import checks
+from tests import jpeg_modes
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NATIVE = decode.native()
+
+
+def run_child(code: str, memory: int = 1 << 30, timeout: float = 60) -> subprocess.CompletedProcess:
+  """Runs `code` in a fresh interpreter with at most `memory` bytes of address space."""
+  prelude = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))\n"
+  return subprocess.run(
+    [sys.executable, "-c", prelude + textwrap.dedent(code)],
+    cwd=ROOT,
+    env={**os.environ, "PYTHONPATH": str(ROOT)},
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+# --- rare JPEG modes ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(jpeg_modes.RARE))
+def test_rare_jpeg_modes_decode_or_are_refused_without_crashing(name):
+  """Lossless RGB made simplejpeg's scaled decode (conversion's check) die with SIGSEGV."""
+  child = run_child(f"""
+    import json
+    from pipeline import decode
+    from pipeline.convert import checks
+    from tests.jpeg_modes import RARE
+    data, out = RARE[{name!r}], {{}}
+    for path, fn in [("prepare", lambda: checks.prepare(data)[1]),
+                     ("decode", lambda: decode.decode(data).shape),
+                     ("crop", lambda: decode.decode_crop(data, (0, 0, 4, 4), 2).shape),
+                     ("stored", lambda: checks.decode_rgb(data).shape)]:
+      try:
+        out[path] = str(fn())
+      except (checks.BadImage, decode.DecodeError) as e:
+        out[path] = "refused: " + str(e)
+    print(json.dumps(out))
+    """)
+  assert child.returncode == 0, f"{name}: rc {child.returncode}\n{child.stderr[-2000:]}"
+  out = json.loads(child.stdout)
+  if not out["prepare"].startswith("refused"):  # stored re-encoded, so it decodes everywhere
+    assert "jpeg" in out["prepare"], out
+    assert out["decode"] == "(8, 8, 3)", out
+
+
+def test_plain_jpegs_are_told_from_rare_ones_by_their_frame():
+  assert not any(decode.plain_jpeg(d) for d in jpeg_modes.RARE.values())
+  assert decode.plain_jpeg(jpeg_modes.sequential(8, 0xC0))
+  assert decode.jpeg_frame(jpeg_modes.lossless(ids=b"RGB")) == (0xC3, 8, 8, 8)
+  assert decode.jpeg_frame(jpeg_modes.hidden_frame_bomb()) is None  # bytes between segments
+  if NATIVE is not None:  # the C walker finds the same frame
+    for data in [*jpeg_modes.RARE.values(), jpeg_modes.hidden_frame_bomb()]:
+      assert NATIVE.frame(data) == decode.jpeg_frame(data)
+
+
+def test_a_lossless_jpeg_is_reencoded_and_a_12_bit_one_skipped_by_convert(tmp_path, run_python):
+  src = tmp_path / "src" / "a"
+  src.mkdir(parents=True)
+  (src / "plain.jpg").write_bytes(jpeg_modes.sequential(8, 0xC0))
+  (src / "lossless.jpg").write_bytes(jpeg_modes.lossless(ids=b"RGB"))
+  (src / "deep.jpg").write_bytes(jpeg_modes.sequential(12, 0xC1))
+  done = run_python("-m", "pipeline.convert", "images", str(tmp_path / "src"), str(tmp_path / "o"))
+  assert done.returncode == 0, done.stdout + done.stderr
+  m = json.loads((tmp_path / "o" / "manifest.json").read_text())
+  assert m["splits"]["train"]["num_records"] == 2
+  assert m["skipped"] == [
+    {"path": "a/deep.jpg", "reason": "unsupported 12-bit JPEG: Pillow cannot decode it"}
+  ]
+  assert [(r["path"], r["reason"]) for r in m["created_by"]["reencoded"]] == [
+    ("a/lossless.jpg", "jpeg RGB: lossless jpeg")
+  ]
+
+
+# --- the pixel limit on the frame libjpeg decodes -------------------------------------------
+
+
+def test_one_pixel_limit_shared_by_c_and_python():
+  assert checks.MAX_PIXELS == decode.MAX_PIXELS == 89_478_485
+  if NATIVE is not None:
+    assert NATIVE.MAX_PIXELS == decode.MAX_PIXELS
+
+
+def test_a_frame_hidden_behind_stray_bytes_is_measured_as_libjpeg_reads_it():
+  bomb = jpeg_modes.hidden_frame_bomb()  # shows 64x64, decodes as 65500x65500
+  with pytest.raises(decode.DecodeError, match="65500x65500 image exceeds"):
+    decode.image_size(bomb)
+  with pytest.raises(checks.BadImage, match="decompression bomb"):
+    checks.prepare(bomb)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="the C extension was not built")
+def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
+  """A 64x64 crop of the visible frame: libjpeg would size its buffers by the hidden one."""
+  child = run_child(
+    """
+    import resource, time
+    from pipeline import augment, decode
+    from tests.jpeg_modes import hidden_frame_bomb
+    import numpy as np
+    native, bomb = decode.native(), hidden_frame_bomb()
+    assert native.header(bomb) == (65500, 65500)
+    start = time.perf_counter()
+    try:
+      native.decode_crop(bomb, 0, 0, 64, 64, 1)
+    except ValueError as e:
+      print(e)
+    from pipeline import records
+    head = augment.Head(32)
+    index, labels = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    arena, dims = np.empty(head.slot_bytes(), np.uint8), np.zeros((1, 2), np.int32)
+    print(native.decode_batch([records.encode(bomb, 1)], index, index, labels, dims, arena,
+          head.slot_bytes(), 0, 1, 0, b"image/encoded", b"image/class/label", 32,
+          head.native_params(), 0))
+    print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+    """,
+    memory=2 << 30,
+  )
+  assert child.returncode == 0, child.stderr[-2000:]
+  refusal, handed_back, cost = child.stdout.splitlines()
+  assert "65500x65500 image exceeds the 89478485-pixel limit" in refusal
+  assert handed_back == "[(0, 1, '')]"  # the Python path, which refuses it by size
+  seconds, rss_mb = cost.split()
+  assert float(seconds) < 1 and int(rss_mb) < 1000
