@@ -198,7 +198,8 @@ static int check_feature(span_t feature) {
   return 0;
 }
 
-/* Checks a map entry (key = 1, value = 2) and returns its key: the last one, as protobuf. */
+/* Checks a map entry (key = 1, value = 2) and returns its key: the last one, as protobuf.
+ * Declines entries with unknown fields: protobuf (upb) keeps them as unknown, not in the map. */
 static int check_entry(span_t entry, span_t *key) {
   span_t s;
   uint32_t f;
@@ -207,8 +208,9 @@ static int check_entry(span_t entry, span_t *key) {
   key->p = key->end = entry.p; /* absent: "" */
   while (entry.p < entry.end) {
     if (next_field(&entry, &f, &wire, &s, &v)) return -1;
-    if (wire == 2 && f == 1) *key = s;
-    if (wire == 2 && f == 2 && check_feature(s)) return -1;
+    if (wire != 2 || f > 2) return -1; /* upb moves such an entry out of the map: decline */
+    if (f == 1) *key = s;
+    if (f == 2 && check_feature(s)) return -1;
   }
   return valid_utf8(*key) ? 0 : -1;
 }
