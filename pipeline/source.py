@@ -96,6 +96,8 @@ class ShardedSource:
       except OSError:
         raise
       except Exception as e:  # noqa: BLE001 - array_record raises plain RuntimeErrors
+        if isinstance(e, MemoryError) or "bad_alloc" in str(e):  # out of memory: not the data
+          raise MemoryError(f"out of memory reading {self.names[shard]}: {e}") from None
         raise CorruptRecordsError(
           f"cannot read {self.names[shard]} records {sorted(local)[:8]}...: {e}"
         ) from None

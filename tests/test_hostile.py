@@ -14,6 +14,7 @@ import sys
 import textwrap
 
 import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
 
 from pipeline import decode
 from pipeline.convert import checks
@@ -143,3 +144,32 @@ def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
   assert handed_back == "[(0, 1, '')]"  # the Python path, which refuses it by size
   seconds, rss_mb = cost.split()
   assert float(seconds) < 1 and int(rss_mb) < 1000
+
+
+# --- out of memory is not corrupt data --------------------------------------------------------
+
+
+def test_out_of_memory_while_reading_is_an_error_not_a_corrupt_record(tmp_path):
+  """array_record's std::bad_alloc surfaced as CorruptRecordsError: `skip` dropped good records."""
+  shard = tmp_path / "train.array_record-00000-of-00001"
+  writer = ArrayRecordWriter(str(shard), "group_size:1,uncompressed")
+  writer.write(b"small")
+  writer.write(bytes(96 << 20))
+  writer.close()
+  child = run_child(
+    f"""
+    import re, resource
+    from pipeline.source import ShardedSource
+    source = ShardedSource([{str(shard)!r}], [2])
+    assert source.read([0]) == [b"small"]
+    size = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) << 10
+    resource.setrlimit(resource.RLIMIT_AS, (size + (32 << 20),) * 2)
+    try:
+      source.read([1])
+    except Exception as e:
+      print(type(e).__name__, e)
+    """,
+    memory=8 << 30,
+  )
+  assert child.returncode == 0, child.stderr[-2000:]
+  assert child.stdout.startswith(f"MemoryError out of memory reading {shard.name}"), child.stdout
