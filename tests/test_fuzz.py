@@ -16,6 +16,7 @@ import pathlib
 import random
 import resource
 import select
+import shutil
 import signal
 import struct
 import subprocess
@@ -616,6 +617,111 @@ def test_the_batch_path_serves_protobufs_label():
     0,
   )
   assert handed_back == [] and labels.tolist() == [0]
+
+
+# --- the extension under AddressSanitizer and UBSan ------------------------------------------
+
+SANITIZED_RUN = """
+import importlib.util, random, sys
+import numpy as np
+from pipeline import augment, decode, records
+from tests import jpeg_modes, test_fuzz as f
+spec = importlib.util.spec_from_file_location("sanitized._jpeg", sys.argv[1])
+native = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(native)
+for record in f._parse_corpus(int(sys.argv[2]), seed=7):
+  native.parse_example(record, f.IMAGE_KEY, f.LABEL_KEY)
+rng = random.Random(7)
+bases = [*f.IMAGES.values(), *jpeg_modes.RARE.values(), jpeg_modes.hidden_frame_bomb()]
+head = augment.Head(f.OUT)
+labels, dims = np.zeros(2, np.int64), np.zeros((2, 2), np.int32)
+arena = np.empty(2 * head.slot_bytes(), np.uint8)
+for n in range(int(sys.argv[3])):
+  data = bytearray(rng.choice(bases))
+  for _ in range(rng.randint(0, 4)):
+    data[rng.randrange(len(data))] = rng.randrange(256)
+  if rng.random() < 0.2:
+    del data[rng.randrange(len(data)):]
+  data = bytes(data)
+  native.frame(data)
+  box = (rng.randrange(8), rng.randrange(8), rng.randint(1, 40), rng.randint(1, 40))
+  for call in (lambda: native.header(data),
+               lambda: native.decode_crop(data, *box, rng.choice([1, 2, 4, 8]), n % 2)):
+    try:
+      call()
+    except ValueError:
+      pass
+  index = np.array([n, n + 1], np.int64)
+  native.decode_batch([records.encode(data, 1), data], index, index, labels, dims, arena,
+                      head.slot_bytes(), 0, 2, n, f.IMAGE_KEY, f.LABEL_KEY, f.OUT,
+                      head.native_params(), 0)
+print("clean")
+"""
+
+
+def build_sanitized_extension(
+  out: pathlib.Path, source: pathlib.Path | None = None
+) -> pathlib.Path:
+  """`pipeline/_jpeg.c` built with -fsanitize=address,undefined (any error aborts)."""
+  import sysconfig
+
+  target = out / "_jpeg.so"
+  subprocess.run(
+    ["cc", "-shared", "-fPIC", "-g", "-O1", "-Wall", "-Wextra", "-Werror",
+     "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+     f"-I{sysconfig.get_paths()['include']}", str(source or ROOT / "pipeline" / "_jpeg.c"),
+     "-o", str(target)],
+    check=True, capture_output=True, text=True,
+  )  # fmt: skip
+  return target
+
+
+def run_sanitized(
+  tmp_path: pathlib.Path, source: pathlib.Path | None = None, records_n=20000, images_n=3000
+) -> subprocess.CompletedProcess:
+  """Builds the sanitized extension and runs SANITIZED_RUN on it in a child process."""
+  if shutil.which("cc") is None:
+    pytest.skip("no C compiler (cc) to build the sanitized extension")
+  runtimes = [
+    subprocess.run(
+      ["cc", f"-print-file-name={name}"], capture_output=True, text=True
+    ).stdout.strip()
+    for name in ("libasan.so", "libubsan.so")
+  ]
+  if not all(os.path.isabs(r) and os.path.exists(r) for r in runtimes):
+    pytest.skip(f"no sanitizer runtimes next to the compiler ({runtimes})")
+  library = build_sanitized_extension(tmp_path, source)
+  env = {
+    **os.environ,
+    "PYTHONPATH": str(ROOT),
+    "PYTHONMALLOC": "malloc",  # Python objects from malloc: ASan guards the records' bytes too
+    "LD_PRELOAD": " ".join(runtimes),
+    "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",  # CPython itself is not leak-clean
+    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+  }
+  return subprocess.run(
+    [sys.executable, "-c", SANITIZED_RUN, str(library), str(records_n), str(images_n)],
+    cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+  )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_extension_runs_the_fuzz_corpus_clean_under_asan_and_ubsan(tmp_path):
+  run = run_sanitized(tmp_path)
+  assert run.returncode == 0 and run.stdout.strip() == "clean", run.stderr[-4000:]
+  assert "runtime error" not in run.stderr, run.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_the_sanitized_run_catches_a_planted_overflow(tmp_path):
+  """The harness itself: a parser that trusts a length 3 bytes too far is caught by ASan."""
+  source = (ROOT / "pipeline" / "_jpeg.c").read_text()
+  bound = "len > (uint64_t)(m->end - m->p) ||"
+  assert bound in source
+  planted = tmp_path / "_jpeg.c"
+  planted.write_text(source.replace(bound, "len > (uint64_t)(m->end - m->p) + 3 ||"))
+  run = run_sanitized(tmp_path, planted, records_n=2000, images_n=10)
+  assert run.returncode != 0 and "AddressSanitizer: heap-buffer-overflow" in run.stderr
 
 
 # --- images through the sandbox --------------------------------------------------------------
