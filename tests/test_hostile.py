@@ -6,18 +6,22 @@ crash runs in a child process, so a crash fails the test instead of killing pyte
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
+import shutil
 import subprocess
 import sys
 import textwrap
 
+import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
+from PIL import Image
 
 from pipeline import decode
-from pipeline.convert import checks
+from pipeline.convert import checks, shards
 from tests import jpeg_modes
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -182,3 +186,89 @@ def test_out_of_memory_while_reading_is_an_error_not_a_corrupt_record(tmp_path):
 def test_ci_runs_with_the_c_extension_built():
   """setup.py only warns when the build fails; in CI a silent fallback would test the wrong path."""
   assert decode.native() is not None, "pipeline._jpeg was not built: see setup.py's warning"
+
+
+# --- a full disk during conversion ------------------------------------------------------------
+
+PAGE = 4096
+NO_SPACE_AT_MARKER = """
+import errno, os, sys
+from pipeline.convert import shards
+write_json = shards._write_json
+def full_disk(path, data):
+  if os.path.basename(path) == os.environ["FULL_AT"] + ".done":
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+  write_json(path, data)
+shards._write_json = full_disk
+from pipeline.convert.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@contextlib.contextmanager
+def small_disk(path: pathlib.Path, pages: int):
+  """A tmpfs of `pages` pages at `path` (root only): writes past it fail with ENOSPC."""
+  path.mkdir()
+  mounted = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", f"size={pages * PAGE}", "tmpfs", str(path)],
+    capture_output=True,
+    text=True,
+  )
+  if mounted.returncode != 0:
+    pytest.skip(f"cannot mount a small tmpfs (root only): {mounted.stderr.strip()}")
+  try:
+    yield path
+  finally:
+    subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_shard_left_without_its_marker_by_a_full_disk_is_rewritten_in_place(tmp_path):
+  """ENOSPC between a shard's rename and its done marker left the shard behind, unused: the
+  re-run wrote a second copy beside it and ran out of space again.
+
+  The first failure is injected (the last shard's marker write raises ENOSPC, as on a disk that
+  filled up at that moment); the re-run is real, on a tmpfs with room for one copy of each shard.
+  """
+  src = tmp_path / "src"
+  for c in range(2):
+    for i in range(12):
+      path = src / f"c{c}" / f"{i}.jpg"
+      path.parent.mkdir(parents=True, exist_ok=True)
+      pixels = np.random.default_rng(c * 100 + i).integers(0, 255, (96, 96, 3), dtype=np.uint8)
+      Image.fromarray(pixels).save(path, "JPEG", quality=95)
+  args = ["images", str(src), "--workers", "1", "--shard-size-mb", "0.1", "--no-progress"]
+
+  def convert(out, *, full_at=""):
+    code = ["-c", NO_SPACE_AT_MARKER] if full_at else ["-m", "pipeline.convert"]
+    return subprocess.run(
+      [sys.executable, *code, *args[:2], str(out), *args[2:]],
+      cwd=ROOT,
+      env={**os.environ, "PYTHONPATH": str(ROOT), "FULL_AT": full_at},
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
+
+  whole = tmp_path / "whole"
+  assert convert(whole).returncode == 0
+  sizes = [
+    s["bytes"]
+    for s in json.loads((whole / "manifest.json").read_text())["splits"]["train"]["shards"]
+  ]
+  last = shards.shard_name("train", len(sizes) - 1, len(sizes))  # rewritten when the disk is
+  assert len(sizes) >= 2 and sizes[-1] > 16 * PAGE  # fullest: a second copy does not fit
+  # Room for the dataset and its small files, and 16 pages more: less than a second copy.
+  with small_disk(tmp_path / "disk", sum(-(-s // PAGE) for s in sizes) + 16) as disk:
+    clean = convert(disk / "clean")  # the disk is big enough for a conversion
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    shutil.rmtree(disk / "clean")
+    out = disk / "out"
+    failed = convert(out, full_at=last)
+    assert failed.returncode != 0 and "No space left on device" in failed.stderr
+    assert len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+    left = sorted(p.name for p in (out / shards.BUILD_DIR).iterdir())
+    assert last in left and last + ".done" not in left
+    rerun = convert(out)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    for name in (p.name for p in whole.glob("*.array_record-*")):
+      assert (out / name).read_bytes() == (whole / name).read_bytes(), name
