@@ -11,6 +11,8 @@
 
 `checked_shards` is what a reader calls at open: it refuses a dataset whose files do not
 match the manifest (missing, not regular files, another size, counts that do not add up).
+`pin` and `check_pinned` keep a reader on the files it checked: a shard replaced later (a
+`convert --overwrite` into the same folder) is refused when the reader opens it.
 """
 
 from __future__ import annotations
@@ -34,6 +36,10 @@ VERIFY_LEVELS = ("none", "size", "sha256")
 
 class ManifestError(ValueError):
   """A manifest that is unreadable or does not match its files; one line naming the file."""
+
+
+class ShardReplacedError(OSError):
+  """A shard that is not the file its reader pinned when the dataset was opened."""
 
 
 @dataclasses.dataclass
@@ -230,3 +236,48 @@ def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -
         f"{sh.sha256[:12]}...: it changed after conversion"
       )
   return paths
+
+
+def pin(path) -> tuple:
+  """What identifies the file at `path` now: (device, inode, size, mtime) where local, else
+  (size, mtime) as the store reports them. One stat, no open."""
+  if _is_local(path):
+    st = os.stat(path)
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+  st = epath.Path(path).stat()
+  return (st.length, st.mtime)
+
+
+def check_pinned(path, pinned: tuple) -> None:
+  """Refuses a shard that is no longer the file pinned when the dataset was opened.
+
+  Call it just after opening the shard: files are replaced by rename, so if the path is
+  still the pinned file then, the reader opened the pinned file. Raises `ShardReplacedError`
+  (an OSError, as readers report a file that went away).
+  """
+  try:
+    now = pin(path)
+  except FileNotFoundError:
+    now = None
+  if now != tuple(pinned):
+    raise ShardReplacedError(
+      f"shard {path} was replaced after this dataset was opened (a conversion with "
+      "--overwrite?): open the dataset again to read the new one"
+    )
+
+
+def pinned_shards(data_dir, meta: Manifest, split: str, verify: str = "size"):
+  """`checked_shards`, plus each shard's `pin`, taken while `meta` is still the manifest in
+  `data_dir` (a conversion swaps shards in only after removing or replacing it)."""
+  paths = checked_shards(data_dir, meta, split, verify)
+  pins = [pin(p) for p in paths]
+  try:
+    still = load(data_dir) == meta
+  except (FileNotFoundError, ManifestError):
+    still = False
+  if not still:
+    raise ManifestError(
+      f"{epath.Path(data_dir) / FILENAME} changed while the dataset was being opened "
+      "(a conversion into it?): open it again"
+    )
+  return paths, pins
