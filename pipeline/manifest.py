@@ -17,6 +17,7 @@ match the manifest (missing, not regular files, another size, counts that do not
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -120,13 +121,20 @@ def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
   classes = _field(d, "classes", list, where)
   if not all(isinstance(c, str) for c in classes):
     raise ManifestError(f"{where}: classes must be strings")
-  splits = {}
+  splits, listed = {}, {}
   for name, s in _field(d, "splits", dict, where).items():
     shards = _field(s, "shards", list, f"{where} split {name!r}")
     splits[name] = Split(
       _count(s, "num_records", f"{where} split {name!r}"),
       [_shard(sh, f"{where} split {name!r} shard {i}") for i, sh in enumerate(shards)],
     )
+    for i, sh in enumerate(splits[name].shards):  # else its records would be served twice
+      if sh.file in listed:
+        raise ManifestError(
+          f"{where}: shard {sh.file!r} is listed twice ({listed[sh.file]} and split {name!r} "
+          f"shard {i})"
+        )
+      listed[sh.file] = f"split {name!r} shard {i}"
   keys = d.get("keys", {})
   try:
     keys = Keys(**keys)
@@ -203,7 +211,8 @@ def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -
   Always: the split exists and its `num_records` is the sum of its shards' counts.
   verify="size" (cheap: one stat per shard): each shard is a regular file of the recorded
   size (manifests without sizes skip the size check); "sha256": also its full digest;
-  "none": no per-file checks. Raises `ManifestError` naming the file.
+  "none": no per-file checks but, where local, that each is a regular file (a reader would
+  block forever on a FIFO). Raises `ManifestError` naming the file.
   """
   if verify not in VERIFY_LEVELS:
     raise ValueError(f"verify must be one of {VERIFY_LEVELS}, not {verify!r}")
@@ -217,7 +226,11 @@ def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -
       f"{where}: split {split!r} says {s.num_records} records but its shards hold {total}"
     )
   paths = [epath.Path(data_dir) / sh.file for sh in s.shards]
-  if verify == "none":
+  if verify == "none":  # but never a FIFO or device a reader would block on (local: one lstat)
+    for path in filter(_is_local, paths):
+      with contextlib.suppress(FileNotFoundError):  # missing: the reader says so at open
+        if not stat.S_ISREG(os.stat(path).st_mode):
+          raise ManifestError(f"shard {path} is not a regular file")
     return paths
   for path, sh in zip(paths, s.shards):
     try:

@@ -342,3 +342,44 @@ def test_a_source_opened_before_convert_overwrite_refuses_the_new_shards(tmp_pat
   assert source.read([0]) == first  # an open reader keeps reading the file it opened
   with pytest.raises(manifest.ShardReplacedError, match="was replaced after"):
     source.read([len(source) - 1])
+
+
+# --- tampered datasets ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def photos(photos_dir, tmp_path) -> pathlib.Path:
+  """A private copy of the converted photos (train 48, validation 16), safe to damage."""
+  return shutil.copytree(photos_dir, tmp_path / "photos")
+
+
+@pytest.mark.parametrize("where", ["same split", "another split"])
+def test_a_manifest_listing_one_shard_twice_is_refused(photos, where):
+  """Served every record twice (one shard listed twice, counts adjusted to match)."""
+  d = json.loads((photos / "manifest.json").read_text())
+  train = d["splits"]["train"]
+  twice = train["shards"][0]
+  other = train if where == "same split" else d["splits"]["validation"]
+  other["shards"].append(dict(twice))
+  other["num_records"] += twice["num_records"]
+  (photos / "manifest.json").write_text(json.dumps(d))
+  with pytest.raises(manifest.ManifestError, match=f"shard '{twice['file']}' is listed twice"):
+    manifest.load(photos)
+
+
+def test_verify_none_refuses_a_fifo_shard_instead_of_blocking(photos):
+  shard = photos / manifest.load(photos).splits["train"].shards[0].file
+  shard.unlink()
+  os.mkfifo(shard)
+  child = run_child(
+    f"""
+    import pipeline
+    try:
+      pipeline.make_dataset({str(photos)!r}, batch_size=4, verify="none")
+    except Exception as e:
+      print(type(e).__name__, e)
+    """,
+    memory=8 << 30,
+    timeout=120,
+  )
+  assert child.stdout.strip() == f"ManifestError shard {shard} is not a regular file", child.stderr
