@@ -383,3 +383,22 @@ def test_verify_none_refuses_a_fifo_shard_instead_of_blocking(photos):
     timeout=120,
   )
   assert child.stdout.strip() == f"ManifestError shard {shard} is not a regular file", child.stderr
+
+
+def test_a_file_name_that_is_not_utf8_is_skipped_and_named(tmp_path, run_python):
+  """Aborted the whole conversion with a UnicodeEncodeError naming no file."""
+  src = os.fsencode(tmp_path / "src")
+  image = jpeg_modes.sequential(8, 0xC0)
+  for rel in (b"a/good.jpg", b"a/bad\xff.jpg", b"caf\xe9/x.jpg"):
+    path = os.path.join(src, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+      f.write(image)
+  done = run_python("-m", "pipeline.convert", "images", str(tmp_path / "src"), str(tmp_path / "o"))
+  assert done.returncode == 0, done.stderr
+  m = manifest.load(tmp_path / "o")
+  assert m.classes == ["a"] and m.splits["train"].num_records == 1
+  assert m.skipped == [
+    {"path": "a/bad\\xff.jpg", "reason": images.NOT_UTF8},
+    {"path": "caf\\xe9", "reason": images.NOT_UTF8},
+  ]
