@@ -19,6 +19,7 @@ import textwrap
 import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
+from etils import epath
 from PIL import Image
 
 from pipeline import decode, manifest
@@ -402,3 +403,44 @@ def test_a_file_name_that_is_not_utf8_is_skipped_and_named(tmp_path, run_python)
     {"path": "a/bad\\xff.jpg", "reason": images.NOT_UTF8},
     {"path": "caf\\xe9", "reason": images.NOT_UTF8},
   ]
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+
+def _tiny_run():
+  """A small model state and a data iterator one element in: what a checkpoint holds."""
+  import grain
+  from flax import nnx
+
+  _, state = nnx.split(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+  data = iter(grain.MapDataset.range(10).to_iter_dataset())
+  next(data)
+  return state, data
+
+
+def test_a_file_where_the_checkpoint_folder_goes_is_refused_before_training(tmp_path):
+  """Trained, then failed to save and timed out after ~300 s."""
+  from train import UsageError
+  from train.checkpoints import Checkpoints
+
+  (tmp_path / "checkpoints").write_text("not a folder")
+  with pytest.raises(UsageError, match="checkpoints is not a folder: move it aside"):
+    Checkpoints(epath.Path(tmp_path), keep=3)
+
+
+def test_a_checkpoint_copied_to_another_step_is_not_trusted(tmp_path, capfd):
+  """Only what a finished save wrote: a copy named step 99999 restored as step 99999."""
+  from train.checkpoints import Checkpoints
+
+  state, data = _tiny_run()
+  ckpt = Checkpoints(epath.Path(tmp_path), keep=3)
+  ckpt.save(2, state, data)
+  ckpt.close()
+  shutil.copytree(tmp_path / "checkpoints" / "2", tmp_path / "checkpoints" / "99999")
+  ckpt = Checkpoints(epath.Path(tmp_path), keep=3)
+  step, _ = ckpt.restore(state, data)
+  ckpt.close()
+  assert step == 2
+  assert (tmp_path / "unrestorable" / "99999").is_dir()
+  assert "it was saved as step 2, not 99999" in capfd.readouterr().err
