@@ -655,6 +655,17 @@ for n in range(int(sys.argv[3])):
   native.decode_batch([records.encode(data, 1), data], index, index, labels, dims, arena,
                       head.slot_bytes(), 0, 2, n, f.IMAGE_KEY, f.LABEL_KEY, f.OUT,
                       head.native_params(), 0)
+big = 2**63 - 8  # sizes whose sums overflow a signed long: refused, never wrapped
+for box in [(0, big, 8, 16), (big, 0, 16, 8), (1, 1, big, big)]:
+  try:
+    native.decode_crop(f.IMAGES["jpeg420"], *box, 1)
+  except ValueError:
+    pass
+try:
+  native.decode_batch([b"x", b"y"], index, index, labels, dims, arena, 2**62, 0, 2, 0,
+                      f.IMAGE_KEY, f.LABEL_KEY, f.OUT, head.native_params(), 0)
+except ValueError:
+  pass
 print("clean")
 """
 
@@ -787,6 +798,23 @@ def test_crop_windows_outside_the_jpeg_are_refused():
       decode.decode_crop(data, box)
   with pytest.raises(ValueError, match="scale"):
     decode.decode_crop(data, (0, 0, 8, 8), 3)
+
+
+def test_sizes_that_overflow_are_refused_not_wrapped():
+  """`x + w` and `itemsize * n` overflowed signed arithmetic (UB) on private arguments."""
+  big = 2**63 - 8
+  for box in [(0, big, 8, 16), (big, 0, 16, 8), (1, 1, big, big)]:
+    with pytest.raises(decode.DecodeError, match="outside"):
+      decode.decode_crop(IMAGES["jpeg420"], box)
+  native = decode.native()
+  if native is not None:
+    head, index = augment.Head(OUT), np.zeros(2, np.int64)
+    labels, dims, arena = np.zeros(2, np.int64), np.zeros((2, 2), np.int32), np.empty(64, np.uint8)
+    with pytest.raises(ValueError, match="arena: 2 items of 4611686018427387904 bytes is not a"):
+      native.decode_batch(
+        [b"x", b"y"], index, index, labels, dims, arena, 2**62, 0, 2, 0,
+        b"image/encoded", b"image/class/label", OUT, head.native_params(), 0,
+      )  # fmt: skip
 
 
 def test_a_segfault_in_the_sandbox_fails_the_check_instead_of_pytest(sandbox):
