@@ -390,7 +390,10 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   /* Lossless frames have a sequential first scan that is not 0..63 (its predictor). */
   if (cinfo.data_precision != 8 || (!cinfo.progressive_mode && (cinfo.Ss != 0 || cinfo.Se != 63))) {
     status = -2;
-    snprintf(err.message, sizeof(err.message), "lossless or %d-bit JPEG", cinfo.data_precision);
+    if (cinfo.data_precision != 8)
+      snprintf(err.message, sizeof(err.message), "%d-bit JPEG", cinfo.data_precision);
+    else
+      snprintf(err.message, sizeof(err.message), "lossless JPEG");
     longjmp(err.jump, 1);
   }
   if (y < 0 || x < 0 || h <= 0 || w <= 0 || y > (long)cinfo.image_height ||
@@ -635,7 +638,7 @@ static PyObject *decode_crop(PyObject *Py_UNUSED(self), PyObject *args) {
   if (status != 0) {
     free(buf.p);
     PyErr_Format(PyExc_ValueError, "JPEG decode failed: %s%s", message,
-                 status == -2 ? " (color conversion not supported)" : "");
+                 status == -2 ? " (not for this decoder: color conversion or mode)" : "");
     return NULL;
   }
   PyObject *out = PyBytes_FromStringAndSize((const char *)buf.p, (Py_ssize_t)oh * ow * 3);

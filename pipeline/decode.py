@@ -170,7 +170,7 @@ def decode_crop(
         buf, oh, ow = _jpeg.decode_crop(data, y, x, h, w, scale, fast_dct)
         return np.frombuffer(buf, np.uint8).reshape(oh, ow, 3)
       except ValueError as e:
-        if "color conversion" not in str(e):  # CMYK/YCCK: Pillow converts them
+        if "not for this decoder" not in str(e):  # CMYK/YCCK, lossless, 12-bit: Pillow
           raise DecodeError(str(e)) from None
     else:
       try:

@@ -81,6 +81,10 @@ def test_plain_jpegs_are_told_from_rare_ones_by_their_frame():
   if NATIVE is not None:  # the C walker finds the same frame
     for data in [*jpeg_modes.RARE.values(), jpeg_modes.hidden_frame_bomb()]:
       assert NATIVE.frame(data) == decode.jpeg_frame(data)
+    # and the C decoder itself refuses what libjpeg reads as lossless or 12-bit
+    for name, why in [("lossless_rgb", "lossless JPEG"), ("extended12", "12-bit JPEG")]:
+      with pytest.raises(ValueError, match=f"{why} \\(not for this decoder"):
+        NATIVE.decode_crop(jpeg_modes.RARE[name], 0, 0, 4, 4, 1)
 
 
 def test_a_lossless_jpeg_is_reencoded_and_a_12_bit_one_skipped_by_convert(tmp_path, run_python):
