@@ -209,10 +209,11 @@ static int check_entry(span_t entry, span_t *key) {
   while (entry.p < entry.end) {
     if (next_field(&entry, &f, &wire, &s, &v)) return -1;
     if (wire != 2 || f > 2) return -1; /* upb moves such an entry out of the map: decline */
+    if (f == 1 && !valid_utf8(s)) return -1; /* every occurrence, even one replaced later */
     if (f == 1) *key = s;
     if (f == 2 && check_feature(s)) return -1;
   }
-  return valid_utf8(*key) ? 0 : -1;
+  return 0;
 }
 
 /* What protobuf makes of the `value` fields of a map entry: they merge, so the oneof holds the

@@ -490,6 +490,10 @@ def _edge_records() -> dict[str, bytes]:
     "wrong_wire_for_features": _field(1, 0, 5) + _example(img, label(_int64_list(2))),
     "group": _example(img, label(_int64_list(2)), extra=_field(5, 3, _field(1, 0, 1)) + b"\x2c"),
     "bad_utf8_key": _example(img, label(_int64_list(2)), _entry(b"\xff\xfe", _int64_list(1))),
+    "bad_utf8_key_replaced": _example(
+      img,
+      _field(1, 2, _field(1, 2, b"\xf8") + _field(1, 2, LABEL_KEY) + _field(2, 2, _int64_list(5))),
+    ),
     "float_list_odd_packed": _example(
       img, label(_int64_list(2)), _entry(b"f", _field(2, 2, b"\x0a\x03abc"))
     ),
@@ -549,6 +553,48 @@ def _parse_corpus(n: int, seed: int) -> list[bytes]:
   return corpus
 
 
+def _structured_corpus(n: int, seed: int) -> list[bytes]:
+  """`n` well-formed but tangled Examples: the protobuf merge rules, not byte damage."""
+  rng = random.Random(seed)
+  keys = [IMAGE_KEY] * 4 + [LABEL_KEY] * 4 + [b"x", b"", "é".encode()]
+  likely = {IMAGE_KEY: "bytes", LABEL_KEY: "int64"}
+
+  def a_list(key: bytes) -> bytes:
+    kinds = ["bytes", "int64", "int64u", "float", "unknown", "empty"]
+    kind = likely.get(key, "") if rng.random() < 0.6 else rng.choice(kinds)
+    if kind == "bytes":
+      return _bytes_list(*[rng.randbytes(rng.randint(0, 4)) for _ in range(rng.randint(0, 3))])
+    if kind in ("int64", "int64u"):
+      values = [rng.randint(-(2**63), 2**63 - 1) for _ in range(rng.randint(0, 3))]
+      return _int64_list(*values, packed=kind == "int64" and rng.random() < 0.7)
+    if kind == "float":
+      return _field(2, 2, _field(1, 2, rng.randbytes(4 * rng.randint(0, 2))))
+    if kind == "unknown":
+      return _field(rng.randint(4, 9), 0, rng.randint(0, 300))
+    return b""
+
+  def an_entry() -> bytes:
+    key = rng.choice(keys)
+    parts = [_field(1, 2, key)] if rng.random() < 0.95 else []
+    if rng.random() < 0.05:  # a second key: the last one counts
+      parts.append(_field(1, 2, rng.choice(keys + [b"\xff"])))
+    parts += [_field(2, 2, b"".join(a_list(key) for _ in range(rng.choice([1, 1, 2, 3]))))
+              for _ in range(rng.choice([0, 1, 1, 1, 2]))]  # fmt: skip
+    if rng.random() < 0.03:  # an unknown field: protobuf drops the entry from the map
+      parts.append(_field(3, 0, 1))
+    rng.shuffle(parts)
+    return _field(1, 2, b"".join(parts))
+
+  corpus = []
+  for _ in range(n):
+    features = [
+      b"".join(an_entry() for _ in range(rng.randint(0, 5))) for _ in range(rng.choice([1, 1, 2]))
+    ]
+    extra = _field(rng.randint(2, 20), 0, 5) if rng.random() < 0.1 else b""
+    corpus.append(b"".join(_field(1, 2, f) for f in features) + extra)
+  return corpus
+
+
 def check_native_parse_agrees(corpus: list[bytes]) -> int:
   """Native parse == protobuf's wherever the native parser answers; returns how often it did."""
   answered = 0
@@ -584,8 +630,16 @@ def test_the_native_parser_agrees_with_protobuf_on_a_mutated_corpus():
 
 
 @needs_native
+def test_the_native_parser_agrees_with_protobuf_on_tangled_examples():
+  corpus = _structured_corpus(3000, seed=20)
+  answered = check_native_parse_agrees(corpus)
+  assert answered > 0.5 * sum(_reference(r) is not None for r in corpus)
+
+
+@needs_native
 @pytest.mark.slow
 def test_the_native_parser_agrees_with_protobuf_on_a_long_corpus():
+  check_native_parse_agrees(_structured_corpus(100_000, seed=1000))
   for seed in range(20):
     check_native_parse_agrees(_parse_corpus(10_000, seed=1000 + seed))
 
