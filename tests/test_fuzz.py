@@ -640,6 +640,8 @@ def test_the_native_parser_agrees_with_protobuf_on_tangled_examples():
 @pytest.mark.slow
 def test_the_native_parser_agrees_with_protobuf_on_a_long_corpus():
   check_native_parse_agrees(_structured_corpus(100_000, seed=1000))
+  for seed in range(10):
+    check_native_parse_agrees(_parse_corpus(10_000, seed=1000 + seed))
   for seed in range(20):
     check_native_parse_agrees(_parse_corpus(10_000, seed=1000 + seed))
 
@@ -683,7 +685,8 @@ from tests import jpeg_modes, test_fuzz as f
 spec = importlib.util.spec_from_file_location("sanitized._jpeg", sys.argv[1])
 native = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(native)
-for record in f._parse_corpus(int(sys.argv[2]), seed=7):
+n = int(sys.argv[2])
+for record in f._parse_corpus(n // 2, seed=7) + f._structured_corpus(n // 2, seed=7):
   native.parse_example(record, f.IMAGE_KEY, f.LABEL_KEY)
 rng = random.Random(7)
 bases = [*f.IMAGES.values(), *jpeg_modes.RARE.values(), jpeg_modes.hidden_frame_bomb()]
