@@ -251,23 +251,25 @@ def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -
   return paths
 
 
-def pin(path) -> tuple:
-  """What identifies the file at `path` now: (device, inode, size, mtime) where local, else
-  (size, mtime) as the store reports them. One stat, no open."""
-  if _is_local(path):
-    st = os.stat(path)
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
-  st = epath.Path(path).stat()
-  return (st.length, st.mtime)
+def pin(path) -> tuple | None:
+  """What identifies the local file at `path` now: (device, inode, size, mtime); one stat, no
+  open. None for remote paths (gs://), which are not pinned (an object's generation would be
+  the pin there; not done yet)."""
+  if not _is_local(path):
+    return None
+  st = os.stat(path)
+  return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
 
 
-def check_pinned(path, pinned: tuple) -> None:
+def check_pinned(path, pinned: tuple | None) -> None:
   """Refuses a shard that is no longer the file pinned when the dataset was opened.
 
   Call it just after opening the shard: files are replaced by rename, so if the path is
   still the pinned file then, the reader opened the pinned file. Raises `ShardReplacedError`
   (an OSError, as readers report a file that went away).
   """
+  if pinned is None:
+    return
   try:
     now = pin(path)
   except FileNotFoundError:
