@@ -24,7 +24,12 @@ class OptionalBuildExt(build_ext):
 
 setup(
   ext_modules=[
-    Extension("pipeline._jpeg", ["pipeline/_jpeg.c"], extra_compile_args=["-O3"], optional=True)
+    Extension(
+      "pipeline._jpeg",
+      ["pipeline/_jpeg.c"],
+      extra_compile_args=["-O3", "-Wall", "-Wextra"],
+      optional=True,
+    )
   ],
   cmdclass={"build_ext": OptionalBuildExt},
 )

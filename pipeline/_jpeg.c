@@ -26,6 +26,8 @@
 #include <jpeglib.h>
 
 #define MSG 200
+/* Decompression-bomb limit (Pillow's), exported as `_jpeg.MAX_PIXELS` for pipeline.decode. */
+#define MAX_PIXELS 89478485ULL
 
 /* ------------------------------------------------------------------ counter-based uniforms */
 
@@ -104,10 +106,16 @@ typedef struct {
   const uint8_t *p, *end;
 } span_t;
 
+/* protobuf's wire format, as much of it as a tf.train.Example uses. The parser gives
+ * protobuf's answer or declines (-1) and the Python path (protobuf itself) decides: it checks
+ * the whole record as protobuf does (so a record protobuf refuses is declined), and reads a
+ * feature with protobuf's merge rules (see feature_value). Groups, over-long tags and varints
+ * whose tenth byte protobuf might read otherwise are declined, never guessed. */
 static int varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
   uint64_t r = 0;
-  for (int shift = 0; shift < 64 && *p < end; shift += 7) {
+  for (int shift = 0; shift < 70 && *p < end; shift += 7) {
     uint8_t b = *(*p)++;
+    if (shift == 63 && b > 1) return -1; /* bits past 64 */
     r |= (uint64_t)(b & 0x7F) << shift;
     if (!(b & 0x80)) {
       *v = r;
@@ -120,70 +128,162 @@ static int varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
 /* Next field of a message: its number, wire type, and (length-delimited) payload or varint. */
 static int next_field(span_t *m, uint32_t *field, int *wire, span_t *payload, uint64_t *value) {
   uint64_t tag, len;
-  if (varint(&m->p, m->end, &tag)) return -1;
+  const uint8_t *start = m->p;
+  if (varint(&m->p, m->end, &tag) || m->p - start > 5 || tag > 0xFFFFFFFFu || (tag >> 3) == 0)
+    return -1;
   *field = (uint32_t)(tag >> 3), *wire = (int)(tag & 7);
   switch (*wire) {
     case 0: return varint(&m->p, m->end, value);
     case 1: if (m->end - m->p < 8) return -1; m->p += 8; return 0;
     case 5: if (m->end - m->p < 4) return -1; m->p += 4; return 0;
     case 2:
-      if (varint(&m->p, m->end, &len) || len > (uint64_t)(m->end - m->p)) return -1;
+      if (varint(&m->p, m->end, &len) || len > (uint64_t)(m->end - m->p) || len > 0x7FFFFFFF)
+        return -1;
       payload->p = m->p, payload->end = m->p + len;
       m->p += len;
       return 0;
-    default: return -1;
+    default: return -1; /* groups (3, 4) and invalid wire types */
   }
 }
 
-/* The image bytes and label of an Example (first value of each, last map entry wins as in
- * protobuf). Returns 0, or -1 if the record is anything but a plain Example holding both. */
+static int valid_utf8(span_t s) { /* proto3 strings (the feature keys) must be UTF-8 */
+  const uint8_t *p = s.p;
+  while (p < s.end) {
+    uint8_t c = *p++;
+    int more;
+    uint32_t cp;
+    if (c < 0x80) continue;
+    if (c >= 0xC2 && c <= 0xDF) more = 1, cp = c & 0x1F;
+    else if (c >= 0xE0 && c <= 0xEF) more = 2, cp = c & 0x0F;
+    else if (c >= 0xF0 && c <= 0xF4) more = 3, cp = c & 0x07;
+    else return 0;
+    if (s.end - p < more) return 0;
+    for (int k = 0; k < more; k++, p++) {
+      if ((*p & 0xC0) != 0x80) return 0;
+      cp = (cp << 6) | (*p & 0x3F);
+    }
+    if ((more == 2 && (cp < 0x800 || (cp >= 0xD800 && cp <= 0xDFFF))) ||
+        (more == 3 && (cp < 0x10000 || cp > 0x10FFFF)))
+      return 0;
+  }
+  return 1;
+}
+
+/* Checks a BytesList (kind 1), FloatList (2) or Int64List (3) as protobuf parses it. */
+static int check_list(span_t list, uint32_t kind) {
+  span_t s;
+  uint32_t f;
+  int wire;
+  uint64_t v;
+  while (list.p < list.end) {
+    if (next_field(&list, &f, &wire, &s, &v)) return -1;
+    if (f != 1 || wire != 2 || kind == 1) continue;
+    if (kind == 2 && (s.end - s.p) % 4) return -1; /* packed floats */
+    while (kind == 3 && s.p < s.end)
+      if (varint(&s.p, s.end, &v)) return -1; /* packed int64s */
+  }
+  return 0;
+}
+
+/* Checks a Feature: oneof bytes_list = 1, float_list = 2, int64_list = 3. */
+static int check_feature(span_t feature) {
+  span_t s;
+  uint32_t f;
+  int wire;
+  uint64_t v;
+  while (feature.p < feature.end) {
+    if (next_field(&feature, &f, &wire, &s, &v)) return -1;
+    if (wire == 2 && f >= 1 && f <= 3 && check_list(s, f)) return -1;
+  }
+  return 0;
+}
+
+/* Checks a map entry (key = 1, value = 2) and returns its key: the last one, as protobuf.
+ * Declines entries with unknown fields: protobuf (upb) keeps them as unknown, not in the map. */
+static int check_entry(span_t entry, span_t *key) {
+  span_t s;
+  uint32_t f;
+  int wire;
+  uint64_t v;
+  key->p = key->end = entry.p; /* absent: "" */
+  while (entry.p < entry.end) {
+    if (next_field(&entry, &f, &wire, &s, &v)) return -1;
+    if (wire != 2 || f > 2) return -1; /* upb moves such an entry out of the map: decline */
+    if (f == 1 && !valid_utf8(s)) return -1; /* every occurrence, even one replaced later */
+    if (f == 1) *key = s;
+    if (f == 2 && check_feature(s)) return -1;
+  }
+  return 0;
+}
+
+/* What protobuf makes of the `value` fields of a map entry: they merge, so the oneof holds the
+ * case of the last list seen, and its list is every same-case list since the case last changed
+ * (repeated fields concatenate). Sets the first element of that list; `kind` 0 if none. */
+typedef struct {
+  uint32_t kind;
+  int have;
+  span_t bytes;
+  int64_t int64;
+} feature_t;
+
+static void feature_value(span_t entry, feature_t *out) {
+  span_t value, list, item;
+  uint32_t f;
+  int wire;
+  uint64_t v;
+  out->kind = 0, out->have = 0;
+  while (entry.p < entry.end) { /* checked already: no errors below */
+    if (next_field(&entry, &f, &wire, &value, &v) || f != 2 || wire != 2) continue;
+    while (value.p < value.end) {
+      if (next_field(&value, &f, &wire, &list, &v) || wire != 2 || f < 1 || f > 3) continue;
+      if (f != out->kind) out->kind = f, out->have = 0; /* the oneof switches: a new list */
+      while (!out->have && list.p < list.end) {
+        if (next_field(&list, &f, &wire, &item, &v) || f != 1) continue;
+        if (out->kind == 1 && wire == 2) {
+          out->bytes = item, out->have = 1;
+        } else if (out->kind == 3 && wire == 0) {
+          out->int64 = (int64_t)v, out->have = 1;
+        } else if (out->kind == 3 && wire == 2 && item.p < item.end) {
+          varint(&item.p, item.end, &v);
+          out->int64 = (int64_t)v, out->have = 1;
+        }
+      }
+    }
+  }
+}
+
+/* The image bytes and label of an Example: the first element of the image's bytes_list and of
+ * the label's int64_list, as `pipeline.records.parse` reads them through protobuf (the last
+ * map entry of a key wins, repeated `features` merge). Returns 0, or -1 to decline: not a
+ * valid Example, a feature missing or of another kind, or wire format it does not handle. */
 static int parse_example(const uint8_t *rec, size_t len, const char *image_key, size_t image_key_len,
                          const char *label_key, size_t label_key_len, span_t *image, int64_t *label) {
-  span_t ex = {rec, rec + len}, features, entry, key, value, list, items;
+  span_t ex = {rec, rec + len}, features, entry, key, image_entry = {NULL, NULL},
+         label_entry = {NULL, NULL};
   uint32_t f;
-  int wire, have_image = 0, have_label = 0;
+  int wire;
   uint64_t v;
+  feature_t feat;
   while (ex.p < ex.end) {
     if (next_field(&ex, &f, &wire, &features, &v)) return -1;
     if (f != 1 || wire != 2) continue;
     while (features.p < features.end) {
       if (next_field(&features, &f, &wire, &entry, &v)) return -1;
       if (f != 1 || wire != 2) continue;
-      key.p = key.end = value.p = value.end = NULL;
-      while (entry.p < entry.end) {
-        span_t s;
-        if (next_field(&entry, &f, &wire, &s, &v)) return -1;
-        if (wire == 2 && f == 1) key = s;
-        if (wire == 2 && f == 2) value = s;
-      }
+      if (check_entry(entry, &key)) return -1;
       size_t klen = (size_t)(key.end - key.p);
-      int is_image = klen == image_key_len && !memcmp(key.p, image_key, klen);
-      int is_label = klen == label_key_len && !memcmp(key.p, label_key, klen);
-      if (!is_image && !is_label) continue;
-      if (is_image) have_image = 0;
-      if (is_label) have_label = 0;
-      while (value.p < value.end) { /* Feature: oneof bytes_list=1, float_list=2, int64_list=3 */
-        if (next_field(&value, &f, &wire, &list, &v)) return -1;
-        if (wire != 2 || f != (is_image ? 1u : 3u)) continue;
-        while (list.p < list.end) {
-          if (next_field(&list, &f, &wire, &items, &v)) return -1;
-          if (f != 1) continue;
-          if (is_image && f == 1 && wire == 2 && !have_image) {
-            *image = items;
-            have_image = 1;
-          } else if (is_label && wire == 0 && !have_label) {
-            *label = (int64_t)v;
-            have_label = 1;
-          } else if (is_label && wire == 2 && !have_label && items.p < items.end) {
-            if (varint(&items.p, items.end, &v)) return -1;  /* packed int64s */
-            *label = (int64_t)v;
-            have_label = 1;
-          }
-        }
-      }
+      if (klen == image_key_len && !memcmp(key.p, image_key, klen)) image_entry = entry;
+      if (klen == label_key_len && !memcmp(key.p, label_key, klen)) label_entry = entry;
     }
   }
-  return have_image && have_label ? 0 : -1;
+  if (image_entry.p == NULL || label_entry.p == NULL) return -1;
+  feature_value(image_entry, &feat);
+  if (feat.kind != 1 || !feat.have) return -1;
+  *image = feat.bytes;
+  feature_value(label_entry, &feat);
+  if (feat.kind != 3 || !feat.have) return -1;
+  *label = feat.int64;
+  return 0;
 }
 
 /* ------------------------------------------------------------------ JPEG */
@@ -204,28 +304,44 @@ static void on_message(j_common_ptr cinfo, int level) {
   if (level < 0) cinfo->err->num_warnings++;
 }
 
-/* (height, width) from the SOF marker without libjpeg; 0 on success. */
-static int jpeg_size(const uint8_t *b, size_t n, long *h, long *w) {
+/* The frame header libjpeg will decode, read without libjpeg: its SOF marker, sample precision,
+ * height and width; 0 on success. Stricter than libjpeg, which skips bytes between segments
+ * with a warning (a frame can hide behind them, e.g. after `FF 00`): those fail here, so the
+ * frame found is the one libjpeg reads. decode_window checks libjpeg's own size again. */
+static int jpeg_frame(const uint8_t *b, size_t n, int *marker, int *precision, long *h, long *w) {
   size_t i = 2;
-  *h = *w = -1;
+  *h = *w = -1, *marker = *precision = 0;
   if (n < 4 || b[0] != 0xFF || b[1] != 0xD8) return -1;
-  while (i + 3 < n) {
-    if (b[i] != 0xFF) break; /* lost sync: corrupt header */
+  while (i + 1 < n) {
+    if (b[i] != 0xFF) return -1; /* bytes between segments */
     uint8_t m = b[i + 1];
     if (m == 0xFF) { i++; continue; } /* fill byte */
-    if (m == 0xD8 || (m >= 0xD0 && m <= 0xD7) || m == 0x01) { i += 2; continue; }
-    if (m == 0xD9 || m == 0xDA) break; /* end of image or start of scan before any SOF */
+    if ((m >= 0xD0 && m <= 0xD7) || m == 0x01) { i += 2; continue; }
+    if (m == 0x00 || m == 0xD8 || m == 0xD9 || m == 0xDA) return -1; /* no frame before these */
+    if (i + 3 >= n) return -1;
     size_t len = ((size_t)b[i + 2] << 8) | b[i + 3];
-    int sof = m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC;
-    if (sof && i + 8 < n) {
+    if (len < 2) return -1;
+    if (m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC) {
+      if (len < 8 || i + 8 >= n) return -1;
+      *marker = m, *precision = b[i + 4];
       *h = ((long)b[i + 5] << 8) | b[i + 6];
       *w = ((long)b[i + 7] << 8) | b[i + 8];
-      break;
+      return *h > 0 && *w > 0 ? 0 : -1;
     }
-    if (len < 2) break;
     i += 2 + len;
   }
-  return *h > 0 && *w > 0 ? 0 : -1;
+  return -1;
+}
+
+/* Baseline, extended sequential or progressive Huffman-coded 8-bit frames: what the fast paths
+ * take. Lossless, 12/16-bit, arithmetic-coded and hierarchical ones go to the Python path
+ * (Pillow), where scaled decoding cannot corrupt memory. */
+static int plain_frame(int marker, int precision) {
+  return (marker == 0xC0 || marker == 0xC1 || marker == 0xC2) && precision == 8;
+}
+
+static int too_many_pixels(unsigned long h, unsigned long w) {
+  return (unsigned long long)h * w > MAX_PIXELS;
 }
 
 /* A buffer reused across images: growable, or `fixed` (a caller's slot) and never grown. */
@@ -246,8 +362,8 @@ static uint8_t *reserve(scratch_t *s, size_t n) {
 }
 
 /* Decodes window (y, x, h, w) at 1/denom into `buf` (RGB, rows of `*out_w`), mirrored if
- * `flip`. 0 on success; -1 with `message`; -2 when libjpeg cannot give RGB (CMYK/YCCK: the
- * caller converts); -3 when `buf` cannot hold it. */
+ * `flip`. 0 on success; -1 with `message`; -2 when this path does not take it (CMYK/YCCK,
+ * lossless, 12-bit: the caller converts with Pillow); -3 when `buf` cannot hold it. */
 static int decode_window(const uint8_t *data, size_t len, long y, long x, long h, long w, int denom,
                          int fast_dct, int flip, scratch_t *buf, scratch_t *rows, int *out_h,
                          int *out_w, char *message) {
@@ -266,8 +382,24 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   jpeg_create_decompress(&cinfo);
   jpeg_mem_src(&cinfo, data, (unsigned long)len);
   jpeg_read_header(&cinfo, TRUE);
-  if (y < 0 || x < 0 || h <= 0 || w <= 0 || (unsigned long)(y + h) > cinfo.image_height ||
-      (unsigned long)(x + w) > cinfo.image_width) {
+  /* The frame libjpeg is about to decode, before jpeg_start_decompress allocates for it. */
+  if (too_many_pixels(cinfo.image_height, cinfo.image_width)) {
+    snprintf(err.message, sizeof(err.message), "%ux%u image exceeds the %llu-pixel limit",
+             cinfo.image_width, cinfo.image_height, MAX_PIXELS);
+    longjmp(err.jump, 1);
+  }
+  /* Lossless frames have a sequential first scan that is not 0..63 (its predictor). */
+  if (cinfo.data_precision != 8 || (!cinfo.progressive_mode && (cinfo.Ss != 0 || cinfo.Se != 63))) {
+    status = -2;
+    if (cinfo.data_precision != 8)
+      snprintf(err.message, sizeof(err.message), "%d-bit JPEG", cinfo.data_precision);
+    else
+      snprintf(err.message, sizeof(err.message), "lossless JPEG");
+    longjmp(err.jump, 1);
+  }
+  if (y < 0 || x < 0 || h <= 0 || w <= 0 || y > (long)cinfo.image_height ||
+      h > (long)cinfo.image_height - y || x > (long)cinfo.image_width ||
+      w > (long)cinfo.image_width - x) {
     snprintf(err.message, sizeof(err.message), "crop (y=%ld, x=%ld, h=%ld, w=%ld) outside %ux%u",
              y, x, h, w, cinfo.image_height, cinfo.image_width);
     longjmp(err.jump, 1);
@@ -349,9 +481,10 @@ static void load_one(item_t *it, const params_t *p, const char *ik, size_t ikl, 
                      int64_t *label, scratch_t *rows) {
   span_t image = {NULL, NULL};
   long h, w, box[4];
-  int oh = 0, ow = 0;
+  int oh = 0, ow = 0, marker, precision;
   if (parse_example(it->data, it->len, ik, ikl, lk, lkl, &image, label) ||
-      jpeg_size(image.p, (size_t)(image.end - image.p), &h, &w) || (double)h * w > 89478485.0) {
+      jpeg_frame(image.p, (size_t)(image.end - image.p), &marker, &precision, &h, &w) ||
+      !plain_frame(marker, precision) || too_many_pixels((unsigned long)h, (unsigned long)w)) {
     it->status = PYTHON_PATH; /* the Python path names the problem, or takes the format */
     return;
   }
@@ -383,6 +516,10 @@ static int get_params(PyObject *t, params_t *p) {
 }
 
 static int writable(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t n, const char *what) {
+  if (itemsize <= 0 || n < 0 || n > PY_SSIZE_T_MAX / itemsize) {
+    PyErr_Format(PyExc_ValueError, "%s: %zd items of %zd bytes is not a size", what, n, itemsize);
+    return -1;
+  }
   if (PyObject_GetBuffer(o, b, PyBUF_WRITABLE | PyBUF_C_CONTIGUOUS)) return -1;
   if (b->len < itemsize * n) {
     PyErr_Format(PyExc_ValueError, "%s holds %zd bytes, needs %zd", what, b->len, itemsize * n);
@@ -397,7 +534,7 @@ static int writable(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t n
  * mirrored crop window goes to arena[(i - start) * slot_bytes:] as dims[i] = (rows, cols) RGB
  * pixels, its label to labels[i]. Returns [(i, status, message)] of the records it hands back:
  * status 1 (the Python path takes it) or 2 (broken, with libjpeg's message). */
-static PyObject *decode_batch(PyObject *self, PyObject *args) {
+static PyObject *decode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
   PyObject *recs, *epochs_o, *indices_o, *labels_o, *dims_o, *arena_o, *params_o;
   Py_buffer labels, dims, arena, epochs, indices;
   const char *ik, *lk;
@@ -481,7 +618,7 @@ release_labels:
   return NULL;
 }
 
-static PyObject *decode_crop(PyObject *self, PyObject *args) {
+static PyObject *decode_crop(PyObject *Py_UNUSED(self), PyObject *args) {
   Py_buffer data;
   long y, x, h, w;
   int denom, fast_dct = 0, oh = 0, ow = 0, status;
@@ -502,7 +639,7 @@ static PyObject *decode_crop(PyObject *self, PyObject *args) {
   if (status != 0) {
     free(buf.p);
     PyErr_Format(PyExc_ValueError, "JPEG decode failed: %s%s", message,
-                 status == -2 ? " (color conversion not supported)" : "");
+                 status == -2 ? " (not for this decoder: color conversion or mode)" : "");
     return NULL;
   }
   PyObject *out = PyBytes_FromStringAndSize((const char *)buf.p, (Py_ssize_t)oh * ow * 3);
@@ -511,30 +648,80 @@ static PyObject *decode_crop(PyObject *self, PyObject *args) {
   return Py_BuildValue("(Nii)", out, oh, ow);
 }
 
-static PyObject *header(PyObject *self, PyObject *args) {
+/* header(data) -> (height, width) of the frame libjpeg decodes (its own jpeg_read_header). */
+static PyObject *header(PyObject *Py_UNUSED(self), PyObject *args) {
   Py_buffer data;
-  long h, w;
+  struct jpeg_decompress_struct cinfo;
+  error_mgr err;
+  volatile long h = -1, w = -1;
   if (!PyArg_ParseTuple(args, "y*", &data)) return NULL;
-  int rc = jpeg_size(data.buf, (size_t)data.len, &h, &w);
+  cinfo.err = jpeg_std_error(&err.pub);
+  err.pub.error_exit = on_error;
+  err.pub.emit_message = on_message;
+  err.message[0] = 0;
+  if (setjmp(err.jump) == 0) {
+    jpeg_create_decompress(&cinfo);
+    jpeg_mem_src(&cinfo, data.buf, (unsigned long)data.len);
+    jpeg_read_header(&cinfo, TRUE);
+    h = (long)cinfo.image_height, w = (long)cinfo.image_width;
+  }
+  jpeg_destroy_decompress(&cinfo);
   PyBuffer_Release(&data);
-  if (rc) {
-    PyErr_SetString(PyExc_ValueError, "no JPEG frame header (SOF) with a valid size");
+  if (h < 1 || w < 1) {
+    PyErr_Format(PyExc_ValueError, "no JPEG frame header with a valid size (%s)", err.message);
     return NULL;
   }
   return Py_BuildValue("(ll)", h, w);
+}
+
+/* frame(data) -> (SOF marker, precision, height, width): see jpeg_frame; None if none. */
+static PyObject *frame(PyObject *Py_UNUSED(self), PyObject *args) {
+  Py_buffer data;
+  long h, w;
+  int marker, precision;
+  if (!PyArg_ParseTuple(args, "y*", &data)) return NULL;
+  int rc = jpeg_frame(data.buf, (size_t)data.len, &marker, &precision, &h, &w);
+  PyBuffer_Release(&data);
+  if (rc) Py_RETURN_NONE;
+  return Py_BuildValue("(iill)", marker, precision, h, w);
+}
+
+/* parse_example(record, image_key, label_key) -> (image offset, image length, label), or None
+ * where the batch path declines the record: the native parser alone, for the differential
+ * tests against protobuf. */
+static PyObject *parse_example_py(PyObject *Py_UNUSED(self), PyObject *args) {
+  Py_buffer rec;
+  const char *ik, *lk;
+  Py_ssize_t ikl, lkl;
+  span_t image;
+  int64_t label;
+  if (!PyArg_ParseTuple(args, "y*y#y#", &rec, &ik, &ikl, &lk, &lkl)) return NULL;
+  int rc = parse_example(rec.buf, (size_t)rec.len, ik, (size_t)ikl, lk, (size_t)lkl, &image, &label);
+  Py_ssize_t offset = rc ? 0 : (Py_ssize_t)(image.p - (const uint8_t *)rec.buf);
+  PyBuffer_Release(&rec);
+  if (rc) Py_RETURN_NONE;
+  return Py_BuildValue("(nnL)", offset, (Py_ssize_t)(image.end - image.p), (long long)label);
 }
 
 static PyMethodDef methods[] = {
     {"decode_batch", decode_batch, METH_VARARGS,
      "decode_batch(records, epochs, indices, labels, dims, arena, slot_bytes, start, stop, seed, "
      "image_key, label_key, size, params, emulate_ns) -> [(i, status, message)] handed back"},
-    {"header", header, METH_VARARGS, "header(data) -> (height, width) of a JPEG"},
+    {"header", header, METH_VARARGS, "header(data) -> (height, width) of the frame libjpeg decodes"},
+    {"frame", frame, METH_VARARGS,
+     "frame(data) -> (SOF marker, precision, height, width) of a JPEG's frame header, or None"},
+    {"parse_example", parse_example_py, METH_VARARGS,
+     "parse_example(record, image_key, label_key) -> (image offset, length, label) or None"},
     {"decode_crop", decode_crop, METH_VARARGS,
      "decode_crop(data, y, x, h, w, scale_denom, fast_dct=False) -> (rgb bytes, height, width)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg",
                                     "Per-batch parse and crop-aware JPEG decode.", -1,
-                                    methods};
+                                    methods, NULL, NULL, NULL, NULL};
 
-PyMODINIT_FUNC PyInit__jpeg(void) { return PyModule_Create(&module); }
+PyMODINIT_FUNC PyInit__jpeg(void) {
+  PyObject *m = PyModule_Create(&module);
+  if (m != NULL && PyModule_AddIntConstant(m, "MAX_PIXELS", (long)MAX_PIXELS)) Py_CLEAR(m);
+  return m;
+}

@@ -189,7 +189,7 @@ def _build(
   remote.check(data_dir)
   data_dir = epath.Path(data_dir)
   meta = manifest_lib.load(data_dir)
-  paths = manifest_lib.checked_shards(data_dir, meta, split, verify=verify)
+  paths, pins = manifest_lib.pinned_shards(data_dir, meta, split, verify=verify)
   counts = [s.num_records for s in meta.splits[split].shards]
   shard_index, shard_count = _process_shard(shard_index, shard_count)
   sampler = Sampler(
@@ -217,7 +217,7 @@ def _build(
     dct_scaling=perf.dct_scaling,
     fast_dct=perf.fast_dct,
   )
-  source = ShardedSource(paths, counts)
+  source = ShardedSource(paths, counts, pins)
   if features:
     from pipeline import features as features_lib
 

@@ -66,7 +66,9 @@ def native():
   return _jpeg
 
 
-MAX_PIXELS = 89_478_485  # Pillow's decompression-bomb limit
+# Pillow's decompression-bomb limit; the C decoder enforces its own copy (one #define, exported
+# as `_jpeg.MAX_PIXELS`) on the frame libjpeg reads, and this is that number.
+MAX_PIXELS = _jpeg.MAX_PIXELS if _jpeg is not None else 89_478_485
 # Raster formats only: Pillow would hand EPS/PS to Ghostscript if it were installed.
 FORMATS = (
   "JPEG",
@@ -93,6 +95,54 @@ class DecodeError(ValueError):
 
 def _is_jpeg(data: bytes) -> bool:
   return data[:3] == b"\xff\xd8\xff"
+
+
+_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
+_PLAIN_SOF = (0xC0, 0xC1, 0xC2)  # baseline, extended sequential, progressive (Huffman)
+
+
+def jpeg_frame(data: bytes) -> tuple[int, int, int, int] | None:
+  """(SOF marker, precision, height, width) of the frame libjpeg decodes, or None.
+
+  Stricter than libjpeg: bytes between segments (libjpeg skips them with a warning, and a
+  frame can hide behind them) give None. The C decoder walks the same way (`jpeg_frame`).
+  """
+  n, i = len(data), 2
+  if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
+    return None
+  while i + 1 < n:
+    if data[i] != 0xFF:
+      return None
+    m = data[i + 1]
+    if m == 0xFF:
+      i += 1
+      continue
+    if 0xD0 <= m <= 0xD7 or m == 0x01:
+      i += 2
+      continue
+    if m in (0x00, 0xD8, 0xD9, 0xDA) or i + 3 >= n:
+      return None
+    length = (data[i + 2] << 8) | data[i + 3]
+    if length < 2:
+      return None
+    if m in _SOF:
+      if length < 8 or i + 8 >= n:
+        return None
+      h, w = (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8]
+      return (m, data[i + 4], h, w) if h > 0 and w > 0 else None
+    i += 2 + length
+  return None
+
+
+def plain_jpeg(data: bytes) -> bool:
+  """True for 8-bit Huffman-coded baseline/progressive JPEGs, the ones the fast decoders take.
+
+  Lossless, 12-bit, arithmetic-coded and hierarchical JPEGs, and JPEGs with bytes between
+  segments, are not: simplejpeg's scaled decode corrupts the heap on a lossless one, so they
+  go to Pillow, which decodes them whole or refuses them.
+  """
+  f = jpeg_frame(data)
+  return f is not None and f[0] in _PLAIN_SOF and f[1] == 8
 
 
 def image_size(data: bytes) -> tuple[int, int]:
@@ -131,13 +181,13 @@ def decode_crop(
   `fast_dct` uses libjpeg's fast integer IDCT (tf.data's default), slightly less exact.
   """
   y, x, h, w = box
-  if _is_jpeg(data):
+  if _is_jpeg(data) and plain_jpeg(data):
     if _jpeg is not None:
       try:
         buf, oh, ow = _jpeg.decode_crop(data, y, x, h, w, scale, fast_dct)
         return np.frombuffer(buf, np.uint8).reshape(oh, ow, 3)
       except ValueError as e:
-        if "color conversion" not in str(e):  # CMYK/YCCK: Pillow converts them
+        if "not for this decoder" not in str(e):  # CMYK/YCCK, lossless, 12-bit: Pillow
           raise DecodeError(str(e)) from None
     else:
       try:

@@ -11,10 +11,13 @@
 
 `checked_shards` is what a reader calls at open: it refuses a dataset whose files do not
 match the manifest (missing, not regular files, another size, counts that do not add up).
+`pin` and `check_pinned` keep a reader on the files it checked: a shard replaced later (a
+`convert --overwrite` into the same folder) is refused when the reader opens it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import json
@@ -34,6 +37,10 @@ VERIFY_LEVELS = ("none", "size", "sha256")
 
 class ManifestError(ValueError):
   """A manifest that is unreadable or does not match its files; one line naming the file."""
+
+
+class ShardReplacedError(OSError):
+  """A shard that is not the file its reader pinned when the dataset was opened."""
 
 
 @dataclasses.dataclass
@@ -114,13 +121,20 @@ def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
   classes = _field(d, "classes", list, where)
   if not all(isinstance(c, str) for c in classes):
     raise ManifestError(f"{where}: classes must be strings")
-  splits = {}
+  splits, listed = {}, {}
   for name, s in _field(d, "splits", dict, where).items():
     shards = _field(s, "shards", list, f"{where} split {name!r}")
     splits[name] = Split(
       _count(s, "num_records", f"{where} split {name!r}"),
       [_shard(sh, f"{where} split {name!r} shard {i}") for i, sh in enumerate(shards)],
     )
+    for i, sh in enumerate(splits[name].shards):  # else its records would be served twice
+      if sh.file in listed:
+        raise ManifestError(
+          f"{where}: shard {sh.file!r} is listed twice ({listed[sh.file]} and split {name!r} "
+          f"shard {i})"
+        )
+      listed[sh.file] = f"split {name!r} shard {i}"
   keys = d.get("keys", {})
   try:
     keys = Keys(**keys)
@@ -197,7 +211,8 @@ def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -
   Always: the split exists and its `num_records` is the sum of its shards' counts.
   verify="size" (cheap: one stat per shard): each shard is a regular file of the recorded
   size (manifests without sizes skip the size check); "sha256": also its full digest;
-  "none": no per-file checks. Raises `ManifestError` naming the file.
+  "none": no per-file checks but, where local, that each is a regular file (a reader would
+  block forever on a FIFO). Raises `ManifestError` naming the file.
   """
   if verify not in VERIFY_LEVELS:
     raise ValueError(f"verify must be one of {VERIFY_LEVELS}, not {verify!r}")
@@ -211,7 +226,11 @@ def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -
       f"{where}: split {split!r} says {s.num_records} records but its shards hold {total}"
     )
   paths = [epath.Path(data_dir) / sh.file for sh in s.shards]
-  if verify == "none":
+  if verify == "none":  # but never a FIFO or device a reader would block on (local: one lstat)
+    for path in filter(_is_local, paths):
+      with contextlib.suppress(FileNotFoundError):  # missing: the reader says so at open
+        if not stat.S_ISREG(os.stat(path).st_mode):
+          raise ManifestError(f"shard {path} is not a regular file")
     return paths
   for path, sh in zip(paths, s.shards):
     try:
@@ -230,3 +249,50 @@ def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -
         f"{sh.sha256[:12]}...: it changed after conversion"
       )
   return paths
+
+
+def pin(path) -> tuple | None:
+  """What identifies the local file at `path` now: (device, inode, size, mtime); one stat, no
+  open. None for remote paths (gs://), which are not pinned (an object's generation would be
+  the pin there; not done yet)."""
+  if not _is_local(path):
+    return None
+  st = os.stat(path)
+  return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def check_pinned(path, pinned: tuple | None) -> None:
+  """Refuses a shard that is no longer the file pinned when the dataset was opened.
+
+  Call it just after opening the shard: files are replaced by rename, so if the path is
+  still the pinned file then, the reader opened the pinned file. Raises `ShardReplacedError`
+  (an OSError, as readers report a file that went away).
+  """
+  if pinned is None:
+    return
+  try:
+    now = pin(path)
+  except FileNotFoundError:
+    now = None
+  if now != tuple(pinned):
+    raise ShardReplacedError(
+      f"shard {path} was replaced after this dataset was opened (a conversion with "
+      "--overwrite?): open the dataset again to read the new one"
+    )
+
+
+def pinned_shards(data_dir, meta: Manifest, split: str, verify: str = "size"):
+  """`checked_shards`, plus each shard's `pin`, taken while `meta` is still the manifest in
+  `data_dir` (a conversion swaps shards in only after removing or replacing it)."""
+  paths = checked_shards(data_dir, meta, split, verify)
+  pins = [pin(p) for p in paths]
+  try:
+    still = load(data_dir) == meta
+  except (FileNotFoundError, ManifestError):
+    still = False
+  if not still:
+    raise ManifestError(
+      f"{epath.Path(data_dir) / FILENAME} changed while the dataset was being opened "
+      "(a conversion into it?): open it again"
+    )
+  return paths, pins

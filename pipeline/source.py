@@ -16,6 +16,8 @@ import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
+from pipeline import manifest as manifest_lib
+
 # Random access: no sequential read-ahead (`max_parallelism` only governs that read-ahead:
 # a batched `read(indices)` of 2+ records still runs on array_record's global pool). No
 # footer prefetch: opening a 1.2 MB shard then reads 126 KB, not 1 MB (in 2 requests either
@@ -30,8 +32,10 @@ class CorruptRecordsError(OSError):
 class ShardedSource:
   """Records of several shards, addressed by a global index in shard order."""
 
-  def __init__(self, paths: Sequence[epath.Path], counts: Sequence[int]):
+  def __init__(self, paths: Sequence[epath.Path], counts: Sequence[int], pins=None):
     self.paths = [os.fspath(p) for p in paths]
+    # what each shard was when opened (manifest.pin): a shard replaced since is refused
+    self.pins = list(pins) if pins is not None else [manifest_lib.pin(p) for p in self.paths]
     self.names = [epath.Path(p).name for p in paths]
     self.starts = [0]
     for c in counts:
@@ -83,6 +87,11 @@ class ShardedSource:
             f"shard {self.paths[shard]} holds {found} records, the manifest "
             f"{expected}: it changed after conversion"
           )
+        try:
+          manifest_lib.check_pinned(self.paths[shard], self.pins[shard])
+        except OSError:
+          reader.close()
+          raise
         self._readers[shard] = reader
       return self._readers[shard]
 
@@ -101,6 +110,8 @@ class ShardedSource:
     except OSError:
       raise
     except Exception as e:  # noqa: BLE001 - array_record raises plain RuntimeErrors
+      if isinstance(e, MemoryError) or "bad_alloc" in str(e):  # out of memory: not the data
+        raise MemoryError(f"out of memory reading {self.names[shard]}: {e}") from None
       raise CorruptRecordsError(
         f"cannot read {self.names[shard]} records {sorted(local)[:8]}...: {e}"
       ) from None

@@ -56,7 +56,7 @@ class StreamIterator(grain.DatasetIterator):
     state = plain(state)
     if not isinstance(state, dict):
       raise StateError(f"an iterator state is a dict, not {type(state).__name__}")
-    saved = state.get("stream", self._stream)  # states saved before streams were tagged
+    saved = state.get("stream") or {}  # a state without its stream is nobody's to trust
     if saved != self._stream:
       diff = ", ".join(
         f"{k} {saved.get(k)} in the state, {v} here"

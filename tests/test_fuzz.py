@@ -16,6 +16,7 @@ import pathlib
 import random
 import resource
 import select
+import shutil
 import signal
 import struct
 import subprocess
@@ -409,6 +410,388 @@ def test_detect_keys_on_garbage_raises_record_error(data):
     pass
 
 
+# --- the native Example parser against protobuf ----------------------------------------------
+
+
+def _varint(n: int) -> bytes:
+  n &= (1 << 64) - 1
+  out = bytearray()
+  while True:
+    out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+    n >>= 7
+    if not n:
+      return bytes(out)
+
+
+def _field(number: int, wire: int, payload: bytes | int) -> bytes:
+  """One protobuf field: a varint (wire 0) or a length-delimited payload (wire 2), or raw."""
+  tag = _varint(number << 3 | wire)
+  if wire == 0:
+    return tag + _varint(payload)
+  if wire == 2:
+    return tag + _varint(len(payload)) + payload
+  return tag + payload  # fixed64/fixed32 bytes, or a group's raw body
+
+
+def _bytes_list(*values: bytes) -> bytes:
+  return _field(1, 2, b"".join(_field(1, 2, v) for v in values))
+
+
+def _int64_list(*values: int, packed: bool = True) -> bytes:
+  if packed:
+    return _field(3, 2, _field(1, 2, b"".join(_varint(v) for v in values)))
+  return _field(3, 2, b"".join(_field(1, 0, v) for v in values))
+
+
+def _entry(key: bytes, *features: bytes) -> bytes:
+  """A map entry: key, then each Feature payload as another `value` field (protobuf merges)."""
+  return _field(1, 2, _field(1, 2, key) + b"".join(_field(2, 2, f) for f in features))
+
+
+IMAGE_KEY, LABEL_KEY = b"image/encoded", b"image/class/label"
+
+
+def _example(*entries: bytes, extra: bytes = b"") -> bytes:
+  return _field(1, 2, b"".join(entries)) + extra
+
+
+def _edge_records() -> dict[str, bytes]:
+  """Records whose wire format protobuf reads by its merge rules: the traps of issue 20."""
+  img = _entry(IMAGE_KEY, _bytes_list(b"\xff\xd8\xff-a", b"second"))
+  label = lambda *f: _entry(LABEL_KEY, *f)
+  return {
+    "plain": _example(img, label(_int64_list(3))),
+    "unpacked": _example(img, label(_int64_list(3, 4, packed=False))),
+    "negative": _example(img, label(_int64_list(-5))),
+    "oneof_later_int64_wins": _example(img, label(_int64_list(9) + _int64_list(0, 1))),
+    "oneof_switch_back": _example(img, label(_int64_list(9) + _bytes_list(b"x") + _int64_list(7))),
+    "oneof_bytes_last": _example(img, label(_int64_list(9) + _bytes_list(b"x"))),
+    "values_merge": _example(img, label(_int64_list(9), _int64_list(1))),
+    "values_merge_across_kinds": _example(img, label(_int64_list(9), _bytes_list(b"x"))),
+    "empty_then_value": _example(img, label(_int64_list(packed=False), _int64_list(6))),
+    "duplicate_key_last_wins": _example(img, label(_int64_list(9)), label(_int64_list(2))),
+    "features_merge": _example(img) + _example(label(_int64_list(4))),
+    "features_replace_key": _example(img, label(_int64_list(1))) + _example(label(_int64_list(8))),
+    "image_entry_replaced": _example(img, label(_int64_list(1)), _entry(IMAGE_KEY, _bytes_list())),
+    "image_lists_merge": _example(
+      _entry(IMAGE_KEY, _bytes_list(), _bytes_list(b"late")), label(_int64_list(1))
+    ),
+    "key_repeated_in_entry": _example(
+      img, _field(1, 2, _field(1, 2, b"x") + _field(1, 2, LABEL_KEY) + _field(2, 2, _int64_list(5)))
+    ),
+    "unknown_fields": _example(
+      img,
+      label(_int64_list(2)),
+      extra=_field(7, 0, 1) + _field(9, 1, bytes(8)) + _field(10, 5, bytes(4)),
+    ),
+    "unknown_in_entry": _example(
+      img, _field(1, 2, _field(3, 0, 7) + _field(1, 2, LABEL_KEY) + _field(2, 2, _int64_list(5)))
+    ),
+    "wrong_wire_for_features": _field(1, 0, 5) + _example(img, label(_int64_list(2))),
+    "group": _example(img, label(_int64_list(2)), extra=_field(5, 3, _field(1, 0, 1)) + b"\x2c"),
+    "bad_utf8_key": _example(img, label(_int64_list(2)), _entry(b"\xff\xfe", _int64_list(1))),
+    "bad_utf8_key_replaced": _example(
+      img,
+      _field(1, 2, _field(1, 2, b"\xf8") + _field(1, 2, LABEL_KEY) + _field(2, 2, _int64_list(5))),
+    ),
+    "float_list_odd_packed": _example(
+      img, label(_int64_list(2)), _entry(b"f", _field(2, 2, b"\x0a\x03abc"))
+    ),
+    "field_zero": _example(img, label(_int64_list(2)), extra=b"\x00\x00"),
+    "ten_byte_varint": _example(img, label(_int64_list(2**63 + 5))),
+    "overlong_varint": _example(
+      img, label(_field(3, 2, _field(1, 0, 0)[:1] + b"\xff" * 10 + b"\x01"))
+    ),
+    "truncated_packed": _example(img, label(_field(3, 2, _field(1, 2, b"\x05\x85")))),
+    "no_label": _example(img),
+    "issue_20": _example(img, label(_int64_list(9) + _field(2, 2, b"") + _int64_list(0))),
+  }
+
+
+EDGE_RECORDS = _edge_records()
+
+
+def _reference(record: bytes) -> tuple[bytes, int] | None:
+  try:
+    image, label, _ = records.parse(record)
+  except records.RecordError:
+    return None
+  return image, label
+
+
+def _native(record: bytes) -> tuple[bytes, int] | None:
+  got = decode.native().parse_example(record, IMAGE_KEY, LABEL_KEY)
+  return None if got is None else (record[got[0] : got[0] + got[1]], got[2])
+
+
+def _parse_corpus(n: int, seed: int) -> list[bytes]:
+  """The edge records, real ones, and `n` mutations of them: flips, splices of fields, cuts."""
+  rng = random.Random(seed)
+  bases = [*EDGE_RECORDS.values(), RECORD, records.encode(b"\xff\xd8\xffimg", 7, "x.jpg")]
+  pieces = [_int64_list(1), _bytes_list(b"z"), _field(2, 2, _int64_list(4)), _field(3, 0, 1)]
+  corpus = list(bases)
+  while len(corpus) < len(bases) + n:
+    data = bytearray(rng.choice(bases))
+    for _ in range(rng.randint(1, 4)):
+      pos = rng.randrange(len(data) + 1)
+      kind = rng.randrange(6)
+      if kind == 0 and data:
+        data[pos % len(data)] ^= 1 << rng.randrange(8)
+      elif kind == 1 and data:
+        data[pos % len(data)] = rng.choice([0x00, 0x01, 0x08, 0x0A, 0x12, 0x1A, 0x7F, 0x80, 0xFF])
+      elif kind == 2:
+        data[pos:pos] = rng.choice(pieces)
+      elif kind == 3:
+        del data[pos : pos + rng.randint(1, 8)]
+      elif kind == 4:
+        other = rng.choice(bases)
+        a = rng.randrange(len(other))
+        data[pos:pos] = other[a : a + rng.randint(1, 24)]
+      else:
+        del data[pos:]
+    corpus.append(bytes(data))
+  return corpus
+
+
+def _structured_corpus(n: int, seed: int) -> list[bytes]:
+  """`n` well-formed but tangled Examples: the protobuf merge rules, not byte damage."""
+  rng = random.Random(seed)
+  keys = [IMAGE_KEY] * 4 + [LABEL_KEY] * 4 + [b"x", b"", "é".encode()]
+  likely = {IMAGE_KEY: "bytes", LABEL_KEY: "int64"}
+
+  def a_list(key: bytes) -> bytes:
+    kinds = ["bytes", "int64", "int64u", "float", "unknown", "empty"]
+    kind = likely.get(key, "") if rng.random() < 0.6 else rng.choice(kinds)
+    if kind == "bytes":
+      return _bytes_list(*[rng.randbytes(rng.randint(0, 4)) for _ in range(rng.randint(0, 3))])
+    if kind in ("int64", "int64u"):
+      values = [rng.randint(-(2**63), 2**63 - 1) for _ in range(rng.randint(0, 3))]
+      return _int64_list(*values, packed=kind == "int64" and rng.random() < 0.7)
+    if kind == "float":
+      return _field(2, 2, _field(1, 2, rng.randbytes(4 * rng.randint(0, 2))))
+    if kind == "unknown":
+      return _field(rng.randint(4, 9), 0, rng.randint(0, 300))
+    return b""
+
+  def an_entry() -> bytes:
+    key = rng.choice(keys)
+    parts = [_field(1, 2, key)] if rng.random() < 0.95 else []
+    if rng.random() < 0.05:  # a second key: the last one counts
+      parts.append(_field(1, 2, rng.choice(keys + [b"\xff"])))
+    parts += [_field(2, 2, b"".join(a_list(key) for _ in range(rng.choice([1, 1, 2, 3]))))
+              for _ in range(rng.choice([0, 1, 1, 1, 2]))]  # fmt: skip
+    if rng.random() < 0.03:  # an unknown field: protobuf drops the entry from the map
+      parts.append(_field(3, 0, 1))
+    rng.shuffle(parts)
+    return _field(1, 2, b"".join(parts))
+
+  corpus = []
+  for _ in range(n):
+    features = [
+      b"".join(an_entry() for _ in range(rng.randint(0, 5))) for _ in range(rng.choice([1, 1, 2]))
+    ]
+    extra = _field(rng.randint(2, 20), 0, 5) if rng.random() < 0.1 else b""
+    corpus.append(b"".join(_field(1, 2, f) for f in features) + extra)
+  return corpus
+
+
+def check_native_parse_agrees(corpus: list[bytes]) -> int:
+  """Native parse == protobuf's wherever the native parser answers; returns how often it did."""
+  answered = 0
+  for i, record in enumerate(corpus):
+    native = _native(record)
+    if native is not None:
+      answered += 1
+      assert native == _reference(record), f"record {i}: {record!r}"
+  return answered
+
+
+needs_native = pytest.mark.skipif(decode.native() is None, reason="the C extension was not built")
+
+
+@needs_native
+@pytest.mark.parametrize("name", sorted(EDGE_RECORDS))
+def test_the_native_parser_gives_protobufs_answer_or_declines(name):
+  record = EDGE_RECORDS[name]
+  native, reference = _native(record), _reference(record)
+  assert native in (None, reference)
+  if name == "issue_20":  # served 9 where protobuf reads 0: a float_list reset the oneof
+    assert reference[1] == 0 and native == reference
+  if name in ("plain", "unpacked", "negative", "oneof_later_int64_wins", "values_merge"):
+    assert native == reference is not None  # the common shapes are answered, not declined
+
+
+@needs_native
+def test_the_native_parser_agrees_with_protobuf_on_a_mutated_corpus():
+  corpus = _parse_corpus(3000, seed=20)
+  answered = check_native_parse_agrees(corpus)
+  references = sum(_reference(r) is not None for r in corpus)
+  assert answered > references * 0.8, (answered, references)  # declining is the exception
+
+
+@needs_native
+def test_the_native_parser_agrees_with_protobuf_on_tangled_examples():
+  corpus = _structured_corpus(3000, seed=20)
+  answered = check_native_parse_agrees(corpus)
+  assert answered > 0.5 * sum(_reference(r) is not None for r in corpus)
+
+
+@needs_native
+@pytest.mark.slow
+def test_the_native_parser_agrees_with_protobuf_on_a_long_corpus():
+  check_native_parse_agrees(_structured_corpus(100_000, seed=1000))
+  for seed in range(10):
+    check_native_parse_agrees(_parse_corpus(10_000, seed=1000 + seed))
+  for seed in range(20):
+    check_native_parse_agrees(_parse_corpus(10_000, seed=1000 + seed))
+
+
+@needs_native
+def test_the_batch_path_serves_protobufs_label():
+  """Issue 20: the batch path served 9, protobuf and `convert verify` read 0."""
+  img = _entry(IMAGE_KEY, _bytes_list(IMAGES["jpeg420"]))
+  record = _example(img, _entry(LABEL_KEY, _int64_list(9) + _field(2, 2, b"") + _int64_list(0)))
+  assert records.parse(record)[1] == 0
+  head = augment.Head(OUT)
+  index, labels = np.zeros(1, np.int64), np.full(1, -1, np.int64)
+  arena, dims = np.empty(head.slot_bytes(), np.uint8), np.zeros((1, 2), np.int32)
+  handed_back = decode.native().decode_batch(
+    [record],
+    index,
+    index,
+    labels,
+    dims,
+    arena,
+    head.slot_bytes(),
+    0,
+    1,
+    0,
+    IMAGE_KEY,
+    LABEL_KEY,
+    OUT,
+    head.native_params(),
+    0,
+  )
+  assert handed_back == [] and labels.tolist() == [0]
+
+
+# --- the extension under AddressSanitizer and UBSan ------------------------------------------
+
+SANITIZED_RUN = """
+import importlib.util, random, sys
+import numpy as np
+from pipeline import augment, decode, records
+from tests import jpeg_modes, test_fuzz as f
+spec = importlib.util.spec_from_file_location("sanitized._jpeg", sys.argv[1])
+native = importlib.util.module_from_spec(spec)
+spec.loader.exec_module(native)
+n = int(sys.argv[2])
+for record in f._parse_corpus(n // 2, seed=7) + f._structured_corpus(n // 2, seed=7):
+  native.parse_example(record, f.IMAGE_KEY, f.LABEL_KEY)
+rng = random.Random(7)
+bases = [*f.IMAGES.values(), *jpeg_modes.RARE.values(), jpeg_modes.hidden_frame_bomb()]
+head = augment.Head(f.OUT)
+labels, dims = np.zeros(2, np.int64), np.zeros((2, 2), np.int32)
+arena = np.empty(2 * head.slot_bytes(), np.uint8)
+for n in range(int(sys.argv[3])):
+  data = bytearray(rng.choice(bases))
+  for _ in range(rng.randint(0, 4)):
+    data[rng.randrange(len(data))] = rng.randrange(256)
+  if rng.random() < 0.2:
+    del data[rng.randrange(len(data)):]
+  data = bytes(data)
+  native.frame(data)
+  box = (rng.randrange(8), rng.randrange(8), rng.randint(1, 40), rng.randint(1, 40))
+  for call in (lambda: native.header(data),
+               lambda: native.decode_crop(data, *box, rng.choice([1, 2, 4, 8]), n % 2)):
+    try:
+      call()
+    except ValueError:
+      pass
+  index = np.array([n, n + 1], np.int64)
+  native.decode_batch([records.encode(data, 1), data], index, index, labels, dims, arena,
+                      head.slot_bytes(), 0, 2, n, f.IMAGE_KEY, f.LABEL_KEY, f.OUT,
+                      head.native_params(), 0)
+big = 2**63 - 8  # sizes whose sums overflow a signed long: refused, never wrapped
+for box in [(0, big, 8, 16), (big, 0, 16, 8), (1, 1, big, big)]:
+  try:
+    native.decode_crop(f.IMAGES["jpeg420"], *box, 1)
+  except ValueError:
+    pass
+try:
+  native.decode_batch([b"x", b"y"], index, index, labels, dims, arena, 2**62, 0, 2, 0,
+                      f.IMAGE_KEY, f.LABEL_KEY, f.OUT, head.native_params(), 0)
+except ValueError:
+  pass
+print("clean")
+"""
+
+
+def build_sanitized_extension(
+  out: pathlib.Path, source: pathlib.Path | None = None
+) -> pathlib.Path:
+  """`pipeline/_jpeg.c` built with -fsanitize=address,undefined (any error aborts)."""
+  import sysconfig
+
+  target = out / "_jpeg.so"
+  subprocess.run(
+    ["cc", "-shared", "-fPIC", "-g", "-O1", "-Wall", "-Wextra", "-Werror",
+     "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
+     f"-I{sysconfig.get_paths()['include']}", str(source or ROOT / "pipeline" / "_jpeg.c"),
+     "-o", str(target)],
+    check=True, capture_output=True, text=True,
+  )  # fmt: skip
+  return target
+
+
+def run_sanitized(
+  tmp_path: pathlib.Path, source: pathlib.Path | None = None, records_n=20000, images_n=3000
+) -> subprocess.CompletedProcess:
+  """Builds the sanitized extension and runs SANITIZED_RUN on it in a child process."""
+  if shutil.which("cc") is None:
+    pytest.skip("no C compiler (cc) to build the sanitized extension")
+  runtimes = [
+    subprocess.run(
+      ["cc", f"-print-file-name={name}"], capture_output=True, text=True
+    ).stdout.strip()
+    for name in ("libasan.so", "libubsan.so")
+  ]
+  if not all(os.path.isabs(r) and os.path.exists(r) for r in runtimes):
+    pytest.skip(f"no sanitizer runtimes next to the compiler ({runtimes})")
+  library = build_sanitized_extension(tmp_path, source)
+  env = {
+    **os.environ,
+    "PYTHONPATH": str(ROOT),
+    "PYTHONMALLOC": "malloc",  # Python objects from malloc: ASan guards the records' bytes too
+    "LD_PRELOAD": " ".join(runtimes),
+    "ASAN_OPTIONS": "detect_leaks=0:abort_on_error=1",  # CPython itself is not leak-clean
+    "UBSAN_OPTIONS": "print_stacktrace=1:halt_on_error=1",
+  }
+  return subprocess.run(
+    [sys.executable, "-c", SANITIZED_RUN, str(library), str(records_n), str(images_n)],
+    cwd=ROOT, env=env, capture_output=True, text=True, timeout=1800,
+  )  # fmt: skip
+
+
+@pytest.mark.slow
+def test_the_extension_runs_the_fuzz_corpus_clean_under_asan_and_ubsan(tmp_path):
+  run = run_sanitized(tmp_path)
+  assert run.returncode == 0 and run.stdout.strip() == "clean", run.stderr[-4000:]
+  assert "runtime error" not in run.stderr, run.stderr[-4000:]
+
+
+@pytest.mark.slow
+def test_the_sanitized_run_catches_a_planted_overflow(tmp_path):
+  """The harness itself: a parser that trusts a length 3 bytes too far is caught by ASan."""
+  source = (ROOT / "pipeline" / "_jpeg.c").read_text()
+  bound = "len > (uint64_t)(m->end - m->p) ||"
+  assert bound in source
+  planted = tmp_path / "_jpeg.c"
+  planted.write_text(source.replace(bound, "len > (uint64_t)(m->end - m->p) + 3 ||"))
+  run = run_sanitized(tmp_path, planted, records_n=2000, images_n=10)
+  assert run.returncode != 0 and "AddressSanitizer: heap-buffer-overflow" in run.stderr
+
+
 # --- images through the sandbox --------------------------------------------------------------
 
 
@@ -472,6 +855,23 @@ def test_crop_windows_outside_the_jpeg_are_refused():
       decode.decode_crop(data, box)
   with pytest.raises(ValueError, match="scale"):
     decode.decode_crop(data, (0, 0, 8, 8), 3)
+
+
+def test_sizes_that_overflow_are_refused_not_wrapped():
+  """`x + w` and `itemsize * n` overflowed signed arithmetic (UB) on private arguments."""
+  big = 2**63 - 8
+  for box in [(0, big, 8, 16), (big, 0, 16, 8), (1, 1, big, big)]:
+    with pytest.raises(decode.DecodeError, match="outside"):
+      decode.decode_crop(IMAGES["jpeg420"], box)
+  native = decode.native()
+  if native is not None:
+    head, index = augment.Head(OUT), np.zeros(2, np.int64)
+    labels, dims, arena = np.zeros(2, np.int64), np.zeros((2, 2), np.int32), np.empty(64, np.uint8)
+    with pytest.raises(ValueError, match="arena: 2 items of 4611686018427387904 bytes is not a"):
+      native.decode_batch(
+        [b"x", b"y"], index, index, labels, dims, arena, 2**62, 0, 2, 0,
+        b"image/encoded", b"image/class/label", OUT, head.native_params(), 0,
+      )  # fmt: skip
 
 
 def test_a_segfault_in_the_sandbox_fails_the_check_instead_of_pytest(sandbox):

@@ -86,6 +86,19 @@ def test_training_logs_are_quiet(finished):
   ]
 
 
+@pytest.mark.parametrize("garbage", [b"\x00\xff not json", b'["a list"]'])
+def test_a_summary_this_trainer_did_not_write_is_refused_in_one_line(
+  finished, digits_dir, tmp_path, garbage
+):
+  workdir = tmp_path / "run"
+  shutil.copytree(finished[0], workdir)
+  (workdir / "summary.json").write_bytes(garbage)
+  out = train(workdir, digits_dir)
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert out.stderr.count("\n") == 1 and "is not a summary this trainer wrote" in out.stderr
+  assert (workdir / "summary.json").read_bytes() == garbage  # nothing overwritten
+
+
 def test_a_finished_run_rerun_says_already_done_and_keeps_its_summary(
   finished, digits_dir, tmp_path
 ):

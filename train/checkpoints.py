@@ -81,6 +81,8 @@ class Checkpoints:
   def __init__(self, workdir: epath.Path, keep: int):
     self.workdir = workdir
     self.directory = workdir / "checkpoints"
+    if self.directory.exists() and not self.directory.is_dir():  # else: train, then fail to save
+      raise UsageError(f"{self.directory} is not a folder: move it aside to keep checkpoints")
     self.manager = ocp.CheckpointManager(
       self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
     )
@@ -89,7 +91,11 @@ class Checkpoints:
     return self.manager.latest_step()
 
   def save(self, step: int, state, data) -> None:
-    sums = {"state_sha256": checksum(state), "data_sha256": _all_processes(data_checksum(data))}
+    sums = {
+      "state_sha256": checksum(state),
+      "data_sha256": _all_processes(data_checksum(data)),
+      "step": step,  # a copy under another step's name is not that step's checkpoint
+    }
     try:
       self.manager.save(
         step,
@@ -114,6 +120,8 @@ class Checkpoints:
       ),
     )
     sums = restored.checksums
+    if sums.get("step", step) != step:  # checkpoints saved before "step" was recorded lack it
+      raise ValueError(f"it was saved as step {sums['step']}, not {step} (copied or renamed?)")
     if checksum(restored.state) != sums["state_sha256"]:
       raise ValueError("the model state does not match its checksum")
     if data_checksum(data) != sums["data_sha256"][jax.process_index()]:

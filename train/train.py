@@ -255,8 +255,13 @@ def already_done(workdir: epath.Path, plan: config_lib.Plan) -> dict | None:
   path = workdir / "summary.json"
   if not path.exists():
     return None
-  summary = json.loads(path.read_text())
-  return summary if summary.get("steps", 0) >= plan.num_steps else None
+  try:
+    summary = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise UsageError(f"{path} is not a summary this trainer wrote ({e}): move it aside") from None
+  if not isinstance(summary, dict) or not isinstance(summary.get("steps"), int):
+    raise UsageError(f"{path} is not a summary this trainer wrote (no step count): move it aside")
+  return summary if summary["steps"] >= plan.num_steps else None
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:

@@ -21,7 +21,7 @@ from PIL import Image
 
 from pipeline import decode
 
-MAX_PIXELS = 89_478_485  # Pillow's own decompression-bomb threshold
+MAX_PIXELS = decode.MAX_PIXELS  # Pillow's own decompression-bomb threshold
 REENCODE_QUALITY = 95
 _JPEG_MAGIC = b"\xff\xd8\xff"
 _SIMPLEJPEG_COLORSPACES = ("Gray", "YCbCr", "RGB")
@@ -45,6 +45,8 @@ def _jpeg_fast_path(data: bytes, max_pixels: int) -> tuple[str | None, tuple[int
   _check_pixels(width, height, max_pixels)
   if colorspace not in _SIMPLEJPEG_COLORSPACES:
     return f"{colorspace} jpeg", (height, width)
+  if not decode.plain_jpeg(data):  # before simplejpeg's scaled decode, which it can crash
+    return f"{_jpeg_mode(data)} jpeg", (height, width)
   try:
     # The smallest DCT scale still entropy-decodes every block, so truncation and corrupt
     # data are caught at about half the cost of a full decode.
@@ -54,6 +56,25 @@ def _jpeg_fast_path(data: bytes, max_pixels: int) -> tuple[str | None, tuple[int
       raise BadImage(f"truncated or corrupt JPEG: {e}") from None
     return f"jpeg decoder warning ({e})", (height, width)
   return None, (height, width)
+
+
+_JPEG_MODES = {
+  0xC3: "lossless",
+  0xC9: "arithmetic-coded",
+  0xCA: "arithmetic-coded progressive",
+  0xCB: "lossless arithmetic-coded",
+}
+
+
+def _jpeg_mode(data: bytes) -> str:
+  """Names what makes a JPEG unfit for the fast path, e.g. "lossless" or "12-bit"."""
+  frame = decode.jpeg_frame(data)
+  if frame is None:
+    return "irregular (bytes between segments)"
+  marker, precision, _, _ = frame
+  if marker in decode._PLAIN_SOF:
+    return f"{precision}-bit"
+  return _JPEG_MODES.get(marker, "hierarchical")
 
 
 def _to_rgb(im: Image.Image) -> Image.Image:
@@ -78,6 +99,8 @@ def _decode_pil(data: bytes, max_pixels: int) -> tuple[Image.Image, str]:
   except BadImage:
     raise
   except Image.UnidentifiedImageError:
+    if data.startswith(_JPEG_MAGIC) and not decode.plain_jpeg(data):
+      raise BadImage(f"unsupported {_jpeg_mode(data)} JPEG: Pillow cannot decode it") from None
     raise BadImage("not an image: unrecognised format") from None
   except Image.DecompressionBombError as e:
     raise BadImage(f"decompression bomb: {e}") from None
@@ -134,7 +157,7 @@ def prepare(
 
 def decode_rgb(data: bytes) -> np.ndarray:
   """Fully decodes stored image bytes to RGB uint8 HWC (simplejpeg, else Pillow)."""
-  if data.startswith(_JPEG_MAGIC):
+  if data.startswith(_JPEG_MAGIC) and decode.plain_jpeg(data):
     try:
       return simplejpeg.decode_jpeg(data, "RGB")
     except ValueError:

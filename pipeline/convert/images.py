@@ -106,6 +106,23 @@ def load_labels(path: str | os.PathLike) -> dict[str, str]:
   return labels
 
 
+NOT_UTF8 = "file name is not UTF-8: rename it (records and the manifest hold UTF-8 names)"
+
+
+def _utf8(name: str) -> bool:
+  """False for a name with bytes that are not UTF-8 (Python holds them as lone surrogates)."""
+  try:
+    name.encode("utf-8")
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
+def _printable(name: str) -> str:
+  """`name` with its undecodable bytes written as \\xNN, for the skipped list."""
+  return name.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
+
+
 def _scan(
   src: str, follow_symlinks: bool, exclude: Sequence[str], labels: Mapping[str, str] | None = None
 ) -> tuple[dict[str, list[tuple[str, os.stat_result]]], list[dict[str, str]]]:
@@ -124,7 +141,9 @@ def _scan(
   def walk(path: str, rel: str, name: str, canonical: bool) -> None:
     for entry in sorted(os.scandir(path), key=lambda e: e.name):
       rel_path = os.path.join(rel, entry.name)
-      if _ignored(entry.name):
+      if not _utf8(entry.name):
+        skipped.append({"path": _printable(rel_path), "reason": NOT_UTF8})
+      elif _ignored(entry.name):
         skipped.append({"path": rel_path, "reason": "hidden or tool file or folder"})
       elif problem := _link_problem(entry, root, follow_symlinks):
         skipped.append({"path": rel_path, "reason": problem})
@@ -188,7 +207,9 @@ def _class_folders(
     real = os.path.realpath(entry.path)
     if real in excluded:
       continue
-    if _ignored(entry.name):
+    if not _utf8(entry.name):
+      skipped.append({"path": _printable(entry.name), "reason": NOT_UTF8})
+    elif _ignored(entry.name):
       skipped.append({"path": entry.name, "reason": "hidden or tool folder, not a class"})
     elif problem := _link_problem(entry, root, follow_symlinks):
       skipped.append({"path": entry.name, "reason": problem})

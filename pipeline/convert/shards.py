@@ -434,8 +434,17 @@ def start(job: Job, overwrite: bool = False) -> manifest_lib.Manifest | None:
 
 
 def pending(job: Job) -> list[ShardPlan]:
-  """The shards an earlier, interrupted run of this very job did not finish."""
-  return [p for p in job.plans if _load_done(job.out, p.name, job.fp) is None]
+  """The shards an earlier, interrupted run of this very job did not finish.
+
+  A shard file without its done marker (the disk filled up between the shard's rename and
+  its marker) cannot be trusted, as its skipped files are unknown: it is removed, so
+  writing it again needs no room for a second copy.
+  """
+  todo = [p for p in job.plans if _load_done(job.out, p.name, job.fp) is None]
+  for p in todo:
+    with contextlib.suppress(FileNotFoundError):
+      os.unlink(os.path.join(build_dir(job.out), p.name))
+  return todo
 
 
 class _ShardBuilder:

@@ -1,0 +1,483 @@
+"""Hostile bytes (issue 20): rare JPEG modes, hidden frames, and the pixel limit.
+
+Every input here once crashed a decoder, fooled a guard or cost gigabytes. Decoding that could
+crash runs in a child process, so a crash fails the test instead of killing pytest.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import os
+import pathlib
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import numpy as np
+import pytest
+from array_record.python.array_record_module import ArrayRecordWriter
+from etils import epath
+from PIL import Image
+
+from pipeline import decode, manifest
+from pipeline.convert import checks, images, shards
+from pipeline.source import ShardedSource
+from tests import jpeg_modes
+
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+NATIVE = decode.native()
+
+
+def run_child(code: str, memory: int = 1 << 30, timeout: float = 60) -> subprocess.CompletedProcess:
+  """Runs `code` in a fresh interpreter with at most `memory` bytes of address space."""
+  prelude = f"import resource; resource.setrlimit(resource.RLIMIT_AS, ({memory}, {memory}))\n"
+  return subprocess.run(
+    [sys.executable, "-c", prelude + textwrap.dedent(code)],
+    cwd=ROOT,
+    env={**os.environ, "PYTHONPATH": str(ROOT)},
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
+
+
+# --- rare JPEG modes ------------------------------------------------------------------------
+
+
+def test_rare_jpeg_modes_decode_or_are_refused_without_crashing():
+  """Lossless RGB went through simplejpeg's scaled decode (conversion's check), was stored as
+  is, and corrupted the heap: SIGSEGV at exit or at the next call. Now Pillow decodes it and
+  conversion stores it re-encoded, or the mode is refused."""
+  child = run_child("""
+    import json, sys
+    from pipeline import decode
+    from pipeline.convert import checks
+    from tests.jpeg_modes import RARE
+    for name, data in sorted(RARE.items()):
+      print(json.dumps({"trying": name}), flush=True)  # names the input if the next call dies
+      out = {"name": name}
+      for path, fn in [("prepare", lambda: checks.prepare(data)[1]),
+                       ("decode", lambda: decode.decode(data).shape),
+                       ("crop", lambda: decode.decode_crop(data, (0, 0, 4, 4), 2).shape),
+                       ("stored", lambda: checks.decode_rgb(data).shape)]:
+        try:
+          out[path] = str(fn())
+        except (checks.BadImage, decode.DecodeError) as e:
+          out[path] = "refused: " + str(e)
+      print(json.dumps(out), flush=True)
+    """)
+  lines = [json.loads(line) for line in child.stdout.splitlines()]
+  died_on = lines[-1].get("trying", "exit (heap corrupted earlier)") if lines else "start"
+  assert child.returncode == 0, f"rc {child.returncode} at {died_on}:\n{child.stderr[-2000:]}"
+  results = [r for r in lines if "name" in r]
+  assert sorted(r["name"] for r in results) == sorted(jpeg_modes.RARE)
+  for out in results:
+    if not out["prepare"].startswith("refused"):  # stored re-encoded: decodes everywhere
+      assert "jpeg" in out["prepare"], out
+      assert out["decode"] == "(8, 8, 3)", out
+
+
+def test_plain_jpegs_are_told_from_rare_ones_by_their_frame():
+  assert not any(decode.plain_jpeg(d) for d in jpeg_modes.RARE.values())
+  assert decode.plain_jpeg(jpeg_modes.sequential(8, 0xC0))
+  assert decode.jpeg_frame(jpeg_modes.lossless(ids=b"RGB")) == (0xC3, 8, 8, 8)
+  assert decode.jpeg_frame(jpeg_modes.hidden_frame_bomb()) is None  # bytes between segments
+  if NATIVE is not None:  # the C walker finds the same frame
+    for data in [*jpeg_modes.RARE.values(), jpeg_modes.hidden_frame_bomb()]:
+      assert NATIVE.frame(data) == decode.jpeg_frame(data)
+    # and the C decoder itself refuses what libjpeg reads as lossless or 12-bit
+    for name, why in [("lossless_rgb", "lossless JPEG"), ("extended12", "12-bit JPEG")]:
+      with pytest.raises(ValueError, match=f"{why} \\(not for this decoder"):
+        NATIVE.decode_crop(jpeg_modes.RARE[name], 0, 0, 4, 4, 1)
+
+
+def test_a_lossless_jpeg_is_reencoded_and_a_12_bit_one_skipped_by_convert(tmp_path, run_python):
+  src = tmp_path / "src" / "a"
+  src.mkdir(parents=True)
+  (src / "plain.jpg").write_bytes(jpeg_modes.sequential(8, 0xC0))
+  (src / "lossless.jpg").write_bytes(jpeg_modes.lossless(ids=b"RGB"))
+  (src / "deep.jpg").write_bytes(jpeg_modes.sequential(12, 0xC1))
+  done = run_python("-m", "pipeline.convert", "images", str(tmp_path / "src"), str(tmp_path / "o"))
+  assert done.returncode == 0, done.stdout + done.stderr
+  m = json.loads((tmp_path / "o" / "manifest.json").read_text())
+  assert m["splits"]["train"]["num_records"] == 2
+  assert m["skipped"] == [
+    {"path": "a/deep.jpg", "reason": "unsupported 12-bit JPEG: Pillow cannot decode it"}
+  ]
+  assert [(r["path"], r["reason"]) for r in m["created_by"]["reencoded"]] == [
+    ("a/lossless.jpg", "jpeg RGB: lossless jpeg")
+  ]
+
+
+# --- the pixel limit on the frame libjpeg decodes -------------------------------------------
+
+
+def test_one_pixel_limit_shared_by_c_and_python():
+  assert checks.MAX_PIXELS == decode.MAX_PIXELS == 89_478_485
+  if NATIVE is not None:
+    assert NATIVE.MAX_PIXELS == decode.MAX_PIXELS
+
+
+def test_a_frame_hidden_behind_stray_bytes_is_measured_as_libjpeg_reads_it():
+  bomb = jpeg_modes.hidden_frame_bomb()  # shows 64x64, decodes as 65500x65500
+  with pytest.raises(decode.DecodeError, match="65500x65500 image exceeds"):
+    decode.image_size(bomb)
+  with pytest.raises(checks.BadImage, match="decompression bomb"):
+    checks.prepare(bomb)
+
+
+@pytest.mark.skipif(NATIVE is None, reason="the C extension was not built")
+def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
+  """A 64x64 crop of the visible frame: libjpeg would size its buffers by the hidden one."""
+  child = run_child(
+    """
+    import resource, time
+    from pipeline import augment, decode
+    from tests.jpeg_modes import hidden_frame_bomb
+    import numpy as np
+    native, bomb = decode.native(), hidden_frame_bomb()
+    assert native.header(bomb) == (65500, 65500)
+    start = time.perf_counter()
+    try:
+      native.decode_crop(bomb, 0, 0, 64, 64, 1)
+    except ValueError as e:
+      print(e)
+    from pipeline import records
+    head = augment.Head(32)
+    index, labels = np.zeros(1, np.int64), np.zeros(1, np.int64)
+    arena, dims = np.empty(head.slot_bytes(), np.uint8), np.zeros((1, 2), np.int32)
+    print(native.decode_batch([records.encode(bomb, 1)], index, index, labels, dims, arena,
+          head.slot_bytes(), 0, 1, 0, b"image/encoded", b"image/class/label", 32,
+          head.native_params(), 0))
+    print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+    """,
+    memory=2 << 30,
+  )
+  assert child.returncode == 0, child.stderr[-2000:]
+  refusal, handed_back, cost = child.stdout.splitlines()
+  assert "65500x65500 image exceeds the 89478485-pixel limit" in refusal
+  assert handed_back == "[(0, 1, '')]"  # the Python path, which refuses it by size
+  seconds, rss_mb = cost.split()
+  assert float(seconds) < 1 and int(rss_mb) < 1000
+
+
+# --- out of memory is not corrupt data --------------------------------------------------------
+
+
+def test_out_of_memory_while_reading_is_an_error_not_a_corrupt_record(tmp_path):
+  """array_record's std::bad_alloc surfaced as CorruptRecordsError: `skip` dropped good records."""
+  shard = tmp_path / "train.array_record-00000-of-00001"
+  writer = ArrayRecordWriter(str(shard), "group_size:1,uncompressed")
+  writer.write(b"small")
+  writer.write(bytes(96 << 20))
+  writer.close()
+  child = run_child(
+    f"""
+    import re, resource
+    from pipeline.source import ShardedSource
+    source = ShardedSource([{str(shard)!r}], [2])
+    assert source.read([0]) == [b"small"]
+    size = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) << 10
+    resource.setrlimit(resource.RLIMIT_AS, (size + (32 << 20),) * 2)
+    try:
+      source.read([1])
+    except Exception as e:
+      print(type(e).__name__, e)
+    """,
+    memory=8 << 30,
+  )
+  assert child.returncode == 0, child.stderr[-2000:]
+  assert child.stdout.startswith(f"MemoryError out of memory reading {shard.name}"), child.stdout
+
+
+# --- the extension is expected where CI builds it ---------------------------------------------
+
+
+@pytest.mark.skipif(os.environ.get("CI") != "true", reason="CI=true only: elsewhere it is optional")
+def test_ci_runs_with_the_c_extension_built():
+  """setup.py only warns when the build fails; in CI a silent fallback would test the wrong path."""
+  assert decode.native() is not None, "pipeline._jpeg was not built: see setup.py's warning"
+
+
+# --- a full disk during conversion ------------------------------------------------------------
+
+PAGE = 4096
+NO_SPACE_AT_MARKER = """
+import errno, os, sys
+from pipeline.convert import shards
+write_json = shards._write_json
+def full_disk(path, data):
+  if os.path.basename(path) == os.environ["FULL_AT"] + ".done":
+    raise OSError(errno.ENOSPC, "No space left on device", path)
+  write_json(path, data)
+shards._write_json = full_disk
+from pipeline.convert.__main__ import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+@contextlib.contextmanager
+def small_disk(path: pathlib.Path, pages: int):
+  """A tmpfs of `pages` pages at `path` (root only): writes past it fail with ENOSPC."""
+  path.mkdir()
+  mounted = subprocess.run(
+    ["mount", "-t", "tmpfs", "-o", f"size={pages * PAGE}", "tmpfs", str(path)],
+    capture_output=True,
+    text=True,
+  )
+  if mounted.returncode != 0:
+    pytest.skip(f"cannot mount a small tmpfs (root only): {mounted.stderr.strip()}")
+  try:
+    yield path
+  finally:
+    subprocess.run(["umount", str(path)], check=True)
+
+
+def test_a_shard_left_without_its_marker_by_a_full_disk_is_rewritten_in_place(tmp_path):
+  """ENOSPC between a shard's rename and its done marker left the shard behind, unused: the
+  re-run wrote a second copy beside it and ran out of space again.
+
+  The first failure is injected (the last shard's marker write raises ENOSPC, as on a disk that
+  filled up at that moment); the re-run is real, on a tmpfs with room for one copy of each shard.
+  """
+  src = tmp_path / "src"
+  for c in range(2):
+    for i in range(12):
+      path = src / f"c{c}" / f"{i}.jpg"
+      path.parent.mkdir(parents=True, exist_ok=True)
+      pixels = np.random.default_rng(c * 100 + i).integers(0, 255, (96, 96, 3), dtype=np.uint8)
+      Image.fromarray(pixels).save(path, "JPEG", quality=95)
+  args = ["images", str(src), "--workers", "1", "--shard-size-mb", "0.1", "--no-progress"]
+
+  def convert(out, *, full_at=""):
+    code = ["-c", NO_SPACE_AT_MARKER] if full_at else ["-m", "pipeline.convert"]
+    return subprocess.run(
+      [sys.executable, *code, *args[:2], str(out), *args[2:]],
+      cwd=ROOT,
+      env={**os.environ, "PYTHONPATH": str(ROOT), "FULL_AT": full_at},
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
+
+  whole = tmp_path / "whole"
+  assert convert(whole).returncode == 0
+  sizes = [
+    s["bytes"]
+    for s in json.loads((whole / "manifest.json").read_text())["splits"]["train"]["shards"]
+  ]
+  last = shards.shard_name("train", len(sizes) - 1, len(sizes))  # rewritten when the disk is
+  assert len(sizes) >= 2 and sizes[-1] > 16 * PAGE  # fullest: a second copy does not fit
+  # Room for the dataset and its small files, and 16 pages more: less than a second copy.
+  with small_disk(tmp_path / "disk", sum(-(-s // PAGE) for s in sizes) + 16) as disk:
+    clean = convert(disk / "clean")  # the disk is big enough for a conversion
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    shutil.rmtree(disk / "clean")
+    out = disk / "out"
+    failed = convert(out, full_at=last)
+    assert failed.returncode != 0 and "No space left on device" in failed.stderr
+    assert len(failed.stderr.strip().splitlines()) == 1, failed.stderr
+    left = sorted(p.name for p in (out / shards.BUILD_DIR).iterdir())
+    assert last in left and last + ".done" not in left
+    rerun = convert(out)
+    assert rerun.returncode == 0, rerun.stderr[-2000:]
+    for name in (p.name for p in whole.glob("*.array_record-*")):
+      assert (out / name).read_bytes() == (whole / name).read_bytes(), name
+
+
+# --- a reader stays on the dataset it opened -------------------------------------------------
+
+
+def _two_datasets(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
+  """Two image folders that convert to the same shard names and per-shard counts: the files
+  are different, the sizes equal."""
+  srcs = []
+  for version in (0, 1):
+    src = tmp_path / f"src{version}"
+    for c in range(2):
+      for i in range(6):
+        path = src / f"c{c}" / f"{i}.jpg"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        rng = np.random.default_rng(version * 1000 + c * 100 + i)
+        buf = io.BytesIO()
+        Image.fromarray(rng.integers(0, 255, (32, 32, 3), dtype=np.uint8)).save(buf, "JPEG")
+        data = buf.getvalue()  # padded with a comment to 4000 bytes: records of equal size
+        path.write_bytes(
+          data[:2] + jpeg_modes.segment(0xFE, bytes(4000 - len(data) - 4)) + data[2:]
+        )
+    srcs.append(src)
+  return srcs[0], srcs[1]
+
+
+def _convert(src, out, **kw):
+  return images.convert(src, out, workers=1, progress=False, shard_size_mb=0.01, **kw)
+
+
+def test_shards_replaced_by_convert_overwrite_are_refused_at_open(tmp_path):
+  """A reader pinned the shards it checked; `convert --overwrite` swaps in new files."""
+  old_src, new_src = _two_datasets(tmp_path)
+  out = tmp_path / "out"
+  _convert(old_src, out)
+  meta = manifest.load(out)
+  paths, pins = manifest.pinned_shards(out, meta, "train")
+  assert len(paths) >= 3
+  for path, pinned in zip(paths, pins):
+    manifest.check_pinned(path, pinned)  # unchanged: fine
+  _convert(new_src, out, overwrite=True)
+  new = manifest.load(out)
+  assert [s.file for s in new.splits["train"].shards] == [p.name for p in paths]
+  assert [s.num_records for s in new.splits["train"].shards] == [
+    s.num_records for s in meta.splits["train"].shards
+  ]
+  for path, pinned in zip(paths, pins):
+    with pytest.raises(manifest.ShardReplacedError, match=f"shard {path} was replaced after"):
+      manifest.check_pinned(path, pinned)
+  with pytest.raises(manifest.ManifestError, match="changed while the dataset was being opened"):
+    manifest.pinned_shards(out, meta, "train")  # the manifest it was given is gone
+
+
+def test_a_source_opened_before_convert_overwrite_refuses_the_new_shards(tmp_path):
+  """End to end through ShardedSource: passes once source.py pins and checks (see report)."""
+  old_src, new_src = _two_datasets(tmp_path)
+  out = tmp_path / "out"
+  _convert(old_src, out)
+  meta = manifest.load(out)
+  paths, pins = manifest.pinned_shards(out, meta, "train")
+  counts = [s.num_records for s in meta.splits["train"].shards]
+  source = ShardedSource(paths, counts, pins)
+  first = source.read([0])
+  _convert(new_src, out, overwrite=True)
+  assert source.read([0]) == first  # an open reader keeps reading the file it opened
+  with pytest.raises(manifest.ShardReplacedError, match="was replaced after"):
+    source.read([len(source) - 1])
+
+
+# --- tampered datasets ------------------------------------------------------------------------
+
+
+@pytest.fixture
+def photos(photos_dir, tmp_path) -> pathlib.Path:
+  """A private copy of the converted photos (train 48, validation 16), safe to damage."""
+  return shutil.copytree(photos_dir, tmp_path / "photos")
+
+
+@pytest.mark.parametrize("where", ["same split", "another split"])
+def test_a_manifest_listing_one_shard_twice_is_refused(photos, where):
+  """Served every record twice (one shard listed twice, counts adjusted to match)."""
+  d = json.loads((photos / "manifest.json").read_text())
+  train = d["splits"]["train"]
+  twice = train["shards"][0]
+  other = train if where == "same split" else d["splits"]["validation"]
+  other["shards"].append(dict(twice))
+  other["num_records"] += twice["num_records"]
+  (photos / "manifest.json").write_text(json.dumps(d))
+  with pytest.raises(manifest.ManifestError, match=f"shard '{twice['file']}' is listed twice"):
+    manifest.load(photos)
+
+
+def test_verify_none_refuses_a_fifo_shard_instead_of_blocking(photos):
+  shard = photos / manifest.load(photos).splits["train"].shards[0].file
+  shard.unlink()
+  os.mkfifo(shard)
+  child = run_child(
+    f"""
+    import pipeline
+    try:
+      pipeline.make_dataset({str(photos)!r}, batch_size=4, verify="none")
+    except Exception as e:
+      print(type(e).__name__, e)
+    """,
+    memory=8 << 30,
+    timeout=120,
+  )
+  assert child.stdout.strip() == f"ManifestError shard {shard} is not a regular file", child.stderr
+
+
+def test_a_file_name_that_is_not_utf8_is_skipped_and_named(tmp_path, run_python):
+  """Aborted the whole conversion with a UnicodeEncodeError naming no file."""
+  src = os.fsencode(tmp_path / "src")
+  image = jpeg_modes.sequential(8, 0xC0)
+  for rel in (b"a/good.jpg", b"a/bad\xff.jpg", b"caf\xe9/x.jpg"):
+    path = os.path.join(src, rel)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "wb") as f:
+      f.write(image)
+  done = run_python("-m", "pipeline.convert", "images", str(tmp_path / "src"), str(tmp_path / "o"))
+  assert done.returncode == 0, done.stderr
+  m = manifest.load(tmp_path / "o")
+  assert m.classes == ["a"] and m.splits["train"].num_records == 1
+  assert m.skipped == [
+    {"path": "a/bad\\xff.jpg", "reason": images.NOT_UTF8},
+    {"path": "caf\\xe9", "reason": images.NOT_UTF8},
+  ]
+
+
+# --- checkpoints ------------------------------------------------------------------------------
+
+
+def _tiny_run():
+  """A small model state and a data iterator one element in: what a checkpoint holds."""
+  import grain
+  from flax import nnx
+
+  _, state = nnx.split(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+  data = iter(grain.MapDataset.range(10).to_iter_dataset())
+  next(data)
+  return state, data
+
+
+def test_a_file_where_the_checkpoint_folder_goes_is_refused_before_training(tmp_path):
+  """Trained, then failed to save and timed out after ~300 s."""
+  from train import UsageError
+  from train.checkpoints import Checkpoints
+
+  (tmp_path / "checkpoints").write_text("not a folder")
+  with pytest.raises(UsageError, match="checkpoints is not a folder: move it aside"):
+    Checkpoints(epath.Path(tmp_path), keep=3)
+
+
+def test_a_checkpoint_copied_to_another_step_is_not_trusted(tmp_path, capfd):
+  """Only what a finished save wrote: a copy named step 99999 restored as step 99999."""
+  from train.checkpoints import Checkpoints
+
+  state, data = _tiny_run()
+  ckpt = Checkpoints(epath.Path(tmp_path), keep=3)
+  ckpt.save(2, state, data)
+  ckpt.close()
+  shutil.copytree(tmp_path / "checkpoints" / "2", tmp_path / "checkpoints" / "99999")
+  ckpt = Checkpoints(epath.Path(tmp_path), keep=3)
+  step, _ = ckpt.restore(state, data)
+  ckpt.close()
+  assert step == 2
+  assert (tmp_path / "unrestorable" / "99999").is_dir()
+  assert "it was saved as step 2, not 99999" in capfd.readouterr().err
+
+
+def test_a_dataset_with_a_hidden_bomb_record_serves_the_rest_quickly(tmp_path, write_dataset):
+  """One such record cost ~52 s and 8.5 GB on the native path, and again on the Python retry."""
+  from pipeline import records
+
+  good = jpeg_modes.sequential(8, 0xC0)
+  recs = [records.encode(good, 0), records.encode(jpeg_modes.hidden_frame_bomb(), 1)] * 4
+  write_dataset(tmp_path / "data", recs, ["a", "b"])
+  child = run_child(
+    f"""
+    import time, resource, pipeline
+    start = time.perf_counter()
+    ds = pipeline.make_dataset({str(tmp_path / "data")!r}, batch_size=4, train=False,
+                               image_size=8, on_error="skip", shard_index=0, shard_count=1)
+    it = iter(ds)
+    served = sum(int(b["mask"].sum()) for b in it)
+    print(served, it.skipped, time.perf_counter() - start,
+          resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+    """,
+    memory=6 << 30,
+    timeout=300,
+  )
+  assert child.returncode == 0, child.stderr[-3000:]
+  served, skipped, seconds, rss_mb = child.stdout.split()
+  assert (int(served), int(skipped)) == (4, 4)
+  assert float(seconds) < 60 and int(rss_mb) < 2000, child.stdout
