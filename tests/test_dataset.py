@@ -606,3 +606,13 @@ def test_host_normalization_refuses_images_an_op_made_float(photos_dir):
   )
   with pytest.raises(ValueError, match="normalize=True scales uint8 pixels"):
     next(iter(ds))
+
+
+def test_a_state_without_its_stream_is_refused(photos_dir):
+  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0, shard_count=1)
+  it = iter(ds)
+  take(it, 2)
+  state = it.get_state()
+  del state["stream"]  # whose batch positions these are can no longer be checked
+  with pytest.raises(StateError, match="another stream"):
+    iter(ds).set_state(state)
