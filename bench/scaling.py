@@ -125,7 +125,8 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     image_size=spec["image_size"],
     shard_index=0,
     shard_count=1,
-    performance=dict(num_threads=threads, num_workers=workers),
+    # No record cache: behind the rig (step 8) it would hide the storage after an epoch.
+    performance=dict(num_threads=threads, num_workers=workers, record_cache_mb=0.0),
     emulate_us=spec.get("emulate_us"),
   )
   start = time.perf_counter()
