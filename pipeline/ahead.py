@@ -6,16 +6,44 @@ threads and returns at once; `finish(started)` waits for it and returns the resu
 iterator keeps up to `stage.depth()` elements started (asked again as it runs, so the depth
 may follow measured latency), and its state is its parent's state after the element it
 yielded last: work started ahead is discarded on `set_state`, so a resumed stream is the
-stream. Reads (`pipeline.reads`) and decoding (`pipeline.images`) are such stages.
+stream. Reads (`pipeline.reads`) and decoding (`pipeline.images`) are such stages; their
+work runs on `Threads`, a pool each process makes on first use.
 """
 
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import copy
+import threading
 from typing import Any, Protocol
 
 import grain
+
+
+class Threads:
+  """A thread pool started on first use in each process: a stage holding one pickles to
+  Grain's worker processes as its size and name."""
+
+  def __init__(self, size: int, name: str):
+    self.size, self.name = size, name
+    self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+    self._lock = threading.Lock()
+
+  def __getstate__(self):
+    return {"size": self.size, "name": self.name}
+
+  def __setstate__(self, state):
+    self.__init__(state["size"], state["name"])
+
+  def submit(self, fn, *args) -> concurrent.futures.Future:
+    if self._pool is None:
+      with self._lock:
+        if self._pool is None:
+          self._pool = concurrent.futures.ThreadPoolExecutor(
+            self.size, thread_name_prefix=self.name
+          )
+    return self._pool.submit(fn, *args)
 
 
 class Stage(Protocol):

@@ -124,41 +124,12 @@ def make_dataset(
       cores: no workers, a thread per core), the read-ahead for the read latency measured at
       open (`pipeline.reads`), and the choice is printed once.
   """
-  return chain(
-    build(
-      data_dir,
-      split,
-      batch_size=batch_size,
-      train=train,
-      seed=seed,
-      image_size=image_size,
-      num_epochs=num_epochs,
-      shuffle=shuffle,
-      drop_remainder=drop_remainder,
-      shard_index=shard_index,
-      shard_count=shard_count,
-      sharding=sharding,
-      augment=augment,
-      ops=ops,
-      batch_ops=batch_ops,
-      features=features,
-      keys=keys,
-      normalize=normalize,
-      on_error=on_error,
-      verify=verify,
-      performance=performance,
-    )
-  )
+  return chain(build(**locals()))
 
 
-def build(data_dir, split: str = "train", *, batch_size: int, **kwargs) -> Stages:
-  """The stages `make_dataset` joins, for the same arguments (see there)."""
-  return _build(data_dir, split, batch_size=batch_size, **kwargs)
-
-
-def _build(
+def build(
   data_dir,
-  split: str,
+  split: str = "train",
   *,
   batch_size: int,
   train: bool = True,
@@ -180,6 +151,7 @@ def _build(
   verify: str = "size",
   performance: Performance | Mapping | None = None,
 ) -> Stages:
+  """The stages `make_dataset` joins, for the same arguments (see there)."""
   if on_error not in ("raise", "skip"):
     raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
   if batch_size < 1:

@@ -9,20 +9,19 @@ are handled by the error policy, then your batch ops. The output is
 
 from __future__ import annotations
 
-import concurrent.futures
-import threading
 from collections.abc import Sequence
 
 import numpy as np
 
 from pipeline import errors, records
+from pipeline.ahead import Threads
 from pipeline.plan import Batch
 
 SKIPPED_KEY = "_skipped"
 
 
 class FinishBatch:
-  """The ops stage, a plain map: `Batch` -> dict. Picklable (its pool is made per process)."""
+  """The ops stage, a plain map: `Batch` -> dict."""
 
   def __init__(
     self,
@@ -39,26 +38,7 @@ class FinishBatch:
     self.num_classes, self.seed, self.num_threads = num_classes, seed, num_threads
     self.on_error, self.with_mask = on_error, with_mask
     self.image_ops, self.batch_ops, self.features = tuple(image_ops), tuple(batch_ops), features
-    self._init_runtime()
-
-  def _init_runtime(self):
-    self._pool = None
-    self._lock = threading.Lock()
-
-  def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k not in ("_pool", "_lock")}
-
-  def __setstate__(self, state):
-    self.__dict__.update(state)
-    self._init_runtime()
-
-  def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
-    with self._lock:
-      if self._pool is None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-          self.num_threads, thread_name_prefix="pipeline-ops"
-        )
-      return self._pool
+    self.threads = Threads(num_threads, "pipeline-ops")
 
   def __call__(self, batch: Batch) -> dict[str, np.ndarray]:
     self._check_labels(batch)
@@ -74,7 +54,7 @@ class FinishBatch:
       step = max(1, -(-len(todo) // (2 * self.num_threads)))
       chunks = [todo[k : k + step] for k in range(0, len(todo), step)]
       for future in [
-        self._executor().submit(self._extras, batch, c, arrays, op_images) for c in chunks
+        self.threads.submit(self._extras, batch, c, arrays, op_images) for c in chunks
       ]:
         future.result()
     ok = batch.real & ~batch.bad

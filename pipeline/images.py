@@ -13,13 +13,13 @@ image is a view and one OpenCV call.
 
 from __future__ import annotations
 
-import concurrent.futures
 import threading
 
 import cv2
 import numpy as np
 
 from pipeline import augment, decode, errors, records
+from pipeline.ahead import Threads
 from pipeline.plan import Batch
 from pipeline.source import CorruptRecordsError
 
@@ -45,13 +45,13 @@ class DecodeImages:
   ):
     self.head, self.keys, self.seed, self.on_error = head, keys, seed, on_error
     self.num_threads, self.prefetch = num_threads, prefetch
+    self.threads = Threads(num_threads, "pipeline-decode")
     self.cache_bytes = int(cache_mb * 2**20)
     self.slot_bytes = head.slot_bytes()
     self.key_bytes = (keys.image.encode(), keys.label.encode())
     self._init_runtime()
 
   def _init_runtime(self):
-    self._pool = None
     self._lock = threading.Lock()
     self._cache: dict[int, np.ndarray] = {}
     self._decoding: dict[int, threading.Event] = {}
@@ -59,7 +59,7 @@ class DecodeImages:
     self._local = threading.local()
 
   def __getstate__(self):
-    runtime = ("_pool", "_lock", "_cache", "_decoding", "_cache_used", "_local")
+    runtime = ("_lock", "_cache", "_decoding", "_cache_used", "_local")
     return {k: v for k, v in self.__dict__.items() if k not in runtime}
 
   def __setstate__(self, state):
@@ -68,14 +68,6 @@ class DecodeImages:
 
   def depth(self) -> int:
     return self.prefetch
-
-  def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
-    with self._lock:
-      if self._pool is None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-          self.num_threads, thread_name_prefix="pipeline-decode"
-        )
-      return self._pool
 
   def arena(self, slots: int) -> np.ndarray:
     """This thread's buffer for `slots` decoded windows (kept: no page faults per batch)."""
@@ -92,9 +84,8 @@ class DecodeImages:
     # A few contiguous chunks per thread, balanced, at most MAX_CHUNK images each.
     step = max(1, min(MAX_CHUNK, -(-n // (2 * self.num_threads))))
     native = [r if isinstance(r, bytes) else None for r in batch.records]
-    pool = self._executor()
     return batch, [
-      pool.submit(self.load, batch, native, k, min(k + step, n)) for k in range(0, n, step)
+      self.threads.submit(self.load, batch, native, k, min(k + step, n)) for k in range(0, n, step)
     ]
 
   def finish(self, started: tuple[Batch, list]) -> Batch:

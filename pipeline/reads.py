@@ -15,14 +15,13 @@ error policy.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import math
-import threading
 import time
 
 import numpy as np
 
+from pipeline.ahead import Threads
 from pipeline.cache import RecordCache
 from pipeline.plan import Batch
 from pipeline.source import CorruptRecordsError, ShardedSource
@@ -72,29 +71,19 @@ class ReadRecords:
     self.source, self.batch_size, self.cache = source, batch_size, cache
     self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
     self._initial = (latency_s, record_bytes)
+    self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
     self._init_runtime()
 
   def _init_runtime(self):
     self.stats = ReadStats(*self._initial)
     self._last_finish = None
-    self._pool = None
-    self._lock = threading.Lock()
 
   def __getstate__(self):
-    runtime = ("stats", "_last_finish", "_pool", "_lock")
-    return {k: v for k, v in self.__dict__.items() if k not in runtime}
+    return {k: v for k, v in self.__dict__.items() if k not in ("stats", "_last_finish")}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
     self._init_runtime()
-
-  def _executor(self) -> concurrent.futures.ThreadPoolExecutor:
-    with self._lock:
-      if self._pool is None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-          MAX_READ_THREADS, thread_name_prefix="pipeline-read"
-        )
-      return self._pool
 
   def depth(self) -> int:
     """Batches to keep reading: Little's law on the measured latency and the planned (or
@@ -114,11 +103,10 @@ class ReadRecords:
     local = wanted - np.asarray(self.source.starts, np.int64)[shards]
     order = np.argsort(shards, kind="stable")  # one batched read per shard of the batch
     groups = np.split(order, np.flatnonzero(np.diff(shards[order])) + 1) if len(order) else []
-    pool = self._executor() if len(slots) else None
     futures = []
     for at in groups:
       task = (int(shards[at[0]]), slots[at].tolist(), wanted[at].tolist(), local[at].tolist())
-      futures.append(pool.submit(self._read, *task))
+      futures.append(self.threads.submit(self._read, *task))
     return batch, futures
 
   def _read(self, shard: int, slots: list, indices: list, local: list) -> tuple:
