@@ -17,6 +17,7 @@ import socket
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
@@ -133,3 +134,17 @@ def run_processes(script: str, count: int, timeout: float = 300, **flags) -> Non
   finally:
     for p in procs:
       p.kill()
+
+
+def take(it, n: int) -> list[dict]:
+  """The next `n` batches of an iterator."""
+  return [next(it) for _ in range(n)]
+
+
+def assert_same_batches(a: list[dict], b: list[dict]) -> None:
+  """Both lists hold the same batches: same keys, bitwise equal arrays."""
+  assert len(a) == len(b)
+  for x, y in zip(a, b):
+    assert x.keys() == y.keys()
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])

@@ -14,6 +14,7 @@ from pipeline.dataset import BadRecordError
 from pipeline.sampling import PAD, Sampler
 from pipeline.source import ShardedSource
 from pipeline.stream import StateError
+from tests.conftest import assert_same_batches, take
 
 
 def fingerprints(batches) -> list[str]:
@@ -23,18 +24,6 @@ def fingerprints(batches) -> list[str]:
     mask = b.get("mask", np.ones(len(b["label"]), bool))
     out += [hashlib.sha1(img.tobytes()).hexdigest() for img, m in zip(b["image"], mask) if m]
   return out
-
-
-def take(it, n):
-  return [next(it) for _ in range(n)]
-
-
-def assert_same_batches(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for k in x:
-      np.testing.assert_array_equal(x[k], y[k])
 
 
 def jpeg(seed: int, size=(90, 120)) -> bytes:

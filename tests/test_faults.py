@@ -16,7 +16,6 @@ import signal
 import time
 
 import grain
-import numpy as np
 import psutil
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -26,20 +25,9 @@ import pipeline
 from pipeline import manifest
 from pipeline.dataset import BadRecordError
 from pipeline.source import ShardedSource
+from tests.conftest import assert_same_batches, take
 
 SHARD = "validation.array_record-00000-of-00001"
-
-
-def take(it, n: int) -> list[dict]:
-  return [next(it) for _ in range(n)]
-
-
-def assert_same_batches(a: list[dict], b: list[dict]) -> None:
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for k in x:
-      np.testing.assert_array_equal(x[k], y[k])
 
 
 def spawned_workers(before: set[int]) -> list[psutil.Process]:

@@ -16,18 +16,7 @@ from pipeline import dataset, reads
 from pipeline.cache import RecordCache
 from pipeline.convert import images
 from pipeline.sampling import PAD, Sampler
-
-
-def take(it, n):
-  return [next(it) for _ in range(n)]
-
-
-def assert_same_batches(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for k in x:
-      np.testing.assert_array_equal(x[k], y[k])
+from tests.conftest import assert_same_batches, take
 
 
 @pytest.fixture(scope="module")

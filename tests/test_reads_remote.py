@@ -4,21 +4,8 @@ disk, and with the record cache a second epoch asks storage for nothing."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from pipeline import dataset
-
-
-def take(it, n):
-  return [next(it) for _ in range(n)]
-
-
-def assert_same_batches(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b):
-    assert x.keys() == y.keys()
-    for k in x:
-      np.testing.assert_array_equal(x[k], y[k])
+from tests.conftest import assert_same_batches, take
 
 
 def make(data_dir, **kwargs):
@@ -37,9 +24,14 @@ def test_slow_storage_gives_local_batches_and_resumes_exactly(storage_rig, photo
     resumed = iter(ds)
     resumed.set_state(state)
     again = take(resumed, 5)
+    other_threads = take(
+      iter(dataset.chain(make(m.path, seed=2, performance=dict(record_cache_mb=0, num_threads=3)))),
+      9,
+    )
     assert m.stats()["max_in_flight"] > 1  # reads overlapped
   assert_same_batches(local, first + rest)
   assert_same_batches(rest, again)
+  assert_same_batches(local, other_threads)
 
 
 def test_with_the_record_cache_a_second_epoch_reads_nothing_from_storage(storage_rig, photos_dir):

@@ -2,8 +2,8 @@
 every time (no page cache); its counters are exact; concurrent reads wait together; data
 read through it is the data on disk; it always unmounts.
 
-Timings here are lower bounds (a read cannot answer sooner than its latency) or generous
-upper bounds (concurrent reads take a few latencies, not one per read).
+Timings here are only lower bounds (a read cannot answer sooner than its latency); that reads
+overlap is shown by the rig's own count of reads in flight.
 """
 
 import os
@@ -14,10 +14,8 @@ import threading
 import time
 
 import grain
-import numpy as np
 import pytest
 
-import pipeline
 from pipeline import manifest
 
 
@@ -103,7 +101,8 @@ def test_concurrent_reads_wait_together_not_one_after_another(storage_rig, blob)
     stats = rig.stats()
   assert got == [data[i * 4096 : (i + 1) * 4096] for i in range(n)]
   assert stats["reads"] == n and stats["bytes"] == n * 4096
-  assert latency <= seconds < n * latency / 4  # one after another would take n latencies
+  assert seconds >= latency  # no read answers sooner than the latency
+  # They waited together (the rig's own count, not a timing a busy machine could stretch).
   assert stats["max_in_flight"] >= n // 4 and stats["in_flight"] == 0
 
 
@@ -155,40 +154,3 @@ def test_cli_mounts_until_interrupted_then_unmounts(storage_rig, blob, tmp_path,
   assert '"reads": ' in out and not mounted(mnt)
   help_ = run_python("-m", "bench.rig", "--help")
   assert help_.returncode == 0 and "usage: python -m bench.rig" in help_.stdout
-
-
-def batches(it, n):
-  return [next(it) for _ in range(n)]
-
-
-def assert_same_batches(a, b):
-  assert len(a) == len(b)
-  for x, y in zip(a, b, strict=True):
-    assert x.keys() == y.keys()
-    for k in x:
-      np.testing.assert_array_equal(x[k], y[k])
-
-
-@pytest.mark.slow
-def test_batches_through_the_rig_are_bitwise_the_local_ones_and_resume_exactly(
-  storage_rig, photos_dir
-):
-  def make(data_dir, **performance):  # 8 batches of 8: past the 48-image epoch
-    return pipeline.make_dataset(
-      data_dir, "train", batch_size=8, image_size=48, seed=3, performance=performance or None
-    )
-
-  local = batches(iter(make(photos_dir)), 8)
-  with storage_rig.mount(photos_dir, latency_ms=5) as rig:
-    it = iter(make(rig.path))
-    head = batches(it, 3)
-    state = it.get_state()
-    tail = batches(it, 5)
-    resumed = iter(make(rig.path))
-    resumed.set_state(state)
-    again = batches(resumed, 5)
-    other_threads = batches(iter(make(rig.path, num_threads=3)), 8)
-    assert rig.stats()["reads"] >= 3 * 8  # the records really came through the rig
-  assert_same_batches(local, head + tail)
-  assert_same_batches(local[3:], again)
-  assert_same_batches(local, other_threads)
