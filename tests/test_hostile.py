@@ -140,7 +140,7 @@ def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
     import numpy as np
     native, bomb = decode.native(), hidden_frame_bomb()
     assert native.header(bomb) == (65500, 65500)
-    start = time.perf_counter()
+    start = time.process_time()
     try:
       native.decode_crop(bomb, 0, 0, 64, 64, 1)
     except ValueError as e:
@@ -152,7 +152,7 @@ def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
     print(native.decode_batch([records.encode(bomb, 1)], index, index, labels, dims, arena,
           head.slot_bytes(), 0, 1, 0, b"image/encoded", b"image/class/label", 32,
           head.native_params(), 0))
-    print(time.perf_counter() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
+    print(time.process_time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
     """,
     memory=2 << 30,
   )
@@ -160,8 +160,8 @@ def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
   refusal, handed_back, cost = child.stdout.splitlines()
   assert "65500x65500 image exceeds the 89478485-pixel limit" in refusal
   assert handed_back == "[(0, 1, '')]"  # the Python path, which refuses it by size
-  seconds, rss_mb = cost.split()
-  assert float(seconds) < 1 and int(rss_mb) < 1000
+  cpu_seconds, rss_mb = cost.split()  # CPU, not wall time: a busy machine cannot stretch it
+  assert float(cpu_seconds) < 5 and int(rss_mb) < 1000  # decoding the frame: ~52 s, 8.5 GB
 
 
 # --- out of memory is not corrupt data --------------------------------------------------------
@@ -466,18 +466,18 @@ def test_a_dataset_with_a_hidden_bomb_record_serves_the_rest_quickly(tmp_path, w
   child = run_child(
     f"""
     import time, resource, pipeline
-    start = time.perf_counter()
+    start = time.process_time()
     ds = pipeline.make_dataset({str(tmp_path / "data")!r}, batch_size=4, train=False,
                                image_size=8, on_error="skip", shard_index=0, shard_count=1)
     it = iter(ds)
     served = sum(int(b["mask"].sum()) for b in it)
-    print(served, it.skipped, time.perf_counter() - start,
+    print(served, it.skipped, time.process_time() - start,
           resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
     """,
     memory=6 << 30,
     timeout=300,
   )
   assert child.returncode == 0, child.stderr[-3000:]
-  served, skipped, seconds, rss_mb = child.stdout.split()
+  served, skipped, cpu_seconds, rss_mb = child.stdout.split()
   assert (int(served), int(skipped)) == (4, 4)
-  assert float(seconds) < 60 and int(rss_mb) < 2000, child.stdout
+  assert float(cpu_seconds) < 30 and int(rss_mb) < 2000, child.stdout  # one bomb: ~52 s CPU
