@@ -54,14 +54,21 @@ class RecordCache:
         self._keep(index, data)
     return data
 
-  def claim(self, index: int) -> threading.Event | None:
-    """None: the caller reads record `index` (and then `release`s it); else the read of
-    another thread to wait for (batches read ahead overlap at epoch ends: one read each)."""
+  def lookup(self, index: int, shard: int, local: int) -> bytes | threading.Event | None:
+    """The record if kept; else None, and the caller reads it (then `put`s and `release`s
+    it); or, while another thread reads it, that read's Event to wait for: batches read
+    ahead overlap at an epoch's end, and each record is read once."""
+    data = self.get(index, shard, local)
+    if data is not None:
+      return data
     with self._lock:
       if index in self._reading:
         return self._reading[index]
       self._reading[index] = threading.Event()
-      return None
+    data = self.get(index, shard, local)  # kept between the first look and the claim?
+    if data is not None:
+      self.release(index)
+    return data
 
   def release(self, index: int) -> None:
     with self._lock:

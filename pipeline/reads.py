@@ -113,21 +113,15 @@ class ReadRecords:
     """One shard's records of a batch, on an I/O thread: the cache's, then one batched
     read of the rest. Returns (slots, records, records read, seconds reading)."""
     got: list = [None] * len(local)
-    waits: list = []
-    if self.cache is not None:
-      got = [self.cache.get(g, shard, i) for g, i in zip(indices, local)]
-      for k, rec in enumerate(got):
-        if rec is not None:
-          continue
-        other = self.cache.claim(indices[k])
-        if other is not None:
-          waits.append((k, other))  # another task reads it now: one read per record
-          continue
-        got[k] = self.cache.get(indices[k], shard, local[k])
-        if got[k] is not None:  # kept between the first look and the claim
-          self.cache.release(indices[k])
-    waiting = {k for k, _ in waits}
-    todo = [k for k, rec in enumerate(got) if rec is None and k not in waiting]
+    todo, waits = [], []
+    for k, (index, i) in enumerate(zip(indices, local)):
+      found = self.cache.lookup(index, shard, i) if self.cache is not None else None
+      if found is None:
+        todo.append(k)
+      elif isinstance(found, bytes):
+        got[k] = found
+      else:
+        waits.append((k, found))  # another task reads it now
     begin = seconds = time.perf_counter()
     try:
       if todo:
