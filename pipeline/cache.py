@@ -21,6 +21,29 @@ import zlib
 _HEADER = struct.Struct("<II")  # crc32, length
 
 
+class Once:
+  """Per key, one thread makes a value while others wait (batches in flight overlap at an
+  epoch's end, so two may want one record): `claim` gives None to the thread that must make
+  it, which then `release`s the key, and to the others the Event to wait for."""
+
+  def __init__(self):
+    self._lock = threading.Lock()
+    self._making: dict[int, threading.Event] = {}
+
+  def claim(self, key: int) -> threading.Event | None:
+    with self._lock:
+      if key in self._making:
+        return self._making[key]
+      self._making[key] = threading.Event()
+      return None
+
+  def release(self, key: int) -> None:
+    with self._lock:
+      done = self._making.pop(key, None)
+    if done is not None:
+      done.set()
+
+
 class RecordCache:
   """Global record index -> record bytes: RAM (`ram_bytes`) then disk (`directory`)."""
 
@@ -33,10 +56,10 @@ class RecordCache:
     self._ram: dict[int, bytes] = {}
     self._used = 0
     self._lock = threading.Lock()
-    self._reading: dict[int, threading.Event] = {}
+    self.reading = Once()
 
   def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k not in ("_ram", "_lock", "_reading")}
+    return {k: v for k, v in self.__dict__.items() if k not in ("_ram", "_lock", "reading")}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
@@ -55,26 +78,18 @@ class RecordCache:
     return data
 
   def lookup(self, index: int, shard: int, local: int) -> bytes | threading.Event | None:
-    """The record if kept; else None, and the caller reads it (then `put`s and `release`s
-    it); or, while another thread reads it, that read's Event to wait for: batches read
-    ahead overlap at an epoch's end, and each record is read once."""
+    """The record if kept; else None, and the caller reads it (then `put`s it and calls
+    `reading.release`); or, while another thread reads it, that read's Event to wait for."""
     data = self.get(index, shard, local)
     if data is not None:
       return data
-    with self._lock:
-      if index in self._reading:
-        return self._reading[index]
-      self._reading[index] = threading.Event()
+    other = self.reading.claim(index)
+    if other is not None:
+      return other
     data = self.get(index, shard, local)  # kept between the first look and the claim?
     if data is not None:
-      self.release(index)
+      self.reading.release(index)
     return data
-
-  def release(self, index: int) -> None:
-    with self._lock:
-      done = self._reading.pop(index, None)
-    if done is not None:
-      done.set()
 
   def put(self, index: int, shard: int, local: int, data: bytes) -> None:
     self._keep(index, data)

@@ -20,6 +20,7 @@ import numpy as np
 
 from pipeline import augment, decode, errors, records
 from pipeline.ahead import Threads
+from pipeline.cache import Once
 from pipeline.plan import Batch
 from pipeline.source import CorruptRecordsError
 
@@ -54,7 +55,7 @@ class DecodeImages:
   def _init_runtime(self):
     self._lock = threading.Lock()
     self._cache: dict[int, np.ndarray] = {}
-    self._decoding: dict[int, threading.Event] = {}
+    self._decoding = Once()
     self._cache_used = 0
     self._local = threading.local()
 
@@ -169,30 +170,26 @@ class DecodeImages:
 
   def _cached(self, index: int, data: bytes) -> np.ndarray:
     """The decoded image, its shorter side resized to image_size / crop_fraction; decoded
-    once even when two batches in flight hold the record (an epoch's end and next start)."""
-    with self._lock:
-      image = self._cache.get(index)
-      if image is None:
-        done = self._decoding.get(index)
-        if done is None:
-          self._decoding[index] = threading.Event()
+    once even when two batches in flight hold the record."""
+    image = self._cache.get(index)
     if image is not None:
       return image
-    if done is not None:
-      done.wait()
+    other = self._decoding.claim(index)
+    if other is not None:
+      other.wait()
       image = self._cache.get(index)
-      if image is not None:
-        return image
-    size = round(self.head.image_size / self.head.crop_fraction)
+      return image if image is not None else self._decode_shorter(data)  # it did not fit
     try:
-      image = augment.resize_shorter(decode.decode(data), size)
-    finally:
+      image = self._decode_shorter(data)
       with self._lock:
-        event = self._decoding.pop(index, None) if done is None else None
-        fits = image is not None and self._cache_used + image.nbytes <= self.cache_bytes
-        if fits and index not in self._cache:
+        if index not in self._cache and self._cache_used + image.nbytes <= self.cache_bytes:
           self._cache[index] = image
           self._cache_used += image.nbytes
-      if event is not None:
-        event.set()
+    finally:
+      self._decoding.release(index)
     return image
+
+  def _decode_shorter(self, data: bytes) -> np.ndarray:
+    return augment.resize_shorter(
+      decode.decode(data), round(self.head.image_size / self.head.crop_fraction)
+    )

@@ -134,7 +134,7 @@ class ReadRecords:
     finally:
       if self.cache is not None:
         for k in todo:
-          self.cache.release(indices[k])
+          self.cache.reading.release(indices[k])
     for k, other in waits:
       other.wait()
       got[k] = self.cache.get(indices[k], shard, local[k])
