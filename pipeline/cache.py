@@ -50,6 +50,15 @@ class RecordCache:
   def __init__(self, ram_bytes: int, directory: str | None, dataset_id: str, names: list[str]):
     self.ram_bytes, self.dataset_id, self.names = ram_bytes, dataset_id, names
     self.directory = os.path.join(directory, dataset_id) if directory else None
+    if self.directory:  # a folder we cannot write is the user's to fix, said now, once
+      try:
+        os.makedirs(self.directory, exist_ok=True)
+        tempfile.TemporaryFile(dir=self.directory).close()
+      except OSError as e:
+        raise ValueError(
+          f"performance.record_cache_dir {directory}: cannot keep records there "
+          f"({e.strerror or e}); give a folder on a local disk this process can write"
+        ) from None
     self._init_runtime()
 
   def _init_runtime(self):
@@ -123,8 +132,11 @@ class RecordCache:
   @staticmethod
   def _write_disk(path: str, data: bytes) -> None:
     folder = os.path.dirname(path)
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    try:
+      os.makedirs(folder, exist_ok=True)
+      fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+    except OSError:  # a full or read-only local disk costs the cache entry, never the batch
+      return
     try:
       with os.fdopen(fd, "wb") as f:
         f.write(_HEADER.pack(zlib.crc32(data), len(data)) + data)

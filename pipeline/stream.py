@@ -65,7 +65,7 @@ class StreamIterator(grain.DatasetIterator):
       )
       raise StateError(
         f"iterator state of another stream ({diff or saved}): resume with the "
-        "same shard_index/shard_count, seed, batch_size and dataset"
+        "same shard_index/shard_count, sharding, seed, batch_size and dataset"
       )
     skipped = state.get("skipped", 0)
     if not isinstance(skipped, int) or skipped < 0:

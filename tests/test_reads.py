@@ -167,3 +167,11 @@ def test_record_cache_entries_are_checked(tmp_path):
   path = tmp_path / "d" / "shard" / "7.rec"
   path.write_bytes(path.read_bytes()[:-1])  # truncated
   assert cache.get(7, 0, 7) is None and not path.exists()
+
+
+def test_a_cache_folder_that_cannot_be_written_is_refused_in_one_line(sharded_dir, tmp_path):
+  mine = tmp_path / "notes.txt"
+  mine.write_bytes(b"mine")
+  with pytest.raises(ValueError, match="record_cache_dir .* cannot keep records there") as e:
+    stages(sharded_dir, performance=dict(record_cache_dir=str(mine)))
+  assert "\n" not in str(e.value) and mine.read_bytes() == b"mine"  # nothing of theirs lost
