@@ -11,7 +11,8 @@ The chain, in Grain terms: one stage per step of the data flow, each in its own 
                                       + resize into the batch, on decode threads
       .map(FinishBatch)               ops: labels checked, features, your ops    pipeline.finish
       [.map(normalize)]
-      .mp_prefetch(...) | ThreadPrefetchIterDataset    worker processes on many-core hosts
+      .mp_prefetch(...) | ThreadPrefetchIterDataset    worker processes on many-core hosts,
+                                      their batches in reused shared memory       pipeline.handoff
     StreamIterDataset                 validated, stream-tagged state; skip count pipeline.stream
 
 `build` makes the stages and `chain` joins them, so you (or a benchmark) can change one stage
@@ -21,6 +22,7 @@ batch position, so `get_state()`/`set_state()` resume exactly; work started ahea
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
@@ -30,7 +32,7 @@ import numpy as np
 from etils import epath
 
 from pipeline import augment as augment_lib
-from pipeline import guards, lifecycle, options, parallelism, reads, records, remote
+from pipeline import guards, handoff, lifecycle, options, parallelism, reads, records, remote
 from pipeline import manifest as manifest_lib
 from pipeline.ahead import AheadIterDataset
 from pipeline.cache import RecordCache, dataset_id
@@ -270,19 +272,29 @@ def build(
 
 def chain(stages: Stages) -> grain.IterDataset:
   """The Grain dataset of `stages`: plan -> read -> decode/augment -> ops -> prefetch."""
+  decode, writer = stages.decode, None
+  if stages.workers:
+    guards.check_main_guard()
+    _ensure_absl_flags_parsed()
+    if handoff.available():  # images resized straight into shared memory (pipeline.handoff)
+      writer = handoff.Writer.new()
+      decode = copy.copy(decode)
+      decode.images_in = writer
   ds = grain.MapDataset.range(stages.num_batches).map(stages.plan)
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   it = AheadIterDataset(it, stages.read)
-  it = AheadIterDataset(it, stages.decode)
+  it = AheadIterDataset(it, decode)
   it = it.map(stages.finish)
   if stages.normalize:
     it = it.map(_normalize_host)
   if stages.workers:
-    guards.check_main_guard()
-    _ensure_absl_flags_parsed()
+    if writer is not None:
+      it = handoff.SendIterDataset(it, writer)
     it = it.mp_prefetch(
       grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=_ignore_sigint
     )
+    if writer is not None:
+      it = handoff.ReceiveIterDataset(it)
   else:
     it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=1)
   return lifecycle.ClosedAtExit(StreamIterDataset(it, stages.stream))

@@ -32,6 +32,7 @@ class DecodeImages:
   processes): the thread pool, arenas and cache are made on first use in each process."""
 
   emulate_ns = 0  # pixel work replaced by GIL-free waits: set only by bench/ (emulation)
+  images_in = None  # a `handoff.Writer` with worker processes: images go to shared memory
 
   def __init__(
     self,
@@ -79,7 +80,8 @@ class DecodeImages:
 
   def start(self, batch: Batch) -> tuple[Batch, list]:
     n, size = len(batch.indices), self.head.image_size
-    batch.images = np.empty((n, size, size, 3), np.uint8)
+    empty = self.images_in.empty if self.images_in is not None else np.empty
+    batch.images = empty((n, size, size, 3), np.uint8)
     batch.labels = np.zeros(n, np.int64)
     batch.bad = np.zeros(n, bool)
     # A few contiguous chunks per thread, balanced, at most MAX_CHUNK images each.

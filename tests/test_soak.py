@@ -23,6 +23,11 @@ import pipeline
 BATCH = 16
 RSS_BOUND_MB = 32  # a leak of 1 KiB per batch shows up within a minute at ~500 batches/s
 FD_BOUND, THREAD_BOUND, SHM_BOUND = 2, 2, 4
+OURS = ("psm_", "pipeline-ring-")  # Grain's blocks, the hand-off's ring blocks
+
+
+def _ours(path: str) -> bool:
+  return any(f"/dev/shm/{prefix}" in path for prefix in OURS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -37,20 +42,20 @@ class Sample:
 
 
 def _shm() -> set[str]:
-  return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+  return {n for n in os.listdir("/dev/shm") if n.startswith(OURS)}
 
 
 def _held_shm(pid: int) -> set[str]:
   """The shared-memory blocks a process maps or has open. /dev/shm is shared by every
   process on the machine, so blocks are counted where this process tree holds them."""
   with open(f"/proc/{pid}/maps") as maps:
-    names = {line.split("/dev/shm/")[1].split()[0] for line in maps if "/dev/shm/psm_" in line}
+    names = {line.split("/dev/shm/")[1].split()[0] for line in maps if _ours(line)}
   for fd in os.listdir(f"/proc/{pid}/fd"):
     try:
       target = os.readlink(f"/proc/{pid}/fd/{fd}")
     except OSError:
       continue
-    if target.startswith("/dev/shm/psm_"):
+    if _ours(target):
       names.add(target.removeprefix("/dev/shm/").split()[0])
   return names
 

@@ -1,0 +1,373 @@
+"""Stage 5 with worker processes: batches cross to the main process through a reused ring of
+shared-memory blocks, written once and never copied.
+
+Grain's own hand-off (`mp_prefetch` alone) copies every array of a batch into a fresh
+shared-memory block in the worker; the main process faults the new pages in, then unmaps and
+unlinks each block on ONE deletion thread: per-byte work in the one process that serves the
+whole host, which capped it near 25,000 img/s (../shared/PITFALLS.md). Here:
+
+- worker: the decode stage takes each batch's image array from this worker's `Ring`, so
+  resize writes the pixels straight into shared memory. `Send`, the worker's last step,
+  copies into a block only arrays made elsewhere (your ops' output), inlines arrays under
+  INLINE_BYTES, and gives Grain a small `Sent` descriptor: no ndarray, nothing to copy.
+- main process: `Receive` maps each block once (unlinking its name at once) and returns numpy
+  views of it. A block goes back to its worker's ring when the last view of it is dropped
+  (`_Lease`), so a batch you keep is never overwritten; the ring grows instead.
+
+A block's header holds its state (FREE -> TAKEN by the worker -> SENT -> FREE when the main
+process drops it) and a generation the main process checks against the descriptor's.
+Nothing is left in /dev/shm: a name is unlinked as soon as the main process maps it; blocks
+never received are unlinked by their worker at exit, by the main process when the iterator
+closes (for workers that are gone) and at exit, and after a crash by the next process that
+makes a ring.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import glob
+import mmap
+import os
+import threading
+import uuid
+from typing import Any
+
+import grain
+import numpy as np
+
+SHM_DIR = "/dev/shm"
+PREFIX = "pipeline-ring"
+HEADER = 64  # bytes before a block's data: state and generation (uint32 each)
+INLINE_BYTES = 64 * 1024  # arrays this small travel in the descriptor
+ROUND = 1 << 20  # block capacities are whole MiB, so a slightly larger batch reuses them
+FREE, TAKEN, SENT = 0, 1, 2
+
+
+class HandoffError(RuntimeError):
+  """A batch's shared memory was not what its descriptor said (a bug; never silent)."""
+
+
+def available() -> bool:
+  """Whether this host has POSIX shared memory as files (Linux)."""
+  return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
+
+
+class _Block:
+  """One shared-memory file, mapped once: a header and `capacity` bytes of data."""
+
+  def __init__(self, name: str, capacity: int = 0):
+    path = os.path.join(SHM_DIR, name)
+    create = capacity > 0
+    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    try:
+      if create:
+        os.ftruncate(fd, HEADER + capacity)
+      self.map = mmap.mmap(fd, os.fstat(fd).st_size)
+    finally:
+      os.close(fd)
+    self.name, self.path = name, path
+    self.words = np.frombuffer(self.map, np.uint32, 2)  # state, generation
+    self.data = np.frombuffer(self.map, np.uint8, offset=HEADER)
+    self.capacity = len(self.data)
+    self.address = self.data.ctypes.data
+
+  def unlink(self) -> None:
+    try:
+      os.unlink(self.path)
+    except FileNotFoundError:
+      pass
+
+
+@dataclasses.dataclass(frozen=True)
+class Sent:
+  """A batch in flight: per key, ("ring", block, generation, offset, dtype, shape),
+  ("inline", bytes, dtype, shape), or ("value", anything else)."""
+
+  entries: dict
+
+
+# ---------------------------------------------------------------- worker side
+
+
+class _WorkerLease:
+  """Owns a TAKEN block's data in the worker; a block dropped before it was sent (work
+  discarded on set_state) goes back to the ring."""
+
+  def __init__(self, ring: Ring, block: _Block, nbytes: int):
+    self.ring, self.block = ring, block
+    self.__array_interface__ = {
+      "shape": (nbytes,),
+      "typestr": "|u1",
+      "data": (block.address, False),
+      "version": 3,
+    }
+
+  def __del__(self):
+    self.ring.release_unsent(self.block)
+
+
+class Ring:
+  """One worker process's blocks for one dataset (`Writer`); made on first use."""
+
+  def __init__(self, owner: int, token: str):
+    self.prefix = f"{PREFIX}-{owner}-{token}-{os.getpid()}-"
+    self.blocks: list[_Block] = []
+    self.created = 0
+    self._lock = threading.Lock()
+    atexit.register(self.close)
+
+  def empty(self, shape: tuple, dtype) -> np.ndarray:
+    """An uninitialised array in a block of its own, taken from the ring."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    block = self._take(nbytes)
+    base = np.asarray(_WorkerLease(self, block, nbytes))
+    return base.view(dtype).reshape(shape)
+
+  def _take(self, nbytes: int) -> _Block:
+    with self._lock:
+      for block in self.blocks:
+        if block.words[0] == FREE and block.capacity >= nbytes:
+          break
+      else:
+        capacity = max(ROUND, -(-nbytes // ROUND) * ROUND)
+        block = _Block(f"{self.prefix}{self.created}", capacity)
+        self.created += 1
+        self.blocks.append(block)
+      block.words[1] += 1
+      block.words[0] = TAKEN
+      return block
+
+  def release_unsent(self, block: _Block) -> None:
+    with self._lock:
+      if block.words[0] == TAKEN:
+        block.words[0] = FREE
+
+  def find(self, array: np.ndarray) -> _Block | None:
+    """The TAKEN block holding `array` whole, if any."""
+    base = array
+    while base is not None and not isinstance(base, _WorkerLease):
+      base = getattr(base, "base", None)
+    return base.block if base is not None and array.flags.c_contiguous else None
+
+  def abandon_sent(self) -> None:
+    """After set_state: batches sent but not received are discarded by Grain unread, so
+    their blocks would stay SENT forever; drop them from the ring (the main process keeps
+    its own mapping of any it did receive)."""
+    with self._lock:
+      sent = [b for b in self.blocks if b.words[0] == SENT]
+      self.blocks = [b for b in self.blocks if b.words[0] != SENT]
+    for block in sent:
+      block.unlink()
+
+  def close(self) -> None:
+    for block in self.blocks:
+      block.unlink()
+
+
+_RINGS: dict[tuple[int, str], Ring] = {}
+_RINGS_LOCK = threading.Lock()
+
+
+@dataclasses.dataclass(frozen=True)
+class Writer:
+  """Picklable handle of the rings of one dataset: each worker process makes its own."""
+
+  owner: int
+  token: str
+
+  @classmethod
+  def new(cls) -> Writer:
+    sweep_crashed()
+    return cls(os.getpid(), uuid.uuid4().hex[:12])
+
+  def ring(self) -> Ring:
+    key = (self.owner, self.token)
+    ring = _RINGS.get(key)
+    if ring is None:
+      with _RINGS_LOCK:
+        ring = _RINGS.setdefault(key, Ring(self.owner, self.token))
+    return ring
+
+  def empty(self, shape: tuple, dtype) -> np.ndarray:
+    return self.ring().empty(shape, dtype)
+
+
+class SendIterDataset(grain.IterDataset):
+  """The worker's last step: each batch dict becomes a `Sent` descriptor."""
+
+  def __init__(self, parent: grain.IterDataset, writer: Writer):
+    super().__init__(parent)
+    self.writer = writer
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _SendIterator(self._parent.__iter__(), self.writer)
+
+  def __str__(self) -> str:
+    return "SendIterDataset"
+
+
+class _SendIterator(grain.DatasetIterator):
+  def __init__(self, parent: grain.DatasetIterator, writer: Writer):
+    super().__init__(parent)
+    self.writer = writer
+
+  def __next__(self) -> Sent:
+    batch = next(self._parent)
+    ring = self.writer.ring()
+    entries = {}
+    for key, value in batch.items():
+      if not isinstance(value, np.ndarray) or value.dtype.hasobject:
+        entries[key] = ("value", value)
+      elif value.nbytes <= INLINE_BYTES:
+        entries[key] = ("inline", value.tobytes(), value.dtype.str, value.shape)
+      else:
+        block = ring.find(value)
+        if block is None:  # made outside the ring (your ops): the one copy
+          copy = ring.empty(value.shape, value.dtype)
+          copy[...] = value
+          value, block = copy, ring.find(copy)
+        offset = value.ctypes.data - block.address
+        entries[key] = (
+          "ring",
+          block.name,
+          int(block.words[1]),
+          offset,
+          value.dtype.str,
+          value.shape,
+        )
+        block.words[0] = SENT
+    return Sent(entries)
+
+  def get_state(self) -> dict:
+    return self._parent.get_state()
+
+  def set_state(self, state: dict) -> None:
+    self.writer.ring().abandon_sent()
+    self._parent.set_state(state)
+
+
+# ---------------------------------------------------------------- main process side
+
+
+class _Lease:
+  """Owns a received block's data in the main process: every array of the batch in that
+  block is a view of it, and the block is FREE for its worker once the last one is gone."""
+
+  def __init__(self, block: _Block):
+    self.block = block
+    self.__array_interface__ = {
+      "shape": (block.capacity,),
+      "typestr": "|u1",
+      "data": (block.address, False),
+      "version": 3,
+    }
+
+  def __del__(self):
+    self.block.words[0] = FREE
+
+
+class ReceiveIterDataset(grain.IterDataset):
+  """The main process's first step after `mp_prefetch`: `Sent` -> the batch dict."""
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _ReceiveIterator(self._parent.__iter__())
+
+  def __str__(self) -> str:
+    return "ReceiveIterDataset"
+
+
+class _ReceiveIterator(grain.DatasetIterator):
+  def __init__(self, parent: grain.DatasetIterator):
+    super().__init__(parent)
+    self._blocks: dict[str, _Block] = {}
+
+  def __next__(self) -> dict[str, Any]:
+    sent = next(self._parent)
+    out, leases = {}, {}
+    for key, entry in sent.entries.items():
+      kind = entry[0]
+      if kind == "value":
+        out[key] = entry[1]
+      elif kind == "inline":
+        _, raw, dtype, shape = entry
+        out[key] = np.frombuffer(raw, dtype).reshape(shape).copy()
+      else:
+        _, name, generation, offset, dtype, shape = entry
+        lease = leases.get(name)
+        if lease is None:
+          lease = leases[name] = self._lease(name, generation)
+        dtype = np.dtype(dtype)
+        count = int(np.prod(shape))
+        base = np.asarray(lease)[offset : offset + count * dtype.itemsize]
+        out[key] = base.view(dtype).reshape(shape)
+    return out
+
+  def _lease(self, name: str, generation: int) -> _Lease:
+    block = self._blocks.get(name)
+    if block is None:
+      block = self._blocks[name] = _Block(name)
+      block.unlink()  # mapped: the name is no longer needed, so it can never leak
+    state, current = (int(w) for w in block.words)
+    if state != SENT or current != generation:
+      raise HandoffError(
+        f"shared-memory block {name} holds generation {current} (state {state}), the batch "
+        f"expected generation {generation} sent: a batch's memory was reused before it was "
+        "read; please report this"
+      )
+    return _Lease(block)
+
+  def get_state(self) -> dict:
+    return self._parent.get_state()
+
+  def set_state(self, state: dict) -> None:
+    self._parent.set_state(state)
+
+  def close(self) -> None:
+    super().close()  # stops the workers first
+    sweep(os.getpid())
+
+
+def _alive(pid: int) -> bool:
+  try:
+    os.kill(pid, 0)
+  except ProcessLookupError:
+    return False
+  except PermissionError:
+    return True
+  return True
+
+
+def _names(owner: str = "*") -> list[tuple[str, int, int]]:
+  """(path, owner pid, worker pid) of ring blocks in /dev/shm."""
+  out = []
+  for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}-{owner}-*")):
+    parts = os.path.basename(path)[len(PREFIX) + 1 :].split("-")
+    if len(parts) == 4 and parts[0].isdigit() and parts[2].isdigit():
+      out.append((path, int(parts[0]), int(parts[2])))
+  return out
+
+
+def sweep(owner: int) -> int:
+  """Unlinks the blocks of `owner`'s datasets whose worker process is gone; returns how many."""
+  return sum(_unlink(path) for path, _, worker in _names(str(owner)) if not _alive(worker))
+
+
+def sweep_crashed() -> int:
+  """Unlinks blocks whose owner process is gone (a crash left them)."""
+  return sum(_unlink(path) for path, owner, _ in _names() if not _alive(owner))
+
+
+def _unlink(path: str) -> int:
+  try:
+    os.unlink(path)
+    return 1
+  except FileNotFoundError:
+    return 0
+
+
+@atexit.register
+def _sweep_at_exit() -> None:
+  for path, _, _ in _names(str(os.getpid())):
+    _unlink(path)
