@@ -77,7 +77,7 @@ import time
 import numpy as np
 import psutil
 
-from bench import emulate, measure
+from bench import emulate, gil, measure
 from pipeline import augment, decode, parallelism, reads, records
 from pipeline import manifest as manifest_lib
 from pipeline.source import ShardedSource
@@ -86,6 +86,7 @@ PAGE = 4096
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORES_BOUND = 0.8  # share of the usable cores above which the ceiling is the machine's
 SPY_HZ = 100  # py-spy's samples per second
+STEP_US = 1000.0  # stated: a jitted step's dispatch + metrics on the host, per step
 BIN = pathlib.Path(sys.executable).parent  # where a virtual environment installs py-spy
 
 
@@ -136,6 +137,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   for _ in range(2 * workers):  # every worker started and past its imports: off the clock
     next(it)
   spy = _start_py_spy(spec)
+  shim = gil.Counter() if spec.get("gil") else None
   first = time.perf_counter()
   kids = _workers(me)
   main0, kids0 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
@@ -152,6 +154,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     images += len(image)
     batches += 1
   end = time.perf_counter()
+  held = shim.held_s() if shim else None
   main1, kids1 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
   rss = [k.memory_info().rss / 2**20 for k in kids]
   it.close()
@@ -169,6 +172,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     "workers_cpu_us": round((kids1 - kids0) / images * 1e6, 2),
     "rss_mb_per_worker": round(float(np.mean(rss)), 1) if rss else 0.0,
     "gil_share_pyspy": gil_share,
+    "gil_us": round(held / images * 1e6, 2) if held is not None else None,
     "images_served": images + len(image) * (1 + 2 * workers),
   }
 
@@ -246,6 +250,8 @@ def _child(child_spec: dict):
   """The JSON a fresh `python -m bench.scaling --child SPEC` prints (see `main`)."""
   env = dict(os.environ)
   env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  if child_spec.get("gil"):
+    env = gil.preload_env(env)
   child = json.dumps(child_spec)
   proc = subprocess.run(
     [sys.executable, "-m", "bench.scaling", "--child", child],
@@ -334,6 +340,22 @@ def ceiling_bound(best: dict, cores: int) -> tuple[float, str]:
   return round(used, 2), "cores" if used >= CORES_BOUND * cores else "gil"
 
 
+def _median(runs: list[dict], key: str) -> float:
+  return float(np.median([r[key] for r in runs]))
+
+
+def spread(values: list[float]) -> dict:
+  """Median, min and max of repeated measurements, and the half-range as a share of the
+  median (how far apart the repeats were)."""
+  med = float(np.median(values))
+  return {
+    "median": round(med, 2),
+    "min": round(min(values), 2),
+    "max": round(max(values), 2),
+    "spread": round((max(values) - min(values)) / 2 / med, 3) if med else 0.0,
+  }
+
+
 def measure_costs(
   spec: dict,
   threads: list[int],
@@ -341,13 +363,24 @@ def measure_costs(
   worker_threads: int,
   py_spy: str | None = None,
   latency_ms: float = 0.0,
+  repeat: int = 3,
+  host_batches: list[int] | None = None,
 ) -> dict:
-  """Steps 1-8 of the module docstring: the figures and the model's costs."""
-  real, alone, with_workers = measure_in_child(
-    spec, [(1, 0), (worker_threads, 0), (worker_threads, workers)], None
-  )
-  rest = measure_in_child(spec, [(1, 0)], (0.0, 0.0))[0]
-  cpu, rest_cpu = real["cpu_us"], rest["cpu_us"]
+  """Steps 1-8 of the module docstring: the figures and the model's costs. Every cost the
+  projection uses is the median of `repeat` runs, interleaved, with its spread."""
+  host_batches = host_batches or [spec["batch_size"]]
+  runs: dict[str, list] = {"real": [], "rest": [], "read": [], "alone": [], "gil": []}
+  runs.update({f"with@{b}": [] for b in host_batches})
+  for _ in range(repeat):
+    runs["real"].append(measure_in_child(spec, [(1, 0)], None)[0])
+    runs["rest"].append(measure_in_child(spec, [(1, 0)], (0.0, 0.0))[0])
+    runs["read"].append(_child({**spec, "read": True}))
+    # Step 7 at full speed: decode emulated by ~0 waits, so the hand-off carries the most.
+    runs["alone"].append(measure_in_child(spec, [(worker_threads, 0)], (0.0, 0.0))[0])
+    for b in host_batches:
+      at = {**spec, "batch_size": b}
+      runs[f"with@{b}"].append(measure_in_child(at, [(worker_threads, workers)], (0.0, 0.0))[0])
+  cpu, rest_cpu = _median(runs["real"], "cpu_us"), _median(runs["rest"], "cpu_us")
   free = max(cpu - rest_cpu, 0.0)
   honoured = rest_cpu < 0.8 * cpu  # decode and resize are most of an image's CPU
   if not honoured:
@@ -357,14 +390,16 @@ def measure_costs(
       "machine's cores, not the GIL",
       file=sys.stderr,
     )
-  read = _child({**spec, "read": True})
-  terms = gil_terms(rest_cpu, read["read_cpu_us"], read["copy_us"])
-  gil = terms["gil_held_us_per_image"]
+  terms = gil_terms(rest_cpu, _median(runs["read"], "read_cpu_us"), _median(runs["read"], "copy_us"))
   share = resize_share(spec)
   waits = (free * (1 - share), free * share)
   measured = measure_in_child(spec, [(t, 0) for t in threads], waits)
   fitted, handoff = fit_gil(measured, min(r["cpu_us"] for r in measured))
   best = max(measured, key=lambda r: r["img_s"])
+  for _ in range(repeat):  # step 4, directly: the shim at the ceiling's thread count
+    runs["gil"].append(measure_in_child({**spec, "gil": True}, [(best["threads"], 0)], waits)[0])
+  direct = [r["gil_us"] for r in runs["gil"] if r.get("gil_us") is not None]
+  gil = float(np.median(direct)) if direct else terms["gil_held_us_per_image"]
   usable = parallelism.available_cores()
   used, bound_by = ceiling_bound(best, usable)
   spied = None
@@ -373,15 +408,23 @@ def measure_costs(
     if spy_run["gil_share_pyspy"] is not None:
       spied = round(spy_run["gil_share_pyspy"] * 1e6 / spy_run["img_s"], 1)
   storage = at_latency(spec, best, waits, latency_ms) if latency_ms else None
+  base = f"with@{spec['batch_size']}" if spec["batch_size"] in host_batches else None
+  with_workers = runs[base or f"with@{host_batches[0]}"]
+  send = [
+    max(w["workers_cpu_us"] - a["cpu_us"], 0.0) for w, a in zip(with_workers, runs["alone"])
+  ]
   costs = parallelism.Costs(
     cpu_us=cpu,
     gil_us=max(gil, 1.0),
     handoff=handoff,
-    send_us=max(with_workers["workers_cpu_us"] - alone["cpu_us"], 0.0),
-    receive_us=with_workers["user_us"],
-    receive_free_us=with_workers["system_us"],
-    worker_mb=with_workers["rss_mb_per_worker"],
+    send_us=float(np.median(send)),
+    receive_us=_median(with_workers, "user_us"),
+    receive_free_us=_median(with_workers, "system_us"),
+    worker_mb=_median(with_workers, "rss_mb_per_worker"),
   )
+  main = {
+    b: spread([r["user_us"] + r["system_us"] for r in runs[f"with@{b}"]]) for b in host_batches
+  }
   return {
     "process_ceiling_img_s": best["img_s"],
     "process_ceiling_threads": best["threads"],
@@ -391,26 +434,40 @@ def measure_costs(
     "ceiling_gil_busy": round(best["img_s"] * gil / 1e6, 2),
     "process_ceiling_gil_img_s": round(1e6 / gil) if gil > 0 else None,
     **terms,
+    "gil_direct_us_per_image": round(gil, 1) if direct else None,
     "gil_fitted_us_per_image": round(fitted, 1),
     "gil_pyspy_us_per_image": spied,
     "handoff_per_thread": round(handoff, 4),
     "cpu_us_per_image": round(cpu, 1),
     "decode_us_per_image": round(free, 1),
     "resize_share": round(share, 3),
-    "record_kb": round(read["record_kb"], 1),
+    "record_kb": round(_median(runs["read"], "record_kb"), 1),
     "emulation_honoured": honoured,
-    "one_thread_img_s": real["img_s"],
-    "first_batch_s": real["first_batch_s"],
+    "one_thread_img_s": _median(runs["real"], "img_s"),
+    "first_batch_s": _median(runs["real"], "first_batch_s"),
     "threads": measured,
     "storage": storage,
+    "repeat": repeat,
+    "spreads": {
+      "cpu_us": spread([r["cpu_us"] for r in runs["real"]]),
+      "rest_cpu_us": spread([r["cpu_us"] for r in runs["rest"]]),
+      "gil_direct_us": spread(direct) if direct else None,
+      "send_us": spread(send),
+      **{f"main_us@{b}": v for b, v in main.items()},
+    },
     "workers": {
       "workers": workers,
       "threads": worker_threads,
-      "first_batch_s": with_workers["first_batch_s"],
-      "first_batch_s_without": alone["first_batch_s"],
+      "first_batch_s": _median(with_workers, "first_batch_s"),
+      "first_batch_s_without": _median(runs["alone"], "first_batch_s"),
       "send_us_per_image": round(costs.send_us, 1),
       "receive_us_per_image": round(costs.receive_us, 1),
       "receive_free_us_per_image": round(costs.receive_free_us, 1),
+      "main_us_per_image": {str(b): v["median"] for b, v in main.items()},
+      "receive_at": {
+        str(b): [_median(runs[f"with@{b}"], "user_us"), _median(runs[f"with@{b}"], "system_us")]
+        for b in host_batches
+      },
       "rss_mb_per_worker": costs.worker_mb,
     },
     "costs": dataclasses.asdict(costs),
@@ -461,19 +518,30 @@ def hosts(
   image_size: int,
   storage: dict | None = None,
   record_kb: float = 0.0,
+  receive_at: dict | None = None,
 ) -> list[dict]:
-  """The auto plan and its projected img/s for each core count and per-process batch size;
-  beside it, one process at its best thread count (the most a single process can do). The
-  main process's Python per received batch (`receive_us`, measured at `batch`) spreads
-  over the host's batch; every other cost is per image. With `storage` (step 8), the rate
-  on that storage: the projection times the share of its ceiling a process kept there (at
-  most 1), and what it needs of the storage."""
+  """The auto plan and its projected img/s for each core count (vCPUs, counted as
+  `costs.threads_per_core` hardware threads per core) and per-process batch size; beside
+  it, one process at its best thread count (the most a single process can do). The main
+  process's CPU per image is the one measured at that batch size (`receive_at`: {batch:
+  (user, system)}), else `receive_us` measured at `batch` spread over the host's batch.
+  With `storage` (step 8), the rate on that storage: the projection times the share of its
+  ceiling a process kept there (at most 1), and what it needs of the storage."""
   out = []
   for host_batch in host_batches:
-    host = parallelism.at_batch(costs, host_batch, batch)
+    measured = (receive_at or {}).get(str(host_batch))
+    if measured:
+      host = dataclasses.replace(costs, receive_us=measured[0], receive_free_us=measured[1])
+    else:
+      host = parallelism.at_batch(costs, host_batch, batch)
     for c in cores:
       chosen = parallelism.plan(
-        c, batch_size=host_batch, image_bytes=image_size**2 * 3, costs=costs, memory_bytes=c * 2**30
+        c,
+        batch_size=host_batch,
+        image_bytes=image_size**2 * 3,
+        costs=host,
+        costs_batch=host_batch,
+        memory_bytes=c * 2**30,
       )
       one = max(parallelism.project(c, host, parallelism.Plan(0, t)) for t in range(1, c + 1))
       out.append(
@@ -482,8 +550,8 @@ def hosts(
           "batch": host_batch,
           "workers": chosen.workers,
           "threads": chosen.threads,
-          "projected_img_s": round(parallelism.project(c, host, chosen)),
-          "bound_by": parallelism.bound(c, host, chosen),
+          "projected_img_s": round(parallelism.project(c, host, chosen, host_batch)),
+          "bound_by": parallelism.bound(c, host, chosen, host_batch),
           "one_process_img_s": round(one),
         }
       )
@@ -635,6 +703,28 @@ def parser() -> argparse.ArgumentParser:
     help="step 8: the ceiling again behind the storage rig at this latency per read "
     "(default 20, a bucket; 0 skips it)",
   )
+  p.add_argument(
+    "--repeat", type=int, default=3, help="runs of each cost measurement (medians are used)"
+  )
+  p.add_argument(
+    "--threads-per-core",
+    type=int,
+    default=2,
+    help="hardware threads per core of the projected hosts (cloud vCPUs are hyperthreads: 2)",
+  )
+  p.add_argument(
+    "--smt-yield",
+    type=float,
+    default=parallelism.SMT_YIELD,
+    help="what a core's second hardware thread adds, in cores (stated, default %(default)s)",
+  )
+  p.add_argument(
+    "--step-us",
+    type=float,
+    default=STEP_US,
+    help="the training step's host work per step in the main process (dispatch, metrics), "
+    "microseconds (default %(default)s)",
+  )
   p.add_argument("--json", help="write the figures to this file")
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p
@@ -659,8 +749,15 @@ def main(argv: list[str]) -> dict:
     p.error(
       "--threads, --cores and --host-batch take comma-separated positive integers, e.g. 96,224"
     )
-  if args.workers < 1 or args.worker_threads < 1 or args.batch_size < 1 or args.seconds <= 0:
-    p.error("--workers, --worker-threads, --batch-size and --seconds must be positive")
+  if (
+    min(args.workers, args.worker_threads, args.batch_size, args.repeat, args.threads_per_core)
+    < 1
+    or args.seconds <= 0
+  ):
+    p.error(
+      "--workers, --worker-threads, --batch-size, --repeat, --threads-per-core and --seconds "
+      "must be positive"
+    )
   try:
     meta = manifest_lib.load(args.data_dir)
   except (OSError, ValueError) as e:
@@ -677,10 +774,20 @@ def main(argv: list[str]) -> dict:
   }
   try:
     result = measure_costs(
-      spec, threads, args.workers, args.worker_threads, args.py_spy, _latency(args.latency_ms)
+      spec,
+      threads,
+      args.workers,
+      args.worker_threads,
+      args.py_spy,
+      _latency(args.latency_ms),
+      repeat=args.repeat,
+      host_batches=host_batches,
     )
   except RuntimeError as e:
     _fail(str(e), code=1)
+  result["costs"].update(
+    threads_per_core=args.threads_per_core, smt_yield=args.smt_yield, step_us=args.step_us
+  )
   costs = parallelism.Costs(**result["costs"])
   result["hosts"] = hosts(
     costs,
@@ -690,6 +797,7 @@ def main(argv: list[str]) -> dict:
     args.image_size,
     result["storage"],
     result["record_kb"],
+    result["workers"]["receive_at"],
   )
   result.update(
     machine=measure.machine(), command="python -m pipeline.bench scaling " + " ".join(argv)

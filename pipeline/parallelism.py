@@ -3,16 +3,19 @@
 One process's decode threads scale until the per-image work that holds the GIL fills one
 core: past that, more threads only add GIL hand-offs. A many-core host therefore runs Grain
 worker processes (`mp_prefetch`) with a few threads each, and the main process only
-receives their batches. A small model turns measured per-image costs into the images/s
-each resource allows (per image, in microseconds; T threads per process, W workers, C cores):
+receives their batches (`pipeline.handoff`). A small model turns measured per-image costs
+into the images/s each resource allows (per image, in microseconds; T threads per process,
+W workers, C vCPUs worth `core_equivalents(C)` cores, B images per step of the main process):
 
     threads   max(W, 1) * T / (cpu + wait [+ send])   each thread decodes its images in turn
     gil       max(W, 1) / (gil * handoff(T))          handoff(T) = 1 + handoff * (T - 1)
-    cores     C / (cpu [+ send + receive + receive_free])
-    receive   1 / receive                             the main process receives every batch
+    cores     core_equivalents(C) / (cpu [+ send + receive + receive_free])
+    main      1 / (receive + receive_free + step / B) every thread of the main process, and
+                                                      the training step's host work, serial
 
-([...]: with W > 0 workers, which copy each batch into fresh shared memory (Grain), and
-whose main process's Python receives it.)
+([...]: with W > 0 workers, whose batches the main process receives.) vCPUs are hyperthreads
+on cloud hosts (a TPU VM's 224 vCPUs are 112 cores x 2): the second thread of a core adds
+`smt_yield` of a core, stated, not measured here (this machine shows no SMT siblings).
 
 `project` is the smallest, `plan` the fewest processes (then threads) within 3% of the best
 plan for the host, and `python -m pipeline.bench scaling` measures the costs below. Memory:
@@ -27,6 +30,9 @@ import os
 import sys
 
 
+SMT_YIELD = 0.25  # stated: a hyperthread sibling adds ~15-30% on integer SIMD decode work
+
+
 @dataclasses.dataclass(frozen=True)
 class Costs:
   """Per-image costs in microseconds (a 224 px train image, batch 128) and a worker's RSS."""
@@ -34,11 +40,14 @@ class Costs:
   cpu_us: float  # all CPU of one image in the process that decodes it (one thread)
   gil_us: float  # of which holding the GIL (read, parse, crop box, RNG, Python, Grain)
   handoff: float  # extra GIL time per image for each thread beyond the first
-  send_us: float  # a worker's extra CPU per image (copying into fresh shared memory)
-  receive_us: float  # the main process's GIL-held CPU receiving it
-  receive_free_us: float  # and its GIL-free CPU (the kernel mapping, unmapping the pages)
+  send_us: float  # a worker's extra CPU per image (handing the batch over)
+  receive_us: float  # the main process's user CPU per image receiving it (all its threads)
+  receive_free_us: float  # and its system CPU (mapping pages, queues)
   worker_mb: float  # a worker's RSS before its batches (imports incl. jax, Grain)
   wait_us: float = 0.0  # off-CPU time of a thread per image (slow storage); 0 on local disk
+  step_us: float = 0.0  # the training step's host work per step (dispatch, metrics), main process
+  threads_per_core: int = 1  # hardware threads per core (2 on cloud hosts' vCPUs)
+  smt_yield: float = SMT_YIELD  # what a core's second hardware thread adds, in cores
 
 
 # Measured with `python -m pipeline.bench scaling data/photos` (802 photos ~450x400, batch
@@ -105,12 +114,19 @@ def available_memory() -> int:
   return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def core_equivalents(vcpus: int, costs: Costs) -> float:
+  """What `vcpus` hardware threads are worth in cores."""
+  tpc = max(1, costs.threads_per_core)
+  return vcpus / tpc * (1 + costs.smt_yield * (tpc - 1))
+
+
 def handoff_factor(threads: int, handoff: float) -> float:
   return 1.0 + handoff * max(0, threads - 1)
 
 
-def limits(cores: int, costs: Costs, plan: Plan) -> dict[str, float]:
-  """Images/s each resource allows a host of `cores` cores running `plan` (see above)."""
+def limits(cores: int, costs: Costs, plan: Plan, batch_size: int = 0) -> dict[str, float]:
+  """Images/s each resource allows a host of `cores` vCPUs running `plan` (see above);
+  `batch_size`: images per step of the main process (for `costs.step_us`)."""
   w, t = plan.workers, plan.threads
   processes = max(w, 1)
   send = costs.send_us if w else 0.0
@@ -118,21 +134,24 @@ def limits(cores: int, costs: Costs, plan: Plan) -> dict[str, float]:
   out = {
     "threads": processes * t * 1e6 / (costs.cpu_us + costs.wait_us + send),
     "gil": processes * 1e6 / (costs.gil_us * handoff_factor(t, costs.handoff)),
-    "cores": cores * 1e6 / cpu,
+    "cores": core_equivalents(cores, costs) * 1e6 / cpu,
   }
+  main = costs.step_us / batch_size if batch_size else 0.0
   if w:
-    out["receive"] = 1e6 / max(costs.receive_us, 1e-3)
+    main += costs.receive_us + costs.receive_free_us
+  if main:
+    out["main"] = 1e6 / main
   return out
 
 
-def project(cores: int, costs: Costs, plan: Plan) -> float:
-  """The images/s a host of `cores` cores delivers with `plan`: the smallest limit."""
-  return min(limits(cores, costs, plan).values())
+def project(cores: int, costs: Costs, plan: Plan, batch_size: int = 0) -> float:
+  """The images/s a host of `cores` vCPUs delivers with `plan`: the smallest limit."""
+  return min(limits(cores, costs, plan, batch_size).values())
 
 
-def bound(cores: int, costs: Costs, plan: Plan) -> str:
+def bound(cores: int, costs: Costs, plan: Plan, batch_size: int = 0) -> str:
   """The resource that sets `project`'s rate."""
-  lim = limits(cores, costs, plan)
+  lim = limits(cores, costs, plan, batch_size)
   return min(lim, key=lim.get)
 
 
@@ -151,13 +170,15 @@ def plan(
   image_bytes: int = 0,
   prefetch: int = 2,
   costs: Costs = COSTS,
+  costs_batch: int = COSTS_BATCH,
   memory_bytes: int | None = None,
 ) -> Plan:
   """Worker processes x decode threads for a host of `cores` cores (default: this one's),
   batches of `batch_size` images of `image_bytes` each.
 
   Settings you give (`num_workers`, `num_threads`) are kept; the others are chosen by
-  `project`. Memory budget: each worker takes `costs.worker_mb` plus `prefetch +
+  `project` (`costs` measured at batches of `costs_batch`). Memory budget: each worker
+  takes `costs.worker_mb` plus `prefetch +
   WORKER_BATCHES` batches, and the workers together at most half of `memory_bytes`
   (default: the memory available now); threads never outnumber the cores. Up to
   SMALL_HOST cores it is the fast path whatever the costs: no workers, one thread per core.
@@ -165,7 +186,7 @@ def plan(
   cores = cores or available_cores()
   if num_workers is not None and num_threads is not None:
     return Plan(num_workers, num_threads, "set by you")
-  costs = at_batch(costs, batch_size)
+  costs = at_batch(costs, batch_size, costs_batch)
   batch_bytes = batch_size * image_bytes
   memory = available_memory() if memory_bytes is None else memory_bytes
   per_worker = costs.worker_mb * 2**20 + (prefetch + WORKER_BATCHES) * batch_bytes
@@ -176,7 +197,7 @@ def plan(
   for w in workers:
     top = cores if w == 0 else max(1, cores // w)
     for t in [num_threads] if num_threads is not None else range(1, top + 1):
-      candidates.append((project(cores, costs, Plan(w, t)), w, t))
+      candidates.append((project(cores, costs, Plan(w, t), batch_size), w, t))
   best = max(rate for rate, _, _ in candidates)
   rate, w, t = min((c for c in candidates if c[0] >= NEAR_BEST * best), key=lambda c: c[1:])
   given = (
