@@ -113,6 +113,7 @@ class DecodeImages:
     head, slot_bytes = self.head, self.slot_bytes
     arena = self.arena(stop - start)
     dims = np.zeros((len(batch.indices), 2), np.int32)
+    full = np.zeros((len(batch.indices), 2), np.int32) if head.resize_first else None
     handed_back = native.decode_batch(
       records_,
       batch.epochs,
@@ -129,6 +130,7 @@ class DecodeImages:
       head.image_size,
       head.native_params(),
       self.emulate_ns,
+      full,
     )
     todo = [slot for slot, _, _ in handed_back] + [
       s for s in range(start, stop) if isinstance(batch.records[s], CorruptRecordsError)
@@ -138,7 +140,10 @@ class DecodeImages:
     for k, (h, w) in enumerate(dims):  # the per-image Python: a view and one OpenCV call
       if real[k] and start + k not in skip:
         window = arena[k * slot_bytes : k * slot_bytes + h * w * 3].reshape(h, w, 3)
-        self.resize(window, batch.images[start + k])
+        if full is None:
+          self.resize(window, batch.images[start + k])
+        else:  # resize_then_crop: the whole (DCT-scaled) image, its full size from the header
+          head.finish(window, tuple(full[start + k]), batch.images[start + k])
     return todo
 
   def resize(self, window: np.ndarray, out: np.ndarray) -> None:
