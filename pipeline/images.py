@@ -5,10 +5,11 @@ MAX_CHUNK records, one decode-thread task each, and keeps `prefetch` batches in 
 the threads never idle between batches. A chunk is ONE call into `_jpeg.decode_batch`, which
 holds no GIL while it parses every Example, draws every crop window and flip from (seed,
 epoch, index) and decodes the windows (mirrored) into this thread's arena; each window is then
-resized by OpenCV straight into its slot of the batch. What the native path hands back (other
-formats, odd records, read errors; everything when the extension is missing or a decoded-image
-cache is on) takes the per-image Python path, which draws the same windows. So the Python per
-image is a view and one OpenCV call.
+resized by OpenCV straight into its slot of the batch (eval resize_then_crop: the whole image
+is resized by its shorter side, and its centre copied into the slot). What the native path
+hands back (other formats, odd records, read errors; everything when the extension is missing
+or a decoded-image cache is on) takes the per-image Python path, which draws the same windows.
+So the Python per image is a view and one OpenCV call.
 """
 
 from __future__ import annotations
