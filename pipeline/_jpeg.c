@@ -50,17 +50,69 @@ static double uniform(uint64_t key, uint64_t k) {
 /* ------------------------------------------------------------------ crop geometry */
 
 typedef struct {
-  int train, flip, dct_scaling, fast_dct, size;
-  double area_lo, area_hi, log_ratio_lo, log_ratio_hi, crop_fraction;
+  int train, flip, dct_scaling, fast_dct, size, tf_crop, resize_first;
+  double area_lo, area_hi, ratio_lo, ratio_hi, log_ratio_lo, log_ratio_hi, crop_fraction;
 } params_t;
 
-#define ATTEMPTS 10
+#define ATTEMPTS 10 /* torchvision's RandomResizedCrop */
 #define FLIP_DRAW (4 * ATTEMPTS)
+#define TF_ATTEMPTS 100 /* sample_distorted_bounding_box's max_attempts default */
+#define TF_DRAW 64      /* the "tf" crop's draws: TF_DRAW + 4 * attempt + (aspect, height, y, x) */
 
-/* Inception random-resized-crop (train) or centre crop (eval) of an h x w image: box[] = y, x,
- * ch, cw. After ATTEMPTS misses, the largest centred crop within the aspect range (as
- * torchvision's RandomResizedCrop and tf's sample_distorted_bounding_box fall back). */
+/* TF's sample_distorted_bounding_box (no boxes, min_object_covered 0: GenerateRandomCrop in
+ * tensorflow/core/kernels/image/sample_distorted_bounding_box_op.cc, float32 as there): aspect
+ * uniform, height uniform between the area bounds, offset in [0, h - ch); after TF_ATTEMPTS
+ * misses, the whole image. `augment.tf_inception_crop_box` is the same in Python. */
+static void tf_crop_box(const params_t *p, long h, long w, uint64_t key, long box[4]) {
+  const float lo = (float)p->ratio_lo, hi = (float)p->ratio_hi;
+  const float min_area = (float)p->area_lo * (float)w * (float)h;
+  const float max_area = (float)p->area_hi * (float)w * (float)h;
+  for (int a = 0; a < TF_ATTEMPTS; a++) {
+    uint64_t k = TF_DRAW + 4 * (uint64_t)a;
+    float u = (float)(mix64(key + (k + 1) * 0xD1B54A32D192ED03ULL) >> 40) * 0x1.0p-24f;
+    float aspect = u * (hi - lo) + lo;
+    long ch = lrintf(sqrtf(min_area / aspect)), max_h = lrintf(sqrtf(max_area / aspect));
+    if (lrintf((float)max_h * aspect) > w) {
+      max_h = (long)((w + 0.5 - (double)0.0000001f) / (double)aspect);
+      if (lrintf((float)max_h * aspect) > w) max_h -= 1;
+    }
+    if (max_h > h) max_h = h;
+    if (ch >= max_h) ch = max_h;
+    if (ch < max_h) ch += (long)(uniform(key, k + 1) * (double)(max_h - ch + 1));
+    long cw = lrintf((float)ch * aspect);
+    float area = (float)(cw * ch);
+    if (area < min_area) {
+      ch += 1;
+      cw = lrintf((float)ch * aspect);
+      area = (float)(cw * ch);
+    }
+    if (area > max_area) {
+      ch -= 1;
+      cw = lrintf((float)ch * aspect);
+      area = (float)(cw * ch);
+    }
+    if (area >= min_area && area <= max_area && cw > 0 && cw <= w && ch > 0 && ch <= h) {
+      box[0] = ch < h ? (long)(uniform(key, k + 2) * (double)(h - ch)) : 0;
+      box[1] = cw < w ? (long)(uniform(key, k + 3) * (double)(w - cw)) : 0;
+      box[2] = ch, box[3] = cw;
+      return;
+    }
+  }
+  box[0] = box[1] = 0, box[2] = h, box[3] = w;
+}
+
+/* The window to decode of an h x w image: box[] = y, x, ch, cw. Train: the "tf" crop, or
+ * torchvision's RandomResizedCrop (after ATTEMPTS misses, the largest centred crop within the
+ * aspect range). Eval: the centre crop, or the whole image (resize_then_crop). */
 static void crop_box(const params_t *p, long h, long w, uint64_t key, long box[4]) {
+  if (p->train && p->tf_crop) {
+    tf_crop_box(p, h, w, key, box);
+    return;
+  }
+  if (!p->train && p->resize_first) {
+    box[0] = box[1] = 0, box[2] = h, box[3] = w;
+    return;
+  }
   if (!p->train) {
     long side = lround(fmin(h, w) * p->crop_fraction);
     if (side < 1) side = 1;
@@ -91,10 +143,11 @@ static int flip_of(const params_t *p, uint64_t key) {
   return p->train && p->flip && uniform(key, FLIP_DRAW) < 0.5;
 }
 
-/* Largest DCT scale denominator (1, 2, 4, 8) that keeps the window's shorter side >= size. */
+/* Largest DCT scale denominator (1, 2, 4, 8) that keeps the window's shorter side >= size;
+ * 1 for resize_then_crop, which decodes at full resolution as TF does. */
 static int dct_denom(const params_t *p, const long box[4]) {
   long shorter = box[2] < box[3] ? box[2] : box[3];
-  if (!p->dct_scaling) return 1;
+  if (!p->dct_scaling || (!p->train && p->resize_first)) return 1;
   for (int d = 8; d > 1; d /= 2)
     if (shorter >= (long)d * p->size) return d;
   return 1;
@@ -478,7 +531,7 @@ static void sleep_ns(long ns) {
 /* One image, without the GIL: parse, header, window, decode (mirrored) into its arena slot. */
 static void load_one(item_t *it, const params_t *p, const char *ik, size_t ikl, const char *lk,
                      size_t lkl, uint64_t seed, long emulate_ns, scratch_t *slot, int32_t *dims,
-                     int64_t *label, scratch_t *rows) {
+                     int32_t *full, int64_t *label, scratch_t *rows) {
   span_t image = {NULL, NULL};
   long h, w, box[4];
   int oh = 0, ow = 0, marker, precision;
@@ -490,6 +543,7 @@ static void load_one(item_t *it, const params_t *p, const char *ik, size_t ikl, 
   }
   uint64_t key = example_key(seed, (uint64_t)it->epoch, (uint64_t)it->index);
   crop_box(p, h, w, key, box);
+  if (full != NULL) full[0] = (int32_t)h, full[1] = (int32_t)w;
   if (emulate_ns > 0) { /* the chunk waits once for all its images (see decode_batch) */
     dims[0] = dims[1] = 1;
     return;
@@ -507,10 +561,11 @@ static void load_one(item_t *it, const params_t *p, const char *ik, size_t ikl, 
 
 static int get_params(PyObject *t, params_t *p) {
   double area_lo, area_hi, ratio_lo, ratio_hi;
-  if (!PyArg_ParseTuple(t, "pppp(dd)(dd)d", &p->train, &p->flip, &p->dct_scaling, &p->fast_dct,
-                        &area_lo, &area_hi, &ratio_lo, &ratio_hi, &p->crop_fraction))
+  if (!PyArg_ParseTuple(t, "pppp(dd)(dd)dpp", &p->train, &p->flip, &p->dct_scaling,
+                        &p->fast_dct, &area_lo, &area_hi, &ratio_lo, &ratio_hi, &p->crop_fraction,
+                        &p->tf_crop, &p->resize_first))
     return -1;
-  p->area_lo = area_lo, p->area_hi = area_hi;
+  p->area_lo = area_lo, p->area_hi = area_hi, p->ratio_lo = ratio_lo, p->ratio_hi = ratio_hi;
   p->log_ratio_lo = log(ratio_lo), p->log_ratio_hi = log(ratio_hi);
   return 0;
 }
@@ -530,22 +585,24 @@ static int writable(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t n
 }
 
 /* decode_batch(records, epochs, indices, labels, dims, arena, slot_bytes, start, stop, seed,
- * image_key, label_key, size, params, emulate_ns): records [start, stop) of a batch; record i's
- * mirrored crop window goes to arena[(i - start) * slot_bytes:] as dims[i] = (rows, cols) RGB
- * pixels, its label to labels[i]. Returns [(i, status, message)] of the records it hands back:
+ * image_key, label_key, size, params, emulate_ns, sizes=None): records [start, stop) of a batch;
+ * record i's mirrored crop window goes to arena[(i - start) * slot_bytes:] as dims[i] = (rows,
+ * cols) RGB pixels, its label to labels[i], its full-resolution (height, width) to sizes[i] when
+ * given (int32[n, 2]). Returns [(i, status, message)] of the records it hands back:
  * status 1 (the Python path takes it) or 2 (broken, with libjpeg's message). */
 static PyObject *decode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
-  PyObject *recs, *epochs_o, *indices_o, *labels_o, *dims_o, *arena_o, *params_o;
-  Py_buffer labels, dims, arena, epochs, indices;
+  PyObject *recs, *epochs_o, *indices_o, *labels_o, *dims_o, *arena_o, *params_o,
+      *sizes_o = Py_None;
+  Py_buffer labels, dims, arena, epochs, indices, sizes = {0};
   const char *ik, *lk;
   Py_ssize_t ikl, lkl, start, stop, slot_bytes;
   unsigned long long seed;
   int size;
   long emulate_ns;
   params_t p;
-  if (!PyArg_ParseTuple(args, "O!OOOOOnnnKy#y#iOl", &PyList_Type, &recs, &epochs_o, &indices_o,
-                        &labels_o, &dims_o, &arena_o, &slot_bytes, &start, &stop, &seed, &ik, &ikl,
-                        &lk, &lkl, &size, &params_o, &emulate_ns) ||
+  if (!PyArg_ParseTuple(args, "O!OOOOOnnnKy#y#iOl|O", &PyList_Type, &recs, &epochs_o,
+                        &indices_o, &labels_o, &dims_o, &arena_o, &slot_bytes, &start, &stop, &seed,
+                        &ik, &ikl, &lk, &lkl, &size, &params_o, &emulate_ns, &sizes_o) ||
       get_params(params_o, &p))
     return NULL;
   p.size = size;
@@ -559,6 +616,8 @@ static PyObject *decode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
   if (writable(arena_o, &arena, slot_bytes, stop - start, "arena")) goto release_dims;
   if (PyObject_GetBuffer(epochs_o, &epochs, PyBUF_C_CONTIGUOUS)) goto release_arena;
   if (PyObject_GetBuffer(indices_o, &indices, PyBUF_C_CONTIGUOUS)) goto release_epochs;
+  int have_sizes = sizes_o != Py_None;
+  if (have_sizes && writable(sizes_o, &sizes, 8, n, "sizes")) goto release_indices;
   item_t *items = NULL;
   if (epochs.len != 8 * n || indices.len != 8 * n) {
     PyErr_SetString(PyExc_ValueError, "epochs and indices must be int64[n]");
@@ -587,7 +646,8 @@ static PyObject *decode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
     scratch_t slot = {(uint8_t *)arena.buf + (i - start) * slot_bytes, (size_t)slot_bytes, 1};
     if (it->data != NULL)
       load_one(it, &p, ik, (size_t)ikl, lk, (size_t)lkl, seed, emulate_ns, &slot,
-               (int32_t *)dims.buf + 2 * i, (int64_t *)labels.buf + i, &rows);
+               (int32_t *)dims.buf + 2 * i, have_sizes ? (int32_t *)sizes.buf + 2 * i : NULL,
+               (int64_t *)labels.buf + i, &rows);
   }
   free(rows.p);
   if (emulate_ns > 0) sleep_ns(emulate_ns * (long)(stop - start));
@@ -601,11 +661,14 @@ static PyObject *decode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
     Py_XDECREF(t);
   }
   free(items);
+  if (have_sizes) PyBuffer_Release(&sizes);
   PyBuffer_Release(&indices), PyBuffer_Release(&epochs), PyBuffer_Release(&arena);
   PyBuffer_Release(&dims), PyBuffer_Release(&labels);
   return handed_back;
 release_all:
   free(items);
+  if (have_sizes) PyBuffer_Release(&sizes);
+release_indices:
   PyBuffer_Release(&indices);
 release_epochs:
   PyBuffer_Release(&epochs);
@@ -706,7 +769,8 @@ static PyObject *parse_example_py(PyObject *Py_UNUSED(self), PyObject *args) {
 static PyMethodDef methods[] = {
     {"decode_batch", decode_batch, METH_VARARGS,
      "decode_batch(records, epochs, indices, labels, dims, arena, slot_bytes, start, stop, seed, "
-     "image_key, label_key, size, params, emulate_ns) -> [(i, status, message)] handed back"},
+     "image_key, label_key, size, params, emulate_ns, sizes=None) -> [(i, status, message)] "
+     "handed back"},
     {"header", header, METH_VARARGS, "header(data) -> (height, width) of the frame libjpeg decodes"},
     {"frame", frame, METH_VARARGS,
      "frame(data) -> (SOF marker, precision, height, width) of a JPEG's frame header, or None"},

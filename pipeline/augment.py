@@ -1,4 +1,11 @@
-"""Crop geometry and image ops: Inception random-resized-crop, centre crop, flip, resize.
+"""Crop geometry and image ops: two Inception random crops, two eval orders, flip, resize.
+
+Train crops (`Head.crop`): "torchvision" is torchvision's RandomResizedCrop (area share
+uniform, aspect log-uniform, 10 tries, centred fallback); "tf" is TF's
+`sample_distorted_bounding_box` as big_vision's `inception_crop` calls it (aspect uniform,
+height uniform between the area bounds, 100 tries, whole-image fallback, TF's float32
+rounding). Eval (`Head.eval_order`): "crop_then_resize" resizes the centre crop;
+"resize_then_crop" is big_vision's `resize_small(R)|central_crop(S)` (area filter).
 
 Crop windows are chosen from the header's size *before* decoding, so the decoder only
 touches the pixels the crop needs. Every random draw of an example comes from a counter-based
@@ -21,8 +28,10 @@ from pipeline import decode
 cv2.setNumThreads(1)  # parallelism comes from the pipeline's threads, not OpenCV's
 
 Box = tuple[int, int, int, int]  # (y, x, h, w) in full-resolution pixels
-ATTEMPTS = 10
+ATTEMPTS = 10  # torchvision's RandomResizedCrop
 FLIP_DRAW = 4 * ATTEMPTS
+TF_ATTEMPTS = 100  # sample_distorted_bounding_box's max_attempts default (big_vision's call)
+TF_DRAW = 64  # the "tf" crop's draws: TF_DRAW + 4 * attempt + (aspect, height, y, x)
 _M64 = 2**64 - 1
 
 
@@ -46,7 +55,8 @@ def uniform(key: int, k: int) -> float:
 
 @dataclasses.dataclass(frozen=True)
 class Head:
-  """The built-in per-image head: crop window (train: random, eval: centre), flip, resize."""
+  """The built-in per-image head: crop window (train: random, eval: centre), flip, resize.
+  `crop` and `eval_order`: see the module docstring."""
 
   image_size: int = 224
   train: bool = True
@@ -57,9 +67,21 @@ class Head:
   bicubic: bool = False
   dct_scaling: bool = True
   fast_dct: bool = False
+  crop: str = "torchvision"
+  eval_order: str = "crop_then_resize"
+
+  @property
+  def resize_first(self) -> bool:
+    """Eval resizes the whole image's shorter side to `resize_to`, then crops the centre."""
+    return not self.train and self.eval_order == "resize_then_crop"
+
+  @property
+  def resize_to(self) -> int:
+    """The shorter side of resize_then_crop: image_size / crop_fraction (big_vision's 256)."""
+    return _round(self.image_size / self.crop_fraction)
 
   def native_params(self) -> tuple:
-    """The parameter tuple of `_jpeg.decode_batch` and `_jpeg.crop_boxes`."""
+    """The parameter tuple of `_jpeg.decode_batch`."""
     return (
       self.train,
       self.flip,
@@ -68,42 +90,61 @@ class Head:
       tuple(self.area_range),
       tuple(self.aspect_range),
       self.crop_fraction,
+      self.crop == "tf",
+      self.resize_first,
     )
 
   def slot_bytes(self) -> int:
     """Room for one decoded window in the native path's arena: after DCT scaling the shorter
     side is < 2 x image_size (unless the image is 16x larger than that) and the longer at most
-    the widest aspect allowed longer; larger windows take the Python path."""
+    the widest aspect allowed longer; larger windows take the Python path (the "tf" crop's
+    whole-image fallback may). resize_then_crop decodes whole images unscaled: room for
+    2:1 ones whose shorter side is <= max(2 x resize_to, 512) (ImageNet's)."""
     widest = max(self.aspect_range[1], 1 / self.aspect_range[0]) if self.train else 1.0
     short = 2 * self.image_size + 16  # + an iMCU of the columns libjpeg widens to
+    if self.resize_first:
+      widest, short = 2.0, max(2 * self.resize_to, 512) + 16
     return short * (int(short * widest) + 32) * 3
 
   def box(self, h: int, w: int, key: int) -> Box:
+    """The window to decode: the random crop, the centre crop, or (resize_then_crop) all."""
+    if self.train and self.crop == "tf":
+      return tf_inception_crop_box(h, w, key, self.area_range, self.aspect_range)
     if self.train:
       return random_resized_crop_box(h, w, key, self.area_range, self.aspect_range)
+    if self.resize_first:
+      return 0, 0, h, w
     return center_crop_box(h, w, self.crop_fraction)
 
   def flips(self, key: int) -> bool:
     return self.train and self.flip and uniform(key, FLIP_DRAW) < 0.5
 
   def dct_scale(self, box: Box) -> int:
-    return dct_scale(box, self.image_size) if self.dct_scaling else 1
+    """resize_then_crop decodes at full resolution as TF does (DCT scaling there moved pixels
+    by 1.4-6 levels on average vs big_vision's, none by 0.5)."""
+    return dct_scale(box, self.image_size) if self.dct_scaling and not self.resize_first else 1
+
+  def finish(
+    self, window: np.ndarray, full: tuple[int, int], out: np.ndarray | None = None
+  ) -> np.ndarray:
+    """A decoded (flipped) window -> image_size x image_size: resized, or (resize_then_crop)
+    the whole image of full-resolution size `full` resized by shorter side, centre-cropped."""
+    if not self.resize_first:
+      return resize(window, self.image_size, out, bicubic=self.bicubic)
+    return resize_small_central_crop(window, full, self.resize_to, self.image_size, out)
 
   def __call__(self, data: bytes, key: int, out: np.ndarray | None = None) -> np.ndarray:
     """The Python path for encoded bytes: header, window, decode the window, flip, resize."""
-    box = self.box(*decode.image_size(data), key)
+    full = decode.image_size(data)
+    box = self.box(*full, key)
     crop = decode.decode_crop(data, box, self.dct_scale(box), self.fast_dct)
-    return resize(
-      crop[:, ::-1] if self.flips(key) else crop, self.image_size, out, bicubic=self.bicubic
-    )
+    return self.finish(crop[:, ::-1] if self.flips(key) else crop, full, out)
 
   def from_decoded(self, image: np.ndarray, key: int, out: np.ndarray | None = None) -> np.ndarray:
     """The same on already decoded pixels (the RAM cache)."""
     y, x, ch, cw = self.box(*image.shape[:2], key)
     crop = image[y : y + ch, x : x + cw]
-    return resize(
-      crop[:, ::-1] if self.flips(key) else crop, self.image_size, out, bicubic=self.bicubic
-    )
+    return self.finish(crop[:, ::-1] if self.flips(key) else crop, image.shape[:2], out)
 
 
 def random_resized_crop_box(
@@ -113,10 +154,9 @@ def random_resized_crop_box(
   area: tuple[float, float] = (0.08, 1.0),
   ratio: tuple[float, float] = (3 / 4, 4 / 3),
 ) -> Box:
-  """Inception-style crop: area share in `area`, aspect (w/h) log-uniform in `ratio`.
-
-  After ATTEMPTS misses falls back to the largest centred crop within `ratio`, as
-  torchvision's RandomResizedCrop and tf's sample_distorted_bounding_box do.
+  """torchvision's RandomResizedCrop: area share uniform in `area`, aspect (w/h) log-uniform
+  in `ratio`; after ATTEMPTS misses the largest centred crop within `ratio`. Not TF's
+  sample_distorted_bounding_box (see `tf_inception_crop_box`): smaller crops are rarer here.
   """
   log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
   for a in range(ATTEMPTS):
@@ -138,6 +178,79 @@ def random_resized_crop_box(
     cw = _round(h * hi)
   ch, cw = max(ch, 1), max(cw, 1)
   return (h - ch) // 2, (w - cw) // 2, ch, cw
+
+
+def tf_inception_crop_box(
+  h: int,
+  w: int,
+  key: int,
+  area: tuple[float, float] = (0.05, 1.0),
+  ratio: tuple[float, float] = (0.75, 1.33),
+) -> Box:
+  """TF's `sample_distorted_bounding_box` (no boxes, min_object_covered=0), as big_vision's
+  `inception_crop` calls it: aspect (w/h) uniform in `ratio`, then the height uniform among
+  the integers between the area bounds (`GenerateRandomCrop`, float32 like the kernel), the
+  offset uniform in [0, h - ch) (sic); after TF_ATTEMPTS misses, the whole image."""
+  f32 = np.float32
+  lo_area, hi_area = f32(area[0]), f32(area[1])
+  lo, hi = f32(ratio[0]), f32(ratio[1])
+  min_area, max_area = lo_area * f32(w) * f32(h), hi_area * f32(w) * f32(h)
+  for a in range(TF_ATTEMPTS):
+    k = TF_DRAW + 4 * a
+    aspect = _uniform24(key, k) * (hi - lo) + lo
+    ch = int(np.rint(np.sqrt(min_area / aspect)))
+    max_h = int(np.rint(np.sqrt(max_area / aspect)))
+    if int(np.rint(f32(max_h) * aspect)) > w:
+      max_h = int((w + 0.5 - float(f32(1e-7))) / float(aspect))
+      if int(np.rint(f32(max_h) * aspect)) > w:
+        max_h -= 1
+    max_h = min(max_h, h)
+    ch = min(ch, max_h)
+    if ch < max_h:
+      ch += int(uniform(key, k + 1) * (max_h - ch + 1))
+    cw = int(np.rint(f32(ch) * aspect))
+    crop_area = f32(cw * ch)
+    if crop_area < min_area:
+      ch += 1
+      cw = int(np.rint(f32(ch) * aspect))
+      crop_area = f32(cw * ch)
+    if crop_area > max_area:
+      ch -= 1
+      cw = int(np.rint(f32(ch) * aspect))
+      crop_area = f32(cw * ch)
+    if min_area <= crop_area <= max_area and 0 < cw <= w and 0 < ch <= h:
+      y = int(uniform(key, k + 2) * (h - ch)) if ch < h else 0
+      x = int(uniform(key, k + 3) * (w - cw)) if cw < w else 0
+      return y, x, ch, cw
+  return 0, 0, h, w
+
+
+def _uniform24(key: int, k: int) -> np.float32:
+  """Draw `k` as a float32 in [0, 1) with 24 bits, like TF's RandFloat."""
+  return np.float32(math.floor(uniform(key, k) * 2**24) * 2.0**-24)
+
+
+def resize_small_dims(h: int, w: int, size: int) -> tuple[int, int]:
+  """big_vision's `resize_small(size)` output size: factor = size / min(h, w) and
+  round(side * factor), in float32 with round-half-even as TF's."""
+  factor = np.float32(size) / np.float32(min(h, w))
+  return int(np.rint(np.float32(h) * factor)), int(np.rint(np.float32(w) * factor))
+
+
+def resize_small_central_crop(
+  image: np.ndarray, full: tuple[int, int], small: int, size: int, out: np.ndarray | None = None
+) -> np.ndarray:
+  """big_vision's `resize_small(small)|central_crop(size)` of an image whose full-resolution
+  size is `full` (`image` may be DCT-scaled): area filter (TF's method "area", no
+  antialias), then the centre size x size."""
+  rh, rw = resize_small_dims(*full, small)
+  resized = cv2.resize(np.ascontiguousarray(image), (rw, rh), interpolation=cv2.INTER_AREA)
+  dy, dx = (rh - size) // 2, (rw - size) // 2
+  crop = resized[dy : dy + size, dx : dx + size]
+  if out is None:
+    return np.ascontiguousarray(crop)
+  out[...] = crop
+  return out
 
 
 def _round(x: float) -> int:

@@ -188,6 +188,8 @@ def build(
     flip=aug.flip,
     crop_fraction=aug.eval_fraction(image_size),
     bicubic=aug.interpolation == "bicubic",
+    crop=aug.crop,
+    eval_order=aug.eval_order,
     dct_scaling=perf.dct_scaling,
     fast_dct=perf.fast_dct,
   )

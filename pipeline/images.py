@@ -5,10 +5,11 @@ MAX_CHUNK records, one decode-thread task each, and keeps `prefetch` batches in 
 the threads never idle between batches. A chunk is ONE call into `_jpeg.decode_batch`, which
 holds no GIL while it parses every Example, draws every crop window and flip from (seed,
 epoch, index) and decodes the windows (mirrored) into this thread's arena; each window is then
-resized by OpenCV straight into its slot of the batch. What the native path hands back (other
-formats, odd records, read errors; everything when the extension is missing or a decoded-image
-cache is on) takes the per-image Python path, which draws the same windows. So the Python per
-image is a view and one OpenCV call.
+resized by OpenCV straight into its slot of the batch (eval resize_then_crop: the whole image
+is resized by its shorter side, and its centre copied into the slot). What the native path
+hands back (other formats, odd records, read errors; everything when the extension is missing
+or a decoded-image cache is on) takes the per-image Python path, which draws the same windows.
+So the Python per image is a view and one OpenCV call.
 """
 
 from __future__ import annotations
@@ -115,6 +116,7 @@ class DecodeImages:
     head, slot_bytes = self.head, self.slot_bytes
     arena = self.arena(stop - start)
     dims = np.zeros((len(batch.indices), 2), np.int32)
+    full = np.zeros((len(batch.indices), 2), np.int32) if head.resize_first else None
     handed_back = native.decode_batch(
       records_,
       batch.epochs,
@@ -131,6 +133,7 @@ class DecodeImages:
       head.image_size,
       head.native_params(),
       self.emulate_ns,
+      full,
     )
     todo = [slot for slot, _, _ in handed_back] + [
       s for s in range(start, stop) if isinstance(batch.records[s], CorruptRecordsError)
@@ -140,7 +143,10 @@ class DecodeImages:
     for k, (h, w) in enumerate(dims):  # the per-image Python: a view and one OpenCV call
       if real[k] and start + k not in skip:
         window = arena[k * slot_bytes : k * slot_bytes + h * w * 3].reshape(h, w, 3)
-        self.resize(window, batch.images[start + k])
+        if full is None:
+          self.resize(window, batch.images[start + k])
+        else:  # resize_then_crop: the whole (DCT-scaled) image, its full size from the header
+          head.finish(window, tuple(full[start + k]), batch.images[start + k])
     return todo
 
   def resize(self, window: np.ndarray, out: np.ndarray) -> None:

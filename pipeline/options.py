@@ -16,11 +16,19 @@ from typing import Any
 class Augment:
   """The built-in image head: crop window, flip, resize filter.
 
-  Train: Inception random-resized-crop (share of the area in `area_range`, aspect w/h
-  log-uniform in `aspect_range`) and a random left-right flip. Eval: the centre square of
-  `crop_fraction` of the shorter side (or, with `crop_padding`, of image_size /
-  (image_size + crop_padding), as Flax's ImageNet example). Either way resized to
+  Train: an Inception random crop (area share in `area_range`, aspect w/h in
+  `aspect_range`) and a random left-right flip. `crop` picks whose: "torchvision" is
+  torchvision's RandomResizedCrop (area uniform, aspect log-uniform, 10 tries, else the
+  largest centred crop); "tf" is TF's `sample_distorted_bounding_box` as big_vision's
+  `inception_crop` calls it (aspect uniform, height uniform between the area bounds, 100
+  tries, else the whole image): more small crops for the same ranges. Resized to
   `image_size` with `interpolation`.
+
+  Eval, with crop_fraction f (or, with `crop_padding`, image_size / (image_size +
+  crop_padding), as Flax's ImageNet example): `eval_order` "crop_then_resize" resizes the
+  centre square of f x the shorter side to `image_size` (`interpolation`);
+  "resize_then_crop" is big_vision's `resize_small(image_size / f)|central_crop(image_size)`:
+  the shorter side resized (area filter), then the centre image_size square.
   """
 
   area_range: tuple[float, float] = (0.08, 1.0)
@@ -29,6 +37,8 @@ class Augment:
   crop_fraction: float = 0.875
   crop_padding: int | None = None  # Flax's eval crop: image_size / (image_size + crop_padding)
   interpolation: str = "bilinear"
+  crop: str = "torchvision"  # or "tf": see above
+  eval_order: str = "crop_then_resize"  # or "resize_then_crop"
 
   def eval_fraction(self, image_size: int) -> float:
     if self.crop_padding is None:
@@ -50,13 +60,18 @@ class Augment:
       raise ValueError(f"augment.crop_fraction must be in (0, 1], got {self.crop_fraction}")
     if self.crop_padding is not None and self.crop_padding < 0:
       raise ValueError(f"augment.crop_padding must be >= 0, got {self.crop_padding}")
-    if self.interpolation not in INTERPOLATIONS:
-      raise ValueError(
-        f"augment.interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}"
-      )
+    for name, allowed in (
+      ("interpolation", INTERPOLATIONS),
+      ("crop", CROPS),
+      ("eval_order", EVAL_ORDERS),
+    ):
+      if getattr(self, name) not in allowed:
+        raise ValueError(f"augment.{name} must be one of {allowed}, got {getattr(self, name)!r}")
 
 
 INTERPOLATIONS = ("bilinear", "bicubic")
+CROPS = ("torchvision", "tf")
+EVAL_ORDERS = ("crop_then_resize", "resize_then_crop")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -280,25 +280,39 @@ def test_cache_decodes_each_record_once_over_epochs(photos_dir, monkeypatch):
   assert len(decoded) == n  # epochs 2 and 3 crop the cached pixels
 
 
-def test_native_and_python_paths_give_identical_images(photos_dir):
+@pytest.mark.parametrize(
+  "train, augment",
+  [
+    (True, dict(interpolation="bicubic")),
+    (False, dict()),
+    (True, dict(crop="tf", area_range=(0.05, 1.0))),
+    (False, dict(eval_order="resize_then_crop")),
+  ],
+)
+def test_native_and_python_paths_give_identical_images(photos_dir, train, augment):
   if decode.native() is None:
     pytest.skip("the C extension is not built here")
-  for train in (True, False):
+  for image_size in (40, 100):  # 40: DCT-scaled windows
     stages = dataset.build(
       photos_dir,
       batch_size=8,
       train=train,
-      image_size=40,
+      image_size=image_size,
       seed=3,
       shard_index=0,
       shard_count=1,
-      augment=dict(interpolation="bicubic" if train else "bilinear"),
+      augment=augment,
+    )
+    python_slots, python_slot = [], stages.decode._python_slot
+    stages.decode._python_slot = lambda b, s, seen=python_slots, f=python_slot: (
+      seen.append(s) or f(b, s)
     )
     batch = next(iter(dataset.chain(stages)))
+    assert python_slots == []  # every window fitted its arena slot: the native path made them
     epochs, indices = stages.plan.sampler.records(np.arange(8))
     for slot in range(8):
       data = records.parse(stages.read.source.read([indices[slot]])[0])[0]
-      out = np.empty((40, 40, 3), np.uint8)
+      out = np.empty((image_size, image_size, 3), np.uint8)
       stages.decode.python_image(data, int(epochs[slot]), int(indices[slot]), out)
       np.testing.assert_array_equal(batch["image"][slot], out)
 
