@@ -5,7 +5,10 @@
 A 2-core machine cannot run a 224-core host's pipeline, so this measures the costs that
 decide it here and projects with `pipeline.parallelism`'s model. Every run is
 `make_dataset` (train augmentation, given batch and image size) in a fresh process, timed
-in steady state after its first batch:
+in steady state after its first batch, in a process set up as a Grain worker is
+(`pipeline.worker`: freed memory kept), since workers decode on many-core hosts. Steps
+1-4 and 7 run `--repeat` times (default 3), interleaved; the model takes their medians,
+and the report gives each one's spread.
 
 1. cpu: one decode thread: the process's CPU per image (`cpu_us_per_image`).
 2. rest: one thread with decode emulation (`bench.emulate`, waits D,R), which replaces
@@ -16,47 +19,45 @@ in steady state after its first batch:
    two take alone on one thread.
 3. read: alone in a fresh process, `ShardedSource.read` of batches of the same size at
    shuffled indices of the dataset's real records: its CPU per record
-   (`read_cpu_us_per_image`; array_record decompresses in its own code without the GIL).
-   The part of it that holds the GIL is array_record's final copy of each record into
-   Python bytes, estimated as a memcpy of records of the same sizes
-   (`bytes(memoryview(record))`, `read_copy_us_per_image`); the rest is the read's GIL-free
-   CPU (`read_gil_free_us_per_image`).
-4. gil: `gil_held_us_per_image` = rest - the read's GIL-free CPU (at least 0), measured,
-   not fitted. It is an upper bound: any other GIL-free CPU in the rest (the kernel's page
-   faults, native loops that release the GIL) counts as held.
+   (`read_cpu_us_per_image`), and a memcpy of records of the same sizes
+   (`read_copy_us_per_image`), the part of the read that holds the GIL.
+4. gil, measured directly (`gil_direct_us_per_image`, the model's GIL time): the CPU each
+   thread spends holding the GIL, summed by an LD_PRELOAD shim around
+   PyEval_SaveThread/RestoreThread (`bench.gil`), over step 5's best run. By subtraction
+   (`gil_held_us_per_image` = rest - the read's GIL-free CPU) it runs low: it misses the
+   hand-off waits and measures the read at another size; it is kept for comparison.
 5. ceiling: step 2's emulation with the real D and R, at 1, 2, 4, ... 32 threads: a host
    with unlimited cores. The best img/s is one process's measured ceiling
    (`process_ceiling_img_s`), using `ceiling_cores_used` cores (its img/s x CPU per
    image); `ceiling_bound_by` is "cores" when that is at least 0.8 x this machine's usable
    cores (the curve levels off because the machine is full, not because of the GIL), else
    "gil". `ceiling_gil_busy` (its img/s x GIL-held time) is the share of the time a thread
-   held the GIL: near 1, the GIL bound it; well below 1 with "gil" on a shared machine,
-   other processes took the cores. The model's GIL time and hand-off per extra thread
-   fitted to the curve are kept as `gil_fitted_us_per_image` and `handoff_per_thread`; on
-   a cores-bound curve the fit is a CPU limit, not GIL-held time.
-   `process_ceiling_gil_img_s` = 1e6 / gil_held is a projection: what one process
-   reaches where cores do not bind.
-6. py-spy (a cross-check, when py-spy is installed or given by --py-spy): `py-spy record
-   --gil` samples the best thread count of step 5; the share of samples holding the GIL x
-   wall time per image is `gil_pyspy_us_per_image`. py-spy misses samples of GIL-bound
-   processes, so this under-counts and is never the headline.
-7. workers: real decode with Grain worker processes: the main process's CPU per image
-   receiving batches, touching every page as device_put would (its user time is Python,
-   holding the GIL; its system time the kernel mapping and unmapping pages, without it),
-   the workers' CPU per image beyond the same work in one process (shipping batches
-   through shared memory), the first batch and each worker's RSS.
+   held the GIL. The hand-off per extra thread fitted to the curve is `handoff_per_thread`
+   (with the GIL time it implies, `gil_fitted_us_per_image`).
+   `process_ceiling_gil_img_s` = 1e6 / gil is what one process reaches where cores do not
+   bind.
+6. py-spy (the second method, when py-spy is installed or given by --py-spy): `py-spy
+   record --gil` samples step 5's best run; the share of samples holding the GIL x wall
+   time per image is `gil_pyspy_us_per_image`.
+7. workers: Grain worker processes with the hand-off (`pipeline.handoff`), decode emulated
+   by ~0 waits so that batches cross as fast as the workers make them, at each
+   `--host-batch`: the main process's CPU per image, every thread of it, touching every
+   page as device_put would (user: receiving, holding the GIL; system: the kernel), and
+   the workers' CPU per image beyond the same run without workers (the hand-off's cost in
+   the worker, `send_us_per_image`), the first batch and each worker's RSS.
 8. storage (`--latency-ms`, default 20; needs the rig, `bench/rig.py`): step 5's best run
    again with the shards behind a FUSE layer answering each read after the latency, never
    from the page cache, and behind it at 0 ms: the share of the rig-at-0-ms rate it keeps
    (latency alone: the rig's FUSE CPU runs on this machine's cores too), the share of the
    local ceiling, reads per image, KB per read, most reads in flight.
-9. hosts: for each core count (and per-process batch size: the main process's Python per
-   received batch spreads over it), `parallelism.plan` and `parallelism.project` with
-   these costs, the GIL term being step 4's measured time (at least 1 us) and step 5's
-   fitted hand-off (memory assumed 1 GiB per core; TPU VM hosts have more). With step 8:
-   the rate on that storage (times the share of the rig-at-0-ms rate kept, at most 1: the
-   latency's cost alone; the CPU of the host's storage client, gcsfuse or array_record's
-   GCS client, is not in the model), the reads in flight it needs
+9. hosts: for each core count (vCPUs: `--threads-per-core` hardware threads per core, the
+   second worth `--smt-yield` of a core) and per-process batch size (with the main
+   process's CPU measured at that batch in step 7), `parallelism.plan` and
+   `parallelism.project` with these costs and the training step's own host work per step
+   (`--step-us`, stated), memory assumed 1 GiB per vCPU (TPU VM hosts have more). With
+   step 8: the rate on that storage (times the share of the rig-at-0-ms rate kept, at most
+   1: the latency's cost alone; the CPU of the host's storage client, gcsfuse or
+   array_record's GCS client, is not in the model), the reads in flight it needs
    (`pipeline.reads.reads_in_flight`, Little's law with headroom), their memory, GET/s.
 """
 
@@ -78,7 +79,7 @@ import numpy as np
 import psutil
 
 from bench import emulate, gil, measure
-from pipeline import augment, decode, parallelism, reads, records
+from pipeline import augment, decode, parallelism, reads, records, worker
 from pipeline import manifest as manifest_lib
 from pipeline.source import ShardedSource
 
@@ -154,7 +155,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     images += len(image)
     batches += 1
   end = time.perf_counter()
-  held = shim.held_s() if shim else None
+  held = shim.read().held_s if shim else None
   main1, kids1 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
   rss = [k.memory_info().rss / 2**20 for k in kids]
   it.close()
@@ -390,7 +391,9 @@ def measure_costs(
       "machine's cores, not the GIL",
       file=sys.stderr,
     )
-  terms = gil_terms(rest_cpu, _median(runs["read"], "read_cpu_us"), _median(runs["read"], "copy_us"))
+  terms = gil_terms(
+    rest_cpu, _median(runs["read"], "read_cpu_us"), _median(runs["read"], "copy_us")
+  )
   share = resize_share(spec)
   waits = (free * (1 - share), free * share)
   measured = measure_in_child(spec, [(t, 0) for t in threads], waits)
@@ -410,9 +413,7 @@ def measure_costs(
   storage = at_latency(spec, best, waits, latency_ms) if latency_ms else None
   base = f"with@{spec['batch_size']}" if spec["batch_size"] in host_batches else None
   with_workers = runs[base or f"with@{host_batches[0]}"]
-  send = [
-    max(w["workers_cpu_us"] - a["cpu_us"], 0.0) for w, a in zip(with_workers, runs["alone"])
-  ]
+  send = [max(w["workers_cpu_us"] - a["cpu_us"], 0.0) for w, a in zip(with_workers, runs["alone"])]
   costs = parallelism.Costs(
     cpu_us=cpu,
     gil_us=max(gil, 1.0),
@@ -734,6 +735,7 @@ def main(argv: list[str]) -> dict:
   p = parser()
   args = p.parse_args(argv)
   if args.child:
+    worker.keep_freed_memory()
     spec = json.loads(args.child)
     if spec.get("read"):
       print(json.dumps(read_costs(spec)))
@@ -750,8 +752,7 @@ def main(argv: list[str]) -> dict:
       "--threads, --cores and --host-batch take comma-separated positive integers, e.g. 96,224"
     )
   if (
-    min(args.workers, args.worker_threads, args.batch_size, args.repeat, args.threads_per_core)
-    < 1
+    min(args.workers, args.worker_threads, args.batch_size, args.repeat, args.threads_per_core) < 1
     or args.seconds <= 0
   ):
     p.error(

@@ -32,7 +32,17 @@ import numpy as np
 from etils import epath
 
 from pipeline import augment as augment_lib
-from pipeline import guards, handoff, lifecycle, options, parallelism, reads, records, remote
+from pipeline import (
+  guards,
+  handoff,
+  lifecycle,
+  options,
+  parallelism,
+  reads,
+  records,
+  remote,
+  worker,
+)
 from pipeline import manifest as manifest_lib
 from pipeline.ahead import AheadIterDataset
 from pipeline.cache import RecordCache, dataset_id
@@ -293,7 +303,7 @@ def chain(stages: Stages) -> grain.IterDataset:
     if writer is not None:
       it = handoff.SendIterDataset(it, writer)
     it = it.mp_prefetch(
-      grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=_ignore_sigint
+      grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=worker.init
     )
     if writer is not None:
       it = handoff.ReceiveIterDataset(it)
@@ -338,15 +348,6 @@ def _process_shard(shard_index, shard_count) -> tuple[int, int]:
 
     return jax.process_index(), jax.process_count()
   return shard_index, shard_count
-
-
-def _ignore_sigint(worker_index: int, worker_count: int) -> None:
-  """Ctrl-C is the main process's to handle (the trainer saves a checkpoint); workers that
-  also received it would die with tracebacks mid-save."""
-  del worker_index, worker_count
-  import signal
-
-  signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _ensure_absl_flags_parsed() -> None:

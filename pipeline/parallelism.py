@@ -29,7 +29,6 @@ import dataclasses
 import os
 import sys
 
-
 SMT_YIELD = 0.25  # stated: a hyperthread sibling adds ~15-30% on integer SIMD decode work
 
 

@@ -95,13 +95,17 @@ def test_reused_memory_under_a_batch_is_an_error_not_a_silent_wrong_batch():
   sent = handoff.SendIterDataset(grain.MapDataset.source(_batches(1)).to_iter_dataset(), writer)
   descriptor = next(iter(sent))
   writer.ring().blocks[0].words[1] += 1  # as if the worker had reused the block
-  received = iter(handoff.ReceiveIterDataset(grain.MapDataset.source([descriptor]).to_iter_dataset()))
+  received = iter(
+    handoff.ReceiveIterDataset(grain.MapDataset.source([descriptor]).to_iter_dataset())
+  )
   with pytest.raises(handoff.HandoffError, match="reused before it was read"):
     next(received)
 
 
 def test_blocks_of_a_crashed_process_are_swept():
-  dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True)
+  dead = subprocess.run(
+    [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+  )
   pid = int(dead.stdout)
   path = f"{handoff.SHM_DIR}/{handoff.PREFIX}-{pid}-deadbeef0000-{pid}-0"
   open(path, "wb").close()
