@@ -23,7 +23,8 @@ and the report gives each one's spread.
    (`read_copy_us_per_image`), the part of the read that holds the GIL.
 4. gil, measured directly (`gil_direct_us_per_image`, the model's GIL time): the CPU each
    thread spends holding the GIL, summed by an LD_PRELOAD shim around
-   PyEval_SaveThread/RestoreThread (`bench.gil`), over step 5's best run. By subtraction
+   PyEval_SaveThread/RestoreThread (`bench.gil`), with real decode on `--worker-threads`
+   threads, as a worker runs; also over step 5's best run (`gil_direct_ceiling_...`). By subtraction
    (`gil_held_us_per_image` = rest - the read's GIL-free CPU) it runs low: it misses the
    hand-off waits and measures the read at another size; it is kept for comparison.
 5. ceiling: step 2's emulation with the real D and R, at 1, 2, 4, ... 32 threads: a host
@@ -87,6 +88,7 @@ PAGE = 4096
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORES_BOUND = 0.8  # share of the usable cores above which the ceiling is the machine's
 SPY_HZ = 100  # py-spy's samples per second
+WARM_BATCHES = 12  # per worker before the clock starts: its imports, its ring grown
 STEP_US = 1000.0  # stated: a jitted step's dispatch + metrics on the host, per step
 BIN = pathlib.Path(sys.executable).parent  # where a virtual environment installs py-spy
 
@@ -135,7 +137,8 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   it = iter(ds)
   next(it)
   first_batch = time.perf_counter() - start
-  for _ in range(2 * workers):  # every worker started and past its imports: off the clock
+  warm = WARM_BATCHES * workers  # every worker started, its ring of blocks grown: off the clock
+  for _ in range(warm):
     next(it)
   spy = _start_py_spy(spec)
   shim = gil.Counter() if spec.get("gil") else None
@@ -174,7 +177,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     "rss_mb_per_worker": round(float(np.mean(rss)), 1) if rss else 0.0,
     "gil_share_pyspy": gil_share,
     "gil_us": round(held / images * 1e6, 2) if held is not None else None,
-    "images_served": images + len(image) * (1 + 2 * workers),
+    "images_served": images + len(image) * (1 + warm),
   }
 
 
@@ -370,7 +373,7 @@ def measure_costs(
   """Steps 1-8 of the module docstring: the figures and the model's costs. Every cost the
   projection uses is the median of `repeat` runs, interleaved, with its spread."""
   host_batches = host_batches or [spec["batch_size"]]
-  runs: dict[str, list] = {"real": [], "rest": [], "read": [], "alone": [], "gil": []}
+  runs: dict[str, list] = {k: [] for k in ("real", "rest", "read", "alone", "gil", "gil_ceiling")}
   runs.update({f"with@{b}": [] for b in host_batches})
   for _ in range(repeat):
     runs["real"].append(measure_in_child(spec, [(1, 0)], None)[0])
@@ -399,9 +402,13 @@ def measure_costs(
   measured = measure_in_child(spec, [(t, 0) for t in threads], waits)
   fitted, handoff = fit_gil(measured, min(r["cpu_us"] for r in measured))
   best = max(measured, key=lambda r: r["img_s"])
-  for _ in range(repeat):  # step 4, directly: the shim at the ceiling's thread count
-    runs["gil"].append(measure_in_child({**spec, "gil": True}, [(best["threads"], 0)], waits)[0])
+  for _ in range(repeat):  # step 4, directly: real decode as in a worker, and the ceiling
+    runs["gil"].append(measure_in_child({**spec, "gil": True}, [(worker_threads, 0)], None)[0])
+    runs["gil_ceiling"].append(
+      measure_in_child({**spec, "gil": True}, [(best["threads"], 0)], waits)[0]
+    )
   direct = [r["gil_us"] for r in runs["gil"] if r.get("gil_us") is not None]
+  at_ceiling = [r["gil_us"] for r in runs["gil_ceiling"] if r.get("gil_us") is not None]
   gil = float(np.median(direct)) if direct else terms["gil_held_us_per_image"]
   usable = parallelism.available_cores()
   used, bound_by = ceiling_bound(best, usable)
@@ -436,6 +443,9 @@ def measure_costs(
     "process_ceiling_gil_img_s": round(1e6 / gil) if gil > 0 else None,
     **terms,
     "gil_direct_us_per_image": round(gil, 1) if direct else None,
+    "gil_direct_ceiling_us_per_image": round(float(np.median(at_ceiling)), 1)
+    if at_ceiling
+    else None,
     "gil_fitted_us_per_image": round(fitted, 1),
     "gil_pyspy_us_per_image": spied,
     "handoff_per_thread": round(handoff, 4),
@@ -453,6 +463,7 @@ def measure_costs(
       "cpu_us": spread([r["cpu_us"] for r in runs["real"]]),
       "rest_cpu_us": spread([r["cpu_us"] for r in runs["rest"]]),
       "gil_direct_us": spread(direct) if direct else None,
+      "gil_direct_ceiling_us": spread(at_ceiling) if at_ceiling else None,
       "send_us": spread(send),
       **{f"main_us@{b}": v for b, v in main.items()},
     },
@@ -566,18 +577,27 @@ def hosts(
 def table(result: dict) -> str:
   w = result["workers"]
   spied = result["gil_pyspy_us_per_image"]
+  sp = result["spreads"]
+  direct = result["gil_direct_us_per_image"]
   gil_line = (
-    f"GIL-held per image, measured: **{result['gil_held_us_per_image']:.0f} us** = the rest "
+    (
+      f"GIL-held per image, measured directly (shim), real decode on "
+      f"{result['workers']['threads']} threads: **{direct:.0f} us** "
+      f"({_range(sp['gil_direct_us'])}), at the emulated ceiling below "
+      f"{result['gil_direct_ceiling_us_per_image']:.0f} us"
+      if direct is not None
+      else "GIL-held per image: the shim could not run (bench.gil)"
+    )
+    + (f" (py-spy --gil there, the second method: {spied:.0f} us)" if spied is not None else "")
+    + f"; by subtraction (runs low): {result['gil_held_us_per_image']:.0f} us = the rest "
     f"{result['rest_cpu_us_per_image']:.0f} us - the read's GIL-free CPU "
-    f"{result['read_gil_free_us_per_image']:.0f} us (its CPU "
-    f"{result['read_cpu_us_per_image']:.0f} us per {result['record_kb']:.0f} KB record, "
-    f"less the copy into Python bytes, {result['read_copy_us_per_image']:.1f} us); an upper "
-    f"bound. Fitted to the curve below: {result['gil_fitted_us_per_image']:.0f} us, "
-    f"+{result['handoff_per_thread']:.1%} per extra thread"
-    + (f"; py-spy --gil (under-counts): {spied:.0f} us." if spied is not None else ".")
+    f"{result['read_gil_free_us_per_image']:.0f} us. Fitted to the curve below: "
+    f"{result['gil_fitted_us_per_image']:.0f} us, +{result['handoff_per_thread']:.1%} per "
+    "extra thread."
   )
   lines = [
-    f"Per image: {result['cpu_us_per_image']:.0f} us of CPU, of which decode and resize "
+    f"Per image: {result['cpu_us_per_image']:.0f} us of CPU ({_range(sp['cpu_us'])}), of "
+    "which decode and resize "
     f"{result['decode_us_per_image']:.0f} us (GIL released; resize "
     f"{result['resize_share']:.0%} of it) and the rest "
     f"{result['rest_cpu_us_per_image']:.0f} us.",
@@ -599,9 +619,19 @@ def table(result: dict) -> str:
     f"With {w['workers']} worker processes "
     f"x {w['threads']} threads: first batch {w['first_batch_s']:.2f} s (no workers: "
     f"{w['first_batch_s_without']:.2f} s), {w['rss_mb_per_worker']:.0f} MB RSS per worker; "
-    f"per image, {w['send_us_per_image']:.0f} us more CPU in the worker (writing fresh "
-    f"shared memory) and, in the main process, {w['receive_us_per_image']:.0f} us of "
-    f"Python + {w['receive_free_us_per_image']:.0f} us in the kernel (mapping pages).",
+    f"per image, {w['send_us_per_image']:.0f} us more CPU in the worker ({_range(sp['send_us'])};"
+    " handing batches over) and, in the main process, every thread: "
+    + ", ".join(
+      f"**{v:.1f} us** at batch {b} ({_range(sp[f'main_us@{b}'])})"
+      for b, v in w["main_us_per_image"].items()
+    )
+    + f" ({w['receive_us_per_image']:.1f} us user + {w['receive_free_us_per_image']:.1f} us "
+    "system at the first). Copies per image: the record none after array_record's read "
+    "(parsed in place); the output image written once, resized straight into shared memory.",
+    "",
+    f"Hosts: vCPUs as {result['costs']['threads_per_core']} hardware threads per core, the "
+    f"second worth {result['costs']['smt_yield']:.0%} of a core (stated); the training "
+    f"step's host work {result['costs']['step_us']:.0f} us per step (stated, --step-us).",
     "",
     "| host cores | batch per process | workers x threads | projected img/s | bound by | "
     "one process at best |",
@@ -648,6 +678,12 @@ def _latency(latency_ms: float) -> float:
     print(f"warning: step 8 (storage) skipped: {e}", file=sys.stderr)
     return 0.0
   return latency_ms
+
+
+def _range(s: dict | None) -> str:
+  if not s:
+    return "not measured"
+  return f"{s['min']:.0f}-{s['max']:.0f} over the repeats, +-{s['spread']:.0%}"
 
 
 def _rate(result: dict) -> str:
