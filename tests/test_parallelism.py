@@ -97,3 +97,25 @@ def test_larger_batches_spread_the_main_process_receiving_over_more_images():
   assert project(224, parallelism.at_batch(COSTS, 1024), large) > project(
     224, parallelism.at_batch(COSTS, 128), small
   )
+
+
+def test_a_hyperthread_counts_as_less_than_a_core():
+  smt = dataclasses.replace(COSTS, threads_per_core=2, smt_yield=0.25)
+  assert parallelism.core_equivalents(224, smt) == pytest.approx(140.0)
+  assert parallelism.core_equivalents(224, COSTS) == 224  # no SMT siblings: a core each
+  cores_bound = dataclasses.replace(smt, gil_us=1.0, receive_us=0.0, receive_free_us=0.0)
+  many = Plan(16, 14)
+  assert project(224, cores_bound, many) == pytest.approx(
+    140 * 1e6 / (smt.cpu_us + smt.send_us), rel=1e-6
+  )
+
+
+def test_every_main_process_cost_and_the_training_step_bound_a_host_with_workers():
+  costs = dataclasses.replace(COSTS, receive_us=3.0, receive_free_us=2.0, step_us=1280.0)
+  lim = parallelism.limits(224, costs, Plan(8, 8), batch_size=128)
+  assert lim["main"] == pytest.approx(1e6 / (3.0 + 2.0 + 10.0))
+  # a bigger step spreads the step's host work over more images
+  assert parallelism.limits(224, costs, Plan(8, 8), batch_size=1024)["main"] > lim["main"]
+  # without workers the main process decodes: only the step's work is added there
+  alone = parallelism.limits(224, costs, Plan(0, 8), batch_size=128)
+  assert alone["main"] == pytest.approx(1e6 / 10.0)
