@@ -49,26 +49,26 @@ class Costs:
   smt_yield: float = SMT_YIELD  # what a core's second hardware thread adds, in cores
 
 
-# Measured with `python -m pipeline.bench scaling data/photos` (802 photos ~450x400, batch
-# 128, 224 px, train; 2 shared vCPUs); two runs, the constants their mean:
-#   cpu_us 1085 / 950: the process's CPU per image on one thread;
-#   gil_us 60: measured after the native path as the non-decode CPU less the read's GIL-free
-#     CPU (an upper bound): 25 us on a quiet machine, 59-75 us beside other loads; the
-#     conservative end is kept (fitted to the thread curve instead: 63-131 us);
-#   handoff 0.021 / 0.001: fitted to img/s at 1-32 threads with decode and resize replaced
-#     by GIL-free waits (one process's ceiling: 8,100-10,800 img/s on these 2 vCPUs);
-#   send_us 75 / 198: a worker's CPU per image beyond the same work in one process;
-#   receive_us 23 / 11, receive_free_us 28 / 43: the main process's user / system CPU per
-#     image with 2 workers;
+# Measured with `python -m pipeline.bench scaling` (2,474 photos ~450x400, batch 128, 224 px,
+# train; 2 shared vCPUs), medians of 3 interleaved repeats, in processes set up as workers:
+#   cpu_us 1064 (1053-1109): the process's CPU per image on one thread;
+#   gil_us 61 (55-64): GIL-held CPU per image measured directly (bench.gil's shim) with real
+#     decode on 2 threads, as a worker runs (37 at the emulated ceiling; py-spy there: 39);
+#   handoff 0.009: fitted to img/s at 1-32 threads with decode and resize replaced by
+#     GIL-free waits (one process's ceiling: ~11,000 img/s on these 2 vCPUs);
+#   send_us 5: a worker's CPU per image beyond the same work in one process (the hand-off,
+#     pipeline.handoff; Grain's own copy into fresh shared memory cost 75-198);
+#   receive_us 3.4, receive_free_us 3.4: the main process's user / system CPU per image, all
+#     its threads, at batch 128 (2.2 in all at batch 1024);
 #   worker_mb: a worker's RSS under `python -m train` with batch 8 at 64 px (280 MB; Grain
-#     imports jax); at batch 128 of 224 px, 343 / 350 MB.
+#     imports jax); at batch 128 of 224 px with its ring of shared memory, ~780 MB.
 COSTS = Costs(
-  cpu_us=1020.0,
-  gil_us=60.0,
-  handoff=0.011,
-  send_us=137.0,
-  receive_us=17.0,
-  receive_free_us=36.0,
+  cpu_us=1064.0,
+  gil_us=61.0,
+  handoff=0.009,
+  send_us=5.0,
+  receive_us=3.4,
+  receive_free_us=3.4,
   worker_mb=300.0,
 )
 COSTS_BATCH = 128  # the batch size COSTS were measured at
