@@ -29,6 +29,13 @@ class Augment:
   crop_fraction: float = 0.875
   crop_padding: int | None = None  # Flax's eval crop: image_size / (image_size + crop_padding)
   interpolation: str = "bilinear"
+  # Which reference's geometry: the train crop's sampler ("torchvision": RandomResizedCrop;
+  # "tf": tf.image.sample_distorted_bounding_box, big_vision's inception crop) and the eval
+  # order ("crop_then_resize": the centre square, then resize; "resize_then_crop":
+  # big_vision's resize_small|central_crop). Fields only here; the head's use of them is
+  # the geometry work's (branch geom).
+  crop: str = "torchvision"
+  eval_order: str = "crop_then_resize"
 
   def eval_fraction(self, image_size: int) -> float:
     if self.crop_padding is None:
@@ -50,6 +57,10 @@ class Augment:
       raise ValueError(f"augment.crop_fraction must be in (0, 1], got {self.crop_fraction}")
     if self.crop_padding is not None and self.crop_padding < 0:
       raise ValueError(f"augment.crop_padding must be >= 0, got {self.crop_padding}")
+    if self.crop not in CROPS:
+      raise ValueError(f"augment.crop must be one of {CROPS}, got {self.crop!r}")
+    if self.eval_order not in EVAL_ORDERS:
+      raise ValueError(f"augment.eval_order must be one of {EVAL_ORDERS}, got {self.eval_order!r}")
     if self.interpolation not in INTERPOLATIONS:
       raise ValueError(
         f"augment.interpolation must be one of {INTERPOLATIONS}, got {self.interpolation!r}"
@@ -57,6 +68,8 @@ class Augment:
 
 
 INTERPOLATIONS = ("bilinear", "bicubic")
+CROPS = ("torchvision", "tf")
+EVAL_ORDERS = ("crop_then_resize", "resize_then_crop")
 
 
 @dataclasses.dataclass(frozen=True)
