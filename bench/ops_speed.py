@@ -6,7 +6,9 @@ and without its host-side `value_range`, which makes float32 images: 4x the byte
 randaug(2, 15). Rounds interleave the variants (the machine is shared and noisy); each
 round builds a fresh iterator, takes one batch (start-up is not measured), then times
 `--batches` batches. The table gives the median images/s of the rounds and the ratio to the
-fused default measured in the same rounds.
+fused default measured in the same rounds, and the same for the process's CPU time per image
+(all its threads), which other tenants of a shared machine disturb less than wall time:
+"cpu ratio" = fused CPU per image / the variant's, so 0.9 means 11% more CPU per image.
 """
 
 from __future__ import annotations
@@ -43,20 +45,22 @@ def variants(num_classes: int) -> dict[str, dict]:
   }
 
 
-def rate(data_dir: str, settings: dict, batch_size: int, batches: int, threads: int) -> float:
+def rate(data_dir: str, settings: dict, batch_size: int, batches: int, threads: int) -> tuple:
+  """(images/s, CPU seconds per image) of `batches` batches after the first."""
   ds = dataset.make_dataset(
     data_dir, batch_size=batch_size, performance={"num_threads": threads}, **settings
   )
   it = iter(ds)
   next(it)
-  start = time.perf_counter()
+  start, cpu = time.perf_counter(), time.process_time()
   for _ in range(batches):
     next(it)
-  seconds = time.perf_counter() - start
+  seconds, cpu = time.perf_counter() - start, time.process_time() - cpu
   close = getattr(it, "close", None)
   if close:
     close()
-  return batches * batch_size / seconds
+  images = batches * batch_size
+  return images / seconds, cpu / images
 
 
 def main(argv: list[str]) -> dict:
@@ -75,24 +79,34 @@ def main(argv: list[str]) -> dict:
     todo = {k: v for k, v in todo.items() if k == "fused default" or any(s in k for s in keep)}
   rates: dict[str, list[float]] = {k: [] for k in todo}
   ratios: dict[str, list[float]] = {k: [] for k in todo}
+  cpus: dict[str, list[float]] = {k: [] for k in todo}
+  cpu_ratios: dict[str, list[float]] = {k: [] for k in todo}
   for r in range(args.rounds):
     this = {}
     for name, settings in todo.items():
       this[name] = rate(args.data_dir, settings, args.batch_size, args.batches, args.threads)
-      rates[name].append(this[name])
-      print(f"round {r + 1}: {name:34s} {this[name]:8.1f} img/s", file=sys.stderr, flush=True)
+      rates[name].append(this[name][0])
+      cpus[name].append(this[name][1])
+      print(
+        f"round {r + 1}: {name:34s} {this[name][0]:8.1f} img/s {this[name][1] * 1e6:7.0f} "
+        "CPU us/img",
+        file=sys.stderr,
+        flush=True,
+      )
     for name in todo:
-      ratios[name].append(this[name] / this["fused default"])
+      ratios[name].append(this[name][0] / this["fused default"][0])
+      cpu_ratios[name].append(this["fused default"][1] / this[name][1])
   print(
     f"\n{args.data_dir}: batch {args.batch_size}, {args.batches} batches x {args.rounds} "
     f"interleaved rounds, {args.threads} threads; medians"
   )
-  print(f"{'variant':36s} {'img/s':>8s} {'vs fused':>9s}")
+  print(f"{'variant':36s} {'img/s':>8s} {'vs fused':>9s} {'CPU us/img':>11s} {'cpu ratio':>10s}")
   table = {}
   for name in todo:
     img_s, ratio = statistics.median(rates[name]), statistics.median(ratios[name])
-    table[name] = {"img_s": img_s, "ratio": ratio, "rounds": rates[name]}
-    print(f"{name:36s} {img_s:8.1f} {ratio:8.2f}x")
+    cpu, cpu_ratio = statistics.median(cpus[name]), statistics.median(cpu_ratios[name])
+    table[name] = {"img_s": img_s, "ratio": ratio, "cpu_s": cpu, "cpu_ratio": cpu_ratio}
+    print(f"{name:36s} {img_s:8.1f} {ratio:8.2f}x {cpu * 1e6:11.0f} {cpu_ratio:9.2f}x")
   return table
 
 

@@ -5,9 +5,8 @@ per-image ops run (on this stage's threads, each image with its own generator, s
 example if it asks), failed slots are handled by the error policy, then your batch ops.
 An image op's output that has the batch's shape and dtype is written back into the decoded
 batch array (no second array, no stacking copy); only ops that change them pay for one.
-The output is
-{"image", "label"[, features][, "mask"]} plus the batch's skip count under SKIPPED_KEY, which
-`pipeline.stream` sums and removes.
+The output is {"image", "label"[, features][, "mask"]} plus the batch's skip count under
+SKIPPED_KEY, which `pipeline.stream` sums and removes.
 """
 
 from __future__ import annotations
