@@ -110,7 +110,7 @@ class FinishBatch:
           out = ops.apply(self.image_ops, image, rng, example, self.wants_example)
           if out.shape == image.shape and out.dtype == image.dtype:
             if out is not image:
-              image[...] = out  # into the batch: no stacking copy later
+              _write(image, out)  # into the batch: no stacking copy later
           else:
             op_images[slot] = out
       except records.RecordError as e:
@@ -118,6 +118,15 @@ class FinishBatch:
         errors.fail(batch, slot, error, self.on_error)
       except Exception as e:  # a user's op failed: say on which record
         raise ops.OpError(f"{errors.where(batch, slot)}: {type(e).__name__}: {e}") from e
+
+
+def _write(slot: np.ndarray, image: np.ndarray) -> None:
+  """`slot[...] = image`; an HxWx3 uint8 view (e.g. `image[:, ::-1]`) is copied a pixel at a
+  time (3-byte items: ~3x numpy's byte-at-a-time copy of a reversed view)."""
+  if image.ndim == 3 and image.shape[2] == 3 and image.strides[2] == 1 and slot.strides[2] == 1:
+    np.copyto(slot.view("V3"), image.view("V3"))
+  else:
+    np.copyto(slot, image)
 
 
 def _stack(images: list[np.ndarray | None], ok: np.ndarray, decoded: np.ndarray) -> np.ndarray:
