@@ -1,4 +1,4 @@
-"""`python -m bench.ops_speed DATA_DIR`: what ops cost beside the fused head, as ratios.
+"""`python -m pipeline.bench ops DATA_DIR`: what ops cost beside the fused head, as ratios.
 
 Each variant is a `make_dataset` configuration on the same photos: the fused default (uint8,
 no op), a trivial image op (identity, a flip), big_vision's bit_i1k train pp string (with
@@ -18,8 +18,9 @@ import statistics
 import sys
 import time
 
-import numpy as np
+from etils import epath
 
+from bench import measure
 from pipeline import dataset
 from pipeline import manifest as manifest_lib
 
@@ -72,7 +73,7 @@ def main(argv: list[str]) -> dict:
   p.add_argument("--threads", type=int, default=2)
   p.add_argument("--only", default="", help="comma-separated variant names (substrings)")
   args = p.parse_args(argv)
-  meta = manifest_lib.load(__import__("etils.epath").epath.Path(args.data_dir))
+  meta = manifest_lib.load(epath.Path(args.data_dir))
   todo = variants(meta.num_classes)
   if args.only:
     keep = [s.strip() for s in args.only.split(",")]
@@ -111,5 +112,4 @@ def main(argv: list[str]) -> dict:
 
 
 if __name__ == "__main__":
-  np.set_printoptions(precision=3)
-  main(sys.argv[1:])
+  measure.run_cli(main, sys.argv[1:])

@@ -105,6 +105,11 @@ def test_value_range_is_big_vision_s_affine_map_to_float32():
   out = ops.ValueRange(-1, 1)({"image": x}, None)["image"]
   assert out.dtype == np.float32
   np.testing.assert_allclose(out, x / 127.5 - 1, atol=1e-6)
+  op = ops.ValueRange(-1, 1)
+  held = [op({"image": x}, None)["image"] for _ in range(6)]  # all held: all distinct
+  assert len({id(h) for h in held}) == 6
+  for h in held:
+    np.testing.assert_allclose(h, x / 127.5 - 1, atol=1e-6)
   zero_one = ops.ValueRange(0, 1, in_min=64, in_max=128, clip_values=True)({"image": x}, None)
   np.testing.assert_allclose(
     zero_one["image"], np.clip((x.astype(float) - 64) / 64, 0, 1), atol=1e-6
