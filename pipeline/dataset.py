@@ -184,7 +184,9 @@ def build(
   aug = options.coerce(Augment, augment)
   perf = options.coerce(Performance, performance)
   if pp is not None:
-    aug, image_size, ops, batch_ops = _compile_pp(pp, meta, train, image_size, aug, ops, batch_ops)
+    aug, image_size, ops, batch_ops = _compile_pp(
+      pp, meta, train, image_size, aug, ops, batch_ops, normalize
+    )
   image_size = 224 if image_size is None else image_size
   if image_size < 1:
     raise ValueError(f"image_size must be positive, got {image_size}")
@@ -278,7 +280,7 @@ def build(
   )
 
 
-def _compile_pp(pp, meta, train, image_size, aug, ops, batch_ops):
+def _compile_pp(pp, meta, train, image_size, aug, ops, batch_ops, normalize):
   """`pp`'s head settings merged into `aug` and its ops; any setting it conflicts with is an
   error naming both."""
   from pipeline import pp as pp_lib
@@ -299,6 +301,15 @@ def _compile_pp(pp, meta, train, image_size, aug, ops, batch_ops):
     raise ValueError(
       f"image_size={image_size} but pp {pp!r} makes {compiled.image_size}: leave image_size out"
     )
+  scales = [op for op in compiled.batch_ops if type(op).__name__ == "ValueRange"]
+  if normalize and scales:
+    raise ValueError(
+      "normalize=True and pp's value_range both scale the pixels: drop one (normalizing on "
+      "the device, pipeline.input(normalize=...), moves uint8 and is faster)"
+    )
+  mixes = [op for op in compiled.batch_ops if type(op).__name__ == "BigVisionMixup"]
+  if mixes and not train:
+    raise ValueError(f"pp {pp!r} mixes (mixup) in an eval stream: big_vision mixes training only")
   defaults = Augment()
   for field, value in compiled.augment.items():
     mine = getattr(aug, field)

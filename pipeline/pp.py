@@ -16,6 +16,10 @@ decodes only the crop window (what big_vision's `decode_jpeg_and_inception_crop`
                                               eval_order="resize_then_crop"
     flip_lr                                  flip=True (a train head without it: flip=False)
 
+`method` may be "bilinear" or "bicubic" (the head's resize filters; OpenCV's, area averaging
+when shrinking more than 2x, which stands in for TF's `antialias`, ignored here);
+resize_small's method is the head's too.
+
 The rest run after the head, in order: image ops (`randaug`, `color_jitter`, your registered
 ones) on each uint8 image, then batch ops on the whole batch, vectorized (`value_range`,
 `onehot`, `keep`, `mixup`, your registered ones). `mixup` here is big_vision's
