@@ -17,8 +17,8 @@ Where pixels can differ from TF's:
 - Blends truncate toward zero as TF's cast does, through OpenCV with an offset of
   -0.499: a value within 0.0005 below an integer rounds up instead.
 Kept as TF has them, quirks included: Contrast blends toward the constant
-min(255, pixels / 256) (TF's histogram sum / 256, not the mean grey level), Solarize at
-magnitudes over 5 leaves images unchanged (threshold >= 256), and no op is skipped at random
+min(255, pixels / 256) (TF's histogram sum / 256, not the mean grey level), Solarize from
+magnitude 10 on leaves images unchanged (threshold >= 256), and no op is skipped at random
 (RandAugment ignores the per-op probability).
 """
 
@@ -171,12 +171,12 @@ def _blend(degenerate: np.ndarray, image: np.ndarray, factor: float) -> np.ndarr
 
 
 def _per_channel(image: np.ndarray, table_of) -> np.ndarray:
-  tables = [table_of(image[..., c]) for c in range(3)]
+  tables = [table_of(plane) for plane in cv2.split(image)]
   return cv2.LUT(image, np.stack(tables, axis=-1).reshape(256, 1, 3))
 
 
 def _autocontrast_table(channel: np.ndarray) -> np.ndarray:
-  lo, hi = float(channel.min()), float(channel.max())
+  lo, hi, _, _ = cv2.minMaxLoc(channel)
   if hi <= lo:
     return np.arange(256, dtype=np.uint8)
   scale = 255.0 / (hi - lo)
@@ -184,7 +184,7 @@ def _autocontrast_table(channel: np.ndarray) -> np.ndarray:
 
 
 def _equalize_table(channel: np.ndarray) -> np.ndarray:
-  histo = cv2.calcHist([np.ascontiguousarray(channel)], [0], None, [256], [0, 256])
+  histo = cv2.calcHist([channel], [0], None, [256], [0, 256])
   histo = histo.ravel().astype(np.int64)
   nonzero = histo[histo != 0]
   step = (nonzero.sum() - nonzero[-1]) // 255 if len(nonzero) else 0

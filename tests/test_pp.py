@@ -12,6 +12,7 @@ import pytest
 import pipeline
 from pipeline import ops, pp
 from pipeline.randaugment import NAMES, RandAugment
+from tests.conftest import assert_same_batches, take
 
 COMMON = '|onehot(4, key="label", key_result="labels")|value_range(-1, 1)|keep("image", "labels")'
 BIT_TRAIN = "decode_jpeg_and_inception_crop(224)|flip_lr" + COMMON  # bit_i1k: config.input.pp
@@ -44,6 +45,15 @@ def test_bit_i1k_eval_pp_runs_as_written_and_keeps_the_mask(photos_dir):
     np.testing.assert_array_equal(
       batch["labels"].argmax(1)[batch["mask"]], raw["label"][raw["mask"]]
     )
+
+
+def test_a_pp_string_with_randaug_gives_the_same_batches_with_any_thread_count(photos_dir):
+  vit = "decode_jpeg_and_inception_crop(64)|flip_lr|randaug(2, 15)" + COMMON
+  one = take(iter(make(photos_dir, pp=vit, performance={"num_threads": 1})), 3)
+  three = take(iter(make(photos_dir, pp=vit, performance={"num_threads": 3})), 3)
+  assert_same_batches(one, three)
+  plain = take(iter(make(photos_dir, pp=vit.replace("|randaug(2, 15)", ""))), 1)
+  assert not np.array_equal(plain[0]["image"], one[0]["image"])  # randaug did something
 
 
 def test_head_ops_compile_to_the_fused_heads_settings():
@@ -140,6 +150,14 @@ def test_randaug_ops_do_what_their_tf_counterparts_do():
   np.testing.assert_array_equal(
     op.apply("Brightness", image, rng), np.trunc(np.clip(image * 1.9, 0, 255)).astype(np.uint8)
   )
+  low = (image // 3 + 30).astype(np.uint8)  # a narrow range: autocontrast and equalize act
+  stretched = op.apply("AutoContrast", low, rng)
+  assert stretched.min() == 0 and stretched.max() == 255
+  from PIL import Image, ImageOps  # TF's Equalize is a port of PIL's
+
+  want = np.asarray(ImageOps.equalize(Image.fromarray(low)))
+  np.testing.assert_array_equal(op.apply("Equalize", low, rng), want)
+  np.testing.assert_array_equal(op.apply("Solarize", image, rng), image)  # threshold 256
   shifted = op.apply("TranslateX", image, np.random.default_rng(0))  # 100 px: all grey
   np.testing.assert_array_equal(shifted, 128)
   assert len(NAMES) == 16
