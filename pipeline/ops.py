@@ -18,10 +18,12 @@ not the record's data, so `keep(...)` keeps it without being asked (big_vision a
 
 Each call gets a Generator that depends only on (seed, epoch, example index) or (seed, batch
 index), so what an op draws does not depend on threads, worker processes or where a run
-resumed. Ops travel to worker processes by pickle: module-level functions and classes (or
-cloudpickle-able closures). Registered ops can also be named in a string, as big_vision's
-pp strings: "color_jitter(0.4, 0.4, 0.4)|my_op" (see `build` and docs/API.md); whole
-big_vision pp strings, head included, are `pipeline.pp`'s.
+resumed. It is the op's for the call: the ops stage re-keys one Generator per thread for the
+next example, so an op must not keep it for later. Ops travel to worker processes by
+pickle: module-level functions and classes (or cloudpickle-able closures). Registered ops
+can also be named in a string, as big_vision's pp strings: "color_jitter(0.4, 0.4, 0.4)|my_op"
+(see `build` and docs/API.md); whole big_vision pp strings, head included, are
+`pipeline.pp`'s.
 """
 
 from __future__ import annotations
