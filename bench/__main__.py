@@ -5,7 +5,11 @@ import sys
 
 from bench import measure
 
-MODULES = {"convert": "convert_speed", "device": "device_feed"}  # command -> module
+MODULES = {
+  "convert": "convert_speed",
+  "device": "device_feed",
+  "ops": "ops_speed",
+}  # command -> module
 
 COMMANDS = {
   "throughput": "the pipeline's images/s, first batch, peak RSS, per-stage costs",
@@ -13,6 +17,7 @@ COMMANDS = {
   "device": "host pipeline alone vs through the device-put prefetch iterator",
   "storage": "pipeline vs tf.data through a storage rig adding 0-50 ms per read (FUSE)",
   "layout": "one file per image vs ArrayRecord shards, sequential and random, warm/cold",
+  "ops": "what ops cost beside the fused head: a flip, big_vision pp strings, randaug",
   "ceiling": "the cores' raw JPEG decode rate (full and DCT-scaled) on the same photos",
   "convert": "conversion images/s and MB/s vs a sequential converter",
   "study": "the tf.data guide's artificial study, rebuilt on Grain, with timelines",

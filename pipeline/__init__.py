@@ -3,9 +3,10 @@
 ds = pipeline.make_dataset("data/photos", "train", batch_size=128)   # grain.IterDataset
 ds = pipeline.device_prefetch(ds, mesh)                             # global jax.Arrays
 train = pipeline.input("data/photos", "train", global_batch_size=128)   # both, in one call
+ds = pipeline.make_dataset(..., pp="decode_jpeg_and_inception_crop(224)|flip_lr|...")  # big_vision
 """
 
-from pipeline import features, ops
+from pipeline import features, ops, pp
 from pipeline.dataset import make_dataset
 from pipeline.errors import BadRecordError
 from pipeline.features import Feature
@@ -34,6 +35,7 @@ __all__ = [
   "make_dataset",
   "normalize_images",
   "ops",
+  "pp",
 ]
 
 _LAZY = {

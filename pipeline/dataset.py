@@ -83,7 +83,7 @@ def make_dataset(
   batch_size: int,
   train: bool = True,
   seed: int = 0,
-  image_size: int = 224,
+  image_size: int | None = None,
   num_epochs: int | None = None,
   shuffle: bool | None = None,
   drop_remainder: bool | None = None,
@@ -91,6 +91,7 @@ def make_dataset(
   shard_count: int | None = None,
   sharding: str = "records",
   augment: Augment | Mapping | None = None,
+  pp: str | None = None,
   ops: str | Sequence = (),
   batch_ops: str | Sequence = (),
   features: Mapping | None = None,
@@ -110,7 +111,7 @@ def make_dataset(
       otherwise centre crop, in order, one epoch, padded with mask=False examples so every
       process yields the same number of batches and every record counts exactly once.
     seed: seeds the shuffle (a new order per epoch) and the augmentation.
-    image_size: S, the side of the square output images.
+    image_size: S, the side of the square output images (default 224, or pp's size).
     num_epochs: None repeats forever (train default); eval default is 1.
     shuffle: default `train`.
     drop_remainder: drop the last partial batch of a finite stream (default: train).
@@ -120,6 +121,11 @@ def make_dataset(
       shuffles within them, so a host reads and caches 1/shard_count of the dataset (the
       shuffle then never mixes records across processes' shards).
     augment: the crop, flip and resize filter (`pipeline.Augment` or a dict of its fields).
+    pp: a big_vision pp string, e.g. "decode_jpeg_and_inception_crop(224)|flip_lr|
+      value_range(-1, 1)|onehot(1000, key='label', key_result='labels')|keep('image',
+      'labels')": its decode/crop/resize/flip ops set the fused head (train must match its
+      head, augment may not set what it sets), the rest become ops and batch ops (so not
+      with ops= / batch_ops=); see `pipeline.pp`.
     ops: your per-image ops, run after the built-in head on each image with a per-example
       RNG: callables or registered names ("color_jitter(0.4)"; see `pipeline.ops`);
       batch_ops: the same for whole batches (e.g. "mixup(0.2)").
@@ -146,7 +152,7 @@ def build(
   batch_size: int,
   train: bool = True,
   seed: int = 0,
-  image_size: int = 224,
+  image_size: int | None = None,
   num_epochs: int | None = None,
   shuffle: bool | None = None,
   drop_remainder: bool | None = None,
@@ -154,6 +160,7 @@ def build(
   shard_count: int | None = None,
   sharding: str = "records",
   augment: Augment | Mapping | None = None,
+  pp: str | None = None,
   ops: str | Sequence = (),
   batch_ops: str | Sequence = (),
   features: Mapping | None = None,
@@ -188,6 +195,11 @@ def build(
   )
   aug = options.coerce(Augment, augment)
   perf = options.coerce(Performance, performance)
+  if pp is not None:
+    aug, image_size, ops, batch_ops = _compile_pp(
+      pp, meta, train, image_size, aug, ops, batch_ops, normalize
+    )
+  image_size = 224 if image_size is None else image_size
   if image_size < 1:
     raise ValueError(f"image_size must be positive, got {image_size}")
   head = augment_lib.Head(
@@ -208,7 +220,7 @@ def build(
     from pipeline import features as features_lib
 
     features = features_lib.parse_specs(features, sample=source.read([0])[0])
-  if ops or batch_ops:
+  if (ops or batch_ops) and pp is None:
     from pipeline import ops as ops_lib
 
     ops = ops_lib.build(ops, "image", image_size=image_size, num_classes=meta.num_classes)
@@ -280,6 +292,48 @@ def build(
     prefetch=perf.prefetch,
     stream=stream,
   )
+
+
+def _compile_pp(pp, meta, train, image_size, aug, ops, batch_ops, normalize):
+  """`pp`'s head settings merged into `aug` and its ops; any setting it conflicts with is an
+  error naming both."""
+  from pipeline import pp as pp_lib
+
+  if ops or batch_ops:
+    raise ValueError(
+      "pass either pp= or ops= / batch_ops=: a pp string holds the ops (name yours in it "
+      "after ops.register)"
+    )
+  compiled = pp_lib.compile(pp, num_classes=meta.num_classes, image_size=image_size)
+  if compiled.train != train:
+    head = "an inception-crop (train)" if compiled.train else "a resize_small|central_crop (eval)"
+    raise ValueError(
+      f"pp {pp!r} has {head} head but train={train}: pass train={compiled.train} "
+      "(train also decides shuffle, repeat and the eval mask)"
+    )
+  if image_size is not None and image_size != compiled.image_size:
+    raise ValueError(
+      f"image_size={image_size} but pp {pp!r} makes {compiled.image_size}: leave image_size out"
+    )
+  scales = [op for op in compiled.batch_ops if type(op).__name__ == "ValueRange"]
+  if normalize and scales:
+    raise ValueError(
+      "normalize=True and pp's value_range both scale the pixels: drop one (normalizing on "
+      "the device, pipeline.input(normalize=...), moves uint8 and is faster)"
+    )
+  mixes = [op for op in compiled.batch_ops if type(op).__name__ == "BigVisionMixup"]
+  if mixes and not train:
+    raise ValueError(f"pp {pp!r} mixes (mixup) in an eval stream: big_vision mixes training only")
+  defaults = Augment()
+  for field, value in compiled.augment.items():
+    mine = getattr(aug, field)
+    if mine != getattr(defaults, field) and mine != value:
+      raise ValueError(
+        f"augment.{field}={mine!r} conflicts with pp {pp!r}, which sets {field}={value!r}: "
+        "set it in one place"
+      )
+  aug = dataclasses.replace(aug, **compiled.augment)
+  return aug, compiled.image_size, compiled.image_ops, compiled.batch_ops
 
 
 def chain(stages: Stages) -> grain.IterDataset:

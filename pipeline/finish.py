@@ -1,10 +1,12 @@
 """Stage 4, ops: a decoded `Batch` -> the batch dict the user gets.
 
 Labels are range-checked against the manifest's classes, extra features are filled, your
-per-image ops run (on this stage's threads, each image with its own generator), failed slots
-are handled by the error policy, then your batch ops. The output is
-{"image", "label"[, features][, "mask"]} plus the batch's skip count under SKIPPED_KEY, which
-`pipeline.stream` sums and removes.
+per-image ops run (on this stage's threads, each image with its own generator, seeing its
+example if it asks), failed slots are handled by the error policy, then your batch ops.
+An image op's output that has the batch's shape and dtype is written back into the decoded
+batch array (no second array, no stacking copy); only ops that change them pay for one.
+The output is {"image", "label"[, features][, "mask"]} plus the batch's skip count under
+SKIPPED_KEY, which `pipeline.stream` sums and removes.
 """
 
 from __future__ import annotations
@@ -39,6 +41,9 @@ class FinishBatch:
     self.on_error, self.with_mask = on_error, with_mask
     self.image_ops, self.batch_ops, self.features = tuple(image_ops), tuple(batch_ops), features
     self.threads = Threads(num_threads, "pipeline-ops")
+    from pipeline import ops
+
+    self.wants_example = tuple(ops.takes_example(op) for op in self.image_ops)
 
   def __call__(self, batch: Batch) -> dict[str, np.ndarray]:
     self._check_labels(batch)
@@ -58,7 +63,8 @@ class FinishBatch:
       ]:
         future.result()
     ok = batch.real & ~batch.bad
-    images = _stack(op_images, ok) if self.image_ops else batch.images
+    reshaped = any(im is not None for im in op_images)
+    images = _stack(op_images, ok, batch.images) if reshaped else batch.images
     images[~ok] = 0
     out = {"image": images, "label": batch.labels.astype(np.int32)}
     if arrays is not None:
@@ -95,8 +101,18 @@ class FinishBatch:
 
           features_lib.fill(self.features, batch.records[slot], arrays, slot)
         if self.image_ops:
-          rng = ops.example_rng(self.seed, int(batch.epochs[slot]), int(batch.indices[slot]))
-          op_images[slot] = ops.apply(self.image_ops, batch.images[slot], rng)
+          rng = ops.reused_example_rng(self.seed, int(batch.epochs[slot]), int(batch.indices[slot]))
+          example = None
+          if any(self.wants_example):
+            own = {k: v[slot] for k, v in arrays.items()} if arrays is not None else None
+            example = ops.example_view(batch.labels[slot], own)
+          image = batch.images[slot]
+          out = ops.apply(self.image_ops, image, rng, example, self.wants_example)
+          if out.shape == image.shape and out.dtype == image.dtype:
+            if out is not image:
+              _write(image, out)  # into the batch: no stacking copy later
+          else:
+            op_images[slot] = out
       except records.RecordError as e:
         error = errors.BadRecordError(f"{errors.where(batch, slot)}: {e}")
         errors.fail(batch, slot, error, self.on_error)
@@ -104,8 +120,19 @@ class FinishBatch:
         raise ops.OpError(f"{errors.where(batch, slot)}: {type(e).__name__}: {e}") from e
 
 
-def _stack(images: list[np.ndarray | None], ok: np.ndarray) -> np.ndarray:
-  """The per-image ops' outputs as one array (failed and padding slots zero)."""
+def _write(slot: np.ndarray, image: np.ndarray) -> None:
+  """`slot[...] = image`; an HxWx3 uint8 view (e.g. `image[:, ::-1]`) is copied a pixel at a
+  time (3-byte items: ~3x numpy's byte-at-a-time copy of a reversed view)."""
+  if image.ndim == 3 and image.shape[2] == 3 and image.strides[2] == 1 and slot.strides[2] == 1:
+    np.copyto(slot.view("V3"), image.view("V3"))
+  else:
+    np.copyto(slot, image)
+
+
+def _stack(images: list[np.ndarray | None], ok: np.ndarray, decoded: np.ndarray) -> np.ndarray:
+  """The per-image ops' outputs as one array (failed and padding slots zero); a slot left
+  None kept the decoded image's shape and dtype (written back into `decoded`)."""
+  images = [decoded[k] if im is None else im for k, im in enumerate(images)]
   done = [im for im, good in zip(images, ok) if good]
   if not done:
     raise errors.BadRecordError("every record of a batch was bad; see the warnings above")

@@ -3,13 +3,27 @@
 The head (crop-aware decode, crop, resize, flip) stays fused and fast; ops run after it:
 
     image op  (image: np.ndarray, rng: np.random.Generator) -> np.ndarray     one HWC image
+              (image, rng, example) -> np.ndarray    the same, also seeing its example
     batch op  (batch: dict[str, np.ndarray], rng) -> dict[str, np.ndarray]    one host batch
+
+An image op whose signature takes a third parameter (or one named `example`; detected once,
+when the ops are built) also gets a read-only mapping {"label": int, feature: value, ...}
+of its record's label and the features `make_dataset(features=...)` asked for.
+
+A batch op returns the batch it wants: it may add, replace or drop entries (big_vision's
+`keep`), but it must keep every row, and the "mask" entry, when the batch has one (eval
+streams, padded), must survive: it is the pipeline's record of which rows are padding,
+not the record's data, so `keep(...)` keeps it without being asked (big_vision adds its
+`_mask` after the pp ops for the same reason). Train batches have no mask.
 
 Each call gets a Generator that depends only on (seed, epoch, example index) or (seed, batch
 index), so what an op draws does not depend on threads, worker processes or where a run
-resumed. Ops travel to worker processes by pickle: module-level functions and classes (or
-cloudpickle-able closures). Registered ops can also be named in a string, as big_vision's
-pp strings: "color_jitter(0.4, 0.4, 0.4)|my_op" (see `build` and docs/API.md).
+resumed. It is the op's for the call: the ops stage re-keys one Generator per thread for the
+next example, so an op must not keep it for later. Ops travel to worker processes by
+pickle: module-level functions and classes (or cloudpickle-able closures). Registered ops
+can also be named in a string, as big_vision's pp strings: "color_jitter(0.4, 0.4, 0.4)|my_op"
+(see `build` and docs/API.md); whole big_vision pp strings, head included, are
+`pipeline.pp`'s.
 """
 
 from __future__ import annotations
@@ -18,6 +32,9 @@ import ast
 import dataclasses
 import inspect
 import operator
+import sys
+import threading
+import types
 from collections.abc import Callable, Mapping, Sequence
 from typing import Literal
 
@@ -54,6 +71,29 @@ def example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
   return _philox(_EXAMPLE_STREAM, seed, (epoch, index))
 
 
+_local = threading.local()
+
+
+def reused_example_rng(seed: int, epoch: int, index: int) -> np.random.Generator:
+  """`example_rng(seed, epoch, index)`'s exact stream from this thread's one Generator,
+  re-keyed (~1 µs instead of ~8 µs for a new one). Valid until this thread's next call: for
+  the pipeline's own loop, where an op runs to completion before the next example."""
+  seed = operator.index(seed)
+  if not 0 <= seed < 2**64 or epoch < 0 or index < 0:
+    return example_rng(seed, epoch, index)  # the checks' errors
+  held = getattr(_local, "rng", None)
+  if held is None:
+    bits = np.random.Philox(key=0)
+    held = _local.rng = (np.random.Generator(bits), bits, bits.state)
+  generator, bits, state = held
+  key = (_EXAMPLE_STREAM << 64) | seed
+  state["state"]["key"] = np.array([key & (2**64 - 1), key >> 64], np.uint64)
+  state["state"]["counter"] = np.array([0, 0, epoch, index], np.uint64)
+  state["buffer_pos"], state["has_uint32"], state["uinteger"] = 4, 0, 0
+  bits.state = state
+  return generator
+
+
 def batch_rng(seed: int, batch_index: int) -> np.random.Generator:
   """The batch ops' generator for batch `batch_index` of a process's stream."""
   return _philox(_BATCH_STREAM, seed, (0, batch_index))
@@ -63,11 +103,42 @@ def _name(op) -> str:
   return getattr(op, "__name__", None) or type(op).__name__
 
 
-def apply(image_ops: Sequence[ImageOp], image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+def takes_example(op) -> bool:
+  """Whether an image op asks for its example: a third positional parameter, or one named
+  `example` (checked once, when the ops are built)."""
+  try:
+    params = list(inspect.signature(op).parameters.values())
+  except (TypeError, ValueError):  # builtins and the like: the plain contract
+    return False
+  if any(p.name == "example" for p in params):
+    return True
+  positional = [
+    p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD, p.VAR_POSITIONAL)
+  ]
+  return len(positional) >= 3 or any(p.kind == p.VAR_POSITIONAL for p in params)
+
+
+def example_view(label: int, features: Mapping | None = None) -> Mapping:
+  """The read-only mapping an example-taking image op gets."""
+  return types.MappingProxyType({"label": int(label), **(features or {})})
+
+
+def apply(
+  image_ops: Sequence[ImageOp],
+  image: np.ndarray,
+  rng: np.random.Generator,
+  example: Mapping | None = None,
+  wants: Sequence[bool] | None = None,
+) -> np.ndarray:
   """Runs `image_ops` in order on one image. They may change its shape and dtype, but the
-  loader stacks a batch's images, so every image must come out alike."""
-  for op in image_ops:
-    result = op(image, rng)
+  loader puts a batch's images in one array, so every image must come out alike. `wants`
+  (from `takes_example`, per op; default: asked here) says which ops get `example`."""
+  wants = [takes_example(op) for op in image_ops] if wants is None else wants
+  for op, want in zip(image_ops, wants):
+    if want:
+      result = op(image, rng, example if example is not None else example_view(-1))
+    else:
+      result = op(image, rng)
     if not isinstance(result, np.ndarray):
       raise OpError(
         f"image op {_name(op)} returned {type(result).__name__}, not a numpy "
@@ -80,7 +151,8 @@ def apply(image_ops: Sequence[ImageOp], image: np.ndarray, rng: np.random.Genera
 def apply_batch(
   batch_ops: Sequence[BatchOp], batch: Mapping[str, np.ndarray], rng: np.random.Generator
 ) -> dict[str, np.ndarray]:
-  """Runs `batch_ops` in order on a host batch; each must keep the rows and the mask."""
+  """Runs `batch_ops` in order on a host batch; each must keep the rows and, when the batch
+  has one, the mask. Any other entry may be dropped or added."""
   batch = dict(batch)
   rows = _rows(batch, "the batch")
   for op in batch_ops:
@@ -89,7 +161,10 @@ def apply_batch(
       raise OpError(f"batch op {_name(op)} returned {type(result).__name__}, not a dict")
     result = dict(result)
     if MASK_KEY in batch and MASK_KEY not in result:
-      raise OpError(f"batch op {_name(op)} dropped the {MASK_KEY!r} entry; pass it through")
+      raise OpError(
+        f"batch op {_name(op)} dropped the {MASK_KEY!r} entry; pass it through (it marks "
+        "the padding rows of eval batches; any other entry may be dropped)"
+      )
     if _rows(result, f"batch op {_name(op)}'s output") != rows:
       raise OpError(
         f"batch op {_name(op)} changed the batch from {rows} rows to "
@@ -429,3 +504,178 @@ class OneHot:
     out = np.full((len(labels), self.depth), self.off, np.float32)
     out[np.arange(len(labels)), labels] = self.on
     return {**batch, self.key_result or self.key: out}
+
+
+# big_vision's ops that are not part of the head (pipeline.pp compiles the head ones).
+
+
+@register("value_range", "batch")
+@dataclasses.dataclass(frozen=True)
+class ValueRange:
+  """big_vision's value_range on a host batch: `key` ("image") from [in_min, in_max] to float32
+  in [vmin, vmax] (clipped with clip_values), into `key_result` (default: `key`).
+
+  Host-side float32 images are 4x the bytes of uint8 through the rest of the pipeline and to
+  the device; normalizing on the device (`pipeline.input(normalize="minus_one_one")`) gives
+  the same values faster. This op is here so big_vision's pp strings run as written.
+  Its output arrays are reused once nothing references them any more (a new 77 MB array per
+  batch costs as much in page faults as the arithmetic); one you hold is never overwritten.
+  """
+
+  vmin: float = -1.0
+  vmax: float = 1.0
+  in_min: float | tuple = 0.0
+  in_max: float | tuple = 255.0
+  clip_values: bool = False
+  key: str = "image"
+  key_result: str | None = None
+
+  def __getstate__(self):
+    return {k: v for k, v in self.__dict__.items() if k != "_pool"}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+
+  def __call__(self, batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict:
+    if self.key not in batch:
+      raise OpError(f"value_range: the batch has no {self.key!r} entry (it has {sorted(batch)})")
+    x = np.asarray(batch[self.key])
+    in_min = np.asarray(self.in_min, np.float32)
+    scale = np.float32(self.vmax - self.vmin) / (np.asarray(self.in_max, np.float32) - in_min)
+    offset = np.float32(self.vmin) - in_min * scale
+    out = _reusable(self, x.shape, np.float32)
+    _in_parts(
+      _scale_into, x, out, scale, offset, self.vmin if self.clip_values else None, self.vmax
+    )
+    return {**batch, self.key_result or self.key: out}
+
+
+_POOL_LOCK = threading.Lock()
+POOL_SIZE = 4  # float32 batches an op keeps for reuse (~77 MB each at 128 x 224 px)
+
+
+def _reusable(owner, shape: tuple, dtype) -> np.ndarray:
+  """An uninitialized array for `owner`'s output: one of its earlier outputs that nothing
+  references any more (its only reference is this pool's), else a new one. A new array of a
+  batch of float32 images costs ~20k page faults and zeroing, about as much as filling it."""
+  with _POOL_LOCK:
+    pool = owner.__dict__.setdefault("_pool", [])
+    for k in range(len(pool)):
+      # References: the pool's list, getrefcount's argument: nobody else holds it.
+      if pool[k].shape == shape and pool[k].dtype == dtype and sys.getrefcount(pool[k]) == 2:
+        return pool[k]
+    out = np.empty(shape, dtype)
+    pool.append(out)
+    del pool[:-POOL_SIZE]
+    return out
+
+
+def _scale_into(x, out, scale, offset, vmin, vmax) -> None:
+  np.multiply(x, scale, out=out, casting="unsafe")
+  out += offset
+  if vmin is not None:
+    np.clip(out, vmin, vmax, out=out)
+
+
+def _in_parts(fn, x: np.ndarray, out: np.ndarray, *args, parts: int = 2) -> None:
+  """`fn(x, out, *args)` over `parts` slices of the rows on threads (numpy drops the GIL and
+  the new array's page faults spread over cores)."""
+  rows = len(x) if x.ndim else 0
+  if rows < 2 * parts:
+    fn(x, out, *args)
+    return
+  cuts = np.linspace(0, rows, parts + 1).astype(int)
+  threads = [
+    threading.Thread(target=fn, args=(x[a:b], out[a:b], *args)) for a, b in zip(cuts, cuts[1:])
+  ]
+  for t in threads:
+    t.start()
+  for t in threads:
+    t.join()
+
+
+@register("keep", "batch")
+class Keep:
+  """big_vision's keep("image", "labels"): only the named entries stay, and the "mask" when
+  the batch has one (it is the pipeline's, marking eval padding; see the module docstring).
+  A named entry the batch lacks is an error, not a silent drop."""
+
+  def __init__(self, *keys: str):
+    if not keys or not all(isinstance(k, str) for k in keys):
+      raise ValueError(f"keep takes the names of the entries to keep, got {keys!r}")
+    self.keys = keys
+
+  def __eq__(self, other):
+    return isinstance(other, Keep) and other.keys == self.keys
+
+  def __hash__(self):
+    return hash(self.keys)
+
+  def __repr__(self):
+    return f"Keep{self.keys!r}"
+
+  def __call__(self, batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict:
+    missing = [k for k in self.keys if k not in batch]
+    if missing:
+      raise OpError(f"keep: the batch has no {missing} entries (it has {sorted(batch)})")
+    return {k: v for k, v in batch.items() if k in self.keys or k == MASK_KEY}
+
+
+@register("bv_mixup", "batch")
+@dataclasses.dataclass(frozen=True)
+class BigVisionMixup:
+  """big_vision's mixup (`big_vision.utils.get_mixup`): a ~ Beta(p, p) once per batch,
+  a = max(a, 1 - a), and every entry in `keys` becomes a * x + (1 - a) * roll(x, 1, axis=0),
+  as float32 (images and soft labels alike). p = 0 leaves the batch as it is.
+
+  big_vision mixes in its train step, on the device, after the pp ops; here it runs on the
+  host batch, so the host moves float32 images. `fold_in` (the config's) is accepted and
+  unused: the draw comes from the batch's generator, a pure function of (seed, batch index).
+  In a `pp=` string this is `mixup(p=..., fold_in=None)`. Eval batches (with a mask) are
+  refused: big_vision mixes training batches only.
+  """
+
+  p: float = 0.2
+  fold_in: int | None = None
+  n: int = 2
+  keys: tuple[str, ...] = ("image", "labels")
+
+  def __post_init__(self):
+    if self.p < 0:
+      raise ValueError(f"mixup p must be >= 0, got {self.p}")
+    if self.n != 2:
+      raise ValueError(f"mixup n: only 2 (pairs, big_vision's default) is supported, got {self.n}")
+    object.__setattr__(
+      self, "keys", (self.keys,) if isinstance(self.keys, str) else tuple(self.keys)
+    )
+
+  def lam(self, rng: np.random.Generator) -> np.float32:
+    a = rng.beta(self.p, self.p)
+    return np.float32(max(a, 1.0 - a))
+
+  def __call__(self, batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict:
+    if MASK_KEY in batch:
+      raise OpError("mixup mixes training batches; this one has a mask (eval): drop mixup there")
+    missing = [k for k in self.keys if k not in batch]
+    if missing:
+      raise OpError(
+        f"mixup: the batch has no {missing} entries (it has {sorted(batch)}); big_vision "
+        "mixes the one-hot labels: run onehot(..., key_result='labels') first or pass keys="
+      )
+    for k in self.keys:
+      v = np.asarray(batch[k])
+      if k != "image" and (v.ndim != 2 or v.dtype.kind != "f"):
+        raise OpError(
+          f"mixup: {k!r} holds {v.dtype}{list(v.shape)}, not soft labels: run onehot first"
+        )
+    if self.p == 0:
+      return batch
+    a = self.lam(rng)
+    out = dict(batch)
+    for k in self.keys:
+      x = np.asarray(batch[k], np.float32)
+      out[k] = a * x + (1 - a) * np.roll(x, 1, axis=0)
+    return out
+
+
+from pipeline import randaugment as _randaugment  # noqa: E402,F401  registers "randaug"

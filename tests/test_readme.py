@@ -70,3 +70,31 @@ def test_readme_convert_and_doctor_commands_parse_as_written():
       continue
     checked.add(args[0] if tool == "pipeline.convert" else tool)
   assert {"images", "tfrecord", "tfds", "verify", "builtin", "pipeline.doctor"} <= checked
+
+
+def test_readme_big_vision_pp_example_runs_as_written(digits_dir, tmp_path):
+  readme = (ROOT / "README.md").read_text()
+  section = readme.split("## Coming from big_vision / the Flax ImageNet example")[1]
+  blocks = re.findall(r"```python\n(.*?)```", section.split("\n## ")[0], re.S)
+  assert len(blocks) == 1
+  home = tmp_path / "home"
+  (home / "pipeline-data").mkdir(parents=True)
+  (home / "pipeline-data" / "digits").symlink_to(digits_dir)
+  check = blocks[0] + (
+    '\nif __name__ == "__main__":'
+    "\n  assert batch['image'].shape == (64, 64, 64, 3) and str(batch['image'].dtype) == 'float32'"
+    "\n  assert batch['labels'].shape == (64, 10) and set(batch) == {'image', 'labels'}"
+    "\n  assert -1 <= float(batch['image'].min()) and float(batch['image'].max()) <= 1"
+    "\n  assert seen == val.num_examples"
+    "\n  print('OK')\n"
+  )
+  env = dict(os.environ, HOME=str(home), PYTHONPATH=str(ROOT))
+  empty = tmp_path / "cwd"
+  empty.mkdir()
+  script = empty / "big_vision.py"
+  script.write_text(check)
+  out = subprocess.run(
+    [sys.executable, str(script)], cwd=empty, env=env, capture_output=True, text=True, timeout=300
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "OK" in out.stdout
