@@ -17,7 +17,7 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
       "--batch-size",
       "8",
       "--image-size",
-      "64",
+      "128",  # decode well above the rest's CPU even on a loaded machine
       "--seconds",
       "0.1",
       "--threads",
