@@ -5,10 +5,8 @@
 A 2-core machine cannot run a 224-core host's pipeline, so this measures the costs that
 decide it here and projects with `pipeline.parallelism`'s model. Every run is
 `make_dataset` (train augmentation, given batch and image size) in a fresh process, timed
-in steady state after its first batch, in a process set up as a Grain worker is
-(`pipeline.worker`: freed memory kept), since workers decode on many-core hosts. Steps
-1-4 and 7 run `--repeat` times (default 3), interleaved; the model takes their medians,
-and the report gives each one's spread.
+in steady state after its first batch. Steps 1-4 and 7 run `--repeat` times (default 3),
+interleaved; the model takes their medians, and the report gives each one's spread.
 
 1. cpu: one decode thread: the process's CPU per image (`cpu_us_per_image`).
 2. rest: one thread with decode emulation (`bench.emulate`, waits D,R), which replaces
@@ -80,7 +78,7 @@ import numpy as np
 import psutil
 
 from bench import emulate, gil, measure
-from pipeline import augment, decode, parallelism, reads, records, worker
+from pipeline import augment, decode, parallelism, reads, records
 from pipeline import manifest as manifest_lib
 from pipeline.source import ShardedSource
 
@@ -771,7 +769,6 @@ def main(argv: list[str]) -> dict:
   p = parser()
   args = p.parse_args(argv)
   if args.child:
-    worker.keep_freed_memory()
     spec = json.loads(args.child)
     if spec.get("read"):
       print(json.dumps(read_costs(spec)))

@@ -41,7 +41,6 @@ from pipeline import (
   reads,
   records,
   remote,
-  worker,
 )
 from pipeline import manifest as manifest_lib
 from pipeline.ahead import AheadIterDataset
@@ -357,7 +356,7 @@ def chain(stages: Stages) -> grain.IterDataset:
     if writer is not None:
       it = handoff.SendIterDataset(it, writer)
     it = it.mp_prefetch(
-      grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=worker.init
+      grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=_ignore_sigint
     )
     if writer is not None:
       it = handoff.ReceiveIterDataset(it)
@@ -402,6 +401,15 @@ def _process_shard(shard_index, shard_count) -> tuple[int, int]:
 
     return jax.process_index(), jax.process_count()
   return shard_index, shard_count
+
+
+def _ignore_sigint(worker_index: int, worker_count: int) -> None:
+  """Ctrl-C is the main process's to handle (the trainer saves a checkpoint); workers that
+  also received it would die with tracebacks mid-save."""
+  del worker_index, worker_count
+  import signal
+
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
 
 
 def _ensure_absl_flags_parsed() -> None:

@@ -50,7 +50,7 @@ class Costs:
 
 
 # Measured with `python -m pipeline.bench scaling` (2,474 photos ~450x400, batch 128, 224 px,
-# train; 2 shared vCPUs), medians of 3 interleaved repeats, in processes set up as workers:
+# train; 2 shared vCPUs), medians of 3 interleaved repeats:
 #   cpu_us 1064 (1053-1109): the process's CPU per image on one thread;
 #   gil_us 61 (55-64): GIL-held CPU per image measured directly (bench.gil's shim) with real
 #     decode on 2 threads, as a worker runs (37 at the emulated ceiling; py-spy there: 39);
