@@ -45,8 +45,9 @@ import sys
 import tempfile
 import time
 
+from bench import measure
+
 SOURCE = pathlib.Path(__file__).with_name("gilshim.c")
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 SPY_HZ = 100
 BIN = pathlib.Path(sys.executable).parent
 
@@ -86,7 +87,7 @@ def preload_env(env: dict | None = None) -> dict:
   this repository on PYTHONPATH."""
   env = dict(os.environ if env is None else env)
   env["LD_PRELOAD"] = " ".join(filter(None, [str(ensure_built()), env.get("LD_PRELOAD")]))
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(measure.ROOT), env.get("PYTHONPATH")]))
   return env
 
 
@@ -156,6 +157,35 @@ class Counter:
 # ---------------------------------------------------------------- the loader, measured
 
 
+class PySpy:
+  """`py-spy record --gil` on this process for `seconds` (raw output: one stack per line,
+  ending in its sample count), the second method beside the shim."""
+
+  def __init__(self, py_spy: str, seconds: float):
+    self.seconds = max(1, round(seconds))
+    self.out = tempfile.NamedTemporaryFile(suffix=".txt", delete=False).name
+    cmd = [py_spy, "record", "--gil", "--nonblocking", "-r", str(SPY_HZ)]
+    cmd += ["-d", str(self.seconds), "-f", "raw", "-o", self.out, "-p", str(os.getpid())]
+    self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+
+  def running(self) -> bool:
+    return self.proc.poll() is None
+
+  def stacks(self) -> list[tuple[str, int]]:
+    """The sampled stacks holding the GIL and their counts; RuntimeError if py-spy failed."""
+    _, err = self.proc.communicate()
+    path = pathlib.Path(self.out)
+    lines = path.read_text().splitlines() if path.exists() else []
+    path.unlink(missing_ok=True)
+    if self.proc.returncode or not lines:
+      raise RuntimeError(f"py-spy failed: {err.decode().strip()[-200:]}")
+    return [(ln.rsplit(" ", 1)[0], int(ln.rsplit(" ", 1)[1])) for ln in lines if ln.strip()]
+
+  def share(self, stacks: list[tuple[str, int]]) -> float:
+    """py-spy's own wall: its samples over its ticks is the share of time a thread held it."""
+    return min(sum(n for _, n in stacks) / (SPY_HZ * self.seconds), 1.0)
+
+
 def _py_spy() -> str | None:
   return shutil.which("py-spy", path=f"{BIN}{os.pathsep}{os.environ.get('PATH', '')}")
 
@@ -178,17 +208,11 @@ def _child_run(spec: dict) -> dict:
   it = iter(ds)
   for _ in range(spec["skip"]):
     next(it)
-  spy = None
-  if spec.get("py_spy"):
-    out = tempfile.NamedTemporaryFile(suffix=".txt", delete=False).name
-    secs = max(1, round(spec["seconds"]))
-    cmd = [spec["py_spy"], "record", "--gil", "--nonblocking", "-r", str(SPY_HZ), "-d", str(secs)]
-    cmd += ["-f", "raw", "-o", out, "-p", str(os.getpid())]
-    spy = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+  spy = PySpy(spec["py_spy"], spec["seconds"]) if spec.get("py_spy") else None
   counter = Counter() if loaded() else None
   cpu0, wall0 = time.process_time(), time.perf_counter()
   images = 0
-  while spy.poll() is None if spy else time.perf_counter() - wall0 < spec["seconds"]:
+  while spy.running() if spy else time.perf_counter() - wall0 < spec["seconds"]:
     images += len(next(it)["image"])
   wall, cpu = time.perf_counter() - wall0, time.process_time() - cpu0
   result = {"images": images, "wall_s": wall, "cpu_s": cpu, "img_s": images / wall}
@@ -196,38 +220,19 @@ def _child_run(spec: dict) -> dict:
     r = counter.read()
     result.update(held_s=r.held_s, acquisitions=r.acquisitions)
   if spy is not None:
-    _, err = spy.communicate()
-    lines = pathlib.Path(out).read_text().splitlines() if os.path.exists(out) else []
-    if spy.returncode or not lines:
-      raise RuntimeError(f"py-spy failed: {err.decode().strip()[-200:]}")
-    pathlib.Path(out).unlink()
-    stacks = [(ln.rsplit(" ", 1)[0], int(ln.rsplit(" ", 1)[1])) for ln in lines if ln.strip()]
-    samples = sum(n for _, n in stacks)
+    stacks = spy.stacks()
     result.update(
-      spy_samples=samples,
-      spy_ticks=SPY_HZ * secs,
+      spy_samples=sum(n for _, n in stacks),
+      spy_ticks=SPY_HZ * spy.seconds,
       spy_stacks=stacks,
-      # py-spy's own wall: its samples over its ticks is the share of time a thread held it
-      spy_share=min(samples / (SPY_HZ * secs), 1.0),
+      spy_share=spy.share(stacks),
     )
   it.close()
   return result
 
 
 def _child(spec: dict, shim: bool) -> dict:
-  env = preload_env() if shim else {**os.environ, "PYTHONPATH": str(ROOT)}
-  proc = subprocess.run(
-    [sys.executable, "-m", "bench.gil", "--child", json.dumps(spec)],
-    capture_output=True,
-    text=True,
-    check=False,
-    env=env,
-    cwd=ROOT,
-  )
-  if proc.returncode:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    raise RuntimeError(f"a measuring process failed (exit {proc.returncode}): {tail[0]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  return measure.child("bench.gil", spec, preload_env() if shim else None)
 
 
 def measure_loader(

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import pathlib
 import platform
 import resource
+import subprocess
 import sys
 import threading
 import time
@@ -125,3 +128,25 @@ def run_cli(main: Callable[[list[str]], object], argv: list[str]) -> None:
     main(argv)
   except Exception as e:  # noqa: BLE001 - any failure: one line, the traceback on request
     sys.exit(f"error: {type(e).__name__}: {e} (--verbose shows the traceback)")
+
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+
+
+def child(module: str, spec: dict, env: dict | None = None) -> dict:
+  """The JSON a fresh `python -m MODULE --child SPEC` prints last (this repository on its
+  path); a failed child is a RuntimeError with its last line."""
+  env = dict(os.environ if env is None else env)
+  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
+  proc = subprocess.run(
+    [sys.executable, "-m", module, "--child", json.dumps(spec)],
+    capture_output=True,
+    text=True,
+    check=False,
+    env=env,
+    cwd=ROOT,
+  )
+  if proc.returncode:
+    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+    raise RuntimeError(f"a measuring process failed (exit {proc.returncode}): {tail[0]}")
+  return json.loads(proc.stdout.strip().splitlines()[-1])

@@ -65,13 +65,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
-import pathlib
 import resource
 import shutil
-import subprocess
 import sys
-import tempfile
 import time
 
 import numpy as np
@@ -83,12 +79,9 @@ from pipeline import manifest as manifest_lib
 from pipeline.source import ShardedSource
 
 PAGE = 4096
-ROOT = pathlib.Path(__file__).resolve().parent.parent
 CORES_BOUND = 0.8  # share of the usable cores above which the ceiling is the machine's
-SPY_HZ = 100  # py-spy's samples per second
 WARM_BATCHES = 12  # per worker before the clock starts: its imports, its ring grown
 STEP_US = 1000.0  # stated: a jitted step's dispatch + metrics on the host, per step
-BIN = pathlib.Path(sys.executable).parent  # where a virtual environment installs py-spy
 
 
 # ---------------------------------------------------------------- one process's runs
@@ -138,16 +131,16 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   warm = WARM_BATCHES * workers  # every worker started, its ring of blocks grown: off the clock
   for _ in range(warm):
     next(it)["image"].reshape(-1)[::PAGE].max()  # each block's pages mapped once, as below
-  spy = _start_py_spy(spec)
+  spy = gil.PySpy(spec["py_spy"], spec["seconds"]) if spec.get("py_spy") else None
   shim = gil.Counter() if spec.get("gil") else None
   first = time.perf_counter()
   kids = _workers(me)
   main0, kids0 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
   images = batches = 0
   touch = np.zeros(2)  # user, system seconds
-  while (
-    spy[0].poll() is None if spy else time.perf_counter() - first < spec["seconds"]
-  ) or batches < spec["min_batches"]:
+  while (spy.running() if spy else time.perf_counter() - first < spec["seconds"]) or batches < spec[
+    "min_batches"
+  ]:
     image = next(it)["image"]
     t0 = resource.getrusage(resource.RUSAGE_THREAD)
     image.reshape(-1)[::PAGE].max()  # one byte per page: maps the batch, as a device_put would
@@ -160,7 +153,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   main1, kids1 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
   rss = [k.memory_info().rss / 2**20 for k in kids]
   it.close()
-  gil_share = _py_spy_share(*spy) if spy else None
+  gil_share = _py_spy_share(spy) if spy else None
   user = max(main1.ru_utime - main0.ru_utime - touch[0], 0.0)
   system = max(main1.ru_stime - main0.ru_stime - touch[1], 0.0)
   return {
@@ -179,31 +172,14 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   }
 
 
-def _start_py_spy(spec: dict):
-  """(process, output file, seconds) of `py-spy record --gil` on this process, or None."""
-  if not spec.get("py_spy"):
-    return None
-  seconds = max(1, round(spec["seconds"]))
-  out = tempfile.NamedTemporaryFile(suffix=".txt", delete=False).name
-  cmd = [spec["py_spy"], "record", "--gil", "--nonblocking", "-r", str(SPY_HZ)]
-  cmd += ["-d", str(seconds), "-f", "raw", "-o", out, "-p", str(os.getpid())]
-  return subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE), out, seconds
-
-
-def _py_spy_share(proc, out: str, seconds: int) -> float | None:
-  """The share of py-spy's sampling ticks that found a thread holding the GIL (raw output:
-  one stack per line, ending in its sample count); None when py-spy failed."""
-  _, err = proc.communicate()
+def _py_spy_share(spy: gil.PySpy) -> float | None:
+  """The share of py-spy's sampling ticks that found a thread holding the GIL; None (with
+  a warning) when py-spy failed."""
   try:
-    lines = pathlib.Path(out).read_text().splitlines()
-    pathlib.Path(out).unlink()
-  except OSError:
-    lines = None
-  if proc.returncode or lines is None:
-    print(f"warning: py-spy failed: {err.decode().strip()[-200:]}", file=sys.stderr)
+    return round(spy.share(spy.stacks()), 4)
+  except RuntimeError as e:
+    print(f"warning: {e}", file=sys.stderr)
     return None
-  samples = sum(int(line.rsplit(" ", 1)[1]) for line in lines if line.strip())
-  return round(min(samples / (SPY_HZ * seconds), 1.0), 4)
 
 
 def read_costs(spec: dict, seed: int = 0, kept: int = 1024) -> dict:
@@ -250,23 +226,8 @@ def measure_in_child(
 
 def _child(child_spec: dict):
   """The JSON a fresh `python -m bench.scaling --child SPEC` prints (see `main`)."""
-  env = dict(os.environ)
-  env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(ROOT), env.get("PYTHONPATH")]))
-  if child_spec.get("gil"):
-    env = gil.preload_env(env)
-  child = json.dumps(child_spec)
-  proc = subprocess.run(
-    [sys.executable, "-m", "bench.scaling", "--child", child],
-    capture_output=True,
-    text=True,
-    check=False,
-    env=env,
-    cwd=ROOT,
-  )
-  if proc.returncode:
-    tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-    raise RuntimeError(f"a measuring process failed (exit {proc.returncode}): {tail[0]}")
-  return json.loads(proc.stdout.strip().splitlines()[-1])
+  env = gil.preload_env() if child_spec.get("gil") else None
+  return measure.child("bench.scaling", child_spec, env)
 
 
 # ---------------------------------------------------------------- the model's costs
@@ -728,7 +689,7 @@ def parser() -> argparse.ArgumentParser:
   )
   p.add_argument(
     "--py-spy",
-    default=shutil.which("py-spy") or shutil.which("py-spy", path=BIN),
+    default=shutil.which("py-spy") or shutil.which("py-spy", path=gil.BIN),
     help="py-spy for step 6's cross-check (default: on PATH or beside python; '' skips it)",
   )
   p.add_argument(

@@ -55,17 +55,23 @@ def digits_dir(digits_raw) -> pathlib.Path:
   return out
 
 
+def build_or_skip(what: str, build, unavailable: type[Exception]):
+  """`build()`'s result; a machine that cannot build `what` skips the test with the reason,
+  except in CI (CI=true), where the part is expected: there the test fails."""
+  try:
+    return build()
+  except unavailable as e:
+    if os.environ.get("CI", "").lower() == "true":
+      pytest.fail(f"{what} unavailable in CI: {e}")
+    pytest.skip(f"{what} unavailable: {e}")
+
+
 @pytest.fixture(scope="session")
 def storage_rig():
   """bench.rig with its filesystem built (FUSE 3 installed first if needed and allowed)."""
   from bench import rig
 
-  try:
-    rig.ensure_built()
-  except rig.RigUnavailable as e:
-    if os.environ.get("CI", "").lower() == "true":
-      pytest.fail(f"storage rig unavailable in CI: {e}")
-    pytest.skip(f"storage rig unavailable: {e}")
+  build_or_skip("storage rig", rig.ensure_built, rig.RigUnavailable)
   return rig
 
 

@@ -90,7 +90,7 @@ def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
   local, slow = result["rows"]
   assert (local["storage"], slow["storage"]) == ("local disk", "2 ms")
   assert local["rounds"] == slow["rounds"] == 1 and "reads_per_image" not in local
-  assert slow["images_per_sec"] > 0 and slow["first_batch_s"] > 0 and slow["peak_rss_mb"] > 0
+  assert slow["images_per_sec_min"] <= slow["images_per_sec"] <= slow["images_per_sec_max"]
   # Reads ahead (and a record cache) may leave the timed batches nothing to read.
   assert slow["first_batch_reads"] > 0 and slow["max_in_flight"] >= 1
   assert slow["reads_per_image"] >= 0 and slow["kb_per_read"] >= 0
@@ -125,7 +125,7 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
       str(tmp_path / "t.json"),
     ]
   )
-  assert out["images_per_sec"] > 0 and out["first_batch_s"] > 0 and out["peak_rss_mb"] > 0
+  assert {"images_per_sec", "first_batch_s", "peak_rss_mb"} <= out.keys()
   assert out["images"] >= 24
   stages = out["stages_ms_per_image"]
   assert {"read", "parse", "decode", "resize_flip", "batch"} <= stages.keys()
@@ -190,8 +190,8 @@ def test_device_bench_prints_its_figures(run_python):
   )
   assert proc.returncode == 0, proc.stderr
   figures = json.loads(proc.stdout.strip().splitlines()[-1])
-  assert figures["host"]["images_per_s"] > 0 and figures["device"]["images_per_s"] > 0
-  assert figures["ratio"] > 0
+  rate = {name: figures[name]["images_per_s"] for name in ("host", "device")}
+  assert figures["ratio"] == pytest.approx(rate["device"] / rate["host"])
 
 
 def check_report(report: str, names: list[str]) -> None:

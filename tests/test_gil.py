@@ -11,7 +11,9 @@ import textwrap
 
 import pytest
 
-from bench import gil
+from bench import gil, measure
+
+from .conftest import build_or_skip
 
 CHILD_HEAD = """
 import json, os, threading, time
@@ -33,12 +35,7 @@ def wait_exited(thread):  # join() returns before the pthread ends and adds its 
 
 @pytest.fixture(scope="module")
 def shim_env():
-  try:
-    gil.ensure_built()
-  except gil.ShimUnavailable as e:
-    if os.environ.get("CI", "").lower() == "true":
-      pytest.fail(f"GIL shim unavailable in CI: {e}")
-    pytest.skip(f"GIL shim unavailable: {e}")
+  build_or_skip("GIL shim", gil.ensure_built, gil.ShimUnavailable)
   env = gil.preload_env()
   env.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
   return env
@@ -47,7 +44,12 @@ def shim_env():
 def run_child(env: dict, body: str) -> dict:
   code = CHILD_HEAD + textwrap.dedent(body)
   proc = subprocess.run(
-    [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=gil.ROOT, timeout=120
+    [sys.executable, "-c", code],
+    capture_output=True,
+    text=True,
+    env=env,
+    cwd=measure.ROOT,
+    timeout=120,
   )
   assert proc.returncode == 0, proc.stderr
   return json.loads(proc.stdout.strip().splitlines()[-1])
@@ -122,7 +124,7 @@ def test_unloaded_process_says_so():
   code = "from bench import gil; print(gil.loaded()); gil.held_s()"
   env = {k: v for k, v in os.environ.items() if k != "LD_PRELOAD"}
   proc = subprocess.run(
-    [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=gil.ROOT
+    [sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=measure.ROOT
   )
   assert proc.stdout.strip() == "False"
   assert "not loaded in this process" in proc.stderr
