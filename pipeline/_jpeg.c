@@ -784,6 +784,12 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg",
                                     "Per-batch parse and crop-aware JPEG decode.", -1,
                                     methods, NULL, NULL, NULL, NULL};
 
+/* The libjpeg API version this file was compiled against: pipeline/decode.py reads it
+ * (without binding any libjpeg symbol) to load a library of the same ABI before import. */
+__attribute__((visibility("default"))) int pipeline_jpeg_lib_version(void) {
+  return JPEG_LIB_VERSION;
+}
+
 PyMODINIT_FUNC PyInit__jpeg(void) {
   PyObject *m = PyModule_Create(&module);
   if (m != NULL && PyModule_AddIntConstant(m, "MAX_PIXELS", (long)MAX_PIXELS)) Py_CLEAR(m);

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.util
 import io
 import os
+import re
 
 import numpy as np
 import PIL
@@ -21,13 +23,41 @@ import simplejpeg
 from PIL import Image
 
 
-def _load_extension():
-  """Imports `_jpeg` after loading a libjpeg for it: Pillow's bundled libjpeg-turbo 3
-  (as fast as simplejpeg's, 15% faster than Debian's 2.1), else the system's."""
+def _soname_abi(lib: str) -> int | None:
+  """The libjpeg API version a library's name promises (libjpeg.so.62 -> 62, .so.8 -> 80)."""
+  major = re.search(r"\.so\.(\d+)", os.path.basename(lib))
+  if major is None:
+    return None
+  return int(major.group(1)) * (1 if int(major.group(1)) >= 62 else 10)
+
+
+def libraries(abi: int | None) -> list[str]:
+  """The libjpegs to try for an extension compiled against API version `abi`, best first:
+  Pillow's bundled libjpeg-turbo 3 (as fast as simplejpeg's, 15% faster than Debian's 2.1),
+  then the system's. A library of another API refuses every image ("Wrong JPEG library
+  version"), so those are left out (Ubuntu's headers are API 80, Pillow's library 62)."""
   bundled = glob.glob(
     os.path.join(os.path.dirname(PIL.__file__), os.pardir, "pillow.libs", "libjpeg*.so*")
   )
-  for lib in sorted(bundled) + ["libjpeg.so.62", "libjpeg.so"]:
+  names = sorted(bundled) + ["libjpeg.so.62", "libjpeg.so.8", "libjpeg.so.9", "libjpeg.so"]
+  return [lib for lib in names if abi is None or _soname_abi(lib) in (abi, None)]
+
+
+def _compiled_abi() -> int | None:
+  """The libjpeg API version `_jpeg` was compiled against, read without importing it."""
+  spec = importlib.util.find_spec("pipeline._jpeg")
+  if spec is None or not spec.origin:
+    return None
+  try:
+    return ctypes.CDLL(spec.origin, mode=os.RTLD_LAZY).pipeline_jpeg_lib_version()
+  except (OSError, AttributeError):
+    return None
+
+
+def _load_extension():
+  """Imports `_jpeg` after loading a libjpeg of the API it was compiled against."""
+  abi = _compiled_abi()
+  for lib in libraries(abi):
     try:
       ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
       break
@@ -40,6 +70,8 @@ def _load_extension():
     return _jpeg
   except ImportError as e:  # not built, or no libjpeg found: simplejpeg decodes whole images
     _missing = str(e) or type(e).__name__
+    if abi is not None:
+      _missing += f" (it needs a libjpeg of API version {abi})"
     return None
 
 
