@@ -162,8 +162,9 @@ typedef struct {
 /* protobuf's wire format, as much of it as a tf.train.Example uses. The parser gives
  * protobuf's answer or declines (-1) and the Python path (protobuf itself) decides: it checks
  * the whole record as protobuf does (so a record protobuf refuses is declined), and reads a
- * feature with protobuf's merge rules (see feature_value). Groups, over-long tags and varints
- * whose tenth byte protobuf might read otherwise are declined, never guessed. */
+ * feature with protobuf's merge rules (see feature_value). Groups, tags and lengths of more
+ * than 5 bytes (protobuf refuses them) and varints whose tenth byte protobuf might read
+ * otherwise are declined, never guessed. */
 static int varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
   uint64_t r = 0;
   for (int shift = 0; shift < 70 && *p < end; shift += 7) {
@@ -190,7 +191,9 @@ static int next_field(span_t *m, uint32_t *field, int *wire, span_t *payload, ui
     case 1: if (m->end - m->p < 8) return -1; m->p += 8; return 0;
     case 5: if (m->end - m->p < 4) return -1; m->p += 4; return 0;
     case 2:
-      if (varint(&m->p, m->end, &len) || len > (uint64_t)(m->end - m->p) || len > 0x7FFFFFFF)
+      start = m->p;
+      if (varint(&m->p, m->end, &len) || m->p - start > 5 || len > (uint64_t)(m->end - m->p) ||
+          len > 0x7FFFFFFF)
         return -1;
       payload->p = m->p, payload->end = m->p + len;
       m->p += len;
