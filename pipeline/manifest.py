@@ -27,6 +27,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import reprlib
 import stat
 from typing import Any
 
@@ -93,32 +94,50 @@ class Manifest:
     return d
 
 
+_SHOW = reprlib.Repr()  # a value in one short line, however big or deep
+_SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother = 3, 60, 60
+_INT64 = 2**63  # counts and sizes beyond int64 are no file's
+
+
+def _show(value: Any) -> str:
+  return _SHOW.repr(value)
+
+
 def _field(d: Any, key: str, kind: type, where: str) -> Any:
   if not isinstance(d, dict) or key not in d:
     raise ManifestError(f"{where}: missing field {key!r}")
   value = d[key]
   if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-    raise ManifestError(f"{where}: field {key!r} is {value!r}, not {kind.__name__}")
+    raise ManifestError(f"{where}: field {key!r} is {_show(value)}, not {kind.__name__}")
   return value
 
 
 def _count(d: Any, key: str, where: str) -> int:
   value = _field(d, key, int, where)
-  if value < 0:
-    raise ManifestError(f"{where}: field {key!r} is negative ({value})")
+  if not 0 <= value < _INT64:
+    raise ManifestError(f"{where}: field {key!r} is {_show(value)}, not a count")
   return value
+
+
+def _name(text: str) -> bool:
+  """A name fit for paths and one-line messages: no control characters (NUL, newline)."""
+  return text.isprintable()
 
 
 def _shard(d: Any, where: str) -> Shard:
   file = _field(d, "file", str, where)
-  if not file or os.path.basename(file) != file or file in (".", ".."):
-    raise ManifestError(f"{where}: shard file {file!r} is not a file name in the dataset folder")
+  if not _name(file) or not file or os.path.basename(file) != file or file in (".", ".."):
+    raise ManifestError(
+      f"{where}: shard file {_show(file)} is not a file name in the dataset folder"
+    )
   size = d.get("bytes")
-  if size is not None and (not isinstance(size, int) or isinstance(size, bool) or size < 0):
-    raise ManifestError(f"{where}: field 'bytes' is {size!r}, not a size")
+  if size is not None and (
+    not isinstance(size, int) or isinstance(size, bool) or not 0 <= size < _INT64
+  ):
+    raise ManifestError(f"{where}: field 'bytes' is {_show(size)}, not a size")
   crc = d.get("crc32c")
   if crc is not None and not (isinstance(crc, str) and len(crc) == 8 and _is_hex(crc)):
-    raise ManifestError(f"{where}: field 'crc32c' is {crc!r}, not 8 hex digits")
+    raise ManifestError(f"{where}: field 'crc32c' is {_show(crc)}, not 8 hex digits")
   sha256 = _field(d, "sha256", str, where)
   return Shard(file, _count(d, "num_records", where), sha256, size, crc)
 
@@ -127,17 +146,37 @@ def _is_hex(text: str) -> bool:
   return all(c in "0123456789abcdef" for c in text)
 
 
+def _strings(value: Any) -> bool:
+  return isinstance(value, list) and all(isinstance(v, str) for v in value)
+
+
+def _provenance(created_by: Any, where: str) -> None:
+  """`created_by` and its `added` entries: objects, whose "splits" (if any) are split names
+  and "reencoded" (if any) a list; what `pipeline.convert` reads back when it adds a split."""
+  entries = [created_by]
+  if isinstance(created_by, dict) and "added" in created_by:
+    added = created_by["added"]
+    entries += added if isinstance(added, list) else [None]
+  for e in entries:
+    if not isinstance(e, dict):
+      raise ManifestError(f"{where}: created_by and its 'added' entries must be objects")
+    if not _strings(e.get("splits", [])) or not isinstance(e.get("reencoded", []), list):
+      raise ManifestError(f"{where}: created_by {_show(e)} has malformed splits or reencoded")
+
+
 def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
   """A Manifest from its JSON form; `ManifestError` names `where` and the bad field."""
   if not isinstance(d, dict):
     raise ManifestError(f"{where}: not a JSON object")
   if d.get("format", FORMAT) != FORMAT:
-    raise ManifestError(f"{where}: format {d['format']!r} is not {FORMAT!r}")
+    raise ManifestError(f"{where}: format {_show(d['format'])} is not {FORMAT!r}")
   classes = _field(d, "classes", list, where)
-  if not all(isinstance(c, str) for c in classes):
+  if not _strings(classes):
     raise ManifestError(f"{where}: classes must be strings")
   splits, listed = {}, {}
   for name, s in _field(d, "splits", dict, where).items():
+    if not _name(name):
+      raise ManifestError(f"{where}: split name {_show(name)} holds control characters")
     shards = _field(s, "shards", list, f"{where} split {name!r}")
     splits[name] = Split(
       _count(s, "num_records", f"{where} split {name!r}"),
@@ -154,10 +193,16 @@ def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
   try:
     keys = Keys(**keys)
   except TypeError:
-    raise ManifestError(f"{where}: keys {keys!r} are not image/label/filename") from None
+    raise ManifestError(f"{where}: keys {_show(keys)} are not image/label/filename") from None
+  if not all(isinstance(k, str) for k in dataclasses.astuple(keys)):
+    raise ManifestError(f"{where}: keys {_show(d['keys'])}: feature keys must be strings")
   skipped, created_by = d.get("skipped", []), d.get("created_by", {})
-  if not isinstance(skipped, list) or not isinstance(created_by, dict):
-    raise ManifestError(f"{where}: skipped must be a list and created_by an object")
+  if not isinstance(skipped, list) or not all(
+    isinstance(e, dict) and _strings(list(e.values())) and {"path", "reason"} <= e.keys()
+    for e in skipped
+  ):
+    raise ManifestError(f"{where}: skipped must be a list of {{path, reason}} objects")
+  _provenance(created_by, where)
   return Manifest(
     classes=list(classes),
     splits=splits,
@@ -201,6 +246,8 @@ def load(data_dir) -> Manifest:
     data = json.loads(path.read_bytes())
   except (ValueError, UnicodeDecodeError) as e:
     raise ManifestError(f"{path} is not valid JSON (truncated or damaged?): {e}") from None
+  except RecursionError:
+    raise ManifestError(f"{path} is nested too deeply to be a manifest") from None
   return from_json(data, os.fspath(path))
 
 
