@@ -172,6 +172,8 @@ def test_record_cache_entries_are_checked(tmp_path):
   path = tmp_path / "d" / "shard" / "7.rec"
   path.write_bytes(path.read_bytes()[:-1])  # truncated
   assert cache.get(7, 0, 7) is None and not path.exists()
+  os.mkfifo(path)  # opened without waiting for a writer, and refused
+  assert cache.get(7, 0, 7) is None and not path.exists()
 
 
 def _shard_entries(cache_dir) -> list:
