@@ -146,6 +146,15 @@ def _is_hex(text: str) -> bool:
   return all(c in "0123456789abcdef" for c in text)
 
 
+def _utf8(text: str) -> bool:
+  """Whether `text` encodes as UTF-8 (JSON's "\\ud800" is a lone surrogate, which does not)."""
+  try:
+    text.encode()
+  except UnicodeEncodeError:
+    return False
+  return True
+
+
 def _strings(value: Any) -> bool:
   return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
@@ -194,8 +203,8 @@ def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
     keys = Keys(**keys)
   except TypeError:
     raise ManifestError(f"{where}: keys {_show(keys)} are not image/label/filename") from None
-  if not all(isinstance(k, str) for k in dataclasses.astuple(keys)):
-    raise ManifestError(f"{where}: keys {_show(d['keys'])}: feature keys must be strings")
+  if not all(isinstance(k, str) and _utf8(k) for k in dataclasses.astuple(keys)):
+    raise ManifestError(f"{where}: keys {_show(d['keys'])}: feature keys must be UTF-8 strings")
   skipped, created_by = d.get("skipped", []), d.get("created_by", {})
   if not isinstance(skipped, list) or not all(
     isinstance(e, dict) and _strings(list(e.values())) and {"path", "reason"} <= e.keys()

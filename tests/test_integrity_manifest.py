@@ -11,6 +11,7 @@ import shutil
 import subprocess
 import sys
 
+import google_crc32c
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -129,6 +130,19 @@ def test_an_unknown_level_is_a_value_error(dataset):
     manifest.checked_shards(dataset, manifest.load(dataset), "train", verify="full")
 
 
+def test_convert_records_each_shards_crc32c_and_older_manifests_still_open(dataset):
+  m = manifest.load(dataset)
+  for split in m.splits.values():
+    for sh in split.shards:
+      crc = google_crc32c.Checksum((dataset / sh.file).read_bytes()).hexdigest().decode()
+      assert sh.crc32c == crc  # what GCS keeps of the object, once uploaded
+  edit(dataset, lambda d: [sh.pop("crc32c") for s in d["splits"].values() for sh in s["shards"]])
+  older = manifest.load(dataset)  # written before issue 31: sizes and counts are checked
+  assert all(sh.crc32c is None for s in older.splits.values() for sh in s.shards)
+  for split in older.splits:
+    assert manifest.checked_shards(dataset, older, split)
+
+
 def test_a_truncated_manifest_is_a_manifest_error_naming_the_file(dataset):
   path = dataset / manifest.FILENAME
   path.write_text(path.read_text()[:200])
@@ -236,6 +250,7 @@ MALFORMED = {  # what escaped before issue 31, and where
   "deep_field": lambda d: json.dumps(d).replace('"keys": ', f'"keys": {DEEP}, "x": ', 1),
   "number_as_feature_key": lambda d: json.dumps({**d, "keys": {"image": 5}}),  # AttributeError
   "list_as_feature_key": lambda d: json.dumps({**d, "keys": {"label": ["l"]}}),
+  "surrogate_feature_key": lambda d: json.dumps({**d, "keys": {"label": "\ud800"}}),  # encode()
   "nul_in_file_name": lambda d: json.dumps(d).replace('"file": "', '"file": "\\u0000', 1),
   "newline_in_file_name": lambda d: json.dumps(d).replace('"file": "', '"file": "\\n', 1),
   "count_past_int64": lambda d: json.dumps(d).replace(  # OverflowError in the sampler
