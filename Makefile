@@ -2,14 +2,14 @@
 # first command on a fresh machine.
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
-EXTRAS  := train,data,bench,dev
+EXTRAS  := train,tensorboard,data,bench,dev
 DATA    := data
 ARGS    ?=
 CONFIG  ?= configs/default.py
 WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 SOURCES := pipeline bench train configs tests examples setup.py
 
-.PHONY: _venv setup data convert train bench bench-report test test-slow format lint clean
+.PHONY: _venv setup data convert train tensorboard bench bench-report test test-slow format lint clean
 
 # Two targets started at once in a fresh clone (two `make train`): the second waits on the
 # lock (flock, util-linux), then finds the environment installed instead of running pip
@@ -36,6 +36,9 @@ convert: $(STAMP)  ## convert a dataset: make convert ARGS="images SRC OUT"; no 
 
 train: data  ## train CONFIG (default: MobileNet on the built-in digits); re-run resumes
 	$(PY) -m train --config $(CONFIG) --workdir $(WORKDIR) $(ARGS)
+
+tensorboard: $(STAMP)  ## view a run's curves: make tensorboard WORKDIR=runs/default (port 6006)
+	$(PY) -m tensorboard.main --logdir $(WORKDIR)/tensorboard --port $${PORT:-6006}
 
 bench: data  ## benchmarks on the built-in photos; report, figures and logs in runs/bench
 	$(PY) -m pipeline.bench all $(DATA)/photos --out runs/bench $(ARGS)

@@ -1,4 +1,4 @@
-"""Training: exact resume after SIGKILL, SIGTERM checkpoints, a run on 8 devices."""
+"""Training: exact resume after SIGKILL, SIGTERM checkpoints, a run on 8 devices; progress."""
 
 import json
 import os
@@ -61,14 +61,23 @@ def test_input_bound_verdict_uses_the_profiler_thresholds():
 
 def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path):
   steps = ["--config.num_steps=12", "--config.checkpoint_every_steps=4"]
-  subprocess.run(
+  whole = subprocess.run(
     train_cmd(tmp_path / "whole", digits_dir, *steps),
     env=env(),
     check=True,
     capture_output=True,
+    text=True,
     cwd=ROOT,
     timeout=600,
   )
+  # Output to a pipe (not a terminal): compilation announced, then lines with an ETA; the
+  # workdir holds the TensorBoard events, metrics.jsonl and the curves.
+  out = whole.stdout.splitlines()
+  compiling = out.index("compiling the train step...")
+  assert [line for line in out[compiling:] if "ETA 0:" in line and "step" in line]
+  assert list((tmp_path / "whole" / "tensorboard").glob("events.out.tfevents.*"))
+  assert (tmp_path / "whole" / "curves.png").stat().st_size > 0
+  assert (tmp_path / "whole" / "metrics.jsonl").read_text().count("\n") == 6  # log_every=2
 
   killed = tmp_path / "killed"
   proc = subprocess.Popen(

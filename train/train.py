@@ -37,7 +37,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import pipeline
-from train import UsageError, checkpoints, fit, hosts, models
+from train import UsageError, checkpoints, fit, hosts, models, report
 from train import config as config_lib
 
 MODERATE, HIGH = 0.05, 0.20  # TensorBoard profiler's input-bound thresholds
@@ -396,11 +396,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if step and is_chief:
     print(f"resumed from step {step} ({ckpt.directory})", flush=True)
 
-  writer = None
-  if is_chief:
-    from tensorboardX import SummaryWriter
-
-    writer = SummaryWriter(os.fspath(workdir / "tensorboard"))
+  log = report.Log(workdir) if is_chief else None
+  progress = None
   stop = Stop()
   history = {"input_wait": [], "images_per_sec": []}
   synthetic = None
@@ -423,9 +420,16 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         else:
           window.blocked += time.perf_counter() - t0
         if synthetic is None:  # first step: compile, then the no-input baseline
+          if is_chief:
+            print("compiling the train step...", flush=True)
+          compile_start = time.perf_counter()
           jax.block_until_ready(train_step(state, batch))
+          compiled = time.perf_counter() - compile_start
           synthetic = synthetic_step_time(train_step, state, batch, config.synthetic_steps)
+          if is_chief:
+            print(f"compiled in {compiled:.1f} s; training", flush=True)
           window = Window()
+          progress = report.Progress(step, plan.num_steps)
         state, metrics = train_step(state, batch)
       step += 1
       window.steps += 1
@@ -451,24 +455,31 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             f"step {step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
             f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% ({verdict(wait)}; "
             f"step {1000 * elapsed / window.steps:.0f} ms, {1000 * synthetic:.0f} ms on device "
-            "data)",
+            f"data)  ETA {progress.eta(step)}",
             flush=True,
           )
-          for k, v in {
-            "loss": metrics["loss"],
-            "accuracy": metrics["accuracy"],
-            "lr": lr,
-            "images_per_sec": ips,
-            "input_wait_share": wait,
-          }.items():
-            writer.add_scalar(f"train/{k}", float(v), step)
+          log.scalars(
+            step,
+            "train",
+            {
+              "loss": metrics["loss"],
+              "accuracy": metrics["accuracy"],
+              "lr": lr,
+              "images_per_sec": ips,
+              "input_wait_share": wait,
+            },
+          )
         window = Window()
+      elif is_chief and progress.due():
+        wait = min(1.0, window.blocked / max(window.elapsed(), 1e-9))
+        print(progress.line(step, plan.batch_size, wait), flush=True)
 
       if save_now:
         with window.pause():
           ckpt.save(step, state, train_it)
       if stopping:
         if is_chief:
+          log.close()
           print(stop.say(step), flush=True)
         raise SystemExit(128 + stop.signum)
       if eval_now:
@@ -479,7 +490,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
             f"eval at step {step}: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f}",
             flush=True,
           )
-          writer.add_scalar("eval/top1", ev["eval_top1"], step)
+          log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
 
     if ckpt.latest_step() != step:
       ckpt.save(step, state, train_it)
@@ -508,8 +519,8 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       f"{ev['eval_examples']} examples; {summary['verdict'] or 'no steps timed'}",
       flush=True,
     )
-    writer.add_scalar("eval/top1", ev["eval_top1"], step)
-    writer.close()
+    log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
+    log.close()
     (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
   ckpt.close()
   if hasattr(train_it, "close"):
