@@ -41,6 +41,7 @@ from pipeline import (
   reads,
   records,
   remote,
+  tfds_folder,
 )
 from pipeline import manifest as manifest_lib
 from pipeline.ahead import AheadIterDataset
@@ -103,7 +104,8 @@ def make_dataset(
   """Batches {"image": uint8[B, S, S, 3], "label": int32[B]} (+ "mask": bool[B] in eval).
 
   Args:
-    data_dir: a converted dataset (holds manifest.json); local path or mounted bucket.
+    data_dir: a converted dataset (holds manifest.json), or a TFDS ArrayRecord build read in
+      place (its version folder, or "tfds://name[:version]"); local, gs:// or mounted.
     split: the manifest split to read.
     batch_size: examples per batch *of this process*.
     train: random-resized-crop + flip, shuffled, repeated forever, drops the remainder;
@@ -176,6 +178,7 @@ def build(
     raise ValueError(f"batch_size must be positive, got {batch_size}")
   if sharding not in ("records", "shards"):
     raise ValueError(f"sharding must be 'records' or 'shards', not {sharding!r}")
+  data_dir = tfds_folder.resolve(data_dir)
   remote.check(data_dir)
   data_dir = epath.Path(data_dir)
   meta = manifest_lib.load(data_dir)
@@ -234,7 +237,7 @@ def build(
     prefetch=perf.prefetch,
   )
   latency_s, record_bytes = reads.probe(source)
-  cache = _record_cache(meta, split, perf, latency_s, chosen, sampler, pins)
+  cache = _record_cache(meta, split, perf, latency_s, record_bytes, chosen, sampler, pins)
   read = reads.ReadRecords(
     source,
     batch_size=batch_size,
@@ -365,7 +368,9 @@ def chain(stages: Stages) -> grain.IterDataset:
   return lifecycle.ClosedAtExit(StreamIterDataset(it, stages.stream))
 
 
-def _record_cache(meta, split, perf, latency_s, chosen, sampler, pins) -> RecordCache | None:
+def _record_cache(
+  meta, split, perf, latency_s, record_bytes, chosen, sampler, pins
+) -> RecordCache | None:
   """The record cache `perf` asks for; by default the whole split in RAM when storage is
   slow (>= SLOW_READ_S a read) and every process's copy fits CACHE_MEMORY_SHARE of memory.
   Its entries are tied to the shards as opened (`pins`)."""
@@ -373,6 +378,8 @@ def _record_cache(meta, split, perf, latency_s, chosen, sampler, pins) -> Record
   ram_mb = perf.record_cache_mb
   if ram_mb is None:
     split_bytes = sum(s.bytes or 0 for s in shards)
+    if any(s.bytes is None for s in shards):  # sizes not recorded (a TFDS build): estimated
+      split_bytes = int(record_bytes * meta.splits[split].num_records)
     if sampler.shard_records is not None:
       split_bytes //= sampler.shard_count
     copies = max(1, chosen.workers)
@@ -385,7 +392,8 @@ def _record_cache(meta, split, perf, latency_s, chosen, sampler, pins) -> Record
   return RecordCache(
     int(ram_mb * 2**20),
     directory,
-    dataset_id([s.sha256 for s in shards], names),
+    # a TFDS build records no digests: its dataset info's fingerprint names it instead
+    dataset_id([s.sha256 or meta.created_by.get("fingerprint", "") for s in shards], names),
     names,
     [manifest_lib.cache_key(p) for p in pins],
   )

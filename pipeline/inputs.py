@@ -18,7 +18,7 @@ import grain
 import jax
 from etils import epath
 
-from pipeline import dataset, device, guards, remote
+from pipeline import dataset, device, guards, remote, tfds_folder
 from pipeline import manifest as manifest_lib
 from pipeline.sampling import Sampler
 
@@ -37,7 +37,8 @@ def input(
   depth: int = 2,
   **make_dataset_keywords,
 ) -> Input:
-  """`split` of the converted dataset in `data_dir` as batches of device arrays.
+  """`split` of the dataset in `data_dir` (converted, or a TFDS ArrayRecord build: see
+  `make_dataset`) as batches of device arrays.
 
   Args:
     global_batch_size: examples per step over all processes; each process reads its share.
@@ -72,6 +73,7 @@ def input(
   keywords = {"shard_index": shard_index, "shard_count": shard_count, **make_dataset_keywords}
   drop = keywords.get("drop_remainder")
   drop = train if drop is None else drop
+  data_dir = tfds_folder.resolve(data_dir)
   remote.check(data_dir)
   meta = manifest_lib.load(epath.Path(data_dir))
   if split in meta.splits:  # a missing split: make_dataset names the ones there are

@@ -71,6 +71,8 @@ class Manifest:
   skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
   keys: Keys = Keys()
   created_by: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # the file it was read from, for messages; a TFDS build's is dataset_info.json. Not saved.
+  read_from: str = dataclasses.field(default=FILENAME, compare=False)
 
   @property
   def num_classes(self) -> int:
@@ -80,12 +82,14 @@ class Manifest:
     """Paths of a split's shards, in order; a clear error names a missing split."""
     if split not in self.splits:
       raise KeyError(
-        f"split {split!r} not in {epath.Path(data_dir) / FILENAME}; it has {sorted(self.splits)}"
+        f"split {split!r} not in {epath.Path(data_dir) / self.read_from}; it has "
+        f"{sorted(self.splits)}"
       )
     return [epath.Path(data_dir) / s.file for s in self.splits[split].shards]
 
   def to_json(self) -> dict[str, Any]:
     d = {"format": FORMAT, **dataclasses.asdict(self)}
+    del d["read_from"]
     for split in d["splits"].values():
       for shard in split["shards"]:
         for key in ("bytes", "crc32c"):
@@ -236,11 +240,20 @@ def _regular_size(path: epath.Path) -> int | None:
 
 def load(data_dir) -> Manifest:
   """Reads `data_dir/manifest.json`; a missing one is `FileNotFoundError`, a damaged one
-  `ManifestError`, each naming the file."""
-  path = epath.Path(data_dir) / FILENAME
+  `ManifestError`, each naming the file. A TFDS ArrayRecord build (its version folder, or
+  tfds://name[:version]) has none: `pipeline.tfds_folder` makes its Manifest."""
+  from pipeline import tfds_folder
+
+  if tfds_folder.is_uri(data_dir):
+    return tfds_folder.load(data_dir)
+  path, missing = epath.Path(data_dir) / FILENAME, False
   try:
     size = _regular_size(path)
   except FileNotFoundError:
+    missing = True
+  if missing and tfds_folder.is_build(data_dir):
+    return tfds_folder.load(data_dir)
+  if missing:
     if _is_local(path) and os.path.isdir(os.path.join(os.fspath(data_dir), BUILD_DIR)):
       raise FileNotFoundError(
         f"{path} not found: a conversion into {data_dir} is running or was interrupted; "
@@ -315,7 +328,7 @@ def _checked(data_dir, meta: Manifest, split: str, verify: str) -> tuple[list[ep
   """`checked_shards`, plus the pin of each shard taken by the same stat or request."""
   if verify not in VERIFY_LEVELS:
     raise ValueError(f"verify must be one of {VERIFY_LEVELS}, not {verify!r}")
-  where = epath.Path(data_dir) / FILENAME
+  where = epath.Path(data_dir) / meta.read_from
   if split not in meta.splits:
     raise ManifestError(f"split {split!r} not in {where}; it has {sorted(meta.splits)}")
   s = meta.splits[split]
@@ -350,6 +363,8 @@ def _checked(data_dir, meta: Manifest, split: str, verify: str) -> tuple[list[ep
       raise ManifestError(
         f"shard {path} has crc32c {crc}, {where} says {sh.crc32c}: it changed after conversion"
       )
+    if verify == "sha256" and not sh.sha256:
+      raise ManifestError(f"{where} records no sha256 of {path.name}: use verify='size'")
     if verify == "sha256" and (digest := _sha256(path)) != sh.sha256:
       raise ManifestError(
         f"shard {path} has sha256 {digest[:12]}..., {where} says "

@@ -10,22 +10,9 @@ from __future__ import annotations
 import os
 from collections.abc import Sequence
 
-from pipeline import __version__, records
+from pipeline import __version__, tfds_folder
 from pipeline import manifest as manifest_lib
 from pipeline.convert import checks, shards, tfrecord
-
-
-def _keys_and_classes(info) -> tuple[records.Keys, list[str]]:
-  import tensorflow_datasets as tfds
-
-  features = info.features
-  image = next((k for k, f in features.items() if isinstance(f, tfds.features.Image)), None)
-  label = next((k for k, f in features.items() if isinstance(f, tfds.features.ClassLabel)), None)
-  if image is None or label is None:
-    found = {k: type(f).__name__ for k, f in features.items()}
-    raise ValueError(f"{info.full_name}: needs an Image and a ClassLabel feature, has {found}")
-  filename = "file_name" if "file_name" in features else ""
-  return records.Keys(image=image, label=label, filename=filename), list(features[label].names)
 
 
 def convert(
@@ -58,7 +45,7 @@ def convert(
   if not info.splits:
     raise FileNotFoundError(f"{name} is not prepared in {data_dir} (run tfds build first)")
   names = list(info.splits) if split is None else [split] if isinstance(split, str) else split
-  keys, classes = _keys_and_classes(info)
+  keys, classes = tfds_folder.keys_and_classes(info, info.full_name)
   file_format = info.file_format.value if info.file_format else "tfrecord"
   files: list[str] = []
   split_items = {}
