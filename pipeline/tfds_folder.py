@@ -62,22 +62,22 @@ def keys_and_classes(info, where) -> tuple[records.Keys, list[str]]:
   import tensorflow_datasets as tfds
 
   features = info.features
-  found = {k: type(f).__name__ for k, f in features.items()}
+  found = ", ".join(f"{k}: {type(f).__name__}" for k, f in sorted(features.items()))
   image = next((k for k, f in features.items() if isinstance(f, tfds.features.Image)), None)
   label = next((k for k, f in features.items() if isinstance(f, tfds.features.ClassLabel)), None)
   if image is None:
-    raise ManifestError(f"{where}: no Image feature (features: {found}); the pipeline reads images")
+    raise ManifestError(f"{where}: no Image feature ({found}); the pipeline reads images")
   if label is None:
     raise ManifestError(
-      f"{where}: no ClassLabel feature (features: {found}); the pipeline needs class labels: "
+      f"{where}: no ClassLabel feature ({found}); the pipeline needs class labels: "
       "declare the label as tfds.features.ClassLabel(names=...) and rebuild"
     )
   f = features[image]
   channels = f.shape[-1] if len(f.shape) == 3 else None
   if np.dtype(f.np_dtype) != np.uint8 or channels not in CHANNELS:
     raise ManifestError(
-      f"{where}: image {image!r} is {np.dtype(f.np_dtype)} with {channels} channels; the "
-      "decoder serves uint8 images with 1 or 3 channels (JPEG or PNG)"
+      f"{where}: image {image!r} is {np.dtype(f.np_dtype)} of shape {f.shape}; the decoder "
+      "serves uint8 images of 1 or 3 channels: store 8-bit RGB or grayscale and rebuild"
     )
   filename = "file_name" if "file_name" in features else ""
   return records.Keys(image=image, label=label, filename=filename), list(features[label].names)
