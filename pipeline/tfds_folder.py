@@ -91,7 +91,8 @@ def load(data_dir) -> Manifest:
   folder = epath.Path(resolve(data_dir))
   where = folder / INFO
   try:
-    info = tfds.builder_from_directory(folder).info
+    builder = tfds.builder_from_directory(folder)
+    info = builder.info
   except Exception as e:  # noqa: BLE001 - TFDS raises several kinds
     raise ManifestError(f"{where}: not a readable TFDS build ({type(e).__name__}: {e})") from None
   file_format = info.file_format.value if info.file_format else "tfrecord"
@@ -114,7 +115,7 @@ def load(data_dir) -> Manifest:
     if split.num_examples and not lengths:
       raise ManifestError(f"{where}: split {name!r} lists no shardLengths; rebuild it")
     paths = split.filepaths
-    if any(p.parent != folder for p in paths):
+    if any(p.parent != epath.Path(builder.data_dir) for p in paths):
       raise ManifestError(f"{where}: split {name!r} has shards outside {folder}")
     shards = [Shard(p.name, n, sha256="", bytes=None) for p, n in zip(paths, lengths)]
     splits[name] = Split(sum(lengths), shards)
