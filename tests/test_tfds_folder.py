@@ -23,8 +23,9 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 import pipeline
-from pipeline import manifest, records
+from pipeline import dataset, manifest, records
 from pipeline.convert import tfds as convert_tfds
+from tests.conftest import assert_same_batches
 from tests.test_gcs import gcs, needs_emulator, run  # noqa: F401 - gcs is a fixture
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -41,9 +42,11 @@ def _jpeg(rng) -> io.BytesIO:
 
 
 class TinyPets(tfds.core.GeneratorBasedBuilder):
-  """JPEGs of three classes in splits train (40) and validation (9)."""
+  """JPEGs of three classes in splits train (40) and validation (9); 1.1.0 has other images
+  under the same file names."""
 
   VERSION = tfds.core.Version("1.0.0")
+  SUPPORTED_VERSIONS = [tfds.core.Version("1.1.0")]
 
   def _info(self):
     return tfds.core.DatasetInfo(
@@ -61,7 +64,7 @@ class TinyPets(tfds.core.GeneratorBasedBuilder):
     return {"train": self._generate_examples(40, 1), "validation": self._generate_examples(9, 2)}
 
   def _generate_examples(self, n, seed):
-    rng = np.random.default_rng(seed)
+    rng = np.random.default_rng([seed, self.version.minor])
     for i in range(n):
       yield i, {"image": _jpeg(rng), "label": i % 3, "file_name": f"pet{seed}_{i}.jpg"}
 
@@ -124,9 +127,9 @@ for _builder in (TinyPets, DepthPets, CountPets):
   _builder.__module__ = _builder.name
 
 
-def build(builder_class, data_dir, **download) -> pathlib.Path:
+def build(builder_class, data_dir, version=None, **download) -> pathlib.Path:
   """Prepares the dataset with ArrayRecord files; returns its version folder."""
-  builder = builder_class(data_dir=str(data_dir), file_format="array_record")
+  builder = builder_class(data_dir=str(data_dir), version=version, file_format="array_record")
   builder.download_and_prepare(download_config=tfds.download.DownloadConfig(**download))
   return pathlib.Path(builder.data_dir)
 
@@ -174,15 +177,6 @@ def first_batches(data_dir, split, n, **kwargs) -> list[dict]:
     it.close()
 
 
-def assert_same_batches(got, want):
-  assert len(got) == len(want)
-  for g, w in zip(got, want):
-    assert sorted(g) == sorted(w)
-    for key in w:
-      np.testing.assert_array_equal(g[key], w[key], err_msg=key)
-      assert g[key].dtype == w[key].dtype, key
-
-
 def test_the_manifest_comes_from_what_tfds_wrote(folder):
   m = pipeline.load_manifest(folder)
   assert m.classes == CLASSES
@@ -228,6 +222,41 @@ def test_a_shard_that_is_not_what_tfds_recorded_is_refused(folder, tmp_path):
   shard.unlink()
   with pytest.raises(manifest.ManifestError, match=f"shard {shard} is missing"):
     first_batches(copy, "train", 1)
+
+
+def test_the_record_cache_tells_versions_with_the_same_shard_names_apart(folder, tmp_path):
+  other = build(TinyPets, tmp_path / "tfds", version="1.1.0", num_shards=3)
+  assert sorted(os.listdir(other)) == sorted(os.listdir(folder))
+  perf = dict(record_cache_mb=0, record_cache_dir=str(tmp_path / "cache"), num_workers=0)
+
+  def read_all(data_dir):
+    stages = dataset.build(
+      data_dir,
+      "train",
+      batch_size=8,
+      image_size=24,
+      train=False,
+      shard_index=0,
+      shard_count=1,
+      performance=perf,
+    )
+    return stages, list(dataset.chain(stages))
+
+  read_all(folder)
+  stages, got = read_all(other)
+  assert stages.read.stats.reads == 40  # none served from 1.0.0's entries
+  assert_same_batches(got, first_batches(other, "train", 5, train=False))
+  assert len(os.listdir(tmp_path / "cache")) == 2
+
+
+def test_on_slow_storage_a_build_gets_the_record_cache_sized_by_its_records(storage_rig, folder):
+  with storage_rig.mount(folder, latency_ms=5) as m:
+    st = dataset.build(m.path, "train", batch_size=8, shard_index=0, shard_count=1)
+    st.read.source.close()  # the shard it opened: else the rig cannot unmount
+  local = dataset.build(folder, "train", batch_size=8, shard_index=0, shard_count=1)
+  records_bytes = sum(len(r) for r in local.read.source.read(list(range(40))))
+  assert st.read.cache is not None  # TFDS records no shard sizes: the records' are estimated
+  assert records_bytes / 2 < st.read.cache.ram_bytes < records_bytes * 2
 
 
 def _tfrecord_build(folder, tmp_path, file_format) -> pathlib.Path:
