@@ -93,8 +93,11 @@ def load(data_dir) -> Manifest:
   try:
     builder = tfds.builder_from_directory(folder)
     info = builder.info
-  except Exception as e:  # noqa: BLE001 - TFDS raises several kinds
-    raise ManifestError(f"{where}: not a readable TFDS build ({type(e).__name__}: {e})") from None
+  except Exception as e:  # noqa: BLE001 - TFDS raises several kinds, some over many lines
+    first = next((line.strip() for line in str(e).splitlines() if line.strip()), "")
+    raise ManifestError(
+      f"{where}: not a readable TFDS build ({type(e).__name__}: {first})"
+    ) from None
   file_format = info.file_format.value if info.file_format else "tfrecord"
   if file_format != "array_record":
     *name, version = info.full_name.split("/")  # name[/config]/version

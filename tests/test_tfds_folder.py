@@ -298,6 +298,11 @@ def test_refusals_are_one_line_naming_the_file_and_what_to_do(folder, tmp_path, 
     f"{folder}/dataset_info.json records no sha256 of "
     "tiny_pets-train.array_record-00000-of-00003: use verify='size'"
   )
+  damaged = shutil.copytree(folder, tmp_path / "damaged")
+  (damaged / "dataset_info.json").write_text('{"name": "tiny_pets", "splits": [')
+  assert refusal(lambda: pipeline.load_manifest(damaged)).startswith(
+    f"{damaged}/dataset_info.json: not a readable TFDS build (ParseError: "
+  )
   depth = build(DepthPets, tmp_path / "depth")
   assert refusal(lambda: pipeline.load_manifest(depth)) == (
     f"{depth}/features.json: image 'image' is uint16 of shape (None, None, 1); the decoder "
