@@ -261,6 +261,7 @@ def load(data_dir) -> Manifest:
       ) from None
     raise FileNotFoundError(
       f"{path} not found: convert the dataset first (python -m pipeline.convert --help)"
+      + tfds_folder.hint(data_dir)
     ) from None
   if size is None:
     raise ManifestError(f"{path} is not a regular file")

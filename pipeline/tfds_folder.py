@@ -38,6 +38,18 @@ def is_build(folder) -> bool:
   return (epath.Path(folder) / INFO).exists()
 
 
+def hint(folder) -> str:
+  """What to pass instead when `folder` holds TFDS builds but is not one (the dataset's
+  folder, above its version folders); "" otherwise. Lists the folder: call it on errors."""
+  try:
+    builds = sorted(p for p in epath.Path(folder).glob(f"*/{INFO}"))
+  except OSError:
+    return ""
+  if not builds:
+    return ""
+  return f"; {folder} holds TFDS builds: pass a version folder, e.g. {builds[-1].parent}"
+
+
 def resolve(data_dir):
   """The version folder of `tfds://name[/config][:version]` (latest version if none) under
   $TFDS_DATA_DIR (default ~/tensorflow_datasets); any other data_dir as it is."""

@@ -298,6 +298,11 @@ def test_refusals_are_one_line_naming_the_file_and_what_to_do(folder, tmp_path, 
     f"{folder}/dataset_info.json records no sha256 of "
     "tiny_pets-train.array_record-00000-of-00003: use verify='size'"
   )
+  assert refusal(lambda: pipeline.load_manifest(folder.parent), FileNotFoundError) == (
+    f"{folder.parent}/manifest.json not found: convert the dataset first (python -m "
+    f"pipeline.convert --help); {folder.parent} holds TFDS builds: pass a version folder, "
+    f"e.g. {folder}"
+  )
   damaged = shutil.copytree(folder, tmp_path / "damaged")
   (damaged / "dataset_info.json").write_text('{"name": "tiny_pets", "splits": [')
   assert refusal(lambda: pipeline.load_manifest(damaged)).startswith(
