@@ -136,7 +136,8 @@ def build(builder_class, data_dir, version=None, **download) -> pathlib.Path:
 
 @pytest.fixture(scope="module")
 def tfds_dir(tmp_path_factory) -> pathlib.Path:
-  """The TFDS data dir holding tiny_pets/1.0.0, its train split in 3 shards."""
+  """The TFDS data dir holding tiny_pets/1.0.0, each split in 3 shards (its convert tfds copy
+  has one per split)."""
   data_dir = tmp_path_factory.mktemp("tfds")
   build(TinyPets, data_dir, num_shards=3)
   return data_dir
