@@ -215,6 +215,7 @@ def build(
     fast_dct=perf.fast_dct,
   )
   source = ShardedSource(paths, counts, pins)
+  guards.check_address_space(f"split {split!r} of {data_dir}")
   if features:
     from pipeline import features as features_lib
 

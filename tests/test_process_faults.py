@@ -128,3 +128,35 @@ def test_a_dev_shm_too_small_for_the_workers_falls_back_to_threads_in_one_line(
   assert p.stdout.strip() == "40 batches"
   (line,) = [x for x in p.stderr.splitlines() if "/dev/shm" in x]
   assert line.startswith("pipeline: no worker processes, ") and "--shm-size" in line, line
+
+
+LIMITED = """
+import resource, sys
+import pipeline
+
+def virtual() -> int:
+  with open("/proc/self/status") as f:
+    return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmSize:"))
+
+limit = virtual() + 300 * 2**20  # what this process has, and 300 MiB more
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+ds = pipeline.make_dataset(sys.argv[1], batch_size=8, image_size=64, shard_index=0,
+                           shard_count=1)
+next(iter(ds))
+"""
+
+
+def test_too_little_memory_to_open_a_split_is_one_line_not_a_hang(digits_dir):
+  p = subprocess.run(
+    [sys.executable, "-c", LIMITED, str(digits_dir)],
+    capture_output=True,
+    text=True,
+    env=ENV,
+    timeout=60,  # a hang fails here
+  )
+  assert p.returncode == 1
+  last = p.stderr.strip().splitlines()[-1]
+  assert last.startswith(
+    f"pipeline.guards.AddressSpaceError: out of memory to open split 'train' of {digits_dir}: "
+  ), p.stderr[-2000:]
+  assert "ulimit -v" in last
