@@ -27,6 +27,7 @@ from typing import Any
 
 from etils import epath
 
+from pipeline import remote
 from pipeline.records import Keys
 
 FILENAME = "manifest.json"
@@ -161,7 +162,7 @@ def _regular_size(path: epath.Path) -> int | None:
   if _is_local(path):
     st = os.stat(path)
     return st.st_size if stat.S_ISREG(st.st_mode) else None
-  st = path.stat()
+  st = remote.call(path.stat, path)
   return None if st.is_directory else st.length
 
 
@@ -183,7 +184,7 @@ def load(data_dir) -> Manifest:
   if size is None:
     raise ManifestError(f"{path} is not a regular file")
   try:
-    data = json.loads(path.read_bytes())
+    data = json.loads(path.read_bytes() if _is_local(path) else remote.call(path.read_bytes, path))
   except (ValueError, UnicodeDecodeError) as e:
     raise ManifestError(f"{path} is not valid JSON (truncated or damaged?): {e}") from None
   return from_json(data, os.fspath(path))
