@@ -15,12 +15,14 @@ error policy.
 
 from __future__ import annotations
 
+import concurrent.futures
 import dataclasses
 import math
 import time
 
 import numpy as np
 
+from pipeline import remote
 from pipeline.ahead import Threads
 from pipeline.cache import RecordCache
 from pipeline.plan import Batch
@@ -72,6 +74,8 @@ class ReadRecords:
     self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
     self._initial = (latency_s, record_bytes)
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
+    # a bucket's reads (array_record's own client retries them) get a deadline: no hang
+    self.remote = remote.scheme(source.paths[0]) is not None if source.paths else False
     self._init_runtime()
 
   def _init_runtime(self):
@@ -106,7 +110,7 @@ class ReadRecords:
     futures = []
     for at in groups:
       task = (int(shards[at[0]]), slots[at].tolist(), wanted[at].tolist(), local[at].tolist())
-      futures.append(self.threads.submit(self._read, *task))
+      futures.append((task[0], self.threads.submit(self._read, *task)))
     return batch, futures
 
   def _read(self, shard: int, slots: list, indices: list, local: list) -> tuple:
@@ -160,8 +164,15 @@ class ReadRecords:
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, futures = started
     s = self.stats
-    for future in futures:
-      slots, got, read, seconds = future.result()
+    deadline = remote.ATTEMPT_S * remote.ATTEMPTS if self.remote else None
+    for shard, future in futures:
+      try:
+        slots, got, read, seconds = future.result(timeout=deadline)
+      except concurrent.futures.TimeoutError:
+        raise remote.RemoteStorageError(
+          f"cannot read {self.source.paths[shard]}: no answer within {deadline:g} s: check "
+          f"the network and the bucket, {remote.GCSFUSE}"
+        ) from None
       for slot, rec in zip(slots, got):
         batch.records[slot] = rec
       s.cached += len(got) - read
@@ -183,11 +194,14 @@ def probe(source: ShardedSource, reads: int = 3) -> tuple[float, float]:
   """(seconds, bytes) of one record read, the shard already open: the fastest of a few
   (a loaded machine's stalls are not storage latency). The read stage starts from it
   before it measures its own reads."""
-  source.read([0])  # opens the first shard (its footer reads cost latency too)
+  read = source.read
+  if source.paths and remote.scheme(source.paths[0]) is not None:  # with deadlines, retries
+    read = lambda indices: remote.call(lambda: source.read(indices), source.paths[0])
+  read([0])  # opens the first shard (its footer reads cost latency too)
   times, sizes = [], []
   for index in range(1, min(reads, len(source) - 1) + 1) or [0]:
     begin = time.perf_counter()
-    sizes.append(len(source.read([index])[0]))
+    sizes.append(len(read([index])[0]))
     times.append(time.perf_counter() - begin)
   return min(times), float(np.mean(sizes))
 

@@ -146,6 +146,10 @@ def check(data_dir, probe: bool = True) -> None:
     call(path.stat, path)
   except FileNotFoundError:
     return
+  except RemoteStorageError:
+    raise
+  except Exception as e:  # noqa: BLE001 - gcsfs, aiohttp, google-auth and TF raise their own
+    raise RemoteStorageError(f"cannot read {path}: {explain(e)}; {GCSFUSE}") from None
 
 
 def _transient(e: BaseException) -> bool:
@@ -217,7 +221,7 @@ def _attempt(fn: Callable[[], T], deadline_s: float) -> T:
 def call(fn: Callable[[], T], what) -> T:
   """`fn()`, a read of `what` in a bucket, with a deadline per attempt and retries with
   backoff; raises `RemoteStorageError` (one line) when the bucket refuses access or keeps
-  failing, and a missing object's FileNotFoundError as it is."""
+  failing (no answer, no connection, HTTP 408, 429, 5xx), any other error as it is."""
   retried = _watch_gcsfs()
   begin = time.monotonic()
   for attempt in range(1, ATTEMPTS + 1):
@@ -226,12 +230,14 @@ def call(fn: Callable[[], T], what) -> T:
       return _attempt(fn, ATTEMPT_S)
     except FileNotFoundError:
       raise
-    except Exception as e:  # noqa: BLE001 - gcsfs, aiohttp, google-auth and TF raise their own
+    except Exception as e:
       cause = explain(e)
       if isinstance(e, _Deadline):
         cause = f"{e} (it answered {retried.error})" if retried.at >= start else str(e)
-      if not _transient(e):
+      if cause.startswith("no access"):
         raise RemoteStorageError(f"cannot read {what}: {cause}; {GCSFUSE}") from None
+      if not _transient(e):
+        raise
     if attempt < ATTEMPTS:
       wait = BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
       absl_logging.warning(

@@ -61,7 +61,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
   def _serve(self):
     server = self.server
     body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
-    if server.fault and "manifest.json" in self.path:
+    if server.fault == "stall shards":  # array_record's reads of the records
+      if "array_record" in self.path and "alt=media" in self.path:
+        server.released.wait()
+        return
+    elif server.fault and "manifest.json" in self.path:
       if server.fault in ("stall", "stall once"):
         server.fault = None if server.fault == "stall once" else server.fault
         server.released.wait()
@@ -108,7 +112,10 @@ def bucket(gcs, digits_dir):  # noqa: F811 - the fixture imported above
   thread = threading.Thread(target=proxy.serve_forever, daemon=True)
   thread.start()
   try:
-    yield proxy, {**gcs, "STORAGE_EMULATOR_HOST": proxy.url}
+    yield (
+      proxy,
+      {**gcs, "STORAGE_EMULATOR_HOST": proxy.url, "CLOUD_STORAGE_EMULATOR_ENDPOINT": proxy.url},
+    )
   finally:
     proxy.released.set()
     proxy.shutdown()
@@ -147,3 +154,27 @@ def test_a_read_that_stalls_once_is_read_again_after_its_deadline(bucket):
   assert p.returncode == 0, p.stderr[-2000:]
   assert p.stdout.split() == ["10"]
   assert "reading gs://bkt/digits/manifest.json: no answer within 2 s; attempt 2 of 3" in p.stderr
+
+
+@needs_emulator
+def test_a_shard_read_that_stalls_is_one_line_within_seconds(bucket):
+  proxy, env = bucket
+  proxy.fault = "stall shards"
+  code = SHORT + (
+    "import pipeline\n"
+    "pipeline.make_dataset('gs://bkt/digits', batch_size=8, image_size=32, shard_index=0, "
+    "shard_count=1)"
+  )
+  try:
+    p = run(code, env=env)
+  finally:
+    proxy.fault = None
+  assert p.returncode == 1, p.stderr[-2000:]
+  assert (
+    p.stderr.strip()
+    .splitlines()[-1]
+    .startswith(
+      "pipeline.remote.RemoteStorageError: cannot read gs://bkt/digits/train.array_record-00000-"
+      "of-00001: no answer within 2 s (3 attempts in "
+    )
+  ), p.stderr[-2000:]
