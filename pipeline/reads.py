@@ -15,7 +15,6 @@ error policy.
 
 from __future__ import annotations
 
-import concurrent.futures
 import dataclasses
 import math
 import time
@@ -74,8 +73,6 @@ class ReadRecords:
     self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
     self._initial = (latency_s, record_bytes)
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
-    # a bucket's reads (array_record's own client retries them) get a deadline: no hang
-    self.remote = remote.scheme(source.paths[0]) is not None if source.paths else False
     self._init_runtime()
 
   def _init_runtime(self):
@@ -151,27 +148,34 @@ class ReadRecords:
     """The records, or for each that is corrupt its error (read one by one after a corrupt
     batched read, so each bad one is named and the good ones kept)."""
     try:
-      return self.source.read_shard(shard, local)
+      return self._read_storage(shard, local)
     except CorruptRecordsError:
       out = []
       for i in local:
         try:
-          out.append(self.source.read_shard(shard, [i])[0])
+          out.append(self._read_storage(shard, [i])[0])
         except CorruptRecordsError as e:
           out.append(e)
       return out
 
+  def _read_storage(self, shard: int, local: list) -> list:
+    """One batched read; from a bucket, within a deadline (`remote.NoAnswer`), as
+    array_record's own client may wait on a stalled connection for many minutes."""
+    if remote.scheme(self.source.paths[shard]) is None:
+      return self.source.read_shard(shard, local)
+    deadline = remote.ATTEMPT_S * remote.ATTEMPTS
+    return remote.within(lambda: self.source.read_shard(shard, local), deadline)
+
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, futures = started
     s = self.stats
-    deadline = remote.ATTEMPT_S * remote.ATTEMPTS if self.remote else None
     for shard, future in futures:
       try:
-        slots, got, read, seconds = future.result(timeout=deadline)
-      except concurrent.futures.TimeoutError:
+        slots, got, read, seconds = future.result()
+      except remote.NoAnswer as e:
         raise remote.RemoteStorageError(
-          f"cannot read {self.source.paths[shard]}: no answer within {deadline:g} s: check "
-          f"the network and the bucket, {remote.GCSFUSE}"
+          f"cannot read {self.source.paths[shard]}: {e}: check the network and the bucket, "
+          f"{remote.GCSFUSE}"
         ) from None
       for slot, rec in zip(slots, got):
         batch.records[slot] = rec

@@ -193,13 +193,14 @@ def _watch_gcsfs() -> _Retried:
   return _retried
 
 
-class _Deadline(TimeoutError):
-  """An attempt that got no answer in time."""
+class NoAnswer(TimeoutError):
+  """A read of a bucket that got no answer in time."""
 
 
-def _attempt(fn: Callable[[], T], deadline_s: float) -> T:
-  """`fn()` on a thread of its own, or TimeoutError after `deadline_s` (the thread is left
-  to finish or hang on its own: a stalled request cannot be interrupted)."""
+def within(fn: Callable[[], T], deadline_s: float) -> T:
+  """`fn()` on a daemon thread of its own, or `NoAnswer` after `deadline_s` (the thread is
+  left to finish or hang on its own: a stalled request cannot be interrupted, and a daemon
+  thread does not hold up the process's exit)."""
   out: dict = {}
 
   def run():
@@ -212,7 +213,7 @@ def _attempt(fn: Callable[[], T], deadline_s: float) -> T:
   thread.start()
   thread.join(deadline_s)
   if thread.is_alive():
-    raise _Deadline(f"no answer within {deadline_s:g} s")
+    raise NoAnswer(f"no answer within {deadline_s:g} s")
   if "error" in out:
     raise out["error"]
   return out["value"]
@@ -227,12 +228,12 @@ def call(fn: Callable[[], T], what) -> T:
   for attempt in range(1, ATTEMPTS + 1):
     start = time.monotonic()
     try:
-      return _attempt(fn, ATTEMPT_S)
+      return within(fn, ATTEMPT_S)
     except FileNotFoundError:
       raise
     except Exception as e:
       cause = explain(e)
-      if isinstance(e, _Deadline):
+      if isinstance(e, NoAnswer):
         cause = f"{e} (it answered {retried.error})" if retried.at >= start else str(e)
       if cause.startswith("no access"):
         raise RemoteStorageError(f"cannot read {what}: {cause}; {GCSFUSE}") from None

@@ -17,6 +17,7 @@ import subprocess
 import sys
 import threading
 import urllib.error
+import urllib.parse
 import urllib.request
 
 import pytest
@@ -61,6 +62,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
   def _serve(self):
     server = self.server
     body = self.rfile.read(int(self.headers.get("Content-Length") or 0)) or None
+    if self.path.startswith("/fault/"):  # a reader in the child sets the fault when it is ready
+      server.fault = urllib.parse.unquote(self.path[len("/fault/") :])
+      self.send_response(204)
+      self.end_headers()
+      return
     if server.fault == "stall shards":  # array_record's reads of the records
       if "array_record" in self.path and "alt=media" in self.path:
         server.released.wait()
@@ -178,3 +184,25 @@ def test_a_shard_read_that_stalls_is_one_line_within_seconds(bucket):
       "of-00001: no answer within 2 s (3 attempts in "
     )
   ), p.stderr[-2000:]
+
+
+@needs_emulator
+def test_a_shard_that_stalls_while_batches_are_read_is_one_line_within_seconds(bucket):
+  proxy, env = bucket
+  code = SHORT + (
+    "import os, urllib.request\n"
+    "import pipeline\n"
+    "ds = pipeline.make_dataset('gs://bkt/digits', batch_size=8, image_size=32, shard_index=0, "
+    "shard_count=1, performance={'record_cache_mb': 0})\n"
+    "url = os.environ['STORAGE_EMULATOR_HOST'] + '/fault/stall%20shards'\n"
+    "urllib.request.urlopen(url).read()\n"
+    "next(iter(ds))\n"
+  )
+  try:
+    p = run(code, env=env)
+  finally:
+    proxy.fault = None
+  assert p.returncode == 1, p.stderr[-2000:]
+  error = "pipeline.remote.RemoteStorageError: cannot read gs://bkt/digits/train.array_record-"
+  said = [x for x in p.stderr.splitlines() if x.startswith(error)]  # Grain adds a note after
+  assert said and "-00000-of-00001: no answer within 6 s: " in said[0], p.stderr[-2000:]
