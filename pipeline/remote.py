@@ -8,11 +8,12 @@ what would otherwise surface as a long traceback (no gcsfs, no credentials, no n
 emulator set for one reader only, a scheme array_record cannot open) into one line naming
 the fix. A local path (or a gcsfuse mount) passes without a look.
 
-`call` runs each read of a bucket that Python makes (the manifest, the shards' sizes) with
-a deadline per attempt and retries with exponential backoff and jitter: a stalled or
-failing bucket is a warning per retry and then one line naming what failed, within
-`ATTEMPTS` x `ATTEMPT_S` seconds, never a hang (gcsfs alone: minutes per stalled request,
-~35 s of silent retries per 503).
+`call` runs each read of a bucket that Python makes (the manifest, the shards' sizes, the
+first records at open) with a deadline per attempt and retries with exponential backoff and
+jitter: a stalled or failing bucket is a warning per retry and then one line naming what
+failed, within `ATTEMPTS` x `ATTEMPT_S` seconds, never a hang (gcsfs alone: minutes per
+stalled request, ~35 s of silent retries per 503). The read stage's shard reads, which
+array_record's own client retries, run `within` a deadline of that length.
 """
 
 from __future__ import annotations
