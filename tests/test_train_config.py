@@ -212,10 +212,12 @@ def test_config_input_takes_sharding_and_pp_on_the_command_line(digits_dir, tmp_
   )
   plan_line(out)
   config = default.get_config()
-  config.input.pp, config.input.sharding = "decode|central_crop(32)", "shards"
-  assert config_lib.dataset_kwargs(config)["pp"] == "decode|central_crop(32)"
-  assert config_lib.dataset_kwargs(config, evaluation=True)["sharding"] == "shards"
+  config.input.pp, config.input.sharding = "decode_jpeg_and_inception_crop(32)", "shards"
+  assert config_lib.dataset_kwargs(config)["pp"] == "decode_jpeg_and_inception_crop(32)"
+  assert config_lib.dataset_kwargs(config)["sharding"] == "shards"
   assert config_lib.dataset_kwargs(config)["seed"] == config.seed  # unset: the run's seed
+  with pytest.raises(UsageError, match="config.eval_input.pp is not"):  # a train head in eval
+    config_lib.dataset_kwargs(config, evaluation=True)
 
 
 def test_eval_input_overrides_only_what_it_names():

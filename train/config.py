@@ -104,6 +104,12 @@ def dataset_kwargs(config: ml_collections.ConfigDict, evaluation: bool = False) 
         value = {**kwargs.get(key, {}), **value}
       if value is not None:
         kwargs[key] = value
+    if "pp" in kwargs and config.get("eval_input", {}).get("pp") is None:
+      raise UsageError(
+        "config.input.pp is set but config.eval_input.pp is not: a pp string holds the train "
+        "or the eval head, so give evaluation its own (e.g. "
+        "'decode|resize_small(256)|central_crop(224)|...')"
+      )
   where = "config.eval_input" if evaluation else "config.input"
   for key in SET_BY_TRAINER:
     if key in kwargs:
