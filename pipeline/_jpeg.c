@@ -12,7 +12,9 @@
  * libjpeg's message.
  *
  * Warnings (corrupt data that libjpeg would paper over with grey, e.g. a truncated file) are
- * errors: a record is either decoded faithfully or reported.
+ * errors: a record is either decoded faithfully or reported. One is not: bytes between header
+ * segments, which libjpeg skips (with a warning) before it reaches the image data, as the header
+ * walk below does. A JPEG without its end-of-image marker is refused whatever the window.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -162,8 +164,9 @@ typedef struct {
 /* protobuf's wire format, as much of it as a tf.train.Example uses. The parser gives
  * protobuf's answer or declines (-1) and the Python path (protobuf itself) decides: it checks
  * the whole record as protobuf does (so a record protobuf refuses is declined), and reads a
- * feature with protobuf's merge rules (see feature_value). Groups, over-long tags and varints
- * whose tenth byte protobuf might read otherwise are declined, never guessed. */
+ * feature with protobuf's merge rules (see feature_value). Groups, tags and lengths of more
+ * than 5 bytes (protobuf refuses them) and varints whose tenth byte protobuf might read
+ * otherwise are declined, never guessed. */
 static int varint(const uint8_t **p, const uint8_t *end, uint64_t *v) {
   uint64_t r = 0;
   for (int shift = 0; shift < 70 && *p < end; shift += 7) {
@@ -190,7 +193,9 @@ static int next_field(span_t *m, uint32_t *field, int *wire, span_t *payload, ui
     case 1: if (m->end - m->p < 8) return -1; m->p += 8; return 0;
     case 5: if (m->end - m->p < 4) return -1; m->p += 4; return 0;
     case 2:
-      if (varint(&m->p, m->end, &len) || len > (uint64_t)(m->end - m->p) || len > 0x7FFFFFFF)
+      start = m->p;
+      if (varint(&m->p, m->end, &len) || m->p - start > 5 || len > (uint64_t)(m->end - m->p) ||
+          len > 0x7FFFFFFF)
         return -1;
       payload->p = m->p, payload->end = m->p + len;
       m->p += len;
@@ -345,6 +350,7 @@ typedef struct {
   struct jpeg_error_mgr pub;
   jmp_buf jump;
   char message[JMSG_LENGTH_MAX];
+  int in_header; /* reading the markers before the image data (jpeg_read_header) */
 } error_mgr;
 
 static void on_error(j_common_ptr cinfo) {
@@ -353,37 +359,58 @@ static void on_error(j_common_ptr cinfo) {
   longjmp(err->jump, 1);
 }
 
+#define EXTRANEOUS "Corrupt JPEG data: %u extraneous bytes before marker 0x%02x"
+
+/* Counts warnings and keeps the first one's text (the last message libjpeg formatted may be a
+ * trace line). Bytes skipped between header segments are not counted: libjpeg reads the same
+ * header as without them (identified by the message's text: its number varies by version). */
 static void on_message(j_common_ptr cinfo, int level) {
-  if (level < 0) cinfo->err->num_warnings++;
+  error_mgr *err = (error_mgr *)cinfo->err;
+  int code = cinfo->err->msg_code;
+  if (level >= 0) return;
+  if (err->in_header && code > 0 && code <= cinfo->err->last_jpeg_message &&
+      strcmp(cinfo->err->jpeg_message_table[code], EXTRANEOUS) == 0)
+    return;
+  if (cinfo->err->num_warnings++ == 0) (*cinfo->err->format_message)(cinfo, err->message);
+}
+
+#define NO_EOI "no end-of-image marker (FF D9) after the image data: the JPEG is truncated"
+
+/* Whether an end-of-image marker follows `from` (where the image data starts): looked for from
+ * the end, where it is, past any bytes appended after it. */
+static int has_eoi(const uint8_t *from, const uint8_t *end) {
+  for (const uint8_t *p = end - 1; p > from; p--)
+    if (p[0] == 0xD9 && p[-1] == 0xFF) return 1;
+  return 0;
 }
 
 /* The frame header libjpeg will decode, read without libjpeg: its SOF marker, sample precision,
- * height and width; 0 on success. Stricter than libjpeg, which skips bytes between segments
- * with a warning (a frame can hide behind them, e.g. after `FF 00`): those fail here, so the
- * frame found is the one libjpeg reads. decode_window checks libjpeg's own size again. */
+ * height and width; 0 on success. Markers are found as libjpeg's next_marker finds them: bytes
+ * other than FF before a marker are skipped (libjpeg warns), so are fill FFs and stuffed
+ * `FF 00` pairs (a frame can hide behind those), so the frame found is the one libjpeg reads.
+ * decode_window checks libjpeg's own size again. pipeline.decode.jpeg_frame walks the same. */
 static int jpeg_frame(const uint8_t *b, size_t n, int *marker, int *precision, long *h, long *w) {
   size_t i = 2;
   *h = *w = -1, *marker = *precision = 0;
   if (n < 4 || b[0] != 0xFF || b[1] != 0xD8) return -1;
-  while (i + 1 < n) {
-    if (b[i] != 0xFF) return -1; /* bytes between segments */
-    uint8_t m = b[i + 1];
-    if (m == 0xFF) { i++; continue; } /* fill byte */
-    if ((m >= 0xD0 && m <= 0xD7) || m == 0x01) { i += 2; continue; }
-    if (m == 0x00 || m == 0xD8 || m == 0xD9 || m == 0xDA) return -1; /* no frame before these */
-    if (i + 3 >= n) return -1;
-    size_t len = ((size_t)b[i + 2] << 8) | b[i + 3];
+  for (;;) {
+    while (i < n && b[i] != 0xFF) i++; /* bytes between segments */
+    while (i < n && b[i] == 0xFF) i++; /* the marker's FF and fill bytes */
+    if (i >= n) return -1;
+    uint8_t m = b[i++]; /* b[i - 2] is the marker's FF */
+    if (m == 0x00 || (m >= 0xD0 && m <= 0xD7) || m == 0x01) continue; /* stuffed; no length */
+    if (m == 0xD8 || m == 0xD9 || m == 0xDA || i + 1 >= n) return -1; /* no frame before these */
+    size_t len = ((size_t)b[i] << 8) | b[i + 1];
     if (len < 2) return -1;
     if (m >= 0xC0 && m <= 0xCF && m != 0xC4 && m != 0xC8 && m != 0xCC) {
-      if (len < 8 || i + 8 >= n) return -1;
-      *marker = m, *precision = b[i + 4];
-      *h = ((long)b[i + 5] << 8) | b[i + 6];
-      *w = ((long)b[i + 7] << 8) | b[i + 8];
+      if (len < 8 || i + 6 >= n) return -1;
+      *marker = m, *precision = b[i + 2];
+      *h = ((long)b[i + 3] << 8) | b[i + 4];
+      *w = ((long)b[i + 5] << 8) | b[i + 6];
       return *h > 0 && *w > 0 ? 0 : -1;
     }
-    i += 2 + len;
+    i += len;
   }
-  return -1;
 }
 
 /* Baseline, extended sequential or progressive Huffman-coded 8-bit frames: what the fast paths
@@ -427,6 +454,7 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   cinfo.err = jpeg_std_error(&err.pub);
   err.pub.error_exit = on_error;
   err.pub.emit_message = on_message;
+  err.in_header = 0;
   if (setjmp(err.jump)) {
     snprintf(message, MSG, "%s", err.message);
     jpeg_destroy_decompress(&cinfo);
@@ -434,7 +462,14 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   }
   jpeg_create_decompress(&cinfo);
   jpeg_mem_src(&cinfo, data, (unsigned long)len);
+  err.in_header = 1;
   jpeg_read_header(&cinfo, TRUE);
+  err.in_header = 0;
+  if (err.pub.num_warnings > 0) longjmp(err.jump, 1);
+  if (!has_eoi(cinfo.src->next_input_byte, data + len)) {
+    snprintf(err.message, sizeof(err.message), NO_EOI);
+    longjmp(err.jump, 1);
+  }
   /* The frame libjpeg is about to decode, before jpeg_start_decompress allocates for it. */
   if (too_many_pixels(cinfo.image_height, cinfo.image_width)) {
     snprintf(err.message, sizeof(err.message), "%ux%u image exceeds the %llu-pixel limit",
@@ -500,10 +535,7 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
         to[3 * a + c] = to[3 * b + c], to[3 * b + c] = t;
       }
   }
-  if (err.pub.num_warnings > 0) {
-    (*err.pub.format_message)((j_common_ptr)&cinfo, err.message);
-    longjmp(err.jump, 1);
-  }
+  if (err.pub.num_warnings > 0) longjmp(err.jump, 1); /* with the first warning's text */
   jpeg_abort_decompress(&cinfo);
   jpeg_destroy_decompress(&cinfo);
   *out_h = (int)oh, *out_w = (int)ow;
@@ -722,6 +754,7 @@ static PyObject *header(PyObject *Py_UNUSED(self), PyObject *args) {
   err.pub.error_exit = on_error;
   err.pub.emit_message = on_message;
   err.message[0] = 0;
+  err.in_header = 1;
   if (setjmp(err.jump) == 0) {
     jpeg_create_decompress(&cinfo);
     jpeg_mem_src(&cinfo, data.buf, (unsigned long)data.len);
@@ -783,6 +816,12 @@ static PyMethodDef methods[] = {
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg",
                                     "Per-batch parse and crop-aware JPEG decode.", -1,
                                     methods, NULL, NULL, NULL, NULL};
+
+/* The libjpeg API version this file was compiled against: pipeline/decode.py reads it
+ * (without binding any libjpeg symbol) to load a library of the same ABI before import. */
+__attribute__((visibility("default"))) int pipeline_jpeg_lib_version(void) {
+  return JPEG_LIB_VERSION;
+}
 
 PyMODINIT_FUNC PyInit__jpeg(void) {
   PyObject *m = PyModule_Create(&module);

@@ -3,22 +3,28 @@ bucket is paid once, not every epoch.
 
 Two tiers, both optional: RAM up to a byte budget (per process), and a local-disk folder
 (shared by the host's processes, kept across restarts). Disk entries are one file per
-record, written atomically (temporary name, then rename) with a CRC32 in front: an entry that
-fails its check is a miss, removed and read again. Entries live under a folder named by the
-dataset's shard digests, so a cache never serves the records of another dataset. What is
-cached is the bytes the shard holds, never decoded pixels: the cache changes no batch.
+record, written atomically (temporary name, then rename), behind a header that ties them to
+their record: a digest of (dataset, shard, the shard's identity when it was read, record
+index), the length and the CRC32C of the bytes. An entry that is not a regular file or fails
+any of these checks (damaged, swapped, copied or linked from another record's entry, or
+filled from a shard since replaced) is a miss, removed and read again. Entries live under a
+folder named by the dataset's shard digests. What is cached is the bytes the shard holds,
+never decoded pixels: the cache changes no batch.
 """
 
 from __future__ import annotations
 
 import hashlib
 import os
+import stat
 import struct
 import tempfile
 import threading
-import zlib
 
-_HEADER = struct.Struct("<II")  # crc32, length
+import google_crc32c
+
+_MAGIC = b"GPR2"
+_HEADER = struct.Struct("<4s16sQI")  # magic, digest of the record's key, length, crc32c
 
 
 class Once:
@@ -45,10 +51,23 @@ class Once:
 
 
 class RecordCache:
-  """Global record index -> record bytes: RAM (`ram_bytes`) then disk (`directory`)."""
+  """Global record index -> record bytes: RAM (`ram_bytes`) then disk (`directory`).
 
-  def __init__(self, ram_bytes: int, directory: str | None, dataset_id: str, names: list[str]):
+  `names`: the shards' file names; `shard_keys`: each shard's identity as opened
+  (`manifest.cache_key` of its pin), so entries read from another version of a shard are
+  never served. RAM holds this process's reads of this open, keyed by record index.
+  """
+
+  def __init__(
+    self,
+    ram_bytes: int,
+    directory: str | None,
+    dataset_id: str,
+    names: list[str],
+    shard_keys: list[str],
+  ):
     self.ram_bytes, self.dataset_id, self.names = ram_bytes, dataset_id, names
+    self.shard_keys = shard_keys
     self.directory = os.path.join(directory, dataset_id) if directory else None
     if self.directory:  # a folder we cannot write is the user's to fix, said now, once
       try:
@@ -77,11 +96,16 @@ class RecordCache:
   def _path(self, shard: int, local: int) -> str:
     return os.path.join(self.directory, self.names[shard], f"{local}.rec")
 
+  def _key(self, shard: int, local: int) -> bytes:
+    """What a disk entry must name to be served as record `local` of `shard` as opened."""
+    key = f"{self.dataset_id}\0{self.names[shard]}\0{self.shard_keys[shard]}\0{local}"
+    return hashlib.blake2b(key.encode(), digest_size=16).digest()
+
   def get(self, index: int, shard: int, local: int) -> bytes | None:
-    """The record, or None (not cached, or a disk entry that failed its check)."""
+    """The record, or None (not cached, or a disk entry that failed its checks)."""
     data = self._ram.get(index)
     if data is None and self.directory:
-      data = self._read_disk(self._path(shard, local))
+      data = _read_entry(self._path(shard, local), self._key(shard, local))
       if data is not None:
         self._keep(index, data)
     return data
@@ -103,7 +127,7 @@ class RecordCache:
   def put(self, index: int, shard: int, local: int, data: bytes) -> None:
     self._keep(index, data)
     if self.directory:
-      self._write_disk(self._path(shard, local), data)
+      _write_entry(self._path(shard, local), self._key(shard, local), data)
 
   def _keep(self, index: int, data: bytes) -> None:
     with self._lock:
@@ -111,41 +135,47 @@ class RecordCache:
         self._ram[index] = data
         self._used += len(data)
 
-  @staticmethod
-  def _read_disk(path: str) -> bytes | None:
-    try:
-      with open(path, "rb") as f:
-        blob = f.read()
-    except FileNotFoundError:
-      return None
+
+def _read_entry(path: str, key: bytes) -> bytes | None:
+  """The bytes of the entry at `path` if it is a regular file written for `key`, whole;
+  else None, and an entry that exists is removed (it is read again from storage)."""
+  try:  # no symlinks followed; a FIFO opens without waiting, and is refused below
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+  except FileNotFoundError:
+    return None
+  except OSError:  # a symlink (ELOOP), or not ours to read
+    fd = None
+  if fd is not None:
+    with os.fdopen(fd, "rb") as f:
+      blob = f.read() if stat.S_ISREG(os.fstat(fd).st_mode) else b""
     if len(blob) >= _HEADER.size:
-      crc, size = _HEADER.unpack_from(blob)
+      magic, named, size, crc = _HEADER.unpack_from(blob)
       data = blob[_HEADER.size :]
-      if len(data) == size and zlib.crc32(data) == crc:
+      if (magic, named, size) == (_MAGIC, key, len(data)) and google_crc32c.value(data) == crc:
         return data
-    try:  # a damaged entry: gone, and read again from storage
-      os.unlink(path)
+  try:
+    os.unlink(path)
+  except OSError:
+    pass
+  return None
+
+
+def _write_entry(path: str, key: bytes, data: bytes) -> None:
+  folder = os.path.dirname(path)
+  try:
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
+  except OSError:  # a full or read-only local disk costs the cache entry, never the batch
+    return
+  try:
+    with os.fdopen(fd, "wb") as f:
+      f.write(_HEADER.pack(_MAGIC, key, len(data), google_crc32c.value(data)) + data)
+    os.replace(tmp, path)
+  except OSError:  # a full local disk costs the cache entry, never the batch
+    try:
+      os.unlink(tmp)
     except OSError:
       pass
-    return None
-
-  @staticmethod
-  def _write_disk(path: str, data: bytes) -> None:
-    folder = os.path.dirname(path)
-    try:
-      os.makedirs(folder, exist_ok=True)
-      fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp-")
-    except OSError:  # a full or read-only local disk costs the cache entry, never the batch
-      return
-    try:
-      with os.fdopen(fd, "wb") as f:
-        f.write(_HEADER.pack(zlib.crc32(data), len(data)) + data)
-      os.replace(tmp, path)
-    except OSError:  # a full local disk costs the cache entry, never the batch
-      try:
-        os.unlink(tmp)
-      except OSError:
-        pass
 
 
 def dataset_id(digests: list[str], names: list[str]) -> str:

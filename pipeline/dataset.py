@@ -244,7 +244,7 @@ def build(
       chosen = parallelism.plan(num_workers=0, batch_size=batch_size, prefetch=perf.prefetch)
       chosen = dataclasses.replace(chosen, why=short)
   latency_s, record_bytes = reads.probe(source)
-  cache = _record_cache(meta, split, perf, latency_s, chosen, sampler)
+  cache = _record_cache(meta, split, perf, latency_s, chosen, sampler, pins)
   read = reads.ReadRecords(
     source,
     batch_size=batch_size,
@@ -375,9 +375,10 @@ def chain(stages: Stages) -> grain.IterDataset:
   return lifecycle.ClosedAtExit(StreamIterDataset(it, stages.stream))
 
 
-def _record_cache(meta, split, perf, latency_s, chosen, sampler) -> RecordCache | None:
+def _record_cache(meta, split, perf, latency_s, chosen, sampler, pins) -> RecordCache | None:
   """The record cache `perf` asks for; by default the whole split in RAM when storage is
-  slow (>= SLOW_READ_S a read) and every process's copy fits CACHE_MEMORY_SHARE of memory."""
+  slow (>= SLOW_READ_S a read) and every process's copy fits CACHE_MEMORY_SHARE of memory.
+  Its entries are tied to the shards as opened (`pins`)."""
   shards = meta.splits[split].shards
   ram_mb = perf.record_cache_mb
   if ram_mb is None:
@@ -392,7 +393,11 @@ def _record_cache(meta, split, perf, latency_s, chosen, sampler) -> RecordCache 
   names = [s.file for s in shards]
   directory = os.fspath(perf.record_cache_dir) if perf.record_cache_dir else None
   return RecordCache(
-    int(ram_mb * 2**20), directory, dataset_id([s.sha256 for s in shards], names), names
+    int(ram_mb * 2**20),
+    directory,
+    dataset_id([s.sha256 for s in shards], names),
+    names,
+    [manifest_lib.cache_key(p) for p in pins],
   )
 
 

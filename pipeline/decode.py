@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import importlib.util
 import io
 import os
+import re
 
 import numpy as np
 import PIL
@@ -21,13 +23,41 @@ import simplejpeg
 from PIL import Image
 
 
-def _load_extension():
-  """Imports `_jpeg` after loading a libjpeg for it: Pillow's bundled libjpeg-turbo 3
-  (as fast as simplejpeg's, 15% faster than Debian's 2.1), else the system's."""
+def _soname_abi(lib: str) -> int | None:
+  """The libjpeg API version a library's name promises (libjpeg.so.62 -> 62, .so.8 -> 80)."""
+  major = re.search(r"\.so\.(\d+)", os.path.basename(lib))
+  if major is None:
+    return None
+  return int(major.group(1)) * (1 if int(major.group(1)) >= 62 else 10)
+
+
+def libraries(abi: int | None) -> list[str]:
+  """The libjpegs to try for an extension compiled against API version `abi`, best first:
+  Pillow's bundled libjpeg-turbo 3 (as fast as simplejpeg's, 15% faster than Debian's 2.1),
+  then the system's. A library of another API refuses every image ("Wrong JPEG library
+  version"), so those are left out (Ubuntu's headers are API 80, Pillow's library 62)."""
   bundled = glob.glob(
     os.path.join(os.path.dirname(PIL.__file__), os.pardir, "pillow.libs", "libjpeg*.so*")
   )
-  for lib in sorted(bundled) + ["libjpeg.so.62", "libjpeg.so"]:
+  names = sorted(bundled) + ["libjpeg.so.62", "libjpeg.so.8", "libjpeg.so.9", "libjpeg.so"]
+  return [lib for lib in names if abi is None or _soname_abi(lib) in (abi, None)]
+
+
+def _compiled_abi() -> int | None:
+  """The libjpeg API version `_jpeg` was compiled against, read without importing it."""
+  spec = importlib.util.find_spec("pipeline._jpeg")
+  if spec is None or not spec.origin:
+    return None
+  try:
+    return ctypes.CDLL(spec.origin, mode=os.RTLD_LAZY).pipeline_jpeg_lib_version()
+  except (OSError, AttributeError):
+    return None
+
+
+def _load_extension():
+  """Imports `_jpeg` after loading a libjpeg of the API it was compiled against."""
+  abi = _compiled_abi()
+  for lib in libraries(abi):
     try:
       ctypes.CDLL(lib, mode=ctypes.RTLD_GLOBAL)
       break
@@ -40,6 +70,8 @@ def _load_extension():
     return _jpeg
   except ImportError as e:  # not built, or no libjpeg found: simplejpeg decodes whole images
     _missing = str(e) or type(e).__name__
+    if abi is not None:
+      _missing += f" (it needs a libjpeg of API version {abi})"
     return None
 
 
@@ -94,52 +126,94 @@ class DecodeError(ValueError):
 
 
 def _is_jpeg(data: bytes) -> bool:
-  return data[:3] == b"\xff\xd8\xff"
+  return data[:2] == b"\xff\xd8"  # what libjpeg takes for one (stray bytes may follow)
 
 
 _SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _PLAIN_SOF = (0xC0, 0xC1, 0xC2)  # baseline, extended sequential, progressive (Huffman)
 
 
+def _segments(data: bytes):
+  """(marker, start, end) of each header segment up to and including the first SOS, found as
+  libjpeg's next_marker finds them: bytes other than FF before a marker are skipped (libjpeg
+  warns, and reads the same header as without them), as are fill FFs and stuffed `FF 00`
+  pairs (a frame can hide behind those). `start` is the marker's FF; stops where the header
+  cannot be walked (SOI/EOI again, a length under 2, the end of the data)."""
+  n, i = len(data), 2
+  if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
+    return
+  while True:
+    while i < n and data[i] != 0xFF:
+      i += 1
+    while i < n and data[i] == 0xFF:
+      i += 1
+    if i >= n:
+      return
+    m, start = data[i], i - 1
+    i += 1
+    if m == 0x00:
+      continue
+    if 0xD0 <= m <= 0xD7 or m == 0x01:
+      yield m, start, i
+      continue
+    if m in (0xD8, 0xD9) or i + 1 >= n:
+      return
+    length = (data[i] << 8) | data[i + 1]
+    if length < 2:
+      return
+    yield m, start, i + length  # may pass the end of a truncated JPEG
+    if m == 0xDA:
+      return
+    i += length
+
+
 def jpeg_frame(data: bytes) -> tuple[int, int, int, int] | None:
   """(SOF marker, precision, height, width) of the frame libjpeg decodes, or None.
 
-  Stricter than libjpeg: bytes between segments (libjpeg skips them with a warning, and a
-  frame can hide behind them) give None. The C decoder walks the same way (`jpeg_frame`).
-  """
-  n, i = len(data), 2
-  if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
-    return None
-  while i + 1 < n:
-    if data[i] != 0xFF:
-      return None
-    m = data[i + 1]
-    if m == 0xFF:
-      i += 1
-      continue
-    if 0xD0 <= m <= 0xD7 or m == 0x01:
-      i += 2
-      continue
-    if m in (0x00, 0xD8, 0xD9, 0xDA) or i + 3 >= n:
-      return None
-    length = (data[i + 2] << 8) | data[i + 3]
-    if length < 2:
+  The header is walked as libjpeg walks it (`_segments`); the C decoder walks the same way
+  (`jpeg_frame`)."""
+  for m, start, end in _segments(data):
+    if m == 0xDA:
       return None
     if m in _SOF:
-      if length < 8 or i + 8 >= n:
+      if end - start < 10 or start + 8 >= len(data):  # a length under 8, or cut short
         return None
-      h, w = (data[i + 5] << 8) | data[i + 6], (data[i + 7] << 8) | data[i + 8]
-      return (m, data[i + 4], h, w) if h > 0 and w > 0 else None
-    i += 2 + length
+      h, w = (data[start + 5] << 8) | data[start + 6], (data[start + 7] << 8) | data[start + 8]
+      return (m, data[start + 4], h, w) if h > 0 and w > 0 else None
   return None
+
+
+NO_EOI = "no end-of-image marker (FF D9) after the image data: the JPEG is truncated"
+
+
+def _without_strays(data: bytes) -> tuple[bytes, int]:
+  """(the JPEG without bytes between its header segments, which libjpeg skips and strict
+  decoders refuse; where its image data starts)."""
+  parts, at = [data[:2]], 2
+  for m, start, end in _segments(data):
+    parts.append(data[start:end])
+    at = end
+    if m == 0xDA:
+      break
+  header = b"".join(parts)
+  return (data, at) if data.startswith(header) else (header + data[at:], len(header))
+
+
+def _as_libjpeg_reads_it(data: bytes) -> bytes:
+  """The JPEG `_without_strays`; a DecodeError if no end-of-image marker follows its image
+  data, whatever part of it a decoder would read: the C decoder's checks, for the others."""
+  data, at = _without_strays(data)
+  if data.rfind(b"\xff\xd9", at) < 0:
+    raise DecodeError(f"JPEG decode failed: {NO_EOI}")
+  return data
 
 
 def plain_jpeg(data: bytes) -> bool:
   """True for 8-bit Huffman-coded baseline/progressive JPEGs, the ones the fast decoders take.
 
-  Lossless, 12-bit, arithmetic-coded and hierarchical JPEGs, and JPEGs with bytes between
-  segments, are not: simplejpeg's scaled decode corrupts the heap on a lossless one, so they
-  go to Pillow, which decodes them whole or refuses them.
+  Lossless, 12-bit, arithmetic-coded and hierarchical JPEGs are not: simplejpeg's scaled
+  decode corrupts the heap on a lossless one, so they go to Pillow, which decodes them whole
+  or refuses them.
   """
   f = jpeg_frame(data)
   return f is not None and f[0] in _PLAIN_SOF and f[1] == 8
@@ -149,7 +223,10 @@ def image_size(data: bytes) -> tuple[int, int]:
   """(height, width) from the header alone; refuses decompression bombs."""
   try:
     if _is_jpeg(data):
-      h, w = _jpeg.header(data) if _jpeg else simplejpeg.decode_jpeg_header(data)[:2]
+      if _jpeg:
+        h, w = _jpeg.header(data)
+      else:
+        h, w = simplejpeg.decode_jpeg_header(_without_strays(data)[0])[:2]
     else:
       with Image.open(io.BytesIO(data), formats=FORMATS) as im:
         w, h = im.size
@@ -181,7 +258,8 @@ def decode_crop(
   `fast_dct` uses libjpeg's fast integer IDCT (tf.data's default), slightly less exact.
   """
   y, x, h, w = box
-  if _is_jpeg(data) and plain_jpeg(data):
+  jpeg = _is_jpeg(data)
+  if jpeg and plain_jpeg(data):
     if _jpeg is not None:
       try:
         buf, oh, ow = _jpeg.decode_crop(data, y, x, h, w, scale, fast_dct)
@@ -190,6 +268,7 @@ def decode_crop(
         if "not for this decoder" not in str(e):  # CMYK/YCCK, lossless, 12-bit: Pillow
           raise DecodeError(str(e)) from None
     else:
+      data = _as_libjpeg_reads_it(data)  # the pixels libjpeg (and the C decoder) gives
       try:
         full_h, full_w = image_size(data)  # simplejpeg scales the whole image, then we crop
         img = simplejpeg.decode_jpeg(
@@ -207,7 +286,7 @@ def decode_crop(
       except ValueError as e:
         if "colorspace" not in str(e).lower():
           raise DecodeError(str(e)) from None
-  img = _pil_rgb(data)
+  img = _pil_rgb(_as_libjpeg_reads_it(data) if jpeg else data)
   return img[y : y + h, x : x + w]
 
 

@@ -70,7 +70,7 @@ def test_bad_records_are_named_by_shard_and_index(photos_raw, tmp_path):
   shard.write(records.encode(image, 7, "label_too_big.jpg"))
   shard.write(records.encode(image[:5000], 0, "truncated.jpg"))
   shard.write(b"\x00garbage")
-  count, digest, _ = shard.commit()
+  count, digest, *_ = shard.commit()
   manifest.save(
     manifest.Manifest(
       classes=["a", "b"],

@@ -423,6 +423,12 @@ def _varint(n: int) -> bytes:
       return bytes(out)
 
 
+def _padded_varint(n: int, size: int) -> bytes:
+  """`n` as a varint of exactly `size` bytes (continuation bits on zero bytes: legal wire
+  format up to protobuf's limit for the field)."""
+  return bytes((n >> 7 * i) & 0x7F | (0x80 if i < size - 1 else 0) for i in range(size))
+
+
 def _field(number: int, wire: int, payload: bytes | int) -> bytes:
   """One protobuf field: a varint (wire 0) or a length-delimited payload (wire 2), or raw."""
   tag = _varint(number << 3 | wire)
@@ -502,6 +508,13 @@ def _edge_records() -> dict[str, bytes]:
     "overlong_varint": _example(
       img, label(_field(3, 2, _field(1, 0, 0)[:1] + b"\xff" * 10 + b"\x01"))
     ),
+    # issue 31: protobuf reads a length of up to 5 bytes, refuses 6 or more
+    **{
+      f"length_varint_{size}_bytes": _example(
+        img, label(b"\x1a" + _padded_varint(len(_int64_list(3)) - 2, size) + _int64_list(3)[2:])
+      )
+      for size in (1, 5, 6, 10)
+    },
     "truncated_packed": _example(img, label(_field(3, 2, _field(1, 2, b"\x05\x85")))),
     "no_label": _example(img),
     "issue_20": _example(img, label(_int64_list(9) + _field(2, 2, b"") + _int64_list(0))),
@@ -619,6 +632,10 @@ def test_the_native_parser_gives_protobufs_answer_or_declines(name):
     assert reference[1] == 0 and native == reference
   if name in ("plain", "unpacked", "negative", "oneof_later_int64_wins", "values_merge"):
     assert native == reference is not None  # the common shapes are answered, not declined
+  if name.startswith("length_varint_"):  # issue 31: a 6-byte length was served
+    size = int(name.split("_")[2])
+    assert (reference is not None) == (size <= 5)
+    assert native == reference
 
 
 @needs_native

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import inspect
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -244,6 +245,74 @@ def test_a_dataset_in_a_bucket_reads_as_it_does_from_disk(gcs, digits_dir):
   p = run(code, env=gcs, args=[str(digits_dir)])
   assert p.returncode == 0, p.stderr[-3000:]
   assert "same" in p.stdout
+
+
+@needs_emulator
+def test_a_shard_written_again_in_the_bucket_is_refused_not_served(gcs, digits_dir, tmp_path):
+  """Issue 31: a shard object overwritten after conversion (same size, its records in another
+  order) was served under the old manifest, with wrong labels, and the record cache kept them."""
+  code = textwrap.dedent(
+    """
+    import sys
+    import gcsfs
+    import numpy as np
+    from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
+    from pipeline import make_dataset, manifest
+    from pipeline.convert import shards
+    from pipeline.source import ShardedSource
+
+    local, work = sys.argv[1], sys.argv[2]
+    url, fs = "gs://bkt/pinned", gcsfs.GCSFileSystem(token="anon")
+    fs.put(local, "bkt/pinned", recursive=True)
+    meta = manifest.load(url)
+    name = meta.splits["validation"].shards[0].file
+    reader = ArrayRecordReader(f"{local}/{name}")
+    recs = reader.read(list(range(reader.num_records())))
+    writer = ArrayRecordWriter(f"{work}/other", shards.OPTIONS)
+    for rec in reversed(recs):
+      writer.write(rec)
+    writer.close()
+    assert fs.size(f"bkt/pinned/{name}") == len(open(f"{work}/other", "rb").read())
+
+    def batches(cache=True):
+      perf = dict(record_cache_mb=0, num_workers=0)
+      perf.update(record_cache_dir=f"{work}/cache") if cache else None
+      ds = make_dataset(url, "validation", batch_size=16, train=False, image_size=32,
+                        performance=perf)
+      return [b["label"] for b in ds]
+
+    truth = batches()  # fills the disk cache
+    fs.put(f"{work}/other", f"bkt/pinned/{name}")  # written again: a new generation
+    try:
+      wrong = sum(not np.array_equal(a, b) for a, b in zip(batches(cache=False), truth))
+      print(f"open: served, {wrong} of {len(truth)} batches with other labels")
+    except manifest.ManifestError as e:
+      print("open:", e)
+    fs.put(f"{local}/{name}", f"bkt/pinned/{name}")  # the bucket restored
+    paths, pins = manifest.pinned_shards(url, meta, "validation")
+    fs.put(f"{work}/other", f"bkt/pinned/{name}")  # ... and written again after the check
+    try:
+      ShardedSource(paths, [len(recs)], pins).read([0])
+      print("read: served")
+    except OSError as e:
+      print("read:", e)
+    fs.put(f"{local}/{name}", f"bkt/pinned/{name}")
+    for got, want in zip(batches(), truth, strict=True):
+      np.testing.assert_array_equal(got, want)
+    print("restored: same batches")
+    """
+  )
+  p = run(code, env=gcs, args=[str(digits_dir), str(tmp_path)])
+  assert p.returncode == 0, p.stderr[-3000:]
+  shard = "gs://bkt/pinned/validation.array_record-00000-of-00001"
+  opened, read, restored = p.stdout.strip().splitlines()
+  assert re.fullmatch(
+    f"open: shard {shard} has crc32c [0-9a-f]{{8}}, gs://bkt/pinned/manifest.json says "
+    "[0-9a-f]{8}: it changed after conversion",
+    opened,
+  )
+  assert read.startswith(f"read: shard {shard} was replaced after this dataset was opened")
+  assert restored == "restored: same batches"
 
 
 @needs_emulator

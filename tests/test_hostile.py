@@ -22,7 +22,7 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from etils import epath
 from PIL import Image
 
-from pipeline import decode, manifest
+from pipeline import augment, decode, manifest, records
 from pipeline.convert import checks, images, shards
 from pipeline.source import ShardedSource
 from tests import jpeg_modes
@@ -84,7 +84,8 @@ def test_plain_jpegs_are_told_from_rare_ones_by_their_frame():
   assert not any(decode.plain_jpeg(d) for d in jpeg_modes.RARE.values())
   assert decode.plain_jpeg(jpeg_modes.sequential(8, 0xC0))
   assert decode.jpeg_frame(jpeg_modes.lossless(ids=b"RGB")) == (0xC3, 8, 8, 8)
-  assert decode.jpeg_frame(jpeg_modes.hidden_frame_bomb()) is None  # bytes between segments
+  # behind `FF 00 LL LL`, skipped as libjpeg skips them: the frame libjpeg decodes
+  assert decode.jpeg_frame(jpeg_modes.hidden_frame_bomb()) == (0xC2, 8, 65500, 65500)
   if NATIVE is not None:  # the C walker finds the same frame
     for data in [*jpeg_modes.RARE.values(), jpeg_modes.hidden_frame_bomb()]:
       assert NATIVE.frame(data) == decode.jpeg_frame(data)
@@ -110,6 +111,136 @@ def test_a_lossless_jpeg_is_reencoded_and_a_12_bit_one_skipped_by_convert(tmp_pa
   assert [(r["path"], r["reason"]) for r in m["created_by"]["reencoded"]] == [
     ("a/lossless.jpg", "jpeg RGB: lossless jpeg")
   ]
+
+
+# --- bytes between header segments, and the end-of-image marker (issue 31) ------------------
+
+
+def _jpegs() -> dict[str, bytes]:
+  """Small real JPEGs in the flavours the C decoder takes."""
+  rng = np.random.default_rng(31)
+  pixels = np.linspace(0, 200, 64)[None, :, None] + rng.normal(0, 40, (48, 64, 3))
+  image = Image.fromarray(np.clip(pixels, 0, 255).astype(np.uint8))
+  flavours = {
+    "baseline": dict(quality=90),
+    "444": dict(quality=95, subsampling=0),
+    "progressive": dict(progressive=True),
+    "restart": dict(restart_marker_blocks=1),
+    "gray": dict(),
+  }
+  out = {}
+  for name, options in flavours.items():
+    buf = io.BytesIO()
+    (image.convert("L") if name == "gray" else image).save(buf, "JPEG", **options)
+    out[name] = buf.getvalue()
+  return out
+
+
+JPEGS = _jpegs()
+STRAYS = [b"\x41", b"\x00", b"\xff\x00", b"\x12\x34\x56"]  # `FF 00`: skipped as a pair
+
+
+def with_strays(data: bytes):
+  """(where, `data` with stray bytes before one of its header segments), for every segment
+  before the image data (up to SOS) of a well-formed JPEG and every kind of stray bytes."""
+  at = 2
+  while True:
+    marker, length = data[at + 1], int.from_bytes(data[at + 2 : at + 4], "big")
+    for stray in STRAYS:
+      yield f"{stray.hex()} before {marker:#x} at {at}", data[:at] + stray + data[at:]
+    if marker == 0xDA:
+      return
+    at += 2 + length
+
+
+def pillow(data: bytes) -> np.ndarray:
+  """What libjpeg gives (Pillow decodes with it and ignores its warnings)."""
+  return np.asarray(Image.open(io.BytesIO(data)).convert("RGB"))
+
+
+def batch_windows(*datas: bytes) -> tuple[list, list]:
+  """The native batch path on records of `datas`, all drawn as the same example: what it
+  handed back, and each decoded (mirrored, cropped) window."""
+  head = augment.Head(32, train=True)
+  n, slot = len(datas), head.slot_bytes()
+  same = np.zeros(n, np.int64)
+  labels, dims, arena = (
+    np.zeros(n, np.int64),
+    np.zeros((n, 2), np.int32),
+    np.zeros(n * slot, np.uint8),
+  )
+  back = NATIVE.decode_batch(
+    [records.encode(d, 1) for d in datas], same, same, labels, dims, arena, slot, 0, n, 7,
+    b"image/encoded", b"image/class/label", 32, head.native_params(), 0,
+  )  # fmt: skip
+  return back, [arena[k * slot : k * slot + h * w * 3].copy() for k, (h, w) in enumerate(dims)]
+
+
+@pytest.mark.skipif(NATIVE is None, reason="the C extension was not built")
+def test_stray_bytes_before_a_header_segment_give_the_pixels_libjpeg_gives():
+  """libjpeg skips them with a warning ("Corrupt JPEG data: 1 extraneous bytes before marker
+  0xdb") and decodes the same image; the C decoder refused such a JPEG and Pillow served it,
+  so a picture had two sets of pixels depending on an ignorable byte."""
+  for name, original in JPEGS.items():
+    h, w = decode.image_size(original)
+    buf, _, _ = NATIVE.decode_crop(original, 0, 0, h, w, 1)
+    clean = np.frombuffer(buf, np.uint8).reshape(h, w, 3)  # libjpeg's pixels of the image
+    for where, data in with_strays(original):
+      if data[2] == 0xFF:  # Pillow takes bytes for a JPEG only if FF D8 FF; libjpeg: FF D8
+        np.testing.assert_array_equal(pillow(data), pillow(original))  # libjpeg: same image
+      buf, _, _ = NATIVE.decode_crop(data, 0, 0, h, w, 1)
+      got = np.frombuffer(buf, np.uint8).reshape(h, w, 3)
+      np.testing.assert_array_equal(got, clean, err_msg=f"{name}: {where}")
+      back, (want, window) = batch_windows(original, data)
+      assert back == [], f"{name}: {where}: handed back {back}"
+      np.testing.assert_array_equal(window, want, err_msg=f"{name}: {where}")
+
+
+@pytest.fixture(params=["libjpeg-turbo extension", "simplejpeg fallback"])
+def decoder(request, monkeypatch):
+  """Runs a test with the C extension and again as if it had not been built."""
+  if request.param == "simplejpeg fallback":
+    monkeypatch.setattr(decode, "_jpeg", None)
+  elif NATIVE is None:
+    pytest.skip("the C extension was not built")
+  return request.param
+
+
+def test_stray_bytes_change_no_pixel_on_any_decoder(decoder):
+  """The fallback gives a JPEG with stray header bytes the pixels of the same JPEG without."""
+  key = augment.example_key(3, 0, 5)
+  for name, original in JPEGS.items():
+    h, w = decode.image_size(original)
+    boxes = [(0, 0, h, w, 1), (8, 16, 32, 40, 2)]
+    clean = [decode.decode_crop(original, box[:4], box[4]) for box in boxes]
+    trained = augment.Head(32, train=True)(original, key)
+    for where, data in with_strays(original):
+      for box, want in zip(boxes, clean):
+        got = decode.decode_crop(data, box[:4], box[4])
+        np.testing.assert_array_equal(got, want, err_msg=f"{name}: {where}, box {box}")
+      got = augment.Head(32, train=True)(data, key)
+      np.testing.assert_array_equal(got, trained, err_msg=f"{name}: {where}")
+
+
+def test_a_jpeg_without_its_end_of_image_marker_is_refused_in_words_that_say_so(decoder):
+  """It was refused as "Premature end of JPEG file", "End Of Image" (a progressive one) or
+  not at all (a window that ends above the last row): now refused, whatever the window."""
+  message = (
+    "JPEG decode failed: no end-of-image marker (FF D9) after the image data: the JPEG is truncated"
+  )
+  for name, original in JPEGS.items():
+    assert original.endswith(b"\xff\xd9")
+    h, w = decode.image_size(original)
+    for data in (original[:-2], original[:-2] + bytes(4), original[: len(original) // 2]):
+      for box in [(0, 0, h, w), (0, 0, 8, 8)]:
+        with pytest.raises(decode.DecodeError) as e:
+          decode.decode_crop(data, box)
+        assert str(e.value) == message, (name, len(data), box, str(e.value))
+      if decoder == "libjpeg-turbo extension":
+        back, _ = batch_windows(data)
+        assert back == [(0, 2, message.removeprefix("JPEG decode failed: "))], name
+    whole = decode.decode(original)  # bytes after the marker are not the image's: ignored
+    np.testing.assert_array_equal(decode.decode(original + b"\x00trailer"), whole)
 
 
 # --- the pixel limit on the frame libjpeg decodes -------------------------------------------

@@ -3,6 +3,7 @@ what `verify` reports instead of hanging or saying OK."""
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import pathlib
@@ -10,10 +11,13 @@ import shutil
 import subprocess
 import sys
 
+import google_crc32c
 import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pipeline import manifest
-from pipeline.convert import verify
+from pipeline.convert import shards, verify
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 
@@ -126,6 +130,19 @@ def test_an_unknown_level_is_a_value_error(dataset):
     manifest.checked_shards(dataset, manifest.load(dataset), "train", verify="full")
 
 
+def test_convert_records_each_shards_crc32c_and_older_manifests_still_open(dataset):
+  m = manifest.load(dataset)
+  for split in m.splits.values():
+    for sh in split.shards:
+      crc = google_crc32c.Checksum((dataset / sh.file).read_bytes()).hexdigest().decode()
+      assert sh.crc32c == crc  # what GCS keeps of the object, once uploaded
+  edit(dataset, lambda d: [sh.pop("crc32c") for s in d["splits"].values() for sh in s["shards"]])
+  older = manifest.load(dataset)  # written before issue 31: sizes and counts are checked
+  assert all(sh.crc32c is None for s in older.splits.values() for sh in s.shards)
+  for split in older.splits:
+    assert manifest.checked_shards(dataset, older, split)
+
+
 def test_a_truncated_manifest_is_a_manifest_error_naming_the_file(dataset):
   path = dataset / manifest.FILENAME
   path.write_text(path.read_text()[:200])
@@ -204,3 +221,111 @@ def test_verify_checks_recorded_sizes(dataset):
   assert problems == [
     f"{shard_of(dataset).name}: {shard_of(dataset).stat().st_size} bytes, manifest says 1"
   ]
+
+
+# --- malformed manifests (issue 31: RecursionError, AttributeError, ValueError, OverflowError) --
+
+
+def opens_or_refuses_in_one_line(data_dir: pathlib.Path) -> manifest.Manifest | None:
+  """Opens the dataset as a reader does (load, then check each split's shards) and reads its
+  provenance as `convert` does: every step works, or one `ManifestError` line naming the file
+  is raised; nothing else escapes. Returns the manifest, or None if refused."""
+  try:
+    m = manifest.load(data_dir)
+    for split in m.splits:
+      manifest.checked_shards(data_dir, m, split)
+    shards.summary(m)
+    shards.split_fingerprints(m)
+  except manifest.ManifestError as e:
+    assert "\n" not in str(e) and str(data_dir) in str(e), str(e)
+    return None
+  return m
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+MALFORMED = {  # what escaped before issue 31, and where
+  "deep": lambda d: DEEP,  # RecursionError in json.loads
+  "deep_field": lambda d: json.dumps(d).replace('"keys": ', f'"keys": {DEEP}, "x": ', 1),
+  "number_as_feature_key": lambda d: json.dumps({**d, "keys": {"image": 5}}),  # AttributeError
+  "list_as_feature_key": lambda d: json.dumps({**d, "keys": {"label": ["l"]}}),
+  "surrogate_feature_key": lambda d: json.dumps({**d, "keys": {"label": "\ud800"}}),  # encode()
+  "nul_in_file_name": lambda d: json.dumps(d).replace('"file": "', '"file": "\\u0000', 1),
+  "newline_in_file_name": lambda d: json.dumps(d).replace('"file": "', '"file": "\\n', 1),
+  "count_past_int64": lambda d: json.dumps(d).replace(  # OverflowError in the sampler
+    '"num_records": ', '"num_records": 1844674407370955161', 2
+  ),
+  "skipped_not_objects": lambda d: json.dumps({**d, "skipped": [1]}),  # TypeError in convert
+  "skipped_without_reason": lambda d: json.dumps({**d, "skipped": [{"path": "a"}]}),
+  "added_not_a_list": lambda d: json.dumps({**d, "created_by": {"added": 5}}),
+  "splits_not_a_list": lambda d: json.dumps({**d, "created_by": {"splits": 5}}),
+  "reencoded_not_a_list": lambda d: json.dumps({**d, "created_by": {"added": [{"reencoded": 1}]}}),
+  "newline_in_split_name": lambda d: json.dumps({**d, "splits": {"a\nb": d["splits"]["train"]}}),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MALFORMED))
+def test_a_malformed_manifest_is_a_manifest_error_in_one_line(dataset, name):
+  path = dataset / manifest.FILENAME
+  path.write_text(MALFORMED[name](json.loads(path.read_text())))
+  assert opens_or_refuses_in_one_line(dataset) is None
+
+
+JSON = st.recursive(
+  st.none()
+  | st.booleans()
+  | st.integers()
+  | st.sampled_from([-1, 2**63, 2**64, 10**40])
+  | st.floats()
+  | st.text(max_size=6),
+  lambda inner: (
+    st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=6), inner, max_size=3)
+  ),
+  max_leaves=8,
+)
+
+
+def _places(value, at=()):
+  """Every place in a JSON value: the key path of each object member and list item."""
+  yield at
+  items = (
+    value.items()
+    if isinstance(value, dict)
+    else enumerate(value)
+    if isinstance(value, list)
+    else ()
+  )
+  for key, item in items:
+    yield from _places(item, (*at, key))
+
+
+@st.composite
+def mutated_manifests(draw, base: dict) -> dict:
+  """`base` with 1-3 values replaced by any JSON, removed, or beside a new member."""
+  d = copy.deepcopy(base)
+  for _ in range(draw(st.integers(1, 3))):
+    place = draw(st.sampled_from([p for p in _places(d) if p]))
+    parent = d
+    for key in place[:-1]:
+      parent = parent[key]
+    action = draw(st.sampled_from(["replace", "remove", "add"]))
+    if action == "replace":
+      parent[place[-1]] = draw(JSON)
+    elif action == "remove":
+      del parent[place[-1]]
+    elif isinstance(parent, dict):
+      parent[draw(st.text(max_size=6))] = draw(JSON)
+    else:
+      parent.append(draw(JSON))
+  return d
+
+
+@settings(
+  max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_mutation_of_a_manifest_opens_or_is_a_manifest_error(dataset, photos_dir, data):
+  base = json.loads((photos_dir / manifest.FILENAME).read_text())
+  (dataset / manifest.FILENAME).write_text(json.dumps(data.draw(mutated_manifests(base))))
+  opens_or_refuses_in_one_line(dataset)

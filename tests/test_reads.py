@@ -8,13 +8,15 @@ slow tests there; here the stage runs on local shards, where its bookkeeping is 
 from __future__ import annotations
 
 import os
+import shutil
 
 import numpy as np
 import pytest
+from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from pipeline import dataset, reads
 from pipeline.cache import RecordCache
-from pipeline.convert import images
+from pipeline.convert import images, shards
 from pipeline.sampling import PAD, Sampler
 from tests.conftest import assert_same_batches, take
 
@@ -161,12 +163,68 @@ def test_a_train_batch_larger_than_the_split_is_refused_an_eval_one_is_padded(ph
 
 
 def test_record_cache_entries_are_checked(tmp_path):
-  cache = RecordCache(0, str(tmp_path), "d", ["shard"])
+  cache = RecordCache(0, str(tmp_path), "d", ["shard"], ["size:mtime"])
   cache.put(7, 0, 7, b"\x07\x00record")
   assert cache.get(7, 0, 7) == b"\x07\x00record"
+  changed = RecordCache(0, str(tmp_path), "d", ["shard"], ["size:another mtime"])
+  assert changed.get(7, 0, 7) is None  # the shard changed since: not its record any more
+  cache.put(7, 0, 7, b"\x07\x00record")
   path = tmp_path / "d" / "shard" / "7.rec"
   path.write_bytes(path.read_bytes()[:-1])  # truncated
   assert cache.get(7, 0, 7) is None and not path.exists()
+  os.mkfifo(path)  # opened without waiting for a writer, and refused
+  assert cache.get(7, 0, 7) is None and not path.exists()
+
+
+def _shard_entries(cache_dir) -> list:
+  """The disk cache's entries of the shard with the most of them, by record index."""
+  folders = [f for f in cache_dir.rglob("*") if f.is_dir() and any(f.glob("*.rec"))]
+  folder = max(folders, key=lambda f: len(list(f.glob("*.rec"))))
+  return sorted(folder.glob("*.rec"), key=lambda p: int(p.stem))
+
+
+def test_a_swapped_copied_or_linked_cache_entry_is_not_served_as_another_record(
+  sharded_dir, tmp_path
+):
+  """Issue 31: an entry moved to another record's name served that record's bytes."""
+  perf = dict(record_cache_mb=0, record_cache_dir=str(tmp_path / "cache"), num_workers=0)
+  first = stages(sharded_dir, train=False, performance=perf)
+  truth = list(dataset.chain(first))
+  e = _shard_entries(tmp_path / "cache")
+  assert len(e) >= 5
+  e[0].rename(tmp_path / "swap")  # records 0 and 1 swapped
+  e[1].rename(e[0])
+  (tmp_path / "swap").rename(e[1])
+  shutil.copyfile(e[2], e[3])  # record 2's entry copied over record 3's
+  e[4].unlink()
+  e[4].symlink_to(e[2])  # record 4's entry a link to record 2's
+  restart = stages(sharded_dir, train=False, performance=perf)
+  assert_same_batches(truth, list(dataset.chain(restart)))
+  assert restart.read.stats.reads == 4  # records 0, 1, 3 and 4, from storage again
+  assert not e[4].is_symlink()
+
+
+def test_the_disk_cache_is_not_served_after_its_shard_changes(sharded_dir, tmp_path):
+  """Issue 31: entries read from a shard stayed valid after the shard was written again."""
+  data = tmp_path / "data"
+  shutil.copytree(sharded_dir, data)
+  perf = dict(record_cache_mb=0, record_cache_dir=str(tmp_path / "cache"), num_workers=0)
+  list(dataset.chain(stages(data, train=False, performance=perf)))  # fills the cache
+  shard = sorted(data.glob("train.array_record-*"))[0]
+  reader = ArrayRecordReader(str(shard))
+  recs = reader.read(list(range(reader.num_records())))
+  reader.close()
+  rewritten = tmp_path / "rewritten"
+  writer = ArrayRecordWriter(str(rewritten), shards.OPTIONS)
+  for rec in reversed(recs):
+    writer.write(rec)
+  writer.close()
+  assert rewritten.stat().st_size == shard.stat().st_size  # the manifest's size check passes
+  os.replace(rewritten, shard)
+  stored = list(dataset.chain(stages(data, train=False, performance=dict(record_cache_mb=0))))
+  cached = stages(data, train=False, performance=perf)
+  assert_same_batches(stored, list(dataset.chain(cached)))  # what the shard holds now
+  assert cached.read.stats.reads == len(recs)  # that shard's records, from storage again
 
 
 def test_a_cache_folder_that_cannot_be_written_is_refused_in_one_line(sharded_dir, tmp_path):

@@ -4,7 +4,8 @@ Trains and evaluates; re-running the same command resumes from the latest checkp
 says "already done"). NAME is a recipe in the repo's configs/ (`default`,
 `imagenet_mobilenet_v1`, ...) or the path of one. `--dry_run` checks the config, the data
 and the fit, prints the plan and stops. On a TPU pod slice run it on every host
-(`--worker=all`); JAX joins the hosts. Mistakes are one line (exit 2); `--verbose` shows
+(`--worker=all`); JAX joins the hosts. Elsewhere name them: `--coordinator_address HOST:PORT
+--num_processes N --process_id I` on each. Mistakes are one line (exit 2); `--verbose` shows
 the traceback.
 """
 
@@ -15,6 +16,11 @@ import re
 import sys
 import traceback
 import warnings
+
+from train import supervise
+
+if __name__ == "__main__" and supervise.wanted(sys.argv[1:]):  # one of several processes
+  raise SystemExit(supervise.run(sys.argv[1:]))
 
 try:  # the 'train' extra: named in one line when missing (`pip install .` has only the library)
   import flax  # noqa: F401
@@ -42,7 +48,18 @@ config_flags.DEFINE_config_file(
   "a recipe: a name in the repo's configs/ or a path",
 )
 MULTIHOST = flags.DEFINE_bool(
-  "multihost", None, "call jax.distributed.initialize() (default: when on a TPU pod slice)"
+  "multihost",
+  None,
+  "join the other processes with jax.distributed (default: on a TPU pod slice, or when "
+  "--num_processes is given)",
+)
+COORDINATOR = flags.DEFINE_string(
+  "coordinator_address", None, "HOST:PORT of process 0, for clusters JAX does not detect"
+)
+NUM_PROCESSES = flags.DEFINE_integer("num_processes", None, "how many processes run the job")
+PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index, 0 to N-1")
+HEARTBEAT = flags.DEFINE_integer(
+  "heartbeat_timeout", 60, "seconds without a heartbeat after which a process counts as lost"
 )
 CACHE = flags.DEFINE_string(
   "compilation_cache",
@@ -130,11 +147,24 @@ def main(argv):
   del argv
   import jax
 
+  from train import hosts
+
+  named = (COORDINATOR.value, NUM_PROCESSES.value, PROCESS_ID.value)
+  if any(v is not None for v in named) and None in named:
+    fail("--coordinator_address, --num_processes and --process_id go together")
   multihost = MULTIHOST.value
   if multihost is None:  # TPU VMs of a pod slice list their peers here
-    multihost = "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
+    multihost = NUM_PROCESSES.value is not None or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
   if multihost:
-    jax.distributed.initialize()
+    try:
+      hosts.initialize(*named, HEARTBEAT.value)
+    except (ValueError, RuntimeError) as e:
+      if VERBOSE.value:
+        raise
+      fail(
+        f"cannot join the other processes ({' '.join(str(e).split())[:200]}); off a TPU pod "
+        "slice name them: --coordinator_address HOST:PORT --num_processes N --process_id I"
+      )
   if CACHE.value:
     jax.config.update("jax_compilation_cache_dir", CACHE.value)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
@@ -155,6 +185,10 @@ def main(argv):
     if VERBOSE.value:
       raise
     fail("interrupted; steps since the last checkpoint are lost", 130)
+  except Exception as e:
+    if multihost and hosts.lost_peer(e):  # the distributed service will say which process
+      hosts.await_verdict(e)
+    raise
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ class Checkpoints:
   def save(self, step: int, state, data) -> None:
     sums = {
       "state_sha256": checksum(state),
-      "data_sha256": _all_processes(data_checksum(data)),
+      "data_sha256": _all_processes(data_checksum(data)),  # one per process
       "step": step,  # a copy under another step's name is not that step's checkpoint
     }
     try:
@@ -133,6 +133,7 @@ class Checkpoints:
     `data` set to its iterator state; (0, state) when there is no checkpoint. Newer ones
     that fail are moved to WORKDIR/unrestorable/ with a warning."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
+    self._check_process_count()
     failed = []
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
@@ -151,6 +152,24 @@ class Checkpoints:
         "folder aside to start over"
       )
     return 0, state
+
+  def _check_process_count(self) -> None:
+    """Refuses, before anything is written, a checkpoint saved by another number of processes
+    (each process's data-iterator state is its own): it is good, on that many processes."""
+    step = self.latest_step()
+    if step is None:
+      return
+    try:
+      sums = self.manager.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))
+      saved = len(sums.checksums["data_sha256"])
+    except Exception:  # noqa: BLE001 - unreadable: restore() reports it, step by step
+      return
+    if saved != jax.process_count():
+      raise UsageError(
+        f"checkpoint {step} in {self.directory} was saved by {saved} process(es), this run has "
+        f"{jax.process_count()}; the checkpoint is good: resume it on {saved} process(es), or "
+        "give another --workdir to start a new run (resuming on another count is not supported)"
+      )
 
   def _set_aside(self, failed: list[tuple[int, str]], step: int) -> None:
     aside = self.workdir / "unrestorable"
@@ -174,6 +193,14 @@ class Checkpoints:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def saved_steps(workdir: epath.Path) -> list[int]:
+  """The steps of the checkpoints in WORKDIR/checkpoints, ascending (finished saves only)."""
+  folder = workdir / "checkpoints"
+  if not folder.is_dir():
+    return []
+  return sorted(int(p.name) for p in folder.iterdir() if p.name.isdigit())
 
 
 def lock(workdir: epath.Path):

@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import io
 import json
 import os
+import pathlib
 import signal
 import time
 
@@ -32,9 +34,10 @@ import numpy as np
 import optax
 from etils import epath
 from flax import nnx
+from jax.experimental import multihost_utils
 
 import pipeline
-from train import UsageError, checkpoints, fit, models
+from train import UsageError, checkpoints, fit, hosts, models
 from train import config as config_lib
 
 MODERATE, HIGH = 0.05, 0.20  # TensorBoard profiler's input-bound thresholds
@@ -57,11 +60,18 @@ def make_mesh(config) -> jax.sharding.Mesh:
   n = jax.device_count()
   if config.model_parallel < 1 or n % config.model_parallel:
     raise UsageError(f"{n} devices do not split into config.model_parallel={config.model_parallel}")
-  return jax.make_mesh(
+  mesh = jax.make_mesh(
     (n // config.model_parallel, config.model_parallel),
     ("data", "model"),
     axis_types=(jax.sharding.AxisType.Auto,) * 2,
   )
+  if any(len({d.process_index for d in row}) > 1 for row in mesh.devices):
+    raise UsageError(
+      f"config.model_parallel={config.model_parallel} spans processes (each has "
+      f"{jax.local_device_count()} devices): a model group must sit on one host; use at most "
+      f"{jax.local_device_count()}"
+    )
+  return mesh
 
 
 def schedule(plan: config_lib.Plan) -> optax.Schedule:
@@ -93,6 +103,19 @@ def create_model(config, num_classes: int) -> nnx.Module:
     dtype=config.compute_dtype,
     rngs=nnx.Rngs(jax.random.key(config.seed, impl="rbg")),  # rbg: 3x faster init on CPU
   )
+
+
+def init_state(config, num_classes: int, plan: config_lib.Plan, mesh: jax.sharding.Mesh):
+  """(graphdef, state): the model and optimizer, their state computed by one jitted program
+  straight into its place on the mesh (replicated), on every process alike."""
+
+  def make():
+    model = create_model(config, num_classes)
+    return model, nnx.Optimizer(model, make_optimizer(config, plan), wrt=nnx.Param)
+
+  graphdef, _ = nnx.split(nnx.eval_shape(make))
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return graphdef, jax.jit(lambda: nnx.state(make()), out_shardings=replicated)()
 
 
 def loss_fn(model, batch, num_classes, label_smoothing, dtype):
@@ -193,23 +216,42 @@ def evaluate(eval_step, state, eval_ds) -> dict[str, float]:
 
 
 class Stop:
-  """SIGTERM (TPU VM preemption) and SIGINT (Ctrl-C) become a flag the loop checks after
-  each step: it saves a checkpoint and exits 128 + the signal (143, 130). A second Ctrl-C
-  quits at once, without saving."""
+  """SIGTERM (TPU VM preemption) and SIGINT (Ctrl-C) stop the loop after a step: it saves a
+  checkpoint and exits 128 + the signal (143, 130). With several processes, JAX's preemption
+  service takes SIGTERM on any of them and picks the step they all save at (Ctrl-C becomes
+  such a notice). A second Ctrl-C quits at once, without saving."""
 
   def __init__(self):
     self.signum = None
-    self._previous = {s: signal.signal(s, self._handle) for s in (signal.SIGTERM, signal.SIGINT)}
+    self.multi = jax.process_count() > 1
+    signals = (signal.SIGINT,) if self.multi else (signal.SIGTERM, signal.SIGINT)
+    self._previous = {s: signal.signal(s, self._handle) for s in signals}
 
   def _handle(self, signum, frame):
     del frame
     if self.signum == signum == signal.SIGINT:
       raise KeyboardInterrupt
     self.signum = signum
+    if self.multi:  # to JAX's preemption notifier, which tells the other processes
+      os.kill(os.getpid(), signal.SIGTERM)
 
-  @property
-  def requested(self) -> bool:
-    return self.signum is not None
+  def after(self, step: int) -> bool:
+    """Whether to save and stop after `step`: the same step on every process."""
+    if not self.multi:
+      return self.signum is not None
+    if not multihost_utils.reached_preemption_sync_point(step):
+      return False
+    self.signum = self.signum or signal.SIGTERM
+    return True
+
+  def say(self, step: int) -> str:
+    if not self.multi:
+      name = signal.Signals(self.signum).name
+      return f"{name}: saved checkpoint at step {step}; re-run the command to resume"
+    return (
+      f"preemption notice (SIGTERM or Ctrl-C on a process): saved checkpoint at step {step} "
+      f"on all {jax.process_count()} processes; re-run the same command on every host to resume"
+    )
 
   def restore(self) -> None:
     for s, handler in self._previous.items():
@@ -264,13 +306,72 @@ def already_done(workdir: epath.Path, plan: config_lib.Plan) -> dict | None:
   return summary if summary["steps"] >= plan.num_steps else None
 
 
+def start_fields(config, setup: Setup, workdir: epath.Path, token: str) -> dict[str, str]:
+  """What every process must agree on before the first step, in the order to check it."""
+  fields = {"code": code_version()}
+  fields.update((f"config.{k}", repr(v)) for k, v in flatten(config.to_dict()))
+  for evaluation in (False, True):
+    data_dir = config_lib.dataset_kwargs(config, evaluation)["data_dir"]
+    meta = pipeline.load_manifest(data_dir).to_json()
+    digest = hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+    fields["eval data" if evaluation else "data"] = f"{data_dir} (manifest {digest[:12]})"
+  fields["plan"] = setup.plan.describe()
+  fields["mesh"] = repr(dict(setup.mesh.shape))
+  fields["workdir"] = token
+  fields["resume from"] = str(checkpoints.saved_steps(workdir)[-1:] or "no checkpoint")
+  fields["summary.json"] = str((workdir / "summary.json").exists())
+  return fields
+
+
+def flatten(d: dict, prefix: str = ""):
+  for k, v in sorted(d.items()):
+    if isinstance(v, dict):
+      yield from flatten(v, f"{prefix}{k}.")
+    else:
+      yield f"{prefix}{k}", v
+
+
+def code_version() -> str:
+  """JAX's version and a digest of the trainer's and the pipeline's sources."""
+  h = hashlib.sha256()
+  for package in (pipeline, models):
+    for path in sorted(pathlib.Path(package.__file__).parent.rglob("*.py")):
+      h.update(path.read_bytes())
+  return f"jax {jax.__version__}, sources {h.hexdigest()[:12]}"
+
+
+def start(config: ml_collections.ConfigDict, workdir: epath.Path):
+  """(setup, lock): the config checked and the data opened on every process, and all of
+  them agreeing on what they will train (`train.hosts`); a mistake anywhere is a
+  `UsageError` on every process, before anything is written but the workdir itself."""
+  setup, lock, token, error = None, None, "", None
+  try:
+    setup = prepare(config)
+    workdir.mkdir(parents=True, exist_ok=True)
+    lock = checkpoints.lock(workdir)
+  except UsageError as e:
+    if jax.process_count() == 1:
+      raise
+    error = str(e)
+  except OSError as e:
+    error = f"cannot create the workdir {workdir}: {checkpoints.one_line(e)}"
+  if jax.process_count() == 1:
+    if error is not None:
+      raise UsageError(error)
+    return setup, lock
+  try:
+    token = hosts.shared_workdir(workdir)
+  except OSError as e:
+    error = error or f"cannot write into the workdir {workdir}: {checkpoints.one_line(e)}"
+  hosts.agree({} if error else start_fields(config, setup, workdir, token), error)
+  return setup, lock
+
+
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
-  setup = prepare(config)
-  plan, mesh = setup.plan, setup.mesh
   workdir = epath.Path(workdir).absolute()
-  workdir.mkdir(parents=True, exist_ok=True)
+  setup, lock = start(config, workdir)
+  plan, mesh = setup.plan, setup.mesh
   is_chief = jax.process_index() == 0
-  lock = checkpoints.lock(workdir)
   done = already_done(workdir, plan)
   if done is not None:
     if is_chief:
@@ -283,11 +384,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   if is_chief:
     print(f"plan: {plan.describe()}\n{setup.notes}{EXPLAIN_WAIT}", flush=True)
 
-  model = create_model(config, setup.num_classes)
-  optimizer = nnx.Optimizer(model, make_optimizer(config, plan), wrt=nnx.Param)
-  graphdef, state = nnx.split((model, optimizer))
-  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
-  state = jax.device_put(state, replicated)
+  graphdef, state = init_state(config, setup.num_classes, plan, mesh)
   train_step, eval_step = make_steps(graphdef, setup.num_classes, config)
   train_it = iter(pipeline.device_prefetch(setup.train_ds, mesh, depth=config.device_depth))
   eval_ds = pipeline.device_prefetch(
@@ -335,7 +432,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
       if profile and step == profile[1] and is_chief:
         jax.profiler.stop_trace()
 
-      stopping = stop.requested  # read once: a signal may land at any moment
+      stopping = stop.after(step)  # read once: a signal may land at any moment
       log_now = step % config.log_every == 0 or step == plan.num_steps
       save_now = step % plan.checkpoint_every == 0 or stopping
       eval_now = step % plan.eval_every == 0 and step < plan.num_steps
@@ -372,11 +469,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
           ckpt.save(step, state, train_it)
       if stopping:
         if is_chief:
-          print(
-            f"{signal.Signals(stop.signum).name}: saved checkpoint at step {step}; "
-            "re-run the command to resume",
-            flush=True,
-          )
+          print(stop.say(step), flush=True)
         raise SystemExit(128 + stop.signum)
       if eval_now:
         with window.pause():

@@ -70,7 +70,7 @@ def _jpeg_mode(data: bytes) -> str:
   """Names what makes a JPEG unfit for the fast path, e.g. "lossless" or "12-bit"."""
   frame = decode.jpeg_frame(data)
   if frame is None:
-    return "irregular (bytes between segments)"
+    return "irregular (no frame header found)"
   marker, precision, _, _ = frame
   if marker in decode._PLAIN_SOF:
     return f"{precision}-bit"

@@ -6,7 +6,7 @@ sizes), so the output is byte-identical whatever the worker count or completion 
 A conversion never touches the dataset already in OUT until it is complete. It holds a lock
 on OUT and builds in `OUT/.convert-build/` (tagged with the job's fingerprint: the source
 listing and every argument): each shard is written under a temporary name and renamed when
-complete, and a done marker (count, sha256, size, skipped files) lets a re-run after a crash
+complete, and a done marker (count, sha256, crc32c, size, skipped files) lets a re-run after a crash
 keep it. At the end the new manifest is written to the build folder (the commit point) and
 swapped in: the shards are renamed into OUT, then manifest.json is replaced in one rename.
 Should a new shard take the name of a file already in OUT, the old manifest.json is removed
@@ -33,6 +33,7 @@ import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
+import google_crc32c
 import numpy as np
 from array_record.python import array_record_module
 
@@ -87,6 +88,7 @@ class ShardResult:
   size: int
   skipped: list[dict[str, str]]
   reencoded: list[dict[str, str]]
+  crc32c: str | None = None  # markers of earlier versions lack it: their shards are rewritten
 
 
 def shard_name(split: str, index: int, count: int) -> str:
@@ -138,11 +140,18 @@ def plan_split(
 
 
 def sha256_file(path: str | os.PathLike) -> str:
-  h = hashlib.sha256()
+  return digests(path)[0]
+
+
+def digests(path: str | os.PathLike) -> tuple[str, str]:
+  """(sha256, crc32c) of a file in one pass, as hex; the CRC32C is what GCS keeps of every
+  object, so a reader checks a gs:// shard against it with one metadata request."""
+  h, crc = hashlib.sha256(), google_crc32c.Checksum()
   with open(path, "rb") as f:
     while block := f.read(1 << 22):
       h.update(block)
-  return h.hexdigest()
+      crc.update(block)
+  return h.hexdigest(), crc.hexdigest().decode()
 
 
 def fingerprint(*parts: Any) -> str:
@@ -167,12 +176,12 @@ class AtomicShard:
     self._writer.write(record)
     self.num_records += 1
 
-  def commit(self) -> tuple[int, str, int]:
-    """Closes and renames the shard; returns (num_records, sha256, size in bytes)."""
+  def commit(self) -> tuple[int, str, int, str]:
+    """Closes and renames the shard; returns (num_records, sha256, size in bytes, crc32c)."""
     self._writer.close()
-    digest, size = sha256_file(self.tmp), os.path.getsize(self.tmp)
+    (sha256, crc32c), size = digests(self.tmp), os.path.getsize(self.tmp)
     os.replace(self.tmp, self.path)
-    return self.num_records, digest, size
+    return self.num_records, sha256, size, crc32c
 
 
 def _write_json(path: str, data: Any) -> None:
@@ -203,7 +212,8 @@ def _load_done(out: str, name: str, fp: str) -> ShardResult | None:
     return None
   result = ShardResult(**marker["result"])
   path = os.path.join(build_dir(out), name)
-  return result if os.path.isfile(path) and os.path.getsize(path) == result.size else None
+  intact = os.path.isfile(path) and os.path.getsize(path) == result.size
+  return result if intact and result.crc32c is not None else None
 
 
 def _mark_done(out: str, result: ShardResult, fp: str) -> None:
@@ -468,7 +478,8 @@ class _ShardBuilder:
     self.left -= len(task)
     if self.left:
       return False
-    result = ShardResult(self.plan.name, *self.shard.commit(), self.skipped, self.reencoded)
+    count, sha256, size, crc32c = self.shard.commit()
+    result = ShardResult(self.plan.name, count, sha256, size, self.skipped, self.reencoded, crc32c)
     _mark_done(self.job.out, result, self.job.fp)
     return True
 
@@ -552,7 +563,9 @@ def finish(job: Job) -> manifest_lib.Manifest:
     raise RuntimeError(f"{job.out}: shards not written: {missing[:5]}...")
   by_split = {s: manifest_lib.Split(0, []) for s in job.splits}
   for plan, r in zip(job.plans, results):
-    by_split[plan.split].shards.append(manifest_lib.Shard(r.name, r.num_records, r.sha256, r.size))
+    by_split[plan.split].shards.append(
+      manifest_lib.Shard(r.name, r.num_records, r.sha256, r.size, r.crc32c)
+    )
     by_split[plan.split].num_records += r.num_records
   skipped = sorted(
     list(job.skipped) + [s for r in results for s in r.skipped],

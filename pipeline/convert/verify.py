@@ -1,8 +1,8 @@
 """`verify OUT`: re-reads every shard and checks it against manifest.json.
 
-Checks each shard's existence, sha256 and record count, parses every record, checks every
-label against the class count and fully decodes every image. Problems name the shard and
-record index; the CLI exits non-zero if there is any.
+Checks each shard's existence, sha256 (and crc32c) and record count, parses every record,
+checks every label against the class count and fully decodes every image. Problems name the
+shard and record index; the CLI exits non-zero if there is any.
 """
 
 from __future__ import annotations
@@ -57,8 +57,11 @@ def _check_file(path: str, shard: manifest_lib.Shard) -> tuple[bool, list[str]]:
   problems = []
   if shard.bytes is not None and st.st_size != shard.bytes:
     problems.append(f"{shard.file}: {st.st_size} bytes, manifest says {shard.bytes}")
-  if (digest := shards.sha256_file(path)) != shard.sha256:
+  digest, crc32c = shards.digests(path)
+  if digest != shard.sha256:
     problems.append(f"{shard.file}: sha256 {digest[:12]}... != manifest {shard.sha256[:12]}...")
+  if shard.crc32c is not None and crc32c != shard.crc32c:
+    problems.append(f"{shard.file}: crc32c {crc32c} != manifest {shard.crc32c}")
   try:
     reader = array_record_module.ArrayRecordReader(path)
     count = reader.num_records()

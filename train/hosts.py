@@ -1,0 +1,141 @@
+"""Several processes (the hosts of a pod slice) running one training job.
+
+`initialize` joins them (`jax.distributed`); `agree` checks, before the first step, that
+every process is about to train the same thing, and refuses on every host in one line
+naming the first field that differs; `shared_workdir` checks that all of them see one
+workdir. Both talk through the distributed service's key-value store, not through device
+collectives, so a process that failed to set up is reported by the others instead of
+leaving them blocked in a collective. A lost process is reported by `train.supervise`.
+"""
+
+from __future__ import annotations
+
+import json
+import secrets
+import sys
+import time
+
+import jax
+from etils import epath
+from jax._src import distributed
+
+from train import UsageError
+
+START_TIMEOUT_S = 60  # for every process to reach the start check
+TOKEN = "processes.token"  # written by process 0 into the workdir, read by the others
+
+
+def initialize(
+  coordinator: str | None, num_processes: int | None, process_id: int | None, heartbeat_s: int
+) -> None:
+  """`jax.distributed.initialize`: with a coordinator, count and id when given (any cluster,
+  or processes on one machine), else JAX's own detection (TPU pod slice, Slurm, ...). A
+  process that stops sending heartbeats for `heartbeat_s` is declared lost."""
+  global _heartbeat_s
+  _heartbeat_s = heartbeat_s
+  jax.distributed.initialize(
+    coordinator,
+    num_processes,
+    process_id,
+    heartbeat_timeout_seconds=heartbeat_s,
+    shutdown_timeout_seconds=heartbeat_s,
+  )
+
+
+_heartbeat_s = 0
+
+
+def _client():
+  return distributed.global_state.client
+
+
+def _gather(name: str, value: str) -> list[str]:
+  """Every process's `value` for `name`, in process order (process 0 first)."""
+  client, me = _client(), jax.process_index()
+  client.key_value_set(f"train/{name}/{me}", value)
+  out = []
+  for i in range(jax.process_count()):
+    try:
+      out.append(client.blocking_key_value_get(f"train/{name}/{i}", START_TIMEOUT_S * 1000))
+    except Exception as e:  # noqa: BLE001 - jaxlib's error type for a timeout is not public
+      raise UsageError(
+        f"process {i} did not reach the start check within {START_TIMEOUT_S} s; start the "
+        f"same command on every host ({' '.join(str(e).split())[:120]})"
+      ) from None
+  return out
+
+
+def shared_workdir(workdir: epath.Path) -> str:
+  """A token process 0 writes into `workdir`, as this process reads it back ('' when it
+  cannot): equal on every process exactly when they share the folder."""
+  path = workdir / TOKEN
+  if jax.process_index() == 0:
+    try:
+      path.write_text(secrets.token_hex(16))
+    finally:  # the others wait for this, written or not (process 0 reports its own error)
+      _client().key_value_set("train/token_written", "1")
+  else:
+    _client().blocking_key_value_get("train/token_written", START_TIMEOUT_S * 1000)
+  try:
+    return path.read_text().strip()
+  except OSError:
+    return ""
+
+
+def _show(value: str) -> str:
+  return value if len(value) <= 60 else value[:57] + "..."
+
+
+def agree(fields: dict[str, str], error: str | None) -> None:
+  """Raises `UsageError` on every process unless all set up (`error` is None everywhere)
+  and all have the same `fields` (name -> value, in the order to check them)."""
+  if jax.process_count() == 1:
+    if error:
+      raise UsageError(error)
+    return
+  mine = json.dumps({"error": error, "fields": list(fields.items())})
+  everyone = [json.loads(s) for s in _gather("start", mine)]
+  if error:
+    raise UsageError(error)
+  failed = [(i, p["error"]) for i, p in enumerate(everyone) if p["error"]]
+  if failed:
+    raise UsageError(f"process {failed[0][0]} cannot start: {failed[0][1]}")
+  reference = dict(everyone[0]["fields"])
+  for name, value in everyone[0]["fields"]:
+    differ = [i for i, p in enumerate(everyone) if dict(p["fields"]).get(name) != value]
+    if not differ:
+      continue
+    who = f"process{'es' if len(differ) > 1 else ''} {', '.join(map(str, differ))}"
+    if name == "workdir":
+      raise UsageError(
+        f"the workdir is not shared: {who} cannot read the {TOKEN} process 0 "
+        "wrote into it; put --workdir on a bucket (gs://...) or a disk every host mounts"
+      )
+    theirs = dict(everyone[differ[0]]["fields"]).get(name, "(missing)")
+    raise UsageError(
+      f"processes disagree on {name}: process 0 has {_show(reference[name])}, {who} "
+      f"{_show(theirs)}; start every host with the same command, config and data"
+    )
+  extra = {n for p in everyone for n, _ in p["fields"]} - set(reference)
+  if extra:
+    raise UsageError(f"processes disagree on {sorted(extra)[0]}: process 0 lacks it")
+
+
+def lost_peer(error: BaseException) -> bool:
+  """Whether `error` may be a collective that failed because another process died."""
+  return jax.process_count() > 1 and (
+    isinstance(error, jax.errors.JaxRuntimeError) or "Gloo" in str(error)
+  )
+
+
+def await_verdict(error: BaseException) -> None:
+  """Waits for the distributed service to declare which process was lost (it then ends
+  this one, and `train.supervise` says so); re-raises `error` if it never does."""
+  print(
+    f"process {jax.process_index()}: a collective failed ({' '.join(str(error).split())[:160]}); "
+    f"waiting up to {_heartbeat_s} s for the distributed service to name the lost process",
+    file=sys.stderr,
+    flush=True,
+  )
+  time.sleep(_heartbeat_s + 30)
+  raise error
