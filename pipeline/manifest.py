@@ -298,9 +298,10 @@ def _look(path) -> tuple[int | None, tuple | None, str | None]:
     if not stat.S_ISREG(st.st_mode):
       return None, None, None
     return st.st_size, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), None
-  info = _gcs_object(path) if os.fspath(path).startswith("gs://") else None
+  gs = os.fspath(path).startswith("gs://")
+  info = remote.call(lambda: _gcs_object(path), path) if gs else None  # deadline, retries
   if info is None:
-    st = epath.Path(path).stat()
+    st = remote.call(epath.Path(path).stat, path)
     return (None if st.is_directory else st.length), None, None
   if info.get("type") != "file":
     return None, None, None

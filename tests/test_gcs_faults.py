@@ -67,8 +67,9 @@ class _Handler(http.server.BaseHTTPRequestHandler):
       self.send_response(204)
       self.end_headers()
       return
-    if server.fault == "stall shards":  # array_record's reads of the records
-      if "array_record" in self.path and "alt=media" in self.path:
+    if server.fault in ("stall shards", "stall shard metadata"):
+      media = "alt=media" in self.path  # array_record's reads of the records, or gcsfs' stat
+      if "array_record" in self.path and media == (server.fault == "stall shards"):
         server.released.wait()
         return
     elif server.fault and "manifest.json" in self.path:
@@ -163,9 +164,10 @@ def test_a_read_that_stalls_once_is_read_again_after_its_deadline(bucket):
 
 
 @needs_emulator
-def test_a_shard_read_that_stalls_is_one_line_within_seconds(bucket):
+@pytest.mark.parametrize("fault", ["stall shards", "stall shard metadata"])
+def test_a_shard_read_that_stalls_is_one_line_within_seconds(bucket, fault):
   proxy, env = bucket
-  proxy.fault = "stall shards"
+  proxy.fault = fault
   code = SHORT + (
     "import pipeline\n"
     "pipeline.make_dataset('gs://bkt/digits', batch_size=8, image_size=32, shard_index=0, "
