@@ -868,7 +868,7 @@ def settings_from_config(config, path: str = "the config") -> Settings:
     raise UsageError(
       f"{path} has no `input` block (pipeline.make_dataset's keywords, as in configs/default.py)"
     )
-  kwargs = _plain(config.input)
+  kwargs = {k: v for k, v in _plain(config.input).items() if v is not None}  # None: unset
   fields = {f.name for f in dataclasses.fields(Settings)} - {"batch_size", "other"}
   known = {k: kwargs.pop(k) for k in list(kwargs) if k in fields}
   known.setdefault("seed", config.get("seed", 0))

@@ -527,8 +527,9 @@ def hosts(
         }
       )
       if storage:
-        rate = out[-1]["projected_img_s"] * min(1.0, storage["of_rig_0ms"])
-        out[-1]["at_latency_img_s"] = round(rate)
+        # the needs of the rate as published, so the figures agree with each other exactly
+        rate = round(out[-1]["projected_img_s"] * min(1.0, storage["of_rig_0ms"]))
+        out[-1]["at_latency_img_s"] = rate
         out[-1].update(storage_needs(rate, storage, record_kb))
   return out
 

@@ -15,7 +15,7 @@ import ml_collections
 from ml_collections import config_dict
 
 import pipeline
-from train.config import options
+from train.config import eval_input_config, input_config, options
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -23,19 +23,17 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 def get_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Data: `make data` builds the digits from scikit-learn's (no downloads).
-  c.input = ml_collections.ConfigDict(
-    dict(
-      data_dir=str(REPO / "data" / "digits"),
-      split="train",
-      image_size=32,
-      on_error="raise",  # or "skip" bad records (counted)
-      # Digits survive mild crops, not Inception's 8%; a mirrored 3 is not a 3.
-      augment=options(pipeline.Augment, area_range=(0.5, 1.0), flip=False),
-      # Decoded digits fit in RAM: decode once, crop per epoch. None: chosen for the host.
-      performance=options(pipeline.Performance, prefetch=2, cache_mb=256.0),
-    )
+  c.input = input_config(  # every make_dataset keyword; those not named here: its defaults
+    data_dir=str(REPO / "data" / "digits"),
+    split="train",
+    image_size=32,
+    on_error="raise",  # or "skip" bad records (counted)
+    # Digits survive mild crops, not Inception's 8%; a mirrored 3 is not a 3.
+    augment=options(pipeline.Augment, area_range=(0.5, 1.0), flip=False),
+    # Decoded digits fit in RAM: decode once, crop per epoch. None: chosen for the host.
+    performance=options(pipeline.Performance, prefetch=2, cache_mb=256.0),
   )
-  c.eval_input = ml_collections.ConfigDict(dict(split="validation"))
+  c.eval_input = eval_input_config(split="validation")  # unset fields: as in c.input
   c.device_depth = 2  # batches already on the devices
 
   # Model.

@@ -7,26 +7,22 @@ The learning rate is per 256 examples and the schedule in epochs, so `--config.b
 alone rescales both.
 """
 
-import ml_collections
-
 import pipeline
 from configs import default
-from train.config import options
+from train.config import eval_input_config, input_config, options
 
 
 def get_config():
   c = default.get_config()
-  c.input = ml_collections.ConfigDict(
-    dict(
-      data_dir="/data/imagenet",  # python -m pipeline.convert images .../train ...
-      split="train",
-      image_size=224,
-      on_error="raise",
-      augment=options(pipeline.Augment),  # Inception crop (8-100% of the area), flip
-      performance=options(pipeline.Performance),
-    )
+  c.input = input_config(
+    data_dir="/data/imagenet",  # python -m pipeline.convert images .../train ...
+    split="train",
+    image_size=224,
+    on_error="raise",
+    augment=options(pipeline.Augment),  # Inception crop (8-100% of the area), flip
+    performance=options(pipeline.Performance),
   )
-  c.eval_input = ml_collections.ConfigDict(dict(split="validation"))
+  c.eval_input = eval_input_config(split="validation")
   c.model = "mobilenet_v1"
   c.alpha = 1.0
   c.dropout = 1e-3

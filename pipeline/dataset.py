@@ -218,6 +218,7 @@ def build(
     fast_dct=perf.fast_dct,
   )
   source = ShardedSource(paths, counts, pins)
+  guards.check_address_space(f"split {split!r} of {data_dir}")
   if features:
     from pipeline import features as features_lib
 
@@ -236,6 +237,15 @@ def build(
     image_bytes=image_size**2 * 3,
     prefetch=perf.prefetch,
   )
+  if chosen.workers and handoff.available():  # a ring /dev/shm cannot hold: SIGBUS later
+    batch_bytes = batch_size * image_size**2 * 3 * (5 if normalize else 1)  # + float32 copy
+    needed = handoff.shm_needed(
+      chosen.workers, batch_bytes, perf.prefetch, parallelism.WORKER_BATCHES
+    )
+    short = handoff.shm_check(chosen.workers, needed)
+    if short:
+      chosen = parallelism.plan(num_workers=0, batch_size=batch_size, prefetch=perf.prefetch)
+      chosen = dataclasses.replace(chosen, why=short)
   latency_s, record_bytes = reads.probe(source)
   cache = _record_cache(meta, split, perf, latency_s, record_bytes, chosen, sampler, pins)
   read = reads.ReadRecords(
@@ -359,7 +369,7 @@ def chain(stages: Stages) -> grain.IterDataset:
     if writer is not None:
       it = handoff.SendIterDataset(it, writer)
     it = it.mp_prefetch(
-      grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=_ignore_sigint
+      grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=_worker_init
     )
     if writer is not None:
       it = handoff.ReceiveIterDataset(it)
@@ -416,13 +426,14 @@ def _process_shard(shard_index, shard_count) -> tuple[int, int]:
   return shard_index, shard_count
 
 
-def _ignore_sigint(worker_index: int, worker_count: int) -> None:
+def _worker_init(worker_index: int, worker_count: int) -> None:
   """Ctrl-C is the main process's to handle (the trainer saves a checkpoint); workers that
-  also received it would die with tracebacks mid-save."""
+  also received it would die with tracebacks mid-save. Workers end with the main process."""
   del worker_index, worker_count
   import signal
 
   signal.signal(signal.SIGINT, signal.SIG_IGN)
+  lifecycle.die_with_parent()
 
 
 def _ensure_absl_flags_parsed() -> None:

@@ -6,16 +6,60 @@ batches gives zero batches per epoch, and repeated records after that.
 the main script; a script that builds the pipeline at module level, without
 `if __name__ == "__main__":`, would build it again inside each worker and die there with a
 long multiprocessing traceback. Both raise a one-line `ValueError` saying what to change.
+`check_address_space`: array_record starts a pool of 64 threads on a process's first open;
+under an address-space limit (RLIMIT_AS, `ulimit -v`) too small for it, that open hangs
+forever inside array_record. Refused before, in one line (`AddressSpaceError`).
 """
 
 from __future__ import annotations
 
 import ast
 import multiprocessing
+import resource
 import sys
 import types
 
 GUARD = 'if __name__ == "__main__":'
+POOL_THREADS = 64  # array_record's global pool (C++ flag array_record_global_pool_size)
+# Address space its start takes beyond the threads' stacks (malloc arenas of new threads):
+# measured here, the open hung with up to 1,060 MiB of headroom (8 MiB stacks) and 500 MiB
+# (2 MiB stacks), and worked from 1,100 and 600; this covers both with a margin.
+POOL_EXTRA = 640 * 2**20
+_pool_checked = False
+
+
+class AddressSpaceError(OSError):
+  """This process cannot have the memory to open a split (an address-space limit)."""
+
+
+def _virtual_bytes() -> int:
+  with open("/proc/self/status") as f:
+    for line in f:
+      if line.startswith("VmSize:"):
+        return int(line.split()[1]) * 1024
+  return 0
+
+
+def check_address_space(what: str) -> None:
+  """Refuses to open `what` when RLIMIT_AS leaves too little address space for array_record
+  to start its read threads (a hang inside array_record, never an error). Checked before
+  the first open in a process only: later opens reuse the threads."""
+  global _pool_checked
+  limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+  if _pool_checked or limit == resource.RLIM_INFINITY:
+    return
+  stack = resource.getrlimit(resource.RLIMIT_STACK)[0]
+  stack = 8 * 2**20 if stack == resource.RLIM_INFINITY else stack
+  needed = POOL_THREADS * stack + POOL_EXTRA
+  left = limit - _virtual_bytes()
+  if left < needed:
+    raise AddressSpaceError(
+      f"out of memory to open {what}: array_record's {POOL_THREADS} read threads need "
+      f"~{needed / 2**20:,.0f} MiB of address space, the limit (RLIMIT_AS, ulimit -v) of "
+      f"{limit / 2**20:,.0f} MiB leaves {max(left, 0) / 2**20:,.0f} MiB: raise it, or lower "
+      "the threads' stack size (ulimit -s)"
+    )
+  _pool_checked = True
 
 
 def check_batch_fits(

@@ -19,18 +19,24 @@ process drops it) and a generation the main process checks against the descripto
 Nothing is left in /dev/shm: a name is unlinked as soon as the main process maps it; blocks
 never received are unlinked by their worker at exit, by the main process when the iterator
 closes (for workers that are gone) and at exit, and after a crash by the next process that
-makes a ring.
+makes a ring. Names hold random tokens, not process ids, and a block's worker holds a lock
+on it (flock) while it lives: so a sweep, even from another PID namespace sharing /dev/shm
+(containers), removes only blocks whose worker is gone. A block's memory is allocated when
+it is made (fallocate): a full /dev/shm is an error naming the fix, never a SIGBUS later;
+`shm_check` says at start when /dev/shm is too small for the ring at all.
 """
 
 from __future__ import annotations
 
 import atexit
 import dataclasses
+import errno
+import fcntl
 import glob
 import mmap
 import os
+import secrets
 import threading
-import uuid
 from typing import Any
 
 import grain
@@ -45,7 +51,7 @@ FREE, TAKEN, SENT = 0, 1, 2
 
 
 class HandoffError(RuntimeError):
-  """A batch's shared memory was not what its descriptor said (a bug; never silent)."""
+  """A batch's shared memory was not what its descriptor said, or could not be had."""
 
 
 def available() -> bool:
@@ -53,18 +59,62 @@ def available() -> bool:
   return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
 
 
+def shm_needed(workers: int, batch_bytes: int, prefetch: int, held: int) -> int:
+  """Bytes of /dev/shm the rings of `workers` take: each holds its prefetch and `held`
+  batches more (parallelism.WORKER_BATCHES), in blocks of whole MiB."""
+  block = HEADER + max(ROUND, -(-batch_bytes // ROUND) * ROUND)
+  return workers * (prefetch + held) * block
+
+
+def shm_check(workers: int, needed: int) -> str | None:
+  """Why /dev/shm cannot hold `needed` bytes for `workers` (words naming the fix), or None."""
+  st = os.statvfs(SHM_DIR)
+  free = st.f_bavail * st.f_frsize
+  if free >= needed:
+    return None
+  return (
+    f"{SHM_DIR} has {free / 2**20:,.0f} MiB free, {workers} worker processes' batches need "
+    f"~{needed / 2**20:,.0f} MiB; docker run --shm-size=1g to use them"
+  )
+
+
 class _Block:
-  """One shared-memory file, mapped once: a header and `capacity` bytes of data."""
+  """One shared-memory file, mapped once: a header and `capacity` bytes of data. The worker
+  that makes it holds a lock on it until it unlinks it or exits (see `sweep_crashed`)."""
 
   def __init__(self, name: str, capacity: int = 0):
     path = os.path.join(SHM_DIR, name)
     create = capacity > 0
-    fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    self.fd = None
+    try:
+      fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
+    except FileNotFoundError:
+      raise HandoffError(
+        f"shared-memory block {path} is gone before this process read it: something else "
+        f"deleted it (a cleanup of {SHM_DIR}, or an older version of this library in "
+        "another container sharing it); the batch is lost"
+      ) from None
     try:
       if create:
-        os.ftruncate(fd, HEADER + capacity)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+          os.posix_fallocate(fd, 0, HEADER + capacity)
+        except OSError as e:
+          os.unlink(path)
+          if e.errno != errno.ENOSPC:
+            raise
+          raise HandoffError(
+            f"{SHM_DIR} is full: no room for a {capacity / 2**20:.0f} MiB batch of a worker "
+            "process; give it more (docker run --shm-size=1g) or use fewer workers "
+            "(performance.num_workers)"
+          ) from None
       self.map = mmap.mmap(fd, os.fstat(fd).st_size)
-    finally:
+    except BaseException:
+      os.close(fd)
+      raise
+    if create:
+      self.fd = fd  # the lock lives as long as the fd
+    else:
       os.close(fd)
     self.name, self.path = name, path
     self.words = np.frombuffer(self.map, np.uint32, 2)  # state, generation
@@ -77,6 +127,9 @@ class _Block:
       os.unlink(self.path)
     except FileNotFoundError:
       pass
+    if self.fd is not None:
+      os.close(self.fd)
+      self.fd = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,8 +163,8 @@ class _WorkerLease:
 class Ring:
   """One worker process's blocks for one dataset (`Writer`); made on first use."""
 
-  def __init__(self, owner: int, token: str):
-    self.prefix = f"{PREFIX}-{owner}-{token}-{os.getpid()}-"
+  def __init__(self, token: str):
+    self.prefix = f"{PREFIX}-{token}-{secrets.token_hex(8)}-"
     self.blocks: list[_Block] = []
     self.created = 0
     self._lock = threading.Lock()
@@ -166,28 +219,30 @@ class Ring:
       block.unlink()
 
 
-_RINGS: dict[tuple[int, str], Ring] = {}
+_RINGS: dict[str, Ring] = {}
 _RINGS_LOCK = threading.Lock()
+_TOKENS: set[str] = set()  # of the writers this process made (swept at its exit)
 
 
 @dataclasses.dataclass(frozen=True)
 class Writer:
-  """Picklable handle of the rings of one dataset: each worker process makes its own."""
+  """Picklable handle of the rings of one dataset: each worker process makes its own. The
+  token (128 random bits) names its blocks: no other process can guess or reuse them."""
 
-  owner: int
   token: str
 
   @classmethod
   def new(cls) -> Writer:
     sweep_crashed()
-    return cls(os.getpid(), uuid.uuid4().hex[:12])
+    writer = cls(secrets.token_hex(16))
+    _TOKENS.add(writer.token)
+    return writer
 
   def ring(self) -> Ring:
-    key = (self.owner, self.token)
-    ring = _RINGS.get(key)
+    ring = _RINGS.get(self.token)
     if ring is None:
       with _RINGS_LOCK:
-        ring = _RINGS.setdefault(key, Ring(self.owner, self.token))
+        ring = _RINGS.setdefault(self.token, Ring(self.token))
     return ring
 
   def empty(self, shape: tuple, dtype) -> np.ndarray:
@@ -326,37 +381,40 @@ class _ReceiveIterator(grain.DatasetIterator):
 
   def close(self) -> None:
     super().close()  # stops the workers first
-    sweep(os.getpid())
+    for token in _TOKENS:
+      sweep(token)
 
 
-def _alive(pid: int) -> bool:
+def _names(token: str = "*") -> list[str]:
+  """Paths of the ring blocks of `token` (default: of every writer) in /dev/shm."""
+  return glob.glob(os.path.join(SHM_DIR, f"{PREFIX}-{token}-*"))
+
+
+def _orphaned(path: str) -> bool:
+  """Whether no process holds the block's lock: its worker is gone (whatever its PID
+  namespace). A block still being made (size 0, before its lock) is left alone."""
   try:
-    os.kill(pid, 0)
-  except ProcessLookupError:
+    fd = os.open(path, os.O_RDONLY)
+  except FileNotFoundError:
     return False
-  except PermissionError:
-    return True
-  return True
+  try:
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+  except BlockingIOError:
+    return False
+  else:
+    return os.fstat(fd).st_size > 0
+  finally:
+    os.close(fd)  # releases the lock taken, if any
 
 
-def _names(owner: str = "*") -> list[tuple[str, int, int]]:
-  """(path, owner pid, worker pid) of ring blocks in /dev/shm."""
-  out = []
-  for path in glob.glob(os.path.join(SHM_DIR, f"{PREFIX}-{owner}-*")):
-    parts = os.path.basename(path)[len(PREFIX) + 1 :].split("-")
-    if len(parts) == 4 and parts[0].isdigit() and parts[2].isdigit():
-      out.append((path, int(parts[0]), int(parts[2])))
-  return out
-
-
-def sweep(owner: int) -> int:
-  """Unlinks the blocks of `owner`'s datasets whose worker process is gone; returns how many."""
-  return sum(_unlink(path) for path, _, worker in _names(str(owner)) if not _alive(worker))
+def sweep(token: str) -> int:
+  """Unlinks the blocks of `token`'s writer whose worker process is gone; returns how many."""
+  return sum(_unlink(path) for path in _names(token) if _orphaned(path))
 
 
 def sweep_crashed() -> int:
-  """Unlinks blocks whose owner process is gone (a crash left them)."""
-  return sum(_unlink(path) for path, owner, _ in _names() if not _alive(owner))
+  """Unlinks blocks whose worker process is gone (a crash left them)."""
+  return sum(_unlink(path) for path in _names() if _orphaned(path))
 
 
 def _unlink(path: str) -> int:
@@ -367,7 +425,14 @@ def _unlink(path: str) -> int:
     return 0
 
 
+def close_rings() -> None:
+  """Unlinks this process's own blocks (a worker whose main process died)."""
+  for ring in list(_RINGS.values()):
+    ring.close()
+
+
 @atexit.register
 def _sweep_at_exit() -> None:
-  for path, _, _ in _names(str(os.getpid())):
-    _unlink(path)
+  for token in _TOKENS:
+    for path in _names(token):
+      _unlink(path)

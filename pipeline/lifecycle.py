@@ -1,4 +1,5 @@
-"""Iterators closed at interpreter exit, so users never see Grain's shutdown noise.
+"""Iterators closed at interpreter exit, so users never see Grain's shutdown noise; worker
+processes that end with the process that started them.
 
 Grain iterators still alive when Python exits print errors from `__del__` (their modules
 are already torn down; grain #1031) and leak shared-memory warnings. Datasets returned by
@@ -8,6 +9,9 @@ this library register each iterator they create and close the live ones at exit.
 from __future__ import annotations
 
 import atexit
+import multiprocessing
+import os
+import threading
 import weakref
 
 import grain
@@ -57,3 +61,22 @@ def _close_live_iterators() -> None:
       pass
     for node in _chain(it):  # their __del__ would close again, after modules are gone
       node.close = _noop
+
+
+def die_with_parent() -> None:
+  """In a worker process: exit (its shared memory unlinked) as soon as the process that
+  started it is gone, even by SIGKILL; else a worker outlives it for good. Watches the
+  pipe multiprocessing leaves to the parent (it closes when the parent dies, whichever
+  thread started the worker: a parent-death signal would fire when that thread ends)."""
+  parent = multiprocessing.parent_process()
+  if parent is None:
+    return
+
+  def watch():
+    parent.join()
+    from pipeline import handoff
+
+    handoff.close_rings()
+    os._exit(1)
+
+  threading.Thread(target=watch, name="pipeline-parent-watch", daemon=True).start()

@@ -33,6 +33,7 @@ from typing import Any
 
 from etils import epath
 
+from pipeline import remote
 from pipeline.records import Keys
 
 FILENAME = "manifest.json"
@@ -234,7 +235,7 @@ def _regular_size(path: epath.Path) -> int | None:
   if _is_local(path):
     st = os.stat(path)
     return st.st_size if stat.S_ISREG(st.st_mode) else None
-  st = path.stat()
+  st = remote.call(path.stat, path)
   return None if st.is_directory else st.length
 
 
@@ -266,7 +267,7 @@ def load(data_dir) -> Manifest:
   if size is None:
     raise ManifestError(f"{path} is not a regular file")
   try:
-    data = json.loads(path.read_bytes())
+    data = json.loads(path.read_bytes() if _is_local(path) else remote.call(path.read_bytes, path))
   except (ValueError, UnicodeDecodeError) as e:
     raise ManifestError(f"{path} is not valid JSON (truncated or damaged?): {e}") from None
   except RecursionError:
@@ -311,9 +312,10 @@ def _look(path) -> tuple[int | None, tuple | None, str | None]:
     if not stat.S_ISREG(st.st_mode):
       return None, None, None
     return st.st_size, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), None
-  info = _gcs_object(path) if os.fspath(path).startswith("gs://") else None
+  gs = os.fspath(path).startswith("gs://")
+  info = remote.call(lambda: _gcs_object(path), path) if gs else None  # deadline, retries
   if info is None:
-    st = epath.Path(path).stat()
+    st = remote.call(epath.Path(path).stat, path)
     return (None if st.is_directory else st.length), None, None
   if info.get("type") != "file":
     return None, None, None

@@ -46,6 +46,7 @@ BatchOp = Callable[[dict, np.random.Generator], dict]
 Kind = Literal["image", "batch"]
 
 MASK_KEY = "mask"
+_MASK = "it marks the padding rows of eval batches: write your result under another name"
 # Philox key tags: image ops and batch ops draw from streams no other part of the pipeline
 # uses (the built-in head has its own generator), whatever the seed.
 _EXAMPLE_STREAM, _BATCH_STREAM = 0x696D616765, 0x6261746368
@@ -152,15 +153,24 @@ def apply_batch(
   batch_ops: Sequence[BatchOp], batch: Mapping[str, np.ndarray], rng: np.random.Generator
 ) -> dict[str, np.ndarray]:
   """Runs `batch_ops` in order on a host batch; each must keep the rows and, when the batch
-  has one, the mask. Any other entry may be dropped or added."""
+  has one, the mask as it is (ops see it read-only). Any other entry may be dropped or added."""
   batch = dict(batch)
   rows = _rows(batch, "the batch")
+  mask = batch.get(MASK_KEY)
+  if mask is not None:
+    batch[MASK_KEY] = seen = mask.view()
+    seen.flags.writeable = False  # an op writing into it fails there, naming the op
   for op in batch_ops:
-    result = op(batch, rng)
+    try:
+      result = op(batch, rng)
+    except ValueError as e:
+      if mask is not None and "read-only" in str(e):
+        raise OpError(f"batch op {_name(op)} wrote into the {MASK_KEY!r} entry; {_MASK}") from e
+      raise
     if not isinstance(result, Mapping):
       raise OpError(f"batch op {_name(op)} returned {type(result).__name__}, not a dict")
     result = dict(result)
-    if MASK_KEY in batch and MASK_KEY not in result:
+    if mask is not None and MASK_KEY not in result:
       raise OpError(
         f"batch op {_name(op)} dropped the {MASK_KEY!r} entry; pass it through (it marks "
         "the padding rows of eval batches; any other entry may be dropped)"
@@ -170,7 +180,11 @@ def apply_batch(
         f"batch op {_name(op)} changed the batch from {rows} rows to "
         f"{_rows(result, '')}; ops must keep every row"
       )
+    if mask is not None and result[MASK_KEY] is not seen:
+      raise OpError(f"batch op {_name(op)} replaced the {MASK_KEY!r} entry; {_MASK}")
     batch = result
+  if mask is not None:
+    batch[MASK_KEY] = mask
   return batch
 
 

@@ -86,6 +86,11 @@ def compile(pp: str, *, num_classes: int, image_size: int | None = None) -> Comp
       head.append((name, args, kwargs, text))
       continue
     op = _build(name, args, kwargs, text, num_classes)
+    if (getattr(op, "key_result", None) or getattr(op, "key", None)) == ops_lib.MASK_KEY:
+      raise ValueError(
+        f"pp: op {text!r} writes the {ops_lib.MASK_KEY!r} entry, which marks the padding rows "
+        "of eval batches: give its result another name (key_result=...)"
+      )
     if name not in PP_ONLY and name in ops_lib._REGISTRY["image"]:
       if batch_ops:
         raise ValueError(

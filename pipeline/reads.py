@@ -21,6 +21,7 @@ import time
 
 import numpy as np
 
+from pipeline import remote
 from pipeline.ahead import Threads
 from pipeline.cache import RecordCache
 from pipeline.plan import Batch
@@ -106,7 +107,7 @@ class ReadRecords:
     futures = []
     for at in groups:
       task = (int(shards[at[0]]), slots[at].tolist(), wanted[at].tolist(), local[at].tolist())
-      futures.append(self.threads.submit(self._read, *task))
+      futures.append((task[0], self.threads.submit(self._read, *task)))
     return batch, futures
 
   def _read(self, shard: int, slots: list, indices: list, local: list) -> tuple:
@@ -147,21 +148,35 @@ class ReadRecords:
     """The records, or for each that is corrupt its error (read one by one after a corrupt
     batched read, so each bad one is named and the good ones kept)."""
     try:
-      return self.source.read_shard(shard, local)
+      return self._read_storage(shard, local)
     except CorruptRecordsError:
       out = []
       for i in local:
         try:
-          out.append(self.source.read_shard(shard, [i])[0])
+          out.append(self._read_storage(shard, [i])[0])
         except CorruptRecordsError as e:
           out.append(e)
       return out
 
+  def _read_storage(self, shard: int, local: list) -> list:
+    """One batched read; from a bucket, within a deadline (`remote.NoAnswer`), as
+    array_record's own client may wait on a stalled connection for many minutes."""
+    if remote.scheme(self.source.paths[shard]) is None:
+      return self.source.read_shard(shard, local)
+    deadline = remote.ATTEMPT_S * remote.ATTEMPTS
+    return remote.within(lambda: self.source.read_shard(shard, local), deadline)
+
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, futures = started
     s = self.stats
-    for future in futures:
-      slots, got, read, seconds = future.result()
+    for shard, future in futures:
+      try:
+        slots, got, read, seconds = future.result()
+      except remote.NoAnswer as e:
+        raise remote.RemoteStorageError(
+          f"cannot read {self.source.paths[shard]}: {e}: check the network and the bucket, "
+          f"{remote.GCSFUSE}"
+        ) from None
       for slot, rec in zip(slots, got):
         batch.records[slot] = rec
       s.cached += len(got) - read
@@ -183,11 +198,14 @@ def probe(source: ShardedSource, reads: int = 3) -> tuple[float, float]:
   """(seconds, bytes) of one record read, the shard already open: the fastest of a few
   (a loaded machine's stalls are not storage latency). The read stage starts from it
   before it measures its own reads."""
-  source.read([0])  # opens the first shard (its footer reads cost latency too)
+  read = source.read
+  if source.paths and remote.scheme(source.paths[0]) is not None:  # with deadlines, retries
+    read = lambda indices: remote.call(lambda: source.read(indices), source.paths[0])
+  read([0])  # opens the first shard (its footer reads cost latency too)
   times, sizes = [], []
   for index in range(1, min(reads, len(source) - 1) + 1) or [0]:
     begin = time.perf_counter()
-    sizes.append(len(source.read([index])[0]))
+    sizes.append(len(read([index])[0]))
     times.append(time.perf_counter() - begin)
   return min(times), float(np.mean(sizes))
 

@@ -7,17 +7,34 @@ default credentials, and `CLOUD_STORAGE_EMULATOR_ENDPOINT` for an emulator). `ch
 what would otherwise surface as a long traceback (no gcsfs, no credentials, no network, an
 emulator set for one reader only, a scheme array_record cannot open) into one line naming
 the fix. A local path (or a gcsfuse mount) passes without a look.
+
+`call` runs each read of a bucket that Python makes (the manifest, the shards' sizes, the
+first records at open) with a deadline per attempt and retries with exponential backoff and
+jitter: a stalled or failing bucket is a warning per retry and then one line naming what
+failed, within `ATTEMPTS` x `ATTEMPT_S` seconds, never a hang (gcsfs alone: minutes per
+stalled request, ~35 s of silent retries per 503). The read stage's shard reads, which
+array_record's own client retries, run `within` a deadline of that length.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
+import random
 import re
+import threading
+import time
+from collections.abc import Callable
+from typing import TypeVar
 
+from absl import logging as absl_logging
 from etils import epath
 
-from pipeline.manifest import FILENAME
+T = TypeVar("T")
+ATTEMPT_S = 20.0  # deadline of one attempt (gcsfs retries a 5xx by itself within it)
+ATTEMPTS = 3
+BACKOFF_S = 1.0  # before the second attempt; doubled for each next, times 0.5-1.5 (jitter)
 
 INSTALL = "pip install 'grain-pipeline[gcs]'"
 GCSFUSE = "or mount the bucket with gcsfuse and pass the mount path"
@@ -123,10 +140,113 @@ def check(data_dir, probe: bool = True) -> None:
     )
   if not probe:
     return
+  from pipeline.manifest import FILENAME
+
   path = epath.Path(data_dir) / FILENAME
   try:
-    path.stat()
+    call(path.stat, path)
   except FileNotFoundError:
     return
+  except RemoteStorageError:
+    raise
   except Exception as e:  # noqa: BLE001 - gcsfs, aiohttp, google-auth and TF raise their own
     raise RemoteStorageError(f"cannot read {path}: {explain(e)}; {GCSFUSE}") from None
+
+
+def _transient(e: BaseException) -> bool:
+  """Whether `e` may pass if asked again: a timeout, no connection, HTTP 408, 429 or 5xx."""
+  code = getattr(e, "code", None) or getattr(e, "status", None)
+  if str(code).isdigit() and (int(code) in (408, 429) or 500 <= int(code) < 600):
+    return True
+  return isinstance(e, (TimeoutError, ConnectionError)) or explain(e).startswith("cannot reach")
+
+
+class _Retried(logging.Filter):
+  """Keeps the last error gcsfs retried by itself (it logs them at DEBUG, then tries again
+  for ~35 s), so that a deadline can say what the bucket answered; lets through only the
+  records the logger showed before."""
+
+  def __init__(self, level: int):
+    super().__init__()
+    self.level, self.at, self.error = level, 0.0, ""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    message = record.getMessage()
+    if "retrying after exception: " in message:
+      self.at, self.error = time.monotonic(), message.split("exception: ", 1)[1][:200]
+    return record.levelno >= self.level
+
+
+_retried: _Retried | None = None
+
+
+def _watch_gcsfs() -> _Retried:
+  global _retried
+  if _retried is None:
+    logger = logging.getLogger("gcsfs")
+    level = logger.getEffectiveLevel()
+    for name in ("gcsfs.credentials", "gcsfs.zonal_file"):  # they would inherit DEBUG
+      child = logging.getLogger(name)
+      child.setLevel(child.level or level)
+    _retried = _Retried(level)
+    logger.addFilter(_retried)
+    logger.setLevel(logging.DEBUG)
+  return _retried
+
+
+class NoAnswer(TimeoutError):
+  """A read of a bucket that got no answer in time."""
+
+
+def within(fn: Callable[[], T], deadline_s: float) -> T:
+  """`fn()` on a daemon thread of its own, or `NoAnswer` after `deadline_s` (the thread is
+  left to finish or hang on its own: a stalled request cannot be interrupted, and a daemon
+  thread does not hold up the process's exit)."""
+  out: dict = {}
+
+  def run():
+    try:
+      out["value"] = fn()
+    except BaseException as e:  # noqa: BLE001 - handed to the caller
+      out["error"] = e
+
+  thread = threading.Thread(target=run, name="pipeline-remote-read", daemon=True)
+  thread.start()
+  thread.join(deadline_s)
+  if thread.is_alive():
+    raise NoAnswer(f"no answer within {deadline_s:g} s")
+  if "error" in out:
+    raise out["error"]
+  return out["value"]
+
+
+def call(fn: Callable[[], T], what) -> T:
+  """`fn()`, a read of `what` in a bucket, with a deadline per attempt and retries with
+  backoff; raises `RemoteStorageError` (one line) when the bucket refuses access or keeps
+  failing (no answer, no connection, HTTP 408, 429, 5xx), any other error as it is."""
+  retried = _watch_gcsfs()
+  begin = time.monotonic()
+  for attempt in range(1, ATTEMPTS + 1):
+    start = time.monotonic()
+    try:
+      return within(fn, ATTEMPT_S)
+    except FileNotFoundError:
+      raise
+    except Exception as e:
+      cause = explain(e)
+      if isinstance(e, NoAnswer):
+        cause = f"{e} (it answered {retried.error})" if retried.at >= start else str(e)
+      if cause.startswith("no access"):
+        raise RemoteStorageError(f"cannot read {what}: {cause}; {GCSFUSE}") from None
+      if not _transient(e):
+        raise
+    if attempt < ATTEMPTS:
+      wait = BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
+      absl_logging.warning(
+        "reading %s: %s; attempt %d of %d in %.1f s", what, cause, attempt + 1, ATTEMPTS, wait
+      )
+      time.sleep(wait)
+  raise RemoteStorageError(
+    f"cannot read {what}: {cause} ({ATTEMPTS} attempts in {time.monotonic() - begin:.0f} s): "
+    f"check the network and the bucket, {GCSFUSE}"
+  )

@@ -8,6 +8,7 @@ import gc
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -39,7 +40,7 @@ def _through_ring(batches: list[dict], writer: handoff.Writer):
 
 
 def _mine(writer: handoff.Writer) -> list[str]:
-  return glob.glob(f"{handoff.SHM_DIR}/{handoff.PREFIX}-{writer.owner}-{writer.token}-*")
+  return glob.glob(f"{handoff.SHM_DIR}/{handoff.PREFIX}-{writer.token}-*")
 
 
 def test_batches_arrive_whole_and_the_ring_reuses_its_blocks():
@@ -102,15 +103,83 @@ def test_reused_memory_under_a_batch_is_an_error_not_a_silent_wrong_batch():
     next(received)
 
 
-def test_blocks_of_a_crashed_process_are_swept():
-  dead = subprocess.run(
-    [sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True
+def test_a_missing_block_is_a_handoff_error_naming_it():
+  writer = handoff.Writer.new()
+  sent = handoff.SendIterDataset(grain.MapDataset.source(_batches(1)).to_iter_dataset(), writer)
+  descriptor = next(iter(sent))
+  path = writer.ring().blocks[0].path
+  os.unlink(path)  # as a cleanup of /dev/shm by something else would
+  received = iter(
+    handoff.ReceiveIterDataset(grain.MapDataset.source([descriptor]).to_iter_dataset())
   )
-  pid = int(dead.stdout)
-  path = f"{handoff.SHM_DIR}/{handoff.PREFIX}-{pid}-deadbeef0000-{pid}-0"
-  open(path, "wb").close()
+  with pytest.raises(handoff.HandoffError, match=f"block {path} is gone") as e:
+    next(received)
+  assert "\n" not in str(e.value)
+
+
+# A process that makes a ring block, prints its path, and waits (alive) or exits at once
+# without cleaning up (a crash).
+HOLDER = """
+import os, sys
+from pipeline import handoff
+writer = handoff.Writer.new()
+image = writer.empty((1 << 20,), "uint8")
+print(writer.ring().blocks[0].path, flush=True)
+if sys.argv[1] == "crash":
+  os._exit(0)
+sys.stdin.read()
+"""
+
+
+def _holder(mode: str) -> tuple[subprocess.Popen, str]:
+  proc = subprocess.Popen(
+    [sys.executable, "-c", HOLDER, mode],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+    cwd=REPO,
+    env={**os.environ, "PYTHONPATH": str(REPO)},
+  )
+  return proc, proc.stdout.readline().strip()
+
+
+def test_blocks_of_a_crashed_process_are_swept():
+  proc, path = _holder("crash")
+  proc.wait(timeout=60)
+  assert os.path.exists(path)
   assert handoff.sweep_crashed() >= 1
   assert not os.path.exists(path)
+
+
+def _unshare_pid() -> list[str]:
+  """The command prefix that runs a process in a new PID namespace, or skips (fails in CI)."""
+  ok = os.geteuid() == 0 and shutil.which("unshare")
+  if ok:
+    ok = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
+  if not ok:
+    if os.environ.get("CI") == "true":
+      pytest.fail("CI=true but cannot make a PID namespace (needs root and unshare)")
+    pytest.skip("needs root and util-linux unshare to make a PID namespace")
+  return ["unshare", "--pid", "--fork"]
+
+
+def test_a_sweep_from_another_pid_namespace_leaves_live_blocks_alone():
+  """A process in another container sharing /dev/shm sees none of our process ids."""
+  proc, path = _holder("live")
+  try:
+    sweeper = "from pipeline import handoff; handoff.Writer.new(); handoff.sweep_crashed()"
+    subprocess.run(
+      [*_unshare_pid(), sys.executable, "-c", sweeper],
+      check=True,
+      cwd=REPO,
+      env={**os.environ, "PYTHONPATH": str(REPO)},
+      timeout=60,
+    )
+    assert os.path.exists(path)  # its worker lives: the block is not the sweeper's to take
+  finally:
+    proc.kill()
+    proc.wait()
+  assert handoff.sweep_crashed() >= 1 and not os.path.exists(path)  # now it is gone
 
 
 CHILD = """
@@ -129,7 +198,8 @@ def main():
     next(it)
   same = all((b["image"] == c).all() for b, c in zip(kept, copies))
   receiver = next(n for n in lifecycle._chain(it) if isinstance(n, handoff._ReceiveIterator))
-  print(json.dumps({"same": bool(same), "blocks": len(receiver._blocks), "pid": os.getpid()}))
+  print(json.dumps({"same": bool(same), "blocks": len(receiver._blocks),
+                    "tokens": sorted(handoff._TOKENS)}))
   # exits with batches unsent and the iterator open: the exit path must clean up
 
 if __name__ == "__main__":
@@ -156,5 +226,7 @@ def test_workers_leave_nothing_behind_and_print_no_warning(digits_dir, tmp_path)
   assert out["blocks"] <= 24  # 46 batches through a reused ring (6 kept + what is in flight)
   for noise in ("leaked", "Traceback", "Exception ignored"):
     assert noise not in proc.stderr, proc.stderr
-  assert not glob.glob(f"/dev/shm/{handoff.PREFIX}-{out['pid']}-*")
+  assert out["tokens"] and not [
+    path for token in out["tokens"] for path in glob.glob(f"/dev/shm/{handoff.PREFIX}-{token}-*")
+  ]
   assert set(glob.glob("/dev/shm/psm_*")) <= grain_blocks  # nor any block of Grain's

@@ -248,6 +248,31 @@ def test_batch_ops_may_drop_any_entry_but_the_mask():
   assert set(ops.apply_batch([drop_mask], train, None)) == {"image"}
 
 
+def test_an_eval_pp_string_cannot_overwrite_the_padding_mask(photos_dir):
+  head = "decode|resize_small(72)|central_crop(64)|"
+  for op in ("onehot(4, key_result='mask')", "value_range(0, 1, key='image', key_result='mask')"):
+    with pytest.raises(ValueError, match=r"^pp: op .* writes the 'mask' entry") as e:
+      make(photos_dir, split="validation", batch_size=5, train=False, pp=head + op)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize(
+  "op, verb",
+  [
+    (lambda b, rng: {**b, "mask": np.ones_like(b["mask"])}, "replaced"),
+    (lambda b, rng: b["mask"].fill(True) or b, "wrote into"),
+  ],
+)
+def test_a_batch_op_cannot_change_the_padding_mask(op, verb):
+  mask = np.array([True, False])
+  batch = {"image": np.zeros((2, 1)), "mask": mask}
+  with pytest.raises(ops.OpError, match=f"{verb} the 'mask' entry"):
+    ops.apply_batch([op], batch, None)
+  np.testing.assert_array_equal(mask, [True, False])
+  reads = lambda b, rng: {**b, "image": b["image"] * b["mask"][:, None]}  # reading is fine
+  assert ops.apply_batch([reads], batch, None)["mask"] is mask
+
+
 def test_the_reused_generator_draws_exactly_the_examples_stream():
   want = ops.example_rng(3, 1, 7).integers(0, 2**62, 6)
   ops.reused_example_rng(3, 1, 8).random(5)  # whatever came before on this thread

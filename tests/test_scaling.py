@@ -6,7 +6,7 @@ import json
 import pytest
 
 from bench import scaling
-from pipeline import reads
+from pipeline import parallelism, reads
 
 
 def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
@@ -51,19 +51,16 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   # the GIL-held time is measured: the rest's CPU less the read's GIL-free CPU
   assert 0 <= result["gil_held_us_per_image"] <= result["rest_cpu_us_per_image"]
   assert result["read_cpu_us_per_image"] > result["read_copy_us_per_image"] > 0
-  assert result["read_gil_free_us_per_image"] == pytest.approx(
-    result["read_cpu_us_per_image"] - result["read_copy_us_per_image"], abs=0.1
-  )
-  assert result["gil_held_us_per_image"] == pytest.approx(
-    max(result["rest_cpu_us_per_image"] - result["read_gil_free_us_per_image"], 0), abs=0.1
-  )
+  # relations that rounding each figure keeps (the arithmetic itself: gil_terms' test below)
+  assert 0 <= result["read_gil_free_us_per_image"] <= result["read_cpu_us_per_image"]
   assert result["gil_fitted_us_per_image"] > 0
   assert result["ceiling_bound_by"] in ("cores", "gil") and result["ceiling_cores_used"] > 0
   assert result["ceiling_gil_busy"] >= 0
   # the model's GIL time is the shim's direct measure (bench.gil), the median of 2 runs
-  direct = result["gil_direct_us_per_image"]
-  assert direct > 0 and result["costs"]["gil_us"] == pytest.approx(max(direct, 1.0), abs=0.05)
-  assert result["process_ceiling_gil_img_s"] == pytest.approx(1e6 / direct, rel=0.01)
+  direct, gil = result["gil_direct_us_per_image"], result["costs"]["gil_us"]
+  assert direct > 0 and round(gil, 1) == max(direct, 1.0)
+  if gil > 1.0:  # the model's figure is the measure itself, not its floor of 1 us
+    assert result["process_ceiling_gil_img_s"] == round(1e6 / gil)
   spreads = result["spreads"]
   assert spreads["gil_direct_us"]["min"] <= direct <= spreads["gil_direct_us"]["max"]
   for key in ("cpu_us", "rest_cpu_us", "send_us", "main_us@8", "main_us@16"):
@@ -94,9 +91,7 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   for h in hosts:
     assert h["at_latency_img_s"] <= h["projected_img_s"]
     assert h["reads_in_flight"] == reads.reads_in_flight(h["at_latency_img_s"], 0.005)
-    assert h["gets_per_s"] == pytest.approx(
-      h["at_latency_img_s"] * storage["reads_per_image"], abs=2
-    )
+    assert h["gets_per_s"] == round(h["at_latency_img_s"] * storage["reads_per_image"])
   assert json.loads(out.read_text())["hosts"] == result["hosts"]
 
 
@@ -143,3 +138,11 @@ def test_a_missing_dataset_is_one_line_with_exit_2(tmp_path, capsys):
     scaling.main([str(tmp_path / "nowhere")])
   err = capsys.readouterr().err.strip()
   assert exit_.value.code == 2 and len(err.splitlines()) == 1 and "manifest.json" in err
+
+
+def test_a_hosts_storage_needs_are_those_of_its_published_rate():
+  storage = {"latency_ms": 5.0, "reads_per_image": 7.377, "of_rig_0ms": 0.613}
+  rows = scaling.hosts(parallelism.COSTS, [2, 8, 224], 128, [128], 224, storage, 110.0)
+  for h in rows:
+    assert h["gets_per_s"] == round(h["at_latency_img_s"] * storage["reads_per_image"])
+    assert h["reads_in_flight"] == reads.reads_in_flight(h["at_latency_img_s"], 0.005)

@@ -190,6 +190,36 @@ def test_options_left_to_the_host_are_typed_placeholders_that_overrides_can_set(
   plan_line(out)
 
 
+def test_every_make_dataset_keyword_is_a_config_input_field():
+  keywords = set(inspect.signature(pipeline.make_dataset).parameters) - {"batch_size", "train"}
+  for recipe in (default, imagenet_mobilenet_v1, imagenet_mobilenet_v2):
+    config = recipe.get_config()
+    assert set(config.input) == keywords
+    assert set(config.eval_input) == keywords
+
+
+def test_config_input_takes_sharding_and_pp_on_the_command_line(digits_dir, tmp_path):
+  out = run_train(
+    "--config",
+    "default",
+    "--dry_run",
+    f"--config.input.data_dir={digits_dir}",
+    "--config.input.sharding=shards",
+    "--config.input.pp=decode_jpeg_and_inception_crop(32, area_min=50)|value_range(-1, 1)",
+    "--config.eval_input.pp=decode|resize_small(36)|central_crop(32)|value_range(-1, 1)",
+    "--config.input.seed=3",
+    cwd=tmp_path,
+  )
+  plan_line(out)
+  config = default.get_config()
+  config.input.pp, config.input.sharding = "decode_jpeg_and_inception_crop(32)", "shards"
+  assert config_lib.dataset_kwargs(config)["pp"] == "decode_jpeg_and_inception_crop(32)"
+  assert config_lib.dataset_kwargs(config)["sharding"] == "shards"
+  assert config_lib.dataset_kwargs(config)["seed"] == config.seed  # unset: the run's seed
+  with pytest.raises(UsageError, match="config.eval_input.pp is not"):  # a train head in eval
+    config_lib.dataset_kwargs(config, evaluation=True)
+
+
 def test_eval_input_overrides_only_what_it_names():
   config = default.get_config()
   config.eval_input.performance = {"cache_mb": 0.0}

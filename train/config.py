@@ -13,6 +13,7 @@ import dataclasses
 import inspect
 import pathlib
 import typing
+from collections.abc import Mapping
 
 import ml_collections
 from ml_collections import config_dict
@@ -22,6 +23,7 @@ from train import UsageError
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 SET_BY_TRAINER = ("batch_size", "train")
+OPTIONS = {"augment": pipeline.Augment, "performance": pipeline.Performance}
 
 
 def find(name_or_path: str) -> pathlib.Path:
@@ -48,16 +50,65 @@ def options(cls, **values) -> ml_collections.ConfigDict:
   return ml_collections.ConfigDict(fields)
 
 
+def _keywords() -> dict[str, tuple[object, type]]:
+  """make_dataset's keywords but those the trainer sets: (default, type of a placeholder)."""
+  hints = typing.get_type_hints(pipeline.make_dataset)
+  out = {}
+  for name, param in inspect.signature(pipeline.make_dataset).parameters.items():
+    if name not in SET_BY_TRAINER:
+      kinds = typing.get_args(hints.get(name)) or (hints.get(name, str),)
+      kind = next((k for k in (int, bool, str, dict) if k in kinds), None)
+      if kind is None:  # a Mapping (a dict here), or a class of the library (records.Keys)
+        kind = dict if Mapping in kinds else next(k for k in kinds if k is not type(None))
+      out[name] = (param.default, kind)
+  return out
+
+
+def input_config(**values) -> ml_collections.ConfigDict:
+  """`config.input`: every `pipeline.make_dataset` keyword (but those the trainer sets),
+  `values` replacing the defaults, so that any can be overridden (`--config.input.pp=...`).
+  augment and performance hold every field (`options`); a keyword whose default is None or
+  empty, and seed (`config.seed` by default), is a typed placeholder, passed only when set."""
+  keywords = _keywords()
+  unknown = sorted(set(values) - set(keywords))
+  if unknown:
+    raise TypeError(f"{unknown[0]} is not a pipeline.make_dataset keyword the config sets")
+  fields = {}
+  for name, (default, kind) in keywords.items():
+    value = values.get(name, default)
+    if name in OPTIONS and not isinstance(value, ml_collections.ConfigDict):
+      value = options(OPTIONS[name], **(value or {}))
+    elif name not in values and (name == "seed" or default in (None, (), inspect.Parameter.empty)):
+      value = config_dict.placeholder(kind)
+    fields[name] = value
+  return ml_collections.ConfigDict(fields)
+
+
+def eval_input_config(**values) -> ml_collections.ConfigDict:
+  """`config.eval_input`: what evaluation changes of `config.input`; every make_dataset
+  keyword it does not name is a placeholder (unset: as in config.input)."""
+  fields = {name: config_dict.placeholder(kind) for name, (_, kind) in _keywords().items()}
+  return ml_collections.ConfigDict({**fields, **values})
+
+
 def dataset_kwargs(config: ml_collections.ConfigDict, evaluation: bool = False) -> dict:
   """`config.input` (updated by `config.eval_input` for evaluation) as `make_dataset`
-  keywords, seeded by `config.seed` unless the input names its own seed."""
-  kwargs = config.input.to_dict()
+  keywords, seeded by `config.seed` unless the input names its own seed; keywords left
+  unset (None) are not passed."""
+  kwargs = {k: v for k, v in config.input.to_dict().items() if v is not None}
   if evaluation:
     for key, value in config.get("eval_input", {}).items():
-      kwargs[key] = (
-        {**kwargs[key], **value.to_dict()}
-        if isinstance(value, ml_collections.ConfigDict)
-        else value
+      if isinstance(value, ml_collections.ConfigDict):
+        value = value.to_dict()
+      if isinstance(value, Mapping) and key in OPTIONS:
+        value = {**kwargs.get(key, {}), **value}
+      if value is not None:
+        kwargs[key] = value
+    if "pp" in kwargs and config.get("eval_input", {}).get("pp") is None:
+      raise UsageError(
+        "config.input.pp is set but config.eval_input.pp is not: a pp string holds the train "
+        "or the eval head, so give evaluation its own (e.g. "
+        "'decode|resize_small(256)|central_crop(224)|...')"
       )
   where = "config.eval_input" if evaluation else "config.input"
   for key in SET_BY_TRAINER:

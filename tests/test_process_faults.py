@@ -1,0 +1,162 @@
+"""Faults of the processes and resources around a pipeline, reproduced for real: the main
+process SIGKILLed under its workers, a container's small /dev/shm, too little memory to open
+a split. Each ends in a clear line or a clean exit within a bounded time, never a hang, a
+SIGBUS or orphaned workers."""
+
+from __future__ import annotations
+
+import glob
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+import psutil
+import pytest
+
+from pipeline import handoff
+from tests.conftest import REPO
+
+ENV = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
+
+WORKERS = """
+import sys
+import pipeline
+
+def main():
+  ds = pipeline.make_dataset(sys.argv[1], batch_size=8, image_size=64, shard_index=0,
+                             shard_count=1, performance=dict(num_workers=2, num_threads=1))
+  it = iter(ds)
+  next(it)
+  print("ready", flush=True)
+  sys.stdin.read()  # alive until killed
+
+if __name__ == "__main__":
+  main()
+"""
+
+
+def _gone(process: psutil.Process) -> bool:
+  try:
+    return process.status() == psutil.STATUS_ZOMBIE  # dead, waiting for init to reap it
+  except psutil.NoSuchProcess:
+    return True
+
+
+def test_workers_die_with_a_sigkilled_main_process(digits_dir, tmp_path):
+  script = tmp_path / "main.py"
+  script.write_text(WORKERS)
+  blocks = set(glob.glob(f"{handoff.SHM_DIR}/{handoff.PREFIX}-*"))
+  main = subprocess.Popen(
+    [sys.executable, str(script), str(digits_dir)],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.DEVNULL,
+    text=True,
+    cwd=tmp_path,
+    env=ENV,
+  )
+  try:
+    assert main.stdout.readline() == "ready\n"
+    children = psutil.Process(main.pid).children(recursive=True)
+    workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
+    assert len(workers) == 2, [c.cmdline() for c in children]
+  finally:
+    main.kill()
+    main.wait()
+  deadline = time.monotonic() + 10
+  while not all(map(_gone, children)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  alive = [c.pid for c in children if not _gone(c)]
+  for pid in alive:  # do not leave them to the next test
+    os.kill(pid, 9)
+  assert not alive, "worker processes outlived their SIGKILLed main process"
+  left = set(glob.glob(f"{handoff.SHM_DIR}/{handoff.PREFIX}-*")) - blocks
+  assert not left  # the workers unlinked their ring blocks on the way out
+
+
+SMALL_SHM = """
+import sys
+import pipeline
+
+def main():
+  ds = pipeline.make_dataset(sys.argv[1], batch_size=16, image_size=128, shard_index=0,
+                             shard_count=1, performance=dict(num_workers=2, num_threads=1))
+  it = iter(ds)
+  for _ in range(40):
+    next(it)
+  print("40 batches", flush=True)
+
+if __name__ == "__main__":
+  main()
+"""
+
+
+def _private_mounts() -> list[str]:
+  """The command prefix that runs a process in a private mount namespace, or skips (fails in
+  CI, where the runner is root with util-linux)."""
+  ok = os.geteuid() == 0 and shutil.which("unshare")
+  if ok:
+    ok = subprocess.run(["unshare", "--mount", "true"], capture_output=True).returncode == 0
+  if not ok:
+    if os.environ.get("CI") == "true":
+      pytest.fail("CI=true but cannot make a mount namespace (needs root and unshare)")
+    pytest.skip("needs root and util-linux unshare to mount a small /dev/shm privately")
+  return ["unshare", "--mount"]
+
+
+def test_a_dev_shm_too_small_for_the_workers_falls_back_to_threads_in_one_line(
+  digits_dir, tmp_path
+):
+  """Docker's default /dev/shm is 64 MiB; here 8 MiB, for 2 workers whose rings need ~12."""
+  script = tmp_path / "small_shm.py"
+  script.write_text(SMALL_SHM)
+  shell = (
+    f"mount -t tmpfs -o size=8m tmpfs {handoff.SHM_DIR} && "
+    f"exec {sys.executable} {script} {digits_dir}"
+  )
+  p = subprocess.run(
+    [*_private_mounts(), "sh", "-c", shell],
+    capture_output=True,
+    text=True,
+    cwd=tmp_path,
+    env=ENV,
+    timeout=120,
+  )
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.strip() == "40 batches"
+  (line,) = [x for x in p.stderr.splitlines() if "/dev/shm" in x]
+  assert line.startswith("pipeline: no worker processes, ") and "--shm-size" in line, line
+
+
+LIMITED = """
+import resource, sys
+import pipeline
+
+def virtual() -> int:
+  with open("/proc/self/status") as f:
+    return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmSize:"))
+
+limit = virtual() + 300 * 2**20  # what this process has, and 300 MiB more
+resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
+ds = pipeline.make_dataset(sys.argv[1], batch_size=8, image_size=64, shard_index=0,
+                           shard_count=1)
+next(iter(ds))
+"""
+
+
+def test_too_little_memory_to_open_a_split_is_one_line_not_a_hang(digits_dir):
+  p = subprocess.run(
+    [sys.executable, "-c", LIMITED, str(digits_dir)],
+    capture_output=True,
+    text=True,
+    env=ENV,
+    timeout=60,  # a hang fails here
+  )
+  assert p.returncode == 1
+  last = p.stderr.strip().splitlines()[-1]
+  assert last.startswith(
+    f"pipeline.guards.AddressSpaceError: out of memory to open split 'train' of {digits_dir}: "
+  ), p.stderr[-2000:]
+  assert "ulimit -v" in last
