@@ -23,6 +23,7 @@ from train import UsageError
 
 START_TIMEOUT_S = 60  # for every process to reach the start check
 TOKEN = "processes.token"  # written by process 0 into the workdir, read by the others
+_heartbeat_s = 0  # as given to `initialize`
 
 
 def initialize(
@@ -42,27 +43,24 @@ def initialize(
   )
 
 
-_heartbeat_s = 0
-
-
 def _client():
   return distributed.global_state.client
 
 
 def _gather(name: str, value: str) -> list[str]:
   """Every process's `value` for `name`, in process order (process 0 first)."""
-  client, me = _client(), jax.process_index()
-  client.key_value_set(f"train/{name}/{me}", value)
-  out = []
-  for i in range(jax.process_count()):
-    try:
-      out.append(client.blocking_key_value_get(f"train/{name}/{i}", START_TIMEOUT_S * 1000))
-    except Exception as e:  # noqa: BLE001 - jaxlib's error type for a timeout is not public
-      raise UsageError(
-        f"process {i} did not reach the start check within {START_TIMEOUT_S} s; start the "
-        f"same command on every host ({' '.join(str(e).split())[:120]})"
-      ) from None
-  return out
+  _client().key_value_set(f"train/{name}/{jax.process_index()}", value)
+  return [_wait_for(f"train/{name}/{i}", i) for i in range(jax.process_count())]
+
+
+def _wait_for(key: str, process: int) -> str:
+  try:
+    return _client().blocking_key_value_get(key, START_TIMEOUT_S * 1000)
+  except Exception as e:  # noqa: BLE001 - jaxlib's error type for a timeout is not public
+    raise UsageError(
+      f"process {process} did not reach the start check within {START_TIMEOUT_S} s; start "
+      f"the same command on every host ({' '.join(str(e).split())[:120]})"
+    ) from None
 
 
 def shared_workdir(workdir: epath.Path) -> str:
@@ -75,7 +73,7 @@ def shared_workdir(workdir: epath.Path) -> str:
     finally:  # the others wait for this, written or not (process 0 reports its own error)
       _client().key_value_set("train/token_written", "1")
   else:
-    _client().blocking_key_value_get("train/token_written", START_TIMEOUT_S * 1000)
+    _wait_for("train/token_written", 0)
   try:
     return path.read_text().strip()
   except OSError:
