@@ -179,7 +179,7 @@ def build(
   if sharding not in ("records", "shards"):
     raise ValueError(f"sharding must be 'records' or 'shards', not {sharding!r}")
   data_dir = tfds_folder.resolve(data_dir)
-  remote.check(data_dir)
+  remote.check(data_dir, probe=False)  # manifest_lib.load probes it
   data_dir = epath.Path(data_dir)
   meta = manifest_lib.load(data_dir)
   paths, pins = manifest_lib.pinned_shards(data_dir, meta, split, verify=verify)

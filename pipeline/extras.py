@@ -18,6 +18,7 @@ MODULES = {
   "matplotlib": ("bench", "matplotlib"),
   "psutil": ("bench", "psutil"),
   "apache_beam": ("beam", "apache-beam"),
+  "gcsfs": ("gcs", "gcsfs"),
   "tensorflow": ("peers", "tensorflow-cpu"),
   "torch": ("peers", "torch"),
   "torchvision": ("peers", "torchvision"),
@@ -33,5 +34,5 @@ def hint(module: str | None, what: str) -> str | None:
   extra, dist = MODULES[top]
   return (
     f"{what} needs {dist} (No module named {top!r}), from the {extra!r} extra: "
-    f"pip install '.[{extra}]' in the checkout (or pip install {dist})"
+    f"pip install -e '.[{extra}]' in the checkout (or pip install {dist})"
   )

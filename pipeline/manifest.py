@@ -241,12 +241,15 @@ def _regular_size(path: epath.Path) -> int | None:
 
 def load(data_dir) -> Manifest:
   """Reads `data_dir/manifest.json`; a missing one is `FileNotFoundError`, a damaged one
-  `ManifestError`, each naming the file. A TFDS ArrayRecord build (its version folder, or
-  tfds://name[:version]) has none: `pipeline.tfds_folder` makes its Manifest."""
+  `ManifestError`, each naming the file; a bucket this host cannot read (no gcsfs, no
+  credentials) is one `RemoteStorageError` line (`pipeline.remote.check`). A TFDS ArrayRecord
+  build (its version folder, or tfds://name[:version]) has none: `pipeline.tfds_folder`
+  makes its Manifest."""
   from pipeline import tfds_folder
 
   if tfds_folder.is_uri(data_dir):
     return tfds_folder.load(data_dir)
+  remote.check(data_dir)
   path, missing = epath.Path(data_dir) / FILENAME, False
   try:
     size = _regular_size(path)

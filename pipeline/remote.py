@@ -36,7 +36,7 @@ ATTEMPT_S = 20.0  # deadline of one attempt (gcsfs retries a 5xx by itself withi
 ATTEMPTS = 3
 BACKOFF_S = 1.0  # before the second attempt; doubled for each next, times 0.5-1.5 (jitter)
 
-INSTALL = "pip install 'grain-pipeline[gcs]'"
+INSTALL = "pip install -e '.[gcs]' in the checkout (or pip install gcsfs)"
 GCSFUSE = "or mount the bucket with gcsfuse and pass the mount path"
 # gcsfs (and so epath without TensorFlow) reads this; array_record's reader reads the other.
 EMULATOR_VARS = ("STORAGE_EMULATOR_HOST", "CLOUD_STORAGE_EMULATOR_ENDPOINT")

@@ -29,19 +29,19 @@ def run_without(tmp_path, module: str, *args: str) -> subprocess.CompletedProces
       "optax",
       ["-m", "train", "--config", "default", "--workdir", "w"],
       "python -m train needs optax (No module named 'optax'), from the "
-      "'train' extra: pip install '.[train]' in the checkout (or pip install optax)",
+      "'train' extra: pip install -e '.[train]' in the checkout (or pip install optax)",
     ),
     (
       "sklearn",
       ["-m", "pipeline.convert", "builtin", "DATA"],
       "error: convert builtin needs scikit-learn (No module named 'sklearn'), from the 'data' "
-      "extra: pip install '.[data]' in the checkout (or pip install scikit-learn)",
+      "extra: pip install -e '.[data]' in the checkout (or pip install scikit-learn)",
     ),
     (
       "matplotlib",
       ["-m", "pipeline.doctor", "DATA"],
       "error: python -m pipeline.doctor needs matplotlib (No module named 'matplotlib'), from "
-      "the 'bench' extra: pip install '.[bench]' in the checkout (or pip install matplotlib)",
+      "the 'bench' extra: pip install -e '.[bench]' in the checkout (or pip install matplotlib)",
     ),
   ],
 )

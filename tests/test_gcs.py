@@ -72,7 +72,8 @@ def test_gs_without_gcsfs_says_what_to_install():
   last = p.stderr.strip().splitlines()[-1]
   assert last == (
     "pipeline.remote.RemoteStorageError: reading gs://bucket/ds needs gcsfs: "
-    "pip install 'grain-pipeline[gcs]'; or mount the bucket with gcsfuse and pass the mount path"
+    "pip install -e '.[gcs]' in the checkout (or pip install gcsfs); or mount the bucket with "
+    "gcsfuse and pass the mount path"
   )
 
 
@@ -92,9 +93,28 @@ def test_make_dataset_of_gs_without_gcsfs_is_one_line():
     p.stderr.strip()
     .splitlines()[-1]
     .endswith(
-      "reading gs://bucket/ds needs gcsfs: pip install 'grain-pipeline[gcs]'; "
+      "reading gs://bucket/ds needs gcsfs: pip install -e '.[gcs]' in the checkout "
+      "(or pip install gcsfs); "
       "or mount the bucket with gcsfuse and pass the mount path"
     )
+  )
+
+
+def test_the_trainer_on_gs_without_gcsfs_is_one_line_naming_the_install():
+  # As `python -m train ...` on a plain install: the manifest is the first thing it reads.
+  argv = ["train", "--config", "default", "--workdir", "w", "--dry_run"]
+  argv.append("--config.input.data_dir=gs://bucket/ds")
+  p = run(
+    "import runpy, sys; sys.modules['gcsfs'] = None\n"
+    f"sys.argv = {argv!r}; runpy.run_module('train', run_name='__main__', alter_sys=True)",
+    env={"EPATH_USE_TF": "false"},  # as without TensorFlow, whichever extras are here
+  )
+  assert p.returncode == 2, p.stderr[-2000:]
+  assert "Traceback" not in p.stderr
+  assert p.stderr.strip() == (
+    "python -m train: config.input: reading gs://bucket/ds needs gcsfs: pip install -e "
+    "'.[gcs]' in the checkout (or pip install gcsfs); or mount the bucket with gcsfuse and "
+    "pass the mount path"
   )
 
 
