@@ -178,6 +178,9 @@ def build(
     raise ValueError(f"batch_size must be positive, got {batch_size}")
   if sharding not in ("records", "shards"):
     raise ValueError(f"sharding must be 'records' or 'shards', not {sharding!r}")
+  perf = options.coerce(Performance, performance)
+  if perf.num_workers != 0:  # this host may choose none; a host with more cores will not
+    guards.check_main_guard()
   data_dir = tfds_folder.resolve(data_dir)
   remote.check(data_dir, probe=False)  # manifest_lib.load probes it
   data_dir = epath.Path(data_dir)
@@ -196,7 +199,6 @@ def build(
     shard_records=tuple(counts) if sharding == "shards" else None,
   )
   aug = options.coerce(Augment, augment)
-  perf = options.coerce(Performance, performance)
   if pp is not None:
     aug, image_size, ops, batch_ops = _compile_pp(
       pp, meta, train, image_size, aug, ops, batch_ops, normalize

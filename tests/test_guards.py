@@ -78,6 +78,60 @@ def test_make_dataset_refuses_an_unguarded_script_that_needs_workers(tmp_path, d
   assert "put that code under `if __name__" in out.stderr.strip().splitlines()[-1]
 
 
+THREADS_ONLY = """
+import os
+os.sched_setaffinity(0, {{min(os.sched_getaffinity(0))}})  # a 1-core host: no workers chosen
+import pipeline
+ds = pipeline.make_dataset({data!r}, "train", batch_size=8, image_size=16{performance})
+it = iter(ds)
+print("batch", next(it)["image"].shape)
+it.close()
+"""
+
+
+def test_an_unguarded_script_is_refused_at_start_even_where_no_worker_would_start(
+  tmp_path, digits_dir
+):
+  # The same script on a many-core host would start workers: refused here too, at once.
+  out = run_script(tmp_path, THREADS_ONLY.format(data=str(digits_dir), performance=""))
+  assert out.returncode == 1 and "batch" not in out.stdout
+  last = out.stderr.strip().splitlines()[-1]
+  assert "experiment.py:5 builds the pipeline at module level" in last
+  assert 'put that code under `if __name__ == "__main__":`' in last
+  # Threads pinned by the script (no worker on any host): nothing to guard.
+  pinned = THREADS_ONLY.format(data=str(digits_dir), performance=", performance={'num_workers': 0}")
+  out = run_script(tmp_path, pinned)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "batch (8, 16, 16, 3)" in out.stdout
+  # Guarded, the same threads-only script runs.
+  lines = THREADS_ONLY.format(data=str(digits_dir), performance="").strip().splitlines()
+  guarded = "\n".join(lines[:3]) + '\nif __name__ == "__main__":\n' + indented("\n".join(lines[3:]))
+  out = run_script(tmp_path, guarded)
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "batch (8, 16, 16, 3)" in out.stdout
+
+
+def test_a_guarded_module_run_with_python_m_is_not_refused(tmp_path, digits_dir):
+  package = tmp_path / "exp"
+  package.mkdir()
+  (package / "__init__.py").write_text("")
+  body = THREADS_ONLY.format(data=str(digits_dir), performance="").strip().splitlines()
+  (package / "__main__.py").write_text(
+    "\n".join(body[:3]) + '\nif __name__ == "__main__":\n' + indented("\n".join(body[3:]))
+  )
+  env = {"PYTHONPATH": f"{REPO}:{tmp_path}", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+  out = subprocess.run(
+    [sys.executable, "-m", "exp"],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "batch (8, 16, 16, 3)" in out.stdout
+
+
 def test_a_batch_no_epoch_can_hold_is_refused_naming_the_sizes():
   with pytest.raises(
     ValueError,
