@@ -2,7 +2,8 @@
 
 `photos_dir`: 64 ImageNet-like JPEGs (~470x390, 4 classes), splits train (48) and
 validation (16). `digits_dir`: 300 scikit-learn digits (32x32 RGB JPEGs, 10 classes),
-splits train (240) and validation (60). Both are folders holding manifest.json and shards;
+splits train (240) and validation (60); `classes20_dir`: 120 small JPEGs of 20 classes,
+splits train and validation. All are folders holding manifest.json and shards;
 the raw image folders are `photos_raw` and `digits_raw`. `run_python` runs a command line
 from the repository root. `storage_rig` is bench.rig (latency-injecting FUSE), built once;
 a machine that cannot run it skips the tests using it, except in CI (CI=true): there they fail.
@@ -52,6 +53,26 @@ def digits_raw(tmp_path_factory) -> pathlib.Path:
 def digits_dir(digits_raw) -> pathlib.Path:
   out = digits_raw.parent / "data"
   images.convert(digits_raw, out, val_fraction=0.2, seed=0, workers=1, progress=False)
+  return out
+
+
+@pytest.fixture(scope="session")
+def classes20_dir(tmp_path_factory) -> pathlib.Path:
+  """A converted folder of 20 classes ("class00".."class19", 6 JPEGs of 40x32 each, a hue
+  per class): a dataset that is not the 10 digits."""
+  from PIL import Image
+
+  raw = tmp_path_factory.mktemp("classes20") / "raw"
+  rng = np.random.default_rng(0)
+  for k in range(20):
+    (raw / f"class{k:02d}").mkdir(parents=True)
+    color = np.array(Image.new("HSV", (1, 1), (k * 12, 200, 220)).convert("RGB"))[0, 0]
+    for i in range(6):
+      noise = rng.integers(-40, 40, size=(32, 40, 3))
+      pixels = np.clip(color + noise, 0, 255).astype(np.uint8)
+      Image.fromarray(pixels).save(raw / f"class{k:02d}" / f"{i}.jpg", quality=90)
+  out = raw.parent / "data"
+  images.convert(raw, out, val_fraction=0.2, seed=0, workers=1, progress=False)
   return out
 
 

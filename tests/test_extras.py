@@ -43,6 +43,12 @@ def run_without(tmp_path, module: str, *args: str) -> subprocess.CompletedProces
       "error: python -m pipeline.doctor needs matplotlib (No module named 'matplotlib'), from "
       "the 'bench' extra: pip install -e '.[bench]' in the checkout (or pip install matplotlib)",
     ),
+    (
+      "matplotlib",
+      ["-m", "pipeline.show", "DATA", "--out", "grid.png"],
+      "error: python -m pipeline.show needs matplotlib (No module named 'matplotlib'), from "
+      "the 'bench' extra: pip install -e '.[bench]' in the checkout (or pip install matplotlib)",
+    ),
   ],
 )
 def test_a_missing_extra_is_named_in_one_line(tmp_path, module, args, line):
