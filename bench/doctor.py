@@ -759,6 +759,11 @@ def _notes(d: Diagnosis) -> None:
 # ---------------------------------------------------------------- report and --apply
 
 
+def verdict_host(d: Diagnosis) -> str:
+  """Which host the verdict is about: this one (measured) or the one --cores projects."""
+  return f"this host ({d.cores} cores)" if d.here else f"a projected host of {d.cores} cores"
+
+
 def report(d: Diagnosis) -> str:
   s, r, m = d.settings, d.run, d.measured
   plan = parallelism.Plan(d.plan["workers"], d.plan["threads"])
@@ -788,6 +793,7 @@ def report(d: Diagnosis) -> str:
     if d.here
     else f"a host of {d.cores} cores (this one has {m.cores}: projected, not measured)"
   )
+  verdict = f"bottleneck on {verdict_host(d)}"
   lines += [
     "",
     f"on {host}, {plan.describe()}, what each resource allows: "
@@ -810,10 +816,10 @@ def report(d: Diagnosis) -> str:
     )
   if d.bottleneck == "train step":
     lines.append(
-      f"\nbottleneck: the train step; the input's own limit is {d.input_stage} ({d.limit})"
+      f"\n{verdict}: the train step; the input's own limit is {d.input_stage} ({d.limit})"
     )
   else:
-    lines.append(f"\nbottleneck: {d.bottleneck} ({d.limit})")
+    lines.append(f"\n{verdict}: {d.bottleneck} ({d.limit})")
   lines.append(
     "recommendations (expected rates include the changes above them):"
     if d.recommendations
@@ -934,7 +940,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--sample", type=int, default=128, help="images timed per stage")
   p.add_argument("--step-ms", type=float, help="your train step: measure the input wait")
   p.add_argument(
-    "--timeline", default="doctor_timeline.png", help="timeline picture of the run ('' to skip)"
+    "--out",
+    help="folder for the timeline and the diagnosis (default: runs/doctor/DATE-TIME)",
+  )
+  p.add_argument(
+    "--timeline", help="timeline picture of the run (default: OUT/timeline.png; '' to skip)"
   )
   p.add_argument(
     "--storage-levels",
@@ -948,7 +958,7 @@ def parser() -> argparse.ArgumentParser:
     help="USD per 1,000 GETs for the epoch's cost (default: GCS class B, 0.0004)",
   )
   p.add_argument("--apply", metavar="OUT.py", help="write the tuned settings to this config")
-  p.add_argument("--json", help="write the diagnosis to this file")
+  p.add_argument("--json", help="the diagnosis as JSON (default: OUT/diagnosis.json; '' to skip)")
   p.add_argument("--verbose", action="store_true", help="tracebacks for errors")
   return p
 
@@ -1012,8 +1022,18 @@ def main(argv: list[str] | None = None) -> Diagnosis:
     sys.exit(2)
 
 
+def _outputs(args) -> tuple[str, str]:
+  """The timeline and JSON paths: as given, else in the --out folder (default: a new folder
+  under runs/doctor/, never the current directory); '' skips one."""
+  out = pathlib.Path(args.out or f"runs/doctor/{time.strftime('%Y%m%d-%H%M%S')}")
+  timeline_path = os.fspath(out / "timeline.png") if args.timeline is None else args.timeline
+  json_path = os.fspath(out / "diagnosis.json") if args.json is None else args.json
+  return timeline_path, json_path
+
+
 def _main(args, argv: list[str]) -> Diagnosis:
   s, base_module, base = _settings(args)
+  timeline_path, json_path = _outputs(args)
   recorder = timeline.Recorder()
   m = measure_all(s, args.seconds, args.step_ms, args.sample, recorder)
   d = diagnose(s, m, args.step_ms, args.cores)
@@ -1027,24 +1047,27 @@ def _main(args, argv: list[str]) -> Diagnosis:
     advice = storage_check.advise(check, rate / processes, d.cores, rate, args.get_price, processes)
     print("\n" + storage_check.report(check, advice))
     storage = {"check": dataclasses.asdict(check), "advice": dataclasses.asdict(advice)}
-  if args.timeline:
+  if timeline_path:
+    os.makedirs(os.path.dirname(os.path.abspath(timeline_path)), exist_ok=True)
     events = recorder.events()
     start = min(e.start for e in events)
     shown = m.consumer_run or m.run  # the recorded run: start-up, then 1.5 s of it
     window = [e for e in events if e.start < start + shown.first_batch_s + 1.5]
     timeline.draw(
       window,
-      args.timeline,
-      f"{s.data_dir}: {m.run.images_per_sec:.0f} img/s, bottleneck {d.bottleneck}",
+      timeline_path,
+      f"{s.data_dir}: {m.run.images_per_sec:.0f} img/s on this host; bottleneck on "
+      f"{verdict_host(d)}: {d.bottleneck}",
     )
-    print(f"timeline: {args.timeline}")
+    print(f"timeline: {timeline_path}")
   command = "python -m pipeline.doctor " + " ".join(argv)
   if args.apply:
     write_config(args.apply, d, base_module, base, command)
     print(f"wrote {args.apply}")
-  if args.json:
+  if json_path:
+    os.makedirs(os.path.dirname(os.path.abspath(json_path)), exist_ok=True)
     measure.write_json(
-      args.json,
+      json_path,
       {
         **dataclasses.asdict(d),
         "storage": storage,
@@ -1052,6 +1075,7 @@ def _main(args, argv: list[str]) -> Diagnosis:
         "command": command,
       },
     )
+    print(f"diagnosis: {json_path}")
   return d
 
 

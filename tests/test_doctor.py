@@ -110,6 +110,7 @@ def test_on_a_many_core_host_one_process_is_gil_bound_and_workers_are_recommende
   assert workers > 1 and workers * threads <= 224 and rec.gain > 3
   assert rec.expected_images_per_sec == pytest.approx(d.predicted * rec.gain, rel=0.01)
   assert "projected" in doctor.report(d)
+  assert "\nbottleneck on a projected host of 224 cores: " in doctor.report(d)
 
 
 def test_auto_settings_are_named_and_not_re_proposed():
@@ -219,6 +220,24 @@ def test_cli_measures_projects_for_another_host_and_applies(digits_dir, tmp_path
   assert [x["concurrency"] for x in levels] == [1, 16, 128]
   assert all({"median_ms", "mb_per_s"} <= x.keys() for x in levels)
   assert saved["storage"]["advice"]["host_cores"] == 224
+
+
+def test_cli_files_go_to_a_folder_under_runs_never_the_current_one(
+  digits_dir, tmp_path, monkeypatch, capsys
+):
+  monkeypatch.chdir(tmp_path)
+  quick = [str(digits_dir), "--seconds", "0.3", "--sample", "16", "--storage-levels", ""]
+  d = doctor.main(quick)
+  printed = capsys.readouterr().out
+  assert d.here and f"\nbottleneck on this host ({d.cores} cores): " in printed
+  (run,) = (tmp_path / "runs" / "doctor").iterdir()
+  assert sorted(p.name for p in tmp_path.iterdir()) == ["runs"]
+  assert sorted(p.name for p in run.iterdir()) == ["diagnosis.json", "timeline.png"]
+  assert f"timeline: {run.relative_to(tmp_path)}/timeline.png" in printed
+  assert json.loads((run / "diagnosis.json").read_text())["bottleneck"] == d.bottleneck
+  doctor.main([*quick, "--out", "mine/today"])
+  assert (tmp_path / "mine" / "today" / "timeline.png").read_bytes()[:4] == b"\x89PNG"
+  assert (tmp_path / "mine" / "today" / "diagnosis.json").exists()
 
 
 @pytest.mark.parametrize(
