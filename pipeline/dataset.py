@@ -179,7 +179,9 @@ def build(
   if sharding not in ("records", "shards"):
     raise ValueError(f"sharding must be 'records' or 'shards', not {sharding!r}")
   perf = options.coerce(Performance, performance)
-  if perf.num_workers != 0:  # this host may choose none; a host with more cores will not
+  if perf.num_workers is None:  # this host may choose none; a host with more cores will not
+    guards.check_main_guard("worker processes, which make_dataset starts on many-core hosts,")
+  elif perf.num_workers:
     guards.check_main_guard()
   data_dir = tfds_folder.resolve(data_dir)
   remote.check(data_dir, probe=False)  # manifest_lib.load probes it

@@ -96,6 +96,7 @@ def test_an_unguarded_script_is_refused_at_start_even_where_no_worker_would_star
   out = run_script(tmp_path, THREADS_ONLY.format(data=str(digits_dir), performance=""))
   assert out.returncode == 1 and "batch" not in out.stdout
   last = out.stderr.strip().splitlines()[-1]
+  assert last.startswith("ValueError: worker processes, which make_dataset starts on many-core ")
   assert "experiment.py:5 builds the pipeline at module level" in last
   assert 'put that code under `if __name__ == "__main__":`' in last
   # Threads pinned by the script (no worker on any host): nothing to guard.
