@@ -112,6 +112,23 @@ def test_an_unguarded_script_is_refused_at_start_even_where_no_worker_would_star
   assert "batch (8, 16, 16, 3)" in out.stdout
 
 
+def test_code_typed_into_the_interpreter_is_not_a_script_to_guard(tmp_path, digits_dir):
+  # As a REPL or a notebook cell: __main__ has no file, so module-level code is fine.
+  code = THREADS_ONLY.format(data=str(digits_dir), performance="")
+  env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
+  out = subprocess.run(
+    [sys.executable, "-"],
+    input=code,
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=240,
+  )
+  assert out.returncode == 0, out.stderr[-2000:]
+  assert "batch (8, 16, 16, 3)" in out.stdout
+
+
 def test_a_guarded_module_run_with_python_m_is_not_refused(tmp_path, digits_dir):
   package = tmp_path / "exp"
   package.mkdir()
