@@ -79,6 +79,8 @@ def test_training_logs_are_quiet(finished):
   assert [x.split()[0] for x in trainer_lines] == [
     "plan:",
     "input",  # what the input wait measures, once
+    "compiling",
+    "compiled",
     "step",
     "step",
     "step",
