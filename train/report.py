@@ -10,6 +10,7 @@ import time
 from etils import epath
 
 PROGRESS_EVERY_S = 10.0  # between log lines, a progress line at most this often
+FIRST_PROGRESS_S = 3.0  # the first one this soon after compilation
 
 
 def duration(seconds: float) -> str:
@@ -23,7 +24,7 @@ class Progress:
   def __init__(self, first_step: int, total: int):
     self.first, self.total = first_step, total
     self.start = time.perf_counter()
-    self.shown = self.start
+    self.shown = self.start - PROGRESS_EVERY_S + FIRST_PROGRESS_S
 
   def per_step(self, step: int) -> float:
     return (time.perf_counter() - self.start) / max(1, step - self.first)
