@@ -7,15 +7,15 @@ on both; a killed process is named by the survivor in one line; each run resumes
 """
 
 import json
-import os
 import pathlib
 import signal
 import socket
 import subprocess
-import sys
 import time
 
 import pytest
+
+from tests.test_train import env, train_cmd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VALIDATION = 60  # records in digits_dir's validation split
@@ -33,35 +33,22 @@ class Run:
   def __init__(self, tmp_path, workdir, data_dir, *args, extra=((), ()), steps=14):
     port = free_port()
     self.logs = [tmp_path / f"process{i}-{port}.log" for i in range(2)]
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1")
-    env.update(PYTHONPATH=str(ROOT), TQDM_DISABLE="1")
     self.procs = []
     for i in range(2):
-      cmd = [
-        sys.executable,
-        "-m",
-        "train",
-        "--config",
-        str(ROOT / "configs/default.py"),
-        "--workdir",
-        str(workdir),
-        "--coordinator_address",
-        f"127.0.0.1:{port}",
+      cmd = train_cmd(
+        workdir,
+        data_dir,
+        f"--coordinator_address=127.0.0.1:{port}",
         "--num_processes=2",
         f"--process_id={i}",
         "--heartbeat_timeout=10",
-        f"--config.input.data_dir={data_dir}",
-        "--config.batch_size=32",
         f"--config.num_steps={steps}",
-        "--config.log_every=2",
-        "--config.eval_every_steps=1000",
-        "--config.synthetic_steps=1",
         *args,
         *extra[i],
-      ]
+      )
       with open(self.logs[i], "w") as log:
         self.procs.append(
-          subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT)
+          subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
         )
 
   def output(self, i: int) -> str:
@@ -106,11 +93,9 @@ def test_two_processes_train_and_evaluate_every_validation_record_once(digits_di
 
   # The same workdir with one process: the good checkpoint is named good, and kept.
   one = subprocess.run(
-    [sys.executable, "-m", "train", "--config", str(ROOT / "configs/default.py")]
-    + ["--workdir", str(tmp_path / "w"), f"--config.input.data_dir={digits_dir}"]
-    + ["--config.batch_size=32", "--config.num_steps=21"],
+    train_cmd(tmp_path / "w", digits_dir, "--config.num_steps=21"),
     cwd=ROOT,
-    env=dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=1"),
+    env=env(),
     capture_output=True,
     text=True,
     timeout=300,
@@ -216,3 +201,21 @@ def test_a_killed_process_is_named_by_the_survivor_and_the_run_resumes(
   again = Run(tmp_path, workdir, digits_dir, *flags, steps=saved + 2)
   assert again.wait(timeout=400) == [0, 0], again.output(0)[-3000:]
   assert f"resumed from step {saved}" in again.output(0)
+
+
+def test_the_distributed_services_verdicts_name_the_lost_process():
+  """The texts jax 0.10.2 printed here when process 1, then process 0, was SIGKILLed."""
+  from train import supervise
+
+  worker = (
+    "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\n"
+    "The tasks have crashed. Check the task logs for an earlier error"
+  )
+  leader = (
+    "absl::Status: UNAVAILABLE: Failed to send RPC to coordination service. Either the leader "
+    "task was preempted/died/restarted unexpectedly or this task is experiencing network issues."
+  )
+  assert supervise.lost_process(worker) == "process 1"
+  assert supervise.lost_process(leader) == "process 0 (the coordinator)"
+  assert supervise.flag(["--workdir", "a", "--workdir=b"], "workdir") == "b"  # as absl reads it
+  assert supervise.wanted(["--num_processes=2"]) and not supervise.wanted(["--num_processes=1"])

@@ -37,13 +37,14 @@ def lost_process(text: str) -> str:
 
 
 def flag(argv: list[str], name: str) -> str | None:
-  """The value of `--name VALUE` or `--name=VALUE` in `argv`, if given."""
+  """The value of `--name VALUE` or `--name=VALUE` in `argv` (the last one, as absl takes)."""
+  value = None
   for i, arg in enumerate(argv):
     if arg == f"--{name}" and i + 1 < len(argv):
-      return argv[i + 1]
-    if arg.startswith(f"--{name}="):
-      return arg.split("=", 1)[1]
-  return None
+      value = argv[i + 1]
+    elif arg.startswith(f"--{name}="):
+      value = arg.split("=", 1)[1]
+  return value
 
 
 def last_saved_step(workdir: str | None) -> str:
