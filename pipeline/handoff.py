@@ -215,8 +215,12 @@ class Ring:
       block.unlink()
 
   def close(self) -> None:
-    for block in self.blocks:
-      block.unlink()
+    """Unlinks every block of the ring, one being made meanwhile included (the lock)."""
+    with self._lock:
+      for block in self.blocks:
+        block.unlink()
+      for path in glob.glob(os.path.join(SHM_DIR, glob.escape(self.prefix) + "*")):
+        _unlink(path)
 
 
 _RINGS: dict[str, Ring] = {}

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import multiprocessing
+import multiprocessing.util
 import os
 import threading
 import weakref
@@ -75,11 +76,14 @@ def die_with_parent() -> None:
   parent = multiprocessing.parent_process()
   if parent is None:
     return
+  from pipeline import handoff
+
+  # A worker ending another way (its queue broken by the parent's death) exits through
+  # multiprocessing, which runs its finalizers but not atexit: unlink the ring there too.
+  multiprocessing.util.Finalize(None, handoff.close_rings, exitpriority=100)
 
   def watch():
     parent.join()
-    from pipeline import handoff
-
     handoff.close_rings()
     os._exit(1)
 
