@@ -62,7 +62,8 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   if gil > 1.0:  # the model's figure is the measure itself, not its floor of 1 us
     assert result["process_ceiling_gil_img_s"] == round(1e6 / gil)
   spreads = result["spreads"]
-  assert spreads["gil_direct_us"]["min"] <= direct <= spreads["gil_direct_us"]["max"]
+  # the figure is rounded to 0.1 us, the spread's ends to 0.01 us
+  assert spreads["gil_direct_us"]["min"] - 0.05 <= direct <= spreads["gil_direct_us"]["max"] + 0.05
   for key in ("cpu_us", "rest_cpu_us", "send_us", "main_us@8", "main_us@16"):
     s = spreads[key]
     assert s["min"] <= s["median"] <= s["max"] and s["spread"] >= 0, key
