@@ -9,10 +9,10 @@ in steady state after its first batch. Steps 1-4 and 7 run `--repeat` times (def
 interleaved; the model takes their medians, and the report gives each one's spread.
 
 1. cpu: one decode thread: the process's CPU per image (`cpu_us_per_image`).
-2. rest: one thread with decode emulation (`bench.emulate`, waits D,R), which replaces
-   each image's decode by a GIL-free wait of D microseconds and its resize by one of R
-   (read, parse, crop box, batching, Grain and the Python per image stay real), here with
-   waits of ~0: the CPU of everything else (`rest_cpu_us_per_image`). decode + resize =
+2. rest: one thread with decode emulation (`bench.emulate`, waits D,R), whose decoder
+   replaces each image's parse, crop box and decode by a GIL-free wait of D microseconds and
+   its resize by one of R (read, batching, Grain and the Python per image stay real), here
+   with waits of ~0: the CPU of everything else (`rest_cpu_us_per_image`). decode + resize =
    cpu - rest is the GIL-free work (`decode_us_per_image`), split between D and R as the
    two take alone on one thread.
 3. read: alone in a fresh process, `ShardedSource.read` of batches of the same size at

@@ -1,15 +1,15 @@
 /* The native half of the pipeline: per-batch Example parse and crop-aware JPEG decode.
  *
- * decode_batch(...) takes a chunk of a batch's records and, with the GIL released once for
- * the whole chunk, for each record: finds the image bytes and the label in the serialized
- * tf.train.Example (no copy), reads the JPEG header, draws the crop window and the flip from a
- * counter-based hash of (seed, epoch, record index) (so a record's augmentation does not
- * depend on threads, workers or the resume point), and decodes only that window
- * (libjpeg-turbo's jpeg_crop_scanline and jpeg_skip_scanlines, DCT-scaled when the window is
- * >= 2x the target: tf.data's decode_and_crop_jpeg), mirrored on the way, into the caller's
- * arena. The caller resizes each window into its batch slot (OpenCV). Records it cannot take
- * (not a JPEG, CMYK, an unusual Example) are handed back for the Python path; broken ones with
- * libjpeg's message.
+ * A BatchDecoder holds a decode stage's fixed settings; each call takes a chunk of a batch's
+ * records and, with the GIL released once for the whole chunk, for each record: finds the image
+ * bytes and the label in the serialized tf.train.Example (no copy), reads the JPEG header, draws
+ * the crop window and the flip from a counter-based hash of (seed, epoch, record index) (so a
+ * record's augmentation does not depend on threads, workers or the resume point), and decodes
+ * only that window (libjpeg-turbo's jpeg_crop_scanline and jpeg_skip_scanlines, DCT-scaled when
+ * the window is >= 2x the target: tf.data's decode_and_crop_jpeg), mirrored on the way, into the
+ * caller's arena. The caller resizes each window into its batch slot (OpenCV). Records it cannot
+ * take (not a JPEG, CMYK, an unusual Example) are handed back for the Python path; broken ones
+ * with the message the Python path would give.
  *
  * Warnings (corrupt data that libjpeg would paper over with grey, e.g. a truncated file) are
  * errors: a record is either decoded faithfully or reported. One is not: bytes between header
@@ -24,7 +24,6 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 #include <jpeglib.h>
 
 #define MSG 200
@@ -442,8 +441,10 @@ static uint8_t *reserve(scratch_t *s, size_t n) {
 }
 
 /* Decodes window (y, x, h, w) at 1/denom into `buf` (RGB, rows of `*out_w`), mirrored if
- * `flip`. 0 on success; -1 with `message`; -2 when this path does not take it (CMYK/YCCK,
- * lossless, 12-bit: the caller converts with Pillow); -3 when `buf` cannot hold it. */
+ * `flip`. 0 on success; else an error with `message`: -1 in the image data, -4 in the header
+ * (libjpeg's jpeg_read_header refused it), -5 the window outside the frame libjpeg reads or that
+ * frame too large; -2 when this path does not take it (CMYK/YCCK, lossless, 12-bit: the caller
+ * converts with Pillow); -3 when `buf` cannot hold it. */
 static int decode_window(const uint8_t *data, size_t len, long y, long x, long h, long w, int denom,
                          int fast_dct, int flip, scratch_t *buf, scratch_t *rows, int *out_h,
                          int *out_w, char *message) {
@@ -463,7 +464,9 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   jpeg_create_decompress(&cinfo);
   jpeg_mem_src(&cinfo, data, (unsigned long)len);
   err.in_header = 1;
+  status = -4;
   jpeg_read_header(&cinfo, TRUE);
+  status = -1;
   err.in_header = 0;
   if (err.pub.num_warnings > 0) longjmp(err.jump, 1);
   if (!has_eoi(cinfo.src->next_input_byte, data + len)) {
@@ -472,6 +475,7 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   }
   /* The frame libjpeg is about to decode, before jpeg_start_decompress allocates for it. */
   if (too_many_pixels(cinfo.image_height, cinfo.image_width)) {
+    status = -5;
     snprintf(err.message, sizeof(err.message), "%ux%u image exceeds the %llu-pixel limit",
              cinfo.image_width, cinfo.image_height, MAX_PIXELS);
     longjmp(err.jump, 1);
@@ -488,6 +492,7 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   if (y < 0 || x < 0 || h <= 0 || w <= 0 || y > (long)cinfo.image_height ||
       h > (long)cinfo.image_height - y || x > (long)cinfo.image_width ||
       w > (long)cinfo.image_width - x) {
+    status = -5;
     snprintf(err.message, sizeof(err.message), "crop (y=%ld, x=%ld, h=%ld, w=%ld) outside %ux%u",
              y, x, h, w, cinfo.image_height, cinfo.image_width);
     longjmp(err.jump, 1);
@@ -542,7 +547,13 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   return 0;
 }
 
-/* ------------------------------------------------------------------ the batch path */
+/* ------------------------------------------------------------------ the batch decoder */
+
+/* The Python path's words for a broken JPEG (pipeline.decode: decode_crop, and image_size on
+ * the ValueError of header() below), so a record is reported alike on either path. */
+#define DECODE_FAILED "JPEG decode failed: "
+#define NO_FRAME "no JPEG frame header with a valid size (%s)"
+#define UNREADABLE_HEADER "unreadable image header (ValueError: " NO_FRAME ")"
 
 enum { OK = 0, PYTHON_PATH = 1, BROKEN = 2 };
 
@@ -551,42 +562,48 @@ typedef struct {
   size_t len;
   int64_t epoch, index;
   int status;
-  char message[MSG];
+  char message[MSG + sizeof(UNREADABLE_HEADER)];
 } item_t;
 
-static void sleep_ns(long ns) {
-  struct timespec t = {ns / 1000000000L, ns % 1000000000L};
-  while (clock_nanosleep(CLOCK_MONOTONIC, 0, &t, &t) != 0) {
-  }
-}
+/* A decode stage's fixed settings: BatchDecoder(params, size, slot_bytes, seed, image_key,
+ * label_key), params as augment.Head.native_params() gives them. */
+typedef struct {
+  PyObject_HEAD
+  params_t p;
+  Py_ssize_t slot_bytes;
+  uint64_t seed;
+  const char *ik, *lk; /* the feature keys, inside `args` */
+  Py_ssize_t ikl, lkl;
+  PyObject *args; /* the constructor's arguments: kept for the keys and for pickling */
+} decoder_t;
 
 /* One image, without the GIL: parse, header, window, decode (mirrored) into its arena slot. */
-static void load_one(item_t *it, const params_t *p, const char *ik, size_t ikl, const char *lk,
-                     size_t lkl, uint64_t seed, long emulate_ns, scratch_t *slot, int32_t *dims,
+static void load_one(item_t *it, const decoder_t *d, scratch_t *slot, int32_t *dims,
                      int32_t *full, int64_t *label, scratch_t *rows) {
+  const params_t *p = &d->p;
   span_t image = {NULL, NULL};
   long h, w, box[4];
   int oh = 0, ow = 0, marker, precision;
-  if (parse_example(it->data, it->len, ik, ikl, lk, lkl, &image, label) ||
+  char message[MSG];
+  if (parse_example(it->data, it->len, d->ik, (size_t)d->ikl, d->lk, (size_t)d->lkl, &image,
+                    label) ||
       jpeg_frame(image.p, (size_t)(image.end - image.p), &marker, &precision, &h, &w) ||
       !plain_frame(marker, precision) || too_many_pixels((unsigned long)h, (unsigned long)w)) {
     it->status = PYTHON_PATH; /* the Python path names the problem, or takes the format */
     return;
   }
-  uint64_t key = example_key(seed, (uint64_t)it->epoch, (uint64_t)it->index);
+  uint64_t key = example_key(d->seed, (uint64_t)it->epoch, (uint64_t)it->index);
   crop_box(p, h, w, key, box);
   if (full != NULL) full[0] = (int32_t)h, full[1] = (int32_t)w;
-  if (emulate_ns > 0) { /* the chunk waits once for all its images (see decode_batch) */
-    dims[0] = dims[1] = 1;
-    return;
-  }
   int rc = decode_window(image.p, (size_t)(image.end - image.p), box[0], box[1], box[2], box[3],
                          dct_denom(p, box), p->fast_dct, flip_of(p, key), slot, rows, &oh, &ow,
-                         it->message);
-  if (rc == -2 || rc == -3) {
-    it->status = PYTHON_PATH;
-  } else if (rc != 0) {
+                         message);
+  if (rc == -1 || rc == -4) {
     it->status = BROKEN;
+    snprintf(it->message, sizeof(it->message), rc == -1 ? DECODE_FAILED "%s" : UNREADABLE_HEADER,
+             message);
+  } else if (rc != 0) { /* -5: libjpeg reads another frame than jpeg_frame: Python decides */
+    it->status = PYTHON_PATH;
   }
   dims[0] = oh, dims[1] = ow;
 }
@@ -616,31 +633,61 @@ static int writable(PyObject *o, Py_buffer *b, Py_ssize_t itemsize, Py_ssize_t n
   return 0;
 }
 
-/* decode_batch(records, epochs, indices, labels, dims, arena, slot_bytes, start, stop, seed,
- * image_key, label_key, size, params, emulate_ns, sizes=None): records [start, stop) of a batch;
- * record i's mirrored crop window goes to arena[(i - start) * slot_bytes:] as dims[i] = (rows,
- * cols) RGB pixels, its label to labels[i], its full-resolution (height, width) to sizes[i] when
- * given (int32[n, 2]). Returns [(i, status, message)] of the records it hands back:
- * status 1 (the Python path takes it) or 2 (broken, with libjpeg's message). */
-static PyObject *decode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
-  PyObject *recs, *epochs_o, *indices_o, *labels_o, *dims_o, *arena_o, *params_o,
-      *sizes_o = Py_None;
-  Py_buffer labels, dims, arena, epochs, indices, sizes = {0};
-  const char *ik, *lk;
-  Py_ssize_t ikl, lkl, start, stop, slot_bytes;
-  unsigned long long seed;
+static PyObject *decoder_new(PyTypeObject *type, PyObject *args, PyObject *kwargs) {
+  static char *names[] = {"params", "size", "slot_bytes", "seed", "image_key", "label_key", NULL};
+  PyObject *params, *ik, *lk;
   int size;
-  long emulate_ns;
-  params_t p;
-  if (!PyArg_ParseTuple(args, "O!OOOOOnnnKy#y#iOl|O", &PyList_Type, &recs, &epochs_o,
-                        &indices_o, &labels_o, &dims_o, &arena_o, &slot_bytes, &start, &stop, &seed,
-                        &ik, &ikl, &lk, &lkl, &size, &params_o, &emulate_ns, &sizes_o) ||
-      get_params(params_o, &p))
+  Py_ssize_t slot_bytes;
+  unsigned long long seed;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "OinKSS", names, &params, &size, &slot_bytes,
+                                   &seed, &ik, &lk))
     return NULL;
-  p.size = size;
+  if (size < 1 || slot_bytes < 3) {
+    PyErr_Format(PyExc_ValueError, "size %d or slot_bytes %zd too small", size, slot_bytes);
+    return NULL;
+  }
+  decoder_t *d = (decoder_t *)type->tp_alloc(type, 0);
+  if (d == NULL) return NULL;
+  d->args = Py_BuildValue("(OinKOO)", params, size, slot_bytes, seed, ik, lk);
+  if (d->args == NULL || get_params(params, &d->p)) {
+    Py_DECREF(d);
+    return NULL;
+  }
+  d->p.size = size, d->slot_bytes = slot_bytes, d->seed = seed;
+  d->ik = PyBytes_AS_STRING(ik), d->ikl = PyBytes_GET_SIZE(ik);
+  d->lk = PyBytes_AS_STRING(lk), d->lkl = PyBytes_GET_SIZE(lk);
+  return (PyObject *)d;
+}
+
+static void decoder_dealloc(PyObject *self) {
+  Py_XDECREF(((decoder_t *)self)->args);
+  Py_TYPE(self)->tp_free(self);
+}
+
+static PyObject *decoder_reduce(PyObject *self, PyObject *Py_UNUSED(ignored)) {
+  return Py_BuildValue("(OO)", Py_TYPE(self), ((decoder_t *)self)->args);
+}
+
+/* decoder(records, epochs, indices, labels, dims, arena, start, stop, sizes=None): records
+ * [start, stop) of a batch (None: no record); record i's mirrored crop window goes to
+ * arena[(i - start) * slot_bytes:] as dims[i] = (rows, cols) RGB pixels ((0, 0): no window), its
+ * label to labels[i], its full-resolution (height, width) to sizes[i] when given (int32[n, 2]).
+ * Returns [(i, message)] of the records it hands back: message None for the Python path, else
+ * why the record is broken. */
+static PyObject *decoder_call(PyObject *self, PyObject *args, PyObject *kwargs) {
+  static char *names[] = {"records", "epochs", "indices", "labels", "dims", "arena", "start",
+                          "stop", "sizes", NULL};
+  const decoder_t *d = (const decoder_t *)self;
+  PyObject *recs, *epochs_o, *indices_o, *labels_o, *dims_o, *arena_o, *sizes_o = Py_None;
+  Py_buffer labels, dims, arena, epochs, indices, sizes = {0};
+  Py_ssize_t start, stop, slot_bytes = d->slot_bytes;
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOnn|O", names, &PyList_Type, &recs,
+                                   &epochs_o, &indices_o, &labels_o, &dims_o, &arena_o, &start,
+                                   &stop, &sizes_o))
+    return NULL;
   Py_ssize_t n = PyList_GET_SIZE(recs);
-  if (start < 0 || stop > n || start > stop || size < 1 || slot_bytes < 3) {
-    PyErr_SetString(PyExc_ValueError, "bad chunk, size or slot");
+  if (start < 0 || stop > n || start > stop) {
+    PyErr_Format(PyExc_ValueError, "chunk [%zd, %zd) outside the %zd records", start, stop, n);
     return NULL;
   }
   if (writable(labels_o, &labels, 8, n, "labels")) return NULL;
@@ -676,19 +723,20 @@ static PyObject *decode_batch(PyObject *Py_UNUSED(self), PyObject *args) {
   for (Py_ssize_t i = start; i < stop; i++) {
     item_t *it = &items[i - start];
     scratch_t slot = {(uint8_t *)arena.buf + (i - start) * slot_bytes, (size_t)slot_bytes, 1};
+    int32_t *window = (int32_t *)dims.buf + 2 * i;
+    window[0] = window[1] = 0; /* no window, unless decoded below */
     if (it->data != NULL)
-      load_one(it, &p, ik, (size_t)ikl, lk, (size_t)lkl, seed, emulate_ns, &slot,
-               (int32_t *)dims.buf + 2 * i, have_sizes ? (int32_t *)sizes.buf + 2 * i : NULL,
+      load_one(it, d, &slot, window, have_sizes ? (int32_t *)sizes.buf + 2 * i : NULL,
                (int64_t *)labels.buf + i, &rows);
   }
   free(rows.p);
-  if (emulate_ns > 0) sleep_ns(emulate_ns * (long)(stop - start));
   Py_END_ALLOW_THREADS
   PyObject *handed_back = PyList_New(0);
   for (Py_ssize_t i = start; handed_back != NULL && i < stop; i++) {
     item_t *it = &items[i - start];
     if (it->status == OK) continue;
-    PyObject *t = Py_BuildValue("(nis)", i, it->status, it->message);
+    PyObject *t = it->status == BROKEN ? Py_BuildValue("(ns)", i, it->message)
+                                       : Py_BuildValue("(nO)", i, Py_None);
     if (t == NULL || PyList_Append(handed_back, t)) Py_CLEAR(handed_back);
     Py_XDECREF(t);
   }
@@ -713,6 +761,24 @@ release_labels:
   return NULL;
 }
 
+static PyMethodDef decoder_methods[] = {
+    {"__reduce__", decoder_reduce, METH_NOARGS, "Pickles as its constructor's arguments."},
+    {NULL, NULL, 0, NULL}};
+
+static PyTypeObject decoder_type = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "pipeline._jpeg.BatchDecoder",
+    .tp_basicsize = sizeof(decoder_t),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "BatchDecoder(params, size, slot_bytes, seed, image_key, label_key): a decode "
+              "stage's fixed settings; decoder(records, epochs, indices, labels, dims, arena, "
+              "start, stop, sizes=None) -> [(i, message)] handed back (None: the Python path)",
+    .tp_new = decoder_new,
+    .tp_dealloc = decoder_dealloc,
+    .tp_call = decoder_call,
+    .tp_methods = decoder_methods,
+};
+
 static PyObject *decode_crop(PyObject *Py_UNUSED(self), PyObject *args) {
   Py_buffer data;
   long y, x, h, w;
@@ -733,7 +799,7 @@ static PyObject *decode_crop(PyObject *Py_UNUSED(self), PyObject *args) {
   free(rows.p);
   if (status != 0) {
     free(buf.p);
-    PyErr_Format(PyExc_ValueError, "JPEG decode failed: %s%s", message,
+    PyErr_Format(PyExc_ValueError, DECODE_FAILED "%s%s", message,
                  status == -2 ? " (not for this decoder: color conversion or mode)" : "");
     return NULL;
   }
@@ -764,7 +830,7 @@ static PyObject *header(PyObject *Py_UNUSED(self), PyObject *args) {
   jpeg_destroy_decompress(&cinfo);
   PyBuffer_Release(&data);
   if (h < 1 || w < 1) {
-    PyErr_Format(PyExc_ValueError, "no JPEG frame header with a valid size (%s)", err.message);
+    PyErr_Format(PyExc_ValueError, NO_FRAME, err.message);
     return NULL;
   }
   return Py_BuildValue("(ll)", h, w);
@@ -800,10 +866,6 @@ static PyObject *parse_example_py(PyObject *Py_UNUSED(self), PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"decode_batch", decode_batch, METH_VARARGS,
-     "decode_batch(records, epochs, indices, labels, dims, arena, slot_bytes, start, stop, seed, "
-     "image_key, label_key, size, params, emulate_ns, sizes=None) -> [(i, status, message)] "
-     "handed back"},
     {"header", header, METH_VARARGS, "header(data) -> (height, width) of the frame libjpeg decodes"},
     {"frame", frame, METH_VARARGS,
      "frame(data) -> (SOF marker, precision, height, width) of a JPEG's frame header, or None"},
@@ -824,7 +886,10 @@ __attribute__((visibility("default"))) int pipeline_jpeg_lib_version(void) {
 }
 
 PyMODINIT_FUNC PyInit__jpeg(void) {
+  if (PyType_Ready(&decoder_type)) return NULL;
   PyObject *m = PyModule_Create(&module);
-  if (m != NULL && PyModule_AddIntConstant(m, "MAX_PIXELS", (long)MAX_PIXELS)) Py_CLEAR(m);
+  if (m != NULL && (PyModule_AddIntConstant(m, "MAX_PIXELS", (long)MAX_PIXELS) ||
+                    PyModule_AddObjectRef(m, "BatchDecoder", (PyObject *)&decoder_type)))
+    Py_CLEAR(m);
   return m;
 }

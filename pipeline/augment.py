@@ -81,7 +81,7 @@ class Head:
     return _round(self.image_size / self.crop_fraction)
 
   def native_params(self) -> tuple:
-    """The parameter tuple of `_jpeg.decode_batch`."""
+    """The parameter tuple of `_jpeg.BatchDecoder`."""
     return (
       self.train,
       self.flip,

@@ -9,7 +9,8 @@ index), the length and the CRC32C of the bytes. An entry that is not a regular f
 any of these checks (damaged, swapped, copied or linked from another record's entry, or
 filled from a shard since replaced) is a miss, removed and read again. Entries live under a
 folder named by the dataset's shard digests. What is cached is the bytes the shard holds,
-never decoded pixels: the cache changes no batch.
+never decoded pixels: the cache changes no batch. (`DecodedCache` keeps decoded pixels for
+the decode stage: performance.cache_mb.)
 """
 
 from __future__ import annotations
@@ -20,8 +21,10 @@ import stat
 import struct
 import tempfile
 import threading
+from collections.abc import Callable
 
 import google_crc32c
+import numpy as np
 
 _MAGIC = b"GPR2"
 _HEADER = struct.Struct("<4s16sQI")  # magic, digest of the record's key, length, crc32c
@@ -48,6 +51,45 @@ class Once:
       done = self._making.pop(key, None)
     if done is not None:
       done.set()
+
+
+class DecodedCache:
+  """Record index -> its decoded image, up to `capacity` bytes (per process); an image is made
+  once even when two batches in flight hold its record. Pickles as its capacity: each process
+  fills its own."""
+
+  def __init__(self, capacity: int):
+    self.capacity = capacity
+    self._lock = threading.Lock()
+    self._images: dict[int, np.ndarray] = {}
+    self._making = Once()
+    self._used = 0
+
+  def __getstate__(self):
+    return {"capacity": self.capacity}
+
+  def __setstate__(self, state):
+    self.__init__(state["capacity"])
+
+  def get(self, index: int, make: Callable[[], np.ndarray]) -> np.ndarray:
+    """The image of record `index`; `make()` makes it where not kept, kept if it fits."""
+    image = self._images.get(index)
+    if image is not None:
+      return image
+    other = self._making.claim(index)
+    if other is not None:
+      other.wait()
+      image = self._images.get(index)
+      return image if image is not None else make()  # it did not fit
+    try:
+      image = make()
+      with self._lock:
+        if index not in self._images and self._used + image.nbytes <= self.capacity:
+          self._images[index] = image
+          self._used += image.nbytes
+    finally:
+      self._making.release(index)
+    return image
 
 
 class RecordCache:

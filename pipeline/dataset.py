@@ -22,7 +22,6 @@ batch position, so `get_state()`/`set_state()` resume exactly; work started ahea
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import os
 from collections.abc import Mapping, Sequence
@@ -33,6 +32,7 @@ from etils import epath
 
 from pipeline import augment as augment_lib
 from pipeline import (
+  decode,
   guards,
   handoff,
   lifecycle,
@@ -292,6 +292,7 @@ def build(
       prefetch=perf.prefetch,
       on_error=on_error,
       cache_mb=perf.cache_mb,
+      decoder=None if perf.cache_mb else decode.batch_decoder(head, keys or meta.keys, seed),
     ),
     finish=FinishBatch(
       num_classes=meta.num_classes,
@@ -354,18 +355,17 @@ def _compile_pp(pp, meta, train, image_size, aug, ops, batch_ops, normalize):
 
 def chain(stages: Stages) -> grain.IterDataset:
   """The Grain dataset of `stages`: plan -> read -> decode/augment -> ops -> prefetch."""
-  decode, writer = stages.decode, None
+  decode_stage, writer = stages.decode, None
   if stages.workers:
     guards.check_main_guard()
     _ensure_absl_flags_parsed()
     if handoff.available():  # images resized straight into shared memory (pipeline.handoff)
       writer = handoff.Writer.new()
-      decode = copy.copy(decode)
-      decode.images_in = writer
+      decode_stage = dataclasses.replace(decode_stage, allocate=writer.empty)
   ds = grain.MapDataset.range(stages.num_batches).map(stages.plan)
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   it = AheadIterDataset(it, stages.read)
-  it = AheadIterDataset(it, decode)
+  it = AheadIterDataset(it, decode_stage)
   it = it.map(stages.finish)
   if stages.normalize:
     it = it.map(_normalize_host)
