@@ -119,7 +119,9 @@ def batch_of(rows: int, num_classes: int, mask=None) -> dict:
 
 
 def test_mixup_mixes_each_row_with_one_partner_by_one_weight_and_softens_labels():
-  out = ops.apply_batch([ops.PermutedMixup(alpha=0.4, num_classes=8)], batch_of(8, 8), ops.batch_rng(0, 3))
+  out = ops.apply_batch(
+    [ops.PermutedMixup(alpha=0.4, num_classes=8)], batch_of(8, 8), ops.batch_rng(0, 3)
+  )
   assert out["label"].shape == (8, 8) and out["label"].dtype == np.float32
   np.testing.assert_allclose(out["label"].sum(1), 1, rtol=1e-6)
   assert out["image"].dtype == np.uint8 and out["image"].shape == (8, 4, 4, 3)
