@@ -326,6 +326,7 @@ def test_an_old_spelling_is_one_line_naming_the_new_one():
     (ops, "register", "pipeline.registry.register"),
     (ops, "build", "pipeline.pp.build"),
     (pipeline, "Mixup", "pipeline.PermutedMixup"),
+    (pp, "names", "pipeline.registry.names"),
   ]:
     with pytest.raises(AttributeError, match=f"is now {new}"):
       getattr(module, name)
