@@ -107,7 +107,7 @@ def main(argv: list[str] | None = None) -> int:
     "train",
     **common,
     ops=[pipeline.ColorJitter(0.3, 0.3, 0.3), cutout],
-    batch_ops=[pipeline.Mixup(0.2, num_classes)],
+    batch_ops=[pipeline.PermutedMixup(0.2, num_classes)],
   )
   val = pipeline.input(args.data_dir, "validation", **common)
 

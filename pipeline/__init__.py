@@ -4,15 +4,16 @@ ds = pipeline.make_dataset("data/photos", "train", batch_size=128)   # grain.Ite
 ds = pipeline.device_prefetch(ds, mesh)                             # global jax.Arrays
 train = pipeline.input("data/photos", "train", global_batch_size=128)   # both, in one call
 ds = pipeline.make_dataset(..., pp="decode_jpeg_and_inception_crop(224)|flip_lr|...")  # big_vision
+@pipeline.registry.register("my_op", "image")   # your own op, named in pp strings
 """
 
-from pipeline import features, ops, pp
+from pipeline import features, ops, pp, randaugment, registry
 from pipeline.dataset import make_dataset
 from pipeline.errors import BadRecordError
 from pipeline.features import Feature
 from pipeline.manifest import Manifest
 from pipeline.manifest import load as load_manifest
-from pipeline.ops import ColorJitter, Mixup, OneHot
+from pipeline.ops import BigVisionMixup, ColorJitter, OneHot, PermutedMixup
 from pipeline.options import Augment, Performance
 from pipeline.records import Keys
 
@@ -20,14 +21,15 @@ __version__ = "0.1.0"
 __all__ = [
   "Augment",
   "BadRecordError",
+  "BigVisionMixup",
   "ColorJitter",
   "Feature",
   "Input",
   "Keys",
   "Manifest",
-  "Mixup",
   "OneHot",
   "Performance",
+  "PermutedMixup",
   "device_prefetch",
   "features",
   "input",
@@ -36,6 +38,8 @@ __all__ = [
   "normalize_images",
   "ops",
   "pp",
+  "randaugment",
+  "registry",
 ]
 
 _LAZY = {
@@ -52,4 +56,6 @@ def __getattr__(name: str):
     import importlib
 
     return getattr(importlib.import_module(f"pipeline.{_LAZY[name]}"), name)
+  if name == "Mixup":
+    raise AttributeError("pipeline.Mixup is now pipeline.PermutedMixup ('mixup' is big_vision's)")
   raise AttributeError(f"module 'pipeline' has no attribute {name!r}")

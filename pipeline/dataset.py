@@ -128,8 +128,8 @@ def make_dataset(
       head, augment may not set what it sets), the rest become ops and batch ops (so not
       with ops= / batch_ops=); see `pipeline.pp`.
     ops: your per-image ops, run after the built-in head on each image with a per-example
-      RNG: callables or registered names ("color_jitter(0.4)"; see `pipeline.ops`);
-      batch_ops: the same for whole batches (e.g. "mixup(0.2)").
+      RNG: callables or a pp string without a head ("color_jitter(0.4)"; `pipeline.pp`);
+      batch_ops: the same for whole batches (e.g. "permuted_mixup(0.2)").
     features: extra Example features to pass through, {name: key or pipeline.Feature}.
     keys: feature keys of the records (default: the manifest's).
     normalize: host-side float32 in [-1, 1] (default: uint8; normalize on device instead).
@@ -228,10 +228,10 @@ def build(
 
     features = features_lib.parse_specs(features, sample=source.read([0])[0])
   if (ops or batch_ops) and pp is None:
-    from pipeline import ops as ops_lib
+    from pipeline import pp as pp_lib
 
-    ops = ops_lib.build(ops, "image", image_size=image_size, num_classes=meta.num_classes)
-    batch_ops = ops_lib.build(
+    ops = pp_lib.build(ops, "image", image_size=image_size, num_classes=meta.num_classes)
+    batch_ops = pp_lib.build(
       batch_ops, "batch", image_size=image_size, num_classes=meta.num_classes
     )
   chosen = parallelism.plan(
@@ -319,7 +319,7 @@ def _compile_pp(pp, meta, train, image_size, aug, ops, batch_ops, normalize):
   if ops or batch_ops:
     raise ValueError(
       "pass either pp= or ops= / batch_ops=: a pp string holds the ops (name yours in it "
-      "after ops.register)"
+      "after pipeline.registry.register)"
     )
   compiled = pp_lib.compile(pp, num_classes=meta.num_classes, image_size=image_size)
   if compiled.train != train:

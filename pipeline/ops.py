@@ -20,15 +20,13 @@ Each call gets a Generator that depends only on (seed, epoch, example index) or 
 index), so what an op draws does not depend on threads, worker processes or where a run
 resumed. It is the op's for the call: the ops stage re-keys one Generator per thread for the
 next example, so an op must not keep it for later. Ops travel to worker processes by
-pickle: module-level functions and classes (or cloudpickle-able closures). Registered ops
-can also be named in a string, as big_vision's pp strings: "color_jitter(0.4, 0.4, 0.4)|my_op"
-(see `build` and docs/API.md); whole big_vision pp strings, head included, are
-`pipeline.pp`'s.
+pickle: module-level functions and classes (or cloudpickle-able closures). Ops registered
+in `pipeline.registry` (the shipped ones below and `randaug`, and yours) are named in pp
+strings, `pipeline.pp`'s language: "color_jitter(0.4, 0.4, 0.4)|my_op" (docs/API.md).
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import inspect
 import operator
@@ -36,14 +34,14 @@ import sys
 import threading
 import types
 from collections.abc import Callable, Mapping, Sequence
-from typing import Literal
 
 import cv2
 import numpy as np
 
+from pipeline import registry
+
 ImageOp = Callable[[np.ndarray, np.random.Generator], np.ndarray]
 BatchOp = Callable[[dict, np.random.Generator], dict]
-Kind = Literal["image", "batch"]
 
 MASK_KEY = "mask"
 _MASK = "it marks the padding rows of eval batches: write your result under another name"
@@ -195,139 +193,10 @@ def _rows(batch: Mapping[str, np.ndarray], what: str) -> int:
   return next(iter(sizes.values()))
 
 
-# Registry: names for ops, so configs can hold a string ("color_jitter(0.4)|mixup(0.2)").
-
-_REGISTRY: dict[Kind, dict[str, Callable[..., Callable]]] = {"image": {}, "batch": {}}
+# Ops that ship: colour jitter per image; mixups and onehot (below) per batch.
 
 
-def register(name: str, kind: Kind, *, replace: bool = False):
-  """Decorator: `factory(*args, **kwargs)` builds the op that `build` names `name`.
-
-  Registering the same definition again (a re-run notebook cell, `importlib.reload`) is a
-  no-op that keeps the newest object; a different definition under a taken name is refused
-  unless `replace=True`.
-  """
-  if kind not in _REGISTRY:
-    raise ValueError(f"kind must be 'image' or 'batch', got {kind!r}")
-
-  def add(factory):
-    taken = _REGISTRY[kind].get(name)
-    if taken is not None and not replace and _definition(taken) != _definition(factory):
-      raise ValueError(
-        f"a different {kind} op is already registered as {name!r} "
-        f"({_where(taken)}); choose another name or pass register(..., replace=True)"
-      )
-    _REGISTRY[kind][name] = factory
-    return factory
-
-  return add
-
-
-def _where(factory) -> str:
-  return f"{getattr(factory, '__module__', '?')}.{getattr(factory, '__qualname__', _name(factory))}"
-
-
-def _definition(obj, depth: int = 0):
-  """What makes two factories the same definition: module, name and code (for a class, the
-  code of its methods), not object identity, so re-running the defining code matches."""
-  if depth > 3:
-    return None
-  code = getattr(obj, "__code__", None)
-  if code is not None:
-    defaults = repr((getattr(obj, "__defaults__", None), getattr(obj, "__kwdefaults__", None)))
-    return (_where(obj), _code(code), defaults)
-  if isinstance(obj, type):
-    members = sorted(
-      (k, _definition(v, depth + 1))
-      for k, v in vars(obj).items()
-      if callable(v) or isinstance(v, (staticmethod, classmethod, property))
-    )
-    values = sorted(
-      (k, repr(v))
-      for k, v in vars(obj).items()
-      if not k.startswith("__") and isinstance(v, (int, float, str, bytes, tuple, type(None)))
-    )
-    fields = sorted((k, str(v)) for k, v in getattr(obj, "__annotations__", {}).items())
-    return (_where(obj), tuple(members), tuple(values), tuple(fields))
-  inner = getattr(obj, "__func__", None) or getattr(obj, "fget", None)
-  if inner is not None:
-    return _definition(inner, depth + 1)
-  return (_where(obj), id(obj))
-
-
-def _code(code):
-  consts = tuple(_code(c) if hasattr(c, "co_code") else repr(c) for c in code.co_consts)
-  return (code.co_code, consts, code.co_names, code.co_varnames)
-
-
-def build(spec: str | Sequence[str | Callable] | None, kind: Kind, **context) -> tuple:
-  """The ops a spec names: a "|"-separated string of registered ops with literal arguments,
-  an op callable, or a sequence of such strings and callables (kept as they are).
-
-  `context` (e.g. num_classes, image_size) fills a factory's parameters of those names
-  that the spec left out, as big_vision's `kwargs_extra`.
-  """
-  if kind not in _REGISTRY:
-    raise ValueError(f"kind must be 'image' or 'batch', got {kind!r}")
-  if spec is None:
-    return ()
-  if isinstance(spec, str):
-    items = spec.split("|")
-  else:
-    items = [spec] if callable(spec) else list(spec)
-  ops = []
-  for item in items:
-    if callable(item):
-      ops.append(item)
-    elif isinstance(item, str):
-      if item.strip():
-        ops.append(_lookup(item.strip(), kind, context))
-    else:
-      raise TypeError(
-        f"{kind} ops are callables or registered names, got {type(item).__name__} {item!r}"
-      )
-  return tuple(ops)
-
-
-def _lookup(text: str, kind: Kind, context: dict) -> Callable:
-  name, args, kwargs = _parse_call(text)
-  factory = _REGISTRY[kind].get(name)
-  if factory is None:
-    other = "batch" if kind == "image" else "image"
-    hint = f" (it is a {other} op)" if name in _REGISTRY[other] else ""
-    raise ValueError(
-      f"unknown {kind} op {name!r} in {text!r}{hint}; registered: {sorted(_REGISTRY[kind])}"
-    )
-  params = inspect.signature(factory).parameters
-  for key, value in context.items():
-    if key in params and key not in kwargs:
-      kwargs[key] = value
-  try:
-    return factory(*args, **kwargs)
-  except TypeError as e:
-    raise ValueError(f"{kind} op {text!r}: {e}") from None
-
-
-def _parse_call(text: str) -> tuple[str, tuple, dict]:
-  """ "name" or "name(1, b=2)" with literal arguments only (nothing is evaluated)."""
-  try:
-    expr = ast.parse(text, mode="eval").body
-    if isinstance(expr, ast.Name):
-      return expr.id, (), {}
-    if isinstance(expr, ast.Call) and isinstance(expr.func, ast.Name):
-      args = tuple(ast.literal_eval(a) for a in expr.args)
-      kwargs = {k.arg: ast.literal_eval(k.value) for k in expr.keywords}
-      if None not in kwargs:
-        return expr.func.id, args, kwargs
-  except (SyntaxError, ValueError):
-    pass
-  raise ValueError(f"cannot read op {text!r}: write name or name(literal, key=literal)")
-
-
-# Ops that ship: colour jitter per image; mixup and onehot (below) per batch.
-
-
-@register("color_jitter", "image")
+@registry.register("color_jitter", "image")
 @dataclasses.dataclass(frozen=True)
 class ColorJitter:
   """torchvision's ColorJitter on uint8 RGB images with OpenCV lookup tables.
@@ -404,11 +273,12 @@ def _hue(image: np.ndarray, shift: float) -> np.ndarray:
   return cv2.cvtColor(hsv, cv2.COLOR_HSV2RGB)
 
 
-@register("mixup", "batch")
+@registry.register("permuted_mixup", "batch")
 @dataclasses.dataclass(frozen=True)
-class Mixup:
-  """mixup (Zhang et al. 2018) on a host batch: each row becomes lam * itself + (1 - lam) *
-  a partner row, lam ~ Beta(alpha, alpha) once per batch, partners a random permutation.
+class PermutedMixup:
+  """`permuted_mixup(alpha, num_classes, key)`: mixup (Zhang et al. 2018) on a host batch:
+  each row becomes lam * itself + (1 - lam) * a partner row, lam ~ Beta(alpha, alpha) once per
+  batch, partners a random permutation (big_vision's is `mixup`, `BigVisionMixup`).
 
   Output keys: "image" keeps its dtype (uint8 rounds, as timm's fast-collate mixup, so the
   host still moves uint8); the labels (`key`, default "label") become soft,
@@ -425,12 +295,12 @@ class Mixup:
 
   def __post_init__(self):
     if self.alpha <= 0:
-      raise ValueError(f"mixup alpha must be > 0, got {self.alpha}")
+      raise ValueError(f"permuted_mixup alpha must be > 0, got {self.alpha}")
     if self.num_classes is not None and self.num_classes < 1:
-      raise ValueError(f"mixup num_classes must be >= 1, got {self.num_classes}")
+      raise ValueError(f"permuted_mixup num_classes must be >= 1, got {self.num_classes}")
 
   def __call__(self, batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict:
-    key = _label_key("mixup", self.key, batch)
+    key = _label_key("permuted_mixup", self.key, batch)
     labels = self._soft(np.asarray(batch[key]))
     rows = len(labels)
     real = np.flatnonzero(batch[MASK_KEY]) if MASK_KEY in batch else np.arange(rows)
@@ -450,10 +320,10 @@ class Mixup:
     if labels.ndim == 2:
       return labels.astype(np.float32)
     if self.num_classes is None:
-      raise OpError("mixup needs num_classes to make soft labels from class indices")
+      raise OpError("permuted_mixup needs num_classes to make soft labels from class indices")
     if labels.size and not 0 <= labels.min() <= labels.max() < self.num_classes:
       raise OpError(
-        f"mixup: labels outside [0, {self.num_classes}): {labels.min()}..{labels.max()}"
+        f"permuted_mixup: labels outside [0, {self.num_classes}): {labels.min()}..{labels.max()}"
       )
     return np.eye(self.num_classes, dtype=np.float32)[labels]
 
@@ -488,7 +358,7 @@ def _looks_like_soft_labels(v: np.ndarray) -> bool:
   return bool((v >= 0).all() and np.allclose(v.sum(axis=1), 1, atol=1e-3))
 
 
-@register("onehot", "batch")
+@registry.register("onehot", "batch")
 @dataclasses.dataclass(frozen=True)
 class OneHot:
   """big_vision's onehot on a host batch: int labels in `key` -> float32[B, depth] in
@@ -523,7 +393,7 @@ class OneHot:
 # big_vision's ops that are not part of the head (pipeline.pp compiles the head ones).
 
 
-@register("value_range", "batch")
+@registry.register("value_range", "batch")
 @dataclasses.dataclass(frozen=True)
 class ValueRange:
   """big_vision's value_range on a host batch: `key` ("image") from [in_min, in_max] to float32
@@ -608,7 +478,7 @@ def _in_parts(fn, x: np.ndarray, out: np.ndarray, *args, parts: int = 2) -> None
     t.join()
 
 
-@register("keep", "batch")
+@registry.register("keep", "batch")
 class Keep:
   """big_vision's keep("image", "labels"): only the named entries stay, and the "mask" when
   the batch has one (it is the pipeline's, marking eval padding; see the module docstring).
@@ -635,7 +505,7 @@ class Keep:
     return {k: v for k, v in batch.items() if k in self.keys or k == MASK_KEY}
 
 
-@register("bv_mixup", "batch")
+@registry.register("mixup", "batch")
 @dataclasses.dataclass(frozen=True)
 class BigVisionMixup:
   """big_vision's mixup (`big_vision.utils.get_mixup`): a ~ Beta(p, p) once per batch,
@@ -645,8 +515,8 @@ class BigVisionMixup:
   big_vision mixes in its train step, on the device, after the pp ops; here it runs on the
   host batch, so the host moves float32 images. `fold_in` (the config's) is accepted and
   unused: the draw comes from the batch's generator, a pure function of (seed, batch index).
-  In a `pp=` string this is `mixup(p=..., fold_in=None)`. Eval batches (with a mask) are
-  refused: big_vision mixes training batches only.
+  Named `mixup(p=..., fold_in=None)` in a pp string. Eval batches (with a mask) are refused:
+  big_vision mixes training batches only.
   """
 
   p: float = 0.2
@@ -673,8 +543,9 @@ class BigVisionMixup:
     missing = [k for k in self.keys if k not in batch]
     if missing:
       raise OpError(
-        f"mixup: the batch has no {missing} entries (it has {sorted(batch)}); big_vision "
-        "mixes the one-hot labels: run onehot(..., key_result='labels') first or pass keys="
+        f"mixup: the batch has no {missing} entries (it has {sorted(batch)}); big_vision's "
+        "mixup mixes one-hot labels: run onehot(..., key_result='labels') first or pass keys= "
+        "(permuted_mixup(alpha) mixes int labels, this library's mixup before issue 27)"
       )
     for k in self.keys:
       v = np.asarray(batch[k])
@@ -692,4 +563,15 @@ class BigVisionMixup:
     return out
 
 
-from pipeline import randaugment as _randaugment  # noqa: E402,F401  registers "randaug"
+_MOVED = {
+  "Mixup": "pipeline.ops.PermutedMixup, named 'permuted_mixup' ('mixup' is big_vision's)",
+  "register": "pipeline.registry.register",
+  "build": "pipeline.pp.build",
+}
+
+
+def __getattr__(name: str):
+  """Names issue 27 moved: one line saying the new spelling."""
+  if name in _MOVED:
+    raise AttributeError(f"pipeline.ops.{name} is now {_MOVED[name]}")
+  raise AttributeError(f"module 'pipeline.ops' has no attribute {name!r}")

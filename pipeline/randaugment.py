@@ -29,7 +29,7 @@ import dataclasses
 import cv2
 import numpy as np
 
-from pipeline import ops
+from pipeline import ops, registry
 
 MAX_LEVEL = 10.0
 GREY = (128, 128, 128)
@@ -55,7 +55,7 @@ _LEVELS = np.arange(256, dtype=np.float64)
 _SMOOTH = np.array([[1, 1, 1], [1, 5, 1], [1, 1, 1]], np.float32) / 13
 
 
-@ops.register("randaug", "image")
+@registry.register("randaug", "image")
 @dataclasses.dataclass(frozen=True)
 class RandAugment:
   """big_vision's randaug(num_layers, magnitude) on uint8 HxWx3 images (module docstring)."""

@@ -498,7 +498,7 @@ def test_custom_ops_and_extra_features_are_deterministic_across_threads_workers_
       shard_index=0,
       shard_count=1,
       ops="color_jitter(0.4)",
-      batch_ops="mixup(0.2)",
+      batch_ops="permuted_mixup(0.2)",
       features={"id": "image/id"},
       performance=dict(num_workers=workers, num_threads=threads),
     )

@@ -8,7 +8,7 @@ import cloudpickle
 import numpy as np
 import pytest
 
-from pipeline import ops
+from pipeline import ops, pp, registry
 
 
 def photo(index: int, size: int = 24) -> np.ndarray:
@@ -119,7 +119,9 @@ def batch_of(rows: int, num_classes: int, mask=None) -> dict:
 
 
 def test_mixup_mixes_each_row_with_one_partner_by_one_weight_and_softens_labels():
-  out = ops.apply_batch([ops.Mixup(alpha=0.4, num_classes=8)], batch_of(8, 8), ops.batch_rng(0, 3))
+  out = ops.apply_batch(
+    [ops.PermutedMixup(alpha=0.4, num_classes=8)], batch_of(8, 8), ops.batch_rng(0, 3)
+  )
   assert out["label"].shape == (8, 8) and out["label"].dtype == np.float32
   np.testing.assert_allclose(out["label"].sum(1), 1, rtol=1e-6)
   assert out["image"].dtype == np.uint8 and out["image"].shape == (8, 4, 4, 3)
@@ -135,12 +137,12 @@ def test_mixup_mixes_each_row_with_one_partner_by_one_weight_and_softens_labels(
     np.testing.assert_allclose(out["image"][i], lam * 10 * i + (1 - lam) * 10 * j, atol=0.51)
   assert len(weights) == 1  # one lam per batch
   assert sorted(partners) == list(range(8))  # a permutation
-  again = ops.apply_batch([ops.Mixup(0.4, 8)], batch_of(8, 8), ops.batch_rng(0, 3))
+  again = ops.apply_batch([ops.PermutedMixup(0.4, 8)], batch_of(8, 8), ops.batch_rng(0, 3))
   np.testing.assert_array_equal(again["image"], out["image"])
-  other = ops.apply_batch([ops.Mixup(0.4, 8)], batch_of(8, 8), ops.batch_rng(0, 4))
+  other = ops.apply_batch([ops.PermutedMixup(0.4, 8)], batch_of(8, 8), ops.batch_rng(0, 4))
   assert not np.array_equal(other["label"], out["label"])
   floats = {**batch_of(8, 8), "image": batch_of(8, 8)["image"].astype(np.float32)}
-  exact = ops.apply_batch([ops.Mixup(0.4, 8)], floats, ops.batch_rng(0, 3))["image"]
+  exact = ops.apply_batch([ops.PermutedMixup(0.4, 8)], floats, ops.batch_rng(0, 3))["image"]
   assert exact.dtype == np.float32
   np.testing.assert_allclose(exact, out["image"], atol=0.51)
 
@@ -149,7 +151,7 @@ def test_mixup_leaves_padding_rows_alone_and_mixes_real_rows_among_themselves():
   mask = [1, 1, 1, 1, 1, 0, 0, 0]
   batch = batch_of(8, 8, mask)
   for b in range(5):
-    out = ops.apply_batch([ops.Mixup(1.0, 8)], batch, ops.batch_rng(0, b))
+    out = ops.apply_batch([ops.PermutedMixup(1.0, 8)], batch, ops.batch_rng(0, b))
     np.testing.assert_array_equal(out["mask"], batch["mask"])
     np.testing.assert_array_equal(out["image"][5:], batch["image"][5:])
     np.testing.assert_array_equal(out["label"][5:], np.eye(8, dtype=np.float32)[5:])
@@ -167,74 +169,82 @@ def test_batch_ops_keep_every_row_and_the_mask():
   with pytest.raises(ops.OpError, match="returned list"):
     ops.apply_batch([lambda b, rng: [b]], batch, ops.batch_rng(0, 0))
   with pytest.raises(ops.OpError, match="labels outside"):
-    ops.apply_batch([ops.Mixup(0.2, 3)], batch, ops.batch_rng(0, 0))
+    ops.apply_batch([ops.PermutedMixup(0.2, 3)], batch, ops.batch_rng(0, 0))
 
 
-@ops.register("test_invert", "image")
+@registry.register("test_invert", "image")
 def invert(strength=255):
   return lambda image, rng: (strength - image).astype(np.uint8)
 
 
 def test_a_spec_string_names_registered_ops_with_literal_arguments():
-  built = ops.build("color_jitter(0.2, hue=0.1)|test_invert", "image")
+  built = pp.build("color_jitter(0.2, hue=0.1)|test_invert", "image")
   assert built[0] == ops.ColorJitter(0.2, hue=0.1)
   np.testing.assert_array_equal(built[1](photo(0), None), 255 - photo(0))
   mine = lambda image, rng: image
-  assert ops.build(["color_jitter", mine], "image") == (ops.ColorJitter(), mine)
-  assert ops.build(ops.Mixup(0.3, 2), "batch") == (ops.Mixup(0.3, 2),)
+  assert pp.build(["color_jitter", mine], "image") == (ops.ColorJitter(), mine)
+  assert pp.build(ops.PermutedMixup(0.3, 2), "batch") == (ops.PermutedMixup(0.3, 2),)
   # Context fills what the spec leaves out (the manifest's class count, say).
-  assert ops.build("mixup(0.5)", "batch", num_classes=10) == (ops.Mixup(0.5, 10),)
-  assert ops.build("mixup(0.5, num_classes=3)", "batch", num_classes=10)[0].num_classes == 3
-  assert ops.build(None, "image") == () and ops.build("", "batch") == ()
-  assert pickle.loads(pickle.dumps(ops.build("color_jitter(0.1)", "image")))
+  assert pp.build("permuted_mixup(0.5)", "batch", num_classes=10) == (ops.PermutedMixup(0.5, 10),)
+  assert pp.build("permuted_mixup(0.5, num_classes=3)", "batch", num_classes=10)[0].num_classes == 3
+  # ... and a bare num_classes is its value, as in a whole pp string.
+  assert pp.build("onehot(num_classes)", "batch", num_classes=10) == (ops.OneHot(10),)
+  assert pp.build(None, "image") == () and pp.build("", "batch") == ()
+  assert pickle.loads(pickle.dumps(pp.build("color_jitter(0.1)", "image")))
 
 
 def test_a_bad_spec_says_what_is_wrong():
-  with pytest.raises(ValueError, match=r"unknown image op 'mixup'.*it is a batch op"):
-    ops.build("mixup(0.2)", "image")
-  with pytest.raises(ValueError, match=r"unknown image op 'blur'.*registered: \[.*color_jitter"):
-    ops.build("color_jitter|blur(3)", "image")
+  with pytest.raises(ValueError, match=r"op 'mixup\(0.2\)' is a batch op.*batch_ops="):
+    pp.build("mixup(0.2)", "image")
+  with pytest.raises(ValueError, match=r"op 'flip_lr' is a head op.*augment= or a pp= string"):
+    pp.build("flip_lr", "image")
+  with pytest.raises(ValueError, match=r"onehot\(8\)' one-hot encodes 8 classes.*has 10"):
+    pp.build("onehot(8)", "batch", num_classes=10)
+  with pytest.raises(ValueError, match=r"unknown op 'blur'.*registered: \[.*color_jitter"):
+    pp.build("color_jitter|blur(3)", "image")
   with pytest.raises(ValueError, match="cannot read op"):
-    ops.build("color_jitter(__import__('os').getcwd())", "image")
+    pp.build("color_jitter(__import__('os').getcwd())", "image")
   with pytest.raises(ValueError, match="color_jitter\\(1, 2, 3, 4, 5\\)"):
-    ops.build("color_jitter(1, 2, 3, 4, 5)", "image")
+    pp.build("color_jitter(1, 2, 3, 4, 5)", "image")
   with pytest.raises(ValueError, match="already registered"):
-    ops.register("color_jitter", "image")(lambda: None)
+    registry.register("color_jitter", "image")(lambda: None)
 
 
 def test_mixup_after_onehot_to_another_key_mixes_the_labels_the_model_reads():
   # big_vision's "onehot(8, key_result='labels')|mixup(...)": the labels live in "labels".
   batch = batch_of(8, 8)
-  chain = ops.build("onehot(8, key_result='labels')|mixup(0.4, key='labels')", "batch")
+  chain = pp.build("onehot(8, key_result='labels')|permuted_mixup(0.4, key='labels')", "batch")
   out = ops.apply_batch(chain, batch, ops.batch_rng(0, 3))
-  plain = ops.apply_batch([ops.Mixup(0.4, 8)], batch, ops.batch_rng(0, 3))
+  plain = ops.apply_batch([ops.PermutedMixup(0.4, 8)], batch, ops.batch_rng(0, 3))
   np.testing.assert_array_equal(out["labels"], plain["label"])  # mixed as "label" would be
   np.testing.assert_array_equal(out["image"], plain["image"])
   np.testing.assert_array_equal(out["label"], batch["label"])  # the int labels untouched
   # Without key=, mixing the images but not "labels" is refused, naming the key to pass.
   with pytest.raises(ops.OpError, match=r"soft labels in 'labels'.*key='labels'"):
     ops.apply_batch(
-      ops.build("onehot(8, key_result='labels')|mixup(0.4, 8)", "batch"), batch, ops.batch_rng(0, 3)
+      pp.build("onehot(8, key_result='labels')|permuted_mixup(0.4, 8)", "batch"),
+      batch,
+      ops.batch_rng(0, 3),
     )
   # A batch without the labels' key is refused, naming what it has.
   no_label = {"image": batch["image"]}
   with pytest.raises(ops.OpError, match=r"no 'label' entry \(it has \['image'\]\)"):
-    ops.apply_batch([ops.Mixup(0.4, 8)], no_label, ops.batch_rng(0, 0))
+    ops.apply_batch([ops.PermutedMixup(0.4, 8)], no_label, ops.batch_rng(0, 0))
   with pytest.raises(ops.OpError, match=r"no 'labels' entry"):
-    ops.apply_batch([ops.Mixup(0.4, 8, key="labels")], batch, ops.batch_rng(0, 0))
+    ops.apply_batch([ops.PermutedMixup(0.4, 8, key="labels")], batch, ops.batch_rng(0, 0))
   with pytest.raises(ops.OpError, match=r"onehot: labels outside \[0, 3\)"):
     ops.apply_batch([ops.OneHot(3)], batch, ops.batch_rng(0, 0))
 
 
 OP_SOURCE = '''
 import numpy as np
-from pipeline import ops
+from pipeline import registry
 
-@ops.register("test_reloaded_{n}", "image")
+@registry.register("test_reloaded_{n}", "image")
 def shift(amount=1):  # a comment
   return lambda image, rng: np.roll(image, amount, axis=0)
 
-@ops.register("test_reloaded_class_{n}", "batch")
+@registry.register("test_reloaded_class_{n}", "batch")
 class Keep:
   scale = 1.0
   def __call__(self, batch, rng):
@@ -249,14 +259,14 @@ def test_registering_the_same_definition_again_is_a_no_op_and_another_is_refused
   # A notebook cell run twice: the same source executed again makes new objects.
   for _ in range(2):
     exec(compile(OP_SOURCE.format(n=1), "<cell>", "exec"), {"__name__": "__main__"})
-  assert ops.build("test_reloaded_1(2)", "image")[0](photo(0), None).shape == photo(0).shape
+  assert pp.build("test_reloaded_1(2)", "image")[0](photo(0), None).shape == photo(0).shape
   # importlib.reload of a module that registers ops.
   (tmp_path / "my_ops_module.py").write_text(OP_SOURCE.format(n=2))
   sys.path.insert(0, str(tmp_path))
   try:
     module = importlib.import_module("my_ops_module")
     importlib.reload(module)
-    assert ops.build("test_reloaded_2", "image")
+    assert pp.build("test_reloaded_2", "image")
     # A different definition under a taken name: refused in one line, naming it.
     edited = OP_SOURCE.format(n=2).replace("amount, axis=0", "amount, axis=1")
     (tmp_path / "my_ops_module.py").write_text(edited)
@@ -274,7 +284,85 @@ def test_registering_the_same_definition_again_is_a_no_op_and_another_is_refused
     with pytest.raises(ValueError, match="'test_reloaded_class_2'"):
       exec(compile(changed_class, "<edited>", "exec"), {"__name__": "my_ops_module"})
     # replace=True is the way to swap one in on purpose.
-    ops.register("test_reloaded_2", "image", replace=True)(lambda: lambda image, rng: image)
+    registry.register("test_reloaded_2", "image", replace=True)(lambda: lambda image, rng: image)
   finally:
     sys.path.remove(str(tmp_path))
     sys.modules.pop("my_ops_module", None)
+
+
+def test_the_registry_names_each_op_once_and_lists_every_name():
+  assert registry.lookup("mixup") == registry.Op("mixup", "batch", ops.BigVisionMixup)
+  assert registry.lookup("permuted_mixup").factory is ops.PermutedMixup
+  assert registry.lookup("randaug").kind == "image"
+  assert registry.lookup("flip_lr") == registry.Op("flip_lr", "head", None)
+  names = registry.names()
+  assert {"color_jitter", "randaug", "mixup", "permuted_mixup", "onehot", "value_range"} <= set(
+    names
+  )
+  assert set(registry.HEAD) <= set(names) and "bv_mixup" not in names
+  with pytest.raises(ValueError, match=r"^unknown op 'blur'; registered: \[.*'randaug'") as e:
+    registry.lookup("blur")
+  assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match="is a head op"):
+    registry.register("flip_lr", "image")(lambda: None)
+  with pytest.raises(ValueError, match="kind must be 'image' or 'batch'"):
+    registry.register("my_head", "head")
+
+
+def test_a_pp_string_and_batch_ops_read_the_same_language():
+  tail = "onehot(num_classes, key_result='labels')|value_range(-1, 1)|mixup(p=0.2)"
+  compiled = pp.compile("decode_jpeg_and_inception_crop(32)|" + tail, num_classes=8)
+  assert compiled.batch_ops == pp.build(tail, "batch", num_classes=8)
+  assert [type(op) for op in compiled.batch_ops] == [ops.OneHot, ops.ValueRange, ops.BigVisionMixup]
+
+
+def test_an_old_spelling_is_one_line_naming_the_new_one():
+  import pipeline
+
+  with pytest.raises(ValueError, match=r"^op 'bv_mixup' is now spelled 'mixup'"):
+    pp.build("bv_mixup(p=0.2)", "batch")
+  for module, name, new in [
+    (ops, "Mixup", "pipeline.ops.PermutedMixup"),
+    (ops, "register", "pipeline.registry.register"),
+    (ops, "build", "pipeline.pp.build"),
+    (pipeline, "Mixup", "pipeline.PermutedMixup"),
+    (pp, "names", "pipeline.registry.names"),
+  ]:
+    with pytest.raises(AttributeError, match=f"is now {new}"):
+      getattr(module, name)
+  # "mixup" now names big_vision's op: on int labels it says which op mixes those.
+  (bv,) = pp.build("mixup(0.2)", "batch", num_classes=8)
+  with pytest.raises(ops.OpError, match=r"no \['labels'\] entries.*permuted_mixup\(alpha\)"):
+    ops.apply_batch([bv], batch_of(8, 8), ops.batch_rng(0, 0))
+
+
+def test_the_pipeline_modules_import_no_circle():
+  import ast
+  import pathlib
+
+  import pipeline
+
+  root = pathlib.Path(pipeline.__file__).parent
+  modules = {p.stem: p for p in root.glob("*.py") if p.stem != "__init__"}
+  imports = {}
+  for name, path in modules.items():
+    found = set()
+    for node in ast.parse(path.read_text()).body:  # module level: what importing runs
+      if isinstance(node, ast.ImportFrom) and node.module == "pipeline":
+        found |= {a.name for a in node.names}
+      elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("pipeline."):
+        found.add(node.module.split(".")[1])
+    imports[name] = found & set(modules)
+
+  def circle(name, path):
+    for other in sorted(imports[name]):
+      if other in path:
+        return [*path[path.index(other) :], other]
+      found = circle(other, [*path, other])
+      if found:
+        return found
+    return None
+
+  for name in modules:
+    assert circle(name, [name]) is None, f"import circle: {' -> '.join(circle(name, [name]))}"
+  assert imports["registry"] == set() and "randaugment" not in imports["ops"]
