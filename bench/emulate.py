@@ -43,7 +43,7 @@ class EmulatedDecode(DecodeImages):
 
 def make_dataset(*args, emulate_us: tuple[float, float] | None = None, **kwargs):
   """`pipeline.make_dataset`, with decode and resize emulated when `emulate_us` is given."""
-  stages = dataset.build(*args, **kwargs)
+  stages = dataset.build(dataset.Spec.of(*args, **kwargs))
   if emulate_us is not None:
     stages.decode = EmulatedDecode(stages.decode, *emulate_us)
   return dataset.chain(stages)

@@ -15,6 +15,7 @@ from pipeline.manifest import load as load_manifest
 from pipeline.ops import ColorJitter, Mixup, OneHot
 from pipeline.options import Augment, Performance
 from pipeline.records import Keys
+from pipeline.spec import Spec
 
 __version__ = "0.1.0"
 __all__ = [
@@ -28,6 +29,7 @@ __all__ = [
   "Mixup",
   "OneHot",
   "Performance",
+  "Spec",
   "device_prefetch",
   "features",
   "input",
