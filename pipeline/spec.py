@@ -102,7 +102,13 @@ class Spec:
   @classmethod
   def of(cls, data_dir, split: str = "train", **keywords) -> Spec:
     """The spec of `make_dataset(data_dir, split, **keywords)`, checked and completed."""
-    bound = SIGNATURE.bind(data_dir, split, **keywords)
+    unknown = sorted(set(keywords) - set(SIGNATURE.parameters))
+    if unknown:
+      raise TypeError(f"make_dataset() got an unexpected keyword argument {unknown[0]!r}")
+    try:
+      bound = SIGNATURE.bind(data_dir, split, **keywords)
+    except TypeError as e:
+      raise TypeError(f"make_dataset() {e}") from None
     bound.apply_defaults()
     values = bound.arguments
     group = {f.name: values.pop(f.name) for f in dataclasses.fields(Transforms)}
