@@ -34,7 +34,7 @@ class Waits:
 
 def make_dataset(*args, emulate_us: tuple[float, float] | None = None, **kwargs):
   """`pipeline.make_dataset`, with decode and resize emulated when `emulate_us` is given."""
-  stages = dataset.build(*args, **kwargs)
+  stages = dataset.build(dataset.Spec.of(*args, **kwargs))
   if emulate_us is not None:
     waits = Waits(stages.decode.head.image_size, sum(emulate_us))
     stages.decode = dataclasses.replace(stages.decode, decoder=waits)

@@ -16,6 +16,7 @@ from pipeline.manifest import load as load_manifest
 from pipeline.ops import BigVisionMixup, ColorJitter, OneHot, PermutedMixup
 from pipeline.options import Augment, Performance
 from pipeline.records import Keys
+from pipeline.spec import Spec
 
 __version__ = "0.1.0"
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
   "OneHot",
   "Performance",
   "PermutedMixup",
+  "Spec",
   "device_prefetch",
   "features",
   "input",

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Mapping, Sequence
 
 import grain
 import numpy as np
@@ -36,10 +35,8 @@ from pipeline import (
   guards,
   handoff,
   lifecycle,
-  options,
   parallelism,
   reads,
-  records,
   remote,
   tfds_folder,
 )
@@ -49,13 +46,14 @@ from pipeline.cache import RecordCache, dataset_id
 from pipeline.errors import BadRecordError
 from pipeline.finish import FinishBatch
 from pipeline.images import DecodeImages
-from pipeline.options import Augment, Performance
-from pipeline.plan import PlanBatches
+from pipeline.options import Augment
+from pipeline.plan import PlanBatches, Sizes
 from pipeline.sampling import Sampler
 from pipeline.source import ShardedSource
+from pipeline.spec import SIGNATURE, Spec
 from pipeline.stream import StreamIterDataset
 
-__all__ = ["BadRecordError", "Stages", "build", "chain", "make_dataset"]
+__all__ = ["BadRecordError", "Spec", "Stages", "build", "chain", "make_dataset"]
 
 SLOW_READ_S = 0.002  # reads at least this slow get the record cache by default
 CACHE_MEMORY_SHARE = 0.25  # of the available memory the default record cache may take
@@ -66,7 +64,8 @@ class Stages:
   """The stages of one dataset and how they are joined (`chain`)."""
 
   plan: PlanBatches
-  num_batches: int
+  sizes: Sizes
+  manifest: manifest_lib.Manifest
   read: reads.ReadRecords
   decode: DecodeImages
   finish: FinishBatch
@@ -76,141 +75,114 @@ class Stages:
   stream: dict
 
 
-def make_dataset(
-  data_dir,
-  split: str = "train",
-  *,
-  batch_size: int,
-  train: bool = True,
-  seed: int = 0,
-  image_size: int | None = None,
-  num_epochs: int | None = None,
-  shuffle: bool | None = None,
-  drop_remainder: bool | None = None,
-  shard_index: int | None = None,
-  shard_count: int | None = None,
-  sharding: str = "records",
-  augment: Augment | Mapping | None = None,
-  pp: str | None = None,
-  ops: str | Sequence = (),
-  batch_ops: str | Sequence = (),
-  features: Mapping | None = None,
-  keys: records.Keys | None = None,
-  normalize: bool = False,
-  on_error: str = "raise",
-  verify: str = "size",
-  performance: Performance | Mapping | None = None,
-) -> grain.IterDataset:
+def make_dataset(data_dir, split: str = "train", **keywords) -> grain.IterDataset:
   """Batches {"image": uint8[B, S, S, 3], "label": int32[B]} (+ "mask": bool[B] in eval).
 
-  Args:
-    data_dir: a converted dataset (holds manifest.json), or a TFDS ArrayRecord build read in
-      place (its version folder, or "tfds://name[:version]"); local, gs:// or mounted.
-    split: the manifest split to read.
-    batch_size: examples per batch *of this process*.
-    train: random-resized-crop + flip, shuffled, repeated forever, drops the remainder;
-      otherwise centre crop, in order, one epoch, padded with mask=False examples so every
-      process yields the same number of batches and every record counts exactly once.
-    seed: seeds the shuffle (a new order per epoch) and the augmentation.
-    image_size: S, the side of the square output images (default 224, or pp's size).
-    num_epochs: None repeats forever (train default); eval default is 1.
-    shuffle: default `train`.
-    drop_remainder: drop the last partial batch of a finite stream (default: train).
-    shard_index, shard_count: this process's slice; default jax.process_index()/count().
-    sharding: "records" (default): each epoch's global shuffle is dealt out to the processes;
-      "shards": each process owns whole shards (shard k: process k % shard_count) and
-      shuffles within them, so a host reads and caches 1/shard_count of the dataset (the
-      shuffle then never mixes records across processes' shards).
-    augment: the crop, flip and resize filter (`pipeline.Augment` or a dict of its fields).
-    pp: a big_vision pp string, e.g. "decode_jpeg_and_inception_crop(224)|flip_lr|
-      value_range(-1, 1)|onehot(1000, key='label', key_result='labels')|keep('image',
-      'labels')": its decode/crop/resize/flip ops set the fused head (train must match its
-      head, augment may not set what it sets), the rest become ops and batch ops (so not
-      with ops= / batch_ops=); see `pipeline.pp`.
-    ops: your per-image ops, run after the built-in head on each image with a per-example
-      RNG: callables or a pp string without a head ("color_jitter(0.4)"; `pipeline.pp`);
-      batch_ops: the same for whole batches (e.g. "permuted_mixup(0.2)").
-    features: extra Example features to pass through, {name: key or pipeline.Feature}.
-    keys: feature keys of the records (default: the manifest's).
-    normalize: host-side float32 in [-1, 1] (default: uint8; normalize on device instead).
-    on_error: "raise" (default) or "skip" a bad record; errors name the shard and record.
-      The skip count is `iterator.skipped`, also in `get_state()["skipped"]`.
-    verify: what is checked of the shards at open against the manifest: "size" (regular
-      files, sizes, record counts), "sha256" (also every byte), or "none".
-    performance: threads, worker processes, prefetch, read-ahead, caches, DCT scaling
-      (`pipeline.Performance` or a dict of its fields); never changes what a batch holds.
-      Threads and workers left None are chosen for this host (`pipeline.parallelism`; 2
-      cores: no workers, a thread per core), the read-ahead for the read latency measured at
-      open (`pipeline.reads`), and the choice is printed once.
+  The keywords (batch_size is required) are `pipeline.Spec`'s fields, documented there.
   """
-  return chain(build(**locals()))
+  return chain(build(Spec.of(data_dir, split, **keywords)))
 
 
-def build(
-  data_dir,
-  split: str = "train",
-  *,
-  batch_size: int,
-  train: bool = True,
-  seed: int = 0,
-  image_size: int | None = None,
-  num_epochs: int | None = None,
-  shuffle: bool | None = None,
-  drop_remainder: bool | None = None,
-  shard_index: int | None = None,
-  shard_count: int | None = None,
-  sharding: str = "records",
-  augment: Augment | Mapping | None = None,
-  pp: str | None = None,
-  ops: str | Sequence = (),
-  batch_ops: str | Sequence = (),
-  features: Mapping | None = None,
-  keys: records.Keys | None = None,
-  normalize: bool = False,
-  on_error: str = "raise",
-  verify: str = "size",
-  performance: Performance | Mapping | None = None,
-) -> Stages:
-  """The stages `make_dataset` joins, for the same arguments (see there)."""
-  if on_error not in ("raise", "skip"):
-    raise ValueError(f"on_error must be 'raise' or 'skip', not {on_error!r}")
-  if batch_size < 1:
-    raise ValueError(f"batch_size must be positive, got {batch_size}")
-  if sharding not in ("records", "shards"):
-    raise ValueError(f"sharding must be 'records' or 'shards', not {sharding!r}")
-  perf = options.coerce(Performance, performance)
+make_dataset.__signature__ = SIGNATURE.replace(return_annotation=grain.IterDataset)
+
+
+def build(spec: Spec) -> Stages:
+  """The stages `make_dataset` joins, for `spec`."""
+  perf = spec.performance
   if perf.num_workers is None:  # this host may choose none; a host with more cores will not
     guards.check_main_guard("worker processes, which make_dataset starts on many-core hosts,")
   elif perf.num_workers:
     guards.check_main_guard()
-  data_dir = tfds_folder.resolve(data_dir)
+  meta, source, pins = _open(spec)
+  sampler = _sampler(spec, meta)
+  head, image_ops, batch_ops = _transforms(spec, meta)
+  features = spec.transforms.features
+  if features:
+    from pipeline import features as features_lib
+
+    features = features_lib.parse_specs(features, sample=source.read([0])[0])
+  chosen = _workers(spec, head.image_size)
+  read = _read(spec, meta, source, pins, sampler, chosen)
+  keys = spec.keys or meta.keys
+  return Stages(
+    plan=PlanBatches(sampler, spec.batch_size),
+    sizes=Sizes.of(sampler, spec.batch_size, spec.drop_remainder, repr(spec.split)),
+    manifest=meta,
+    read=read,
+    decode=DecodeImages(
+      head,
+      keys=keys,
+      seed=spec.seed,
+      num_threads=chosen.threads,
+      prefetch=perf.prefetch,
+      on_error=spec.on_error,
+      cache_mb=perf.cache_mb,
+      decoder=None if perf.cache_mb else decode.batch_decoder(head, keys, spec.seed),
+    ),
+    finish=FinishBatch(
+      num_classes=meta.num_classes,
+      seed=spec.seed,
+      num_threads=chosen.threads,
+      on_error=spec.on_error,
+      with_mask=not spec.train,
+      image_ops=image_ops,
+      batch_ops=batch_ops,
+      features=features or None,
+    ),
+    normalize=spec.transforms.normalize,
+    workers=chosen.workers,
+    prefetch=perf.prefetch,
+    stream=_stream(spec, sampler),
+  )
+
+
+def _open(spec: Spec):
+  """(manifest, source, pins): the split's shards, checked against the manifest (`verify`)."""
+  data_dir = tfds_folder.resolve(spec.data_dir)
   remote.check(data_dir, probe=False)  # manifest_lib.load probes it
   data_dir = epath.Path(data_dir)
   meta = manifest_lib.load(data_dir)
-  paths, pins = manifest_lib.pinned_shards(data_dir, meta, split, verify=verify)
-  counts = [s.num_records for s in meta.splits[split].shards]
-  shard_index, shard_count = _process_shard(shard_index, shard_count)
-  sampler = Sampler(
-    num_records=meta.splits[split].num_records,
-    seed=seed,
-    shuffle=train if shuffle is None else shuffle,
-    num_epochs=num_epochs if num_epochs is not None else (None if train else 1),
+  paths, pins = manifest_lib.pinned_shards(data_dir, meta, spec.split, verify=spec.verify)
+  counts = [s.num_records for s in meta.splits[spec.split].shards]
+  source = ShardedSource(paths, counts, pins)
+  guards.check_address_space(f"split {spec.split!r} of {data_dir}")
+  return meta, source, pins
+
+
+def _sampler(spec: Spec, meta: manifest_lib.Manifest) -> Sampler:
+  """This process's order of the split's records (`pipeline.sampling`)."""
+  shard_index, shard_count = _process_shard(spec.shard_index, spec.shard_count)
+  split = meta.splits[spec.split]
+  return Sampler(
+    num_records=split.num_records,
+    seed=spec.seed,
+    shuffle=spec.shuffle,
+    num_epochs=spec.num_epochs,
     shard_index=shard_index,
     shard_count=shard_count,
-    remainder="drop" if train else "pad",
-    shard_records=tuple(counts) if sharding == "shards" else None,
+    remainder="drop" if spec.train else "pad",
+    shard_records=tuple(s.num_records for s in split.shards) if spec.sharding == "shards" else None,
   )
-  aug = options.coerce(Augment, augment)
-  if pp is not None:
+
+
+def _transforms(spec: Spec, meta: manifest_lib.Manifest) -> tuple[augment_lib.Head, tuple, tuple]:
+  """(head, image ops, batch ops): the built-in head and the ops after it, pp's merged in."""
+  aug, image_size, group = spec.augment, spec.image_size, spec.transforms
+  ops, batch_ops = group.ops, group.batch_ops
+  if group.pp is not None:
     aug, image_size, ops, batch_ops = _compile_pp(
-      pp, meta, train, image_size, aug, ops, batch_ops, normalize
+      group.pp, meta, spec.train, image_size, aug, ops, batch_ops, group.normalize
     )
   image_size = 224 if image_size is None else image_size
-  if image_size < 1:
-    raise ValueError(f"image_size must be positive, got {image_size}")
+  if (ops or batch_ops) and group.pp is None:
+    from pipeline import pp as pp_lib
+
+    context = dict(image_size=image_size, num_classes=meta.num_classes)
+    ops = pp_lib.build(ops, "image", **context)
+    batch_ops = pp_lib.build(batch_ops, "batch", **context)
   head = augment_lib.Head(
     image_size=image_size,
-    train=train,
+    train=spec.train,
     area_range=aug.area_range,
     aspect_range=aug.aspect_range,
     flip=aug.flip,
@@ -218,22 +190,16 @@ def build(
     bicubic=aug.interpolation == "bicubic",
     crop=aug.crop,
     eval_order=aug.eval_order,
-    dct_scaling=perf.dct_scaling,
-    fast_dct=perf.fast_dct,
+    dct_scaling=spec.performance.dct_scaling,
+    fast_dct=spec.performance.fast_dct,
   )
-  source = ShardedSource(paths, counts, pins)
-  guards.check_address_space(f"split {split!r} of {data_dir}")
-  if features:
-    from pipeline import features as features_lib
+  return head, ops, batch_ops
 
-    features = features_lib.parse_specs(features, sample=source.read([0])[0])
-  if (ops or batch_ops) and pp is None:
-    from pipeline import pp as pp_lib
 
-    ops = pp_lib.build(ops, "image", image_size=image_size, num_classes=meta.num_classes)
-    batch_ops = pp_lib.build(
-      batch_ops, "batch", image_size=image_size, num_classes=meta.num_classes
-    )
+def _workers(spec: Spec, image_size: int) -> parallelism.Plan:
+  """Worker processes and threads for this host (`pipeline.parallelism`); no workers when
+  /dev/shm cannot hold their ring of batches (a SIGBUS later)."""
+  perf, batch_size = spec.performance, spec.batch_size
   chosen = parallelism.plan(
     num_workers=perf.num_workers,
     num_threads=perf.num_threads,
@@ -241,7 +207,8 @@ def build(
     image_bytes=image_size**2 * 3,
     prefetch=perf.prefetch,
   )
-  if chosen.workers and handoff.available():  # a ring /dev/shm cannot hold: SIGBUS later
+  if chosen.workers and handoff.available():
+    normalize = spec.transforms.normalize
     batch_bytes = batch_size * image_size**2 * 3 * (5 if normalize else 1)  # + float32 copy
     needed = handoff.shm_needed(
       chosen.workers, batch_bytes, perf.prefetch, parallelism.WORKER_BATCHES
@@ -250,11 +217,18 @@ def build(
     if short:
       chosen = parallelism.plan(num_workers=0, batch_size=batch_size, prefetch=perf.prefetch)
       chosen = dataclasses.replace(chosen, why=short)
+  return chosen
+
+
+def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
+  """The read stage: read-ahead for the latency measured now, the record cache first; the
+  choices printed once."""
+  perf = spec.performance
   latency_s, record_bytes = reads.probe(source)
-  cache = _record_cache(meta, split, perf, latency_s, record_bytes, chosen, sampler, pins)
+  cache = _record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
   read = reads.ReadRecords(
     source,
-    batch_size=batch_size,
+    batch_size=spec.batch_size,
     rate_per_s=parallelism.project(parallelism.available_cores(), parallelism.COSTS, chosen)
     / max(1, chosen.workers),
     latency_s=latency_s,
@@ -264,51 +238,21 @@ def build(
     max_depth=perf.read_ahead,
   )
   parallelism.announce(chosen, reads.describe(read, cache))
-  drop = train if drop_remainder is None else drop_remainder
-  num_batches = (
-    len(sampler) // batch_size
-    if drop or sampler.num_epochs is None
-    else -(-len(sampler) // batch_size)
-  )
-  guards.check_batch_fits(batch_size, sampler.per_epoch, drop_remainder=drop, split=repr(split))
+  return read
+
+
+def _stream(spec: Spec, sampler: Sampler) -> dict:
+  """What the iterator's state is checked against when it is restored (`pipeline.stream`)."""
   stream = {
-    "shard_index": shard_index,
-    "shard_count": shard_count,
-    "seed": seed,
-    "batch_size": batch_size,
+    "shard_index": sampler.shard_index,
+    "shard_count": sampler.shard_count,
+    "seed": spec.seed,
+    "batch_size": spec.batch_size,
     "num_records": sampler.num_records,
   }
-  if sharding != "records":
-    stream["sharding"] = sharding
-  return Stages(
-    plan=PlanBatches(sampler, batch_size),
-    num_batches=num_batches,
-    read=read,
-    decode=DecodeImages(
-      head,
-      keys=keys or meta.keys,
-      seed=seed,
-      num_threads=chosen.threads,
-      prefetch=perf.prefetch,
-      on_error=on_error,
-      cache_mb=perf.cache_mb,
-      decoder=None if perf.cache_mb else decode.batch_decoder(head, keys or meta.keys, seed),
-    ),
-    finish=FinishBatch(
-      num_classes=meta.num_classes,
-      seed=seed,
-      num_threads=chosen.threads,
-      on_error=on_error,
-      with_mask=not train,
-      image_ops=ops,
-      batch_ops=batch_ops,
-      features=features or None,
-    ),
-    normalize=normalize,
-    workers=chosen.workers,
-    prefetch=perf.prefetch,
-    stream=stream,
-  )
+  if spec.sharding != "records":
+    stream["sharding"] = spec.sharding
+  return stream
 
 
 def _compile_pp(pp, meta, train, image_size, aug, ops, batch_ops, normalize):
@@ -362,7 +306,7 @@ def chain(stages: Stages) -> grain.IterDataset:
     if handoff.available():  # images resized straight into shared memory (pipeline.handoff)
       writer = handoff.Writer.new()
       decode_stage = dataclasses.replace(decode_stage, allocate=writer.empty)
-  ds = grain.MapDataset.range(stages.num_batches).map(stages.plan)
+  ds = grain.MapDataset.range(stages.sizes.num_batches).map(stages.plan)
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   it = AheadIterDataset(it, stages.read)
   it = AheadIterDataset(it, decode_stage)

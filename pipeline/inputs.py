@@ -3,24 +3,22 @@
     train = pipeline.input("data/imagenet", "train", global_batch_size=1024)
     for step, batch in zip(range(train.steps_per_epoch * 90), train): ...
 
-It divides the global batch over the processes, builds `make_dataset` + `device_prefetch`
-and returns an `Input`: a Grain iterator (checkpoint it with
-`grain.checkpoint.CheckpointSave(train)`) that knows `num_examples`, `steps_per_epoch`,
-`num_classes` and `classes`. A finite stream (eval) starts a new pass after each one ends.
+It divides the global batch over the processes (`pipeline.plan.process_batch_size`), builds
+`make_dataset`'s stages + `device_prefetch` and returns an `Input`: a Grain iterator
+(checkpoint it with `grain.checkpoint.CheckpointSave(train)`) that knows `num_examples`,
+`steps_per_epoch` (the stages' `plan.Sizes`), `num_classes` and `classes`. A finite stream
+(eval) starts a new pass after each one ends.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any, Literal
 
 import grain
 import jax
-from etils import epath
 
-from pipeline import dataset, device, guards, remote, tfds_folder
-from pipeline import manifest as manifest_lib
-from pipeline.sampling import Sampler
+from pipeline import dataset, device, plan
+from pipeline.spec import Spec
 
 
 def input(
@@ -57,59 +55,31 @@ def input(
     raise TypeError(
       "pipeline.input takes global_batch_size=; the per-process batch_size is derived from it"
     )
-  if not isinstance(global_batch_size, int) or global_batch_size < 1:
-    raise ValueError(f"global_batch_size must be a positive int, got {global_batch_size!r}")
   train = split.startswith("train") if train is None else train
   where = device.make_layout(mesh, data_axis, layout)
   shard_index, shard_count = where.shard
-  if global_batch_size % shard_count:
-    raise ValueError(
-      f"global_batch_size {global_batch_size} does not divide over the "
-      f"{shard_count} processes that feed the data axis: make it a multiple "
-      f"of {shard_count}"
-    )
-  batch_size = global_batch_size // shard_count
+  batch_size = plan.process_batch_size(global_batch_size, shard_count)
   where.check(batch_size)
   keywords = {"shard_index": shard_index, "shard_count": shard_count, **make_dataset_keywords}
-  drop = keywords.get("drop_remainder")
-  drop = train if drop is None else drop
-  data_dir = tfds_folder.resolve(data_dir)
-  remote.check(data_dir)
-  meta = manifest_lib.load(epath.Path(data_dir))
-  if split in meta.splits:  # a missing split: make_dataset names the ones there are
-    records = meta.splits[split].num_records
-    share = records // shard_count if drop else math.ceil(records / shard_count)
-    guards.check_batch_fits(batch_size, share, drop_remainder=drop, split=repr(split))
-  host = dataset.make_dataset(data_dir, split, batch_size=batch_size, train=train, **keywords)
+  spec = Spec.of(data_dir, split, batch_size=batch_size, train=train, **keywords)
+  stages = dataset.build(spec)
   # Streams that drop their remainder only ever hold full batches: no mask to add.
   fed = device.device_prefetch(
-    host,
+    dataset.chain(stages),
     mesh,
     data_axis=data_axis,
     depth=depth,
-    remainder="drop" if drop else "pad",
+    remainder="drop" if spec.drop_remainder else "pad",
     normalize=normalize,
     dtype=dtype,
     batch_size=batch_size,
     layout=layout,
   )
-  num_examples = meta.splits[split].num_records
-  shards = meta.splits[split].shards
-  per_process = Sampler(
-    num_examples,
-    shard_index=keywords["shard_index"],
-    shard_count=keywords["shard_count"],
-    remainder="drop" if train else "pad",
-    shard_records=tuple(s.num_records for s in shards)
-    if keywords.get("sharding") == "shards"
-    else None,
-  ).per_epoch
-  steps = per_process // batch_size if drop else math.ceil(per_process / batch_size)
   return Input(
     fed,
-    num_examples=num_examples,
-    steps_per_epoch=steps,
-    classes=meta.classes,
+    num_examples=stages.plan.sampler.num_records,
+    steps_per_epoch=stages.sizes.steps_per_epoch,
+    classes=stages.manifest.classes,
     global_batch_size=global_batch_size,
     batch_size=batch_size,
     train=train,

@@ -5,6 +5,10 @@ the sampler's order is a pure function of (seed, position), so the plan of any b
 long before it is needed, which is what lets the read stage fetch ahead. A `Batch` then
 travels through the stages, each filling its part: records (read), images and labels
 (decode), and finally the batch dict (ops).
+
+`Sizes` is how a process's stream is cut into batches, the one rule for the per-process
+batch, the steps per epoch and the number of batches: `make_dataset` runs it, `pipeline.input`
+reports it and the trainer splits its global batch by it.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from pipeline import guards
 from pipeline.sampling import PAD, Sampler
 
 
@@ -47,3 +52,39 @@ class PlanBatches:
     positions = np.arange(first, min(first + self.batch_size, len(self.sampler)))
     epochs, indices = self.sampler.records(positions)
     return Batch(int(batch_index), epochs, indices)
+
+
+def process_batch_size(global_batch_size: int, processes: int, name="global_batch_size") -> int:
+  """Each process's share of a global batch (`name` is what the caller calls it)."""
+  if not isinstance(global_batch_size, int) or global_batch_size < 1:
+    raise ValueError(f"{name} must be a positive int, got {global_batch_size!r}")
+  if global_batch_size % processes:
+    raise ValueError(
+      f"{name}={global_batch_size} does not divide over the {processes} processes that feed "
+      f"the data axis: make it a multiple of {processes}"
+    )
+  return global_batch_size // processes
+
+
+@dataclasses.dataclass(frozen=True)
+class Sizes:
+  """How a process's stream is cut into batches."""
+
+  batch_size: int  # this process's
+  steps_per_epoch: int  # batches per pass over this process's share (a partial one counts)
+  num_batches: int  # in the whole stream (len(sampler) // batch_size when it repeats forever)
+
+  @classmethod
+  def of(cls, sampler: Sampler, batch_size: int, drop_remainder: bool, split: str) -> Sizes:
+    """The sizes of `sampler`'s stream in batches of `batch_size`; refuses a batch larger than
+    an epoch when partial batches are dropped (`split` names it)."""
+    guards.check_batch_fits(
+      batch_size, sampler.per_epoch, drop_remainder=drop_remainder, split=split
+    )
+    steps = _batches(sampler.per_epoch, batch_size, drop_remainder)
+    forever = sampler.num_epochs is None
+    return cls(batch_size, steps, _batches(len(sampler), batch_size, drop_remainder or forever))
+
+
+def _batches(positions: int, batch_size: int, drop_remainder: bool) -> int:
+  return positions // batch_size if drop_remainder else -(-positions // batch_size)

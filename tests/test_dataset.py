@@ -294,14 +294,16 @@ def test_native_and_python_paths_give_identical_images(photos_dir, train, augmen
     pytest.skip("the C extension is not built here")
   for image_size in (40, 100):  # 40: DCT-scaled windows
     stages = dataset.build(
-      photos_dir,
-      batch_size=8,
-      train=train,
-      image_size=image_size,
-      seed=3,
-      shard_index=0,
-      shard_count=1,
-      augment=augment,
+      dataset.Spec.of(
+        photos_dir,
+        batch_size=8,
+        train=train,
+        image_size=image_size,
+        seed=3,
+        shard_index=0,
+        shard_count=1,
+        augment=augment,
+      )
     )
     python_slots, python_slot = [], stages.decode._python_slot
     stages.decode._python_slot = lambda b, s, seen=python_slots, f=python_slot: (

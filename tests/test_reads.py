@@ -31,7 +31,7 @@ def sharded_dir(photos_raw, tmp_path_factory):
 
 def stages(data_dir, **kwargs):
   kwargs = {"batch_size": 8, "image_size": 32, "shard_index": 0, "shard_count": 1, **kwargs}
-  return dataset.build(data_dir, **kwargs)
+  return dataset.build(dataset.Spec.of(data_dir, **kwargs))
 
 
 def test_batches_are_the_same_for_any_read_ahead_and_thread_count(sharded_dir):

@@ -10,7 +10,7 @@ from tests.conftest import assert_same_batches, take
 
 def make(data_dir, **kwargs):
   kwargs = {"batch_size": 8, "image_size": 32, "shard_index": 0, "shard_count": 1, **kwargs}
-  return dataset.build(str(data_dir), **kwargs)
+  return dataset.build(dataset.Spec.of(str(data_dir), **kwargs))
 
 
 def test_slow_storage_gives_local_batches_and_resumes_exactly(storage_rig, photos_dir):

@@ -19,6 +19,7 @@ import ml_collections
 from ml_collections import config_dict
 
 import pipeline
+from pipeline.plan import process_batch_size
 from train import UsageError
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -52,11 +53,10 @@ def options(cls, **values) -> ml_collections.ConfigDict:
 
 def _keywords() -> dict[str, tuple[object, type]]:
   """make_dataset's keywords but those the trainer sets: (default, type of a placeholder)."""
-  hints = typing.get_type_hints(pipeline.make_dataset)
   out = {}
   for name, param in inspect.signature(pipeline.make_dataset).parameters.items():
     if name not in SET_BY_TRAINER:
-      kinds = typing.get_args(hints.get(name)) or (hints.get(name, str),)
+      kinds = typing.get_args(param.annotation) or (param.annotation,)
       kind = next((k for k in (int, bool, str, dict) if k in kinds), None)
       if kind is None:  # a Mapping (a dict here), or a class of the library (records.Keys)
         kind = dict if Mapping in kinds else next(k for k in kinds if k is not type(None))
@@ -161,12 +161,18 @@ def steps(config: ml_collections.ConfigDict, name: str, steps_per_epoch: float) 
 
 
 def local_batch_size(config: ml_collections.ConfigDict, processes: int, data_devices: int) -> int:
-  """This process's share of the global `config.batch_size`, which must split evenly."""
-  batch = config.batch_size
-  for count, what in ((processes, "processes"), (data_devices, "devices on the data axis")):
-    if batch < 1 or batch % count:
-      raise UsageError(f"config.batch_size={batch} does not divide over the {count} {what}")
-  return batch // processes
+  """This process's share of the global `config.batch_size`, which must split evenly over the
+  processes (`pipeline.plan.process_batch_size`) and the devices on the data axis."""
+  try:
+    local = process_batch_size(config.batch_size, processes, name="config.batch_size")
+  except ValueError as e:
+    raise UsageError(str(e)) from None
+  if config.batch_size % data_devices:
+    raise UsageError(
+      f"config.batch_size={config.batch_size} does not divide over the {data_devices} devices "
+      "on the data axis"
+    )
+  return local
 
 
 def resolve(

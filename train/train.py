@@ -1,10 +1,12 @@
 """Train and evaluate a MobileNet on the pipeline: one loop a newcomer can read in a sitting.
 
-Data: `pipeline.make_dataset(**config.input)` -> `pipeline.device_prefetch` (uint8 batches
-sharded on the mesh's data axis, normalized on device). State: model + optimizer, replicated;
-BatchNorm statistics are over the global batch because the step is one jitted program on the
-mesh. Checkpoints (`train.checkpoints`) hold the state *and* each process's data-iterator
-state, so a resumed run sees exactly the batches an uninterrupted one would.
+`train_and_evaluate` is `set_up` (state, steps, data), `train_loop` and `finish` (the final
+eval and summary). Data: `pipeline.make_dataset(**config.input)` -> `pipeline.device_prefetch`
+(uint8 batches sharded on the mesh's data axis, normalized on device). State: model +
+optimizer, replicated; BatchNorm statistics are over the global batch because the step is one
+jitted program on the mesh. Checkpoints (`train.checkpoints`) hold the state *and* each
+process's data-iterator state, so a resumed run sees exactly the batches an uninterrupted one
+would.
 
 Input-bound verdict, as XProf defines it: the share of step time the devices sit idle
 waiting for the next batch. Before each `next()` the loop waits for the previous step to
@@ -25,6 +27,7 @@ import os
 import pathlib
 import signal
 import time
+from typing import Any
 
 import grain
 import jax
@@ -368,163 +371,213 @@ def start(config: ml_collections.ConfigDict, workdir: epath.Path):
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
+  """Trains `config` in `workdir` (resuming from its last checkpoint) and evaluates; returns
+  the run's summary (also WORKDIR/summary.json)."""
   workdir = epath.Path(workdir).absolute()
   setup, lock = start(config, workdir)
-  plan, mesh = setup.plan, setup.mesh
-  is_chief = jax.process_index() == 0
-  done = already_done(workdir, plan)
+  done = already_done(workdir, setup.plan)
   if done is not None:
-    if is_chief:
+    if jax.process_index() == 0:
       print(
         f"already done: {done['steps']} steps, eval top-1 {done['eval_top1']:.4f} "
         f"({workdir / 'summary.json'}); raise config.num_epochs to train further",
         flush=True,
       )
     return done
+  run = set_up(config, workdir, setup, lock)
+  try:
+    train_loop(run)
+  finally:
+    run.stop.restore()
+  return finish(run)
+
+
+@dataclasses.dataclass
+class Run:
+  """A run's live parts: made by `set_up`, advanced by `train_loop`, closed by `finish`."""
+
+  config: ml_collections.ConfigDict
+  workdir: epath.Path
+  plan: config_lib.Plan
+  is_chief: bool
+  train_step: Any
+  eval_step: Any
+  state: Any
+  step: int
+  train_it: Any
+  eval_ds: Any
+  ckpt: checkpoints.Checkpoints
+  log: report.Log | None
+  lock: Any
+  stop: Stop
+  history: dict = dataclasses.field(
+    default_factory=lambda: {"input_wait": [], "images_per_sec": []}
+  )
+  synthetic: float | None = None  # seconds per step on a batch already on the devices
+
+
+def set_up(config, workdir: epath.Path, setup: Setup, lock) -> Run:
+  """The state (restored from the last checkpoint, if any), the jitted steps and the data fed
+  to the devices."""
+  plan, mesh = setup.plan, setup.mesh
+  is_chief = jax.process_index() == 0
   if is_chief:
     print(f"plan: {plan.describe()}\n{setup.notes}{EXPLAIN_WAIT}", flush=True)
-
   graphdef, state = init_state(config, setup.num_classes, plan, mesh)
   train_step, eval_step = make_steps(graphdef, setup.num_classes, config)
   train_it = iter(pipeline.device_prefetch(setup.train_ds, mesh, depth=config.device_depth))
   eval_ds = pipeline.device_prefetch(
     setup.eval_ds, mesh, depth=config.device_depth, batch_size=plan.local_batch_size
   )
-
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, train_it)
   if step and is_chief:
     print(f"resumed from step {step} ({ckpt.directory})", flush=True)
-
   log = report.Log(workdir) if is_chief else None
-  progress = None
-  stop = Stop()
-  history = {"input_wait": [], "images_per_sec": []}
-  synthetic = None
-  window = Window()
-  metrics = {}
+  return Run(
+    config=config,
+    workdir=workdir,
+    plan=plan,
+    is_chief=is_chief,
+    train_step=train_step,
+    eval_step=eval_step,
+    state=state,
+    step=step,
+    train_it=train_it,
+    eval_ds=eval_ds,
+    ckpt=ckpt,
+    log=log,
+    lock=lock,
+    stop=Stop(),
+  )
+
+
+def train_loop(run: Run) -> None:
+  """Steps to `plan.num_steps`, logging, saving and evaluating on the plan's schedule; a stop
+  signal saves and exits (`Stop`). The first step compiles and times the no-input baseline."""
+  config, plan, is_chief = run.config, run.plan, run.is_chief
   profile = tuple(config.profile_steps)
-  lr_at = schedule(plan)
+  window, metrics, progress = Window(), {}, None
+  while run.step < plan.num_steps:
+    if profile and run.step == profile[0] and is_chief:
+      jax.profiler.start_trace(os.fspath(run.workdir / "profile"))
+    with jax.profiler.StepTraceAnnotation("train", step_num=run.step):
+      if metrics:  # the devices wait for input only once the previous step is done
+        jax.block_until_ready(metrics)
+      t0 = time.perf_counter()
+      batch = next(run.train_it)
+      if window.settling:  # right after an eval or a save: not a steady-state wait
+        window.settling -= 1
+      else:
+        window.blocked += time.perf_counter() - t0
+      if run.synthetic is None:
+        run.synthetic = compile_and_time(run, batch)
+        window, progress = Window(), report.Progress(run.step, plan.num_steps)
+      run.state, metrics = run.train_step(run.state, batch)
+    run.step += 1
+    window.steps += 1
+    if profile and run.step == profile[1] and is_chief:
+      jax.profiler.stop_trace()
 
-  try:
-    while step < plan.num_steps:
-      if profile and step == profile[0] and is_chief:
-        jax.profiler.start_trace(os.fspath(workdir / "profile"))
-      with jax.profiler.StepTraceAnnotation("train", step_num=step):
-        if metrics:  # the devices wait for input only once the previous step is done
-          jax.block_until_ready(metrics)
-        t0 = time.perf_counter()
-        batch = next(train_it)
-        if window.settling:  # right after an eval or a save: not a steady-state wait
-          window.settling -= 1
-        else:
-          window.blocked += time.perf_counter() - t0
-        if synthetic is None:  # first step: compile, then the no-input baseline
-          if is_chief:
-            print("compiling the train step...", flush=True)
-          compile_start = time.perf_counter()
-          jax.block_until_ready(train_step(state, batch))
-          compiled = time.perf_counter() - compile_start
-          synthetic = synthetic_step_time(train_step, state, batch, config.synthetic_steps)
-          if is_chief:
-            print(f"compiled in {compiled:.1f} s; training", flush=True)
-          window = Window()
-          progress = report.Progress(step, plan.num_steps)
-        state, metrics = train_step(state, batch)
-      step += 1
-      window.steps += 1
-      if profile and step == profile[1] and is_chief:
-        jax.profiler.stop_trace()
+    step = run.step
+    stopping = run.stop.after(step)  # read once: a signal may land at any moment
+    log_now = step % config.log_every == 0 or step == plan.num_steps
+    save_now = step % plan.checkpoint_every == 0 or stopping
+    eval_now = step % plan.eval_every == 0 and step < plan.num_steps
+    if log_now or save_now or eval_now:
+      jax.block_until_ready(run.state)  # the steps' compute belongs to the window
+    if log_now:
+      log_window(run, window, jax.device_get(metrics), progress)
+      window = Window()
+    elif is_chief and progress.due():
+      wait = min(1.0, window.blocked / max(window.elapsed(), 1e-9))
+      print(progress.line(step, plan.batch_size, wait), flush=True)
+    if save_now:
+      with window.pause():
+        run.ckpt.save(step, run.state, run.train_it)
+    if stopping:
+      if is_chief:
+        run.log.close()
+        print(run.stop.say(step), flush=True)
+      raise SystemExit(128 + run.stop.signum)
+    if eval_now:
+      with window.pause():
+        ev = evaluate(run.eval_step, run.state, run.eval_ds)
+      if is_chief:
+        print(
+          f"eval at step {step}: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f}",
+          flush=True,
+        )
+        run.log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
+  if run.ckpt.latest_step() != run.step:
+    run.ckpt.save(run.step, run.state, run.train_it)
 
-      stopping = stop.after(step)  # read once: a signal may land at any moment
-      log_now = step % config.log_every == 0 or step == plan.num_steps
-      save_now = step % plan.checkpoint_every == 0 or stopping
-      eval_now = step % plan.eval_every == 0 and step < plan.num_steps
-      if log_now or save_now or eval_now:
-        jax.block_until_ready(state)  # the steps' compute belongs to the window
-      if log_now:
-        metrics = jax.device_get(metrics)
-        elapsed = window.elapsed()
-        wait = min(1.0, window.blocked / elapsed)
-        ips = window.steps * plan.batch_size / elapsed
-        history["input_wait"].append(wait)
-        history["images_per_sec"].append(ips)
-        lr = float(lr_at(step))
-        if is_chief:
-          print(
-            f"step {step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
-            f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% ({verdict(wait)}; "
-            f"step {1000 * elapsed / window.steps:.0f} ms, {1000 * synthetic:.0f} ms on device "
-            f"data)  ETA {progress.eta(step)}",
-            flush=True,
-          )
-          log.scalars(
-            step,
-            "train",
-            {
-              "loss": metrics["loss"],
-              "accuracy": metrics["accuracy"],
-              "lr": lr,
-              "images_per_sec": ips,
-              "input_wait_share": wait,
-            },
-          )
-        window = Window()
-      elif is_chief and progress.due():
-        wait = min(1.0, window.blocked / max(window.elapsed(), 1e-9))
-        print(progress.line(step, plan.batch_size, wait), flush=True)
 
-      if save_now:
-        with window.pause():
-          ckpt.save(step, state, train_it)
-      if stopping:
-        if is_chief:
-          log.close()
-          print(stop.say(step), flush=True)
-        raise SystemExit(128 + stop.signum)
-      if eval_now:
-        with window.pause():
-          ev = evaluate(eval_step, state, eval_ds)
-        if is_chief:
-          print(
-            f"eval at step {step}: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f}",
-            flush=True,
-          )
-          log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
+def compile_and_time(run: Run, batch) -> float:
+  """Compiles the train step on the first batch; returns the seconds per step on it."""
+  if run.is_chief:
+    print("compiling the train step...", flush=True)
+  compile_start = time.perf_counter()
+  jax.block_until_ready(run.train_step(run.state, batch))
+  compiled = time.perf_counter() - compile_start
+  synthetic = synthetic_step_time(run.train_step, run.state, batch, run.config.synthetic_steps)
+  if run.is_chief:
+    print(f"compiled in {compiled:.1f} s; training", flush=True)
+  return synthetic
 
-    if ckpt.latest_step() != step:
-      ckpt.save(step, state, train_it)
-  finally:
-    stop.restore()
-  ev = evaluate(eval_step, state, eval_ds)
-  waits = history["input_wait"][1:] or history["input_wait"]
+
+def log_window(run: Run, window: Window, metrics: dict, progress: report.Progress) -> None:
+  """The window's loss, speed and input wait: into the history, and printed and logged by
+  process 0."""
+  elapsed = window.elapsed()
+  wait = min(1.0, window.blocked / elapsed)
+  ips = window.steps * run.plan.batch_size / elapsed
+  run.history["input_wait"].append(wait)
+  run.history["images_per_sec"].append(ips)
+  lr = float(schedule(run.plan)(run.step))
+  if not run.is_chief:
+    return
+  print(
+    f"step {run.step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
+    f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% ({verdict(wait)}; "
+    f"step {1000 * elapsed / window.steps:.0f} ms, {1000 * run.synthetic:.0f} ms on device "
+    f"data)  ETA {progress.eta(run.step)}",
+    flush=True,
+  )
+  scalars = {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "lr": lr}
+  run.log.scalars(run.step, "train", {**scalars, "images_per_sec": ips, "input_wait_share": wait})
+
+
+def finish(run: Run) -> dict:
+  """The final evaluation and the run's summary (written by process 0); everything closed."""
+  ev = evaluate(run.eval_step, run.state, run.eval_ds)
+  waits = run.history["input_wait"][1:] or run.history["input_wait"]
   wait = float(np.mean(waits)) if waits else None
+  speeds = run.history["images_per_sec"]
   summary = {
     **ev,
-    "steps": step,
-    "images_per_sec": (
-      float(np.mean(history["images_per_sec"])) if history["images_per_sec"] else None
-    ),
-    "synthetic_step_s": synthetic,
+    "steps": run.step,
+    "images_per_sec": float(np.mean(speeds)) if speeds else None,
+    "synthetic_step_s": run.synthetic,
     "input_wait_share": wait,
     "verdict": verdict(wait) if wait is not None else None,
-    "params_sha256": checkpoints.checksum(state),
+    "params_sha256": checkpoints.checksum(run.state),
     "devices": jax.device_count(),
     "processes": jax.process_count(),
-    "plan": dataclasses.asdict(plan),
+    "plan": dataclasses.asdict(run.plan),
   }
-  if is_chief:
+  if run.is_chief:
     print(
       f"eval: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f} over "
       f"{ev['eval_examples']} examples; {summary['verdict'] or 'no steps timed'}",
       flush=True,
     )
-    log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
-    log.close()
-    (workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-  ckpt.close()
-  if hasattr(train_it, "close"):
-    train_it.close()
-  if lock is not None:
-    lock.close()
+    run.log.scalars(run.step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
+    run.log.close()
+    (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+  run.ckpt.close()
+  if hasattr(run.train_it, "close"):
+    run.train_it.close()
+  if run.lock is not None:
+    run.lock.close()
   return summary
