@@ -71,14 +71,14 @@ def test_readme_convert_and_doctor_commands_parse_as_written():
     tool, args = words[0], words[1:]
     if tool == "pipeline.convert":
       convert._parser().parse_args(args)
-    elif tool == "pipeline.doctor":
+    elif tool == "bench.doctor":
       parsed = doctor.parser().parse_args(args)
       if parsed.apply:  # --apply needs a --config inside a package (the doctor's rule)
         assert parsed.config and doctor._module_name(parsed.config)[0], span
     else:
       continue
     checked.add(args[0] if tool == "pipeline.convert" else tool)
-  assert {"images", "tfrecord", "tfds", "verify", "builtin", "pipeline.doctor"} <= checked
+  assert {"images", "tfrecord", "tfds", "verify", "builtin", "bench.doctor"} <= checked
 
 
 @pytest.mark.parametrize("data", ["digits_dir", "classes20_dir"])
