@@ -128,9 +128,7 @@ def main(argv: list[str]) -> dict:
   args = p.parse_args(argv)
   jpegs = load_jpegs(args.data_dir, args.split, args.images)
   result = measure_ceiling(jpegs, args.threads or available_cores(), args.repeats)
-  result.update(
-    machine=measure.machine(), command="python -m bench ceiling " + " ".join(argv)
-  )
+  result.update(machine=measure.machine(), command="python -m bench ceiling " + " ".join(argv))
   print(table(result))
   print(
     f"ceiling ({result['threads']} threads): "

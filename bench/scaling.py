@@ -795,9 +795,7 @@ def main(argv: list[str]) -> dict:
     result["record_kb"],
     result["workers"]["receive_at"],
   )
-  result.update(
-    machine=measure.machine(), command="python -m bench scaling " + " ".join(argv)
-  )
+  result.update(machine=measure.machine(), command="python -m bench scaling " + " ".join(argv))
   print(table(result))
   if args.json:
     measure.write_json(args.json, result)
