@@ -41,10 +41,10 @@ tensorboard: $(STAMP)  ## view a run's curves: make tensorboard WORKDIR=runs/def
 	$(PY) -m tensorboard.main --logdir $(WORKDIR)/tensorboard --port $${PORT:-6006}
 
 bench: data  ## benchmarks on the built-in photos; report, figures and logs in runs/bench
-	$(PY) -m pipeline.bench all $(DATA)/photos --out runs/bench $(ARGS)
+	$(PY) -m bench all $(DATA)/photos --out runs/bench $(ARGS)
 
 bench-report: data  ## the same, rewriting the committed bench/REPORT.md, docs/bench and docs/study
-	$(PY) -m pipeline.bench all $(DATA)/photos --out runs/bench --refresh $(ARGS)
+	$(PY) -m bench all $(DATA)/photos --out runs/bench --refresh $(ARGS)
 
 test: $(STAMP)  ## the test suite (fast tests; `make test-slow` for the slow ones too)
 	$(PY) -m pytest $(ARGS)

@@ -1,4 +1,4 @@
-"""`python -m pipeline.bench COMMAND ...` (or `python -m bench`): each command is a module here."""
+"""`python -m bench COMMAND ...`: each command is a module here."""
 
 import importlib
 import sys
@@ -28,7 +28,7 @@ COMMANDS = {
 
 def main() -> None:
   if len(sys.argv) < 2 or sys.argv[1] in ("-h", "--help") or sys.argv[1] not in COMMANDS:
-    print("usage: python -m pipeline.bench COMMAND [--help]\n\ncommands:")
+    print("usage: python -m bench COMMAND [--help]\n\ncommands:")
     for name, what in COMMANDS.items():
       print(f"  {name:11s} {what}")
     sys.exit(0 if len(sys.argv) > 1 and sys.argv[1] in ("-h", "--help") else 2)

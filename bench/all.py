@@ -1,8 +1,8 @@
-"""`python -m pipeline.bench all DATA_DIR`: every benchmark, then a report (REPORT.md).
+"""`python -m bench all DATA_DIR`: every benchmark, then a report (REPORT.md).
 
     make bench                  # the built-in photos, full size: everything in runs/bench
     make bench-report           # the same, rewriting the committed report (--refresh)
-    python -m pipeline.bench all data/photos --quick --only ceiling,doctor
+    python -m bench all data/photos --quick --only ceiling,doctor
 
 Each benchmark runs in its own fresh process (its start-up, memory and cores are its own,
 and one that fails leaves the others' figures), writes OUT/NAME.json and OUT/NAME.log, and
@@ -66,11 +66,11 @@ class Step:
   title: str
   argv: Callable[[argparse.Namespace, Outputs], list[str]]
   section: Callable[[Outputs, dict, str], str]
-  module: str = ""  # default: python -m pipeline.bench NAME
+  module: str = ""  # default: python -m bench NAME
 
   def command(self, args, out: Outputs) -> list[str]:
-    """The user-facing command (python -m pipeline.bench NAME ...)."""
-    base = ["-m", self.module] if self.module else ["-m", "pipeline.bench", self.name]
+    """The user-facing command (python -m bench NAME ...)."""
+    base = ["-m", self.module] if self.module else ["-m", "bench", self.name]
     return ["python", *base, *self.argv(args, out)]
 
 
@@ -337,7 +337,7 @@ STEPS = [
       ),
     ],
     _doctor,
-    module="pipeline.doctor",
+    module="bench.doctor",
   ),
 ]
 
@@ -382,7 +382,7 @@ def _header(args, argv, load: float) -> str:
   except OSError:
     commit = "unknown"
   return (
-    f"# Benchmarks\n\nWritten by `python -m pipeline.bench all {' '.join(argv)}` on "
+    f"# Benchmarks\n\nWritten by `python -m bench all {' '.join(argv)}` on "
     f"{datetime.datetime.now().isoformat(timespec='minutes')} (commit {commit}).\n\n"
     f"Machine: {measure.machine()}; Python {platform.python_version()}, grain "
     f"{metadata.version('grain')}; load average {load:.1f} at the start (figures from a "
@@ -469,7 +469,7 @@ def _summary(out: pathlib.Path) -> str:
 
 def main(argv: list[str]) -> pathlib.Path:
   p = argparse.ArgumentParser(
-    prog="python -m pipeline.bench all",
+    prog="python -m bench all",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )

@@ -1,6 +1,6 @@
-"""`python -m pipeline.bench ceiling DATA_DIR`: the cores' raw JPEG decode rate, the hardware limit.
+"""`python -m bench ceiling DATA_DIR`: the cores' raw JPEG decode rate, the hardware limit.
 
-    python -m pipeline.bench ceiling data/photos --images 400 --json ceiling.json
+    python -m bench ceiling data/photos --images 400 --json ceiling.json
 
 Decodes the split's JPEGs (already in memory: no reading, parsing, cropping or resizing)
 with libjpeg-turbo, whole and DCT-scaled to 1/2, on one thread and on one thread per core,
@@ -115,7 +115,7 @@ def table(result: dict) -> str:
 
 def main(argv: list[str]) -> dict:
   p = argparse.ArgumentParser(
-    prog="python -m pipeline.bench ceiling",
+    prog="python -m bench ceiling",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -128,9 +128,7 @@ def main(argv: list[str]) -> dict:
   args = p.parse_args(argv)
   jpegs = load_jpegs(args.data_dir, args.split, args.images)
   result = measure_ceiling(jpegs, args.threads or available_cores(), args.repeats)
-  result.update(
-    machine=measure.machine(), command="python -m pipeline.bench ceiling " + " ".join(argv)
-  )
+  result.update(machine=measure.machine(), command="python -m bench ceiling " + " ".join(argv))
   print(table(result))
   print(
     f"ceiling ({result['threads']} threads): "

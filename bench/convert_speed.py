@@ -1,6 +1,6 @@
-"""`python -m pipeline.bench convert SRC`: conversion images/s and MB/s vs a sequential converter.
+"""`python -m bench convert SRC`: conversion images/s and MB/s vs a sequential converter.
 
-    python -m pipeline.bench convert data/raw/photos --workers 2 --repeats 3 --json out.json
+    python -m bench convert data/raw/photos --workers 2 --repeats 3 --json out.json
 
 The baseline is the straightforward converter: one process reads each file, checks it by a
 full Pillow decode to RGB, writes the record and hashes the shard. Ours is
@@ -79,7 +79,7 @@ def _timed(run) -> tuple[float, float, int]:
 
 def main(argv: list[str]) -> dict:
   p = argparse.ArgumentParser(
-    prog="python -m pipeline.bench convert",
+    prog="python -m bench convert",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )

@@ -2,7 +2,7 @@
 
 Runs the same host pipeline alone and through `device_prefetch`, alternating, and reports
 steady-state images/s, first-batch seconds, the ratio, and peak RSS.
-`python -m pipeline.bench device --help`.
+`python -m bench device --help`.
 """
 
 import argparse
@@ -66,7 +66,7 @@ def time_run(ds: grain.IterDataset, batches: int, block, bar: tqdm.tqdm) -> tupl
 
 def main(argv: list[str]) -> None:
   """Parses `argv` (arguments after `device`), runs the comparison, prints the figures."""
-  parser = argparse.ArgumentParser(prog="python -m pipeline.bench device", description=__doc__)
+  parser = argparse.ArgumentParser(prog="python -m bench device", description=__doc__)
   parser.add_argument(
     "--source",
     choices=("premade", "jpeg"),

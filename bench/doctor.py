@@ -1,8 +1,8 @@
 """The pipeline doctor: why is my step input-bound, and what setting fixes it?
 
-    python -m pipeline.doctor data/photos --batch-size 128 --step-ms 100
-    python -m pipeline.doctor --config configs/default.py --apply configs/default_tuned.py
-    python -m pipeline.doctor data/photos --cores 224        # for a host you are not on
+    python -m bench.doctor data/photos --batch-size 128 --step-ms 100
+    python -m bench.doctor --config configs/default.py --apply configs/default_tuned.py
+    python -m bench.doctor data/photos --cores 224        # for a host you are not on
 
 Times each stage alone on one thread through the library's functions (read: batched reads
 of the split's shards; parse; decode: header, crop window, crop-aware decode; augment:
@@ -921,7 +921,7 @@ def write_config(path: str, d: Diagnosis, base_module: str, base, command: str) 
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-    prog="python -m pipeline.doctor",
+    prog="python -m bench.doctor",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -1060,7 +1060,7 @@ def _main(args, argv: list[str]) -> Diagnosis:
       f"{verdict_host(d)}: {d.bottleneck}",
     )
     print(f"timeline: {timeline_path}")
-  command = "python -m pipeline.doctor " + " ".join(argv)
+  command = "python -m bench.doctor " + " ".join(argv)
   if args.apply:
     write_config(args.apply, d, base_module, base, command)
     print(f"wrote {args.apply}")
@@ -1080,4 +1080,4 @@ def _main(args, argv: list[str]) -> Diagnosis:
 
 
 if __name__ == "__main__":
-  main()
+  measure.run_cli(main, sys.argv[1:])

@@ -1,6 +1,6 @@
-"""`python -m pipeline.bench layout DATA_DIR`: one file per image vs ArrayRecord shards.
+"""`python -m bench layout DATA_DIR`: one file per image vs ArrayRecord shards.
 
-    python -m pipeline.bench layout data/photos --json layout.json
+    python -m bench layout data/photos --json layout.json
 
 Tests the common claim that packing records into shards makes reading much faster. The
 split's JPEGs are written out as one file per image (a temporary image folder), then both
@@ -197,7 +197,7 @@ def table(rows: list[dict]) -> str:
 
 def main(argv: list[str]) -> dict:
   p = argparse.ArgumentParser(
-    prog="python -m pipeline.bench layout",
+    prog="python -m bench layout",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -225,7 +225,7 @@ def main(argv: list[str]) -> dict:
     same_device = os.stat(tmp).st_dev == os.stat(shards[0]).st_dev
     result = {
       "machine": measure.machine(),
-      "command": "python -m pipeline.bench layout " + " ".join(argv),
+      "command": "python -m bench layout " + " ".join(argv),
       "records": len(files),
       "shards": len(shards),
       "files_mb": round(sum(map(os.path.getsize, files)) / 1e6, 1),

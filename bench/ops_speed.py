@@ -1,4 +1,4 @@
-"""`python -m pipeline.bench ops DATA_DIR`: what ops cost beside the fused head, as ratios.
+"""`python -m bench ops DATA_DIR`: what ops cost beside the fused head, as ratios.
 
 Each variant is a `make_dataset` configuration on the same photos: the fused default (uint8,
 no op), a trivial image op (identity, a flip), big_vision's bit_i1k train pp string (with

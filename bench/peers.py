@@ -1,4 +1,4 @@
-"""`python -m pipeline.bench peers DATA_DIR`: our pipeline vs its peers, one run, one table.
+"""`python -m bench peers DATA_DIR`: our pipeline vs its peers, one run, one table.
 
 Each contender runs in its own fresh process (so first-batch time includes its start-up
 and peak RSS is its own), on the same records, with the same augmentation (Inception
@@ -211,7 +211,7 @@ def _available(module: str) -> bool:
 
 def main(argv: list[str]) -> list[dict]:
   p = argparse.ArgumentParser(
-    prog="python -m pipeline.bench peers",
+    prog="python -m bench peers",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -237,7 +237,7 @@ def main(argv: list[str]) -> list[dict]:
       cmd = [
         sys.executable,
         "-m",
-        "pipeline.bench",
+        "bench",
         "throughput",
         args.data_dir,
         "--split",
@@ -275,7 +275,7 @@ def main(argv: list[str]) -> list[dict]:
       {
         "machine": measure.machine(),
         "results": results,
-        "command": "python -m pipeline.bench peers " + " ".join(argv),
+        "command": "python -m bench peers " + " ".join(argv),
       },
     )
   return results

@@ -1,6 +1,6 @@
-"""`python -m pipeline.bench scaling DATA_DIR`: one process's ceiling, and a many-core host's rate.
+"""`python -m bench scaling DATA_DIR`: one process's ceiling, and a many-core host's rate.
 
-    python -m pipeline.bench scaling data/photos --cores 96,224 --json scaling.json
+    python -m bench scaling data/photos --cores 96,224 --json scaling.json
 
 A 2-core machine cannot run a 224-core host's pipeline, so this measures the costs that
 decide it here and projects with `pipeline.parallelism`'s model. Every run is
@@ -665,7 +665,7 @@ def _ints(text: str) -> list[int]:
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-    prog="python -m pipeline.bench scaling",
+    prog="python -m bench scaling",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -795,9 +795,7 @@ def main(argv: list[str]) -> dict:
     result["record_kb"],
     result["workers"]["receive_at"],
   )
-  result.update(
-    machine=measure.machine(), command="python -m pipeline.bench scaling " + " ".join(argv)
-  )
+  result.update(machine=measure.machine(), command="python -m bench scaling " + " ".join(argv))
   print(table(result))
   if args.json:
     measure.write_json(args.json, result)

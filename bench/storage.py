@@ -1,6 +1,6 @@
-"""`python -m pipeline.bench storage DATA_DIR`: the pipeline vs tf.data on slow storage.
+"""`python -m bench storage DATA_DIR`: the pipeline vs tf.data on slow storage.
 
-    python -m pipeline.bench storage data/photos --latency-ms 0,5,20,50 --rounds 3
+    python -m bench storage data/photos --latency-ms 0,5,20,50 --rounds 3
 
 Object storage (a GCS bucket through gcsfuse) answers each read after 5-100 ms. This serves
 one copy of DATA_DIR's split through the storage rig (bench/rig.py: FUSE, a fixed latency
@@ -190,7 +190,7 @@ def _child(loader: str, data_dir: str, args, timeout: float) -> dict:
   cmd = [
     sys.executable,
     "-m",
-    "pipeline.bench",
+    "bench",
     "storage",
     data_dir,
     "--run-one",
@@ -367,7 +367,7 @@ def _latencies(text: str) -> list[float]:
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-    prog="python -m pipeline.bench storage",
+    prog="python -m bench storage",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -444,7 +444,7 @@ def main(argv: list[str]) -> dict:
   )
   result = {
     "machine": measure.machine(),
-    "command": "python -m pipeline.bench storage " + " ".join(argv),
+    "command": "python -m bench storage " + " ".join(argv),
     "dataset": info,
     "latencies_ms": args.latency_ms,
     "rounds": args.rounds,

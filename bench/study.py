@@ -1,4 +1,4 @@
-"""The tf.data guide's artificial study, rebuilt on Grain: `python -m pipeline.bench study`.
+"""The tf.data guide's artificial study, rebuilt on Grain: `python -m bench study`.
 
 Sleeps stand in for I/O and compute exactly as in the guide's notebook: a file takes 30 ms
 to open and 15 ms per record, a map 30 ms, a training step 10 ms. Each of the guide's
@@ -539,7 +539,7 @@ def write_results(
 
 def main(argv: list[str]) -> None:
   parser = argparse.ArgumentParser(
-    prog="python -m pipeline.bench study",
+    prog="python -m bench study",
     description="The tf.data guide's artificial study (prefetch, interleave, parallel map, "
     "cache, vectorized map, the optimized chain) rebuilt on Grain: prints measured vs "
     "guide vs theoretical-minimum seconds, writes OUT/RESULTS.md and a timeline per "
@@ -574,7 +574,7 @@ def main(argv: list[str]) -> None:
     parser.error("--repeats must be at least 1")
   load = os.getloadavg()[0]
   results = run_study(Params().scaled(args.scale), names, args.out, args.repeats)
-  command = " ".join(["python -m pipeline.bench study", *argv])
+  command = " ".join(["python -m bench study", *argv])
   print(table(results, show_published=args.scale == 1.0))
   for line in summary(results):
     print(line)

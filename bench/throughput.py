@@ -1,6 +1,6 @@
-"""`python -m pipeline.bench throughput DATA_DIR`: images/s, first batch, peak RSS, stages.
+"""`python -m bench throughput DATA_DIR`: images/s, first batch, peak RSS, stages.
 
-    python -m pipeline.bench throughput data/photos --batch-size 128 --epochs 3 --json out.json
+    python -m bench throughput data/photos --batch-size 128 --epochs 3 --json out.json
 
 `--loader` picks the contender (ours by default; `peers` runs each in its own process).
 The per-stage breakdown times each stage alone on one thread over a sample of records:
@@ -89,7 +89,7 @@ def make_loader(name: str, args) -> callable:
 
 def parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(
-    prog="python -m pipeline.bench throughput",
+    prog="python -m bench throughput",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
@@ -120,7 +120,7 @@ def main(argv: list[str]) -> dict:
   out = {
     **result.__dict__,
     "machine": measure.machine(),
-    "command": "python -m pipeline.bench throughput " + " ".join(argv),
+    "command": "python -m bench throughput " + " ".join(argv),
   }
   print(result.row())
   if not args.no_stages and args.loader == "pipeline":

@@ -8,7 +8,6 @@ ds = pipeline.make_dataset(..., pp="decode_jpeg_and_inception_crop(224)|flip_lr|
 """
 
 from pipeline import features, ops, pp, randaugment, registry
-from pipeline.dataset import make_dataset
 from pipeline.errors import BadRecordError
 from pipeline.features import Feature
 from pipeline.manifest import Manifest
@@ -45,6 +44,7 @@ __all__ = [
 ]
 
 _LAZY = {
+  "make_dataset": "dataset",
   "device_prefetch": "device",
   "normalize_images": "device",
   "input": "inputs",
@@ -53,7 +53,7 @@ _LAZY = {
 
 
 def __getattr__(name: str):
-  """Device feeding imports JAX, so it loads on first use (workers stay light)."""
+  """Names that import Grain or JAX load on first use, so converters and workers stay light."""
   if name in _LAZY:
     import importlib
 

@@ -18,7 +18,7 @@ on cloud hosts (a TPU VM's 224 vCPUs are 112 cores x 2): the second thread of a 
 `smt_yield` of a core, stated, not measured here (this machine shows no SMT siblings).
 
 `project` is the smallest, `plan` the fewest processes (then threads) within 3% of the best
-plan for the host, and `python -m pipeline.bench scaling` measures the costs below. Memory:
+plan for the host, and `python -m bench scaling` measures the costs below. Memory:
 a worker takes ~300 MB (imports) plus its batches (prefetch + 4; ~115 MB at batch 128 of
 224 px images), and the workers together at most half the available memory.
 """
@@ -49,7 +49,7 @@ class Costs:
   smt_yield: float = SMT_YIELD  # what a core's second hardware thread adds, in cores
 
 
-# Measured with `python -m pipeline.bench scaling` (2,474 photos ~450x400, batch 128, 224 px,
+# Measured with `python -m bench scaling` (2,474 photos ~450x400, batch 128, 224 px,
 # train; 2 shared vCPUs), medians of 3 interleaved repeats:
 #   cpu_us 1064 (1053-1109): the process's CPU per image on one thread;
 #   gil_us 61 (55-64): GIL-held CPU per image measured directly (bench.gil's shim) with real

@@ -32,7 +32,7 @@ def test_ceiling_decodes_every_image_whole_and_scaled(photos_dir, tmp_path):
   assert all(r["images_per_sec"] > 0 and r["megapixels_per_sec"] > 0 for r in result["rows"])
   assert set(result["ceiling_images_per_sec"]) == {"1/1", "1/2"}
   saved = json.loads(out.read_text())
-  assert saved["command"].startswith("python -m pipeline.bench ceiling") and saved["machine"]
+  assert saved["command"].startswith("python -m bench ceiling") and saved["machine"]
 
 
 def test_layout_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_path):
@@ -95,7 +95,7 @@ def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
   assert slow["first_batch_reads"] > 0 and slow["max_in_flight"] >= 1
   assert slow["reads_per_image"] >= 0 and slow["kb_per_read"] >= 0
   saved = json.loads((tmp_path / "s.json").read_text())
-  assert saved["command"].startswith("python -m pipeline.bench storage") and len(saved["runs"]) == 2
+  assert saved["command"].startswith("python -m bench storage") and len(saved["runs"]) == 2
   stamp = (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns
   assert storage.prepare(str(photos_dir), "train", 0.2, str(work)) == pathlib.Path(data["dir"])
   assert (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns == stamp  # reused
@@ -151,7 +151,7 @@ def test_peers_runs_each_contender_in_its_own_process(photos_dir, tmp_path):
   )
   assert [r["name"] for r in results] == ["pipeline"]
   assert results[0]["images_per_sec"] > 0
-  assert results[0]["command"].startswith("python -m pipeline.bench throughput")  # a child
+  assert results[0]["command"].startswith("python -m bench throughput")  # a child
   assert json.loads(out.read_text())["results"] == results
 
 
@@ -177,7 +177,7 @@ def test_peers_tfdata_reads_the_same_records(photos_dir):
 def test_device_bench_prints_its_figures(run_python):
   proc = run_python(
     "-m",
-    "pipeline.bench",
+    "bench",
     "device",
     "--source",
     "premade",
@@ -267,7 +267,7 @@ def test_refresh_writes_the_committed_report_with_links_into_docs():
 
 
 def test_committed_pictures_are_pngs_under_docs_and_every_shown_one_exists():
-  pages = [ROOT / "README.md", ROOT / "bench" / "REPORT.md", ROOT / "docs" / "study" / "RESULTS.md"]
+  pages = [ROOT / "README.md", ROOT / "bench" / "REPORT.md", *(ROOT / "docs").rglob("*.md")]
   shown = [p for page in pages for p in pictures(page)]
   assert shown and all(p.is_file() for p in shown), [p for p in shown if not p.is_file()]
   generated = {".git", ".venv", "data", "runs", "build"}  # not in the repository
@@ -295,7 +295,7 @@ def test_a_failing_tool_prints_one_line_and_the_traceback_only_when_asked(run_py
   assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
   usage = run_python("-m", "bench.ceiling", missing, "--no-such-flag")
   assert usage.returncode == 2 and "usage: " in usage.stderr
-  entry = run_python("-m", "pipeline.bench", "ceiling", missing)  # the documented entry point
+  entry = run_python("-m", "bench", "ceiling", missing)  # the commands' entry point
   assert entry.returncode == 1 and entry.stderr.count("\n") == 1 and missing in entry.stderr
 
 
@@ -322,4 +322,4 @@ def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_pyth
 def test_cli_help(module, capsys):
   with pytest.raises(SystemExit) as exit_:
     module.main(["--help"])
-  assert exit_.value.code == 0 and "usage: python -m pipeline.bench" in capsys.readouterr().out
+  assert exit_.value.code == 0 and "usage: python -m bench" in capsys.readouterr().out

@@ -1,4 +1,4 @@
-"""`python -m pipeline.bench convert`: our converter beside a sequential one, same files."""
+"""`python -m bench convert`: our converter beside a sequential one, same files."""
 
 from __future__ import annotations
 

@@ -271,7 +271,7 @@ def test_user_errors_are_one_line_with_exit_2(argv, message, photos_dir, tmp_pat
 
 def test_cli_help():
   help_ = subprocess.run(
-    [sys.executable, "-m", "pipeline.doctor", "--help"],
+    [sys.executable, "-m", "bench.doctor", "--help"],
     cwd=ROOT,
     capture_output=True,
     text=True,

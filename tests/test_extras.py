@@ -39,9 +39,15 @@ def run_without(tmp_path, module: str, *args: str) -> subprocess.CompletedProces
     ),
     (
       "matplotlib",
-      ["-m", "pipeline.doctor", "DATA"],
-      "error: python -m pipeline.doctor needs matplotlib (No module named 'matplotlib'), from "
+      ["-m", "bench.doctor", "DATA"],
+      "error: python -m bench.doctor needs matplotlib (No module named 'matplotlib'), from "
       "the 'bench' extra: pip install -e '.[bench]' in the checkout (or pip install matplotlib)",
+    ),
+    (
+      "psutil",
+      ["-m", "bench", "ceiling", "DATA"],
+      "error: python -m bench needs psutil (No module named 'psutil'), from "
+      "the 'bench' extra: pip install -e '.[bench]' in the checkout (or pip install psutil)",
     ),
     (
       "matplotlib",

@@ -186,5 +186,5 @@ def test_cli_writes_results_table_and_timelines(tmp_path, capsys):
 
 
 def test_help_runs_as_a_module(run_python):
-  proc = run_python("-m", "pipeline.bench", "study", "--help")
+  proc = run_python("-m", "bench", "study", "--help")
   assert proc.returncode == 0 and "--out" in proc.stdout and "--repeats" in proc.stdout
