@@ -49,19 +49,12 @@ class Costs:
   smt_yield: float = SMT_YIELD  # what a core's second hardware thread adds, in cores
 
 
-# Measured with `python -m bench scaling` (2,474 photos ~450x400, batch 128, 224 px,
-# train; 2 shared vCPUs), medians of 3 interleaved repeats:
-#   cpu_us 1064 (1053-1109): the process's CPU per image on one thread;
-#   gil_us 61 (55-64): GIL-held CPU per image measured directly (bench.gil's shim) with real
-#     decode on 2 threads, as a worker runs (37 at the emulated ceiling; py-spy there: 39);
-#   handoff 0.009: fitted to img/s at 1-32 threads with decode and resize replaced by
-#     GIL-free waits (one process's ceiling: ~11,000 img/s on these 2 vCPUs);
-#   send_us 5: a worker's CPU per image beyond the same work in one process (the hand-off,
-#     pipeline.handoff; Grain's own copy into fresh shared memory cost 75-198);
-#   receive_us 3.4, receive_free_us 3.4: the main process's user / system CPU per image, all
-#     its threads, at batch 128 (2.2 in all at batch 1024);
-#   worker_mb: a worker's RSS under `python -m train` with batch 8 at 64 px (280 MB; Grain
-#     imports jax); at batch 128 of 224 px with its ring of shared memory, ~780 MB.
+# The costs of one image on the 2 shared vCPUs of the development machine, measured with
+# `python -m bench scaling` (medians of 3 interleaved repeats; the run, its date and the
+# spread of each figure: bench/REPORT.md, "Scaling"): CPU per image on one thread, GIL-held
+# CPU per image (bench.gil's shim, real decode on 2 threads), the hand-off per thread, a
+# worker's extra CPU per image (send), the main process's user/system CPU per image at batch
+# 128 (receive), and a worker's RSS (under `python -m train`; ~780 MB at batch 128 of 224 px).
 COSTS = Costs(
   cpu_us=1064.0,
   gil_us=61.0,
