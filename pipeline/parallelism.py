@@ -50,8 +50,8 @@ class Costs:
 
 
 # The costs of one image on the 2 shared vCPUs of the development machine, measured with
-# `python -m bench scaling` (medians of 3 interleaved repeats; the run, its date and the
-# spread of each figure: bench/REPORT.md, "Scaling"): CPU per image on one thread, GIL-held
+# `python -m bench scaling` on 2026-11-23 (medians of 3 interleaved repeats; runs since,
+# with the spread of each figure: bench/REPORT.md, "Scaling"): CPU per image on one thread, GIL-held
 # CPU per image (bench.gil's shim, real decode on 2 threads), the hand-off per thread, a
 # worker's extra CPU per image (send), the main process's user/system CPU per image at batch
 # 128 (receive), and a worker's RSS (under `python -m train`; ~780 MB at batch 128 of 224 px).
