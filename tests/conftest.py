@@ -1,5 +1,9 @@
 """Shared fixtures: small built-in datasets, converted once per test session.
 
+Where a new test goes: a stage of the data flow (plan, read, decode, finish, hand-off,
+stream) in the test_stage_*.py file named after it; a benchmark or the doctor in bench/;
+a whole-pipeline guarantee in test_dataset.py, and the trainer in test_train_*.py.
+
 `photos_dir`: 64 ImageNet-like JPEGs (~470x390, 4 classes), splits train (48) and
 validation (16). `digits_dir`: 300 scikit-learn digits (32x32 RGB JPEGs, 10 classes),
 splits train (240) and validation (60); `classes20_dir`: 120 small JPEGs of 20 classes,

@@ -150,3 +150,27 @@ def test_readme_big_vision_pp_example_runs_as_written(data, request, tmp_path):
   )
   assert out.returncode == 0, out.stderr[-3000:]
   assert "OK" in out.stdout
+
+
+def test_every_test_the_guarantees_table_names_exists():
+  """A row's `file.py::name` (or `::name`, of the row's last file; `name_*`: tests named so)
+  is a test in tests/."""
+  rows = [line for line in (ROOT / "README.md").read_text().splitlines() if "| `test_" in line]
+  rows += [line for line in (ROOT / "README.md").read_text().splitlines() if "| `bench/" in line]
+  assert len(rows) >= 20
+  missing = []
+  for row in rows:
+    proof = row.rstrip(" |").rsplit(" | ", 1)[1]
+    file = None
+    for ref in re.findall(r"`([^`]+)`", proof):
+      path, _, name = ref.partition("::")
+      if path.endswith(".py"):
+        file = ROOT / path if path.startswith("tests/") else ROOT / "tests" / path
+        if not file.is_file():
+          missing.append(ref)
+          continue
+      name = name.split("[")[0]  # a parametrized case, or a prefix ending in `*`
+      wanted = f"def {name[:-1]}" if name.endswith("*") else f"def {name}("
+      if name and (file is None or wanted not in file.read_text()):
+        missing.append(f"{file and file.name}::{name}")
+  assert not missing, missing

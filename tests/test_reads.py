@@ -1,7 +1,7 @@
 """The read stage: reads ahead of need without changing a batch, resumes exactly, keeps what
 it read (record cache), and lets a process own whole shards.
 
-Latency itself (a bucket's 5-100 ms) is emulated by the FUSE rig in tests/test_rig.py and the
+Latency itself (a bucket's 5-100 ms) is emulated by the FUSE rig in tests/bench/test_rig.py and the
 slow tests there; here the stage runs on local shards, where its bookkeeping is exact.
 """
 

@@ -21,7 +21,7 @@ import pipeline.source
 from bench import doctor, storage_check
 from bench.doctor import Cost, Measurements, Run, Settings
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def stage_costs(

@@ -138,7 +138,7 @@ def test_cli_mounts_until_interrupted_then_unmounts(storage_rig, blob, tmp_path,
   mnt = tmp_path / "mnt"
   proc = subprocess.Popen(
     [sys.executable, "-m", "bench.rig", str(src), str(mnt), "--latency-ms", "2"],
-    cwd=os.path.dirname(os.path.dirname(__file__)),
+    cwd=os.path.dirname(os.path.dirname(os.path.dirname(__file__))),
     stdout=subprocess.PIPE,
     stderr=subprocess.PIPE,
     text=True,

@@ -18,7 +18,7 @@ from bench import ceiling, layout, peers, storage, throughput
 from pipeline import manifest
 from pipeline.convert import tfrecord
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def test_ceiling_decodes_every_image_whole_and_scaled(photos_dir, tmp_path):
