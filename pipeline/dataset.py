@@ -138,7 +138,9 @@ def make_dataset(
     verify: what is checked of the shards at open against the manifest: "size" (regular
       files, sizes, record counts), "sha256" (also every byte), or "none".
     performance: threads, worker processes, prefetch, read-ahead, caches, DCT scaling
-      (`pipeline.Performance` or a dict of its fields); never changes what a batch holds.
+      (`pipeline.Performance` or a dict of its fields); never changes what a batch holds,
+      except the pixels under the options named in `Performance.CHANGES_PIXELS` (cache_mb,
+      dct_scaling, fast_dct).
       Threads and workers left None are chosen for this host (`pipeline.parallelism`; 2
       cores: no workers, a thread per core), the read-ahead for the read latency measured at
       open (`pipeline.reads`), and the choice is printed once.
