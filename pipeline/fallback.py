@@ -3,7 +3,8 @@ not built: the example key and its draws, the crop windows, the DCT scale, the J
 
 Where the extension is built, `pipeline.augment` and `pipeline.decode` call the C functions
 (`decode.geometry()` picks), so a window has one owner; tests/test_fallback.py checks that these
-give the same answers on many shapes and keys.
+give the same answers on many shapes and keys. `segments` also serves `decode` to hand the
+Python decoders a JPEG as libjpeg reads it.
 """
 
 from __future__ import annotations
