@@ -865,6 +865,68 @@ static PyObject *parse_example_py(PyObject *Py_UNUSED(self), PyObject *args) {
   return Py_BuildValue("(nnL)", offset, (Py_ssize_t)(image.end - image.p), (long long)label);
 }
 
+/* ------------------------------------------------------------------ the geometry, for Python
+ * The Python path draws its windows, flips and DCT scales with these, the batch path's own
+ * functions; pipeline/fallback.py is their Python twin, used only where this was not built. */
+
+static PyObject *example_key_py(PyObject *Py_UNUSED(self), PyObject *args) {
+  unsigned long long seed, epoch, index;
+  if (!PyArg_ParseTuple(args, "KKK", &seed, &epoch, &index)) return NULL;
+  return PyLong_FromUnsignedLongLong(example_key(seed, epoch, index));
+}
+
+static PyObject *uniform_py(PyObject *Py_UNUSED(self), PyObject *args) {
+  unsigned long long key, k;
+  if (!PyArg_ParseTuple(args, "KK", &key, &k)) return NULL;
+  return PyFloat_FromDouble(uniform(key, k));
+}
+
+/* The crop box of an h x w image under `p` (train, tf_crop, area, ratio, crop_fraction). */
+static PyObject *box_of(params_t *p, long h, long w, uint64_t key) {
+  long box[4];
+  if (h < 1 || w < 1) {
+    PyErr_Format(PyExc_ValueError, "image size %ldx%ld is not positive", h, w);
+    return NULL;
+  }
+  p->log_ratio_lo = log(p->ratio_lo), p->log_ratio_hi = log(p->ratio_hi);
+  crop_box(p, h, w, key, box);
+  return Py_BuildValue("(llll)", box[0], box[1], box[2], box[3]);
+}
+
+static PyObject *random_resized_crop_box_py(PyObject *Py_UNUSED(self), PyObject *args) {
+  params_t p = {.train = 1};
+  long h, w;
+  unsigned long long key;
+  if (!PyArg_ParseTuple(args, "llK(dd)(dd)", &h, &w, &key, &p.area_lo, &p.area_hi, &p.ratio_lo,
+                        &p.ratio_hi))
+    return NULL;
+  return box_of(&p, h, w, key);
+}
+
+static PyObject *tf_inception_crop_box_py(PyObject *Py_UNUSED(self), PyObject *args) {
+  params_t p = {.train = 1, .tf_crop = 1};
+  long h, w;
+  unsigned long long key;
+  if (!PyArg_ParseTuple(args, "llK(dd)(dd)", &h, &w, &key, &p.area_lo, &p.area_hi, &p.ratio_lo,
+                        &p.ratio_hi))
+    return NULL;
+  return box_of(&p, h, w, key);
+}
+
+static PyObject *center_crop_box_py(PyObject *Py_UNUSED(self), PyObject *args) {
+  params_t p = {.ratio_lo = 1, .ratio_hi = 1};
+  long h, w;
+  if (!PyArg_ParseTuple(args, "lld", &h, &w, &p.crop_fraction)) return NULL;
+  return box_of(&p, h, w, 0);
+}
+
+static PyObject *dct_scale_py(PyObject *Py_UNUSED(self), PyObject *args) {
+  params_t p = {.train = 1, .dct_scaling = 1};
+  long box[4];
+  if (!PyArg_ParseTuple(args, "(llll)i", &box[0], &box[1], &box[2], &box[3], &p.size)) return NULL;
+  return PyLong_FromLong(dct_denom(&p, box));
+}
+
 static PyMethodDef methods[] = {
     {"header", header, METH_VARARGS, "header(data) -> (height, width) of the frame libjpeg decodes"},
     {"frame", frame, METH_VARARGS,
@@ -873,6 +935,17 @@ static PyMethodDef methods[] = {
      "parse_example(record, image_key, label_key) -> (image offset, length, label) or None"},
     {"decode_crop", decode_crop, METH_VARARGS,
      "decode_crop(data, y, x, h, w, scale_denom, fast_dct=False) -> (rgb bytes, height, width)"},
+    {"example_key", example_key_py, METH_VARARGS,
+     "example_key(seed, epoch, index) -> the key of an example's random draws"},
+    {"uniform", uniform_py, METH_VARARGS, "uniform(key, k) -> draw k of an example, in [0, 1)"},
+    {"random_resized_crop_box", random_resized_crop_box_py, METH_VARARGS,
+     "random_resized_crop_box(h, w, key, area, ratio) -> (y, x, h, w): torchvision's crop"},
+    {"tf_inception_crop_box", tf_inception_crop_box_py, METH_VARARGS,
+     "tf_inception_crop_box(h, w, key, area, ratio) -> (y, x, h, w): TF's crop"},
+    {"center_crop_box", center_crop_box_py, METH_VARARGS,
+     "center_crop_box(h, w, crop_fraction) -> (y, x, h, w): the eval crop"},
+    {"dct_scale", dct_scale_py, METH_VARARGS,
+     "dct_scale(box, size) -> the DCT scale denominator (1, 2, 4, 8) of a window"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_jpeg",

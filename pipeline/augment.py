@@ -10,47 +10,73 @@ rounding). Eval (`Head.eval_order`): "crop_then_resize" resizes the centre crop;
 Crop windows are chosen from the header's size *before* decoding, so the decoder only
 touches the pixels the crop needs. Every random draw of an example comes from a counter-based
 hash of (seed, epoch, record index): a record's crop and flip do not depend on threads,
-workers or where a run resumed. The native batch path (`pipeline/_jpeg.c`) draws the same
-windows and flips; this module is the Python path (cached images, other formats, no C
-extension), and `tests/test_dataset.py` checks that both give identical images.
+workers or where a run resumed. The key, draws, windows and DCT scales are those of
+`pipeline/_jpeg.c`, the functions its batch path calls (`decode.geometry()`; their Python
+twins in `pipeline.fallback` only where the extension was not built). This module is the
+Python path (cached images, other formats), and `tests/test_dataset.py` checks that both paths
+give identical images.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import cv2
 import numpy as np
 
-from pipeline import decode
+from pipeline import decode, fallback
 
 cv2.setNumThreads(1)  # parallelism comes from the pipeline's threads, not OpenCV's
 
-Box = tuple[int, int, int, int]  # (y, x, h, w) in full-resolution pixels
-ATTEMPTS = 10  # torchvision's RandomResizedCrop
-FLIP_DRAW = 4 * ATTEMPTS
-TF_ATTEMPTS = 100  # sample_distorted_bounding_box's max_attempts default (big_vision's call)
-TF_DRAW = 64  # the "tf" crop's draws: TF_DRAW + 4 * attempt + (aspect, height, y, x)
-_M64 = 2**64 - 1
-
-
-def _mix(z: int) -> int:
-  """splitmix64's finalizer."""
-  z = (z + 0x9E3779B97F4A7C15) & _M64
-  z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
-  z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
-  return z ^ (z >> 31)
+Box = fallback.Box  # (y, x, h, w) in full-resolution pixels
 
 
 def example_key(seed: int, epoch: int, index: int) -> int:
   """The key of an example's random draws."""
-  return _mix(_mix(_mix(seed ^ 0x5DEECE66D) ^ epoch) ^ index)
+  return decode.geometry().example_key(seed, epoch, index)
 
 
 def uniform(key: int, k: int) -> float:
   """Draw `k` of an example, uniform in [0, 1)."""
-  return (_mix((key + (k + 1) * 0xD1B54A32D192ED03) & _M64) >> 11) * 2.0**-53
+  return decode.geometry().uniform(key, k)
+
+
+def random_resized_crop_box(
+  h: int,
+  w: int,
+  key: int,
+  area: tuple[float, float] = (0.08, 1.0),
+  ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> Box:
+  """torchvision's RandomResizedCrop: area share uniform in `area`, aspect (w/h) log-uniform
+  in `ratio`; after 10 misses the largest centred crop within `ratio`. Not TF's
+  sample_distorted_bounding_box (see `tf_inception_crop_box`): smaller crops are rarer here.
+  """
+  return decode.geometry().random_resized_crop_box(h, w, key, area, ratio)
+
+
+def tf_inception_crop_box(
+  h: int,
+  w: int,
+  key: int,
+  area: tuple[float, float] = (0.05, 1.0),
+  ratio: tuple[float, float] = (0.75, 1.33),
+) -> Box:
+  """TF's `sample_distorted_bounding_box` (no boxes, min_object_covered=0), as big_vision's
+  `inception_crop` calls it: aspect (w/h) uniform in `ratio`, then the height uniform among
+  the integers between the area bounds (`GenerateRandomCrop`, float32 like the kernel), the
+  offset uniform in [0, h - ch) (sic); after 100 misses, the whole image."""
+  return decode.geometry().tf_inception_crop_box(h, w, key, area, ratio)
+
+
+def center_crop_box(h: int, w: int, crop_fraction: float = 0.875) -> Box:
+  """The eval crop: the centre square of `crop_fraction` of the shorter side."""
+  return decode.geometry().center_crop_box(h, w, crop_fraction)
+
+
+def dct_scale(box: Box, size: int) -> int:
+  """Largest JPEG DCT scale denominator (1, 2, 4, 8) that keeps the crop >= `size` pixels."""
+  return decode.geometry().dct_scale(box, size)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -78,7 +104,7 @@ class Head:
   @property
   def resize_to(self) -> int:
     """The shorter side of resize_then_crop: image_size / crop_fraction (big_vision's 256)."""
-    return _round(self.image_size / self.crop_fraction)
+    return fallback.lround(self.image_size / self.crop_fraction)
 
   def native_params(self) -> tuple:
     """The parameter tuple of `_jpeg.BatchDecoder`."""
@@ -117,7 +143,7 @@ class Head:
     return center_crop_box(h, w, self.crop_fraction)
 
   def flips(self, key: int) -> bool:
-    return self.train and self.flip and uniform(key, FLIP_DRAW) < 0.5
+    return self.train and self.flip and uniform(key, fallback.FLIP_DRAW) < 0.5
 
   def dct_scale(self, box: Box) -> int:
     """resize_then_crop decodes at full resolution as TF does (DCT scaling there moved pixels
@@ -141,93 +167,12 @@ class Head:
     return self.finish(crop[:, ::-1] if self.flips(key) else crop, full, out)
 
   def from_decoded(self, image: np.ndarray, key: int, out: np.ndarray | None = None) -> np.ndarray:
-    """The same on already decoded pixels (the RAM cache)."""
+    """The same on already decoded pixels (the RAM cache): the window is drawn on `image`'s
+    own size, so a cached image, smaller than the record's, gets a slightly other crop
+    (`Performance.cache_mb` changes pixels)."""
     y, x, ch, cw = self.box(*image.shape[:2], key)
     crop = image[y : y + ch, x : x + cw]
     return self.finish(crop[:, ::-1] if self.flips(key) else crop, image.shape[:2], out)
-
-
-def random_resized_crop_box(
-  h: int,
-  w: int,
-  key: int,
-  area: tuple[float, float] = (0.08, 1.0),
-  ratio: tuple[float, float] = (3 / 4, 4 / 3),
-) -> Box:
-  """torchvision's RandomResizedCrop: area share uniform in `area`, aspect (w/h) log-uniform
-  in `ratio`; after ATTEMPTS misses the largest centred crop within `ratio`. Not TF's
-  sample_distorted_bounding_box (see `tf_inception_crop_box`): smaller crops are rarer here.
-  """
-  log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
-  for a in range(ATTEMPTS):
-    target = h * w * (area[0] + uniform(key, 4 * a) * (area[1] - area[0]))
-    aspect = math.exp(log_lo + uniform(key, 4 * a + 1) * (log_hi - log_lo))
-    cw, ch = _round(math.sqrt(target * aspect)), _round(math.sqrt(target / aspect))
-    if 0 < cw <= w and 0 < ch <= h:
-      return (
-        int(uniform(key, 4 * a + 2) * (h - ch + 1)),
-        int(uniform(key, 4 * a + 3) * (w - cw + 1)),
-        ch,
-        cw,
-      )
-  in_ratio, lo, hi = w / h, math.exp(log_lo), math.exp(log_hi)
-  ch, cw = h, w
-  if in_ratio < lo:
-    ch = _round(w / lo)
-  elif in_ratio > hi:
-    cw = _round(h * hi)
-  ch, cw = max(ch, 1), max(cw, 1)
-  return (h - ch) // 2, (w - cw) // 2, ch, cw
-
-
-def tf_inception_crop_box(
-  h: int,
-  w: int,
-  key: int,
-  area: tuple[float, float] = (0.05, 1.0),
-  ratio: tuple[float, float] = (0.75, 1.33),
-) -> Box:
-  """TF's `sample_distorted_bounding_box` (no boxes, min_object_covered=0), as big_vision's
-  `inception_crop` calls it: aspect (w/h) uniform in `ratio`, then the height uniform among
-  the integers between the area bounds (`GenerateRandomCrop`, float32 like the kernel), the
-  offset uniform in [0, h - ch) (sic); after TF_ATTEMPTS misses, the whole image."""
-  f32 = np.float32
-  lo_area, hi_area = f32(area[0]), f32(area[1])
-  lo, hi = f32(ratio[0]), f32(ratio[1])
-  min_area, max_area = lo_area * f32(w) * f32(h), hi_area * f32(w) * f32(h)
-  for a in range(TF_ATTEMPTS):
-    k = TF_DRAW + 4 * a
-    aspect = _uniform24(key, k) * (hi - lo) + lo
-    ch = int(np.rint(np.sqrt(min_area / aspect)))
-    max_h = int(np.rint(np.sqrt(max_area / aspect)))
-    if int(np.rint(f32(max_h) * aspect)) > w:
-      max_h = int((w + 0.5 - float(f32(1e-7))) / float(aspect))
-      if int(np.rint(f32(max_h) * aspect)) > w:
-        max_h -= 1
-    max_h = min(max_h, h)
-    ch = min(ch, max_h)
-    if ch < max_h:
-      ch += int(uniform(key, k + 1) * (max_h - ch + 1))
-    cw = int(np.rint(f32(ch) * aspect))
-    crop_area = f32(cw * ch)
-    if crop_area < min_area:
-      ch += 1
-      cw = int(np.rint(f32(ch) * aspect))
-      crop_area = f32(cw * ch)
-    if crop_area > max_area:
-      ch -= 1
-      cw = int(np.rint(f32(ch) * aspect))
-      crop_area = f32(cw * ch)
-    if min_area <= crop_area <= max_area and 0 < cw <= w and 0 < ch <= h:
-      y = int(uniform(key, k + 2) * (h - ch)) if ch < h else 0
-      x = int(uniform(key, k + 3) * (w - cw)) if cw < w else 0
-      return y, x, ch, cw
-  return 0, 0, h, w
-
-
-def _uniform24(key: int, k: int) -> np.float32:
-  """Draw `k` as a float32 in [0, 1) with 24 bits, like TF's RandFloat."""
-  return np.float32(math.floor(uniform(key, k) * 2**24) * 2.0**-24)
 
 
 def resize_small_dims(h: int, w: int, size: int) -> tuple[int, int]:
@@ -251,26 +196,6 @@ def resize_small_central_crop(
     return np.ascontiguousarray(crop)
   out[...] = crop
   return out
-
-
-def _round(x: float) -> int:
-  """C's lround for x >= 0 (half away from zero), as the native path rounds."""
-  return int(math.floor(x + 0.5))
-
-
-def center_crop_box(h: int, w: int, crop_fraction: float = 0.875) -> Box:
-  """The eval crop: the centre square of `crop_fraction` of the shorter side."""
-  side = max(1, _round(min(h, w) * crop_fraction))
-  return (h - side) // 2, (w - side) // 2, side, side
-
-
-def dct_scale(box: Box, size: int) -> int:
-  """Largest JPEG DCT scale denominator (1, 2, 4, 8) that keeps the crop >= `size` pixels."""
-  shorter = min(box[2], box[3])
-  for denom in (8, 4, 2):
-    if shorter >= denom * size:
-      return denom
-  return 1
 
 
 def interpolation(h: int, w: int, size: int, bicubic: bool = False) -> int:

@@ -23,6 +23,8 @@ import PIL
 import simplejpeg
 from PIL import Image
 
+from pipeline import fallback
+
 if TYPE_CHECKING:
   from pipeline import augment, records
 
@@ -142,58 +144,19 @@ def _is_jpeg(data: bytes) -> bool:
   return data[:2] == b"\xff\xd8"  # what libjpeg takes for one (stray bytes may follow)
 
 
-_SOF = frozenset(range(0xC0, 0xD0)) - {0xC4, 0xC8, 0xCC}
 _PLAIN_SOF = (0xC0, 0xC1, 0xC2)  # baseline, extended sequential, progressive (Huffman)
 
 
-def _segments(data: bytes):
-  """(marker, start, end) of each header segment up to and including the first SOS, found as
-  libjpeg's next_marker finds them: bytes other than FF before a marker are skipped (libjpeg
-  warns, and reads the same header as without them), as are fill FFs and stuffed `FF 00`
-  pairs (a frame can hide behind those). `start` is the marker's FF; stops where the header
-  cannot be walked (SOI/EOI again, a length under 2, the end of the data)."""
-  n, i = len(data), 2
-  if n < 4 or data[0] != 0xFF or data[1] != 0xD8:
-    return
-  while True:
-    while i < n and data[i] != 0xFF:
-      i += 1
-    while i < n and data[i] == 0xFF:
-      i += 1
-    if i >= n:
-      return
-    m, start = data[i], i - 1
-    i += 1
-    if m == 0x00:
-      continue
-    if 0xD0 <= m <= 0xD7 or m == 0x01:
-      yield m, start, i
-      continue
-    if m in (0xD8, 0xD9) or i + 1 >= n:
-      return
-    length = (data[i] << 8) | data[i + 1]
-    if length < 2:
-      return
-    yield m, start, i + length  # may pass the end of a truncated JPEG
-    if m == 0xDA:
-      return
-    i += length
+def geometry():
+  """Whose example key, draws, crop windows, DCT scale and frame walk: the C extension's (the
+  functions its batch path calls), or their Python twins (`pipeline.fallback`) without it."""
+  return _jpeg if _jpeg is not None else fallback
 
 
 def jpeg_frame(data: bytes) -> tuple[int, int, int, int] | None:
-  """(SOF marker, precision, height, width) of the frame libjpeg decodes, or None.
-
-  The header is walked as libjpeg walks it (`_segments`); the C decoder walks the same way
-  (`jpeg_frame`)."""
-  for m, start, end in _segments(data):
-    if m == 0xDA:
-      return None
-    if m in _SOF:
-      if end - start < 10 or start + 8 >= len(data):  # a length under 8, or cut short
-        return None
-      h, w = (data[start + 5] << 8) | data[start + 6], (data[start + 7] << 8) | data[start + 8]
-      return (m, data[start + 4], h, w) if h > 0 and w > 0 else None
-  return None
+  """(SOF marker, precision, height, width) of the frame libjpeg decodes, or None: the header
+  walked as libjpeg walks it (bytes between segments, fill FFs and stuffed `FF 00` skipped)."""
+  return geometry().frame(data)
 
 
 NO_EOI = "no end-of-image marker (FF D9) after the image data: the JPEG is truncated"
@@ -203,7 +166,7 @@ def _without_strays(data: bytes) -> tuple[bytes, int]:
   """(the JPEG without bytes between its header segments, which libjpeg skips and strict
   decoders refuse; where its image data starts)."""
   parts, at = [data[:2]], 2
-  for m, start, end in _segments(data):
+  for m, start, end in fallback.segments(data):
     parts.append(data[start:end])
     at = end
     if m == 0xDA:
@@ -284,6 +247,7 @@ def decode_crop(
       data = _as_libjpeg_reads_it(data)  # the pixels libjpeg (and the C decoder) gives
       try:
         full_h, full_w = image_size(data)  # simplejpeg scales the whole image, then we crop
+        _inside(box, full_h, full_w, jpeg)
         img = simplejpeg.decode_jpeg(
           data,
           colorspace="RGB",
@@ -300,7 +264,16 @@ def decode_crop(
         if "colorspace" not in str(e).lower():
           raise DecodeError(str(e)) from None
   img = _pil_rgb(_as_libjpeg_reads_it(data) if jpeg else data)
+  _inside(box, *img.shape[:2], jpeg)
   return img[y : y + h, x : x + w]
+
+
+def _inside(box: tuple[int, int, int, int], h: int, w: int, jpeg: bool) -> None:
+  """Refuses a window that is not inside the h x w image, in the C decoder's words."""
+  y, x, ch, cw = box
+  if y < 0 or x < 0 or ch <= 0 or cw <= 0 or y + ch > h or x + cw > w:
+    what = "JPEG decode failed: " if jpeg else ""
+    raise DecodeError(f"{what}crop (y={y}, x={x}, h={ch}, w={cw}) outside {h}x{w}")
 
 
 def decode(data: bytes) -> np.ndarray:

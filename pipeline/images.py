@@ -121,7 +121,7 @@ class DecodeImages:
     errors.fail(batch, slot, error, self.on_error)
 
   def python_image(self, data: bytes, epoch: int, index: int, out: np.ndarray) -> np.ndarray:
-    """One image on the Python path (same windows as the native path): cache, or decode."""
+    """One image on the Python path: decode, or the cache (`cache_mb`: other pixels)."""
     key = augment.example_key(self.seed, epoch, index)
     if self.cache is None:
       return self.head(data, key, out)

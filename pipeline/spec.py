@@ -70,7 +70,9 @@ class Spec:
       features: extra Example features to pass through, {name: key or pipeline.Feature}.
       normalize: host-side float32 in [-1, 1] (default: uint8; normalize on device instead).
     performance: threads, worker processes, prefetch, read-ahead, caches, DCT scaling
-      (`pipeline.Performance` or a dict of its fields); never changes what a batch holds.
+      (`pipeline.Performance` or a dict of its fields); never changes what a batch holds,
+      except the pixels under the options named in `Performance.CHANGES_PIXELS` (cache_mb,
+      dct_scaling, fast_dct).
       Threads and workers left None are chosen for this host (`pipeline.parallelism`; 2
       cores: no workers, a thread per core), the read-ahead for the read latency measured at
       open (`pipeline.reads`), and the choice is printed once.

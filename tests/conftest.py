@@ -11,6 +11,7 @@ splits train and validation. All are folders holding manifest.json and shards;
 the raw image folders are `photos_raw` and `digits_raw`. `run_python` runs a command line
 from the repository root. `storage_rig` is bench.rig (latency-injecting FUSE), built once;
 a machine that cannot run it skips the tests using it, except in CI (CI=true): there they fail.
+`native` (or `native_or_skip()`) is the C extension pipeline/_jpeg.c, on the same terms.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 
-from pipeline import manifest
+from pipeline import decode, manifest
 from pipeline.convert import builtin, images
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -89,6 +90,23 @@ def build_or_skip(what: str, build, unavailable: type[Exception]):
     if os.environ.get("CI", "").lower() == "true":
       pytest.fail(f"{what} unavailable in CI: {e}")
     pytest.skip(f"{what} unavailable: {e}")
+
+
+def native_or_skip():
+  """The C extension (`pipeline._jpeg`); where it was not built the test is skipped, except in
+  CI (CI=true), where it fails."""
+
+  def load():
+    if decode.native() is None:
+      raise ImportError(decode._missing)
+    return decode.native()
+
+  return build_or_skip("the C JPEG decoder (pipeline/_jpeg.c)", load, ImportError)
+
+
+@pytest.fixture
+def native():
+  return native_or_skip()
 
 
 @pytest.fixture(scope="session")

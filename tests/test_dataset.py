@@ -14,7 +14,7 @@ from pipeline.dataset import BadRecordError
 from pipeline.sampling import PAD, Sampler
 from pipeline.source import ShardedSource
 from pipeline.stream import StateError
-from tests.conftest import assert_same_batches, take
+from tests.conftest import assert_same_batches, native_or_skip, take
 
 
 def fingerprints(batches) -> list[str]:
@@ -118,8 +118,8 @@ def decoder(request, monkeypatch):
   """Runs a test with the C extension and again as if it had not been built."""
   if request.param == "simplejpeg fallback":
     monkeypatch.setattr(decode, "_jpeg", None)
-  elif decode._jpeg is None:
-    pytest.skip("the crop-aware extension is not built here")
+  else:
+    native_or_skip()
   return request.param
 
 
@@ -289,9 +289,8 @@ def test_cache_decodes_each_record_once_over_epochs(photos_dir, monkeypatch):
     (False, dict(eval_order="resize_then_crop")),
   ],
 )
+@pytest.mark.usefixtures("native")
 def test_native_and_python_paths_give_identical_images(photos_dir, train, augment):
-  if decode.native() is None:
-    pytest.skip("the C extension is not built here")
   for image_size in (40, 100):  # 40: DCT-scaled windows
     stages = dataset.build(
       dataset.Spec.of(

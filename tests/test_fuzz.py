@@ -606,7 +606,7 @@ def check_native_parse_agrees(corpus: list[bytes]) -> int:
   return answered
 
 
-needs_native = pytest.mark.skipif(decode.native() is None, reason="the C extension was not built")
+needs_native = pytest.mark.usefixtures("native")
 
 
 @needs_native

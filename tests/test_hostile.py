@@ -22,10 +22,11 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from etils import epath
 from PIL import Image
 
-from pipeline import augment, decode, manifest, records
+from pipeline import augment, decode, fallback, manifest, records
 from pipeline.convert import checks, images, shards
 from pipeline.source import ShardedSource
 from tests import jpeg_modes
+from tests.conftest import native_or_skip
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NATIVE = decode.native()
@@ -86,9 +87,9 @@ def test_plain_jpegs_are_told_from_rare_ones_by_their_frame():
   assert decode.jpeg_frame(jpeg_modes.lossless(ids=b"RGB")) == (0xC3, 8, 8, 8)
   # behind `FF 00 LL LL`, skipped as libjpeg skips them: the frame libjpeg decodes
   assert decode.jpeg_frame(jpeg_modes.hidden_frame_bomb()) == (0xC2, 8, 65500, 65500)
-  if NATIVE is not None:  # the C walker finds the same frame
+  if NATIVE is not None:  # the C walker and its Python twin find the same frame
     for data in [*jpeg_modes.RARE.values(), jpeg_modes.hidden_frame_bomb()]:
-      assert NATIVE.frame(data) == decode.jpeg_frame(data)
+      assert NATIVE.frame(data) == fallback.frame(data)
     # and the C decoder itself refuses what libjpeg reads as lossless or 12-bit
     for name, why in [("lossless_rgb", "lossless JPEG"), ("extended12", "12-bit JPEG")]:
       with pytest.raises(ValueError, match=f"{why} \\(not for this decoder"):
@@ -174,7 +175,7 @@ def batch_windows(*datas: bytes) -> tuple[list, list]:
   return back, [arena[k * slot : k * slot + h * w * 3].copy() for k, (h, w) in enumerate(dims)]
 
 
-@pytest.mark.skipif(NATIVE is None, reason="the C extension was not built")
+@pytest.mark.usefixtures("native")
 def test_stray_bytes_before_a_header_segment_give_the_pixels_libjpeg_gives():
   """libjpeg skips them with a warning ("Corrupt JPEG data: 1 extraneous bytes before marker
   0xdb") and decodes the same image; the C decoder refused such a JPEG and Pillow served it,
@@ -199,8 +200,8 @@ def decoder(request, monkeypatch):
   """Runs a test with the C extension and again as if it had not been built."""
   if request.param == "simplejpeg fallback":
     monkeypatch.setattr(decode, "_jpeg", None)
-  elif NATIVE is None:
-    pytest.skip("the C extension was not built")
+  else:
+    native_or_skip()
   return request.param
 
 
@@ -258,7 +259,7 @@ def test_a_frame_hidden_behind_stray_bytes_is_measured_as_libjpeg_reads_it():
     checks.prepare(bomb)
 
 
-@pytest.mark.skipif(NATIVE is None, reason="the C extension was not built")
+@pytest.mark.usefixtures("native")
 def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
   """A 64x64 crop of the visible frame: libjpeg would size its buffers by the hidden one."""
   child = run_child(
