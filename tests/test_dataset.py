@@ -11,10 +11,9 @@ from PIL import Image
 import pipeline
 from pipeline import augment, dataset, decode, manifest, records
 from pipeline.dataset import BadRecordError
-from pipeline.sampling import PAD, Sampler
 from pipeline.source import ShardedSource
 from pipeline.stream import StateError
-from tests.conftest import assert_same_batches, native_or_skip, take
+from tests.conftest import assert_same_batches, take
 
 
 def fingerprints(batches) -> list[str]:
@@ -32,115 +31,6 @@ def jpeg(seed: int, size=(90, 120)) -> bytes:
   buf = io.BytesIO()
   Image.fromarray(arr).save(buf, "JPEG", quality=90)
   return buf.getvalue()
-
-
-# --- sampling: a pure function of (seed, position) ---------------------------------------
-
-
-@pytest.mark.parametrize("n", [1, 7, 64])
-def test_every_record_once_per_epoch_and_new_order_each_epoch(n):
-  s = Sampler(n, seed=3, num_epochs=3)
-  epochs = [[s.record_index(e * n + j) for j in range(n)] for e in range(3)]
-  for order in epochs:
-    assert sorted(order) == list(range(n))
-  if n > 5:
-    assert epochs[0] != epochs[1] != epochs[2]
-
-
-@pytest.mark.parametrize("n,procs", [(10, 3), (64, 4), (5, 5)])
-def test_process_slices_are_disjoint_and_complete_with_padding(n, procs):
-  for epoch in range(2):
-    seen = []
-    for k in range(procs):
-      s = Sampler(n, seed=1, num_epochs=2, shard_index=k, shard_count=procs, remainder="pad")
-      assert s.per_epoch == math.ceil(n / procs)
-      seen += [s.record_index(epoch * s.per_epoch + j) for j in range(s.per_epoch)]
-    real = [i for i in seen if i != PAD]
-    assert sorted(real) == list(range(n))
-    assert len(seen) - len(real) == procs * math.ceil(n / procs) - n
-
-
-def test_drop_remainder_slices_are_disjoint_and_equal_sized():
-  n, procs = 10, 3
-  parts = [Sampler(n, seed=1, shard_index=k, shard_count=procs) for k in range(procs)]
-  assert all(p.per_epoch == 3 for p in parts)
-  seen = [p.record_index(j) for p in parts for j in range(3)]
-  assert len(set(seen)) == 9 and PAD not in seen
-
-
-def test_sampler_rejects_bad_arguments():
-  with pytest.raises(ValueError, match="shard_index"):
-    Sampler(10, shard_index=2, shard_count=2)
-  with pytest.raises(ValueError, match="cannot feed"):
-    Sampler(2, shard_count=3)
-
-
-# --- crop geometry and decode -------------------------------------------------------------
-
-
-def test_random_resized_crop_stays_within_area_and_aspect_ranges():
-  for h, w in [(390, 470), (500, 333), (224, 224), (1000, 120)]:
-    for index in range(500):
-      y, x, ch, cw = augment.random_resized_crop_box(h, w, augment.example_key(0, 0, index))
-      assert 0 <= y and y + ch <= h and 0 <= x and x + cw <= w
-      if (h, w) != (1000, 120):  # the extreme shape needs the documented fallback
-        assert 0.08 * 0.97 <= ch * cw / (h * w) <= 1.0
-        assert 3 / 4 * 0.97 <= cw / ch <= 4 / 3 * 1.03
-
-
-def test_crop_fallback_is_centred_and_in_ratio():
-  y, x, ch, cw = augment.random_resized_crop_box(
-    1000, 120, augment.example_key(0, 0, 0), area=(0.99, 1.0)
-  )
-  assert (cw, x) == (120, 0) and ch == 160 and y == (1000 - 160) // 2
-
-
-def test_an_examples_draws_depend_only_on_seed_epoch_and_index():
-  key = augment.example_key(5, 1, 42)
-  assert key == augment.example_key(5, 1, 42)
-  assert (
-    len(
-      {
-        key,
-        augment.example_key(6, 1, 42),
-        augment.example_key(5, 2, 42),
-        augment.example_key(5, 1, 43),
-      }
-    )
-    == 4
-  )
-  draws = [augment.uniform(augment.example_key(0, 0, i), 0) for i in range(4000)]
-  assert 0 <= min(draws) and max(draws) < 1 and abs(np.mean(draws) - 0.5) < 0.02
-
-
-@pytest.fixture(params=["libjpeg-turbo extension", "simplejpeg fallback"])
-def decoder(request, monkeypatch):
-  """Runs a test with the C extension and again as if it had not been built."""
-  if request.param == "simplejpeg fallback":
-    monkeypatch.setattr(decode, "_jpeg", None)
-  else:
-    native_or_skip()
-  return request.param
-
-
-def test_crop_decode_matches_full_decode_and_dct_scaling_halves(decoder):
-  data = jpeg(0, (240, 320))
-  full = decode.decode(data)
-  crop = decode.decode_crop(data, (16, 32, 128, 160))
-  assert crop.shape == (128, 160, 3)
-  assert np.abs(crop.astype(int) - full[16:144, 32:192]).mean() < 2
-  assert augment.dct_scale((0, 0, 240, 320), 112) == 2
-  assert augment.dct_scale((0, 0, 240, 320), 224) == 1
-  half = decode.decode_crop(data, (0, 0, 240, 320), scale=2)
-  assert half.shape == (120, 160, 3)
-
-
-def test_decode_refuses_garbage_and_truncated_jpeg(decoder):
-  with pytest.raises(decode.DecodeError):
-    decode.decode(b"not an image at all")
-  data = jpeg(1, (240, 320))
-  with pytest.raises(decode.DecodeError):
-    decode.decode_crop(data[: len(data) // 2], (0, 0, 240, 320))
 
 
 # --- the dataset ------------------------------------------------------------------------

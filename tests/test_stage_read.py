@@ -1,8 +1,8 @@
 """The read stage: reads ahead of need without changing a batch, resumes exactly, keeps what
 it read (record cache), and lets a process own whole shards.
 
-Latency itself (a bucket's 5-100 ms) is emulated by the FUSE rig in tests/bench/test_rig.py and the
-slow tests there; here the stage runs on local shards, where its bookkeeping is exact.
+Latency itself (a bucket's 5-100 ms) is emulated by the FUSE rig in tests/bench/test_rig.py
+and the slow tests there; here the stage runs on local shards, where its bookkeeping is exact.
 """
 
 from __future__ import annotations
@@ -15,10 +15,13 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
 from pipeline import dataset, reads
+from pipeline.ahead import AheadIterDataset
 from pipeline.cache import RecordCache
 from pipeline.convert import images, shards
 from pipeline.sampling import PAD, Sampler
+from tests import stage_chain
 from tests.conftest import assert_same_batches, take
+from tests.stage_chain import stages
 
 
 @pytest.fixture(scope="module")
@@ -29,9 +32,14 @@ def sharded_dir(photos_raw, tmp_path_factory):
   return out
 
 
-def stages(data_dir, **kwargs):
-  kwargs = {"batch_size": 8, "image_size": 32, "shard_index": 0, "shard_count": 1, **kwargs}
-  return dataset.build(dataset.Spec.of(data_dir, **kwargs))
+def test_the_read_stage_over_grain_fills_each_slot_with_its_records_bytes(sharded_dir):
+  s = stages(sharded_dir, num_epochs=1, drop_remainder=False)
+  read = AheadIterDataset(stage_chain.planned(s), s.read)
+  seen = 0
+  for batch in read:
+    assert batch.records == s.read.source.read(batch.indices.tolist())
+    seen += len(batch.indices)
+  assert seen == s.manifest.splits["train"].num_records
 
 
 def test_batches_are_the_same_for_any_read_ahead_and_thread_count(sharded_dir):
