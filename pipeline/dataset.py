@@ -116,7 +116,8 @@ def make_dataset(
     num_epochs: None repeats forever (train default); eval default is 1.
     shuffle: default `train`.
     drop_remainder: drop the last partial batch of a finite stream (default: train).
-    shard_index, shard_count: this process's slice; default jax.process_index()/count().
+    shard_index, shard_count: this process's slice; default jax.process_index()/count(). A
+      train stream's global batches, and its states, are the same on any count (pipeline.elastic).
     sharding: "records" (default): each epoch's global shuffle is dealt out to the processes;
       "shards": each process owns whole shards (shard k: process k % shard_count) and
       shuffles within them, so a host reads and caches 1/shard_count of the dataset (the
@@ -280,6 +281,8 @@ def build(
   }
   if sharding != "records":
     stream["sharding"] = sharding
+  if not train:  # padded per epoch: the order depends on shard_count (pipeline.elastic)
+    stream["remainder"] = "pad"
   return Stages(
     plan=PlanBatches(sampler, batch_size),
     num_batches=num_batches,
