@@ -394,7 +394,7 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, train_it)
   if step and is_chief:
-    print(f"resumed from step {step} ({ckpt.directory})", flush=True)
+    print(ckpt.resumed(step), flush=True)
 
   log = report.Log(workdir) if is_chief else None
   progress = None
