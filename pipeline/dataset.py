@@ -200,6 +200,7 @@ def build(
     shard_count=shard_count,
     remainder="drop" if train else "pad",
     shard_records=tuple(counts) if sharding == "shards" else None,
+    block=batch_size,
   )
   aug = options.coerce(Augment, augment)
   if pp is not None:

@@ -3,14 +3,14 @@ its state, saved by process 0 of n, continues on m processes with the same globa
 
 Real clusters of 1 to 4 processes (tests/elastic_pipeline_worker.py) read 45 records with a
 global batch of 12 for 8 steps (epoch boundaries at positions 45 and 90). A step's global
-batch is compared with the unresized 1-process run's as a multiset of (label, pixels): a
-record and its random crop. States are saved after step 2 (mid-epoch; the rest crosses both
+batch (the processes' batches in process order, as a global array holds them) is compared
+with the unresized 1-process run's, as a list of (label, pixels): a record and its random
+crop, in place. States are saved after step 2 (mid-epoch; the rest crosses both
 boundaries) and after step 4 (just past a batch that spans a boundary).
 """
 
 from __future__ import annotations
 
-import collections
 import json
 
 import pytest
@@ -25,13 +25,13 @@ STEPS, SAVES = 8, (2, 4)
 PAIRS = [(2, 1), (1, 2), (3, 2), (2, 3), (4, 2)]
 
 
-def by_step(results: list[list[list[str]]]) -> list[collections.Counter]:
-  """Each step's global batch (the processes' batches together) as a multiset."""
-  return [collections.Counter(sum(step, [])) for step in zip(*results, strict=True)]
+def by_step(results: list[list[list[str]]]) -> list[list[str]]:
+  """Each step's global batch: the processes' batches, in process order."""
+  return [sum(step, []) for step in zip(*results, strict=True)]
 
 
 @pytest.fixture(scope="module")
-def reference(odd_dir) -> list[collections.Counter]:  # noqa: F811
+def reference(odd_dir) -> list[list[str]]:  # noqa: F811
   """The unresized run: one process, the whole global batch."""
   ds = pipeline.make_dataset(
     odd_dir,
@@ -43,7 +43,7 @@ def reference(odd_dir) -> list[collections.Counter]:  # noqa: F811
     performance=dict(num_threads=1, num_workers=0),
   )
   it = iter(ds)
-  steps = [collections.Counter(examples(next(it))) for _ in range(STEPS)]
+  steps = [examples(next(it)) for _ in range(STEPS)]
   it.close()
   return steps
 
