@@ -1,10 +1,12 @@
 """The trainer resumes a checkpoint saved on N processes on M: the global batch is kept (each
-process's batch recomputed), the data continues at its global position, and the loss curve
-is the unresized run's, equal up to the order of floating-point reductions.
+process's batch recomputed), the data continues at its global position, and it says so.
 
-The unresized run: one process, 18 steps, checkpoints at 6, 12 and 18, a loss logged every
-2 steps. 2 -> 1: two processes train 12 steps, one process resumes them to 18. 1 -> 2: two
-processes resume the unresized run's checkpoint 12 (a copy of its workdir) to 18.
+Each test runs 18 steps unresized (checkpoints at 6, 12 and 18) and resumes a copy of that
+workdir's checkpoint 12 on the other process count. The loss of step 13, the first one after
+the resume (the same parameters, the same global batch, other devices), equals the
+unresized run's up to the order of floating-point reductions. Later steps are not compared:
+this small model's training amplifies rounding differences (two unresized runs on 1 and 2
+processes differ by 1e-7 at step 4 and by percents at step 8), whatever the data.
 """
 
 import json
@@ -16,7 +18,8 @@ import pytest
 from tests.test_train import ROOT, env, train_cmd
 from tests.test_train_multihost import Run, summary
 
-STEPS = ("--config.checkpoint_every_steps=6",)
+# No dropout: its masks come from "rbg" keys, whose bits follow the devices' layout.
+FLAGS = ("--config.checkpoint_every_steps=6", "--config.log_every=1", "--config.dropout=0")
 
 
 def losses(workdir) -> dict[int, float]:
@@ -24,9 +27,9 @@ def losses(workdir) -> dict[int, float]:
   return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-def one_process(workdir, data_dir, steps: int) -> str:
+def one_process(workdir, data_dir) -> str:
   done = subprocess.run(
-    train_cmd(workdir, data_dir, *STEPS, f"--config.num_steps={steps}"),
+    train_cmd(workdir, data_dir, *FLAGS, "--config.num_steps=18"),
     cwd=ROOT,
     env=env(),
     capture_output=True,
@@ -37,42 +40,40 @@ def one_process(workdir, data_dir, steps: int) -> str:
   return done.stdout + done.stderr
 
 
-@pytest.fixture(scope="module")
-def unresized(digits_dir, tmp_path_factory):
-  workdir = tmp_path_factory.mktemp("unresized") / "w"
-  one_process(workdir, digits_dir, 18)
-  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["12", "18"]
-  return workdir
+def two_processes(tmp_path, workdir, data_dir) -> str:
+  run = Run(tmp_path, workdir, data_dir, *FLAGS, steps=18)
+  assert run.wait(timeout=400) == [0, 0], run.output(0)[-3000:] + run.output(1)[-3000:]
+  return run.output(0)
 
 
-def test_two_processes_resumed_on_one_follow_the_unresized_loss_curve(
-  digits_dir, tmp_path, unresized
-):
-  workdir = tmp_path / "w"
-  run = Run(tmp_path, workdir, digits_dir, *STEPS, steps=12)
-  assert run.wait(timeout=400) == [0, 0], run.output(0)[-3000:]
-  out = one_process(workdir, digits_dir, 18)
-  assert f"resumed from step 12 on 1 hosts (saved on 2) ({workdir / 'checkpoints'})" in out
-  assert summary(workdir)["steps"] == 18 and summary(workdir)["processes"] == 1
-  expected = losses(unresized)
-  assert sorted(losses(workdir)) == sorted(expected) == list(range(2, 19, 2))
-  assert losses(workdir) == pytest.approx(expected, rel=1e-4)
-
-
-def test_one_process_resumed_on_two_follows_the_unresized_loss_curve(
-  digits_dir, tmp_path, unresized
-):
-  workdir = tmp_path / "w"
+def at_checkpoint_12(unresized, workdir) -> None:
+  """`workdir`: a copy of `unresized` as it was right after its checkpoint 12."""
   shutil.copytree(unresized, workdir, ignore=shutil.ignore_patterns("trainer.lock"))
   shutil.rmtree(workdir / "checkpoints" / "18")
   (workdir / "summary.json").unlink()
-  rows = (workdir / "metrics.jsonl").read_text().splitlines()  # steps 14-18 logged again
-  (workdir / "metrics.jsonl").write_text("".join(r + "\n" for r in rows[:6]))
-  run = Run(tmp_path, workdir, digits_dir, *STEPS, steps=18)
-  assert run.wait(timeout=400) == [0, 0], run.output(0)[-3000:]
-  assert f"resumed from step 12 on 2 hosts (saved on 1) ({workdir / 'checkpoints'})" in (
-    run.output(0)
-  )
-  assert summary(workdir)["steps"] == 18 and summary(workdir)["processes"] == 2
-  assert losses(workdir) == pytest.approx(losses(unresized), rel=1e-4)
-  assert sorted(losses(workdir)) == list(range(2, 19, 2))
+  rows = (workdir / "metrics.jsonl").read_text().splitlines()
+  (workdir / "metrics.jsonl").write_text("".join(r + "\n" for r in rows[:12]))
+
+
+def check_resumed(workdir, unresized, hosts: int, saved_on: int, out: str) -> None:
+  line = f"resumed from step 12 on {hosts} hosts (saved on {saved_on}) ({workdir / 'checkpoints'})"
+  assert line in out
+  assert "aside" not in out
+  assert summary(workdir)["steps"] == 18 and summary(workdir)["processes"] == hosts
+  resumed, expected = losses(workdir), losses(unresized)
+  assert sorted(resumed) == sorted(expected) == list(range(1, 19))
+  assert resumed[13] == pytest.approx(expected[13], rel=1e-5, abs=0)
+
+
+def test_two_processes_resumed_on_one(digits_dir, tmp_path):
+  unresized, workdir = tmp_path / "unresized", tmp_path / "resized"
+  two_processes(tmp_path, unresized, digits_dir)
+  at_checkpoint_12(unresized, workdir)
+  check_resumed(workdir, unresized, 1, 2, one_process(workdir, digits_dir))
+
+
+def test_one_process_resumed_on_two(digits_dir, tmp_path):
+  unresized, workdir = tmp_path / "unresized", tmp_path / "resized"
+  one_process(unresized, digits_dir)
+  at_checkpoint_12(unresized, workdir)
+  check_resumed(workdir, unresized, 2, 1, two_processes(tmp_path, workdir, digits_dir))
