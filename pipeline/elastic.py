@@ -70,7 +70,7 @@ def resize(state: dict, stream: dict, template: dict) -> dict:
     raise StateError(
       f"iterator state of {what} saved on {was} cannot continue on {now}: its order depends "
       f"on the process count; resume on {saved['shard_count']} process(es) with batch "
-      f"{saved['batch_size']}, or train with sharding='records', which any count continues"
+      f"{saved['batch_size']} (sharding='records', the default, continues on any count)"
     )
   if "position" not in state:
     raise StateError(

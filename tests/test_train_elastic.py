@@ -6,7 +6,8 @@ workdir's checkpoint 12 on the other process count. The loss of step 13, the fir
 the resume (the same parameters, the same global batch, other devices), equals the
 unresized run's up to the order of floating-point reductions. Later steps are not compared:
 this small model's training amplifies rounding differences (two unresized runs on 1 and 2
-processes differ by 1e-7 at step 4 and by percents at step 8), whatever the data.
+processes differ by 1e-7 at step 4 and by percents at step 8), whatever the data. Owned
+shards, whose order depends on the process count, are refused in one line, nothing written.
 """
 
 import json
@@ -15,8 +16,9 @@ import subprocess
 
 import pytest
 
+from pipeline.convert import images
 from tests.test_train import ROOT, env, train_cmd
-from tests.test_train_multihost import Run, summary
+from tests.test_train_multihost import Run, own_lines, summary
 
 # No dropout: its masks come from "rbg" keys, whose bits follow the devices' layout.
 FLAGS = ("--config.checkpoint_every_steps=6", "--config.log_every=1", "--config.dropout=0")
@@ -27,9 +29,9 @@ def losses(workdir) -> dict[int, float]:
   return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}
 
 
-def one_process(workdir, data_dir) -> str:
+def one_process(workdir, data_dir, *extra) -> str:
   done = subprocess.run(
-    train_cmd(workdir, data_dir, *FLAGS, "--config.num_steps=18"),
+    train_cmd(workdir, data_dir, *FLAGS, "--config.num_steps=18", *extra),
     cwd=ROOT,
     env=env(),
     capture_output=True,
@@ -77,3 +79,31 @@ def test_one_process_resumed_on_two(digits_dir, tmp_path):
   one_process(unresized, digits_dir)
   at_checkpoint_12(unresized, workdir)
   check_resumed(workdir, unresized, 2, 1, two_processes(tmp_path, workdir, digits_dir))
+
+
+def test_owned_shards_on_another_process_count_are_refused_in_one_line(digits_raw, tmp_path):
+  data, workdir = tmp_path / "data", tmp_path / "w"
+  images.convert(
+    digits_raw, data, val_fraction=0.2, seed=0, shard_size_mb=0.1, workers=1, progress=False
+  )
+  owned = ("--config.input.sharding=shards", "--config.eval_input.sharding=records")
+  one_process(workdir, data, *owned, "--config.num_steps=6")
+  before = files(workdir)
+  run = Run(tmp_path, workdir, data, *FLAGS, *owned, steps=12)
+  codes = run.wait(timeout=300)
+  for i in range(2):
+    (line,) = own_lines(run.output(i))
+    assert codes[i] == 2, run.output(i)[-3000:]
+    assert "checkpoint 6 in" in line and "was saved by 1 process(es) and is good" in line
+    assert "owned shards (sharding='shards')" in line and "resume on 1 process(es)" in line
+  assert files(workdir) == before  # nothing written, nothing moved
+
+
+def files(workdir) -> dict[str, int]:
+  """Every file under `workdir` with its modification time, but the lock and the token by
+  which processes check that they share the workdir (every start writes them)."""
+  return {
+    str(p): p.stat().st_mtime_ns
+    for p in workdir.rglob("*")
+    if p.is_file() and p.name not in ("trainer.lock", "processes.token")
+  }
