@@ -13,9 +13,11 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 import pipeline
+from pipeline.sampling import Sampler
 from pipeline.stream import StateError
 from tests.conftest import run_processes
 from tests.elastic_pipeline_worker import GLOBAL_BATCH, IMAGE_SIZE, SEED, examples
@@ -85,6 +87,19 @@ def runs(odd_dir, tmp_path_factory) -> dict:  # noqa: F811
   cluster(4)
   cluster(2, resume_from=[1, 3, 4])
   return {"fresh": fresh, "resumed": resumed}
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_processes_blocks_of_a_step_are_the_one_process_batch(n):
+  one = Sampler(45, seed=3, block=GLOBAL_BATCH)
+  parts = [
+    Sampler(45, seed=3, shard_index=p, shard_count=n, block=GLOBAL_BATCH // n) for p in range(n)
+  ]
+  for step in range(STEPS):  # across the epoch boundaries at 45 and 90
+    first = np.arange(step * GLOBAL_BATCH // n, (step + 1) * GLOBAL_BATCH // n)
+    together = [np.concatenate(x) for x in zip(*(s.records(first) for s in parts))]
+    expected = one.records(np.arange(step * GLOBAL_BATCH, (step + 1) * GLOBAL_BATCH))
+    np.testing.assert_array_equal(together, expected)  # epochs and records, in place
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
