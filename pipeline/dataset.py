@@ -162,6 +162,7 @@ def _sampler(spec: Spec, meta: manifest_lib.Manifest) -> Sampler:
     shard_count=shard_count,
     remainder="drop" if spec.train else "pad",
     shard_records=tuple(s.num_records for s in split.shards) if spec.sharding == "shards" else None,
+    block=spec.batch_size,
   )
 
 
@@ -252,6 +253,8 @@ def _stream(spec: Spec, sampler: Sampler) -> dict:
   }
   if spec.sharding != "records":
     stream["sharding"] = spec.sharding
+  if not spec.train:  # padded per epoch: the order depends on shard_count (pipeline.elastic)
+    stream["remainder"] = "pad"
   return stream
 
 

@@ -1,24 +1,30 @@
 """Index sampling: per-epoch global shuffle, then repeat, then this process's slice.
 
-Position `i` of a process's stream is epoch `i // per_epoch`, and within that epoch the
-global position `j * shard_count + shard_index` of a permutation drawn fresh for the epoch
-(a keyed Feistel bijection with cycle walking: O(1) memory, no shuffle buffer, no stall at
-epoch start, computed for a whole batch of positions in a few numpy operations). So the
-processes' slices are disjoint, together cover every record each epoch, and the order is a
-pure function of (seed, position): resuming needs nothing but the next position.
+The global stream is the concatenation of the epochs, each a permutation of all the records
+drawn fresh for the epoch (a keyed Feistel bijection with cycle walking: O(1) memory, no
+shuffle buffer, no stall at epoch start, computed for a whole batch of positions in a few
+numpy operations): global position `g` is epoch `g // num_records`, permutation position
+`g % num_records`. For training ("drop") the stream is dealt out in blocks of `block` (the
+batch size b): position i of process p of n is global position `(i // b) * n * b + p * b +
+i % b`, so batch k of processes 0..n-1, in process order, is global positions [k*G, (k+1)*G)
+with G = n * b, whatever n is: the same global batch array on any process count (a batch
+may span an epoch boundary), and a state is a global position any process count continues
+from (`pipeline.elastic`). The order is a pure function of (seed, position).
 
 With `shard_records` (the records of each shard) a process instead owns whole shards, the
 same ones every epoch (shard k goes to process k % shard_count), and shuffles its own records
 each epoch: a host then reads, and can cache, only 1/shard_count of the dataset, at the price
 of a shuffle that never mixes records across processes' shards (the global shuffle, the
-default, does). Every process takes the same number of positions per epoch (the smallest
-share under "drop", the largest under "pad").
+default, does) and of an order that depends on the process count. Every process takes the
+same number of positions per epoch (the smallest share under "drop", the largest under "pad").
 
-Remainder policy when `num_records` does not divide by `shard_count`:
-- "drop": each process takes `num_records // shard_count` per epoch; the few records left
-  over differ each epoch (they are the tail of that epoch's permutation). For training.
-- "pad":  each process takes `ceil(num_records / shard_count)`; missing places are padding
-  (index -1, masked out). Every record is seen exactly once per epoch. For evaluation.
+Remainder policy:
+- "drop": for training. Global sharding drops nothing (epochs run on into each other); a
+  finite stream on several processes ends after its last whole global batch. `per_epoch` is
+  then a process's average share of an epoch.
+- "pad": each epoch is dealt out alone: each process takes `ceil(num_records / shard_count)`
+  positions, `j * shard_count + shard_index`; missing places are padding (index -1, masked
+  out). Every record is seen exactly once per epoch. For evaluation.
 """
 
 from __future__ import annotations
@@ -80,6 +86,7 @@ class Sampler:
   shard_count: int = 1
   remainder: str = "drop"
   shard_records: tuple[int, ...] | None = None  # set: this process owns whole shards
+  block: int = 1  # global order: positions a process takes in a row (its batch size)
 
   def __post_init__(self):
     if self.shard_records is not None and len(self.shard_records) < self.shard_count:
@@ -89,6 +96,8 @@ class Sampler:
       )
     if not 0 <= self.shard_index < self.shard_count:
       raise ValueError(f"shard_index {self.shard_index} not in [0, {self.shard_count})")
+    if self.block < 1:
+      raise ValueError(f"block must be positive, got {self.block}")
     if self.remainder not in ("drop", "pad"):
       raise ValueError(f"remainder must be 'drop' or 'pad', not {self.remainder!r}")
     if self.per_epoch == 0:
@@ -111,15 +120,32 @@ class Sampler:
       return self.num_records // self.shard_count
     return math.ceil(self.num_records / self.shard_count)
 
+  @property
+  def global_order(self) -> bool:
+    """Whether this process takes blocks of the global stream (the same on any count)."""
+    return self.shard_records is None and self.remainder == "drop"
+
   def __len__(self) -> int:
-    return sys.maxsize if self.num_epochs is None else self.per_epoch * self.num_epochs
+    if self.num_epochs is None:
+      return sys.maxsize
+    if self.global_order and self.shard_count > 1:  # all end after the last whole global batch
+      return self.num_records * self.num_epochs // (self.shard_count * self.block) * self.block
+    if self.global_order:
+      return self.num_records * self.num_epochs
+    return self.per_epoch * self.num_epochs
 
   def records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(epoch, global record index or PAD) of each position of this process's stream."""
     if self.shard_records is not None:
       return self._owned_records(positions)
-    epochs, j = np.divmod(np.asarray(positions, np.int64), self.per_epoch)
-    g = j * self.shard_count + self.shard_index
+    positions = np.asarray(positions, np.int64)
+    if self.global_order:
+      block, rest = np.divmod(positions, self.block)
+      g = (block * self.shard_count + self.shard_index) * self.block + rest
+      epochs, g = np.divmod(g, self.num_records)
+    else:
+      epochs, j = np.divmod(positions, self.per_epoch)
+      g = j * self.shard_count + self.shard_index
     pad = g >= self.num_records
     if self.shuffle:
       for epoch in range(int(epochs[0]), int(epochs[-1]) + 1) if len(epochs) else ():

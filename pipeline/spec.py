@@ -47,8 +47,11 @@ class Spec:
     num_epochs: None repeats forever (train default); eval default is 1.
     shuffle: default `train`.
     drop_remainder: drop the last partial batch of a finite stream (default: train).
-    shard_index, shard_count: this process's slice; default jax.process_index()/count().
-    sharding: "records" (default): each epoch's global shuffle is dealt out to the processes;
+    shard_index, shard_count: this process's slice; default jax.process_index()/count(). A
+      train stream's global batches, and its states, are the same on any count
+      (`pipeline.elastic`).
+    sharding: "records" (default): the global shuffle is dealt out to the processes, each its
+      block of every global batch;
       "shards": each process owns whole shards (shard k: process k % shard_count) and
       shuffles within them, so a host reads and caches 1/shard_count of the dataset (the
       shuffle then never mixes records across processes' shards).

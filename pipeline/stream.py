@@ -1,8 +1,9 @@
 """The outermost iterator of `make_dataset`: a state you can trust, and the skip count.
 
-A state is a batch position in one process's stream: restored with another shard_count,
-shard_index, seed or batch size it would silently read other records, so states are tagged
-with the stream they index and a state of another stream is refused. A state that went
+A state is a batch position, tagged with the stream it indexes (seed, dataset, layout) and
+with its global position: a state of another stream is refused, and a train stream's state
+continues on another process count or batch size at the same global position
+(`pipeline.elastic`), or is refused in one line where it cannot. A state that went
 through a pytree checkpoint comes back with 0-d numpy arrays for its integers (which Grain
 accepts and then mis-counts), so states are normalized to plain Python values and checked
 against the shape of this iterator's own state before Grain sees them. The number of records
@@ -17,11 +18,11 @@ from typing import Any
 import grain
 import numpy as np
 
+from pipeline import elastic
+from pipeline.elastic import StateError
 from pipeline.finish import SKIPPED_KEY
 
-
-class StateError(ValueError):
-  """An iterator state that does not belong to this dataset."""
+__all__ = ["StateError", "StreamIterDataset", "plain"]
 
 
 class StreamIterDataset(grain.IterDataset):
@@ -50,28 +51,23 @@ class StreamIterator(grain.DatasetIterator):
     return batch
 
   def get_state(self) -> dict:
-    return {**self._parent.get_state(), "stream": self._stream, "skipped": self.skipped}
+    inner = self._parent.get_state()
+    position = elastic.batches_done(inner) * elastic.global_batch(self._stream)
+    return {**inner, "stream": self._stream, "skipped": self.skipped, "position": position}
 
   def set_state(self, state: dict) -> None:
     state = plain(state)
     if not isinstance(state, dict):
       raise StateError(f"an iterator state is a dict, not {type(state).__name__}")
-    saved = state.get("stream") or {}  # a state without its stream is nobody's to trust
-    if saved != self._stream:
-      diff = ", ".join(
-        f"{k} {saved.get(k)} in the state, {v} here"
-        for k, v in self._stream.items()
-        if saved.get(k) != v
-      )
-      raise StateError(
-        f"iterator state of another stream ({diff or saved}): resume with the "
-        "same shard_index/shard_count, sharding, seed, batch_size and dataset"
-      )
+    position = state.get("position", 0)
+    if not isinstance(position, int) or position < 0:
+      raise StateError(f"iterator state: 'position' must be a count, got {position!r}")
+    template = self._parent.get_state()
+    inner = elastic.resize(state, self._stream, template)
     skipped = state.get("skipped", 0)
     if not isinstance(skipped, int) or skipped < 0:
       raise StateError(f"iterator state: 'skipped' must be a count, got {skipped!r}")
-    inner = {k: v for k, v in state.items() if k not in ("stream", "skipped")}
-    _check_like(inner, self._parent.get_state(), "state")
+    _check_like(inner, template, "state")
     self._parent.set_state(inner)
     self.skipped = skipped
 

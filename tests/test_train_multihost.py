@@ -91,21 +91,6 @@ def test_two_processes_train_and_evaluate_every_validation_record_once(digits_di
   assert result["eval_examples"] == VALIDATION
   assert sorted(p.name for p in (tmp_path / "w" / "checkpoints").iterdir()) == ["14", "7"]
 
-  # The same workdir with one process: the good checkpoint is named good, and kept.
-  one = subprocess.run(
-    train_cmd(tmp_path / "w", digits_dir, "--config.num_steps=21"),
-    cwd=ROOT,
-    env=env(),
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
-  (line,) = own_lines(one.stderr)
-  assert one.returncode == 2, one.stderr[-3000:]
-  assert "was saved by 2 process(es), this run has 1; the checkpoint is good" in line
-  assert "aside" not in line
-  assert sorted(p.name for p in (tmp_path / "w" / "checkpoints").iterdir()) == ["14", "7"]
-
 
 @pytest.mark.parametrize(
   "extra, field",

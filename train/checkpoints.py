@@ -3,8 +3,9 @@
 Each checkpoint holds the model and optimizer state, every process's data-iterator state,
 and the sha256 of both (an Orbax JSON item). A checkpoint that fails to restore (a
 truncated file) or does not match its checksums (flipped bytes) is moved aside and the
-previous one is used. One trainer per workdir (a lock file); a failed save says why in
-one line.
+previous one is used. One saved on another process count resumes: the model resharded, the
+data at the global position process 0 saved (`pipeline.elastic`). One trainer per workdir
+(a lock file); a failed save says why in one line.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
+from pipeline.stream import StateError
 from train import TrainError, UsageError
 
 
@@ -83,6 +85,7 @@ class Checkpoints:
     self.directory = workdir / "checkpoints"
     if self.directory.exists() and not self.directory.is_dir():  # else: train, then fail to save
       raise UsageError(f"{self.directory} is not a folder: move it aside to keep checkpoints")
+    self.saved_on = jax.process_count()  # processes that saved the restored checkpoint
     self.manager = ocp.CheckpointManager(
       self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
     )
@@ -111,33 +114,50 @@ class Checkpoints:
       raise TrainError(f"saving checkpoint {step} to {self.directory} failed: {one_line(e)}") from e
 
   def _restore(self, step: int, abstract, data):
-    restored = self.manager.restore(
-      step,
-      args=ocp.args.Composite(
-        state=ocp.args.StandardRestore(abstract),
-        data=grain.checkpoint.CheckpointRestore(data),
-        checksums=ocp.args.JsonRestore(),
-      ),
-    )
-    sums = restored.checksums
+    sums = self.manager.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))
+    sums = sums.checksums
     if sums.get("step", step) != step:  # checkpoints saved before "step" was recorded lack it
       raise ValueError(f"it was saved as step {sums['step']}, not {step} (copied or renamed?)")
+    self.saved_on = len(sums["data_sha256"])
+    items = {"state": ocp.args.StandardRestore(abstract)}
+    if self.saved_on == jax.process_count():  # each process its own iterator state
+      items["data"] = grain.checkpoint.CheckpointRestore(data)
+    restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     if checksum(restored.state) != sums["state_sha256"]:
       raise ValueError("the model state does not match its checksum")
-    if data_checksum(data) != sums["data_sha256"][jax.process_index()]:
+    if self.saved_on != jax.process_count():
+      self._restore_resized(step, sums, data)
+    elif data_checksum(data) != sums["data_sha256"][jax.process_index()]:
       raise ValueError("the data-iterator state does not match its checksum")
     return restored.state
 
+  def _restore_resized(self, step: int, sums: dict, data) -> None:
+    """Sets `data` to the iterator state process 0 of another process count saved: a global
+    position every process continues from (`pipeline.elastic`), or a one-line refusal."""
+    name = f"process_0-of-{self.saved_on}.json"  # as grain's checkpoint handler names it
+    text = (self.directory / str(step) / "data" / name).read_text()
+    if hashlib.sha256(text.encode()).hexdigest() != sums["data_sha256"][0]:
+      raise ValueError(f"the data-iterator state {name} does not match its checksum")
+    try:
+      data.set_state(json.loads(text))
+    except StateError as e:
+      raise UsageError(
+        f"checkpoint {step} in {self.directory} was saved by {self.saved_on} process(es) and "
+        f"is good, but this run on {jax.process_count()} cannot continue its data: {e}"
+      ) from e
+
   def restore(self, state, data) -> tuple[int, Any]:
     """(step, state) of the newest checkpoint that restores and matches its checksums, with
-    `data` set to its iterator state; (0, state) when there is no checkpoint. Newer ones
-    that fail are moved to WORKDIR/unrestorable/ with a warning."""
+    `data` set to its iterator state; (0, state) when there is no checkpoint. A checkpoint
+    saved on another process count continues at its global data position (`saved_on`).
+    Newer ones that fail are moved to WORKDIR/unrestorable/ with a warning."""
     abstract = jax.tree.map(ocp.utils.to_shape_dtype_struct, state)
-    self._check_process_count()
     failed = []
     for step in sorted(self.manager.all_steps(), reverse=True):
       try:
         restored, why = self._restore(step, abstract, data), None
+      except UsageError:  # the checkpoint is good; this run cannot continue it
+        raise
       except Exception as e:  # noqa: BLE001 - any failure to restore means: try the previous one
         restored, why = None, one_line(e)
       if not _agree(why is None):
@@ -153,23 +173,11 @@ class Checkpoints:
       )
     return 0, state
 
-  def _check_process_count(self) -> None:
-    """Refuses, before anything is written, a checkpoint saved by another number of processes
-    (each process's data-iterator state is its own): it is good, on that many processes."""
-    step = self.latest_step()
-    if step is None:
-      return
-    try:
-      sums = self.manager.restore(step, args=ocp.args.Composite(checksums=ocp.args.JsonRestore()))
-      saved = len(sums.checksums["data_sha256"])
-    except Exception:  # noqa: BLE001 - unreadable: restore() reports it, step by step
-      return
-    if saved != jax.process_count():
-      raise UsageError(
-        f"checkpoint {step} in {self.directory} was saved by {saved} process(es), this run has "
-        f"{jax.process_count()}; the checkpoint is good: resume it on {saved} process(es), or "
-        "give another --workdir to start a new run (resuming on another count is not supported)"
-      )
+  def resumed(self, step: int) -> str:
+    """The line that says where a run resumed (and on how many hosts, when it changed)."""
+    hosts = jax.process_count()
+    moved = f" on {hosts} hosts (saved on {self.saved_on})" if self.saved_on != hosts else ""
+    return f"resumed from step {step}{moved} ({self.directory})"
 
   def _set_aside(self, failed: list[tuple[int, str]], step: int) -> None:
     aside = self.workdir / "unrestorable"

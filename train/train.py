@@ -432,7 +432,7 @@ def set_up(config, workdir: epath.Path, setup: Setup, lock) -> Run:
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, train_it)
   if step and is_chief:
-    print(f"resumed from step {step} ({ckpt.directory})", flush=True)
+    print(ckpt.resumed(step), flush=True)
   log = report.Log(workdir) if is_chief else None
   return Run(
     config=config,
