@@ -46,10 +46,7 @@ def random_resized_crop_box(
   area: tuple[float, float] = (0.08, 1.0),
   ratio: tuple[float, float] = (3 / 4, 4 / 3),
 ) -> Box:
-  """torchvision's RandomResizedCrop: area share uniform in `area`, aspect (w/h) log-uniform
-  in `ratio`; after ATTEMPTS misses the largest centred crop within `ratio`. Not TF's
-  sample_distorted_bounding_box (see `tf_inception_crop_box`): smaller crops are rarer here.
-  """
+  """`augment.random_resized_crop_box` in Python."""
   log_lo, log_hi = math.log(ratio[0]), math.log(ratio[1])
   for a in range(ATTEMPTS):
     target = h * w * (area[0] + uniform(key, 4 * a) * (area[1] - area[0]))
@@ -79,10 +76,7 @@ def tf_inception_crop_box(
   area: tuple[float, float] = (0.05, 1.0),
   ratio: tuple[float, float] = (0.75, 1.33),
 ) -> Box:
-  """TF's `sample_distorted_bounding_box` (no boxes, min_object_covered=0), as big_vision's
-  `inception_crop` calls it: aspect (w/h) uniform in `ratio`, then the height uniform among
-  the integers between the area bounds (`GenerateRandomCrop`, float32 like the kernel), the
-  offset uniform in [0, h - ch) (sic); after TF_ATTEMPTS misses, the whole image."""
+  """`augment.tf_inception_crop_box` in Python (TF_ATTEMPTS tries, float32 as the kernel)."""
   f32 = np.float32
   lo_area, hi_area = f32(area[0]), f32(area[1])
   lo, hi = f32(ratio[0]), f32(ratio[1])

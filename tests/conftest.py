@@ -17,6 +17,7 @@ a machine that cannot run it skips the tests using it, except in CI (CI=true): t
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 import pathlib
 import socket
@@ -26,6 +27,7 @@ import sys
 import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
+from PIL import Image
 
 from pipeline import decode, manifest
 from pipeline.convert import builtin, images
@@ -183,6 +185,15 @@ def run_processes(script: str, count: int, timeout: float = 300, **flags) -> Non
   finally:
     for p in procs:
       p.kill()
+
+
+def jpeg(seed: int, size=(90, 120)) -> bytes:
+  """A JPEG of random pixels."""
+  rng = np.random.default_rng(seed)
+  arr = rng.integers(0, 255, (*size, 3), np.uint8)
+  buf = io.BytesIO()
+  Image.fromarray(arr).save(buf, "JPEG", quality=90)
+  return buf.getvalue()
 
 
 def take(it, n: int) -> list[dict]:

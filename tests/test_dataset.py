@@ -1,19 +1,17 @@
 """The Grain pipeline: sampling, determinism, exact resume, crops, bad records, labels."""
 
 import hashlib
-import io
 import math
 
 import numpy as np
 import pytest
-from PIL import Image
 
 import pipeline
 from pipeline import augment, dataset, decode, manifest, records
 from pipeline.dataset import BadRecordError
 from pipeline.source import ShardedSource
 from pipeline.stream import StateError
-from tests.conftest import assert_same_batches, take
+from tests.conftest import assert_same_batches, jpeg, take
 
 
 def fingerprints(batches) -> list[str]:
@@ -23,14 +21,6 @@ def fingerprints(batches) -> list[str]:
     mask = b.get("mask", np.ones(len(b["label"]), bool))
     out += [hashlib.sha1(img.tobytes()).hexdigest() for img, m in zip(b["image"], mask) if m]
   return out
-
-
-def jpeg(seed: int, size=(90, 120)) -> bytes:
-  rng = np.random.default_rng(seed)
-  arr = rng.integers(0, 255, (*size, 3), np.uint8)
-  buf = io.BytesIO()
-  Image.fromarray(arr).save(buf, "JPEG", quality=90)
-  return buf.getvalue()
 
 
 # --- the dataset ------------------------------------------------------------------------

@@ -1,24 +1,13 @@
 """Stage 3, decode/augment (pipeline.images, pipeline.decode, pipeline.augment): records ->
 uint8 images and labels; crop windows inside the image and drawn from (seed, epoch, index)."""
 
-import io
-
 import numpy as np
 import pytest
-from PIL import Image
 
 from pipeline import augment, decode, records
 from pipeline.ahead import AheadIterDataset
 from tests import stage_chain
-from tests.conftest import native_or_skip
-
-
-def jpeg(seed: int, size=(90, 120)) -> bytes:
-  rng = np.random.default_rng(seed)
-  arr = rng.integers(0, 255, (*size, 3), np.uint8)
-  buf = io.BytesIO()
-  Image.fromarray(arr).save(buf, "JPEG", quality=90)
-  return buf.getvalue()
+from tests.conftest import jpeg, native_or_skip
 
 
 @pytest.mark.parametrize("train", [True, False])

@@ -1,17 +1,13 @@
 """Stage 6, stream (pipeline.stream): the outermost iterator: a state tagged with its stream
 and its global position, checked before Grain sees it, and the skip count."""
 
-import io
-
-import numpy as np
 import pytest
-from PIL import Image
 
 from pipeline import records
 from pipeline.ahead import AheadIterDataset
 from pipeline.stream import StateError, StreamIterDataset
 from tests import stage_chain
-from tests.conftest import assert_same_batches, take
+from tests.conftest import assert_same_batches, jpeg, take
 
 
 def streamed(s):
@@ -49,7 +45,7 @@ def test_a_state_of_another_stream_is_refused_before_grain_sees_it(photos_dir, o
 
 
 def test_the_stream_stage_sums_the_skip_count_the_batches_carry(tmp_path, write_dataset):
-  good = [records.encode(jpeg, i % 2) for i, jpeg in enumerate(jpegs(6))]
+  good = [records.encode(jpeg, i % 2) for i, jpeg in enumerate(jpeg(i) for i in range(6))]
   data = write_dataset(tmp_path / "bad", good[:2] + [b"\x00\x01not a proto"] * 2 + good[2:])
   s = stage_chain.stages(data, train=False, on_error="skip")
   it = iter(streamed(s))
@@ -57,12 +53,3 @@ def test_the_stream_stage_sums_the_skip_count_the_batches_carry(tmp_path, write_
   assert all(set(b) == {"image", "label", "mask"} for b in batches)
   assert sum(int(b["mask"].sum()) for b in batches) == 6
   assert it.skipped == 2 and it.get_state()["skipped"] == 2
-
-
-def jpegs(n: int) -> list[bytes]:
-  out = []
-  for i in range(n):
-    buf = io.BytesIO()
-    Image.fromarray(np.full((24, 32, 3), 20 * i, np.uint8)).save(buf, "JPEG")
-    out.append(buf.getvalue())
-  return out
