@@ -12,8 +12,7 @@ import textwrap
 import pytest
 
 from bench import gil, measure
-
-from .conftest import build_or_skip
+from tests.conftest import build_or_skip
 
 CHILD_HEAD = """
 import json, os, threading, time
