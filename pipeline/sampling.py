@@ -5,7 +5,9 @@ global position `j * shard_count + shard_index` of a permutation drawn fresh for
 (a keyed Feistel bijection with cycle walking: O(1) memory, no shuffle buffer, no stall at
 epoch start, computed for a whole batch of positions in a few numpy operations). So the
 processes' slices are disjoint, together cover every record each epoch, and the order is a
-pure function of (seed, position): resuming needs nothing but the next position.
+pure function of (seed, position): resuming needs nothing but the next position. With
+`blocks`, the epoch's order is the block order (`pipeline.blocks`: few, large storage
+requests) instead of `permute`.
 
 With `shard_records` (the records of each shard) a process instead owns whole shards, the
 same ones every epoch (shard k goes to process k % shard_count), and shuffles its own records
@@ -26,8 +28,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import typing
 
 import numpy as np
+
+if typing.TYPE_CHECKING:
+  from pipeline.blocks import Blocks
 
 PAD = -1
 ROUNDS = 4
@@ -80,6 +86,7 @@ class Sampler:
   shard_count: int = 1
   remainder: str = "drop"
   shard_records: tuple[int, ...] | None = None  # set: this process owns whole shards
+  blocks: Blocks | None = None  # set: the block order (`pipeline.blocks`) instead of permute
 
   def __post_init__(self):
     if self.shard_records is not None and len(self.shard_records) < self.shard_count:
@@ -124,7 +131,7 @@ class Sampler:
     if self.shuffle:
       for epoch in range(int(epochs[0]), int(epochs[-1]) + 1) if len(epochs) else ():
         at = (epochs == epoch) & ~pad  # a batch spans one epoch, rarely two
-        g[at] = permute(g[at], self.num_records, self.seed << 32 | epoch % 2**32)
+        g[at] = self._permute(g[at], self.num_records, self.seed << 32 | epoch % 2**32)
     g[pad] = PAD
     return epochs, g
 
@@ -140,12 +147,21 @@ class Sampler:
     if self.shuffle:
       for epoch in range(int(epochs[0]), int(epochs[-1]) + 1) if len(epochs) else ():
         at = (epochs == epoch) & ~pad
-        local[at] = permute(local[at], total, self.seed << 32 | epoch % 2**32)
+        local[at] = self._permute(local[at], total, self.seed << 32 | epoch % 2**32, owned)
     ends = np.cumsum(counts[owned])
     k = np.searchsorted(ends, np.minimum(local, total - 1), side="right")
     g = starts[owned][k] + local - (ends[k] - counts[owned][k])
     g[pad] = PAD
     return epochs, g
+
+  def _permute(self, x: np.ndarray, n: int, key: int, owned=None) -> np.ndarray:
+    """The epoch's order: `permute`, or the block order over all (or the `owned`) shards."""
+    if self.blocks is None:
+      return permute(x, n, key)
+    if owned is not None:
+      counts = tuple(np.asarray(self.blocks.shard_records)[owned].tolist())
+      return dataclasses.replace(self.blocks, shard_records=counts).permute(x, key)
+    return self.blocks.permute(x, key)
 
   def record_index(self, position: int) -> int:
     """The global record index at `position` of this process's stream, or PAD."""

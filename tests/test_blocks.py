@@ -1,0 +1,103 @@
+"""The block order (`pipeline.blocks`): few storage requests per epoch, every record once,
+a pure function of (seed, epoch, position), and batches that mix nearly as well as a global
+shuffle's on shards in class order (as an ImageNet folder converts)."""
+
+import numpy as np
+import pytest
+
+import pipeline
+from pipeline import blocks, dataset, remote
+from pipeline.blocks import Blocks, label_distance
+from pipeline.sampling import Sampler, permute
+
+# a class-ordered split: 20 classes of 400 records, in shards of 700 (the last shorter)
+LABELS = np.repeat(np.arange(20), 400)
+SHARDS = (700,) * 11 + (len(LABELS) - 7700,)
+
+
+def sampler(**keywords) -> Sampler:
+  keywords.setdefault("blocks", Blocks(SHARDS))
+  return Sampler(len(LABELS), seed=5, **keywords)
+
+
+def test_every_record_once_per_epoch_and_each_epoch_a_new_order():
+  s = sampler(num_epochs=3)
+  epochs, records = s.records(np.arange(len(s)))
+  per_epoch = records.reshape(3, -1)
+  for epoch in per_epoch:
+    assert sorted(epoch) == list(range(len(LABELS)))
+  assert not np.array_equal(per_epoch[0], per_epoch[1])
+  assert (epochs == np.repeat(np.arange(3), len(LABELS))).all()
+
+
+def test_blocks_are_consecutive_records_of_one_shard_read_together_within_a_window():
+  shards = (704,) * 5  # whole blocks only: each window is 16 x 32 positions
+  order = Blocks(shards, block_records=16, window_blocks=32).permute(np.arange(3520), key=9)
+  ends = np.cumsum(shards)
+  for start in range(0, len(order), 16 * 32):
+    window = order[start : start + 16 * 32]
+    shard = np.searchsorted(ends, window, side="right")
+    local = window - np.concatenate([[0], ends])[shard]
+    runs = set(zip(shard.tolist(), (local // 16).tolist()))
+    assert len(runs) == len(window) // 16  # one request per block, 16 images each
+  assert sorted(order) == list(range(3520))
+
+
+def test_the_same_seed_gives_the_same_order_and_a_resume_from_any_position_is_exact():
+  s = sampler(num_epochs=2)
+  whole = s.records(np.arange(len(s)))[1]
+  again = sampler(num_epochs=2).records(np.arange(len(s)))[1]
+  assert np.array_equal(whole, again)
+  pieces = [s.records(np.arange(a, min(a + 128, len(s))))[1] for a in range(0, len(s), 128)]
+  assert np.array_equal(np.concatenate(pieces), whole)
+  assert s.record_index(len(s) - 1) == whole[-1]
+  other = Sampler(len(LABELS), seed=6, num_epochs=2, blocks=Blocks(SHARDS))
+  assert not np.array_equal(other.records(np.arange(len(s)))[1], whole)
+
+
+def test_processes_share_the_block_order_out_and_owned_shards_keep_their_records():
+  parts = [sampler(shard_index=p, shard_count=3, remainder="pad") for p in range(3)]
+  seen = np.concatenate([p.records(np.arange(p.per_epoch))[1] for p in parts])
+  assert sorted(seen[seen >= 0]) == list(range(len(LABELS)))
+  owner = sampler(shard_index=1, shard_count=3, shard_records=SHARDS, remainder="pad")
+  got = owner.records(np.arange(owner.per_epoch))[1]
+  starts = np.concatenate([[0], np.cumsum(SHARDS)])
+  mine = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in (1, 4, 7, 10)])
+  assert sorted(got[got >= 0]) == mine.tolist()
+
+
+def test_a_batch_of_128_mixes_within_1_25x_a_global_shuffles_label_distance():
+  positions = np.arange(len(LABELS))  # the first epoch
+  shuffled = label_distance(LABELS[permute(positions, len(LABELS), 5 << 32)], 128)
+  blocked = label_distance(LABELS[sampler().records(positions)[1]], 128)
+  in_order = label_distance(LABELS, 128)
+  assert blocked <= 1.25 * shuffled < in_order
+
+
+def test_sizes_are_checked_and_the_order_defaults_by_where_the_shards_are(tmp_path):
+  with pytest.raises(ValueError, match="block_records must be a positive integer, got 0"):
+    pipeline.Spec.of("data", batch_size=8, block_records=0)
+  with pytest.raises(ValueError, match="order must be 'global', 'blocks' or None, not 'tf'"):
+    pipeline.Spec.of("data", batch_size=8, order="tf")
+  assert remote.in_bucket("gs://bucket/ds") and not remote.in_bucket(tmp_path)
+  assert blocks.WINDOW_BLOCKS * blocks.BLOCK_RECORDS >= 128
+
+
+def test_make_dataset_in_block_order_reads_every_record_once_per_epoch(digits_dir):
+  spec = pipeline.Spec.of(digits_dir, batch_size=16, order="blocks", num_epochs=1, seed=2)
+  meta, source, _ = dataset._open(spec)
+  s = dataset._sampler(spec, meta, source)
+  assert s.blocks == Blocks(tuple(sh.num_records for sh in meta.splits["train"].shards))
+  records = s.records(np.arange(s.per_epoch))[1]
+  assert sorted(records) == list(range(meta.splits["train"].num_records))
+  default = dataset._sampler(pipeline.Spec.of(digits_dir, batch_size=16), meta, source)
+  assert default.blocks is None  # local disk: the global shuffle
+
+
+def test_a_state_of_the_global_order_is_refused_by_a_block_ordered_stream(digits_dir):
+  it = iter(pipeline.make_dataset(digits_dir, batch_size=8, seed=1))
+  next(it)
+  state = it.get_state()
+  blocked = iter(pipeline.make_dataset(digits_dir, batch_size=8, seed=1, order="blocks"))
+  with pytest.raises(ValueError, match="order"):
+    blocked.set_state(state)
