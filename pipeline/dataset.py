@@ -241,6 +241,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
     ahead_bytes=int(perf.read_ahead_mb * 2**20),
     cache=cache,
     max_depth=perf.read_ahead,
+    block_records=sampler.blocks.block_records if sampler.blocks is not None else None,
   )
   parallelism.announce(chosen, reads.describe(read, cache))
   return read

@@ -2,13 +2,19 @@
 a pure function of (seed, epoch, position), and batches that mix nearly as well as a global
 shuffle's on shards in class order (as an ImageNet folder converts)."""
 
+import concurrent.futures
+import pathlib
+
 import numpy as np
 import pytest
 
 import pipeline
-from pipeline import blocks, dataset, remote
+from pipeline import blocks, dataset, manifest, remote
 from pipeline.blocks import Blocks, label_distance
+from pipeline.ranges import BlockReads
 from pipeline.sampling import Sampler, permute
+from pipeline.source import ShardedSource
+from tests.conftest import take
 
 # a class-ordered split: 20 classes of 400 records, in shards of 700 (the last shorter)
 LABELS = np.repeat(np.arange(20), 400)
@@ -101,3 +107,58 @@ def test_a_state_of_the_global_order_is_refused_by_a_block_ordered_stream(digits
   blocked = iter(pipeline.make_dataset(digits_dir, batch_size=8, seed=1, order="blocks"))
   with pytest.raises(ValueError, match="order"):
     blocked.set_state(state)
+
+
+def shard_reads(data_dir) -> tuple[ShardedSource, list[int]]:
+  meta = manifest.load(data_dir)
+  shards = meta.splits["train"].shards
+  counts = [s.num_records for s in shards]
+  return ShardedSource([data_dir / s.file for s in shards], counts), counts
+
+
+def test_block_reads_give_the_records_and_read_each_block_once_an_epoch(digits_dir):
+  source, counts = shard_reads(digits_dir)
+  calls = []
+  reads = BlockReads(lambda *a: calls.append(a) or source.read_range(*a), counts, 16, 2**30)
+  s = Sampler(sum(counts), seed=1, num_epochs=2, blocks=Blocks(tuple(counts)))
+  starts = np.asarray(source.starts)
+  for first in range(0, len(s), 50):  # batches of 50, in turn
+    indices = s.records(np.arange(first, min(first + 50, len(s))))[1]
+    shards = source.shards_of(indices)
+    for shard in np.unique(shards).tolist():
+      local = (indices[shards == shard] - starts[shard]).tolist()
+      assert reads.read(shard, local) == source.read_shard(shard, local)
+  assert len(calls) == 2 * sum(-(-c // 16) for c in counts)  # every block, once an epoch
+  assert reads.kept_bytes == 0 and reads.requests == len(calls)
+
+
+def test_block_reads_in_many_threads_and_within_a_small_budget_give_the_same_records(digits_dir):
+  source, counts = shard_reads(digits_dir)
+  wanted = [(shard, i) for shard, c in enumerate(counts) for i in range(c)] * 2
+  np.random.default_rng(0).shuffle(wanted)
+  for budget in (2**30, 3000):
+    reads = BlockReads(source.read_range, counts, 8, budget)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+      got = list(pool.map(lambda w, r=reads: r.read(w[0], [w[1]])[0], wanted))
+    assert got == [source.read_shard(shard, [i])[0] for shard, i in wanted]
+    assert reads.kept_bytes <= max(budget, 8 * max(map(len, got)))
+
+
+def test_through_the_rig_a_block_is_one_request_and_an_epoch_8_images_per_request(
+  storage_rig, photos_dir
+):
+  source, counts = shard_reads(photos_dir)
+  with storage_rig.mount(photos_dir, latency_ms=1) as m:
+    mounted = ShardedSource([m.path / pathlib.Path(p).name for p in source.paths], counts)
+    assert len(mounted.read_range(0, 0, 12)) == 12  # opens the shard (its footer: 2 reads)
+    m.reset()
+    assert mounted.read_range(0, 2, 12) == source.read_shard(0, list(range(2, 12)))
+    assert m.stats()["reads"] == 1  # < 1 MiB: one request (FUSE cuts larger ones in 1 MiB)
+    st = dataset.build(
+      pipeline.Spec.of(str(m.path), batch_size=8, image_size=32, shard_index=0, shard_count=1)
+    )
+    assert st.read.ranges is not None  # a mount: the block order and its block reads
+    it = iter(dataset.chain(st))
+    m.reset()
+    take(it, -(-sum(counts) // 8))
+    assert st.read.stats.reads / st.read.stats.requests >= 8
