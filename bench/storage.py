@@ -7,6 +7,8 @@ one copy of DATA_DIR's split through the storage rig (bench/rig.py: FUSE, a fixe
 per read request, no page cache) and runs, each in a fresh process, on the same records:
 - pipeline: `make_dataset(DIR, split, batch_size=128)`, nothing else set (224 px train);
   pipeline-nocache: the same with its record cache off (every epoch read from storage);
+  pipeline-nocache-global: also order="global" (one request per image, as on local disk;
+  through the rig the default is the block order, `pipeline.blocks`);
 - tfdata: tf.data as `peers` runs it (parallel map with decode_and_crop_jpeg, AUTOTUNE),
   interleaving 8 TFRecord files with 256 KB read buffers.
 The split is first re-sharded into --shard-size-mb shards (the issue's rig: 1 MB, >= 100
@@ -41,6 +43,7 @@ from pipeline import manifest as manifest_lib
 LOADERS = {
   "pipeline": "this pipeline, defaults",
   "pipeline-nocache": "this pipeline, record cache off",
+  "pipeline-nocache-global": "this pipeline, record cache off, order='global'",
   "tfdata": "tf.data, interleave 8, 256 KB buffers",
 }
 TFDATA_CYCLE, TFDATA_BUFFER = 8, 256 * 1024
@@ -154,9 +157,10 @@ def run_one(loader: str, data_dir: str, split: str, batches: int, batch_size: in
   if loader.startswith("pipeline"):
     from pipeline import dataset
 
-    perf = {"record_cache_mb": 0.0} if loader == "pipeline-nocache" else None
+    perf = {"record_cache_mb": 0.0} if loader.startswith("pipeline-nocache") else None
+    order = "global" if loader.endswith("-global") else None
     make = lambda: iter(
-      dataset.make_dataset(data_dir, split, batch_size=batch_size, performance=perf)
+      dataset.make_dataset(data_dir, split, batch_size=batch_size, performance=perf, order=order)
     )
   else:
     from bench import peers
@@ -229,7 +233,8 @@ def measure_all(dataset: pathlib.Path, latencies, loaders, args) -> list[dict]:
       with contextlib.ExitStack() as stack:
         path, mounted = dataset, None
         if storage != LOCAL:
-          mounted = stack.enter_context(rig.mount(dataset, storage))
+          caps = {"requests_per_s": args.requests_per_s, "mb_per_s": args.mb_per_s}
+          mounted = stack.enter_context(rig.mount(dataset, storage, **caps))
           path = mounted.path
         for loader in loaders:
           if mounted:
@@ -379,6 +384,12 @@ def parser() -> argparse.ArgumentParser:
     default=[0.0, 5.0, 20.0, 50.0],
     help="per read request, comma-separated (default 0,5,20,50); local disk is added",
   )
+  p.add_argument(
+    "--requests-per-s", type=float, default=0, help="the rig's request cap (default 0: none)"
+  )
+  p.add_argument(
+    "--mb-per-s", type=float, default=0, help="the rig's bandwidth cap (default 0: none)"
+  )
   p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
   p.add_argument(
     "--shard-size-mb",
@@ -394,7 +405,7 @@ def parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--batch-size", type=int, default=128)
   p.add_argument(
-    "--loaders", default="pipeline,tfdata", help="comma-separated: pipeline,pipeline-nocache,tfdata"
+    "--loaders", default="pipeline,tfdata", help=f"comma-separated: {','.join(LOADERS)}"
   )
   p.add_argument(
     "--work-dir",
@@ -438,15 +449,18 @@ def main(argv: list[str]) -> dict:
   rows = summarize(runs, args.latency_ms, loaders)
   print()
   print(table(rows, args.latency_ms, loaders))
+  caps = f", rig caps: {args.requests_per_s or 'no'} requests/s, {args.mb_per_s or 'no'} MB/s"
   print(
     f"\n{args.rounds} interleaved round(s), {args.batches} batches of {args.batch_size} "
-    f"per run   [{measure.machine()}]"
+    f"per run{caps}   [{measure.machine()}]"
   )
   result = {
     "machine": measure.machine(),
     "command": "python -m bench storage " + " ".join(argv),
     "dataset": info,
     "latencies_ms": args.latency_ms,
+    "requests_per_s": args.requests_per_s,
+    "mb_per_s": args.mb_per_s,
     "rounds": args.rounds,
     "batches": args.batches,
     "batch_size": args.batch_size,
