@@ -75,8 +75,11 @@ def _records(paths: list[str]):
     yield from source.__getitems__(list(range(len(source))))
 
 
-def prepare(data_dir: str, split: str, shard_size_mb: float, work: str) -> pathlib.Path:
-  """A dataset folder in `work` holding DATA_DIR's split re-sharded (0: shards as they are)
+def prepare(
+  data_dir: str, split: str, shard_size_mb: float, work: str, class_order: bool = False
+) -> pathlib.Path:
+  """A dataset folder in `work` holding DATA_DIR's split re-sharded (0: shards as they are;
+  `class_order`: its records sorted by label first, as an ImageNet class folder converts)
   and the same shards as TFRecord files in peers-tfrecord/ (named as `peers` names them);
   made once and reused while DATA_DIR's shards are unchanged."""
   from pipeline.convert import tfrecord
@@ -92,19 +95,28 @@ def prepare(data_dir: str, split: str, shard_size_mb: float, work: str) -> pathl
         split,
         shard_size_mb,
         [s.sha256 for s in meta.splits[split].shards],
+        *(["class order"] if class_order else []),
       ]
     ).encode()
   ).hexdigest()[:12]
   name = os.path.basename(os.path.abspath(data_dir))
-  out = pathlib.Path(work) / f"{name}-{split}-{shard_size_mb:g}mb-{key}"
+  order = "-classes" if class_order else ""
+  out = pathlib.Path(work) / f"{name}-{split}-{shard_size_mb:g}mb{order}-{key}"
   if (out / "manifest.json").exists():
     return out
   tmp = out.with_name(out.name + ".tmp")
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
   dataset = tmp / "dataset"
+  if class_order and shard_size_mb <= 0:
+    raise ValueError("--class-order re-shards the split: give --shard-size-mb > 0")
   if shard_size_mb > 0:
-    write_tfrecord(tmp / "all.tfrecord", _records(shards))
+    recs = _records(shards)
+    if class_order:
+      from pipeline import records
+
+      recs = sorted(recs, key=lambda r: records.parse(r, meta.keys)[1])
+    write_tfrecord(tmp / "all.tfrecord", recs)
     tfrecord.convert(
       str(tmp / "all.tfrecord"),
       dataset,
@@ -398,6 +410,11 @@ def parser() -> argparse.ArgumentParser:
     help="re-shard the split into shards of this size first (default 1; 0 keeps its shards)",
   )
   p.add_argument(
+    "--class-order",
+    action="store_true",
+    help="sort the split's records by label before re-sharding (as ImageNet's folders convert)",
+  )
+  p.add_argument(
     "--batches",
     type=int,
     default=12,
@@ -437,7 +454,7 @@ def main(argv: list[str]) -> dict:
   from bench import rig
 
   rig.ensure_built()  # fails here, in one line, before any work
-  dataset = prepare(args.data_dir, args.split, args.shard_size_mb, args.work_dir)
+  dataset = prepare(args.data_dir, args.split, args.shard_size_mb, args.work_dir, args.class_order)
   info = describe(dataset, args.split)
   print(
     f"{info['records']} records ({info['mean_record_kb']} KB each on average) in "

@@ -15,7 +15,7 @@ import pytest
 
 from bench import all as bench_all
 from bench import ceiling, layout, peers, storage, throughput
-from pipeline import manifest
+from pipeline import manifest, records
 from pipeline.convert import tfrecord
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -63,6 +63,14 @@ def test_layout_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_p
   assert all(r["cached_share_before"] == 1.0 for r in rows if r["cache"] == "warm")
   if result["filesystem"]["files"] not in ("tmpfs", "ramfs", "overlay"):
     assert all(r["cached_share_before"] < 0.5 for r in rows if r["cache"] == "cold")
+
+
+def test_storage_can_reshard_in_class_order_as_an_image_folder_converts(photos_dir, tmp_path):
+  out = storage.prepare(str(photos_dir), "train", 0.2, str(tmp_path), class_order=True)
+  meta = manifest.load(out)
+  paths = [os.fspath(p) for p in meta.shard_paths(out, "train")]
+  labels = [records.parse(r, meta.keys)[1] for r in storage._records(paths)]
+  assert labels == sorted(labels) and len(set(labels)) > 1 and len(paths) > 1
 
 
 def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
