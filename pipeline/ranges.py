@@ -40,7 +40,7 @@ class BlockReads:
     self._kept: collections.OrderedDict = collections.OrderedDict()
     self._reading: dict = {}  # block -> Event set when its read ends
     self.kept_bytes = 0
-    self.requests = self.bytes = 0
+    self.requests = self.bytes = self.taken = 0  # range reads, their bytes, records handed out
 
   def __getstate__(self):
     keep = ("read_range", "shard_records", "block_records", "budget_bytes")
@@ -69,6 +69,7 @@ class BlockReads:
       with self._lock:
         kept = self._kept.get(block, {})
         if all(kept.get(i, (b"", 0))[1] >= n for i, n in need.items()):
+          self.taken += len(local)
           return [self._pop(block, kept, i) for i in local]
         waiting = self._reading.get(block)
         if waiting is None:
@@ -77,14 +78,16 @@ class BlockReads:
       waiting.wait()
     try:
       records = self._read_block(block)
+      first = block[1] * self.block_records
       with self._lock:
         kept = self._kept.setdefault(block, {})
-        for i, rec in enumerate(records, block[1] * self.block_records):
+        for i, rec in enumerate(records, first):
           if i not in kept:
             kept[i] = [rec, 0]
             self.kept_bytes += len(rec)
           kept[i][1] += 1  # one more copy: an epoch's turn may want a record twice
-        taken = [self._pop(block, kept, i) for i in local]
+        taken = [self._pop(block, kept, i) if i in kept else records[i - first] for i in local]
+        self.taken += len(local)
         while self.kept_bytes > self.budget_bytes and len(self._kept) > 1:
           self._drop(next(iter(self._kept)))
       return taken

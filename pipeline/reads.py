@@ -50,6 +50,7 @@ class ReadStats:
   cached: int = 0  # records the cache answered
   requests: int = 0  # storage requests: one per record, or per block read whole
   request_bytes: int = 0  # record bytes those requests brought
+  request_records: int = 0  # records they served (to batches read ahead too)
 
 
 class ReadRecords:
@@ -199,9 +200,11 @@ class ReadRecords:
         s.tasks += 1
         if self.ranges is None:
           s.requests += read
+          s.request_records += read
           s.request_bytes += int(size * len(got))
     if self.ranges is not None:
-      s.requests, s.request_bytes = self.ranges.requests, self.ranges.bytes
+      r = self.ranges
+      s.requests, s.request_bytes, s.request_records = r.requests, r.bytes, r.taken
     now = time.perf_counter()
     if self._last_finish is not None and now > self._last_finish:
       rate = len(batch.indices) / (now - self._last_finish)
@@ -254,5 +257,5 @@ def requests(read: ReadRecords) -> str:
     return plan
   return (
     f"{plan}, {s.requests:,} made, {s.request_bytes / s.requests / 1e3:,.0f} KB and "
-    f"{s.reads / s.requests:.1f} images per request"
+    f"{s.request_records / s.requests:.1f} images per request"
   )
