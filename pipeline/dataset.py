@@ -242,6 +242,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
     cache=cache,
     max_depth=perf.read_ahead,
     block_records=sampler.blocks.block_records if sampler.blocks is not None else None,
+    max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
   )
   parallelism.announce(chosen, reads.describe(read, cache))
   return read

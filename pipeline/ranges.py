@@ -14,12 +14,15 @@ import collections
 import threading
 from collections.abc import Callable
 
+from pipeline.budget import RequestBudget
+
 
 class BlockReads:
   """Records of one source by (shard, index within the shard), read block by block.
 
   read_range(shard, begin, end): the shard's records [begin, end), one request;
-  shard_records: each shard's record count; budget_bytes: the most record bytes kept.
+  shard_records: each shard's record count; budget_bytes: the most record bytes kept;
+  requests: the request budget each read waits its turn in (`pipeline.budget`), if any.
   """
 
   def __init__(
@@ -28,9 +31,11 @@ class BlockReads:
     shard_records: list[int],
     block_records: int,
     budget_bytes: int,
+    requests: RequestBudget | None = None,
   ):
     self.read_range, self.shard_records = read_range, shard_records
     self.block_records, self.budget_bytes = block_records, budget_bytes
+    self.request_budget = requests
     self._init_runtime()
 
   def _init_runtime(self):
@@ -43,7 +48,7 @@ class BlockReads:
     self.requests = self.bytes = self.taken = 0  # range reads, their bytes, records handed out
 
   def __getstate__(self):
-    keep = ("read_range", "shard_records", "block_records", "budget_bytes")
+    keep = ("read_range", "shard_records", "block_records", "budget_bytes", "request_budget")
     return {k: self.__dict__[k] for k in keep}
 
   def __setstate__(self, state):
@@ -99,6 +104,8 @@ class BlockReads:
     shard, b = block
     begin = b * self.block_records
     end = min(begin + self.block_records, self.shard_records[shard])
+    if self.request_budget is not None:
+      self.request_budget.take()
     records = self.read_range(shard, begin, end)
     with self._lock:
       self.requests += 1

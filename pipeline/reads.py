@@ -23,6 +23,7 @@ import numpy as np
 
 from pipeline import remote
 from pipeline.ahead import Threads
+from pipeline.budget import RequestBudget
 from pipeline.cache import RecordCache
 from pipeline.plan import Batch
 from pipeline.ranges import BlockReads
@@ -74,12 +75,16 @@ class ReadRecords:
     cache: RecordCache | None = None,
     max_depth: int | None = None,
     block_records: int | None = None,
+    max_requests_per_s: float | None = None,
   ):
     self.source, self.batch_size, self.cache = source, batch_size, cache
+    self.budget = RequestBudget(max_requests_per_s) if max_requests_per_s else None
     self.ranges = None
     if block_records is not None:  # the block order: a block's records in one request
       counts = [b - a for a, b in zip(source.starts, source.starts[1:])]
-      self.ranges = BlockReads(source.read_range, counts, block_records, ahead_bytes)
+      self.ranges = BlockReads(
+        source.read_range, counts, block_records, ahead_bytes, requests=self.budget
+      )
     self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
     self._initial = (latency_s, record_bytes)
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
@@ -173,6 +178,8 @@ class ReadRecords:
     (`remote.NoAnswer`), as array_record's own client may wait on a stalled connection for
     many minutes."""
     read = self.source.read_shard if ranges is None else ranges.read
+    if ranges is None and self.budget is not None:
+      self.budget.take(len(local))  # array_record: a request per record
     if remote.scheme(self.source.paths[shard]) is None:
       return read(shard, local)
     deadline = remote.ATTEMPT_S * remote.ATTEMPTS
@@ -253,6 +260,8 @@ def requests(read: ReadRecords) -> str:
     plan = "requests: one per record (order='global')"
   else:
     plan = f"requests: one per block of {read.ranges.block_records} records (order='blocks')"
+  if read.budget is not None:
+    plan += f", at most {read.budget.per_s:,.0f}/s (performance.max_requests_per_s)"
   if not s.requests:
     return plan
   return (

@@ -9,8 +9,9 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import blocks, dataset, manifest, remote
+from pipeline import blocks, dataset, manifest, reads, remote
 from pipeline.blocks import Blocks, label_distance
+from pipeline.budget import RequestBudget
 from pipeline.ranges import BlockReads
 from pipeline.sampling import Sampler, permute
 from pipeline.source import ShardedSource
@@ -119,7 +120,7 @@ def shard_reads(data_dir) -> tuple[ShardedSource, list[int]]:
 def test_block_reads_give_the_records_and_read_each_block_once_an_epoch(digits_dir):
   source, counts = shard_reads(digits_dir)
   calls = []
-  reads = BlockReads(lambda *a: calls.append(a) or source.read_range(*a), counts, 16, 2**30)
+  block_reads = BlockReads(lambda *a: calls.append(a) or source.read_range(*a), counts, 16, 2**30)
   s = Sampler(sum(counts), seed=1, num_epochs=2, blocks=Blocks(tuple(counts)))
   starts = np.asarray(source.starts)
   for first in range(0, len(s), 50):  # batches of 50, in turn
@@ -127,11 +128,11 @@ def test_block_reads_give_the_records_and_read_each_block_once_an_epoch(digits_d
     shards = source.shards_of(indices)
     for shard in np.unique(shards).tolist():
       local = (indices[shards == shard] - starts[shard]).tolist()
-      assert reads.read(shard, local) == source.read_shard(shard, local)
+      assert block_reads.read(shard, local) == source.read_shard(shard, local)
   assert len(calls) == 2 * sum(-(-c // 16) for c in counts)  # every block, once an epoch
-  assert reads.kept_bytes == 0 and reads.requests == len(calls)
+  assert block_reads.kept_bytes == 0 and block_reads.requests == len(calls)
   # a batch across two epochs may want one record twice, from a block read once
-  assert reads.read(0, [5, 5, 7]) == source.read_shard(0, [5, 5, 7])
+  assert block_reads.read(0, [5, 5, 7]) == source.read_shard(0, [5, 5, 7])
   assert len(calls) == 1 + 2 * sum(-(-c // 16) for c in counts)
 
 
@@ -140,11 +141,11 @@ def test_block_reads_in_many_threads_and_within_a_small_budget_give_the_same_rec
   wanted = [(shard, i) for shard, c in enumerate(counts) for i in range(c)] * 2
   np.random.default_rng(0).shuffle(wanted)
   for budget in (2**30, 3000):
-    reads = BlockReads(source.read_range, counts, 8, budget)
+    block_reads = BlockReads(source.read_range, counts, 8, budget)
     with concurrent.futures.ThreadPoolExecutor(16) as pool:
-      got = list(pool.map(lambda w, r=reads: r.read(w[0], [w[1]])[0], wanted))
+      got = list(pool.map(lambda w, r=block_reads: r.read(w[0], [w[1]])[0], wanted))
     assert got == [source.read_shard(shard, [i])[0] for shard, i in wanted]
-    assert reads.kept_bytes <= max(budget, 8 * max(map(len, got)))
+    assert block_reads.kept_bytes <= max(budget, 8 * max(map(len, got)))
 
 
 def test_through_the_rig_a_block_is_one_request_and_8_images_or_more_come_per_request(
@@ -163,3 +164,27 @@ def test_through_the_rig_a_block_is_one_request_and_8_images_or_more_come_per_re
     assert st.read.ranges is not None  # a mount: the block order and its block reads
     take(iter(dataset.chain(st)), 10 * sum(counts) // 8)  # 10 epochs, and those read ahead
     assert st.read.stats.request_records / st.read.stats.requests >= 8
+
+
+def test_a_request_budget_gives_each_request_its_turn_and_no_more():
+  now, slept = [0.0], []
+  budget = RequestBudget(100, clock=lambda: now[0], sleep=slept.append)
+  for _ in range(5):  # at once: 10 ms apart
+    budget.take()
+  assert slept == pytest.approx([0.01, 0.02, 0.03, 0.04]) and budget.waited == 4
+  now[0] = 1.0  # long after the last turn: no wait
+  budget.take(10)  # a batched read of 10 records: 10 requests, the next turn 100 ms on
+  budget.take()
+  assert slept[4:] == pytest.approx([0.1]) and budget.waited == 5
+  with pytest.raises(ValueError, match="max_requests_per_s must be None or > 0, got 0"):
+    pipeline.Performance(max_requests_per_s=0)
+
+
+def test_the_read_stage_waits_its_turn_under_max_requests_per_s(digits_dir):
+  for order in ("global", "blocks"):
+    perf = dict(max_requests_per_s=50, num_workers=0)
+    spec = pipeline.Spec.of(digits_dir, batch_size=16, image_size=16, order=order, performance=perf)
+    st = dataset.build(spec)
+    take(iter(dataset.chain(st)), 2)
+    assert st.read.budget.waited >= 1 and st.read.stats.requests >= 2
+    assert "at most 50/s (performance.max_requests_per_s)" in reads.requests(st.read)
