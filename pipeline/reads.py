@@ -103,9 +103,14 @@ class ReadRecords:
 
   def depth(self) -> int:
     """Batches to keep reading: Little's law on the measured latency and the planned (or
-    measured, when higher) rate, within the bytes."""
+    measured, when higher) rate, within the bytes. Under a request budget, no more than the
+    budget's rate needs at the latency measured at open: a read that waits its turn measures
+    a longer latency, and more reads ahead would only queue (the spiral of issue 28)."""
     s = self.stats
     need = reads_in_flight(max(self.rate_per_s, s.rate_per_s), s.latency_s)
+    if self.budget is not None:
+      per_request = self.ranges.block_records if self.ranges is not None else 1
+      need = min(need, reads_in_flight(self.budget.per_s * per_request, self._initial[0]))
     depth = 1 + math.ceil(need / self.batch_size)
     by_bytes = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
     return min(depth, by_bytes, self.max_depth or depth)
