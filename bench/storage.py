@@ -164,12 +164,16 @@ def describe(dataset: pathlib.Path, split: str) -> dict:
 # ---------------------------------------------------------------- one run, in its own process
 
 
-def run_one(loader: str, data_dir: str, split: str, batches: int, batch_size: int) -> dict:
-  """Times `batches` batches (the first apart) of one loader reading `data_dir`."""
+def run_one(
+  loader: str, data_dir: str, split: str, batches: int, batch_size: int, max_rps: float = 0
+) -> dict:
+  """Times `batches` batches (the first apart) of one loader reading `data_dir`; the
+  pipeline's with performance.max_requests_per_s=`max_rps` when set."""
   if loader.startswith("pipeline"):
     from pipeline import dataset
 
-    perf = {"record_cache_mb": 0.0} if loader.startswith("pipeline-nocache") else None
+    perf = {"record_cache_mb": 0.0} if loader.startswith("pipeline-nocache") else {}
+    perf = {**perf, "max_requests_per_s": max_rps} if max_rps else perf
     order = "global" if loader.endswith("-global") else None
     make = lambda: iter(
       dataset.make_dataset(data_dir, split, batch_size=batch_size, performance=perf, order=order)
@@ -217,6 +221,8 @@ def _child(loader: str, data_dir: str, args, timeout: float) -> dict:
     str(args.batches),
     "--batch-size",
     str(args.batch_size),
+    "--max-requests-per-s",
+    str(args.max_requests_per_s),
   ]
   env = {**os.environ, "TQDM_DISABLE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
   try:
@@ -402,6 +408,12 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--mb-per-s", type=float, default=0, help="the rig's bandwidth cap (default 0: none)"
   )
+  p.add_argument(
+    "--max-requests-per-s",
+    type=float,
+    default=0,
+    help="the pipeline's performance.max_requests_per_s (default 0: not set)",
+  )
   p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
   p.add_argument(
     "--shard-size-mb",
@@ -439,7 +451,16 @@ def main(argv: list[str]) -> dict:
   args = parser().parse_args(argv)
   if args.run_one:  # the child: one loader, figures as the last line
     print(
-      json.dumps(run_one(args.run_one, args.data_dir, args.split, args.batches, args.batch_size))
+      json.dumps(
+        run_one(
+          args.run_one,
+          args.data_dir,
+          args.split,
+          args.batches,
+          args.batch_size,
+          args.max_requests_per_s,
+        )
+      )
     )
     return {}
   if args.batches < 2 or args.rounds < 1:
@@ -478,6 +499,7 @@ def main(argv: list[str]) -> dict:
     "latencies_ms": args.latency_ms,
     "requests_per_s": args.requests_per_s,
     "mb_per_s": args.mb_per_s,
+    "max_requests_per_s": args.max_requests_per_s,
     "rounds": args.rounds,
     "batches": args.batches,
     "batch_size": args.batch_size,
