@@ -79,7 +79,7 @@ def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
   work = tmp_path / "work"
   argv = [str(photos_dir), "--latency-ms", "2", "--rounds", "1", "--batches", "3"]
   argv += ["--batch-size", "8", "--shard-size-mb", "0.2", "--loaders", "pipeline"]
-  argv += ["--requests-per-s", "2000"]
+  argv += ["--requests-per-s", "2000", "--max-requests-per-s", "1000"]
   result = storage.main([*argv, "--work-dir", str(work), "--json", str(tmp_path / "s.json")])
   data = result["dataset"]
   assert data["records"] == 48 and data["shards"] > 1  # the 1-shard split, re-sharded
@@ -106,6 +106,7 @@ def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
   saved = json.loads((tmp_path / "s.json").read_text())
   assert saved["command"].startswith("python -m bench storage") and len(saved["runs"]) == 2
   assert saved["requests_per_s"] == 2000 and saved["runs"][1]["rig"]["timed"]["requests_per_s"]
+  assert saved["max_requests_per_s"] == 1000
   stamp = (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns
   assert storage.prepare(str(photos_dir), "train", 0.2, str(work)) == pathlib.Path(data["dir"])
   assert (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns == stamp  # reused
