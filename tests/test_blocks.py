@@ -16,7 +16,7 @@ from pipeline.ranges import BlockReads
 from pipeline.reads import ReadRecords
 from pipeline.sampling import Sampler, permute
 from pipeline.source import ShardedSource
-from tests.conftest import take
+from tests.conftest import assert_same_batches, take
 
 # a class-ordered split: 20 classes of 400 records, in shards of 700 (the last shorter)
 LABELS = np.repeat(np.arange(20), 400)
@@ -206,3 +206,19 @@ def test_under_a_request_budget_the_reads_ahead_do_not_grow_with_the_queueing():
   assert stage.depth() == 1 + 1  # 2 x 250/s x 20 ms = 10 reads: one batch ahead
   stage.budget = None
   assert stage.depth() == 1 + 32  # without the budget: 4,000 reads in flight
+
+
+def test_block_ordered_batches_are_the_same_in_a_worker_process_and_after_a_resume(digits_dir):
+  def make(workers):
+    perf = dict(num_workers=workers, record_cache_mb=0)
+    return pipeline.make_dataset(
+      digits_dir, batch_size=16, image_size=16, order="blocks", seed=4, performance=perf
+    )
+
+  expected = take(iter(make(0)), 20)  # 20 batches: more than an epoch of 240 records
+  assert_same_batches(expected, take(iter(make(1)), 20))
+  it = iter(make(0))
+  take(it, 7)
+  resumed = iter(make(0))
+  resumed.set_state(it.get_state())
+  assert_same_batches(expected[7:], take(resumed, 13))
