@@ -1,6 +1,7 @@
 /* latencyfs: a read-only FUSE passthrough of a directory where every read waits.
 
    latencyfs SOURCE MOUNTPOINT -f -o latency_ms=20 [-o threads=1024]
+             [-o requests_per_s=250] [-o mb_per_s=100]
 
    Stands in for object storage (a GCS bucket through gcsfuse): every read request of a
    file is answered no sooner than `latency_ms` after it arrived, and never from the page
@@ -8,8 +9,15 @@
    pays the latency again). Requests are served on many threads, so concurrent reads wait
    concurrently: up to `threads` (default 1024; libfuse's own default is 10).
 
+   A bucket also rations requests and a host's link bytes: with `requests_per_s` a request
+   starts no sooner than 1/requests_per_s after the one before it started (a token bucket
+   holding one token: requests over the cap queue, as a client that backs off waits), and
+   with `mb_per_s` the requests' bytes leave one after another at that rate, after the
+   latency. Both default to 0: no cap.
+
    Two virtual files at the root, absent from listings, report the counters as one line of
-   JSON (reads, bytes, reads in flight now and at most, opens; data files only):
+   JSON (reads, bytes, reads in flight now and at most, opens, reads that waited for the
+   request cap (capped) and for the bandwidth cap (slowed); data files only):
      /.rig-stats   a snapshot
      /.rig-reset   a snapshot, then every counter back to zero (max_in_flight: to in_flight)
 
@@ -23,6 +31,7 @@
 #include <fcntl.h>
 #include <fuse.h>
 #include <limits.h>
+#include <pthread.h>
 #include <signal.h>
 #include <stdatomic.h>
 #include <stddef.h>
@@ -41,11 +50,17 @@
 static struct {
   char *source;      /* absolute path of the source directory */
   char *latency_ms;  /* as given; parsed into latency_ns */
+  char *requests_per_s; /* as given; parsed into gap_ns */
+  char *mb_per_s;    /* as given; parsed into ns_per_byte */
   unsigned threads;  /* libfuse's max_threads and max_idle_threads */
   int64_t latency_ns;
+  int64_t gap_ns;    /* between two requests' starts; 0: no request cap */
+  double ns_per_byte; /* 0: no bandwidth cap */
 } config;
 
-static atomic_llong reads, bytes_read, opens, in_flight, max_in_flight;
+static atomic_llong reads, bytes_read, opens, in_flight, max_in_flight, capped, slowed;
+static pthread_mutex_t caps = PTHREAD_MUTEX_INITIALIZER;
+static int64_t next_start_ns, next_byte_ns; /* under `caps` */
 
 struct handle {
   int fd;      /* the source file, or -1 for a virtual file */
@@ -64,25 +79,33 @@ static int is_virtual(const char *path) {
 }
 
 static char *snapshot(int reset) {
-  long long r, b, o, now, peak;
+  long long r, b, o, now, peak, c, w;
   if (reset) {
     r = atomic_exchange(&reads, 0);
     b = atomic_exchange(&bytes_read, 0);
     o = atomic_exchange(&opens, 0);
+    c = atomic_exchange(&capped, 0);
+    w = atomic_exchange(&slowed, 0);
     now = atomic_load(&in_flight);
     peak = atomic_exchange(&max_in_flight, now);
   } else {
     r = atomic_load(&reads);
     b = atomic_load(&bytes_read);
     o = atomic_load(&opens);
+    c = atomic_load(&capped);
+    w = atomic_load(&slowed);
     now = atomic_load(&in_flight);
     peak = atomic_load(&max_in_flight);
   }
   char *text = NULL;
   if (asprintf(&text,
                "{\"reads\": %lld, \"bytes\": %lld, \"in_flight\": %lld, "
-               "\"max_in_flight\": %lld, \"opens\": %lld, \"latency_ms\": %.6g}\n",
-               r, b, now, peak, o, config.latency_ns / 1e6) < 0)
+               "\"max_in_flight\": %lld, \"opens\": %lld, \"capped\": %lld, "
+               "\"slowed\": %lld, \"latency_ms\": %.6g, \"requests_per_s\": %.6g, "
+               "\"mb_per_s\": %.6g}\n",
+               r, b, now, peak, o, c, w, config.latency_ns / 1e6,
+               config.gap_ns ? 1e9 / config.gap_ns : 0.0,
+               config.ns_per_byte ? 1e3 / config.ns_per_byte : 0.0) < 0)
     return NULL;
   return text;
 }
@@ -166,10 +189,39 @@ static int rig_open(const char *path, struct fuse_file_info *fi) {
   return 0;
 }
 
-static void add_ns(struct timespec *t, int64_t ns) {
-  ns += t->tv_nsec;
-  t->tv_sec += ns / 1000000000;
-  t->tv_nsec = ns % 1000000000;
+static int64_t now_ns(void) {
+  struct timespec t;
+  clock_gettime(CLOCK_MONOTONIC, &t);
+  return (int64_t)t.tv_sec * 1000000000 + t.tv_nsec;
+}
+
+/* When a request that arrived at `arrival` may start: the request cap's next free slot. */
+static int64_t admit(int64_t arrival) {
+  if (!config.gap_ns) return arrival;
+  pthread_mutex_lock(&caps);
+  int64_t start = arrival;
+  if (next_start_ns > start) {
+    start = next_start_ns;
+    atomic_fetch_add(&capped, 1);
+  }
+  next_start_ns = start + config.gap_ns;
+  pthread_mutex_unlock(&caps);
+  return start;
+}
+
+/* When `n` bytes whose first byte is ready at `ready` have all left: the bandwidth cap. */
+static int64_t transfer(int64_t ready, ssize_t n) {
+  if (config.ns_per_byte <= 0 || n <= 0) return ready;
+  pthread_mutex_lock(&caps);
+  int64_t begin = ready;
+  if (next_byte_ns > begin) {
+    begin = next_byte_ns;
+    atomic_fetch_add(&slowed, 1);
+  }
+  next_byte_ns = begin + (int64_t)(n * config.ns_per_byte);
+  int64_t end = next_byte_ns;
+  pthread_mutex_unlock(&caps);
+  return end;
 }
 
 static int rig_read(const char *path, char *buf, size_t size, off_t offset,
@@ -182,15 +234,15 @@ static int rig_read(const char *path, char *buf, size_t size, off_t offset,
     memcpy(buf, h->text + offset, n);
     return (int)n;
   }
-  struct timespec deadline;
-  clock_gettime(CLOCK_MONOTONIC, &deadline);
+  int64_t start = admit(now_ns());
   long long now = atomic_fetch_add(&in_flight, 1) + 1;
   long long peak = atomic_load(&max_in_flight);
   while (now > peak && !atomic_compare_exchange_weak(&max_in_flight, &peak, now)) {
   }
   ssize_t n = pread(h->fd, buf, size, offset);
   int err = errno;
-  add_ns(&deadline, config.latency_ns);
+  int64_t done = transfer(start + config.latency_ns, n);
+  struct timespec deadline = {.tv_sec = done / 1000000000, .tv_nsec = done % 1000000000};
   while (clock_nanosleep(CLOCK_MONOTONIC, TIMER_ABSTIME, &deadline, NULL) == EINTR) {
   }
   atomic_fetch_add(&reads, 1);
@@ -220,6 +272,8 @@ static const struct fuse_operations rig_ops = {
 static const struct fuse_opt rig_opts[] = {
   {"latency_ms=%s", offsetof(typeof(config), latency_ms), 0},
   {"threads=%u", offsetof(typeof(config), threads), 0},
+  {"requests_per_s=%s", offsetof(typeof(config), requests_per_s), 0},
+  {"mb_per_s=%s", offsetof(typeof(config), mb_per_s), 0},
   FUSE_OPT_END,
 };
 
@@ -255,6 +309,14 @@ int main(int argc, char *argv[]) {
     return 2;
   }
   config.latency_ns = (int64_t)(ms * 1e6);
+  double rate = config.requests_per_s ? strtod(config.requests_per_s, NULL) : 0.0;
+  double mb = config.mb_per_s ? strtod(config.mb_per_s, NULL) : 0.0;
+  if (rate < 0 || rate > 1e9 || mb < 0 || mb > 1e9) {
+    fprintf(stderr, "latencyfs: requests_per_s and mb_per_s must be in [0, 1e9]\n");
+    return 2;
+  }
+  config.gap_ns = rate > 0 ? (int64_t)(1e9 / rate) : 0;
+  config.ns_per_byte = mb > 0 ? 1e3 / mb : 0.0;
   if (config.threads < 1 || config.threads > 100000) {
     fprintf(stderr, "latencyfs: threads must be in [1, 100000], got %u\n", config.threads);
     return 2;

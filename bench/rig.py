@@ -1,14 +1,17 @@
 """A storage rig: a directory served with a fixed latency per read and no page cache.
 
     python -m bench.rig data/photos /tmp/slow-photos --latency-ms 20    # Ctrl-C unmounts
+    python -m bench.rig data/photos /tmp/slow-photos --latency-ms 20 --requests-per-s 250
 
 Object storage (a GCS bucket through gcsfuse, `gs://`) answers each read after 5-100 ms and
 a local page cache hides nothing from it. `latencyfs` (bench/latencyfs.c, FUSE) is a
 read-only passthrough that answers every read request of a file no sooner than the latency
 after it arrived, never from the page cache (direct_io: every epoch pays again, no kernel
-readahead), on up to 1024 threads so concurrent reads wait concurrently. It counts read
-requests, bytes, and reads in flight (now and at most): `Mount.stats()`, or
-`cat MOUNTPOINT/.rig-stats`; reading `.rig-reset` zeroes the counters.
+readahead), on up to 1024 threads so concurrent reads wait concurrently. A bucket also
+rations requests: `requests_per_s` starts requests no closer than 1/requests_per_s apart
+(the rest queue), `mb_per_s` lets their bytes out at that rate. It counts read requests,
+bytes, reads in flight (now and at most) and reads that waited for a cap: `Mount.stats()`,
+or `cat MOUNTPOINT/.rig-stats`; reading `.rig-reset` zeroes the counters.
 
 `ensure_built()` compiles it once into ~/.cache/pipeline-rig (keyed by the source's hash),
 installing fuse3 and libfuse3-dev with apt-get first when they are missing and we are root;
@@ -105,9 +108,12 @@ class Mount:
   path: pathlib.Path
   source: pathlib.Path
   latency_ms: float
+  requests_per_s: float = 0.0
+  mb_per_s: float = 0.0
 
   def stats(self) -> dict:
-    """reads, bytes, in_flight, max_in_flight, opens (data files only), latency_ms."""
+    """reads, bytes, in_flight, max_in_flight, opens (data files only), capped and slowed
+    (reads that waited for the request cap, the bandwidth cap), and the settings."""
     return json.loads((self.path / ".rig-stats").read_text())
 
   def reset(self) -> dict:
@@ -139,15 +145,23 @@ def mount(
   latency_ms: float,
   mountpoint: str | os.PathLike | None = None,
   threads: int = 1024,
+  requests_per_s: float = 0.0,
+  mb_per_s: float = 0.0,
 ) -> Iterator[Mount]:
   """Serves `source_dir` read-only at `mountpoint` (default: a fresh temporary folder,
-  removed afterwards) with `latency_ms` per read request, for the `with` block. The
-  filesystem also unmounts itself if this process dies."""
+  removed afterwards) with `latency_ms` per read request, at most `requests_per_s` requests
+  and `mb_per_s` MB a second (0: no cap), for the `with` block. The filesystem also
+  unmounts itself if this process dies."""
   source = pathlib.Path(source_dir).resolve()
   if not source.is_dir():
     raise FileNotFoundError(f"rig source {source_dir} is not a directory")
-  if latency_ms < 0:
-    raise ValueError(f"latency_ms must be >= 0, got {latency_ms}")
+  for name, value in (
+    ("latency_ms", latency_ms),
+    ("requests_per_s", requests_per_s),
+    ("mb_per_s", mb_per_s),
+  ):
+    if value < 0:
+      raise ValueError(f"{name} must be >= 0, got {value}")
   binary = ensure_built()
   made = mountpoint is None
   path = pathlib.Path(mountpoint or tempfile.mkdtemp(prefix="pipeline-rig-")).resolve()
@@ -156,7 +170,11 @@ def mount(
     raise RigUnavailable(f"{path} is already a mount point")
   log = tempfile.TemporaryFile(mode="w+")
   proc = subprocess.Popen(
-    [str(binary), str(source), str(path), "-f", "-o", f"latency_ms={latency_ms},threads={threads}"],
+    [
+      *(str(binary), str(source), str(path), "-f", "-o"),
+      f"latency_ms={latency_ms},threads={threads},requests_per_s={requests_per_s},"
+      f"mb_per_s={mb_per_s}",
+    ],
     stdin=subprocess.DEVNULL,
     stdout=log,
     stderr=log,
@@ -169,7 +187,7 @@ def mount(
         lines = log.read().strip().splitlines() or ["no output"]
         raise RigUnavailable(f"latencyfs could not mount {path}: {lines[-1]}")
       time.sleep(0.01)
-    yield Mount(path, source, float(latency_ms))
+    yield Mount(path, source, float(latency_ms), float(requests_per_s), float(mb_per_s))
   finally:
     _unmount(path, proc)
     log.close()
@@ -188,10 +206,14 @@ def main(argv: list[str]) -> None:
   p.add_argument("mountpoint", help="where to mount it (created if missing)")
   p.add_argument("--latency-ms", type=float, default=20.0, help="per read request (default 20)")
   p.add_argument("--threads", type=int, default=1024, help="most reads served at once")
+  p.add_argument("--requests-per-s", type=float, default=0, help="request cap (0: none)")
+  p.add_argument("--mb-per-s", type=float, default=0, help="bandwidth cap (0: none)")
   args = p.parse_args(argv)
-  with mount(args.source, args.latency_ms, args.mountpoint, args.threads) as m:
+  caps = (args.requests_per_s, args.mb_per_s)
+  with mount(args.source, args.latency_ms, args.mountpoint, args.threads, *caps) as m:
     print(
-      f"{m.source} -> {m.path}: {m.latency_ms:g} ms per read, no page cache; "
+      f"{m.source} -> {m.path}: {m.latency_ms:g} ms per read, at most "
+      f"{m.requests_per_s or 'any'} requests/s and {m.mb_per_s or 'any'} MB/s, no page cache; "
       f"counters: cat {m.path}/.rig-stats; Ctrl-C unmounts",
       flush=True,
     )

@@ -7,6 +7,8 @@ one copy of DATA_DIR's split through the storage rig (bench/rig.py: FUSE, a fixe
 per read request, no page cache) and runs, each in a fresh process, on the same records:
 - pipeline: `make_dataset(DIR, split, batch_size=128)`, nothing else set (224 px train);
   pipeline-nocache: the same with its record cache off (every epoch read from storage);
+  pipeline-nocache-global: also order="global" (one request per image, as on local disk;
+  through the rig the default is the block order, `pipeline.blocks`);
 - tfdata: tf.data as `peers` runs it (parallel map with decode_and_crop_jpeg, AUTOTUNE),
   interleaving 8 TFRecord files with 256 KB read buffers.
 The split is first re-sharded into --shard-size-mb shards (the issue's rig: 1 MB, >= 100
@@ -41,6 +43,7 @@ from pipeline import manifest as manifest_lib
 LOADERS = {
   "pipeline": "this pipeline, defaults",
   "pipeline-nocache": "this pipeline, record cache off",
+  "pipeline-nocache-global": "this pipeline, record cache off, order='global'",
   "tfdata": "tf.data, interleave 8, 256 KB buffers",
 }
 TFDATA_CYCLE, TFDATA_BUFFER = 8, 256 * 1024
@@ -72,8 +75,11 @@ def _records(paths: list[str]):
     yield from source.__getitems__(list(range(len(source))))
 
 
-def prepare(data_dir: str, split: str, shard_size_mb: float, work: str) -> pathlib.Path:
-  """A dataset folder in `work` holding DATA_DIR's split re-sharded (0: shards as they are)
+def prepare(
+  data_dir: str, split: str, shard_size_mb: float, work: str, class_order: bool = False
+) -> pathlib.Path:
+  """A dataset folder in `work` holding DATA_DIR's split re-sharded (0: shards as they are;
+  `class_order`: its records sorted by label first, as an ImageNet class folder converts)
   and the same shards as TFRecord files in peers-tfrecord/ (named as `peers` names them);
   made once and reused while DATA_DIR's shards are unchanged."""
   from pipeline.convert import tfrecord
@@ -89,19 +95,28 @@ def prepare(data_dir: str, split: str, shard_size_mb: float, work: str) -> pathl
         split,
         shard_size_mb,
         [s.sha256 for s in meta.splits[split].shards],
+        *(["class order"] if class_order else []),
       ]
     ).encode()
   ).hexdigest()[:12]
   name = os.path.basename(os.path.abspath(data_dir))
-  out = pathlib.Path(work) / f"{name}-{split}-{shard_size_mb:g}mb-{key}"
+  order = "-classes" if class_order else ""
+  out = pathlib.Path(work) / f"{name}-{split}-{shard_size_mb:g}mb{order}-{key}"
   if (out / "manifest.json").exists():
     return out
   tmp = out.with_name(out.name + ".tmp")
   shutil.rmtree(tmp, ignore_errors=True)
   tmp.mkdir(parents=True)
   dataset = tmp / "dataset"
+  if class_order and shard_size_mb <= 0:
+    raise ValueError("--class-order re-shards the split: give --shard-size-mb > 0")
   if shard_size_mb > 0:
-    write_tfrecord(tmp / "all.tfrecord", _records(shards))
+    recs = _records(shards)
+    if class_order:
+      from pipeline import records
+
+      recs = sorted(recs, key=lambda r: records.parse(r, meta.keys)[1])
+    write_tfrecord(tmp / "all.tfrecord", recs)
     tfrecord.convert(
       str(tmp / "all.tfrecord"),
       dataset,
@@ -149,14 +164,19 @@ def describe(dataset: pathlib.Path, split: str) -> dict:
 # ---------------------------------------------------------------- one run, in its own process
 
 
-def run_one(loader: str, data_dir: str, split: str, batches: int, batch_size: int) -> dict:
-  """Times `batches` batches (the first apart) of one loader reading `data_dir`."""
+def run_one(
+  loader: str, data_dir: str, split: str, batches: int, batch_size: int, max_rps: float = 0
+) -> dict:
+  """Times `batches` batches (the first apart) of one loader reading `data_dir`; the
+  pipeline's with performance.max_requests_per_s=`max_rps` when set."""
   if loader.startswith("pipeline"):
     from pipeline import dataset
 
-    perf = {"record_cache_mb": 0.0} if loader == "pipeline-nocache" else None
+    perf = {"record_cache_mb": 0.0} if loader.startswith("pipeline-nocache") else {}
+    perf = {**perf, "max_requests_per_s": max_rps} if max_rps else perf
+    order = "global" if loader.endswith("-global") else None
     make = lambda: iter(
-      dataset.make_dataset(data_dir, split, batch_size=batch_size, performance=perf)
+      dataset.make_dataset(data_dir, split, batch_size=batch_size, performance=perf, order=order)
     )
   else:
     from bench import peers
@@ -201,6 +221,8 @@ def _child(loader: str, data_dir: str, args, timeout: float) -> dict:
     str(args.batches),
     "--batch-size",
     str(args.batch_size),
+    "--max-requests-per-s",
+    str(args.max_requests_per_s),
   ]
   env = {**os.environ, "TQDM_DISABLE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
   try:
@@ -229,7 +251,8 @@ def measure_all(dataset: pathlib.Path, latencies, loaders, args) -> list[dict]:
       with contextlib.ExitStack() as stack:
         path, mounted = dataset, None
         if storage != LOCAL:
-          mounted = stack.enter_context(rig.mount(dataset, storage))
+          caps = {"requests_per_s": args.requests_per_s, "mb_per_s": args.mb_per_s}
+          mounted = stack.enter_context(rig.mount(dataset, storage, **caps))
           path = mounted.path
         for loader in loaders:
           if mounted:
@@ -379,12 +402,29 @@ def parser() -> argparse.ArgumentParser:
     default=[0.0, 5.0, 20.0, 50.0],
     help="per read request, comma-separated (default 0,5,20,50); local disk is added",
   )
+  p.add_argument(
+    "--requests-per-s", type=float, default=0, help="the rig's request cap (default 0: none)"
+  )
+  p.add_argument(
+    "--mb-per-s", type=float, default=0, help="the rig's bandwidth cap (default 0: none)"
+  )
+  p.add_argument(
+    "--max-requests-per-s",
+    type=float,
+    default=0,
+    help="the pipeline's performance.max_requests_per_s (default 0: not set)",
+  )
   p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
   p.add_argument(
     "--shard-size-mb",
     type=float,
     default=1.0,
     help="re-shard the split into shards of this size first (default 1; 0 keeps its shards)",
+  )
+  p.add_argument(
+    "--class-order",
+    action="store_true",
+    help="sort the split's records by label before re-sharding (as ImageNet's folders convert)",
   )
   p.add_argument(
     "--batches",
@@ -394,7 +434,7 @@ def parser() -> argparse.ArgumentParser:
   )
   p.add_argument("--batch-size", type=int, default=128)
   p.add_argument(
-    "--loaders", default="pipeline,tfdata", help="comma-separated: pipeline,pipeline-nocache,tfdata"
+    "--loaders", default="pipeline,tfdata", help=f"comma-separated: {','.join(LOADERS)}"
   )
   p.add_argument(
     "--work-dir",
@@ -411,7 +451,16 @@ def main(argv: list[str]) -> dict:
   args = parser().parse_args(argv)
   if args.run_one:  # the child: one loader, figures as the last line
     print(
-      json.dumps(run_one(args.run_one, args.data_dir, args.split, args.batches, args.batch_size))
+      json.dumps(
+        run_one(
+          args.run_one,
+          args.data_dir,
+          args.split,
+          args.batches,
+          args.batch_size,
+          args.max_requests_per_s,
+        )
+      )
     )
     return {}
   if args.batches < 2 or args.rounds < 1:
@@ -426,7 +475,7 @@ def main(argv: list[str]) -> dict:
   from bench import rig
 
   rig.ensure_built()  # fails here, in one line, before any work
-  dataset = prepare(args.data_dir, args.split, args.shard_size_mb, args.work_dir)
+  dataset = prepare(args.data_dir, args.split, args.shard_size_mb, args.work_dir, args.class_order)
   info = describe(dataset, args.split)
   print(
     f"{info['records']} records ({info['mean_record_kb']} KB each on average) in "
@@ -438,15 +487,19 @@ def main(argv: list[str]) -> dict:
   rows = summarize(runs, args.latency_ms, loaders)
   print()
   print(table(rows, args.latency_ms, loaders))
+  caps = f", rig caps: {args.requests_per_s or 'no'} requests/s, {args.mb_per_s or 'no'} MB/s"
   print(
     f"\n{args.rounds} interleaved round(s), {args.batches} batches of {args.batch_size} "
-    f"per run   [{measure.machine()}]"
+    f"per run{caps}   [{measure.machine()}]"
   )
   result = {
     "machine": measure.machine(),
     "command": "python -m bench storage " + " ".join(argv),
     "dataset": info,
     "latencies_ms": args.latency_ms,
+    "requests_per_s": args.requests_per_s,
+    "mb_per_s": args.mb_per_s,
+    "max_requests_per_s": args.max_requests_per_s,
     "rounds": args.rounds,
     "batches": args.batches,
     "batch_size": args.batch_size,

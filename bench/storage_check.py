@@ -6,7 +6,9 @@ per shard, opened first and timed apart) and reports per level the latency of a 
 the latency and a decode rate it derives, by Little's law (reads in flight = rate x
 latency), what the pipeline will keep in flight, what a host of N cores needs, and the GET
 rate and GET cost of an epoch on a bucket (one GET per record read, ~2 per shard opened;
-the price per 1,000 GETs is a flag: GCS class B operations, $0.0004 in 2025).
+the price per 1,000 GETs is a flag: GCS class B operations, $0.0004 in 2025), and in the
+block order (`pipeline.blocks`). When throughput stops growing while the latency of more
+reads in flight grows, requests queue at a rate cap: the report names the request budget.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
 from pipeline import manifest as manifest_lib
+from pipeline.blocks import BLOCK_RECORDS
 from pipeline.reads import reads_in_flight
 from pipeline.source import READER_OPTIONS
 
@@ -30,6 +33,7 @@ GET_PRICE_PER_1000 = 0.0004  # USD; GCS class B (object reads), standard storage
 READS_PER_OPEN = 2  # an ArrayRecord reader's open reads its footer and index: 2 requests
 # (126 KB) on a 1.2 MB shard through bench/rig.py with the pipeline's reader options
 SATURATED = 0.9  # a level within this share of the best throughput counts as saturated
+QUEUED = 2.0  # latency this many times the saturating level's, at more in flight: a queue
 
 
 @dataclasses.dataclass
@@ -64,6 +68,17 @@ class StorageCheck:
     """The lowest measured concurrency within 90% of the best throughput."""
     best = max(x.records_per_s for x in self.levels)
     return next(x.concurrency for x in self.levels if x.records_per_s >= SATURATED * best)
+
+  def request_budget_per_s(self, cores: int) -> float | None:
+    """The requests/s storage answers however many are in flight, when that binds: past
+    saturation the latency grows (requests queue at a rate cap) while throughput does not,
+    and the CPU issuing them is not what stops it. None otherwise."""
+    top = self.levels[-1]
+    at = next(x for x in self.levels if x.concurrency == self.saturates_at)
+    queued = top.concurrency > at.concurrency and top.median_ms >= QUEUED * at.median_ms
+    if queued and top.cpu_cores < 0.75 * cores:
+      return max(x.records_per_s for x in self.levels)
+    return None
 
 
 def _open(paths: list[str]) -> tuple[list[ArrayRecordReader], float]:
@@ -216,6 +231,16 @@ def report(check: StorageCheck, advice: Advice | None = None) -> str:
   lines.append(
     f"\nThroughput saturates at {check.saturates_at} read(s) in flight (of {tried} tried){bound}."
   )
+  budget = check.request_budget_per_s(cores)
+  if budget:
+    lines.append(
+      f"The request budget binds: storage answers ~{budget:,.0f} reads/s however many are in "
+      f"flight (latency grows to {check.levels[-1].median_ms:,.0f} ms instead). One request "
+      f"per image caps a run near {budget:,.0f} images/s; the block order (order='blocks', "
+      f"the default for a bucket) reads {BLOCK_RECORDS} records a request: up to "
+      f"~{budget * BLOCK_RECORDS:,.0f} images/s. Set performance.max_requests_per_s="
+      f"{0.95 * budget:.0f} so reads ahead wait their turn in the pipeline, not at storage."
+    )
   if advice:
     a = advice
     lines += [
@@ -226,6 +251,8 @@ def report(check: StorageCheck, advice: Advice | None = None) -> str:
       f"{a.host_needs_in_flight:,} reads in flight (Little's law: rate x latency); from a "
       f"bucket that is {a.gets_per_s:,.0f} GET/s.",
       f"An epoch is {a.gets_per_epoch:,} GETs: ${a.cost_per_epoch:,.4f} at "
-      f"${a.price_per_1000:g} per 1,000 (--get-price; GCS class B).",
+      f"${a.price_per_1000:g} per 1,000 (--get-price; GCS class B). In the block order "
+      f"(order='blocks', {BLOCK_RECORDS} records a request) about 1/{BLOCK_RECORDS} of "
+      f"that: ~{a.gets_per_s / BLOCK_RECORDS:,.0f} GET/s for the host.",
     ]
   return "\n".join(lines)

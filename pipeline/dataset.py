@@ -42,6 +42,7 @@ from pipeline import (
 )
 from pipeline import manifest as manifest_lib
 from pipeline.ahead import AheadIterDataset
+from pipeline.blocks import Blocks
 from pipeline.cache import RecordCache, dataset_id
 from pipeline.errors import BadRecordError
 from pipeline.finish import FinishBatch
@@ -94,7 +95,7 @@ def build(spec: Spec) -> Stages:
   elif perf.num_workers:
     guards.check_main_guard()
   meta, source, pins = _open(spec)
-  sampler = _sampler(spec, meta)
+  sampler = _sampler(spec, meta, source)
   head, image_ops, batch_ops = _transforms(spec, meta)
   features = spec.transforms.features
   if features:
@@ -149,10 +150,13 @@ def _open(spec: Spec):
   return meta, source, pins
 
 
-def _sampler(spec: Spec, meta: manifest_lib.Manifest) -> Sampler:
-  """This process's order of the split's records (`pipeline.sampling`)."""
+def _sampler(spec: Spec, meta: manifest_lib.Manifest, source: ShardedSource) -> Sampler:
+  """This process's order of the split's records (`pipeline.sampling`): by default the block
+  order (`pipeline.blocks`) when the shards are in a bucket, the global shuffle otherwise."""
   shard_index, shard_count = _process_shard(spec.shard_index, spec.shard_count)
   split = meta.splits[spec.split]
+  counts = tuple(s.num_records for s in split.shards)
+  order = spec.order or ("blocks" if remote.in_bucket(source.paths[0]) else "global")
   return Sampler(
     num_records=split.num_records,
     seed=spec.seed,
@@ -161,7 +165,8 @@ def _sampler(spec: Spec, meta: manifest_lib.Manifest) -> Sampler:
     shard_index=shard_index,
     shard_count=shard_count,
     remainder="drop" if spec.train else "pad",
-    shard_records=tuple(s.num_records for s in split.shards) if spec.sharding == "shards" else None,
+    shard_records=counts if spec.sharding == "shards" else None,
+    blocks=Blocks(counts, spec.block_records, spec.window_blocks) if order == "blocks" else None,
     block=spec.batch_size,
   )
 
@@ -237,6 +242,8 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
     ahead_bytes=int(perf.read_ahead_mb * 2**20),
     cache=cache,
     max_depth=perf.read_ahead,
+    block_records=sampler.blocks.block_records if sampler.blocks is not None else None,
+    max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
   )
   parallelism.announce(chosen, reads.describe(read, cache))
   return read
@@ -255,6 +262,8 @@ def _stream(spec: Spec, sampler: Sampler) -> dict:
     stream["sharding"] = spec.sharding
   if not spec.train:  # padded per epoch: the order depends on shard_count (pipeline.elastic)
     stream["remainder"] = "pad"
+  if sampler.blocks is not None:
+    stream["order"] = f"blocks of {spec.block_records}, windows of {spec.window_blocks}"
   return stream
 
 

@@ -88,7 +88,9 @@ class Performance:
   record bytes, so storage is read once (None: the whole split when one read takes
   >= 2 ms and the split fits in a quarter of the available memory, else 0);
   record_cache_dir: a local-disk folder for them too, shared by the host's processes and kept
-  across runs.
+  across runs. max_requests_per_s: the most storage requests a second this process's reads
+  make, shared by its worker processes (None: no cap), to stay within a bucket's budget
+  (`pipeline.budget`).
 
   Changing pixels (mean absolute difference per pixel value, on the test photos, ~470x390, at
   64 and 224 px): cache_mb: RAM for decoded images ("map, cache, map"), kept with their
@@ -110,6 +112,7 @@ class Performance:
   read_ahead_mb: float = 256.0
   record_cache_mb: float | None = None
   record_cache_dir: str | None = None
+  max_requests_per_s: float | None = None
   cache_mb: float = 0.0
   dct_scaling: bool = True
   fast_dct: bool = False
@@ -133,6 +136,10 @@ class Performance:
     if self.record_cache_mb is not None and self.record_cache_mb < 0:
       raise ValueError(
         f"performance.record_cache_mb must be None or >= 0, got {self.record_cache_mb}"
+      )
+    if self.max_requests_per_s is not None and not self.max_requests_per_s > 0:
+      raise ValueError(
+        f"performance.max_requests_per_s must be None or > 0, got {self.max_requests_per_s}"
       )
     if self.cache_mb < 0:
       raise ValueError(f"performance.cache_mb must be >= 0, got {self.cache_mb}")

@@ -23,8 +23,10 @@ import numpy as np
 
 from pipeline import remote
 from pipeline.ahead import Threads
+from pipeline.budget import RequestBudget
 from pipeline.cache import RecordCache
 from pipeline.plan import Batch
+from pipeline.ranges import BlockReads
 from pipeline.source import CorruptRecordsError, ShardedSource
 
 HEADROOM = 2.0  # reads in flight per Little's law, times this: latency and rate vary
@@ -47,13 +49,17 @@ class ReadStats:
   reads: int = 0  # records read from storage
   tasks: int = 0  # read calls (one per shard of a batch)
   cached: int = 0  # records the cache answered
+  requests: int = 0  # storage requests: one per record, or per block read whole
+  request_bytes: int = 0  # record bytes those requests brought
+  request_records: int = 0  # records they served (to batches read ahead too)
 
 
 class ReadRecords:
   """The read stage (an `AheadIterDataset` stage): fills `batch.records`.
 
   rate_per_s: the decode rate this process is planned for (records/s); latency_s: one read's
-  latency measured at open; ahead_bytes: the most record bytes held by batches read ahead.
+  latency measured at open; ahead_bytes: the most record bytes held by batches read ahead
+  (and, with block_records, by blocks read whole: `pipeline.ranges`).
   Picklable: threads, counters and the cache's RAM are made anew in each process.
   """
 
@@ -68,8 +74,17 @@ class ReadRecords:
     ahead_bytes: int,
     cache: RecordCache | None = None,
     max_depth: int | None = None,
+    block_records: int | None = None,
+    max_requests_per_s: float | None = None,
   ):
     self.source, self.batch_size, self.cache = source, batch_size, cache
+    self.budget = RequestBudget(max_requests_per_s) if max_requests_per_s else None
+    self.ranges = None
+    if block_records is not None:  # the block order: a block's records in one request
+      counts = [b - a for a, b in zip(source.starts, source.starts[1:])]
+      self.ranges = BlockReads(
+        source.read_range, counts, block_records, ahead_bytes, requests=self.budget
+      )
     self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
     self._initial = (latency_s, record_bytes)
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
@@ -88,9 +103,14 @@ class ReadRecords:
 
   def depth(self) -> int:
     """Batches to keep reading: Little's law on the measured latency and the planned (or
-    measured, when higher) rate, within the bytes."""
+    measured, when higher) rate, within the bytes. Under a request budget, no more than the
+    budget's rate needs at the latency measured at open: a read that waits its turn measures
+    a longer latency, and more reads ahead would only queue (the spiral of issue 28)."""
     s = self.stats
     need = reads_in_flight(max(self.rate_per_s, s.rate_per_s), s.latency_s)
+    if self.budget is not None:
+      per_request = self.ranges.block_records if self.ranges is not None else 1
+      need = min(need, reads_in_flight(self.budget.per_s * per_request, self._initial[0]))
     depth = 1 + math.ceil(need / self.batch_size)
     by_bytes = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
     return min(depth, by_bytes, self.max_depth or depth)
@@ -146,9 +166,9 @@ class ReadRecords:
 
   def _read_shard(self, shard: int, local: list) -> list:
     """The records, or for each that is corrupt its error (read one by one after a corrupt
-    batched read, so each bad one is named and the good ones kept)."""
+    batched or block read, so each bad one is named and the good ones kept)."""
     try:
-      return self._read_storage(shard, local)
+      return self._read_storage(shard, local, self.ranges)
     except CorruptRecordsError:
       out = []
       for i in local:
@@ -158,13 +178,17 @@ class ReadRecords:
           out.append(e)
       return out
 
-  def _read_storage(self, shard: int, local: list) -> list:
-    """One batched read; from a bucket, within a deadline (`remote.NoAnswer`), as
-    array_record's own client may wait on a stalled connection for many minutes."""
+  def _read_storage(self, shard: int, local: list, ranges: BlockReads | None = None) -> list:
+    """One batched read (or the blocks' reads); from a bucket, within a deadline
+    (`remote.NoAnswer`), as array_record's own client may wait on a stalled connection for
+    many minutes."""
+    read = self.source.read_shard if ranges is None else ranges.read
+    if ranges is None and self.budget is not None:
+      self.budget.take(len(local))  # array_record: a request per record
     if remote.scheme(self.source.paths[shard]) is None:
-      return self.source.read_shard(shard, local)
+      return read(shard, local)
     deadline = remote.ATTEMPT_S * remote.ATTEMPTS
-    return remote.within(lambda: self.source.read_shard(shard, local), deadline)
+    return remote.within(lambda: read(shard, local), deadline)
 
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, futures = started
@@ -186,6 +210,13 @@ class ReadRecords:
         s.record_bytes += EWMA * (size - s.record_bytes)
         s.reads += read
         s.tasks += 1
+        if self.ranges is None:
+          s.requests += read
+          s.request_records += read
+          s.request_bytes += int(size * len(got))
+    if self.ranges is not None:
+      r = self.ranges
+      s.requests, s.request_bytes, s.request_records = r.requests, r.bytes, r.taken
     now = time.perf_counter()
     if self._last_finish is not None and now > self._last_finish:
       rate = len(batch.indices) / (now - self._last_finish)
@@ -223,5 +254,22 @@ def describe(read: ReadRecords, cache: RecordCache | None) -> str:
   return (
     f"reads: {s.latency_s * 1e3:.1f} ms per read at open -> {depth} batches read ahead "
     f"(up to {depth * read.batch_size} reads in flight, ~{held:.0f} MB, adjusted as "
-    f"latency is measured; performance.read_ahead overrides); {kept}"
+    f"latency is measured; performance.read_ahead overrides); {kept}; {requests(read)}"
+  )
+
+
+def requests(read: ReadRecords) -> str:
+  """The storage requests: how they are planned and, once made, the counts."""
+  s = read.stats
+  if read.ranges is None:
+    plan = "requests: one per record (order='global')"
+  else:
+    plan = f"requests: one per block of {read.ranges.block_records} records (order='blocks')"
+  if read.budget is not None:
+    plan += f", at most {read.budget.per_s:,.0f}/s (performance.max_requests_per_s)"
+  if not s.requests:
+    return plan
+  return (
+    f"{plan}, {s.requests:,} made, {s.request_bytes / s.requests / 1e3:,.0f} KB and "
+    f"{s.request_records / s.requests:.1f} images per request"
   )

@@ -74,6 +74,25 @@ def scheme(path) -> str | None:
   return match[1].lower() if match else None
 
 
+def in_bucket(path) -> bool:
+  """Whether `path` is read from a bucket: gs://, or a FUSE mount (gcsfuse, the rig's), found
+  in /proc/self/mountinfo (absent off Linux: then only gs://)."""
+  if scheme(path) is not None:
+    return scheme(path) == "gs"
+  try:
+    with open("/proc/self/mountinfo") as f:
+      mounts = [line.split(" - ") for line in f]
+  except OSError:
+    return False
+  path, best, fstype = os.path.realpath(path), "", ""
+  for head, tail in (m for m in mounts if len(m) == 2):
+    point = head.split()[4].replace("\\040", " ")
+    inside = path == point or path.startswith(point.rstrip("/") + "/")
+    if inside and len(point) >= len(best):
+      best, fstype = point, tail.split()[0]
+  return fstype.startswith("fuse")
+
+
 def gs_reader() -> str | None:
   """What `etils.epath` reads gs:// paths with here: "tensorflow" (its gfile, chosen by epath
   whenever TensorFlow is installed and EPATH_USE_TF is not false), "gcsfs", or None."""

@@ -9,7 +9,9 @@ batch size b): position i of process p of n is global position `(i // b) * n * b
 i % b`, so batch k of processes 0..n-1, in process order, is global positions [k*G, (k+1)*G)
 with G = n * b, whatever n is: the same global batch array on any process count (a batch
 may span an epoch boundary), and a state is a global position any process count continues
-from (`pipeline.elastic`). The order is a pure function of (seed, position).
+from (`pipeline.elastic`). The order is a pure function of (seed, position). With
+`blocks`, each epoch's order is the block order (`pipeline.blocks`: few, large storage
+requests) instead of `permute`.
 
 With `shard_records` (the records of each shard) a process instead owns whole shards, the
 same ones every epoch (shard k goes to process k % shard_count), and shuffles its own records
@@ -32,8 +34,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import sys
+import typing
 
 import numpy as np
+
+if typing.TYPE_CHECKING:
+  from pipeline.blocks import Blocks
 
 PAD = -1
 ROUNDS = 4
@@ -87,6 +93,7 @@ class Sampler:
   remainder: str = "drop"
   shard_records: tuple[int, ...] | None = None  # set: this process owns whole shards
   block: int = 1  # global order: positions a process takes in a row (its batch size)
+  blocks: Blocks | None = None  # set: the block order (`pipeline.blocks`) instead of permute
 
   def __post_init__(self):
     if self.shard_records is not None and len(self.shard_records) < self.shard_count:
@@ -150,7 +157,7 @@ class Sampler:
     if self.shuffle:
       for epoch in range(int(epochs[0]), int(epochs[-1]) + 1) if len(epochs) else ():
         at = (epochs == epoch) & ~pad  # a batch spans one epoch, rarely two
-        g[at] = permute(g[at], self.num_records, self.seed << 32 | epoch % 2**32)
+        g[at] = self._permute(g[at], self.num_records, self.seed << 32 | epoch % 2**32)
     g[pad] = PAD
     return epochs, g
 
@@ -166,12 +173,21 @@ class Sampler:
     if self.shuffle:
       for epoch in range(int(epochs[0]), int(epochs[-1]) + 1) if len(epochs) else ():
         at = (epochs == epoch) & ~pad
-        local[at] = permute(local[at], total, self.seed << 32 | epoch % 2**32)
+        local[at] = self._permute(local[at], total, self.seed << 32 | epoch % 2**32, owned)
     ends = np.cumsum(counts[owned])
     k = np.searchsorted(ends, np.minimum(local, total - 1), side="right")
     g = starts[owned][k] + local - (ends[k] - counts[owned][k])
     g[pad] = PAD
     return epochs, g
+
+  def _permute(self, x: np.ndarray, n: int, key: int, owned=None) -> np.ndarray:
+    """The epoch's order: `permute`, or the block order over all (or the `owned`) shards."""
+    if self.blocks is None:
+      return permute(x, n, key)
+    if owned is not None:
+      counts = tuple(np.asarray(self.blocks.shard_records)[owned].tolist())
+      return dataclasses.replace(self.blocks, shard_records=counts).permute(x, key)
+    return self.blocks.permute(x, key)
 
   def record_index(self, position: int) -> int:
     """The global record index at `position` of this process's stream, or PAD."""

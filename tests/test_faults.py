@@ -105,7 +105,7 @@ def flip_byte_in_record(data_dir: pathlib.Path, index: int) -> None:
   shard.write_bytes(bytes(data))
 
 
-def eval_dataset(data, on_error: str = "raise", verify: str = "size") -> grain.IterDataset:
+def eval_dataset(data, on_error="raise", verify="size", order=None) -> grain.IterDataset:
   return pipeline.make_dataset(
     data,
     "validation",
@@ -116,6 +116,7 @@ def eval_dataset(data, on_error: str = "raise", verify: str = "size") -> grain.I
     on_error=on_error,
     shard_index=0,
     shard_count=1,
+    order=order,
     performance=dict(num_threads=1),
   )
 
@@ -154,16 +155,18 @@ def test_a_bit_flipped_record_is_never_served(damaged, digits_dir):
   assert served == truth[:17] + truth[18:]
 
 
-def test_a_bit_flipped_record_raises_naming_shard_and_index(damaged):
+@pytest.mark.parametrize("order", ["global", "blocks"])  # blocks: read whole, then one by one
+def test_a_bit_flipped_record_raises_naming_shard_and_index(damaged, order):
   flip_byte_in_record(damaged, 17)
   with pytest.raises(BadRecordError, match=f"{SHARD} record 17"):
-    list(eval_dataset(damaged, "raise"))
+    list(eval_dataset(damaged, "raise", order=order))
 
 
-def test_a_bit_flipped_record_is_skipped_when_asked(damaged):
+@pytest.mark.parametrize("order", ["global", "blocks"])
+def test_a_bit_flipped_record_is_skipped_when_asked(damaged, order):
   flip_byte_in_record(damaged, 17)
   n = pipeline.load_manifest(damaged).splits["validation"].num_records
-  assert len(hashes(eval_dataset(damaged, "skip"))) == n - 1
+  assert len(hashes(eval_dataset(damaged, "skip", order=order))) == n - 1
 
 
 @settings(

@@ -15,7 +15,7 @@ import pytest
 
 from bench import all as bench_all
 from bench import ceiling, layout, peers, storage, throughput
-from pipeline import manifest
+from pipeline import manifest, records
 from pipeline.convert import tfrecord
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -65,12 +65,21 @@ def test_layout_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_p
     assert all(r["cached_share_before"] < 0.5 for r in rows if r["cache"] == "cold")
 
 
+def test_storage_can_reshard_in_class_order_as_an_image_folder_converts(photos_dir, tmp_path):
+  out = storage.prepare(str(photos_dir), "train", 0.2, str(tmp_path), class_order=True)
+  meta = manifest.load(out)
+  paths = [os.fspath(p) for p in meta.shard_paths(out, "train")]
+  labels = [records.parse(r, meta.keys)[1] for r in storage._records(paths)]
+  assert labels == sorted(labels) and len(set(labels)) > 1 and len(paths) > 1
+
+
 def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
   storage_rig, photos_dir, tmp_path
 ):
   work = tmp_path / "work"
   argv = [str(photos_dir), "--latency-ms", "2", "--rounds", "1", "--batches", "3"]
   argv += ["--batch-size", "8", "--shard-size-mb", "0.2", "--loaders", "pipeline"]
+  argv += ["--requests-per-s", "2000", "--max-requests-per-s", "1000"]
   result = storage.main([*argv, "--work-dir", str(work), "--json", str(tmp_path / "s.json")])
   data = result["dataset"]
   assert data["records"] == 48 and data["shards"] > 1  # the 1-shard split, re-sharded
@@ -96,6 +105,8 @@ def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
   assert slow["reads_per_image"] >= 0 and slow["kb_per_read"] >= 0
   saved = json.loads((tmp_path / "s.json").read_text())
   assert saved["command"].startswith("python -m bench storage") and len(saved["runs"]) == 2
+  assert saved["requests_per_s"] == 2000 and saved["runs"][1]["rig"]["timed"]["requests_per_s"]
+  assert saved["max_requests_per_s"] == 1000
   stamp = (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns
   assert storage.prepare(str(photos_dir), "train", 0.2, str(work)) == pathlib.Path(data["dir"])
   assert (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns == stamp  # reused

@@ -328,3 +328,15 @@ def test_storage_check_times_reads_through_the_rig_and_applies_littles_law(stora
   assert advice.cost_per_epoch == pytest.approx(advice.gets_per_epoch * 0.0004 / 1000)
   text = storage_check.report(check, advice)
   assert "Little's law" in text and "40,000 GET/s" in text and "$0.0004 per 1,000" in text
+  assert "~2,500 GET/s for the host" in text and "request budget" not in text
+
+
+def test_storage_check_names_the_request_budget_when_requests_queue(storage_rig, photos_dir):
+  with storage_rig.mount(photos_dir, latency_ms=1, requests_per_s=100) as rig:
+    check = storage_check.measure(rig.path, "train", levels=(1, 16), reads_per_level=48)
+    capped = rig.stats()["capped"]
+  budget = check.request_budget_per_s(cores=64)
+  # 48 reads need 47 turns of 10 ms: never faster than the cap
+  assert capped > 0 and budget is not None and budget <= 100 * 48 / 47
+  text = storage_check.report(check)
+  assert "The request budget binds" in text and "performance.max_requests_per_s=" in text

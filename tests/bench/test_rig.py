@@ -6,6 +6,7 @@ Timings here are only lower bounds (a read cannot answer sooner than its latency
 overlap is shown by the rig's own count of reads in flight.
 """
 
+import concurrent.futures
 import os
 import signal
 import subprocess
@@ -59,7 +60,11 @@ def test_counters_are_exact_for_a_known_read_pattern_and_reset(storage_rig, blob
       "in_flight": 0,
       "max_in_flight": 0,
       "opens": 0,
+      "capped": 0,
+      "slowed": 0,
       "latency_ms": 1,
+      "requests_per_s": 0,
+      "mb_per_s": 0,
     }
     fd = os.open(rig.path / "blob.bin", os.O_RDONLY)
     try:
@@ -73,6 +78,64 @@ def test_counters_are_exact_for_a_known_read_pattern_and_reset(storage_rig, blob
     assert stats["max_in_flight"] == 1 and stats["in_flight"] == 0  # one after another
     assert rig.stats()["reads"] == rig.stats()["bytes"] == rig.stats()["opens"] == 0
     assert sorted(os.listdir(rig.path)) == ["blob.bin"]  # the counter files are not listed
+
+
+def test_the_request_cap_queues_every_request_of_a_burst_but_the_first(storage_rig, blob):
+  src, data = blob
+  n = 16
+  with storage_rig.mount(src, latency_ms=0, requests_per_s=50) as rig:
+    fd = os.open(rig.path / "blob.bin", os.O_RDONLY)
+    rig.reset()
+    barrier = threading.Barrier(n)
+
+    def read(k: int) -> bytes:
+      barrier.wait()
+      return os.pread(fd, 4096, k * 4096)
+
+    try:
+      with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        got = list(pool.map(read, range(n)))
+    finally:
+      os.close(fd)
+    stats = rig.stats()
+  assert got == [data[k * 4096 : (k + 1) * 4096] for k in range(n)]
+  # 16 requests at once, 1 per 20 ms: all but the first wait their turn (a thread late
+  # by a whole turn may miss it)
+  assert stats["reads"] == n and stats["capped"] >= n - 2 and stats["requests_per_s"] == 50
+
+
+def test_a_request_that_arrives_after_its_turn_waits_for_no_cap(storage_rig, blob):
+  src, data = blob
+  with storage_rig.mount(src, latency_ms=20, requests_per_s=100, mb_per_s=1000) as rig:
+    fd = os.open(rig.path / "blob.bin", os.O_RDONLY)
+    try:
+      for k in range(5):  # one at a time, each 20 ms after the last: past its 10 ms turn
+        assert os.pread(fd, 4096, k * 4096) == data[k * 4096 : (k + 1) * 4096]
+    finally:
+      os.close(fd)
+    stats = rig.stats()
+  assert stats["reads"] == 5 and stats["capped"] == stats["slowed"] == 0
+
+
+def test_the_bandwidth_cap_lets_concurrent_bytes_out_one_after_another(storage_rig, blob):
+  src, data = blob
+  n = 8
+  with storage_rig.mount(src, latency_ms=0, mb_per_s=2) as rig:  # 64 KB: 32 ms each
+    fd = os.open(rig.path / "blob.bin", os.O_RDONLY)
+    barrier = threading.Barrier(n)
+
+    def read(k: int) -> bytes:
+      barrier.wait()
+      return os.pread(fd, 65536, k * 65536)
+
+    try:
+      with concurrent.futures.ThreadPoolExecutor(n) as pool:
+        got = list(pool.map(read, range(n)))
+    finally:
+      os.close(fd)
+    stats = rig.stats()
+  assert got == [data[k * 65536 : (k + 1) * 65536] for k in range(n)]
+  assert stats["bytes"] == n * 65536 and stats["slowed"] >= n - 2 and stats["mb_per_s"] == 2
 
 
 def test_concurrent_reads_wait_together_not_one_after_another(storage_rig, blob):

@@ -1,0 +1,224 @@
+"""The block order (`pipeline.blocks`): few storage requests per epoch, every record once,
+a pure function of (seed, epoch, position), and batches that mix nearly as well as a global
+shuffle's on shards in class order (as an ImageNet folder converts)."""
+
+import concurrent.futures
+import pathlib
+
+import numpy as np
+import pytest
+
+import pipeline
+from pipeline import blocks, dataset, manifest, reads, remote
+from pipeline.blocks import Blocks, label_distance
+from pipeline.budget import RequestBudget
+from pipeline.ranges import BlockReads
+from pipeline.reads import ReadRecords
+from pipeline.sampling import Sampler, permute
+from pipeline.source import ShardedSource
+from tests.conftest import assert_same_batches, take
+
+# a class-ordered split: 20 classes of 400 records, in shards of 700 (the last shorter)
+LABELS = np.repeat(np.arange(20), 400)
+SHARDS = (700,) * 11 + (len(LABELS) - 7700,)
+
+
+def sampler(**keywords) -> Sampler:
+  keywords.setdefault("blocks", Blocks(SHARDS))
+  return Sampler(len(LABELS), seed=5, **keywords)
+
+
+def test_every_record_once_per_epoch_and_each_epoch_a_new_order():
+  s = sampler(num_epochs=3)
+  epochs, records = s.records(np.arange(len(s)))
+  per_epoch = records.reshape(3, -1)
+  for epoch in per_epoch:
+    assert sorted(epoch) == list(range(len(LABELS)))
+  assert not np.array_equal(per_epoch[0], per_epoch[1])
+  assert (epochs == np.repeat(np.arange(3), len(LABELS))).all()
+
+
+def test_blocks_are_consecutive_records_of_one_shard_read_together_within_a_window():
+  shards = (704,) * 5  # whole blocks only: each window is 16 x 32 positions
+  order = Blocks(shards, block_records=16, window_blocks=32).permute(np.arange(3520), key=9)
+  ends = np.cumsum(shards)
+  for start in range(0, len(order), 16 * 32):
+    window = order[start : start + 16 * 32]
+    shard = np.searchsorted(ends, window, side="right")
+    local = window - np.concatenate([[0], ends])[shard]
+    runs = set(zip(shard.tolist(), (local // 16).tolist()))
+    assert len(runs) == len(window) // 16  # one request per block, 16 images each
+  assert sorted(order) == list(range(3520))
+
+
+def test_the_same_seed_gives_the_same_order_and_a_resume_from_any_position_is_exact():
+  s = sampler(num_epochs=2)
+  whole = s.records(np.arange(len(s)))[1]
+  again = sampler(num_epochs=2).records(np.arange(len(s)))[1]
+  assert np.array_equal(whole, again)
+  pieces = [s.records(np.arange(a, min(a + 128, len(s))))[1] for a in range(0, len(s), 128)]
+  assert np.array_equal(np.concatenate(pieces), whole)
+  assert s.record_index(len(s) - 1) == whole[-1]
+  other = Sampler(len(LABELS), seed=6, num_epochs=2, blocks=Blocks(SHARDS))
+  assert not np.array_equal(other.records(np.arange(len(s)))[1], whole)
+
+
+def test_processes_share_the_block_order_out_and_owned_shards_keep_their_records():
+  parts = [sampler(shard_index=p, shard_count=3, remainder="pad") for p in range(3)]
+  seen = np.concatenate([p.records(np.arange(p.per_epoch))[1] for p in parts])
+  assert sorted(seen[seen >= 0]) == list(range(len(LABELS)))
+  owner = sampler(shard_index=1, shard_count=3, shard_records=SHARDS, remainder="pad")
+  got = owner.records(np.arange(owner.per_epoch))[1]
+  starts = np.concatenate([[0], np.cumsum(SHARDS)])
+  mine = np.concatenate([np.arange(starts[k], starts[k + 1]) for k in (1, 4, 7, 10)])
+  assert sorted(got[got >= 0]) == mine.tolist()
+
+
+def test_a_batch_of_128_mixes_within_1_25x_a_global_shuffles_label_distance():
+  positions = np.arange(len(LABELS))  # the first epoch
+  shuffled = label_distance(LABELS[permute(positions, len(LABELS), 5 << 32)], 128)
+  blocked = label_distance(LABELS[sampler().records(positions)[1]], 128)
+  in_order = label_distance(LABELS, 128)
+  assert blocked <= 1.25 * shuffled < in_order
+
+
+def test_sizes_are_checked_and_the_order_defaults_by_where_the_shards_are(tmp_path):
+  with pytest.raises(ValueError, match="block_records must be a positive integer, got 0"):
+    pipeline.Spec.of("data", batch_size=8, block_records=0)
+  with pytest.raises(ValueError, match="order must be 'global', 'blocks' or None, not 'tf'"):
+    pipeline.Spec.of("data", batch_size=8, order="tf")
+  assert remote.in_bucket("gs://bucket/ds") and not remote.in_bucket(tmp_path)
+  assert blocks.WINDOW_BLOCKS * blocks.BLOCK_RECORDS >= 128
+
+
+def test_make_dataset_in_block_order_reads_every_record_once_per_epoch(digits_dir):
+  spec = pipeline.Spec.of(digits_dir, batch_size=16, order="blocks", num_epochs=1, seed=2)
+  meta, source, _ = dataset._open(spec)
+  s = dataset._sampler(spec, meta, source)
+  assert s.blocks == Blocks(tuple(sh.num_records for sh in meta.splits["train"].shards))
+  records = s.records(np.arange(s.per_epoch))[1]
+  assert sorted(records) == list(range(meta.splits["train"].num_records))
+  default = dataset._sampler(pipeline.Spec.of(digits_dir, batch_size=16), meta, source)
+  assert default.blocks is None  # local disk: the global shuffle
+
+
+def test_a_state_of_the_global_order_is_refused_by_a_block_ordered_stream(digits_dir):
+  it = iter(pipeline.make_dataset(digits_dir, batch_size=8, seed=1))
+  next(it)
+  state = it.get_state()
+  blocked = iter(pipeline.make_dataset(digits_dir, batch_size=8, seed=1, order="blocks"))
+  with pytest.raises(ValueError, match="order"):
+    blocked.set_state(state)
+
+
+def shard_reads(data_dir) -> tuple[ShardedSource, list[int]]:
+  meta = manifest.load(data_dir)
+  shards = meta.splits["train"].shards
+  counts = [s.num_records for s in shards]
+  return ShardedSource([data_dir / s.file for s in shards], counts), counts
+
+
+def test_block_reads_give_the_records_and_read_each_block_once_an_epoch(digits_dir):
+  source, counts = shard_reads(digits_dir)
+  calls = []
+  block_reads = BlockReads(lambda *a: calls.append(a) or source.read_range(*a), counts, 16, 2**30)
+  s = Sampler(sum(counts), seed=1, num_epochs=2, blocks=Blocks(tuple(counts)))
+  starts = np.asarray(source.starts)
+  for first in range(0, len(s), 50):  # batches of 50, in turn
+    indices = s.records(np.arange(first, min(first + 50, len(s))))[1]
+    shards = source.shards_of(indices)
+    for shard in np.unique(shards).tolist():
+      local = (indices[shards == shard] - starts[shard]).tolist()
+      assert block_reads.read(shard, local) == source.read_shard(shard, local)
+  assert len(calls) == 2 * sum(-(-c // 16) for c in counts)  # every block, once an epoch
+  assert block_reads.kept_bytes == 0 and block_reads.requests == len(calls)
+  # a batch across two epochs may want one record twice, from a block read once
+  assert block_reads.read(0, [5, 5, 7]) == source.read_shard(0, [5, 5, 7])
+  assert len(calls) == 1 + 2 * sum(-(-c // 16) for c in counts)
+
+
+def test_block_reads_in_many_threads_and_within_a_small_budget_give_the_same_records(digits_dir):
+  source, counts = shard_reads(digits_dir)
+  wanted = [(shard, i) for shard, c in enumerate(counts) for i in range(c)] * 2
+  np.random.default_rng(0).shuffle(wanted)
+  for budget in (2**30, 3000):
+    block_reads = BlockReads(source.read_range, counts, 8, budget)
+    with concurrent.futures.ThreadPoolExecutor(16) as pool:
+      got = list(pool.map(lambda w, r=block_reads: r.read(w[0], [w[1]])[0], wanted))
+    assert got == [source.read_shard(shard, [i])[0] for shard, i in wanted]
+    assert block_reads.kept_bytes <= max(budget, 8 * max(map(len, got)))
+
+
+def test_through_the_rig_a_block_is_one_request_and_8_images_or_more_come_per_request(
+  storage_rig, photos_dir
+):
+  source, counts = shard_reads(photos_dir)
+  with storage_rig.mount(photos_dir, latency_ms=1) as m:
+    mounted = ShardedSource([m.path / pathlib.Path(p).name for p in source.paths], counts)
+    assert len(mounted.read_range(0, 0, 12)) == 12  # opens the shard (its footer: 2 reads)
+    m.reset()
+    assert mounted.read_range(0, 2, 12) == source.read_shard(0, list(range(2, 12)))
+    assert m.stats()["reads"] == 1  # < 1 MiB: one request (FUSE cuts larger ones in 1 MiB)
+    st = dataset.build(
+      pipeline.Spec.of(str(m.path), batch_size=8, image_size=32, shard_index=0, shard_count=1)
+    )
+    assert st.read.ranges is not None  # a mount: the block order and its block reads
+    take(iter(dataset.chain(st)), 10 * sum(counts) // 8)  # 10 epochs, and those read ahead
+    assert st.read.stats.request_records / st.read.stats.requests >= 8
+
+
+def test_a_request_budget_gives_each_request_its_turn_and_no_more():
+  now, slept = [0.0], []
+  budget = RequestBudget(100, clock=lambda: now[0], sleep=slept.append)
+  for _ in range(5):  # at once: 10 ms apart
+    budget.take()
+  assert slept == pytest.approx([0.01, 0.02, 0.03, 0.04]) and budget.waited == 4
+  now[0] = 1.0  # long after the last turn: no wait
+  budget.take(10)  # a batched read of 10 records: 10 requests, the next turn 100 ms on
+  budget.take()
+  assert slept[4:] == pytest.approx([0.1]) and budget.waited == 5
+  with pytest.raises(ValueError, match="max_requests_per_s must be None or > 0, got 0"):
+    pipeline.Performance(max_requests_per_s=0)
+
+
+def test_the_read_stage_waits_its_turn_under_max_requests_per_s(digits_dir):
+  for order in ("global", "blocks"):
+    perf = dict(max_requests_per_s=50, num_workers=0)
+    spec = pipeline.Spec.of(digits_dir, batch_size=16, image_size=16, order=order, performance=perf)
+    st = dataset.build(spec)
+    take(iter(dataset.chain(st)), 2)
+    assert st.read.budget.waited >= 1 and st.read.stats.requests >= 2
+    assert "at most 50/s (performance.max_requests_per_s)" in reads.requests(st.read)
+
+
+def test_under_a_request_budget_the_reads_ahead_do_not_grow_with_the_queueing():
+  source = type("S", (), {})()  # depth() reads only the stage's own fields
+  stage = ReadRecords(
+    source,
+    batch_size=128,
+    rate_per_s=2000,
+    latency_s=0.020,
+    record_bytes=60_000,
+    ahead_bytes=256 * 2**20,
+    max_requests_per_s=250,
+  )
+  stage.stats.latency_s = 1.0  # reads that waited their turn: 1 s each
+  assert stage.depth() == 1 + 1  # 2 x 250/s x 20 ms = 10 reads: one batch ahead
+  stage.budget = None
+  assert stage.depth() == 1 + 32  # without the budget: 4,000 reads in flight
+
+
+def test_block_ordered_batches_are_the_same_in_a_worker_process_and_after_a_resume(digits_dir):
+  def make(workers):
+    perf = dict(num_workers=workers, record_cache_mb=0)
+    return pipeline.make_dataset(
+      digits_dir, batch_size=16, image_size=16, order="blocks", seed=4, performance=perf
+    )
+
+  expected = take(iter(make(0)), 20)  # 20 batches: more than an epoch of 240 records
+  assert_same_batches(expected, take(iter(make(1)), 20))
+  it = iter(make(0))
+  take(it, 7)
+  resumed = iter(make(0))
+  resumed.set_state(it.get_state())
+  assert_same_batches(expected[7:], take(resumed, 13))
