@@ -25,6 +25,7 @@ from PIL import Image
 import pipeline
 from pipeline import dataset, manifest, records
 from pipeline.convert import tfds as convert_tfds
+from tests import stage_chain
 from tests.conftest import assert_same_batches
 from tests.test_gcs import gcs, needs_emulator, run  # noqa: F401 - gcs is a fixture
 
@@ -231,16 +232,7 @@ def test_the_record_cache_tells_versions_with_the_same_shard_names_apart(folder,
   perf = dict(record_cache_mb=0, record_cache_dir=str(tmp_path / "cache"), num_workers=0)
 
   def read_all(data_dir):
-    stages = dataset.build(
-      data_dir,
-      "train",
-      batch_size=8,
-      image_size=24,
-      train=False,
-      shard_index=0,
-      shard_count=1,
-      performance=perf,
-    )
+    stages = stage_chain.stages(data_dir, image_size=24, train=False, performance=perf)
     return stages, list(dataset.chain(stages))
 
   read_all(folder)
@@ -252,9 +244,9 @@ def test_the_record_cache_tells_versions_with_the_same_shard_names_apart(folder,
 
 def test_on_slow_storage_a_build_gets_the_record_cache_sized_by_its_records(storage_rig, folder):
   with storage_rig.mount(folder, latency_ms=5) as m:
-    st = dataset.build(m.path, "train", batch_size=8, shard_index=0, shard_count=1)
+    st = stage_chain.stages(m.path)
     st.read.source.close()  # the shard it opened: else the rig cannot unmount
-  local = dataset.build(folder, "train", batch_size=8, shard_index=0, shard_count=1)
+  local = stage_chain.stages(folder)
   records_bytes = sum(len(r) for r in local.read.source.read(list(range(40))))
   assert st.read.cache is not None  # TFDS records no shard sizes: the records' are estimated
   assert records_bytes / 2 < st.read.cache.ram_bytes < records_bytes * 2
@@ -345,15 +337,16 @@ def test_a_build_in_a_bucket_reads_in_place_as_it_does_from_disk(gcs, folder):  
     there, here = pipeline.load_manifest(url), pipeline.load_manifest(local)
     assert (there.splits, there.classes, there.keys) == (here.splits, here.classes, here.keys)
 
-    def batches(data_dir):
+    def batches(data_dir, **order):
       ds = pipeline.make_dataset(data_dir, "train", batch_size=8, image_size=24,
-                                 shard_index=0, shard_count=1)
+                                 shard_index=0, shard_count=1, **order)
       it = iter(ds)
       out = [next(it) for _ in range(6)]
       it.close()
       return out
 
-    for g, w in zip(batches(url), batches(local)):
+    # a bucket reads in block order by default; local disk only when asked
+    for g, w in zip(batches(url), batches(local, order="blocks")):
       for key in w:
         np.testing.assert_array_equal(g[key], w[key])
     assert listing() == before, (listing(), before)
