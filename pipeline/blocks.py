@@ -2,12 +2,20 @@
 
 A bucket rations requests, not bytes, and the global shuffle (`sampling.permute`) asks one
 request per image. Here the records are cut into blocks of `block_records` consecutive
-records (consecutive within a shard; a shard's last block may be shorter), and an epoch is:
-a keyed permutation of all blocks, cut into windows of `window_blocks` blocks, each window's
-records in a keyed permutation of their own. A window's records come from few requests (one
-per block), and a batch drawn from a window's W x K records mixes like a global shuffle's
-to within a factor of about sqrt(1 + batch / W) in the spread of its label mix
-(`label_distance` measures it). As `permute`, it is a pure function of (key, position): every
+records (consecutive within a shard; a shard's last block may be shorter), and an epoch is a
+keyed permutation of all blocks, cut into windows of `window_blocks` blocks (by default
+`WINDOW_BATCHES` global batches' worth). A window is served in rounds: each round takes one
+record from each of its blocks, in one fixed order of the window's blocks (its lanes), and
+global batches cut the rounds in turn. So a batch holds one record of each of as many random
+blocks (its label mix is that of as many random records: a global shuffle's; `label_distance`
+measures it), WINDOW_BATCHES batches in a row hold distinct blocks, a process's part of a
+batch takes the same lanes in every round of a window (a host reads only its own blocks,
+each once, and holds only them), and a block is done after `block_records` rounds.
+
+Within a block, round r takes the record at the bit-reversal rank of r: a worker process
+that takes one batch in w (w / gcd(w, WINDOW_BATCHES) a power of two, P) takes one aligned
+run of block_records / P records of each of its blocks, and reads it in one request
+(`pipeline.ranges`). As `permute`, the order is a pure function of (key, position): every
 record once per epoch, and a restart needs only the next position.
 """
 
@@ -15,22 +23,24 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import numpy as np
 
 from pipeline.sampling import permute
 
-BLOCK_RECORDS = 16  # records per block: images per request
-WINDOW_BLOCKS = 512  # blocks per window: a batch of 128 mixes within 1.25x a global shuffle
+BLOCK_RECORDS = 16  # records per block: images per request from one process
+WINDOW_BATCHES = 4  # global batches of blocks per window: batches in a row with no block shared
 
 
 @dataclasses.dataclass(frozen=True)
 class Blocks:
-  """The block order over shards of `shard_records` records (in shard order)."""
+  """The block order over shards of `shard_records` records (in shard order), read in
+  windows of `window_blocks` blocks."""
 
   shard_records: tuple[int, ...]
   block_records: int = BLOCK_RECORDS
-  window_blocks: int = WINDOW_BLOCKS
+  window_blocks: int = WINDOW_BATCHES * 128
 
   def __post_init__(self):
     for name in ("block_records", "window_blocks"):
@@ -52,35 +62,57 @@ class Blocks:
   def permute(self, positions: np.ndarray, key: int) -> np.ndarray:
     """The record at each of `positions` (in [0, total records)) of the epoch keyed `key`."""
     positions = np.asarray(positions, np.int64)
-    first, ends, window_ends = _epoch(self, key)
+    first, sizes, starts, window_ends = _epoch(self, key)
     window = np.searchsorted(window_ends, positions, side="right")
     out = np.empty_like(positions)
+    ranks = _ranks(self.block_records)
     for w in np.unique(window).tolist():  # a batch spans one window, rarely two
       at = window == w
       lo = int(window_ends[w - 1]) if w else 0
-      inner = permute(positions[at] - lo, int(window_ends[w]) - lo, window_key(key, w))
-      p = lo + inner  # position in the epoch's blocks, laid end to end
-      slot = np.searchsorted(ends, p, side="right")
-      out[at] = first[slot] + p - np.where(slot > 0, ends[np.maximum(slot - 1, 0)], 0)
+      lane_first, lane_sizes = first[starts[w] : starts[w + 1]], sizes[starts[w] : starts[w + 1]]
+      active = (lane_sizes[None, :] > np.arange(self.block_records)[:, None]).sum(axis=1)
+      round_ends = np.cumsum(active)
+      p = positions[at] - lo
+      r = np.searchsorted(round_ends, p, side="right")
+      lane = p - (round_ends[r] - active[r])
+      out[at] = lane_first[lane] + ranks[lane_sizes[lane], r]
     return out
 
 
-def window_key(key: int, window: int) -> int:
-  """The key of one window's permutation within the epoch keyed `key`."""
-  return key ^ ((window + 1) * 0x9E3779B97F4A7C15 % 2**64)  # permute mixes its key
+@functools.lru_cache(maxsize=8)
+def _ranks(block_records: int) -> np.ndarray:
+  """[size, round]: the record of a block of `size` records that round `round` takes: the
+  records in the order of their bit-reversed numbers (the rounds r = c mod 2^a take one
+  aligned run of records), a shorter block's the same order less the records it lacks."""
+  bits = max(1, (block_records - 1).bit_length())
+  rev = np.array([int(f"{i:0{bits}b}"[::-1], 2) for i in range(block_records)])
+  table = np.zeros((block_records + 1, block_records), np.int64)
+  for size in range(1, block_records + 1):
+    order = np.argsort(rev[:size], kind="stable")
+    table[size, :size] = order
+  return table
 
 
 @functools.lru_cache(maxsize=4)
-def _epoch(blocks: Blocks, key: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """The epoch's blocks in order: (first record of each, where each ends in the epoch's
-  positions, where each window ends)."""
+def _epoch(blocks: Blocks, key: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """The epoch's blocks in order: (first record of each, its records, the block each window
+  starts at and where it ends in the epoch's positions). The full blocks come first, in
+  windows of their own, so every round of a full window holds window_blocks records and a
+  process's part of the global batches keeps its lanes from round to round; then the
+  shorter ones (each shard's last), longest first in each window, so the blocks a round
+  takes are always a window's first lanes."""
   first, sizes = blocks._blocks
   order = permute(np.arange(len(first)), len(first), key)
-  ends = np.cumsum(sizes[order])
-  window_ends = ends[blocks.window_blocks - 1 :: blocks.window_blocks]
-  if len(window_ends) == 0 or window_ends[-1] != ends[-1]:
-    window_ends = np.append(window_ends, ends[-1])
-  return first[order], ends, window_ends
+  short = sizes[order] < blocks.block_records
+  order = np.concatenate(
+    [order[~short], order[short][np.argsort(-sizes[order][short], kind="stable")]]
+  )
+  first, sizes = first[order], sizes[order]
+  full = int((~short).sum())
+  starts = [*range(0, full, blocks.window_blocks), *range(full, len(order), blocks.window_blocks)]
+  starts = np.asarray([*starts, len(order)], np.int64)
+  position = np.concatenate([[0], np.cumsum(sizes)])
+  return first, sizes, starts, position[starts[1:]]
 
 
 def label_distance(labels: np.ndarray, batch_size: int) -> float:
@@ -94,3 +126,14 @@ def label_distance(labels: np.ndarray, batch_size: int) -> float:
   counts = np.zeros((len(batches), classes))
   np.add.at(counts, (np.arange(len(batches))[:, None], batches), 1)
   return float(np.mean(0.5 * np.abs(counts / batch_size - split).sum(axis=1)))
+
+
+def pieces(blocks: Blocks, batch_size: int, workers: int) -> int:
+  """Records per read of a worker process (of `workers` taking one batch of `batch_size` in
+  turn): the aligned run of its blocks' records it takes, when it takes one round in a power
+  of two (see the module docstring); else a block whole (fewer requests, more bytes)."""
+  batches = max(1, blocks.window_blocks // batch_size)  # batches per round
+  share = max(1, workers) // math.gcd(max(1, workers), batches)  # this one takes 1 round in share
+  if share & (share - 1):
+    return blocks.block_records
+  return max(1, blocks.block_records // share)

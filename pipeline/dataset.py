@@ -30,6 +30,7 @@ import numpy as np
 from etils import epath
 
 from pipeline import augment as augment_lib
+from pipeline import blocks as blocks_lib
 from pipeline import (
   decode,
   guards,
@@ -42,7 +43,7 @@ from pipeline import (
 )
 from pipeline import manifest as manifest_lib
 from pipeline.ahead import AheadIterDataset
-from pipeline.blocks import Blocks
+from pipeline.blocks import WINDOW_BATCHES, Blocks
 from pipeline.cache import RecordCache, dataset_id
 from pipeline.errors import BadRecordError
 from pipeline.finish import FinishBatch
@@ -166,9 +167,16 @@ def _sampler(spec: Spec, meta: manifest_lib.Manifest, source: ShardedSource) -> 
     shard_count=shard_count,
     remainder="drop" if spec.train else "pad",
     shard_records=counts if spec.sharding == "shards" else None,
-    blocks=Blocks(counts, spec.block_records, spec.window_blocks) if order == "blocks" else None,
+    blocks=_blocks(spec, counts, shard_count) if order == "blocks" else None,
     block=spec.batch_size,
   )
+
+
+def _blocks(spec: Spec, counts: tuple[int, ...], shard_count: int) -> Blocks:
+  """The block order: windows of `blocks.WINDOW_BATCHES` global batches by default (a
+  process's own batches when it owns its shards)."""
+  batch = spec.batch_size * (shard_count if spec.sharding == "records" else 1)
+  return Blocks(counts, spec.block_records, spec.window_blocks or WINDOW_BATCHES * batch)
 
 
 def _transforms(spec: Spec, meta: manifest_lib.Manifest) -> tuple[augment_lib.Head, tuple, tuple]:
@@ -242,11 +250,19 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
     ahead_bytes=int(perf.read_ahead_mb * 2**20),
     cache=cache,
     max_depth=perf.read_ahead,
-    block_records=sampler.blocks.block_records if sampler.blocks is not None else None,
+    block_records=_pieces(sampler, chosen.workers),
     max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
   )
   parallelism.announce(chosen, reads.describe(read, cache))
   return read
+
+
+def _pieces(sampler: Sampler, workers: int) -> int | None:
+  """Records per block read in each process: a worker process reads its part of a block."""
+  if sampler.blocks is None:
+    return None
+  batch = sampler.block * (sampler.shard_count if sampler.global_order else 1)
+  return blocks_lib.pieces(sampler.blocks, batch, workers)
 
 
 def _stream(spec: Spec, sampler: Sampler) -> dict:
@@ -263,7 +279,8 @@ def _stream(spec: Spec, sampler: Sampler) -> dict:
   if not spec.train:  # padded per epoch: the order depends on shard_count (pipeline.elastic)
     stream["remainder"] = "pad"
   if sampler.blocks is not None:
-    stream["order"] = f"blocks of {spec.block_records}, windows of {spec.window_blocks}"
+    b = sampler.blocks
+    stream["order"] = f"blocks of {b.block_records}, windows of {b.window_blocks}"
   return stream
 
 

@@ -63,6 +63,52 @@ def test_the_same_seed_gives_the_same_order_and_a_resume_from_any_position_is_ex
   assert not np.array_equal(other.records(np.arange(len(s)))[1], whole)
 
 
+def block_of(records: np.ndarray, shards=SHARDS, size=16) -> np.ndarray:
+  """The (shard, block) of each record, as one number."""
+  ends = np.cumsum(shards)
+  shard = np.searchsorted(ends, records, side="right")
+  return shard * 10**6 + (records - (ends - shards)[shard]) // size
+
+
+@pytest.mark.parametrize("hosts", [1, 4])
+def test_a_batch_takes_distinct_blocks_and_each_host_reads_only_its_own(hosts):
+  shards = (4100,) * 16  # 256 blocks of 16 and one of 4 each
+  per_host = [
+    Sampler(
+      sum(shards),
+      seed=3,
+      shard_index=p,
+      shard_count=hosts,
+      block=32,
+      blocks=Blocks(shards, 16, 4 * 32 * hosts),
+    )
+    for p in range(hosts)
+  ]
+  touched = []
+  for s in per_host:
+    records = s.records(np.arange(s.per_epoch // 32 * 32))[1]
+    in_full_blocks = (records % 4100 < 4096).reshape(-1, 32).all(axis=1)
+    for batch in block_of(records, shards).reshape(-1, 32)[in_full_blocks]:
+      assert len(set(batch.tolist())) == 32  # one record of each of 32 blocks
+    assert in_full_blocks.sum() >= len(in_full_blocks) - 2  # the short blocks: 64 records
+    touched.append(set(block_of(records, shards).tolist()))
+  # every block read by one host (only a few short ones, at the epoch's end, by two)
+  assert sum(map(len, touched)) <= 257 * 16 + (hosts - 1) * 16
+
+
+@pytest.mark.parametrize("workers", [2, 4, 8])
+def test_a_worker_process_takes_one_aligned_run_of_each_of_its_blocks(workers):
+  shards = (4100,) * 16
+  s = Sampler(sum(shards), seed=3, block=32, blocks=Blocks(shards, 16, 4 * 32))
+  piece = blocks.pieces(s.blocks, 32, workers)
+  assert piece == (16 if workers <= 4 else 8)
+  records = s.records(np.arange(sum(shards) // 32 * 32))[1].reshape(-1, 32)
+  for w in range(workers):  # Grain gives worker w batches w, w + workers, ...
+    mine = records[w::workers].ravel()
+    reads = set(block_of(mine, shards, size=piece).tolist())
+    assert len(mine) / len(reads) >= 0.95 * piece  # `piece` records per read, but at the end
+
+
 def test_processes_share_the_block_order_out_and_owned_shards_keep_their_records():
   parts = [sampler(shard_index=p, shard_count=3, remainder="pad") for p in range(3)]
   seen = np.concatenate([p.records(np.arange(p.per_epoch))[1] for p in parts])
@@ -88,14 +134,15 @@ def test_sizes_are_checked_and_the_order_defaults_by_where_the_shards_are(tmp_pa
   with pytest.raises(ValueError, match="order must be 'global', 'blocks' or None, not 'tf'"):
     pipeline.Spec.of("data", batch_size=8, order="tf")
   assert remote.in_bucket("gs://bucket/ds") and not remote.in_bucket(tmp_path)
-  assert blocks.WINDOW_BLOCKS * blocks.BLOCK_RECORDS >= 128
+  assert Blocks(SHARDS).window_blocks == blocks.WINDOW_BATCHES * 128
 
 
 def test_make_dataset_in_block_order_reads_every_record_once_per_epoch(digits_dir):
   spec = pipeline.Spec.of(digits_dir, batch_size=16, order="blocks", num_epochs=1, seed=2)
   meta, source, _ = dataset._open(spec)
   s = dataset._sampler(spec, meta, source)
-  assert s.blocks == Blocks(tuple(sh.num_records for sh in meta.splits["train"].shards))
+  counts = tuple(sh.num_records for sh in meta.splits["train"].shards)
+  assert s.blocks == Blocks(counts, window_blocks=blocks.WINDOW_BATCHES * 16)
   records = s.records(np.arange(s.per_epoch))[1]
   assert sorted(records) == list(range(meta.splits["train"].num_records))
   default = dataset._sampler(pipeline.Spec.of(digits_dir, batch_size=16), meta, source)
