@@ -269,3 +269,30 @@ def test_block_ordered_batches_are_the_same_in_a_worker_process_and_after_a_resu
   resumed = iter(make(0))
   resumed.set_state(it.get_state())
   assert_same_batches(expected[7:], take(resumed, 13))
+
+
+def test_owned_shards_fill_the_record_cache_in_block_reads_and_then_read_nothing(
+  storage_rig, photos_dir
+):
+  _, counts = shard_reads(photos_dir)
+  with storage_rig.mount(photos_dir, latency_ms=1) as m:
+    perf = dict(record_cache_mb=256, num_workers=0)
+    spec = pipeline.Spec.of(
+      str(m.path),
+      batch_size=8,
+      image_size=32,
+      sharding="shards",
+      shard_index=0,
+      shard_count=1,
+      performance=perf,
+    )
+    st = dataset.build(spec)
+    assert st.read.ranges is not None and st.read.cache is not None
+    it = iter(dataset.chain(st))
+    take(it, sum(counts) // 8 + 4)  # the first epoch, and what it read ahead
+    s = st.read.stats
+    assert s.requests <= sum(-(-c // 16) for c in counts)  # each block once
+    assert s.request_records / s.requests >= 8
+    m.reset()
+    take(it, 2 * sum(counts) // 8)  # two more epochs: all from the host's cache
+    assert m.stats()["reads"] == 0
