@@ -103,7 +103,7 @@ def build(spec: Spec) -> Stages:
     from pipeline import features as features_lib
 
     features = features_lib.parse_specs(features, sample=source.read([0])[0])
-  chosen = _workers(spec, head.image_size)
+  chosen = _workers(spec, head.image_size, sampler.blocks is not None)
   read = _read(spec, meta, source, pins, sampler, chosen)
   keys = spec.keys or meta.keys
   return Stages(
@@ -210,9 +210,10 @@ def _transforms(spec: Spec, meta: manifest_lib.Manifest) -> tuple[augment_lib.He
   return head, ops, batch_ops
 
 
-def _workers(spec: Spec, image_size: int) -> parallelism.Plan:
-  """Worker processes and threads for this host (`pipeline.parallelism`); no workers when
-  /dev/shm cannot hold their ring of batches (a SIGBUS later)."""
+def _workers(spec: Spec, image_size: int, blocks: bool) -> parallelism.Plan:
+  """Worker processes and threads for this host (`pipeline.parallelism`): in the block order
+  a number of workers that divides WINDOW_BATCHES (each then reads its blocks whole);
+  no workers when /dev/shm cannot hold their ring of batches (a SIGBUS later)."""
   perf, batch_size = spec.performance, spec.batch_size
   chosen = parallelism.plan(
     num_workers=perf.num_workers,
@@ -220,6 +221,7 @@ def _workers(spec: Spec, image_size: int) -> parallelism.Plan:
     batch_size=batch_size,
     image_bytes=image_size**2 * 3,
     prefetch=perf.prefetch,
+    divide=WINDOW_BATCHES if blocks else None,
   )
   if chosen.workers and handoff.available():
     normalize = spec.transforms.normalize

@@ -164,6 +164,7 @@ def plan(
   costs: Costs = COSTS,
   costs_batch: int = COSTS_BATCH,
   memory_bytes: int | None = None,
+  divide: int | None = None,
 ) -> Plan:
   """Worker processes x decode threads for a host of `cores` cores (default: this one's),
   batches of `batch_size` images of `image_bytes` each.
@@ -172,7 +173,8 @@ def plan(
   `project` (`costs` measured at batches of `costs_batch`). Memory budget: each worker
   takes `costs.worker_mb` plus `prefetch +
   WORKER_BATCHES` batches, and the workers together at most half of `memory_bytes`
-  (default: the memory available now); threads never outnumber the cores. Up to
+  (default: the memory available now); threads never outnumber the cores. `divide`: only
+  worker counts that divide it, or none (the block order's, `pipeline.blocks`). Up to
   SMALL_HOST cores it is the fast path whatever the costs: no workers, one thread per core.
   """
   cores = cores or available_cores()
@@ -185,6 +187,8 @@ def plan(
   memory_cap = int(MEMORY_SHARE * memory // per_worker)
   max_workers = 0 if cores <= SMALL_HOST else min(cores, memory_cap)
   workers = [num_workers] if num_workers is not None else range(max_workers + 1)
+  if divide:
+    workers = [w for w in workers if w == 0 or divide % w == 0]
   candidates = []
   for w in workers:
     top = cores if w == 0 else max(1, cores // w)
@@ -204,6 +208,7 @@ def plan(
     if num_workers is None and cores > SMALL_HOST and w == memory_cap < cores
     else ""
   )
+  given += f", workers dividing {divide} for the block order" if divide else ""
   why = (
     f"auto for {cores} cores{given}: projected {rate:,.0f} img/s, bound by "
     f"{bound(cores, costs, Plan(w, t))}{memory_note}"

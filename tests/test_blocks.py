@@ -296,3 +296,17 @@ def test_owned_shards_fill_the_record_cache_in_block_reads_and_then_read_nothing
     m.reset()
     take(it, 2 * sum(counts) // 8)  # two more epochs: all from the host's cache
     assert m.stats()["reads"] == 0
+
+
+@pytest.mark.parametrize("cores", [96, 224])
+def test_on_a_many_core_host_the_block_order_gets_workers_that_read_whole_blocks(
+  photos_dir, monkeypatch, cores
+):
+  from pipeline import parallelism
+
+  monkeypatch.setattr(parallelism, "available_cores", lambda: cores)  # as if on that host
+  monkeypatch.setattr(parallelism, "available_memory", lambda: 256 << 30)
+  spec = pipeline.Spec.of(photos_dir, batch_size=16, order="blocks", shard_index=0, shard_count=1)
+  st = dataset.build(spec)
+  assert st.workers in (2, 4)  # dividing blocks.WINDOW_BATCHES (global order: 3 here)
+  assert st.read.ranges.block_records == 16  # each worker reads its blocks whole
