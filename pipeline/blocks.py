@@ -29,7 +29,9 @@ import numpy as np
 
 from pipeline.sampling import permute
 
-BLOCK_RECORDS = 16  # records per block: images per request from one process
+BLOCK_RECORDS = 16  # records per block at least: images per request from one process
+BLOCK_BYTES = 2 * 2**20  # bytes per block at least, by default (a layer may cut at 1 MiB)
+MAX_BLOCK_RECORDS = 256
 WINDOW_BATCHES = 4  # global batches of blocks per window: batches in a row with no block shared
 
 
@@ -126,6 +128,15 @@ def label_distance(labels: np.ndarray, batch_size: int) -> float:
   counts = np.zeros((len(batches), classes))
   np.add.at(counts, (np.arange(len(batches))[:, None], batches), 1)
   return float(np.mean(0.5 * np.abs(counts / batch_size - split).sum(axis=1)))
+
+
+def block_records(record_bytes: float | None) -> int:
+  """The default records per block for records of `record_bytes` on average (None: not
+  known): a power of two from BLOCK_RECORDS up, until a block holds BLOCK_BYTES."""
+  k = BLOCK_RECORDS
+  while record_bytes and k * record_bytes < BLOCK_BYTES and k < MAX_BLOCK_RECORDS:
+    k *= 2
+  return k
 
 
 def pieces(blocks: Blocks, batch_size: int, workers: int) -> int:

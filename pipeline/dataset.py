@@ -167,16 +167,21 @@ def _sampler(spec: Spec, meta: manifest_lib.Manifest, source: ShardedSource) -> 
     shard_count=shard_count,
     remainder="drop" if spec.train else "pad",
     shard_records=counts if spec.sharding == "shards" else None,
-    blocks=_blocks(spec, counts, shard_count) if order == "blocks" else None,
+    blocks=_blocks(spec, split.shards, shard_count) if order == "blocks" else None,
     block=spec.batch_size,
   )
 
 
-def _blocks(spec: Spec, counts: tuple[int, ...], shard_count: int) -> Blocks:
-  """The block order: windows of `blocks.WINDOW_BATCHES` global batches by default (a
+def _blocks(spec: Spec, shards: list, shard_count: int) -> Blocks:
+  """The block order: blocks of 2 MiB or more by default (`blocks_lib.block_records`, from
+  the manifest's shard sizes), windows of `WINDOW_BATCHES` global batches of blocks (a
   process's own batches when it owns its shards)."""
+  counts = tuple(s.num_records for s in shards)
+  known = all(s.bytes is not None for s in shards)
+  record_bytes = sum(s.bytes for s in shards) / max(1, sum(counts)) if known else None
+  size = spec.block_records or blocks_lib.block_records(record_bytes)
   batch = spec.batch_size * (shard_count if spec.sharding == "records" else 1)
-  return Blocks(counts, spec.block_records, spec.window_blocks or WINDOW_BATCHES * batch)
+  return Blocks(counts, size, spec.window_blocks or WINDOW_BATCHES * batch)
 
 
 def _transforms(spec: Spec, meta: manifest_lib.Manifest) -> tuple[augment_lib.Head, tuple, tuple]:

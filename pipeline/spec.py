@@ -57,11 +57,12 @@ class Spec:
       shuffle then never mixes records across processes' shards).
     order: the shuffle's order (it changes which records a batch holds). "global": every
       record anywhere, one storage request per image. "blocks": runs of `block_records`
-      consecutive records of a shard, the blocks shuffled and taken in windows of
-      `window_blocks` blocks (default: 4 global batches' worth), each batch one record of
-      each of as many blocks (`pipeline.blocks`): a process reads only its own blocks, one
-      request each, and a batch's label mix is a global shuffle's. None (default): "blocks"
-      for a bucket (gs:// or a FUSE mount such as gcsfuse), "global" on local disk.
+      consecutive records of a shard (default: 16, 32, ... until a run holds 2 MiB), the
+      blocks shuffled and taken in windows of `window_blocks` blocks (default: 4 global
+      batches' worth), each batch one record of each of as many blocks (`pipeline.blocks`):
+      a process reads only its own blocks, one request each, and a batch's label mix is a
+      global shuffle's. None (default): "blocks" for a bucket (gs:// or a FUSE mount such as
+      gcsfuse), "global" on local disk.
     keys: feature keys of the records (default: the manifest's).
     on_error: "raise" (default) or "skip" a bad record; errors name the shard and record.
       The skip count is `iterator.skipped`, also in `get_state()["skipped"]`.
@@ -104,7 +105,7 @@ class Spec:
   sharding: str = "records"
   # the order
   order: str | None = None
-  block_records: int = blocks.BLOCK_RECORDS
+  block_records: int | None = None
   window_blocks: int | None = None
   # the records
   keys: records.Keys | None = None
@@ -136,7 +137,8 @@ class Spec:
       raise ValueError(f"sharding must be 'records' or 'shards', not {values['sharding']!r}")
     if values["order"] not in (None, "global", "blocks"):
       raise ValueError(f"order must be 'global', 'blocks' or None, not {values['order']!r}")
-    blocks.Blocks((), values["block_records"], values["window_blocks"] or 1)  # checks them
+    sizes = [1 if values[k] is None else values[k] for k in ("block_records", "window_blocks")]
+    blocks.Blocks((), *sizes)  # checks them
     if values["image_size"] is not None and values["image_size"] < 1:
       raise ValueError(f"image_size must be positive, got {values['image_size']}")
     train = values["train"]

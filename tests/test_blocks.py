@@ -141,8 +141,12 @@ def test_make_dataset_in_block_order_reads_every_record_once_per_epoch(digits_di
   spec = pipeline.Spec.of(digits_dir, batch_size=16, order="blocks", num_epochs=1, seed=2)
   meta, source, _ = dataset._open(spec)
   s = dataset._sampler(spec, meta, source)
-  counts = tuple(sh.num_records for sh in meta.splits["train"].shards)
-  assert s.blocks == Blocks(counts, window_blocks=blocks.WINDOW_BATCHES * 16)
+  shards = meta.splits["train"].shards
+  record_bytes = sum(sh.bytes for sh in shards) / meta.splits["train"].num_records
+  size = blocks.block_records(record_bytes)  # 2 MiB, or 256 of these 1.6 KB digits
+  assert size == blocks.MAX_BLOCK_RECORDS and blocks.block_records(90e3) == 32
+  counts = tuple(sh.num_records for sh in shards)
+  assert s.blocks == Blocks(counts, size, window_blocks=blocks.WINDOW_BATCHES * 16)
   records = s.records(np.arange(s.per_epoch))[1]
   assert sorted(records) == list(range(meta.splits["train"].num_records))
   default = dataset._sampler(pipeline.Spec.of(digits_dir, batch_size=16), meta, source)
@@ -231,7 +235,9 @@ def test_a_request_budget_gives_each_request_its_turn_and_no_more():
 def test_the_read_stage_waits_its_turn_under_max_requests_per_s(digits_dir):
   for order in ("global", "blocks"):
     perf = dict(max_requests_per_s=50, num_workers=0)
-    spec = pipeline.Spec.of(digits_dir, batch_size=16, image_size=16, order=order, performance=perf)
+    spec = pipeline.Spec.of(
+      digits_dir, batch_size=16, image_size=16, order=order, block_records=16, performance=perf
+    )
     st = dataset.build(spec)
     take(iter(dataset.chain(st)), 2)
     assert st.read.budget.waited >= 1 and st.read.stats.requests >= 2
@@ -309,4 +315,4 @@ def test_on_a_many_core_host_the_block_order_gets_workers_that_read_whole_blocks
   spec = pipeline.Spec.of(photos_dir, batch_size=16, order="blocks", shard_index=0, shard_count=1)
   st = dataset.build(spec)
   assert st.workers in (2, 4)  # dividing blocks.WINDOW_BATCHES (global order: 3 here)
-  assert st.read.ranges.block_records == 16  # each worker reads its blocks whole
+  assert st.read.ranges.block_records == st.plan.sampler.blocks.block_records  # blocks whole
