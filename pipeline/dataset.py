@@ -287,7 +287,7 @@ def _stream(spec: Spec, sampler: Sampler) -> dict:
     stream["remainder"] = "pad"
   if sampler.blocks is not None:
     b = sampler.blocks
-    stream["order"] = f"blocks of {b.block_records}, windows of {b.window_blocks}"
+    stream["order"] = f"blocks of {b.block_records} in rounds over windows of {b.window_blocks}"
   return stream
 
 
