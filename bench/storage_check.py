@@ -243,7 +243,8 @@ def report(check: StorageCheck, advice: Advice | None = None) -> str:
       f"per image caps a run near {budget:,.0f} images/s; the block order (order='blocks', "
       f"the default for a bucket) reads {BLOCK_RECORDS} records a request: up to "
       f"~{budget * BLOCK_RECORDS:,.0f} images/s. Set performance.max_requests_per_s="
-      f"{math.floor(UNDER * budget)} so reads ahead wait their turn in the pipeline, not at storage."
+      f"{math.floor(UNDER * budget)} so reads ahead wait their turn in the pipeline, not at "
+      "storage."
     )
   if advice:
     a = advice
