@@ -16,6 +16,9 @@ loader's own:
 
     prefetch: P / (R + W / T)   each of P prefetch threads reads its batch (R per image),
                                 then waits for its T decode threads (W per image)
+    requests: C x K             storage answers C requests/s however many are in flight (the
+                                storage check), K images per request; counted when the run's
+                                read stage makes most of C or its reads queue at storage
 
 The smallest limit names the resource, its largest stage the bottleneck, and re-evaluating
 the model with other settings gives each recommendation's expected gain; `--cores N`
