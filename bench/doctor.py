@@ -343,6 +343,14 @@ def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
 # ---------------------------------------------------------------- whole pipeline
 
 
+def _same_exe(p: psutil.Process, me: psutil.Process) -> bool:
+  """Whether `p` runs this Python (a worker process, not e.g. a FUSE server we started)."""
+  try:
+    return p.exe() == me.exe()
+  except psutil.Error:
+    return False
+
+
 def _cpu_s(procs) -> float:
   total = 0.0
   for p in procs:
@@ -373,7 +381,7 @@ def measure_run(
   with recorder.span("wait for batch"):
     next(it)
   first = time.perf_counter()
-  kids = me.children(recursive=True)
+  kids = [k for k in me.children(recursive=True) if _same_exe(k, me)]  # worker processes
   cpu0 = time.process_time() + _cpu_s(kids)
   before = dataclasses.replace(read.stats) if read else None
   images = batches = 0
@@ -620,8 +628,8 @@ def diagnose(
   here = cores == m.cores
   memory = None if here else cores * 2**30
   chosen = s.plan(cores, memory)
-  costs = with_other(m.costs, m.run, s.plan(m.cores).workers, s)
   budget = request_budget(m)
+  costs = with_other(m.costs, _per_record(m.run) if budget else m.run, s.plan(m.cores).workers, s)
   if m.python_us is not None and budget is None:  # else the emulated run waited on storage
     costs["python"] = Cost(m.python_us / 1e3, m.python_us / 1e3)
   cache_mb = m.cache_bytes_per_image * m.num_records / 2**20
@@ -632,7 +640,7 @@ def diagnose(
     perf.prefetch,
     0 < cache_mb <= perf.cache_mb,
     perf.dct_scaling,
-    budget,
+    budget and min(budget, m.run.requests.max_per_s or budget),  # a lower max_requests_per_s
     max(m.run.requests.images_per_request, 1.0) if budget else 1.0,
   )
   limits = model(costs, state, cores, s)
@@ -664,6 +672,16 @@ def diagnose(
   return d
 
 
+def _per_record(run: Run) -> Run:
+  """`run` with its CPU spread over the records it read when more than it delivered: under
+  a request budget reads ahead run far past the batches delivered, and their CPU is not a
+  delivered image's."""
+  read = run.requests.made * run.requests.images_per_request
+  return dataclasses.replace(
+    run, cpu_ms_per_image=run.cpu_ms_per_image * run.images / max(run.images, read)
+  )
+
+
 def request_budget(m: Measurements) -> float | None:
   """Storage's request ceiling (requests/s) when it binds the run: the storage check finds
   one (throughput flat while latency grows with reads in flight) and the run's read stage
@@ -691,11 +709,13 @@ def _words(
   gil_us = sum(costs[s].cpu_ms for s in _gil_stages(costs, state)) * 1e3
   if limit == "requests":
     levels, r = m.storage.levels, m.run.requests
+    ceiling = m.storage.request_budget_per_s(m.cores)
+    cap = f", max_requests_per_s={r.max_per_s:g}" if r.max_per_s else ""
     return (
-      f"storage answers ~{state.budget_per_s:,.0f} requests/s however many are in flight "
+      f"storage answers ~{ceiling:,.0f} requests/s however many are in flight "
       f"(a read's latency {levels[0].median_ms:,.1f} ms alone, {levels[-1].median_ms:,.0f} ms "
       f"at {levels[-1].concurrency} in flight); the run made {r.per_s:,.0f} requests/s of "
-      f"{state.per_request:.1f} images each (order='{r.order}'): {rate}"
+      f"{state.per_request:.1f} images each (order='{r.order}'{cap}): {rate}"
     )
   return {
     "cores": f"all {cores} cores busy: {rate}",
