@@ -328,6 +328,7 @@ def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
       )
       clocks["augment_cached"].time(head.from_decoded, cached, key, out)
       cache_bytes.append(cached.nbytes)
+  source.close()
   costs = {
     name: c.cost(min(n, 32) if name in ("cache_fill", "augment_cached") else n)
     for name, c in clocks.items()
@@ -832,10 +833,11 @@ def _recommend_requests(d: Diagnosis, state: _State, propose, rate) -> None:
   (performance.max_requests_per_s), so that reads wait their turn in the pipeline instead
   of queueing at storage; then more images per request (the block order, larger blocks) up
   to the rate the rest of the host allows."""
-  s, r, ceiling = d.settings, d.run.requests, state.budget_per_s
+  s, r, m = d.settings, d.run.requests, d.measured
+  ceiling = m.storage.request_budget_per_s(m.cores)
   under = math.floor(storage_check.UNDER * ceiling)
   if r.max_per_s is None or r.max_per_s > under:
-    levels = d.measured.storage.levels
+    levels = m.storage.levels
     state = propose(
       "max_requests_per_s",
       r.max_per_s,

@@ -7,6 +7,8 @@ specified on given measurements; the command line runs the real pipeline through
 storage rig (bench/rig.py) with a request cap, and on local disk.
 """
 
+import dataclasses
+
 import pytest
 
 from bench import doctor
@@ -91,14 +93,14 @@ def test_a_run_well_under_the_ceiling_keeps_the_verdict():
 
 QUICK = ["--seconds", "1", "--sample", "8", "--batch-size", "8", "--image-size", "32"]
 QUICK += ["--storage-levels", "1,8", "--storage-reads", "24", "--record-cache-mb", "0"]
-QUICK += ["--order", "global", "--timeline", "", "--json", ""]
+QUICK += ["--timeline", "", "--json", ""]
 
 
 def test_through_a_request_capped_rig_the_verdict_is_the_request_budget(
   storage_rig, digits_dir, capsys
 ):
   with storage_rig.mount(digits_dir, latency_ms=10, requests_per_s=40) as rig:
-    d = doctor.main([str(rig.path), *QUICK])
+    d = doctor.main([str(rig.path), *QUICK, "--order", "global"])
     capped = rig.stats()["capped"]
   text = capsys.readouterr().out
   assert capped > 0
@@ -115,10 +117,34 @@ def test_through_a_request_capped_rig_the_verdict_is_the_request_budget(
   assert "The request budget binds" in text  # the storage check's table says so too
 
 
+def test_in_the_block_order_a_bucket_gets_by_default_the_budget_is_named_too(
+  storage_rig, digits_dir, capsys
+):
+  with storage_rig.mount(digits_dir, latency_ms=10, requests_per_s=20) as rig:
+    d = doctor.main([str(rig.path), *QUICK])  # a FUSE mount: the block order
+  text = capsys.readouterr().out
+  assert d.bottleneck == doctor.REQUEST_BUDGET, text
+  q = d.run.requests
+  assert q.order == "blocks" and q.block_records == 16 and q.images_per_request > 1
+  assert d.limits["requests"] == pytest.approx(
+    d.measured.storage.request_budget_per_s(d.cores) * q.images_per_request
+  )
+  assert proposal(d, "max_requests_per_s").proposed < 20 and not proposal(d, "order")
+  assert "python" not in d.costs  # the emulated run would have waited on storage
+
+
 def test_on_local_disk_the_verdict_does_not_name_the_request_budget(digits_dir, capsys):
-  d = doctor.main([str(digits_dir), *QUICK])
+  d = doctor.main([str(digits_dir), *QUICK, "--order", "global"])
   text = capsys.readouterr().out
   assert d.bottleneck != doctor.REQUEST_BUDGET and "requests" not in d.limits, text
   assert "request budget" not in text and not proposal(d, "max_requests_per_s")
   q = d.run.requests
   assert q.made > 0 and q.images_per_request == 1.0  # global order: a request per image
+
+
+def test_a_max_requests_per_s_under_the_ceiling_is_the_budget_and_not_proposed_again():
+  q = dataclasses.replace(requests(230.0, "blocks", 16), max_per_s=237.0)
+  d = doctor.diagnose(settings(128), storage_bound(3500.0, q), cores=224)
+  assert d.bottleneck == doctor.REQUEST_BUDGET, doctor.report(d)
+  assert d.limits["requests"] == pytest.approx(237 * 15.4, abs=0.1)
+  assert "max_requests_per_s=237" in d.limit and not proposal(d, "max_requests_per_s")
