@@ -16,6 +16,9 @@ loader's own:
 
     prefetch: P / (R + W / T)   each of P prefetch threads reads its batch (R per image),
                                 then waits for its T decode threads (W per image)
+    requests: C x K             storage answers C requests/s however many are in flight (the
+                                storage check), K images per request; counted when the run's
+                                read stage makes most of C or its reads queue at storage
 
 The smallest limit names the resource, its largest stage the bottleneck, and re-evaluating
 the model with other settings gives each recommendation's expected gain; `--cores N`
@@ -44,16 +47,19 @@ import psutil
 
 import pipeline
 from bench import emulate, measure, storage_check, timeline
-from pipeline import augment, decode, options, parallelism, records
+from pipeline import augment, dataset, decode, options, parallelism, reads, records
 from pipeline import manifest as manifest_lib
+from pipeline.blocks import BLOCK_RECORDS
 from pipeline.source import ShardedSource
 
 STAGES = ("read", "parse", "decode", "augment")
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
-LIMITS = ("cores", "gil", "threads", "prefetch", "receive")  # ties: hardware first
+LIMITS = ("requests", "cores", "gil", "threads", "prefetch", "receive")  # ties: hardware first
 MAX_PREFETCH = 16
 REFERENCE_PIXELS = 224 * 224  # the image size parallelism.COSTS were measured at
 CEILING_THREADS = 16  # threads of the emulated run that measures the GIL-held time
+PRESSED = 0.75  # a run making this share of storage's request ceiling is bound by it
+REQUEST_BUDGET = "storage request budget"  # the bottleneck's name when requests bind
 
 
 class UsageError(ValueError):
@@ -119,11 +125,11 @@ class Settings:
     options.coerce(pipeline.Augment, self.augment)
     options.coerce(pipeline.Performance, self.performance)
 
-  def dataset(self, emulate_us: tuple[float, float] | None = None) -> grain.IterDataset:
-    """The dataset these settings make (decode and resize emulated with `emulate_us`)."""
-    return emulate.make_dataset(
-      self.data_dir,
-      self.split,
+  def keywords(self) -> dict:
+    """`make_dataset`'s arguments for these settings (one process, train)."""
+    return dict(
+      data_dir=self.data_dir,
+      split=self.split,
       batch_size=self.batch_size,
       train=True,
       seed=self.seed,
@@ -132,9 +138,16 @@ class Settings:
       shard_count=1,
       augment=self.augment,
       performance=self.performance,
-      emulate_us=emulate_us,
       **self.other,
     )
+
+  def stages(self) -> dataset.Stages:
+    """The stages `make_dataset` joins for these settings (`dataset.chain` joins them)."""
+    return dataset.build(dataset.Spec.of(**self.keywords()))
+
+  def dataset(self, emulate_us: tuple[float, float] | None = None) -> grain.IterDataset:
+    """The dataset these settings make (decode and resize emulated with `emulate_us`)."""
+    return emulate.make_dataset(**self.keywords(), emulate_us=emulate_us)
 
 
 @dataclasses.dataclass
@@ -155,6 +168,21 @@ class Cost:
 
 
 @dataclasses.dataclass
+class Requests:
+  """The read stage's storage requests over a run's timed part (`pipeline.reads.ReadStats`)."""
+
+  made: int
+  per_s: float
+  kb_per_request: float
+  images_per_request: float
+  order: str  # "global": one request per image; "blocks": one per block of block_records
+  block_records: int | None
+  max_per_s: float | None  # performance.max_requests_per_s (this process's share)
+  latency_open_ms: float  # one read at open
+  latency_ms: float  # a read task at the end (moving average)
+
+
+@dataclasses.dataclass
 class Run:
   """The whole pipeline, steady state (after the first batch)."""
 
@@ -164,6 +192,7 @@ class Run:
   seconds: float
   cpu_ms_per_image: float  # this process and its worker processes
   wait_share: float | None = None  # with a simulated step: time blocked in next() / total
+  requests: Requests | None = None  # without worker processes (theirs are not counted here)
 
 
 @dataclasses.dataclass
@@ -180,6 +209,7 @@ class Measurements:
   run: Run
   consumer_run: Run | None = None
   python_us: float | None = None  # GIL-held time per image (emulated ceiling; native path)
+  storage: storage_check.StorageCheck | None = None  # reads at 1, 16, 128 in flight
 
 
 @dataclasses.dataclass
@@ -298,6 +328,7 @@ def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
       )
       clocks["augment_cached"].time(head.from_decoded, cached, key, out)
       cache_bytes.append(cached.nbytes)
+  source.close()
   costs = {
     name: c.cost(min(n, 32) if name in ("cache_fill", "augment_cached") else n)
     for name, c in clocks.items()
@@ -311,6 +342,14 @@ def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
 
 
 # ---------------------------------------------------------------- whole pipeline
+
+
+def _same_exe(p: psutil.Process, me: psutil.Process) -> bool:
+  """Whether `p` runs this Python (a worker process, not e.g. a FUSE server we started)."""
+  try:
+    return p.exe() == me.exe()
+  except psutil.Error:
+    return False
 
 
 def _cpu_s(procs) -> float:
@@ -330,18 +369,22 @@ def measure_run(
   step_s: float = 0.0,
   recorder: timeline.Recorder | None = None,
   min_batches: int = 3,
+  read: reads.ReadRecords | None = None,
 ) -> Run:
   """Iterates `ds` for `seconds` after the first batch; sleeps `step_s` per batch if > 0.
-  The recorder gets the consumer's view: waiting for batches, train steps."""
+  The recorder gets the consumer's view: waiting for batches, train steps. With `read`,
+  `ds`'s read stage in this process, the run counts its storage requests."""
   recorder = recorder or timeline.Recorder()
   me = psutil.Process()
   start = time.perf_counter()
+  opened = read.stats.latency_s if read else 0.0  # the latency measured at open
   it: Iterator = iter(ds)
   with recorder.span("wait for batch"):
     next(it)
   first = time.perf_counter()
-  kids = me.children(recursive=True)
+  kids = [k for k in me.children(recursive=True) if _same_exe(k, me)]  # worker processes
   cpu0 = time.process_time() + _cpu_s(kids)
+  before = dataclasses.replace(read.stats) if read else None
   images = batches = 0
   waited = 0.0
   while time.perf_counter() - first < seconds or batches < min_batches:
@@ -367,6 +410,27 @@ def measure_run(
     round(end - first, 3),
     round(cpu / images * 1e3, 4),
     round(waited / (end - first), 3) if step_s else None,
+    _requests(read, before, end - first, opened) if read else None,
+  )
+
+
+def _requests(
+  read: reads.ReadRecords, before: reads.ReadStats, seconds: float, opened_s: float
+) -> Requests:
+  """The storage requests `read` made since `before` (its stats then), over `seconds`;
+  `opened_s`: its read latency at open."""
+  s = read.stats
+  made = s.requests - before.requests
+  return Requests(
+    made,
+    round(made / seconds, 1),
+    round((s.request_bytes - before.request_bytes) / max(made, 1) / 1e3, 1),
+    round((s.request_records - before.request_records) / max(made, 1), 2),
+    "global" if read.ranges is None else "blocks",
+    None if read.ranges is None else read.ranges.block_records,
+    None if read.budget is None else read.budget.per_s,
+    round(opened_s * 1e3, 2),
+    round(s.latency_s * 1e3, 2),
   )
 
 
@@ -376,18 +440,34 @@ def measure_all(
   step_ms: float | None = None,
   sample: int = 128,
   recorder: timeline.Recorder | None = None,
+  storage_levels: tuple[int, ...] = (),
+  storage_reads: int = 256,
 ) -> Measurements:
-  """Stage costs, then the whole pipeline alone, then (with `step_ms`) beside a step."""
+  """Stage costs; with `storage_levels`, the storage check (`bench.storage_check`:
+  `storage_reads` reads at each level in flight); the whole pipeline alone (its storage
+  requests counted when it has no worker processes), then (with `step_ms`) beside a step;
+  then the GIL-held time, unless storage's request budget binds (the emulated run would
+  wait on storage, not on the GIL)."""
   costs, facts = measure_costs(s, sample)
+  check = (
+    storage_check.measure(s.data_dir, s.split, storage_levels, storage_reads)
+    if storage_levels
+    else None
+  )
   recorder = recorder or timeline.Recorder()
-  run = measure_run(s.dataset(), seconds, recorder=None if step_ms else recorder)
+  stages = s.stages()
+  run = measure_run(
+    dataset.chain(stages),
+    seconds,
+    recorder=None if step_ms else recorder,
+    read=None if stages.workers else stages.read,
+  )
   consumer = None
   if step_ms:  # the timeline shows this run: input waits beside train steps
     consumer = measure_run(
       s.dataset(), max(seconds / 2, 3 * step_ms / 1e3), step_ms / 1e3, recorder
     )
-  python_us = measure_python(s, costs, seconds / 2) if decode.native() is not None else None
-  return Measurements(
+  m = Measurements(
     parallelism.available_cores(),
     round(os.getloadavg()[0], 2),
     facts["num_records"],
@@ -397,8 +477,11 @@ def measure_all(
     round(facts["dct_share"], 3),
     run,
     consumer,
-    python_us,
+    storage=check,
   )
+  if decode.native() is not None and request_budget(m) is None:
+    m.python_us = measure_python(s, costs, seconds / 2)
+  return m
 
 
 def measure_python(s: Settings, costs: dict[str, Cost], seconds: float) -> float:
@@ -425,6 +508,8 @@ class _State:
   prefetch: int
   cached: bool
   dct: bool
+  budget_per_s: float | None = None  # storage's request ceiling, when the run presses it
+  per_request: float = 1.0  # images per storage request
 
 
 def _free_stages(costs: dict[str, Cost], state: _State) -> tuple[str, ...]:
@@ -493,6 +578,9 @@ def model(costs: dict[str, Cost], state: _State, cores: int, s: Settings) -> dic
   free = _free_stages(costs, state)
   work_wall = sum(costs[s].active_ms for s in ("parse", *free)) / 1e3
   read_wall = costs["read"].active_ms / 1e3
+  if state.budget_per_s:  # requests: storage answers so many a second, however many wait
+    lim["requests"] = state.budget_per_s * state.per_request
+    read_wall = min(read_wall, 1 / lim["requests"])  # a read's share of the ceiling
   lim["prefetch"] = (
     max(state.workers, 1) * state.prefetch / max(read_wall + work_wall / state.threads, 1e-9)
   )
@@ -508,6 +596,8 @@ def binding(limits: dict[str, float]) -> str:
 def _stage_of(limit: str, costs: dict[str, Cost], state: _State) -> str:
   """The stage to blame under `limit`: the largest share of the bound resource."""
   free = _free_stages(costs, state)
+  if limit == "requests":
+    return REQUEST_BUDGET
   if limit == "receive":
     return "transfer"
   if limit == "gil":
@@ -539,13 +629,20 @@ def diagnose(
   here = cores == m.cores
   memory = None if here else cores * 2**30
   chosen = s.plan(cores, memory)
-  costs = with_other(m.costs, m.run, s.plan(m.cores).workers, s)
-  if m.python_us is not None:
+  budget = request_budget(m)
+  costs = with_other(m.costs, _per_record(m.run) if budget else m.run, s.plan(m.cores).workers, s)
+  if m.python_us is not None and budget is None:  # else the emulated run waited on storage
     costs["python"] = Cost(m.python_us / 1e3, m.python_us / 1e3)
   cache_mb = m.cache_bytes_per_image * m.num_records / 2**20
   perf = s.perf
   state = _State(
-    chosen.workers, chosen.threads, perf.prefetch, 0 < cache_mb <= perf.cache_mb, perf.dct_scaling
+    chosen.workers,
+    chosen.threads,
+    perf.prefetch,
+    0 < cache_mb <= perf.cache_mb,
+    perf.dct_scaling,
+    budget and min(budget, m.run.requests.max_per_s or budget),  # a lower max_requests_per_s
+    max(m.run.requests.images_per_request, 1.0) if budget else 1.0,
   )
   limits = model(costs, state, cores, s)
   predicted = min(limits.values())
@@ -567,7 +664,7 @@ def diagnose(
     step_ms=step_ms,
     bottleneck=bottleneck,
     input_stage=input_stage,
-    limit=_words(limit, limits, state, costs, cores),
+    limit=_words(limit, limits, state, costs, cores, m),
     recommendations=[],
     notes=[],
     cache_estimate_mb=round(cache_mb, 1),
@@ -576,12 +673,51 @@ def diagnose(
   return d
 
 
+def _per_record(run: Run) -> Run:
+  """`run` with its CPU spread over the records it read when more than it delivered: under
+  a request budget reads ahead run far past the batches delivered, and their CPU is not a
+  delivered image's."""
+  read = run.requests.made * run.requests.images_per_request
+  return dataclasses.replace(
+    run, cpu_ms_per_image=run.cpu_ms_per_image * run.images / max(run.images, read)
+  )
+
+
+def request_budget(m: Measurements) -> float | None:
+  """Storage's request ceiling (requests/s) when it binds the run: the storage check finds
+  one (throughput flat while latency grows with reads in flight) and the run's read stage
+  makes at least PRESSED of it, or its reads queue (their latency QUEUED times the one at
+  open: reads ahead wait at storage, and a run that reads far ahead uses few of them).
+  None otherwise, or where either was not measured."""
+  ceiling = m.storage.request_budget_per_s(m.cores) if m.storage else None
+  q = m.run.requests
+  if ceiling and q:
+    if q.per_s >= PRESSED * ceiling or q.latency_ms >= storage_check.QUEUED * q.latency_open_ms:
+      return ceiling
+  return None
+
+
 def _words(
-  limit: str, limits: dict[str, float], state: _State, costs: dict[str, Cost], cores: int
+  limit: str,
+  limits: dict[str, float],
+  state: _State,
+  costs: dict[str, Cost],
+  cores: int,
+  m: Measurements,
 ) -> str:
   rate = f"{limits[limit]:.0f} img/s at most"
   procs = f"{state.workers} worker processes" if state.workers else "one process"
   gil_us = sum(costs[s].cpu_ms for s in _gil_stages(costs, state)) * 1e3
+  if limit == "requests":
+    levels, r = m.storage.levels, m.run.requests
+    ceiling = m.storage.request_budget_per_s(m.cores)
+    cap = f", max_requests_per_s={r.max_per_s:g}" if r.max_per_s else ""
+    return (
+      f"storage answers ~{ceiling:,.0f} requests/s however many are in flight "
+      f"(a read's latency {levels[0].median_ms:,.1f} ms alone, {levels[-1].median_ms:,.0f} ms "
+      f"at {levels[-1].concurrency} in flight); the run made {r.per_s:,.0f} requests/s of "
+      f"{state.per_request:.1f} images each (order='{r.order}'{cap}): {rate}"
+    )
   return {
     "cores": f"all {cores} cores busy: {rate}",
     "gil": (
@@ -608,19 +744,24 @@ def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
     return min(model(costs, st, C, s).values())
 
   base = rate(start)
-  scale = d.run.images_per_sec / base if d.here else 1.0
+  # Under a request budget the model's rate is storage's ceiling, which reads queueing
+  # at storage fall short of: the expected rates are the model's.
+  scale = d.run.images_per_sec / base if d.here and not start.budget_per_s else 1.0
 
-  def propose(field, current, proposed, why, writes, **change):
+  def propose(field, current, proposed, why, writes, since=None, **change):
+    """Adds the change when it gains 5% over the model's rate without it (or over the
+    rate `since`, given for a change worth making whatever the model says)."""
     nonlocal state
     new = dataclasses.replace(state, **change)
-    gain = rate(new) / rate(state)
-    if gain >= 1.05:
+    gain = rate(new) * scale / since if since else rate(new) / rate(state)
+    if gain >= 1.05 or since:
       state = new
       d.recommendations.append(
         Recommendation(
           field, current, proposed, round(rate(new) * scale, 1), round(gain, 3), why, writes
         )
       )
+    return state
 
   if d.bottleneck == "train step":
     d.notes.append(
@@ -629,6 +770,8 @@ def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
       "training"
     )
   else:
+    if state.budget_per_s:
+      _recommend_requests(d, state, propose, rate)
     if not start.dct and "decode_dct" in costs:
       propose(
         "dct_scaling",
@@ -683,6 +826,57 @@ def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
         f"{d.step_ms:g} ms step needs ({need:.0f} img/s)"
       )
   _notes(d)
+
+
+def _recommend_requests(d: Diagnosis, state: _State, propose, rate) -> None:
+  """Under storage's request ceiling: requests kept just under it
+  (performance.max_requests_per_s), so that reads wait their turn in the pipeline instead
+  of queueing at storage; then more images per request (the block order, larger blocks) up
+  to the rate the rest of the host allows."""
+  s, r, m = d.settings, d.run.requests, d.measured
+  ceiling = m.storage.request_budget_per_s(m.cores)
+  under = math.floor(storage_check.UNDER * ceiling)
+  if r.max_per_s is None or r.max_per_s > under:
+    levels = m.storage.levels
+    state = propose(
+      "max_requests_per_s",
+      r.max_per_s,
+      under,
+      f"just under storage's ~{ceiling:,.0f} requests/s, so that reads wait their turn in "
+      f"the pipeline instead of queueing at storage (a read took {r.latency_ms:,.0f} ms in "
+      f"the run, {r.latency_open_ms:,.1f} ms at open; {levels[-1].median_ms:,.0f} ms at "
+      f"{levels[-1].concurrency} in flight in the storage check)",
+      {"performance.max_requests_per_s": under},
+      since=d.run.images_per_sec,
+      budget_per_s=float(under),
+    )
+  if r.order == "global":
+    k = s.other.get("block_records", BLOCK_RECORDS)
+    state = propose(
+      "order",
+      "global",
+      "blocks",
+      f"one request per image; the block order (pipeline.blocks) reads {k} consecutive "
+      f"records a request: up to ~{state.budget_per_s * k:,.0f} img/s at "
+      f"{state.budget_per_s:,.0f} requests/s",
+      {"order": "blocks"},
+      per_request=float(k),
+    )
+  if state.per_request > 1:  # the block order: larger blocks for the rate the host allows
+    rest = rate(dataclasses.replace(state, budget_per_s=math.inf))  # no read waits
+    k = math.ceil(rest / state.budget_per_s)
+    current = r.block_records or s.other.get("block_records", BLOCK_RECORDS)
+    if k > current:
+      propose(
+        "block_records",
+        current,
+        k,
+        f"the host allows ~{rest:,.0f} img/s: at {state.budget_per_s:,.0f} requests/s that "
+        f"is {k} images per request (larger blocks hold more memory ahead: "
+        "performance.read_ahead_mb)",
+        {"block_records": k},
+        per_request=float(k),
+      )
 
 
 def _recommend_processes(d: Diagnosis, state: _State, propose) -> None:
@@ -745,6 +939,11 @@ def _notes(d: Diagnosis) -> None:
       "on its prefetch thread; more batches in flight overlap the reads, and "
       "a local disk or the page cache reads faster than network storage"
     )
+  if d.input_stage == REQUEST_BUDGET:
+    d.notes.append(
+      "the GIL-held time is not measured under a request budget: its emulated run would "
+      "wait on storage's requests, not on the GIL"
+    )
   auto = s.plan(d.cores, None if d.here else d.cores * 2**30)
   if s.perf.num_workers is None or s.perf.num_threads is None:
     d.notes.append(f"on {d.cores} cores make_dataset chooses {auto.describe()}")
@@ -762,6 +961,17 @@ def _notes(d: Diagnosis) -> None:
 def verdict_host(d: Diagnosis) -> str:
   """Which host the verdict is about: this one (measured) or the one --cores projects."""
   return f"this host ({d.cores} cores)" if d.here else f"a projected host of {d.cores} cores"
+
+
+def requests_line(q: Requests) -> str:
+  """The run's storage requests in one line."""
+  plan = "one per image" if q.order == "global" else f"one per block of {q.block_records}"
+  cap = f", at most {q.max_per_s:,.0f}/s" if q.max_per_s else ""
+  return (
+    f"storage requests (order='{q.order}': {plan}{cap}): {q.made:,} in the timed run, "
+    f"{q.per_s:,.0f}/s, {q.kb_per_request:,.0f} KB and {q.images_per_request:.1f} images per "
+    f"request; a read took {q.latency_open_ms:.1f} ms at open, {q.latency_ms:.1f} ms at the end"
+  )
 
 
 def report(d: Diagnosis) -> str:
@@ -807,6 +1017,8 @@ def report(d: Diagnosis) -> str:
       f"({r.images} images in {r.seconds:.1f} s)"
     ),
   ]
+  if r.requests:
+    lines.append(requests_line(r.requests))
   if m.consumer_run:
     w = m.consumer_run.wait_share
     level = "highly" if w >= 0.2 else "moderately" if w >= 0.05 else "not"
@@ -934,6 +1146,14 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--num-workers", type=int, help="worker processes (default: auto)")
   p.add_argument("--prefetch", type=int, help="batches in flight")
   p.add_argument("--cache-mb", type=float, help="decoded-image cache budget")
+  p.add_argument("--record-cache-mb", type=float, help="record cache budget (0: off)")
+  p.add_argument(
+    "--max-requests-per-s", type=float, help="storage requests per second at most (a budget)"
+  )
+  p.add_argument(
+    "--order", choices=("global", "blocks"), help="the shuffle's order (default: by storage)"
+  )
+  p.add_argument("--block-records", type=int, help="images per request in the block order")
   p.add_argument("--no-dct-scaling", dest="dct_scaling", action="store_false", default=None)
   p.add_argument("--cores", type=int, help="recommend for a host of this many cores")
   p.add_argument("--seconds", type=float, default=5.0, help="length of the whole-pipeline run")
@@ -950,6 +1170,9 @@ def parser() -> argparse.ArgumentParser:
     "--storage-levels",
     default="1,16,128",
     help="reads in flight at which to time DATA_DIR's reads ('' skips the storage check)",
+  )
+  p.add_argument(
+    "--storage-reads", type=int, default=256, help="reads timed at each of --storage-levels"
   )
   p.add_argument(
     "--get-price",
@@ -981,14 +1204,19 @@ def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | N
   for field in ("data_dir", "split", "batch_size", "image_size"):
     if getattr(args, field) is not None:
       setattr(s, field, getattr(args, field))
-  for field in ("num_threads", "num_workers", "prefetch", "cache_mb", "dct_scaling"):
+  performance = ("num_threads", "num_workers", "prefetch", "cache_mb", "dct_scaling")
+  for field in (*performance, "record_cache_mb", "max_requests_per_s"):
     if getattr(args, field) is not None:
       s.performance = {**s.performance, field: getattr(args, field)}
+  for field in ("order", "block_records"):
+    if getattr(args, field) is not None:
+      s.other = {**s.other, field: getattr(args, field)}
   for name, value in (
     ("--batch-size", s.batch_size),
     ("--image-size", s.image_size),
     ("--cores", args.cores),
     ("--sample", args.sample),
+    ("--storage-reads", args.storage_reads),
   ):
     if value is not None and value < 1:
       raise UsageError(f"{name} must be positive, got {value}")
@@ -1035,13 +1263,15 @@ def _main(args, argv: list[str]) -> Diagnosis:
   s, base_module, base = _settings(args)
   timeline_path, json_path = _outputs(args)
   recorder = timeline.Recorder()
-  m = measure_all(s, args.seconds, args.step_ms, args.sample, recorder)
+  m = measure_all(
+    s, args.seconds, args.step_ms, args.sample, recorder, args.storage_levels, args.storage_reads
+  )
   d = diagnose(s, m, args.step_ms, args.cores)
   print(report(d))
   storage = None
-  if args.storage_levels:  # for the rate the CPUs allow when no read waits (not d.predicted,
-    # which slow storage already lowers), and this process's share of it
-    check = storage_check.measure(s.data_dir, s.split, args.storage_levels)
+  if m.storage:  # for the rate the CPUs allow when no read waits (not d.predicted, which
+    # slow storage already lowers), and this process's share of it
+    check = m.storage
     processes = max(1, d.plan.get("workers") or 0)
     rate = min(v for k, v in d.limits.items() if k in ("cores", "gil", "receive"))
     advice = storage_check.advise(check, rate / processes, d.cores, rate, args.get_price, processes)

@@ -33,7 +33,10 @@ GET_PRICE_PER_1000 = 0.0004  # USD; GCS class B (object reads), standard storage
 READS_PER_OPEN = 2  # an ArrayRecord reader's open reads its footer and index: 2 requests
 # (126 KB) on a 1.2 MB shard through bench/rig.py with the pipeline's reader options
 SATURATED = 0.9  # a level within this share of the best throughput counts as saturated
-QUEUED = 2.0  # latency this many times the saturating level's, at more in flight: a queue
+QUEUED = 2.0  # latency this many times a lower level's, at more in flight: a queue
+FLAT = 1.25  # throughput growing less than this from one level to the next: flat
+UNDER = 0.95  # performance.max_requests_per_s advised: this share of the requests/s ceiling
+IDLE = 0.5  # CPU cores busy below this while reads wait: the process is not what stops them
 
 
 @dataclasses.dataclass
@@ -70,14 +73,15 @@ class StorageCheck:
     return next(x.concurrency for x in self.levels if x.records_per_s >= SATURATED * best)
 
   def request_budget_per_s(self, cores: int) -> float | None:
-    """The requests/s storage answers however many are in flight, when that binds: past
-    saturation the latency grows (requests queue at a rate cap) while throughput does not,
-    and the CPU issuing them is not what stops it. None otherwise."""
-    top = self.levels[-1]
-    at = next(x for x in self.levels if x.concurrency == self.saturates_at)
-    queued = top.concurrency > at.concurrency and top.median_ms >= QUEUED * at.median_ms
-    if queued and top.cpu_cores < 0.75 * cores:
-      return max(x.records_per_s for x in self.levels)
+    """The requests/s storage answers however many are in flight, when that binds: between
+    two levels throughput stays flat (grows < FLAT x) while the latency grows (>= QUEUED x:
+    requests queue at a rate cap, Little's law), and the CPU issuing them is not what stops
+    it. None otherwise."""
+    for a, b in zip(self.levels, self.levels[1:]):
+      flat = b.records_per_s < FLAT * a.records_per_s
+      idle = b.cpu_cores < min(IDLE, 0.75 * cores)
+      if flat and b.median_ms >= QUEUED * a.median_ms and idle:
+        return max(x.records_per_s for x in self.levels)
     return None
 
 
@@ -239,7 +243,8 @@ def report(check: StorageCheck, advice: Advice | None = None) -> str:
       f"per image caps a run near {budget:,.0f} images/s; the block order (order='blocks', "
       f"the default for a bucket) reads {BLOCK_RECORDS} records a request: up to "
       f"~{budget * BLOCK_RECORDS:,.0f} images/s. Set performance.max_requests_per_s="
-      f"{0.95 * budget:.0f} so reads ahead wait their turn in the pipeline, not at storage."
+      f"{math.floor(UNDER * budget)} so reads ahead wait their turn in the pipeline, not at "
+      "storage."
     )
   if advice:
     a = advice
