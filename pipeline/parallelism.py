@@ -187,7 +187,7 @@ def plan(
   memory_cap = int(MEMORY_SHARE * memory // per_worker)
   max_workers = 0 if cores <= SMALL_HOST else min(cores, memory_cap)
   workers = [num_workers] if num_workers is not None else range(max_workers + 1)
-  if divide:
+  if divide and num_workers is None:
     workers = [w for w in workers if w == 0 or divide % w == 0]
   candidates = []
   for w in workers:
@@ -208,7 +208,7 @@ def plan(
     if num_workers is None and cores > SMALL_HOST and w == memory_cap < cores
     else ""
   )
-  given += f", workers dividing {divide} for the block order" if divide else ""
+  given += f", workers dividing {divide} for the block order" if divide and not given else ""
   why = (
     f"auto for {cores} cores{given}: projected {rate:,.0f} img/s, bound by "
     f"{bound(cores, costs, Plan(w, t))}{memory_note}"
