@@ -191,18 +191,20 @@ def test_errors_of_reading_gcs_are_explained():
 
 
 @pytest.fixture(scope="module")
-def gcs():
+def gcs(tmp_path_factory):
   """A local Cloud Storage with bucket "bkt"; yields the environment that points gcsfs, epath
-  and array_record at it."""
+  and array_record at it, and GCS_EMULATOR_COUNT: the file counting its GETs."""
   assert not EMULATOR_MISSING, f"CI=true but not installed: {EMULATOR_MISSING}"
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   url = f"http://127.0.0.1:{port}"
+  count = os.path.join(tmp_path_factory.mktemp("gcs"), "gets")  # the GETs served so far
   proc = subprocess.Popen(
     [sys.executable, os.path.join(REPO, "tests", "gcs_emulator.py"), str(port), "bkt"],
     stdout=subprocess.DEVNULL,
     stderr=subprocess.DEVNULL,
+    env={**os.environ, "GCS_EMULATOR_COUNT": count},
   )
   try:
     deadline = time.monotonic() + 30
@@ -219,6 +221,7 @@ def gcs():
       "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,
       "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
       "EPATH_USE_TF": "false",
+      "GCS_EMULATOR_COUNT": count,
     }
   finally:
     proc.kill()
@@ -333,6 +336,40 @@ def test_a_shard_written_again_in_the_bucket_is_refused_not_served(gcs, digits_d
   )
   assert read.startswith(f"read: shard {shard} was replaced after this dataset was opened")
   assert restored == "restored: same batches"
+
+
+@needs_emulator
+def test_from_a_bucket_the_block_order_reads_many_images_per_get(gcs, photos_dir):
+  code = textwrap.dedent(
+    """
+    import os, pathlib, sys
+    import gcsfs
+    from pipeline import dataset, Spec
+
+    gcsfs.GCSFileSystem(token="anon").put(sys.argv[1], "bkt/per-get", recursive=True)
+    count = pathlib.Path(os.environ["GCS_EMULATOR_COUNT"])
+    for order in ("global", "blocks"):
+      perf = dict(record_cache_mb=0, num_workers=0)
+      spec = Spec.of("gs://bkt/per-get", batch_size=8, image_size=16, order=order,
+                     shard_index=0, shard_count=1, performance=perf)
+      st = dataset.build(spec)
+      it = iter(dataset.chain(st))
+      next(it)  # opened
+      before, read = int(count.read_text()), st.read.stats.request_records
+      for _ in range(18):  # 3 epochs of 48
+        next(it)
+      gets = int(count.read_text()) - before
+      print(order, st.read.stats.request_records - read, gets)
+      it.close()
+    """
+  )
+  p = run(code, env=gcs, args=[str(photos_dir)])
+  assert p.returncode == 0, p.stderr[-3000:]
+  (_, g_records, g_gets), (_, b_records, b_gets) = [
+    line.split() for line in p.stdout.splitlines()[-2:]
+  ]
+  assert int(g_gets) >= int(g_records) > 0  # one GET per image, or more
+  assert int(b_records) >= 8 * int(b_gets) > 0  # a block, or more, per GET
 
 
 @needs_emulator
