@@ -119,7 +119,9 @@ def test_in_the_block_order_a_bucket_gets_by_default_the_budget_is_named_too(
   storage_rig, digits_dir, capsys
 ):
   with storage_rig.mount(digits_dir, latency_ms=10, requests_per_s=20) as rig:
-    d = doctor.main([str(rig.path), *QUICK])  # a FUSE mount: the block order
+    # a FUSE mount: the block order (blocks of 16: by default these 1.6 KB digits would
+    # make one block of a shard)
+    d = doctor.main([str(rig.path), *QUICK, "--block-records", "16"])
   text = capsys.readouterr().out
   assert d.bottleneck == doctor.REQUEST_BUDGET, text
   q = d.run.requests
