@@ -1,9 +1,18 @@
-"""A request budget: at most `per_s` storage requests a second from this process.
+"""A request budget: at most `per_s` storage requests a second from this process, and a
+controller that keeps no more reads in flight than pay.
 
 A bucket starts near 5,000 reads/s and answers more with 429/503 errors; a process that
 stays under its share never meets them. `RequestBudget.take(n)` returns when n more requests
 fit: each request's turn comes 1/per_s after the one before it (a token bucket holding one
 token), so requests wait in the read stage's I/O threads, not at the bucket.
+
+Behind storage that caps requests without saying so, reads queue there, their measured
+latency grows, and Little's law on it asks for more reads in flight, which queue longer: a
+spiral (576 reads in flight through the rig at 20 ms and 250 requests/s). `Controller` keeps
+the depth that the latency measured at open needs (its floor) and climbs above it one step
+at a time only while the throughput measured over a window grows with it (by `GAIN`); a
+step that brings less goes back down and the next try waits twice as long (hysteresis). A
+"slow down" from storage halves the depth (below the floor too, until steps pay again).
 """
 
 from __future__ import annotations
@@ -11,6 +20,10 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
+
+GAIN = 0.05  # a step up in depth stays if the throughput grows by this much
+HOLD = 2  # windows at a depth before the next step up; doubled after each that did not pay
+MAX_HOLD = 32
 
 
 class RequestBudget:
@@ -47,3 +60,46 @@ class RequestBudget:
         self.waited += 1
     if turn > now:
       self.sleep(turn - now)
+
+
+class Controller:
+  """The read-ahead depth (batches), by hill climbing on the throughput. Pure: `update` is
+  fed one measurement per window, so a made-up sequence of them tests it."""
+
+  def __init__(self, depth: int):
+    self.depth = depth
+    self.state = "holding"  # or "growing": the last step up is being judged
+    self.hold = 1  # windows left before the next step up (the first window is warm-up)
+    self._wait = HOLD  # windows to hold after a step that did not pay
+    self._base = 0.0  # throughput at the depth before the step being judged
+    self._cut = False  # a slow-down took the depth below the floor
+
+  def update(self, rate: float, floor: int, ceiling: int) -> int:
+    """The depth for the next window, given the throughput `rate` of the window just ended
+    and the bounds now (`floor`: Little's law at the latency measured at open; `ceiling`:
+    at the latency measured now, within the bytes)."""
+    if self.state == "growing" and rate < self._base * (1 + GAIN):
+      self.depth -= 1  # the step did not pay: back down, and try again later
+      self._wait = min(MAX_HOLD, self._wait * 2)
+      self.state, self.hold = "holding", self._wait
+    elif self.state == "holding" and self.hold > 0:
+      self.hold -= 1
+    elif self.depth + 1 > ceiling:
+      self.state, self.hold = "holding", self._wait  # no room to grow: look again later
+    else:
+      if self.state == "growing":
+        self._wait = HOLD  # the step paid
+      self.state, self._base = "growing", rate
+      self.depth += 1
+    self._cut = self._cut and self.depth < floor
+    low = 1 if self._cut else floor
+    self.depth = max(low, min(self.depth, max(low, ceiling)))
+    return self.depth
+
+  def slowed(self) -> int:
+    """Storage asked for fewer requests: halve the depth (multiplicative decrease)."""
+    self.depth = max(1, self.depth // 2)
+    self._cut = True
+    self._wait = min(MAX_HOLD, self._wait * 2)
+    self.state, self.hold = "holding", self._wait
+    return self.depth

@@ -77,9 +77,11 @@ def test_reads_in_flight_follow_littles_law_within_the_bytes():
   )
   assert stage.depth() == 2  # 80 reads: one batch ahead of the one being read
   stage.stats.latency_s = 0.100
-  assert stage.depth() == 5  # 400 reads in flight: the depth follows measured latency
+  assert stage.bounds() == (2, 5)  # 400 reads in flight at the latency measured now ...
+  assert stage.depth() == 2  # ... only once throughput grows with them (test_read_controller)
+  stage.control.depth = 5
   stage.ahead_bytes = 3 * 128 * 60_000
-  assert stage.depth() == 3  # ... but never holds more bytes than allowed
+  assert stage.depth() == 3  # ... and never holding more bytes than allowed
 
 
 def test_with_the_record_cache_the_second_epoch_reads_nothing_from_storage(sharded_dir):
