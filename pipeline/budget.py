@@ -9,10 +9,11 @@ token), so requests wait in the read stage's I/O threads, not at the bucket.
 Behind storage that caps requests without saying so, reads queue there, their measured
 latency grows, and Little's law on it asks for more reads in flight, which queue longer: a
 spiral (576 reads in flight through the rig at 20 ms and 250 requests/s). `Controller` keeps
-the depth that the latency measured at open needs (its floor) and climbs above it one step
-at a time only while the throughput measured over a window grows with it (by `GAIN`); a
-step that brings less goes back down and the next try waits twice as long (hysteresis). A
-"slow down" from storage halves the depth (below the floor too, until steps pay again).
+the depth that the latency measured at open needs (its floor) and climbs above it, in steps
+that double while they pay, only while the throughput measured over a window grows with
+it (by `GAIN`); a step that brings less goes back down and the next try waits twice as long
+(hysteresis). A "slow down" from storage halves the depth (below the floor too, until steps
+pay again).
 """
 
 from __future__ import annotations
@@ -71,26 +72,28 @@ class Controller:
     self.state = "holding"  # or "growing": the last step up is being judged
     self.hold = 1  # windows left before the next step up (the first window is warm-up)
     self._wait = HOLD  # windows to hold after a step that did not pay
+    self._step = 1  # the last step up; doubled after each that paid (a quick climb)
     self._base = 0.0  # throughput at the depth before the step being judged
     self._cut = False  # a slow-down took the depth below the floor
 
   def update(self, rate: float, floor: int, ceiling: int) -> int:
     """The depth for the next window, given the throughput `rate` of the window just ended
-    and the bounds now (`floor`: Little's law at the latency measured at open; `ceiling`:
-    at the latency measured now, within the bytes)."""
+    and the bounds now (`floor`: what the latency measured at open needs; `ceiling`: the
+    most the bytes allow)."""
     if self.state == "growing" and rate < self._base * (1 + GAIN):
-      self.depth -= 1  # the step did not pay: back down, and try again later
-      self._wait = min(MAX_HOLD, self._wait * 2)
+      self.depth -= self._step  # the step did not pay: back down, and try again later
+      self._step, self._wait = 1, min(MAX_HOLD, self._wait * 2)
       self.state, self.hold = "holding", self._wait
     elif self.state == "holding" and self.hold > 0:
       self.hold -= 1
-    elif self.depth + 1 > ceiling:
+    elif self.depth >= ceiling:
       self.state, self.hold = "holding", self._wait  # no room to grow: look again later
     else:
-      if self.state == "growing":
-        self._wait = HOLD  # the step paid
+      if self.state == "growing":  # the step paid: a longer one
+        self._step, self._wait = self._step * 2, HOLD
+      self._step = min(self._step, ceiling - self.depth)
       self.state, self._base = "growing", rate
-      self.depth += 1
+      self.depth += self._step
     self._cut = self._cut and self.depth < floor
     low = 1 if self._cut else floor
     self.depth = max(low, min(self.depth, max(low, ceiling)))
@@ -100,6 +103,6 @@ class Controller:
     """Storage asked for fewer requests: halve the depth (multiplicative decrease)."""
     self.depth = max(1, self.depth // 2)
     self._cut = True
-    self._wait = min(MAX_HOLD, self._wait * 2)
+    self._step, self._wait = 1, min(MAX_HOLD, self._wait * 2)
     self.state, self.hold = "holding", self._wait
     return self.depth

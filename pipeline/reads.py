@@ -8,13 +8,12 @@ once on its I/O threads, one batched read per shard of a batch (through the rig 
 1.8x the rate of one task per record, whose Python per read costs more than array_record's
 own pool saves); decode threads never wait on storage. The depth is Little's law on the
 latency measured at open and the rate records are taken (at least the one the host plan
-projects); above it, `pipeline.budget.Controller` adds batches one at a time only while the
-throughput grows with them, up to Little's law on the latency measured as it runs, bounded
-by the bytes it may hold (behind a request cap, reads queue and their latency grows, and
-more of them would only queue longer). A read that storage answers with "slow down" (429,
-503, ...) is read again after a backoff (`pipeline.remote.retry`) and halves the depth.
-The record cache (`pipeline.cache`) answers before storage. Read errors stay with their
-slot; the decode stage applies the error policy.
+projects); above it, `pipeline.budget.Controller` adds batches only while the throughput
+grows with them, within the bytes it may hold (behind a request cap, reads queue and their
+measured latency grows: following it, more reads would only queue longer). A read that
+storage answers with "slow down" (429, 503, ...) is read again after a backoff
+(`pipeline.remote.retry`) and halves the depth. The record cache (`pipeline.cache`) answers
+before storage. Read errors stay with their slot; the decode stage applies the error policy.
 """
 
 from __future__ import annotations
@@ -95,13 +94,14 @@ class ReadRecords:
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
     self._init_runtime()
 
-  _RUNTIME = ("stats", "_last_finish", "control", "_window", "_slowed", "_lock")
+  _RUNTIME = ("stats", "_last_finish", "control", "_window", "_window_rate", "_slowed", "_lock")
 
   def _init_runtime(self):
     self.stats = ReadStats(*self._initial)
     self._last_finish = None
-    self.control = Controller(self.bounds()[0])
     self._window = (None, 0)  # (when the controller's window began, batches in it)
+    self._window_rate = 0.0  # records/s finished over the last window
+    self.control = Controller(self.bounds()[0])
     self._slowed = 0  # retries the controller has been told of
     self._lock = threading.Lock()
 
@@ -114,22 +114,18 @@ class ReadRecords:
 
   def bounds(self) -> tuple[int, int]:
     """(floor, ceiling) of the batches to keep reading: Little's law for the planned (or
-    measured, when higher) rate at the latency measured at open, and at the latency measured
-    now, both within the bytes and `performance.read_ahead`. Under a request budget, no more
-    than the budget's rate needs at the latency measured at open: a read that waits its turn
-    measures a longer latency, and more reads ahead would only queue (issue 28's spiral)."""
+    measured, when higher) rate at the latency measured at open; the bytes allowed. Both
+    within `performance.read_ahead`, and under a request budget within what the budget's
+    rate needs at the latency measured at open."""
     s = self.stats
-    rate = max(self.rate_per_s, s.rate_per_s)
-    by_bytes = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
-    out = []
-    for latency_s in (self._initial[0], max(self._initial[0], s.latency_s)):
-      need = reads_in_flight(rate, latency_s)
-      if self.budget is not None:
-        per_request = self.ranges.block_records if self.ranges is not None else 1
-        need = min(need, reads_in_flight(self.budget.per_s * per_request, self._initial[0]))
-      depth = 1 + math.ceil(need / self.batch_size)
-      out.append(min(depth, by_bytes, self.max_depth or depth))
-    return out[0], out[1]
+    need = reads_in_flight(max(self.rate_per_s, self._window_rate), self._initial[0])
+    ceiling = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
+    if self.budget is not None:
+      per_request = self.ranges.block_records if self.ranges is not None else 1
+      need = min(need, reads_in_flight(self.budget.per_s * per_request, self._initial[0]))
+      ceiling = min(ceiling, 1 + math.ceil(need / self.batch_size))
+    ceiling = min(ceiling, self.max_depth or ceiling)
+    return min(1 + math.ceil(need / self.batch_size), ceiling), ceiling
 
   def depth(self) -> int:
     """Batches to keep reading: the controller's depth, within `bounds()`'s ceiling."""
@@ -269,7 +265,8 @@ class ReadRecords:
     elif begin is None:
       self._window = (now, 0)  # from the first batch on: its reads started all at once
     elif done + 1 >= max(WINDOW, self.control.depth) and now > begin:
-      self.control.update((done + 1) * records / (now - begin), *self.bounds())
+      self._window_rate = (done + 1) * records / (now - begin)
+      self.control.update(self._window_rate, *self.bounds())
       self._window = (now, 0)
     else:
       self._window = (begin, done + 1)
