@@ -37,6 +37,7 @@ HEADROOM = 2.0  # reads in flight per Little's law, times this: latency and rate
 MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait, not compute)
 EWMA = 0.2  # weight of the newest latency measurement
 WINDOW = 4  # batches (at least the depth) per throughput measurement of the controller
+GROWTH = 8  # the controller's depth: at most this times the floor
 
 
 def reads_in_flight(rate_per_s: float, latency_s: float) -> int:
@@ -50,7 +51,7 @@ class ReadStats:
 
   latency_s: float  # moving average of one read task's duration
   record_bytes: float  # moving average of a record's size
-  rate_per_s: float = 0.0  # moving average of the records/s taken from this stage
+  rate_per_s: float = 0.0  # records/s taken from this stage over the controller's last window
   reads: int = 0  # records read from storage
   tasks: int = 0  # read calls (one per shard of a batch)
   cached: int = 0  # records the cache answered
@@ -94,13 +95,11 @@ class ReadRecords:
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
     self._init_runtime()
 
-  _RUNTIME = ("stats", "_last_finish", "control", "_window", "_window_rate", "_slowed", "_lock")
+  _RUNTIME = ("stats", "control", "_window", "_slowed", "_lock")
 
   def _init_runtime(self):
     self.stats = ReadStats(*self._initial)
-    self._last_finish = None
     self._window = (None, 0)  # (when the controller's window began, batches in it)
-    self._window_rate = 0.0  # records/s finished over the last window
     self.control = Controller(self.bounds()[0])
     self._slowed = 0  # retries the controller has been told of
     self._lock = threading.Lock()
@@ -114,18 +113,19 @@ class ReadRecords:
 
   def bounds(self) -> tuple[int, int]:
     """(floor, ceiling) of the batches to keep reading: Little's law for the planned (or
-    measured, when higher) rate at the latency measured at open; the bytes allowed. Both
-    within `performance.read_ahead`, and under a request budget within what the budget's
-    rate needs at the latency measured at open."""
+    measured, when higher) rate at the latency measured at open; `GROWTH` times that, within
+    the bytes allowed. Both within `performance.read_ahead`, and under a request budget
+    within what the budget's rate needs at the latency measured at open."""
     s = self.stats
-    need = reads_in_flight(max(self.rate_per_s, self._window_rate), self._initial[0])
+    need = reads_in_flight(max(self.rate_per_s, s.rate_per_s), self._initial[0])
     ceiling = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
     if self.budget is not None:
       per_request = self.ranges.block_records if self.ranges is not None else 1
       need = min(need, reads_in_flight(self.budget.per_s * per_request, self._initial[0]))
       ceiling = min(ceiling, 1 + math.ceil(need / self.batch_size))
-    ceiling = min(ceiling, self.max_depth or ceiling)
-    return min(1 + math.ceil(need / self.batch_size), ceiling), ceiling
+    floor = 1 + math.ceil(need / self.batch_size)
+    ceiling = min(ceiling, GROWTH * floor, self.max_depth or ceiling)
+    return min(floor, ceiling), ceiling
 
   def depth(self) -> int:
     """Batches to keep reading: the controller's depth, within `bounds()`'s ceiling."""
@@ -246,12 +246,7 @@ class ReadRecords:
     if self.ranges is not None:
       r = self.ranges
       s.requests, s.request_bytes, s.request_records = r.requests, r.bytes, r.taken
-    now = time.perf_counter()
-    if self._last_finish is not None and now > self._last_finish:
-      rate = len(batch.indices) / (now - self._last_finish)
-      s.rate_per_s += EWMA * (rate - s.rate_per_s)
-    self._last_finish = now
-    self._control(now, len(batch.indices))
+    self._control(time.perf_counter(), len(batch.indices))
     return batch
 
   def _control(self, now: float, records: int) -> None:
@@ -265,8 +260,8 @@ class ReadRecords:
     elif begin is None:
       self._window = (now, 0)  # from the first batch on: its reads started all at once
     elif done + 1 >= max(WINDOW, self.control.depth) and now > begin:
-      self._window_rate = (done + 1) * records / (now - begin)
-      self.control.update(self._window_rate, *self.bounds())
+      self.stats.rate_per_s = (done + 1) * records / (now - begin)
+      self.control.update(self.stats.rate_per_s, *self.bounds())
       self._window = (now, 0)
     else:
       self._window = (begin, done + 1)

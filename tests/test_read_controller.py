@@ -166,3 +166,22 @@ def test_batches_are_served_exactly_through_slow_downs_and_each_retry_is_counted
       np.testing.assert_array_equal(a[k], b[k])
   assert refusing.refused >= 5 and st.read.stats.retries == refusing.refused
   assert f"{refusing.refused:,} read again after a slow-down" in reads.requests(st.read)
+
+
+def test_behind_a_request_cap_the_reads_ahead_do_not_spiral(storage_rig, photos_dir):
+  perf = dict(num_workers=0, record_cache_mb=0)
+  with storage_rig.mount(photos_dir, latency_ms=20, requests_per_s=100) as m:
+    spec = pipeline.Spec.of(
+      str(m.path), batch_size=8, image_size=32, order="global", seed=1, performance=perf
+    )
+    st = dataset.build(spec)
+    floor, it = st.read.bounds()[0], iter(dataset.chain(st))
+    depths = [st.read.depth() for _ in take_each(it, 40)]
+    in_flight = m.stats()["max_in_flight"]
+  assert max(depths) <= floor + 1  # reads queue at the cap and their latency grows: no more
+  assert in_flight <= (floor + 1) * 8 + 2  # a batch's reads, and a shard's footer when opened
+
+
+def take_each(it, n: int):
+  for _ in range(n):
+    yield next(it)
