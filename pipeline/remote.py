@@ -14,7 +14,10 @@ jitter: a stalled or failing bucket is a warning per retry and then one line nam
 failed, within `ATTEMPTS` x `ATTEMPT_S` seconds, never a hang (gcsfs alone: minutes per
 stalled request, ~35 s of silent retries per 503). The read stage's shard reads, which
 array_record's own client retries, run `within` a deadline of that length, and `retry` reads
-again what storage answered with "slow down" (`slow_down`: HTTP 429/503 and their kin).
+again what storage answered with "slow down" (`slow_down`: HTTP 429/503 and their kin). On
+gs:// that client retries a 429 or 503 itself, out of sight (through the test emulator's
+proxy, every third range read answered 429 outlasted a 6 s deadline): there a slow-down
+shows as latency; `retry` sees what a FUSE mount or a Python reader raises.
 """
 
 from __future__ import annotations
