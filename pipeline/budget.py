@@ -12,8 +12,9 @@ spiral (576 reads in flight through the rig at 20 ms and 250 requests/s). `Contr
 the depth that the latency measured at open needs (its floor) and climbs above it, in steps
 that double while they pay, only while the throughput measured over a window grows with
 it (by `GAIN`); a step that brings less goes back down and the next try waits twice as long
-(hysteresis). A "slow down" from storage halves the depth (below the floor too, until steps
-pay again).
+(hysteresis). After a step up that did not pay it tries one batch less, and keeps going
+down while one less serves as well (a climb on noise is undone). A "slow down" from
+storage halves the depth (below the floor too, until steps pay again).
 """
 
 from __future__ import annotations
@@ -69,40 +70,56 @@ class Controller:
 
   def __init__(self, depth: int):
     self.depth = depth
-    self.state = "holding"  # or "growing": the last step up is being judged
-    self.hold = 1  # windows left before the next step up (the first window is warm-up)
+    self.state = "holding"  # "growing"/"shrinking": the last step up/down is being judged
+    self.hold = 0  # windows left before the next step
     self._wait = HOLD  # windows to hold after a step that did not pay
     self._step = 1  # the last step up; doubled after each that paid (a quick climb)
     self._base = 0.0  # throughput at the depth before the step being judged
+    self._down = False  # the next step is one down (after a step up that did not pay)
     self._cut = False  # a slow-down took the depth below the floor
 
   def update(self, rate: float, floor: int, ceiling: int) -> int:
     """The depth for the next window, given the throughput `rate` of the window just ended
     and the bounds now (`floor`: what the latency measured at open needs; `ceiling`: the
-    most the bytes allow)."""
+    most it may grow to)."""
     if self.state == "growing" and rate < self._base * (1 + GAIN):
-      self.depth -= self._step  # the step did not pay: back down, and try again later
-      self._step, self._wait = 1, min(MAX_HOLD, self._wait * 2)
-      self.state, self.hold = "holding", self._wait
+      self.depth -= self._step  # the step did not pay: back down; next, try one less
+      self._fail(down=True)
+    elif self.state == "growing":  # the step paid: a longer one
+      self._grow(rate, ceiling, self._step * 2)
+    elif self.state == "shrinking" and rate < self._base * (1 - GAIN):
+      self.depth += 1  # one less served less: back up
+      self._fail(down=False)
+    elif self.state == "shrinking":  # one less served as well: keep it, try one less again
+      self.state, self.hold = "holding", HOLD
     elif self.state == "holding" and self.hold > 0:
       self.hold -= 1
-    elif self.depth >= ceiling:
-      self.state, self.hold = "holding", self._wait  # no room to grow: look again later
+    elif self._down and self.depth > floor:
+      self.state, self._base = "shrinking", rate
+      self.depth -= 1
     else:
-      if self.state == "growing":  # the step paid: a longer one
-        self._step, self._wait = self._step * 2, HOLD
-      self._step = min(self._step, ceiling - self.depth)
-      self.state, self._base = "growing", rate
-      self.depth += self._step
+      self._grow(rate, ceiling, 1)
     self._cut = self._cut and self.depth < floor
     low = 1 if self._cut else floor
     self.depth = max(low, min(self.depth, max(low, ceiling)))
     return self.depth
 
+  def _grow(self, rate: float, ceiling: int, step: int) -> None:
+    self._step, self._down = min(step, ceiling - self.depth), False
+    if self._step < 1:  # no room to grow: look again later
+      self.state, self.hold = "holding", self._wait
+    else:
+      self.state, self._base = "growing", rate
+      self.depth += self._step
+      self._wait = HOLD if step > 1 else self._wait
+
+  def _fail(self, down: bool) -> None:
+    self._step, self._wait, self._down = 1, min(MAX_HOLD, self._wait * 2), down
+    self.state, self.hold = "holding", self._wait
+
   def slowed(self) -> int:
     """Storage asked for fewer requests: halve the depth (multiplicative decrease)."""
     self.depth = max(1, self.depth // 2)
     self._cut = True
-    self._step, self._wait = 1, min(MAX_HOLD, self._wait * 2)
-    self.state, self.hold = "holding", self._wait
+    self._fail(down=False)
     return self.depth
