@@ -6,6 +6,8 @@ first time one of its records is wanted (one range read: one request, the block'
 hands each record out once, and keeps the rest for the batches that want them, within a
 byte budget (the oldest blocks go first; a record asked for after its block went is read
 again, with its block). Two batches read at once that want one block wait for one read.
+Each range read runs through the caller's `request` (the read stage's: the request budget's
+turn, a deadline, retries after "slow down").
 """
 
 from __future__ import annotations
@@ -14,15 +16,18 @@ import collections
 import threading
 from collections.abc import Callable
 
-from pipeline.budget import RequestBudget
+Request = Callable[[int, Callable[[], list]], list]  # (shard, read) -> read()'s records
+
+
+def _direct(shard: int, read: Callable[[], list]) -> list:
+  return read()
 
 
 class BlockReads:
   """Records of one source by (shard, index within the shard), read block by block.
 
   read_range(shard, begin, end): the shard's records [begin, end), one request;
-  shard_records: each shard's record count; budget_bytes: the most record bytes kept;
-  requests: the request budget each read waits its turn in (`pipeline.budget`), if any.
+  shard_records: each shard's record count; budget_bytes: the most record bytes kept.
   """
 
   def __init__(
@@ -31,11 +36,9 @@ class BlockReads:
     shard_records: list[int],
     block_records: int,
     budget_bytes: int,
-    requests: RequestBudget | None = None,
   ):
     self.read_range, self.shard_records = read_range, shard_records
     self.block_records, self.budget_bytes = block_records, budget_bytes
-    self.request_budget = requests
     self._init_runtime()
 
   def _init_runtime(self):
@@ -48,25 +51,26 @@ class BlockReads:
     self.requests = self.bytes = self.taken = 0  # range reads, their bytes, records handed out
 
   def __getstate__(self):
-    keep = ("read_range", "shard_records", "block_records", "budget_bytes", "request_budget")
+    keep = ("read_range", "shard_records", "block_records", "budget_bytes")
     return {k: self.__dict__[k] for k in keep}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
     self._init_runtime()
 
-  def read(self, shard: int, local: list[int]) -> list:
-    """The records `local` of `shard`, in that order (errors of a range read raise)."""
+  def read(self, shard: int, local: list[int], request: Request = _direct) -> list:
+    """The records `local` of `shard`, in that order (errors of a range read raise); each
+    range read is `request(shard, read)`."""
     out: list = [None] * len(local)
     wanted = collections.defaultdict(list)
     for k, i in enumerate(local):
       wanted[(shard, i // self.block_records)].append(k)
     for block, ks in wanted.items():
-      for k, rec in zip(ks, self._take(block, [local[k] for k in ks])):
+      for k, rec in zip(ks, self._take(block, [local[k] for k in ks], request)):
         out[k] = rec
     return out
 
-  def _take(self, block: tuple[int, int], local: list[int]) -> list:
+  def _take(self, block: tuple[int, int], local: list[int], request: Request) -> list:
     """Each of `local` (a batch across two epochs may name one twice) from the block's
     kept copies, after one more read of the block whole if those are too few."""
     need = collections.Counter(local)
@@ -82,7 +86,7 @@ class BlockReads:
           break
       waiting.wait()
     try:
-      records = self._read_block(block)
+      records = self._read_block(block, request)
       first = block[1] * self.block_records
       with self._lock:
         kept = self._kept.setdefault(block, {})
@@ -100,13 +104,11 @@ class BlockReads:
       with self._lock:
         self._reading.pop(block).set()
 
-  def _read_block(self, block: tuple[int, int]) -> list:
+  def _read_block(self, block: tuple[int, int], request: Request) -> list:
     shard, b = block
     begin = b * self.block_records
     end = min(begin + self.block_records, self.shard_records[shard])
-    if self.request_budget is not None:
-      self.request_budget.take()
-    records = self.read_range(shard, begin, end)
+    records = request(shard, lambda: self.read_range(shard, begin, end))
     with self._lock:
       self.requests += 1
       self.bytes += sum(len(r) for r in records)

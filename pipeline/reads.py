@@ -6,24 +6,28 @@ storage of latency L needs R x L reads in flight. The plan of every future batch
 (`pipeline.plan`), so `ReadRecords` starts the reads of the next `depth()` batches all at
 once on its I/O threads, one batched read per shard of a batch (through the rig at 20 ms:
 1.8x the rate of one task per record, whose Python per read costs more than array_record's
-own pool saves); decode threads never wait on storage. The depth follows the read latency
-and the rate records are taken, both measured as it runs (the rate at least the one the host
-plan projects), bounded by the bytes it may hold. The record cache (`pipeline.cache`)
-answers before storage. Read errors stay with their slot; the decode stage applies the
-error policy.
+own pool saves); decode threads never wait on storage. The depth is Little's law on the
+latency measured at open and the rate records are taken (at least the one the host plan
+projects); above it, `pipeline.budget.Controller` adds batches only while the throughput
+grows with them, within the bytes it may hold (behind a request cap, reads queue and their
+measured latency grows: following it, more reads would only queue longer). A read that
+storage answers with "slow down" (429, 503, ...) is read again after a backoff
+(`pipeline.remote.retry`) and halves the depth. The record cache (`pipeline.cache`) answers
+before storage. Read errors stay with their slot; the decode stage applies the error policy.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import threading
 import time
 
 import numpy as np
 
 from pipeline import remote
 from pipeline.ahead import Threads
-from pipeline.budget import RequestBudget
+from pipeline.budget import Controller, RequestBudget
 from pipeline.cache import RecordCache
 from pipeline.plan import Batch
 from pipeline.ranges import BlockReads
@@ -32,6 +36,8 @@ from pipeline.source import CorruptRecordsError, ShardedSource
 HEADROOM = 2.0  # reads in flight per Little's law, times this: latency and rate vary
 MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait, not compute)
 EWMA = 0.2  # weight of the newest latency measurement
+WINDOW = 4  # batches (at least the depth) per throughput measurement of the controller
+GROWTH = 8  # the controller's depth: at most this times the floor
 
 
 def reads_in_flight(rate_per_s: float, latency_s: float) -> int:
@@ -45,13 +51,14 @@ class ReadStats:
 
   latency_s: float  # moving average of one read task's duration
   record_bytes: float  # moving average of a record's size
-  rate_per_s: float = 0.0  # moving average of the records/s taken from this stage
+  rate_per_s: float = 0.0  # records/s taken from this stage over the controller's last window
   reads: int = 0  # records read from storage
   tasks: int = 0  # read calls (one per shard of a batch)
   cached: int = 0  # records the cache answered
   requests: int = 0  # storage requests: one per record, or per block read whole
   request_bytes: int = 0  # record bytes those requests brought
   request_records: int = 0  # records they served (to batches read ahead too)
+  retries: int = 0  # requests read again after storage said "slow down" (429, 503, ...)
 
 
 class ReadRecords:
@@ -82,38 +89,47 @@ class ReadRecords:
     self.ranges = None
     if block_records is not None:  # the block order: a block's records in one request
       counts = [b - a for a, b in zip(source.starts, source.starts[1:])]
-      self.ranges = BlockReads(
-        source.read_range, counts, block_records, ahead_bytes, requests=self.budget
-      )
+      self.ranges = BlockReads(source.read_range, counts, block_records, ahead_bytes)
     self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
     self._initial = (latency_s, record_bytes)
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
     self._init_runtime()
 
+  _RUNTIME = ("stats", "control", "_window", "_slowed", "_lock")
+
   def _init_runtime(self):
     self.stats = ReadStats(*self._initial)
-    self._last_finish = None
+    self._window = (None, 0)  # (when the controller's window began, batches in it)
+    self.control = Controller(self.bounds()[0])
+    self._slowed = 0  # retries the controller has been told of
+    self._lock = threading.Lock()
 
   def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k not in ("stats", "_last_finish")}
+    return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
     self._init_runtime()
 
-  def depth(self) -> int:
-    """Batches to keep reading: Little's law on the measured latency and the planned (or
-    measured, when higher) rate, within the bytes. Under a request budget, no more than the
-    budget's rate needs at the latency measured at open: a read that waits its turn measures
-    a longer latency, and more reads ahead would only queue (the spiral of issue 28)."""
+  def bounds(self) -> tuple[int, int]:
+    """(floor, ceiling) of the batches to keep reading: Little's law for the planned (or
+    measured, when higher) rate at the latency measured at open; `GROWTH` times that, within
+    the bytes allowed. Both within `performance.read_ahead`, and under a request budget
+    within what the budget's rate needs at the latency measured at open."""
     s = self.stats
-    need = reads_in_flight(max(self.rate_per_s, s.rate_per_s), s.latency_s)
+    need = reads_in_flight(max(self.rate_per_s, s.rate_per_s), self._initial[0])
+    ceiling = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
     if self.budget is not None:
       per_request = self.ranges.block_records if self.ranges is not None else 1
       need = min(need, reads_in_flight(self.budget.per_s * per_request, self._initial[0]))
-    depth = 1 + math.ceil(need / self.batch_size)
-    by_bytes = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
-    return min(depth, by_bytes, self.max_depth or depth)
+      ceiling = min(ceiling, 1 + math.ceil(need / self.batch_size))
+    floor = 1 + math.ceil(need / self.batch_size)
+    ceiling = min(ceiling, GROWTH * floor, self.max_depth or ceiling)
+    return min(floor, ceiling), ceiling
+
+  def depth(self) -> int:
+    """Batches to keep reading: the controller's depth, within `bounds()`'s ceiling."""
+    return min(self.control.depth, self.bounds()[1])
 
   def start(self, batch: Batch) -> tuple[Batch, list]:
     n = len(batch.indices)
@@ -179,16 +195,29 @@ class ReadRecords:
       return out
 
   def _read_storage(self, shard: int, local: list, ranges: BlockReads | None = None) -> list:
-    """One batched read (or the blocks' reads); from a bucket, within a deadline
+    """One batched read, or the blocks' reads (each a `_request`)."""
+    if ranges is not None:
+      return ranges.read(shard, local, self._request)
+    return self._request(shard, lambda: self.source.read_shard(shard, local), len(local))
+
+  def _request(self, shard: int, read, requests: int = 1) -> list:
+    """`read()` of `shard`, `requests` storage requests (array_record: one per record):
+    each time in the request budget's turn; from a bucket, within a deadline
     (`remote.NoAnswer`), as array_record's own client may wait on a stalled connection for
-    many minutes."""
-    read = self.source.read_shard if ranges is None else ranges.read
-    if ranges is None and self.budget is not None:
-      self.budget.take(len(local))  # array_record: a request per record
-    if remote.scheme(self.source.paths[shard]) is None:
-      return read(shard, local)
-    deadline = remote.ATTEMPT_S * remote.ATTEMPTS
-    return remote.within(lambda: read(shard, local), deadline)
+    many minutes; read again after a backoff while storage says "slow down"."""
+
+    def attempt():
+      if self.budget is not None:
+        self.budget.take(requests)
+      if remote.scheme(self.source.paths[shard]) is None:
+        return read()
+      return remote.within(read, remote.ATTEMPT_S * remote.ATTEMPTS)
+
+    return remote.retry(attempt, self.source.paths[shard], self._retried)
+
+  def _retried(self) -> None:
+    with self._lock:
+      self.stats.retries += 1
 
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, futures = started
@@ -217,12 +246,25 @@ class ReadRecords:
     if self.ranges is not None:
       r = self.ranges
       s.requests, s.request_bytes, s.request_records = r.requests, r.bytes, r.taken
-    now = time.perf_counter()
-    if self._last_finish is not None and now > self._last_finish:
-      rate = len(batch.indices) / (now - self._last_finish)
-      s.rate_per_s += EWMA * (rate - s.rate_per_s)
-    self._last_finish = now
+    self._control(time.perf_counter(), len(batch.indices))
     return batch
+
+  def _control(self, now: float, records: int) -> None:
+    """Feeds the controller: a "slow down" at once, the throughput (records/s finished) once
+    a window of batches is done."""
+    begin, done = self._window
+    if self.stats.retries > self._slowed:
+      self._slowed = self.stats.retries
+      self.control.slowed()
+      self._window = (now, 0)
+    elif begin is None:
+      self._window = (now, 0)  # from the first batch on: its reads started all at once
+    elif done + 1 >= max(WINDOW, self.control.depth) and now > begin:
+      self.stats.rate_per_s = (done + 1) * records / (now - begin)
+      self.control.update(self.stats.rate_per_s, *self.bounds())
+      self._window = (now, 0)
+    else:
+      self._window = (begin, done + 1)
 
 
 def probe(source: ShardedSource, reads: int = 3) -> tuple[float, float]:
@@ -245,6 +287,7 @@ def describe(read: ReadRecords, cache: RecordCache | None) -> str:
   """The read plan in one line, as make_dataset prints it."""
   s, depth = read.stats, read.depth()
   held = depth * read.batch_size * s.record_bytes / 2**20
+  ceiling = read.bounds()[1]
   if cache is None:
     kept = "record cache off (performance.record_cache_mb / record_cache_dir)"
   else:
@@ -253,8 +296,9 @@ def describe(read: ReadRecords, cache: RecordCache | None) -> str:
     kept = "record cache " + " + ".join(where)
   return (
     f"reads: {s.latency_s * 1e3:.1f} ms per read at open -> {depth} batches read ahead "
-    f"(up to {depth * read.batch_size} reads in flight, ~{held:.0f} MB, adjusted as "
-    f"latency is measured; performance.read_ahead overrides); {kept}; {requests(read)}"
+    f"(up to {depth * read.batch_size} reads in flight, ~{held:.0f} MB; up to {ceiling} "
+    f"batches while throughput grows with them; performance.read_ahead overrides); {kept}; "
+    f"{requests(read)}"
   )
 
 
@@ -269,7 +313,9 @@ def requests(read: ReadRecords) -> str:
     plan += f", at most {read.budget.per_s:,.0f}/s (performance.max_requests_per_s)"
   if not s.requests:
     return plan
-  return (
+  said = (
     f"{plan}, {s.requests:,} made, {s.request_bytes / s.requests / 1e3:,.0f} KB and "
-    f"{s.request_records / s.requests:.1f} images per request"
+    f"{s.request_records / s.requests:.1f} images per request; {read.depth()} batches read "
+    f"ahead (controller: {read.control.state})"
   )
+  return said + (f", {s.retries:,} read again after a slow-down" if s.retries else "")

@@ -13,11 +13,16 @@ first records at open) with a deadline per attempt and retries with exponential 
 jitter: a stalled or failing bucket is a warning per retry and then one line naming what
 failed, within `ATTEMPTS` x `ATTEMPT_S` seconds, never a hang (gcsfs alone: minutes per
 stalled request, ~35 s of silent retries per 503). The read stage's shard reads, which
-array_record's own client retries, run `within` a deadline of that length.
+array_record's own client retries, run `within` a deadline of that length, and `retry` reads
+again what storage answered with "slow down" (`slow_down`: HTTP 429/503 and their kin). On
+gs:// that client retries a 429 or 503 itself, out of sight (through the test emulator's
+proxy, every third range read answered 429 outlasted a 6 s deadline): there a slow-down
+shows as latency; `retry` sees what a FUSE mount or a Python reader raises.
 """
 
 from __future__ import annotations
 
+import errno
 import importlib.util
 import logging
 import os
@@ -35,6 +40,8 @@ T = TypeVar("T")
 ATTEMPT_S = 20.0  # deadline of one attempt (gcsfs retries a 5xx by itself within it)
 ATTEMPTS = 3
 BACKOFF_S = 1.0  # before the second attempt; doubled for each next, times 0.5-1.5 (jitter)
+SLOW_DOWN_ATTEMPTS = 6  # of a read storage answers "slow down": waits of ~1+2+4+8+16 s
+SAID_EVERY_S = 10.0  # a warning per retry of a read, at most this often
 
 INSTALL = "pip install -e '.[gcs]' in the checkout (or pip install gcsfs)"
 GCSFUSE = "or mount the bucket with gcsfuse and pass the mount path"
@@ -61,6 +68,16 @@ _NO_NETWORK = (
   "connection refused",
   "network is unreachable",
   "timed out",
+)
+
+
+# What storage says when it wants fewer requests, in the words of HTTP (429, 503), gRPC
+# (RESOURCE_EXHAUSTED, UNAVAILABLE: google-cloud-cpp's, so array_record's), S3 (SlowDown)
+# and errno (EAGAIN, EBUSY: "Resource temporarily unavailable" from a FUSE mount).
+_SLOW_DOWN = re.compile(
+  r"too many requests|slow ?down|resource[_ ]exhausted|unavailable|rate ?limit|"
+  r"(?:http|status|code|error)[ :=]*(?:429|503)\b|\b(?:429|503) (?:too|service)",
+  re.IGNORECASE,
 )
 
 
@@ -173,11 +190,68 @@ def check(data_dir, probe: bool = True) -> None:
 
 
 def _transient(e: BaseException) -> bool:
-  """Whether `e` may pass if asked again: a timeout, no connection, HTTP 408, 429 or 5xx."""
+  """Whether `e` may pass if asked again: a timeout, no connection, HTTP 408, 429 or 5xx, or
+  another way of saying "slow down"."""
   code = getattr(e, "code", None) or getattr(e, "status", None)
   if str(code).isdigit() and (int(code) in (408, 429) or 500 <= int(code) < 600):
     return True
-  return isinstance(e, (TimeoutError, ConnectionError)) or explain(e).startswith("cannot reach")
+  if isinstance(e, (TimeoutError, ConnectionError)) or slow_down(e):
+    return True
+  return explain(e).startswith("cannot reach")
+
+
+def slow_down(e: BaseException) -> bool:
+  """Whether `e` is storage asking for fewer requests: HTTP 429 or 503, gRPC
+  RESOURCE_EXHAUSTED or UNAVAILABLE, S3's SlowDown, EAGAIN or EBUSY (from a FUSE mount), in
+  the error itself or in the message a reader wrapped it in."""
+  code = getattr(e, "code", None) or getattr(e, "status", None)
+  if str(code).isdigit() and int(code) in (429, 503):
+    return True
+  if isinstance(e, OSError) and e.errno in (errno.EAGAIN, errno.EBUSY):
+    return True
+  return bool(_SLOW_DOWN.search(str(e)))
+
+
+def backoff_s(attempt: int) -> float:
+  """The wait after failed attempt `attempt` (1, 2, ...): exponential, with jitter."""
+  return BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
+
+
+def retry(
+  fn: Callable[[], T],
+  what,
+  slowed: Callable[[], None] = lambda: None,
+  sleep: Callable[[float], None] = time.sleep,
+) -> T:
+  """`fn()`, a read of `what`, asked again after `backoff_s` while storage answers "slow
+  down" (`slow_down`; `slowed()` is told each time), at most `SLOW_DOWN_ATTEMPTS` times; then
+  `RemoteStorageError` in one line naming `what`. Any other error raises as it is."""
+  for attempt in range(1, SLOW_DOWN_ATTEMPTS + 1):
+    try:
+      return fn()
+    except Exception as e:
+      if not slow_down(e):
+        raise
+      cause = _first_line(e)
+    if attempt < SLOW_DOWN_ATTEMPTS:
+      slowed()
+      wait = backoff_s(attempt)
+      absl_logging.log_every_n_seconds(
+        absl_logging.WARNING,
+        "reading %s: %s; attempt %d of %d in %.1f s (said at most every %g s)",
+        SAID_EVERY_S,
+        what,
+        cause,
+        attempt + 1,
+        SLOW_DOWN_ATTEMPTS,
+        wait,
+        SAID_EVERY_S,
+      )
+      sleep(wait)
+  raise RemoteStorageError(
+    f"cannot read {what}: storage kept asking to slow down ({cause}; {SLOW_DOWN_ATTEMPTS} "
+    "attempts): set performance.max_requests_per_s below the bucket's budget"
+  )
 
 
 class _Retried(logging.Filter):
@@ -260,7 +334,7 @@ def call(fn: Callable[[], T], what) -> T:
       if not _transient(e):
         raise
     if attempt < ATTEMPTS:
-      wait = BACKOFF_S * 2 ** (attempt - 1) * random.uniform(0.5, 1.5)
+      wait = backoff_s(attempt)
       absl_logging.warning(
         "reading %s: %s; attempt %d of %d in %.1f s", what, cause, attempt + 1, ATTEMPTS, wait
       )

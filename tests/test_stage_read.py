@@ -76,10 +76,12 @@ def test_reads_in_flight_follow_littles_law_within_the_bytes():
     ahead_bytes=256 * 2**20,
   )
   assert stage.depth() == 2  # 80 reads: one batch ahead of the one being read
+  assert stage.bounds() == (2, 8 * 2)  # more only while throughput grows with them
   stage.stats.latency_s = 0.100
-  assert stage.depth() == 5  # 400 reads in flight: the depth follows measured latency
+  assert stage.depth() == 2  # a longer latency alone adds none (test_read_controller)
+  stage.control.depth = 5
   stage.ahead_bytes = 3 * 128 * 60_000
-  assert stage.depth() == 3  # ... but never holds more bytes than allowed
+  assert stage.depth() == 3  # ... and never holding more bytes than allowed
 
 
 def test_with_the_record_cache_the_second_epoch_reads_nothing_from_storage(sharded_dir):
