@@ -258,6 +258,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
     cache=cache,
     max_depth=perf.read_ahead,
     block_records=_pieces(sampler, chosen.workers),
+    window_bytes=_window_bytes(sampler, record_bytes),
     max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
   )
   parallelism.announce(chosen, reads.describe(read, cache))
@@ -270,6 +271,15 @@ def _pieces(sampler: Sampler, workers: int) -> int | None:
     return None
   batch = sampler.block * (sampler.shard_count if sampler.global_order else 1)
   return blocks_lib.pieces(sampler.blocks, batch, workers)
+
+
+def _window_bytes(sampler: Sampler, record_bytes: float) -> int:
+  """The bytes of the blocks one window of the block order holds in this process."""
+  if sampler.blocks is None:
+    return 0
+  b = sampler.blocks
+  lanes = b.window_blocks // (sampler.shard_count if sampler.global_order else 1)
+  return int(lanes * b.block_records * record_bytes)
 
 
 def _stream(spec: Spec, sampler: Sampler) -> dict:

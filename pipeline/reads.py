@@ -59,14 +59,17 @@ class ReadStats:
   request_bytes: int = 0  # record bytes those requests brought
   request_records: int = 0  # records they served (to batches read ahead too)
   retries: int = 0  # requests read again after storage said "slow down" (429, 503, ...)
+  started_s: float | None = None  # perf_counter of the first batch started
 
 
 class ReadRecords:
   """The read stage (an `AheadIterDataset` stage): fills `batch.records`.
 
   rate_per_s: the decode rate this process is planned for (records/s); latency_s: one read's
-  latency measured at open; ahead_bytes: the most record bytes held by batches read ahead
-  (and, with block_records, by blocks read whole: `pipeline.ranges`).
+  latency measured at open; ahead_bytes: the most record bytes held by batches read ahead;
+  block_records: records per block read (the block order); window_bytes: the bytes of the
+  blocks a window of the block order holds in this process (blocks read whole are kept
+  within ahead_bytes + two windows: `pipeline.ranges`).
   Picklable: threads, counters and the cache's RAM are made anew in each process.
   """
 
@@ -83,13 +86,15 @@ class ReadRecords:
     max_depth: int | None = None,
     block_records: int | None = None,
     max_requests_per_s: float | None = None,
+    window_bytes: int = 0,
   ):
     self.source, self.batch_size, self.cache = source, batch_size, cache
     self.budget = RequestBudget(max_requests_per_s) if max_requests_per_s else None
     self.ranges = None
     if block_records is not None:  # the block order: a block's records in one request
       counts = [b - a for a, b in zip(source.starts, source.starts[1:])]
-      self.ranges = BlockReads(source.read_range, counts, block_records, ahead_bytes)
+      kept = ahead_bytes + 2 * window_bytes
+      self.ranges = BlockReads(source.read_range, counts, block_records, kept)
     self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
     self._initial = (latency_s, record_bytes)
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
@@ -132,6 +137,8 @@ class ReadRecords:
     return min(self.control.depth, self.bounds()[1])
 
   def start(self, batch: Batch) -> tuple[Batch, list]:
+    if self.stats.started_s is None:
+      self.stats.started_s = time.perf_counter()
     n = len(batch.indices)
     batch.records, batch.where = [None] * n, self.source.where
     slots = np.flatnonzero(batch.real)
@@ -308,13 +315,19 @@ def requests(read: ReadRecords) -> str:
   if read.ranges is None:
     plan = "requests: one per record (order='global')"
   else:
-    plan = f"requests: one per block of {read.ranges.block_records} records (order='blocks')"
+    r = read.ranges
+    plan = (
+      f"requests: one per block of {r.block_records} records (order='blocks'; blocks kept "
+      f"within {r.budget_bytes / 2**20:,.0f} MB)"
+    )
   if read.budget is not None:
     plan += f", at most {read.budget.per_s:,.0f}/s (performance.max_requests_per_s)"
   if not s.requests:
     return plan
+  elapsed = time.perf_counter() - s.started_s
   said = (
-    f"{plan}, {s.requests:,} made, {s.request_bytes / s.requests / 1e3:,.0f} KB and "
+    f"{plan}, {s.requests:,} made ({s.requests / max(1e-9, elapsed):,.0f}/s), "
+    f"{s.request_bytes / s.requests / 1e3:,.0f} KB and "
     f"{s.request_records / s.requests:.1f} images per request; {read.depth()} batches read "
     f"ahead (controller: {read.control.state})"
   )

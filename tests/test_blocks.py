@@ -316,3 +316,27 @@ def test_on_a_many_core_host_the_block_order_gets_workers_that_read_whole_blocks
   st = dataset.build(spec)
   assert st.workers in (2, 4)  # dividing blocks.WINDOW_BATCHES (global order: 3 here)
   assert st.read.ranges.block_records == st.plan.sampler.blocks.block_records  # blocks whole
+
+
+@pytest.mark.parametrize("kept_windows", [0, 2])
+def test_block_reads_keep_two_windows_so_each_block_is_read_once(kept_windows):
+  shards, size, batch = (1024,) * 64, 1000, 128  # records of 1,000 bytes
+  s = Sampler(sum(shards), seed=4, block=batch, blocks=Blocks(shards, 32, 4 * batch))
+  window_bytes = 4 * batch * 32 * size
+  calls = []
+
+  def read_range(shard, begin, end):
+    calls.append((shard, begin))
+    return [bytes(size)] * (end - begin)
+
+  ahead = 4 * batch * size  # performance.read_ahead_mb's bytes: here 4 batches
+  reads = BlockReads(read_range, list(shards), 32, ahead + kept_windows * window_bytes)
+  for b in range(sum(shards) // batch):  # the batches in turn, as the read stage starts them
+    shard, local = np.divmod(s.records(np.arange(b * batch, (b + 1) * batch))[1], 1024)
+    for k in np.unique(shard).tolist():
+      assert reads.read(k, local[shard == k].tolist()) == [bytes(size)] * (shard == k).sum()
+  blocks = sum(shards) // 32
+  if kept_windows:
+    assert len(calls) == len(set(calls)) == blocks  # each block once in the epoch
+  else:
+    assert len(calls) > 1.5 * blocks  # blocks dropped before their last round, read again

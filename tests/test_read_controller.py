@@ -157,7 +157,9 @@ def test_batches_are_served_exactly_through_slow_downs_and_each_retry_is_counted
 ):
   monkeypatch.setattr(remote, "BACKOFF_S", 0.001)
   perf = dict(num_workers=0, record_cache_mb=0)
-  spec = pipeline.Spec.of(digits_dir, batch_size=16, image_size=16, order=order, performance=perf)
+  spec = pipeline.Spec.of(
+    digits_dir, batch_size=16, image_size=16, order=order, block_records=16, performance=perf
+  )
   expected = take(iter(dataset.chain(dataset.build(spec))), 20)
   st = dataset.build(spec)
   source = st.read.source
