@@ -16,6 +16,7 @@ COMMANDS = {
   "peers": "the pipeline vs tf.data (tuned per its guide), same photos, one table",
   "device": "host pipeline alone vs through the device-put prefetch iterator",
   "storage": "pipeline vs tf.data through a storage rig adding 0-50 ms per read (FUSE)",
+  "gets": "storage requests (GETs) per image from a gs:// bucket (the tests' emulator)",
   "layout": "one file per image vs ArrayRecord shards, sequential and random, warm/cold",
   "ops": "what ops cost beside the fused head: a flip, big_vision pp strings, randaug",
   "ceiling": "the cores' raw JPEG decode rate (full and DCT-scaled) on the same photos",

@@ -14,7 +14,7 @@ import grain
 import pytest
 
 from bench import all as bench_all
-from bench import ceiling, layout, peers, storage, throughput
+from bench import ceiling, gets, layout, peers, storage, throughput
 from pipeline import manifest, records
 from pipeline.convert import tfrecord
 
@@ -329,7 +329,7 @@ def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_pyth
   assert not loaded & tools, loaded & tools
 
 
-@pytest.mark.parametrize("module", [layout, storage, ceiling, bench_all])
+@pytest.mark.parametrize("module", [layout, storage, gets, ceiling, bench_all])
 def test_cli_help(module, capsys):
   with pytest.raises(SystemExit) as exit_:
     module.main(["--help"])
