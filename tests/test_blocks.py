@@ -13,7 +13,6 @@ from pipeline import blocks, dataset, manifest, reads, remote
 from pipeline.blocks import Blocks, label_distance
 from pipeline.budget import RequestBudget
 from pipeline.ranges import BlockReads
-from pipeline.reads import ReadRecords
 from pipeline.sampling import Sampler, permute
 from pipeline.source import ShardedSource
 from tests.conftest import assert_same_batches, take
@@ -242,23 +241,6 @@ def test_the_read_stage_waits_its_turn_under_max_requests_per_s(digits_dir):
     take(iter(dataset.chain(st)), 2)
     assert st.read.budget.waited >= 1 and st.read.stats.requests >= 2
     assert "at most 50/s (performance.max_requests_per_s)" in reads.requests(st.read)
-
-
-def test_under_a_request_budget_the_reads_ahead_do_not_grow_with_the_queueing():
-  source = type("S", (), {})()  # depth() reads only the stage's own fields
-  stage = ReadRecords(
-    source,
-    batch_size=128,
-    rate_per_s=2000,
-    latency_s=0.020,
-    record_bytes=60_000,
-    ahead_bytes=256 * 2**20,
-    max_requests_per_s=250,
-  )
-  stage.stats.latency_s = 1.0  # reads that waited their turn: 1 s each
-  assert stage.bounds() == (2, 2)  # 2 x 250/s x 20 ms = 10 reads: one batch ahead
-  stage.budget = None
-  assert stage.bounds() == (2, 8 * 2)  # without it: more only while throughput grows
 
 
 def test_block_ordered_batches_are_the_same_in_a_worker_process_and_after_a_resume(digits_dir):

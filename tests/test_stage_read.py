@@ -64,17 +64,23 @@ def test_resume_drops_the_reads_started_ahead(sharded_dir):
   assert_same_batches(expected, take(resumed, 6))
 
 
-def test_reads_in_flight_follow_littles_law_within_the_bytes():
-  assert reads.reads_in_flight(2000, 0.020) == 80  # 2 x rate x latency
-  source = type("S", (), {})()  # depth() reads only the stage's own fields
-  stage = reads.ReadRecords(
-    source,
+def bare_stage(**keywords) -> reads.ReadRecords:
+  """A read stage of 128-image batches planned for 2,000 img/s at 20 ms a read, without a
+  source: depth() and bounds() read only the stage's own fields."""
+  return reads.ReadRecords(
+    type("S", (), {})(),
     batch_size=128,
     rate_per_s=2000,
     latency_s=0.020,
     record_bytes=60_000,
     ahead_bytes=256 * 2**20,
+    **keywords,
   )
+
+
+def test_reads_in_flight_follow_littles_law_within_the_bytes():
+  assert reads.reads_in_flight(2000, 0.020) == 80  # 2 x rate x latency
+  stage = bare_stage()
   assert stage.depth() == 2  # 80 reads: one batch ahead of the one being read
   assert stage.bounds() == (2, 8 * 2)  # more only while throughput grows with them
   stage.stats.latency_s = 0.100
@@ -243,3 +249,11 @@ def test_a_cache_folder_that_cannot_be_written_is_refused_in_one_line(sharded_di
   with pytest.raises(ValueError, match="record_cache_dir .* cannot keep records there") as e:
     stages(sharded_dir, performance=dict(record_cache_dir=str(mine)))
   assert "\n" not in str(e.value) and mine.read_bytes() == b"mine"  # nothing of theirs lost
+
+
+def test_under_a_request_budget_the_reads_ahead_do_not_grow_with_the_queueing():
+  stage = bare_stage(max_requests_per_s=250)
+  stage.stats.latency_s = 1.0  # reads that waited their turn: 1 s each
+  assert stage.bounds() == (2, 2)  # 2 x 250/s x 20 ms = 10 reads: one batch ahead
+  stage.budget = None
+  assert stage.bounds() == (2, 8 * 2)  # without it: more only while throughput grows
