@@ -60,11 +60,10 @@ def test_each_schedule_trains_every_record_once_per_epoch(name):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", EXPECTED_TRAINING)
-def test_each_schedule_runs_near_its_minimum(name):
-  seconds, _ = fastest(name)
+def test_no_schedule_runs_faster_than_its_minimum_allows(name):
+  seconds, _ = fastest(name)  # how near it comes is a benchmark's figure (python -m bench study)
   minimum = study.VARIANTS[name].minimum(SMALL)
   assert seconds >= 0.99 * minimum, "faster than the schedule allows: the minimum is wrong"
-  assert seconds <= 1.5 * minimum
 
 
 @pytest.mark.slow
