@@ -54,7 +54,7 @@ from pipeline.source import ShardedSource
 
 STAGES = ("read", "parse", "decode", "augment")
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
-LIMITS = ("requests", "cores", "gil", "threads", "prefetch", "receive")  # ties: hardware first
+LIMITS = ("requests", "cores", "gil", "threads", "prefetch", "main")  # ties: hardware first
 MAX_PREFETCH = 16
 REFERENCE_PIXELS = 224 * 224  # the image size parallelism.COSTS were measured at
 CEILING_THREADS = 16  # threads of the emulated run that measures the GIL-held time
@@ -598,7 +598,7 @@ def _stage_of(limit: str, costs: dict[str, Cost], state: _State) -> str:
   free = _free_stages(costs, state)
   if limit == "requests":
     return REQUEST_BUDGET
-  if limit == "receive":
+  if limit == "main":
     return "transfer"
   if limit == "gil":
     return max(_gil_stages(costs, state), key=lambda s: costs[s].cpu_ms)
@@ -728,7 +728,7 @@ def _words(
     "prefetch": (
       f"prefetch={state.prefetch} batches in flight, each read then decoded in turn: {rate}"
     ),
-    "receive": f"the main process receiving every worker's batches: {rate}",
+    "main": f"the main process receiving every worker's batches: {rate}",
   }[limit]
 
 
@@ -1273,7 +1273,7 @@ def _main(args, argv: list[str]) -> Diagnosis:
     # slow storage already lowers), and this process's share of it
     check = m.storage
     processes = max(1, d.plan.get("workers") or 0)
-    rate = min(v for k, v in d.limits.items() if k in ("cores", "gil", "receive"))
+    rate = min(v for k, v in d.limits.items() if k in ("cores", "gil", "main"))
     advice = storage_check.advise(check, rate / processes, d.cores, rate, args.get_price, processes)
     print("\n" + storage_check.report(check, advice))
     storage = {"check": dataclasses.asdict(check), "advice": dataclasses.asdict(advice)}

@@ -34,6 +34,22 @@ from pipeline.convert import builtin, images
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
+_fixture_errors: dict[int, tuple[BaseException, str]] = {}
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+  """A fixture that failed (a cluster of processes, say) is reported as an error once, at the
+  first test that used it; the other tests that share it are skipped, pointing there."""
+  report = (yield).get_result()
+  if call.when != "setup" or call.excinfo is None or report.skipped:
+    return
+  error = call.excinfo.value
+  first = _fixture_errors.setdefault(id(error), (error, item.nodeid))[1]
+  if first != item.nodeid:
+    report.outcome = "skipped"
+    report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: the error at {first}")
+
 
 @pytest.fixture(scope="session")
 def photos_raw(tmp_path_factory) -> pathlib.Path:

@@ -14,6 +14,7 @@ import json
 import jax
 
 import pipeline
+from tests.cluster import join
 
 SEED, IMAGE_SIZE, GLOBAL_BATCH = 7, 16, 12
 
@@ -38,11 +39,7 @@ def main() -> None:
   parser.add_argument("--out", required=True, help="JSON file to write")
   args = parser.parse_args()
 
-  jax.config.update("jax_num_cpu_devices", 1)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    f"localhost:{args.port}", num_processes=args.num_processes, process_id=args.process_id
-  )
+  join(args.port, args.num_processes, args.process_id, devices=1)
   ds = pipeline.make_dataset(
     args.data,
     batch_size=GLOBAL_BATCH // jax.process_count(),

@@ -12,6 +12,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from pipeline.device import device_prefetch
+from tests.cluster import join
 
 NUM_PROCESSES = 2
 LOCAL_BATCH = 4
@@ -32,11 +33,7 @@ def main() -> None:
   parser.add_argument("--out", required=True, help=".npz file to write")
   args = parser.parse_args()
 
-  jax.config.update("jax_num_cpu_devices", 4)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    f"localhost:{args.port}", num_processes=NUM_PROCESSES, process_id=args.process_id
-  )
+  join(args.port, NUM_PROCESSES, args.process_id, devices=4)
   shape = tuple(int(s) for s in args.mesh.split(","))
   names = ("data", "model")[: len(shape)]
   mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))

@@ -11,6 +11,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import pipeline
+from tests.cluster import join
 
 FAST = {"image_size": 8, "performance": {"num_threads": 1}}
 
@@ -23,9 +24,7 @@ def main() -> None:
   parser.add_argument("--out", required=True, help=".npz file to write")
   args = parser.parse_args()
 
-  jax.config.update("jax_num_cpu_devices", 4)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(f"localhost:{args.port}", num_processes=2, process_id=args.process_id)
+  join(args.port, 2, args.process_id, devices=4)
   gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
   out = {}
 

@@ -15,6 +15,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import pipeline
+from tests.cluster import join
 
 SEED = 7
 IMAGE_SIZE = 16
@@ -32,11 +33,7 @@ def main() -> None:
   parser.add_argument("--out", required=True, help="JSON file to write")
   args = parser.parse_args()
 
-  jax.config.update("jax_num_cpu_devices", 1)
-  jax.config.update("jax_cpu_collectives_implementation", "gloo")
-  jax.distributed.initialize(
-    f"localhost:{args.port}", num_processes=args.num_processes, process_id=args.process_id
-  )
+  join(args.port, args.num_processes, args.process_id, devices=1)
   ds = pipeline.make_dataset(
     args.data,
     args.split,

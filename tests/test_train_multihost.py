@@ -41,7 +41,7 @@ class Run:
         f"--coordinator_address=127.0.0.1:{port}",
         "--num_processes=2",
         f"--process_id={i}",
-        "--heartbeat_timeout=10",
+        "--heartbeat_timeout=30",  # a busy 2-core machine must not lose a process
         f"--config.num_steps={steps}",
         *args,
         *extra[i],

@@ -17,6 +17,7 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
 import pipeline.manifest
+import pipeline.parallelism as parallelism
 import pipeline.source
 from bench import doctor, storage_check
 from bench.doctor import Cost, Measurements, Run, Settings
@@ -111,6 +112,27 @@ def test_on_a_many_core_host_one_process_is_gil_bound_and_workers_are_recommende
   assert rec.expected_images_per_sec == pytest.approx(d.predicted * rec.gain, rel=0.01)
   assert "projected" in doctor.report(d)
   assert "\nbottleneck on a projected host of 224 cores: " in doctor.report(d)
+
+
+def test_the_main_process_receiving_batches_can_bind_and_is_named():
+  """Many workers of cheap images on a large host: the main process's receiving is the
+  lowest limit (it was a StopIteration in `binding`, issue 37 row 13)."""
+  cheap = stage_costs(read=(0.01, 0.01), parse=0.01, decode=(0.05, 0.05), augment=0.01)
+  d = doctor.diagnose(
+    settings(128, num_workers=8, num_threads=2),
+    measured(cheap, rate=5000, other_ms=0.01),
+    cores=224,
+  )
+  assert min(d.limits, key=d.limits.get) == "main", d.limits
+  assert d.limit.startswith("the main process receiving every worker's batches"), d.limit
+  assert d.input_stage == "transfer"
+
+
+def test_every_limit_the_model_names_can_bind():
+  costs = parallelism.COSTS
+  names = set(parallelism.limits(224, costs, parallelism.Plan(8, 2), batch_size=128))
+  for name in names | {"requests", "prefetch"}:
+    assert doctor.binding({n: 2.0 if n == name else 3.0 for n in names | {name}}) == name
 
 
 def test_auto_settings_are_named_and_not_re_proposed():
