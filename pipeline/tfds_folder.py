@@ -5,7 +5,8 @@ shards), local or gs://, or `tfds://name[:version]` under $TFDS_DATA_DIR.
 `load` makes its `Manifest` in memory from what TFDS wrote (nothing is written into the
 folder, no shard is opened): splits and record counts from dataset_info.json's shardLengths,
 the classes and the image and label keys from features.json and the label files, as `python
--m pipeline.convert tfds` would (its copy's batches are the same, bit for bit). TFDS records
+-m pipeline.convert tfds` would (its copy's batches are the same, bit for bit), and checked as
+strictly as a manifest.json (counts, shard names, classes named once). TFDS records
 no digest or size per shard, so `Shard.sha256` is "" and `Shard.bytes` None: at open,
 verify="size" checks each shard is a regular file, the reader checks its record count against
 shardLengths, and verify="sha256" is refused.
@@ -13,14 +14,15 @@ shardLengths, and verify="sha256" is refused.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
 
 import numpy as np
 from etils import epath
 
-from pipeline import records
-from pipeline.manifest import Manifest, ManifestError, Shard, Split
+from pipeline import manifest, records
+from pipeline.manifest import Manifest, ManifestError
 
 SCHEME = "tfds://"
 INFO = "dataset_info.json"
@@ -68,12 +70,13 @@ def resolve(data_dir):
     ) from None
 
 
-def keys_and_classes(info, where) -> tuple[records.Keys, list[str]]:
-  """The record keys and class names of a TFDS dataset's features: its first `Image` and
-  first `ClassLabel`; refuses, naming `where`, an image the decoder cannot serve as it is."""
+def keys_and_classes(info, folder) -> tuple[records.Keys, list[str]]:
+  """The record keys and class names of the TFDS build in `folder`: its first `Image` and
+  first `ClassLabel`; refuses, naming the file, an image the decoder cannot serve as it is
+  and a class named twice."""
   import tensorflow_datasets as tfds
 
-  features = info.features
+  features, where = info.features, epath.Path(folder) / FEATURES
   found = ", ".join(f"{k}: {type(f).__name__}" for k, f in sorted(features.items()))
   image = next((k for k, f in features.items() if isinstance(f, tfds.features.Image)), None)
   label = next((k for k, f in features.items() if isinstance(f, tfds.features.ClassLabel)), None)
@@ -92,7 +95,11 @@ def keys_and_classes(info, where) -> tuple[records.Keys, list[str]]:
       "serves uint8 images of 1 or 3 channels: store 8-bit RGB or grayscale and rebuild"
     )
   filename = "file_name" if "file_name" in features else ""
-  return records.Keys(image=image, label=label, filename=filename), list(features[label].names)
+  classes = list(features[label].names)
+  manifest.check_classes(
+    classes, os.fspath(tfds.features.ClassLabel.get_names_filepath(folder, label))
+  )
+  return records.Keys(image=image, label=label, filename=filename), classes
 
 
 def load(data_dir) -> Manifest:
@@ -123,23 +130,33 @@ def load(data_dir) -> Manifest:
     raise ManifestError(
       f"{where}: a {file_format} build, which cannot be read in place (no random access): {fix}"
     )
-  keys, classes = keys_and_classes(info, folder / FEATURES)
-  splits = {}
-  for name, split in info.splits.items():
-    lengths = list(split.shard_lengths)
-    if split.num_examples and not lengths:
-      raise ManifestError(f"{where}: split {name!r} lists no shardLengths; rebuild it")
-    paths = split.filepaths
-    if any(p.parent != epath.Path(builder.data_dir) for p in paths):
-      raise ManifestError(f"{where}: split {name!r} has shards outside {folder}")
-    shards = [Shard(p.name, n, sha256="", bytes=None) for p, n in zip(paths, lengths)]
-    splits[name] = Split(sum(lengths), shards)
+  keys, classes = keys_and_classes(info, folder)
+  splits = {
+    name: _split(name, split, builder.data_dir, where) for name, split in info.splits.items()
+  }
   # stands in for the shards' digests where a dataset needs an identity (the record cache)
   fingerprint = hashlib.sha256(info.as_proto.SerializeToString(deterministic=True)).hexdigest()
-  return Manifest(
-    classes=classes,
-    splits=splits,
-    keys=keys,
-    created_by={"tool": TOOL, "source": os.fspath(folder), "fingerprint": fingerprint},
-    read_from=INFO,
-  )
+  d = {
+    "classes": classes,
+    "splits": splits,
+    "keys": dataclasses.asdict(keys),
+    "created_by": {"tool": TOOL, "source": os.fspath(folder), "fingerprint": fingerprint},
+  }
+  return dataclasses.replace(manifest.from_json(d, os.fspath(where)), read_from=INFO)
+
+
+def _split(name: str, split, data_dir, where) -> dict:
+  """A split's manifest.json form (checked as strictly by `manifest.from_json`) from its
+  shardLengths: counts of records, each a non-negative integer."""
+  lengths = list(split.shard_lengths)
+  if split.num_examples and not lengths:
+    raise ManifestError(f"{where}: split {name!r} lists no shardLengths; rebuild it")
+  if (bad := next((n for n in lengths if not 0 <= n < manifest.INT64), None)) is not None:
+    raise ManifestError(
+      f"{where}: split {name!r} has shardLengths {lengths}: {bad} is not a count of records"
+    )
+  paths = split.filepaths
+  if any(p.parent != epath.Path(data_dir) for p in paths):
+    raise ManifestError(f"{where}: split {name!r} has shards outside {data_dir}")
+  shards = [{"file": p.name, "num_records": n, "sha256": ""} for p, n in zip(paths, lengths)]
+  return {"num_records": sum(lengths), "shards": shards}

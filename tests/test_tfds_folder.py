@@ -319,6 +319,53 @@ def test_refusals_are_one_line_naming_the_file_and_what_to_do(folder, tmp_path, 
   )
 
 
+def edited(folder, tmp_path, change) -> pathlib.Path:
+  """A copy of the build whose dataset_info.json `change` edited."""
+  copy = shutil.copytree(folder, tmp_path / "edited" / "1.0.0")
+  info = json.loads((copy / "dataset_info.json").read_text())
+  change({s["name"]: s for s in info["splits"]})
+  (copy / "dataset_info.json").write_text(json.dumps(info))
+  return copy
+
+
+SHARD = "tiny_pets-train.array_record-00000-of-00003"
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (
+      lambda s: s["train"].update(shardLengths=["13", "-14", "13"]),
+      "split 'train' has shardLengths [13, -14, 13]: -14 is not a count of records",
+    ),
+    (
+      lambda s: s["validation"].update(
+        filepathTemplate="{DATASET}-train.{FILEFORMAT}-{SHARD_X_OF_Y}"
+      ),
+      f"shard '{SHARD}' is listed twice (split 'train' shard 0 and split 'validation' shard 0)",
+    ),
+    (
+      lambda s: s["train"].update(filepathTemplate="{SPLIT}"),
+      "shard 'train' is listed twice (split 'train' shard 0 and split 'train' shard 1)",
+    ),
+  ],
+  ids=["a negative shard length", "two splits share shards", "a template without numbers"],
+)
+def test_dataset_info_is_checked_as_strictly_as_a_manifest(folder, tmp_path, change, message):
+  copy = edited(folder, tmp_path, change)
+  with pytest.raises(manifest.ManifestError) as e:
+    pipeline.load_manifest(copy)
+  assert str(e.value) == f"{copy}/dataset_info.json: {message}"
+
+
+def test_a_class_named_twice_in_the_label_file_is_refused(folder, tmp_path):
+  copy = shutil.copytree(folder, tmp_path / "1.0.0")
+  (copy / "label.labels.txt").write_text("cat\ncat\nfox\n")
+  with pytest.raises(manifest.ManifestError) as e:
+    pipeline.load_manifest(copy)
+  assert str(e.value) == f"{copy}/label.labels.txt: class 'cat' is named twice (labels 0 and 1)"
+
+
 @needs_emulator
 def test_a_build_in_a_bucket_reads_in_place_as_it_does_from_disk(gcs, folder):  # noqa: F811
   code = textwrap.dedent(

@@ -45,7 +45,7 @@ def convert(
   if not info.splits:
     raise FileNotFoundError(f"{name} is not prepared in {data_dir} (run tfds build first)")
   names = list(info.splits) if split is None else [split] if isinstance(split, str) else split
-  keys, classes = tfds_folder.keys_and_classes(info, info.full_name)
+  keys, classes = tfds_folder.keys_and_classes(info, builder.data_dir)
   file_format = info.file_format.value if info.file_format else "tfrecord"
   files: list[str] = []
   split_items = {}

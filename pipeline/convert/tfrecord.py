@@ -191,10 +191,13 @@ def load_classes(
   classes: str | os.PathLike | Sequence[str] | None, num_classes: int | None
 ) -> list[str]:
   """Class names from a names-per-line file or a list, or "0".."N-1" from a count."""
+  where = "classes"
   if isinstance(classes, (str, os.PathLike)):
+    where = os.fspath(classes)
     with open(classes) as f:
       classes = [line.strip() for line in f if line.strip()]
   if classes is not None:
+    manifest_lib.check_classes(list(classes), where)
     if num_classes is not None and num_classes != len(classes):
       raise ValueError(f"num_classes {num_classes} != {len(classes)} class names")
     return list(classes)
