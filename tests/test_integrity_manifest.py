@@ -229,7 +229,7 @@ def test_verify_checks_recorded_sizes(dataset):
   edit(dataset, lambda d: d["splits"]["train"]["shards"][0].update(bytes=1))
   problems = verify.verify(dataset, workers=1, progress=False).problems
   assert problems == [
-    f"{shard_of(dataset).name}: {shard_of(dataset).stat().st_size} bytes, manifest says 1"
+    f"{shard_of(dataset).name}: {shard_of(dataset).stat().st_size} bytes, manifest.json says 1"
   ]
 
 

@@ -24,7 +24,9 @@ from PIL import Image
 
 import pipeline
 from pipeline import dataset, manifest, records
+from pipeline.convert import __main__ as convert_cli
 from pipeline.convert import tfds as convert_tfds
+from pipeline.convert import verify
 from tests import stage_chain
 from tests.conftest import assert_same_batches
 from tests.test_gcs import gcs, needs_emulator, run  # noqa: F401 - gcs is a fixture
@@ -250,6 +252,22 @@ def test_on_slow_storage_a_build_gets_the_record_cache_sized_by_its_records(stor
   records_bytes = sum(len(r) for r in local.read.source.read(list(range(40))))
   assert st.read.cache is not None  # TFDS records no shard sizes: the records' are estimated
   assert records_bytes / 2 < st.read.cache.ram_bytes < records_bytes * 2
+
+
+def test_verify_reads_every_record_of_a_build_and_says_there_is_no_digest(folder, tmp_path, capsys):
+  before = snapshot(folder)
+  assert convert_cli.main(["verify", str(folder), "--no-progress", "--workers", "2"]) == 0
+  assert capsys.readouterr().out == (
+    f"{folder}: train: 40, validation: 9 records; OK (dataset_info.json records no sha256: "
+    "no digest compared)\n"
+  )
+  assert snapshot(folder) == before
+  copy = shutil.copytree(folder, tmp_path / "1.0.0")
+  shard = copy / "tiny_pets-train.array_record-00001-of-00003"
+  shutil.copy(copy / "tiny_pets-validation.array_record-00000-of-00003", shard)
+  assert verify.verify(copy, workers=1, progress=False).problems == [
+    f"{shard.name}: 3 records, dataset_info.json says 14"
+  ]
 
 
 def _tfrecord_build(folder, tmp_path, file_format) -> pathlib.Path:
