@@ -84,9 +84,15 @@ class FinishBatch:
     ok = batch.real & ~batch.bad
     out_of_range = ok & ((batch.labels < 0) | (batch.labels >= self.num_classes))
     for slot in np.flatnonzero(out_of_range):
+      unlabeled = batch.labels[slot] == records.UNLABELED
       error = errors.BadRecordError(
         f"{errors.where(batch, slot)}: label {batch.labels[slot]} outside "
         f"[0, {self.num_classes}) of the manifest's classes"
+        + (
+          "; -1 is TFDS's 'no label': this split is unlabeled, read a labeled one"
+          if unlabeled
+          else ""
+        )
       )
       errors.fail(batch, slot, error, self.on_error)
 

@@ -186,18 +186,11 @@ def _provenance(created_by: Any, where: str) -> None:
       raise ManifestError(f"{where}: created_by {_show(e)} has malformed splits or reencoded")
 
 
-def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
-  """A Manifest from its JSON form; `ManifestError` names `where` and the bad field."""
-  if not isinstance(d, dict):
-    raise ManifestError(f"{where}: not a JSON object")
-  if d.get("format", FORMAT) != FORMAT:
-    raise ManifestError(f"{where}: format {_show(d['format'])} is not {FORMAT!r}")
-  classes = _field(d, "classes", list, where)
-  if not _strings(classes):
-    raise ManifestError(f"{where}: classes must be strings")
-  check_classes(classes, where)
+def splits_from_json(splits_json: dict[str, Any], where: str) -> dict[str, Split]:
+  """Splits from their JSON form: names without control characters, counts, shards that are
+  files of the dataset folder, each listed once; `ManifestError` names `where`."""
   splits, listed = {}, {}
-  for name, s in _field(d, "splits", dict, where).items():
+  for name, s in splits_json.items():
     if not _name(name):
       raise ManifestError(f"{where}: split name {_show(name)} holds control characters")
     shards = _field(s, "shards", list, f"{where} split {name!r}")
@@ -212,6 +205,20 @@ def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
           f"shard {i})"
         )
       listed[sh.file] = f"split {name!r} shard {i}"
+  return splits
+
+
+def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
+  """A Manifest from its JSON form; `ManifestError` names `where` and the bad field."""
+  if not isinstance(d, dict):
+    raise ManifestError(f"{where}: not a JSON object")
+  if d.get("format", FORMAT) != FORMAT:
+    raise ManifestError(f"{where}: format {_show(d['format'])} is not {FORMAT!r}")
+  classes = _field(d, "classes", list, where)
+  if not _strings(classes):
+    raise ManifestError(f"{where}: classes must be strings")
+  check_classes(classes, where)
+  splits = splits_from_json(_field(d, "splits", dict, where), where)
   keys = d.get("keys", {})
   try:
     keys = Keys(**keys)

@@ -14,7 +14,6 @@ shardLengths, and verify="sha256" is refused.
 
 from __future__ import annotations
 
-import dataclasses
 import hashlib
 import os
 
@@ -22,7 +21,7 @@ import numpy as np
 from etils import epath
 
 from pipeline import manifest, records
-from pipeline.manifest import Manifest, ManifestError
+from pipeline.manifest import Manifest, ManifestError, Split
 
 SCHEME = "tfds://"
 INFO = "dataset_info.json"
@@ -40,16 +39,24 @@ def is_build(folder) -> bool:
   return (epath.Path(folder) / INFO).exists()
 
 
+def versions(folder) -> list[str]:
+  """The version folders of the dataset folder `folder` (those holding a build); lists it."""
+  try:
+    return sorted(p.parent.name for p in epath.Path(folder).glob(f"*/{INFO}"))
+  except OSError:
+    return []
+
+
 def hint(folder) -> str:
   """What to pass instead when `folder` holds TFDS builds but is not one (the dataset's
-  folder, above its version folders); "" otherwise. Lists the folder: call it on errors."""
-  try:
-    builds = sorted(p for p in epath.Path(folder).glob(f"*/{INFO}"))
-  except OSError:
-    return ""
-  if not builds:
-    return ""
-  return f"; {folder} holds TFDS builds: pass a version folder, e.g. {builds[-1].parent}"
+  folder, above its version folders), or is a version folder that is not there; "" otherwise.
+  Lists a folder: call it on errors."""
+  folder = epath.Path(folder)
+  if found := versions(folder):
+    return f"; {folder} holds TFDS builds: pass a version folder, e.g. {folder / found[-1]}"
+  if not folder.exists() and (found := versions(folder.parent)):
+    return f"; {folder.parent} holds TFDS builds of versions {', '.join(found)}, not {folder.name}"
+  return ""
 
 
 def resolve(data_dir):
@@ -64,10 +71,19 @@ def resolve(data_dir):
   try:
     return os.fspath(tfds.core.read_only_builder.builder_from_files(name, data_dir=root).data_dir)
   except Exception:  # noqa: BLE001 - TFDS raises several kinds, each with a long story
-    raise FileNotFoundError(
-      f"{data_dir}: no TFDS build of {name!r} in {root} (set TFDS_DATA_DIR): run `tfds build "
-      f"{name.split(':')[0]} --file_format=array_record`, or pass its version folder"
-    ) from None
+    raise FileNotFoundError(f"{data_dir}: {missing(name, root)}") from None
+
+
+def missing(name: str, root) -> str:
+  """Why the TFDS dataset `name` (name[/config][:version]) has no build to read in the data
+  dir `root`, naming the versions there are, if any."""
+  base = name.split(":")[0]
+  if found := versions(epath.Path(root) / base):
+    return f"no TFDS build of {name!r} in {root}: it holds {base} {', '.join(found)}"
+  return (
+    f"no TFDS build of {name!r} in {root} (set TFDS_DATA_DIR): run `tfds build "
+    f"{base.split('/')[0]} --file_format=array_record`, or pass its version folder"
+  )
 
 
 def keys_and_classes(info, folder) -> tuple[records.Keys, list[str]]:
@@ -131,32 +147,34 @@ def load(data_dir) -> Manifest:
       f"{where}: a {file_format} build, which cannot be read in place (no random access): {fix}"
     )
   keys, classes = keys_and_classes(info, folder)
-  splits = {
-    name: _split(name, split, builder.data_dir, where) for name, split in info.splits.items()
-  }
   # stands in for the shards' digests where a dataset needs an identity (the record cache)
   fingerprint = hashlib.sha256(info.as_proto.SerializeToString(deterministic=True)).hexdigest()
-  d = {
-    "classes": classes,
-    "splits": splits,
-    "keys": dataclasses.asdict(keys),
-    "created_by": {"tool": TOOL, "source": os.fspath(folder), "fingerprint": fingerprint},
-  }
-  return dataclasses.replace(manifest.from_json(d, os.fspath(where)), read_from=INFO)
+  return Manifest(
+    classes=classes,
+    splits=checked_splits(info, builder.data_dir),
+    keys=keys,
+    created_by={"tool": TOOL, "source": os.fspath(folder), "fingerprint": fingerprint},
+    read_from=INFO,
+  )
 
 
-def _split(name: str, split, data_dir, where) -> dict:
-  """A split's manifest.json form (checked as strictly by `manifest.from_json`) from its
-  shardLengths: counts of records, each a non-negative integer."""
-  lengths = list(split.shard_lengths)
-  if split.num_examples and not lengths:
-    raise ManifestError(f"{where}: split {name!r} lists no shardLengths; rebuild it")
-  if (bad := next((n for n in lengths if not 0 <= n < manifest.INT64), None)) is not None:
-    raise ManifestError(
-      f"{where}: split {name!r} has shardLengths {lengths}: {bad} is not a count of records"
-    )
-  paths = split.filepaths
-  if any(p.parent != epath.Path(data_dir) for p in paths):
-    raise ManifestError(f"{where}: split {name!r} has shards outside {data_dir}")
-  shards = [{"file": p.name, "num_records": n, "sha256": ""} for p, n in zip(paths, lengths)]
-  return {"num_records": sum(lengths), "shards": shards}
+def checked_splits(info, folder) -> dict[str, Split]:
+  """The splits of the TFDS build in `folder` (its `info`), checked as strictly as those of a
+  manifest.json (`manifest.splits_from_json`): shardLengths are counts of records, and the
+  shard files its templates name are files of `folder`, each listed once."""
+  where = os.fspath(epath.Path(folder) / INFO)
+  splits = {}
+  for name, split in info.splits.items():
+    lengths = list(split.shard_lengths)
+    if split.num_examples and not lengths:
+      raise ManifestError(f"{where}: split {name!r} lists no shardLengths; rebuild it")
+    if (bad := next((n for n in lengths if not 0 <= n < manifest.INT64), None)) is not None:
+      raise ManifestError(
+        f"{where}: split {name!r} has shardLengths {lengths}: {bad} is not a count of records"
+      )
+    paths = split.filepaths
+    if any(p.parent != epath.Path(folder) for p in paths):
+      raise ManifestError(f"{where}: split {name!r} has shards outside {folder}")
+    shards = [{"file": p.name, "num_records": n, "sha256": ""} for p, n in zip(paths, lengths)]
+    splits[name] = {"num_records": sum(lengths), "shards": shards}
+  return manifest.splits_from_json(splits, where)

@@ -23,12 +23,13 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 import pipeline
-from pipeline import dataset, manifest, records
+from pipeline import dataset, errors, manifest, records
 from pipeline.convert import __main__ as convert_cli
 from pipeline.convert import tfds as convert_tfds
 from pipeline.convert import verify
 from tests import stage_chain
 from tests.conftest import assert_same_batches
+from tests.test_convert_tfds import UnlabeledShapes
 from tests.test_gcs import gcs, needs_emulator, run  # noqa: F401 - gcs is a fixture
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -369,11 +370,17 @@ SHARD = "tiny_pets-train.array_record-00000-of-00003"
   ],
   ids=["a negative shard length", "two splits share shards", "a template without numbers"],
 )
-def test_dataset_info_is_checked_as_strictly_as_a_manifest(folder, tmp_path, change, message):
+def test_dataset_info_is_checked_as_strictly_as_a_manifest_in_place_and_by_convert(
+  folder, tmp_path, change, message
+):
   copy = edited(folder, tmp_path, change)
   with pytest.raises(manifest.ManifestError) as e:
     pipeline.load_manifest(copy)
   assert str(e.value) == f"{copy}/dataset_info.json: {message}"
+  with pytest.raises(manifest.ManifestError) as e:
+    convert_tfds.convert("tiny_pets", tmp_path / "out", data_dir=copy, progress=False)
+  assert str(e.value) == f"{copy}/dataset_info.json: {message}"
+  assert not (tmp_path / "out").exists()
 
 
 def test_a_class_named_twice_in_the_label_file_is_refused(folder, tmp_path):
@@ -381,7 +388,40 @@ def test_a_class_named_twice_in_the_label_file_is_refused(folder, tmp_path):
   (copy / "label.labels.txt").write_text("cat\ncat\nfox\n")
   with pytest.raises(manifest.ManifestError) as e:
     pipeline.load_manifest(copy)
-  assert str(e.value) == f"{copy}/label.labels.txt: class 'cat' is named twice (labels 0 and 1)"
+  refusal = f"{copy}/label.labels.txt: class 'cat' is named twice (labels 0 and 1)"
+  assert str(e.value) == refusal
+  with pytest.raises(manifest.ManifestError) as e:
+    convert_tfds.convert("tiny_pets", tmp_path / "out", data_dir=copy, progress=False)
+  assert str(e.value) == refusal
+  assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_version_names_the_versions_there_are(tfds_dir, monkeypatch):
+  missing = tfds_dir / "tiny_pets" / "9.9.9"
+  with pytest.raises(FileNotFoundError) as e:
+    pipeline.load_manifest(missing)
+  assert str(e.value) == (
+    f"{missing}/manifest.json not found: convert the dataset first (python -m pipeline.convert "
+    f"--help); {tfds_dir}/tiny_pets holds TFDS builds of versions 1.0.0, not 9.9.9"
+  )
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tfds_dir))
+  with pytest.raises(FileNotFoundError) as e:
+    pipeline.load_manifest("tfds://tiny_pets:9.9.9")
+  assert str(e.value) == (
+    f"tfds://tiny_pets:9.9.9: no TFDS build of 'tiny_pets:9.9.9' in {tfds_dir}: it holds "
+    "tiny_pets 1.0.0"
+  )
+
+
+def test_a_split_without_labels_is_refused_at_its_first_batch_saying_so(tmp_path):
+  version = build(UnlabeledShapes, tmp_path / "tfds")
+  assert set(first_batches(version, "train", 1, train=False)[0]["label"]) == {0, 1, 2}
+  with pytest.raises(errors.BadRecordError) as e:
+    first_batches(version, "test", 1, train=False)
+  assert str(e.value) == (
+    "unlabeled_shapes-test.array_record-00000-of-00001 record 0: label -1 outside [0, 3) of "
+    "the manifest's classes; -1 is TFDS's 'no label': this split is unlabeled, read a labeled one"
+  )
 
 
 @needs_emulator
