@@ -20,6 +20,7 @@ from pipeline.ahead import Threads
 from pipeline.plan import Batch
 
 SKIPPED_KEY = "_skipped"
+_UNLABELED = "; -1 is TFDS's 'no label': this split is unlabeled, read a labeled one"
 
 
 class FinishBatch:
@@ -84,9 +85,10 @@ class FinishBatch:
     ok = batch.real & ~batch.bad
     out_of_range = ok & ((batch.labels < 0) | (batch.labels >= self.num_classes))
     for slot in np.flatnonzero(out_of_range):
+      why = _UNLABELED if batch.labels[slot] == records.UNLABELED else ""
       error = errors.BadRecordError(
         f"{errors.where(batch, slot)}: label {batch.labels[slot]} outside "
-        f"[0, {self.num_classes}) of the manifest's classes"
+        f"[0, {self.num_classes}) of the manifest's classes{why}"
       )
       errors.fail(batch, slot, error, self.on_error)
 

@@ -101,7 +101,7 @@ class Manifest:
 
 _SHOW = reprlib.Repr()  # a value in one short line, however big or deep
 _SHOW.maxlevel, _SHOW.maxstring, _SHOW.maxother = 3, 60, 60
-_INT64 = 2**63  # counts and sizes beyond int64 are no file's
+INT64 = 2**63  # counts and sizes beyond int64 are no file's
 
 
 def _show(value: Any) -> str:
@@ -119,7 +119,7 @@ def _field(d: Any, key: str, kind: type, where: str) -> Any:
 
 def _count(d: Any, key: str, where: str) -> int:
   value = _field(d, key, int, where)
-  if not 0 <= value < _INT64:
+  if not 0 <= value < INT64:
     raise ManifestError(f"{where}: field {key!r} is {_show(value)}, not a count")
   return value
 
@@ -137,7 +137,7 @@ def _shard(d: Any, where: str) -> Shard:
     )
   size = d.get("bytes")
   if size is not None and (
-    not isinstance(size, int) or isinstance(size, bool) or not 0 <= size < _INT64
+    not isinstance(size, int) or isinstance(size, bool) or not 0 <= size < INT64
   ):
     raise ManifestError(f"{where}: field 'bytes' is {_show(size)}, not a size")
   crc = d.get("crc32c")
@@ -164,6 +164,14 @@ def _strings(value: Any) -> bool:
   return isinstance(value, list) and all(isinstance(v, str) for v in value)
 
 
+def check_classes(classes: list[str], where: str) -> None:
+  """Refuses a class named twice (its second label would read as the first), naming `where`."""
+  first: dict[str, int] = {}
+  for label, name in enumerate(classes):
+    if (seen := first.setdefault(name, label)) != label:
+      raise ManifestError(f"{where}: class {name!r} is named twice (labels {seen} and {label})")
+
+
 def _provenance(created_by: Any, where: str) -> None:
   """`created_by` and its `added` entries: objects, whose "splits" (if any) are split names
   and "reencoded" (if any) a list; what `pipeline.convert` reads back when it adds a split."""
@@ -178,17 +186,11 @@ def _provenance(created_by: Any, where: str) -> None:
       raise ManifestError(f"{where}: created_by {_show(e)} has malformed splits or reencoded")
 
 
-def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
-  """A Manifest from its JSON form; `ManifestError` names `where` and the bad field."""
-  if not isinstance(d, dict):
-    raise ManifestError(f"{where}: not a JSON object")
-  if d.get("format", FORMAT) != FORMAT:
-    raise ManifestError(f"{where}: format {_show(d['format'])} is not {FORMAT!r}")
-  classes = _field(d, "classes", list, where)
-  if not _strings(classes):
-    raise ManifestError(f"{where}: classes must be strings")
+def splits_from_json(splits_json: dict[str, Any], where: str) -> dict[str, Split]:
+  """Splits from their JSON form: names without control characters, counts, shards that are
+  files of the dataset folder, each listed once; `ManifestError` names `where`."""
   splits, listed = {}, {}
-  for name, s in _field(d, "splits", dict, where).items():
+  for name, s in splits_json.items():
     if not _name(name):
       raise ManifestError(f"{where}: split name {_show(name)} holds control characters")
     shards = _field(s, "shards", list, f"{where} split {name!r}")
@@ -203,6 +205,20 @@ def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
           f"shard {i})"
         )
       listed[sh.file] = f"split {name!r} shard {i}"
+  return splits
+
+
+def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
+  """A Manifest from its JSON form; `ManifestError` names `where` and the bad field."""
+  if not isinstance(d, dict):
+    raise ManifestError(f"{where}: not a JSON object")
+  if d.get("format", FORMAT) != FORMAT:
+    raise ManifestError(f"{where}: format {_show(d['format'])} is not {FORMAT!r}")
+  classes = _field(d, "classes", list, where)
+  if not _strings(classes):
+    raise ManifestError(f"{where}: classes must be strings")
+  check_classes(classes, where)
+  splits = splits_from_json(_field(d, "splits", dict, where), where)
   keys = d.get("keys", {})
   try:
     keys = Keys(**keys)

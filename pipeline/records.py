@@ -27,6 +27,7 @@ class Keys:
 DEFAULT_KEYS = Keys()
 TFDS_KEYS = Keys(image="image", label="label", filename="file_name")
 KNOWN_KEYS = (DEFAULT_KEYS, TFDS_KEYS, Keys(image="data", label="category", filename="name"))
+UNLABELED = -1  # TFDS's label of an example without one (ImageNet's test split)
 
 
 def encode(image: bytes, label: int, filename: str = "", keys: Keys = DEFAULT_KEYS) -> bytes:

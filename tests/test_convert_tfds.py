@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import os
+import pathlib
 
 import numpy as np
 import pytest
@@ -12,6 +13,7 @@ from array_record.python import array_record_module
 from PIL import Image
 
 from pipeline import manifest, records
+from pipeline.convert import __main__ as cli
 from pipeline.convert import tfds as convert_tfds
 
 
@@ -44,9 +46,25 @@ class TinyShapes(tfds.core.GeneratorBasedBuilder):
       yield i, {"image": jpeg, "label": i % 3, "file_name": f"img{i}.jpg"}
 
 
+class UnlabeledShapes(TinyShapes):
+  """TinyShapes whose test split has no labels: TFDS stores -1, as for ImageNet's test."""
+
+  def _generate_examples(self, n):
+    for key, example in super()._generate_examples(n):
+      yield key, {**example, "label": -1 if n == 5 else example["label"]}
+
+
 # TFDS looks up the code path of builders defined in packages through the optional
 # `importlib_resources` backport; a top-level module name takes its plain-file route.
 TinyShapes.__module__ = "tiny_shapes"
+UnlabeledShapes.__module__ = "unlabeled_shapes"
+
+
+def prepared(builder_class, data_dir) -> pathlib.Path:
+  """Prepares the dataset with ArrayRecord files; returns its version folder."""
+  builder = builder_class(data_dir=str(data_dir), file_format="array_record")
+  builder.download_and_prepare()
+  return pathlib.Path(builder.data_dir)
 
 
 def tfds_records(builder, split) -> list[bytes]:
@@ -116,3 +134,55 @@ def test_prepared_tfds_dataset_converts_with_its_classes_and_keys(tmp_path, file
       "tiny_shapes", tmp_path / "x", data_dir=tmp_path / "tfds", split="nope", progress=False
     )
   assert manifest.load(tmp_path / "out").created_by["tool"] == "pipeline.convert tfds"
+
+
+def test_a_split_without_labels_is_skipped_in_one_line_and_the_others_converted(tmp_path, capsys):
+  version = prepared(UnlabeledShapes, tmp_path / "tfds")
+  capsys.readouterr()
+  out = tmp_path / "out"
+  args = ["tfds", "unlabeled_shapes", str(out), "--data-dir", str(tmp_path / "tfds")]
+  assert cli.main([*args, "--no-progress"]) == 0
+  test = version / "unlabeled_shapes-test.array_record-00000-of-00001"
+  assert capsys.readouterr().err.splitlines() == [
+    f"convert tfds: skipped split 'test' of unlabeled_shapes/1.0.0: unlabeled (label -1 in "
+    f"{test}:0); the pipeline needs class labels"
+  ]
+  assert list(manifest.load(out).splits) == ["train"]
+  assert sorted(os.listdir(out)) == ["manifest.json", "train.array_record-00000-of-00001"]
+  only = ["tfds", "unlabeled_shapes", str(tmp_path / "none"), "--data-dir", str(version)]
+  assert cli.main([*only, "--split", "test", "--no-progress"]) == 2
+  assert capsys.readouterr().err.splitlines()[-1] == (
+    "error: unlabeled_shapes/1.0.0: no split with labels among ['test']"
+  )
+  assert not (tmp_path / "none").exists()
+
+
+def test_split_repeats_and_data_dir_is_tfds_data_dir_or_a_version_folder(
+  tmp_path, capsys, monkeypatch
+):
+  version = prepared(TinyShapes, tmp_path / "tfds")
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tmp_path / "tfds"))
+  assert cli.main(["tfds", "tiny_shapes", str(tmp_path / "all"), "--no-progress"]) == 0
+  assert list(manifest.load(tmp_path / "all").splits) == ["train", "test"]
+  two = ["--split", "test", "--split", "train", "--data-dir", str(version), "--no-progress"]
+  assert cli.main(["tfds", "tiny_shapes:1.0.0", str(tmp_path / "two"), *two]) == 0
+  assert manifest.load(tmp_path / "two").splits == manifest.load(tmp_path / "all").splits
+  capsys.readouterr()
+  assert cli.main(["tfds", "other", str(tmp_path / "x"), "--data-dir", str(version)]) == 2
+  assert capsys.readouterr().err == f"error: {version} holds tiny_shapes:1.0.0, not other\n"
+  with pytest.raises(SystemExit):
+    cli.main(["tfds", "--help"])
+  assert "--split SPLIT         a split to convert; repeat for several (default: every" in (
+    capsys.readouterr().out
+  )
+
+
+def test_a_missing_version_names_the_versions_there_are(tmp_path, capsys):
+  prepared(TinyShapes, tmp_path / "tfds")
+  capsys.readouterr()
+  args = ["tfds", "tiny_shapes:9.9.9", str(tmp_path / "out"), "--data-dir", str(tmp_path / "tfds")]
+  assert cli.main(args) == 2
+  assert capsys.readouterr().err == (
+    f"error: tiny_shapes:9.9.9: no TFDS build of 'tiny_shapes:9.9.9' in {tmp_path / 'tfds'}: "
+    "it holds tiny_shapes 1.0.0\n"
+  )

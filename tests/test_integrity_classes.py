@@ -6,9 +6,12 @@ from __future__ import annotations
 import os
 import pathlib
 
+import pytest
+
 from pipeline import manifest, records
-from pipeline.convert import images
+from pipeline.convert import images, tfrecord
 from tests.test_convert_images import jpeg, read_shard, write
+from tests.test_convert_tfrecord import write_tfrecord
 
 
 def stored(out) -> dict[str, str]:
@@ -108,3 +111,18 @@ def test_a_class_folder_linked_from_outside_is_followed_once(tmp_path):
   assert m.classes == ["bird", "cat", "dog"]
   assert stored(tmp_path / "out")["bird/b0.jpg"] == "bird"
   assert {"path": "bird_again", "reason": "symlink to a folder already listed"} in m.skipped
+
+
+def test_a_class_named_twice_in_a_label_map_or_classes_file_is_refused(tmp_path):
+  src = tmp_path / "src"
+  two_classes(src)
+  names = tmp_path / "classes.txt"
+  names.write_text("cat\ndog\ncat\n")
+  with pytest.raises(manifest.ManifestError) as e:
+    images.convert(src, tmp_path / "out", label_map=names, workers=1, progress=False)
+  assert str(e.value) == f"label map {names}: class 'cat' is named twice (labels 0 and 2)"
+  write_tfrecord(tmp_path / "a.tfrecord", [records.encode(jpeg(seed=0), 0, "c0.jpg")])
+  with pytest.raises(manifest.ManifestError) as e:
+    tfrecord.convert(str(tmp_path / "a.tfrecord"), tmp_path / "out", classes=names, progress=False)
+  assert str(e.value) == f"{names}: class 'cat' is named twice (labels 0 and 2)"
+  assert not (tmp_path / "out").exists()

@@ -171,6 +171,16 @@ def test_an_invalid_manifest_is_a_manifest_error_naming_the_file(dataset, change
   assert "\n" not in str(error.value)
 
 
+def test_a_class_named_twice_is_refused_naming_the_file_and_the_name(dataset):
+  classes = manifest.load(dataset).classes
+  edit(dataset, lambda d: d.update(classes=[classes[0], classes[0], *classes[2:]]))
+  with pytest.raises(manifest.ManifestError) as error:
+    manifest.load(dataset)
+  assert str(error.value) == (
+    f"{dataset / manifest.FILENAME}: class {classes[0]!r} is named twice (labels 0 and 1)"
+  )
+
+
 def test_a_fifo_in_place_of_the_manifest_is_refused(dataset):
   (dataset / manifest.FILENAME).unlink()
   os.mkfifo(dataset / manifest.FILENAME)
@@ -219,7 +229,7 @@ def test_verify_checks_recorded_sizes(dataset):
   edit(dataset, lambda d: d["splits"]["train"]["shards"][0].update(bytes=1))
   problems = verify.verify(dataset, workers=1, progress=False).problems
   assert problems == [
-    f"{shard_of(dataset).name}: {shard_of(dataset).stat().st_size} bytes, manifest says 1"
+    f"{shard_of(dataset).name}: {shard_of(dataset).stat().st_size} bytes, manifest.json says 1"
   ]
 
 

@@ -23,10 +23,13 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 import pipeline
-from pipeline import dataset, manifest, records
+from pipeline import dataset, errors, manifest, records
+from pipeline.convert import __main__ as convert_cli
 from pipeline.convert import tfds as convert_tfds
+from pipeline.convert import verify
 from tests import stage_chain
 from tests.conftest import assert_same_batches
+from tests.test_convert_tfds import UnlabeledShapes
 from tests.test_gcs import gcs, needs_emulator, run  # noqa: F401 - gcs is a fixture
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -252,6 +255,22 @@ def test_on_slow_storage_a_build_gets_the_record_cache_sized_by_its_records(stor
   assert records_bytes / 2 < st.read.cache.ram_bytes < records_bytes * 2
 
 
+def test_verify_reads_every_record_of_a_build_and_says_there_is_no_digest(folder, tmp_path, capsys):
+  before = snapshot(folder)
+  assert convert_cli.main(["verify", str(folder), "--no-progress", "--workers", "2"]) == 0
+  assert capsys.readouterr().out == (
+    f"{folder}: train: 40, validation: 9 records; OK (dataset_info.json records no sha256: "
+    "no digest compared)\n"
+  )
+  assert snapshot(folder) == before
+  copy = shutil.copytree(folder, tmp_path / "1.0.0")
+  shard = copy / "tiny_pets-train.array_record-00001-of-00003"
+  shutil.copy(copy / "tiny_pets-validation.array_record-00000-of-00003", shard)
+  assert verify.verify(copy, workers=1, progress=False).problems == [
+    f"{shard.name}: 3 records, dataset_info.json says 14"
+  ]
+
+
 def _tfrecord_build(folder, tmp_path, file_format) -> pathlib.Path:
   """The build as TFDS lays out another file format: its dataset_info.json says so (made
   here from the ArrayRecord build: TFDS writes TFRecords only through TensorFlow)."""
@@ -316,6 +335,92 @@ def test_refusals_are_one_line_naming_the_file_and_what_to_do(folder, tmp_path, 
   assert refusal(lambda: pipeline.load_manifest("tfds://nope:2.0.0"), FileNotFoundError) == (
     f"tfds://nope:2.0.0: no TFDS build of 'nope:2.0.0' in {tmp_path} (set TFDS_DATA_DIR): run "
     "`tfds build nope --file_format=array_record`, or pass its version folder"
+  )
+
+
+def edited(folder, tmp_path, change) -> pathlib.Path:
+  """A copy of the build whose dataset_info.json `change` edited."""
+  copy = shutil.copytree(folder, tmp_path / "edited" / "1.0.0")
+  info = json.loads((copy / "dataset_info.json").read_text())
+  change({s["name"]: s for s in info["splits"]})
+  (copy / "dataset_info.json").write_text(json.dumps(info))
+  return copy
+
+
+SHARD = "tiny_pets-train.array_record-00000-of-00003"
+
+
+@pytest.mark.parametrize(
+  "change, message",
+  [
+    (
+      lambda s: s["train"].update(shardLengths=["13", "-14", "13"]),
+      "split 'train' has shardLengths [13, -14, 13]: -14 is not a count of records",
+    ),
+    (
+      lambda s: s["validation"].update(
+        filepathTemplate="{DATASET}-train.{FILEFORMAT}-{SHARD_X_OF_Y}"
+      ),
+      f"shard '{SHARD}' is listed twice (split 'train' shard 0 and split 'validation' shard 0)",
+    ),
+    (
+      lambda s: s["train"].update(filepathTemplate="{SPLIT}"),
+      "shard 'train' is listed twice (split 'train' shard 0 and split 'train' shard 1)",
+    ),
+  ],
+  ids=["a negative shard length", "two splits share shards", "a template without numbers"],
+)
+def test_dataset_info_is_checked_as_strictly_as_a_manifest_in_place_and_by_convert(
+  folder, tmp_path, change, message
+):
+  copy = edited(folder, tmp_path, change)
+  with pytest.raises(manifest.ManifestError) as e:
+    pipeline.load_manifest(copy)
+  assert str(e.value) == f"{copy}/dataset_info.json: {message}"
+  with pytest.raises(manifest.ManifestError) as e:
+    convert_tfds.convert("tiny_pets", tmp_path / "out", data_dir=copy, progress=False)
+  assert str(e.value) == f"{copy}/dataset_info.json: {message}"
+  assert not (tmp_path / "out").exists()
+
+
+def test_a_class_named_twice_in_the_label_file_is_refused(folder, tmp_path):
+  copy = shutil.copytree(folder, tmp_path / "1.0.0")
+  (copy / "label.labels.txt").write_text("cat\ncat\nfox\n")
+  with pytest.raises(manifest.ManifestError) as e:
+    pipeline.load_manifest(copy)
+  refusal = f"{copy}/label.labels.txt: class 'cat' is named twice (labels 0 and 1)"
+  assert str(e.value) == refusal
+  with pytest.raises(manifest.ManifestError) as e:
+    convert_tfds.convert("tiny_pets", tmp_path / "out", data_dir=copy, progress=False)
+  assert str(e.value) == refusal
+  assert not (tmp_path / "out").exists()
+
+
+def test_a_missing_version_names_the_versions_there_are(tfds_dir, monkeypatch):
+  missing = tfds_dir / "tiny_pets" / "9.9.9"
+  with pytest.raises(FileNotFoundError) as e:
+    pipeline.load_manifest(missing)
+  assert str(e.value) == (
+    f"{missing}/manifest.json not found: convert the dataset first (python -m pipeline.convert "
+    f"--help); {tfds_dir}/tiny_pets holds TFDS builds of versions 1.0.0, not 9.9.9"
+  )
+  monkeypatch.setenv("TFDS_DATA_DIR", str(tfds_dir))
+  with pytest.raises(FileNotFoundError) as e:
+    pipeline.load_manifest("tfds://tiny_pets:9.9.9")
+  assert str(e.value) == (
+    f"tfds://tiny_pets:9.9.9: no TFDS build of 'tiny_pets:9.9.9' in {tfds_dir}: it holds "
+    "tiny_pets 1.0.0"
+  )
+
+
+def test_a_split_without_labels_is_refused_at_its_first_batch_saying_so(tmp_path):
+  version = build(UnlabeledShapes, tmp_path / "tfds")
+  assert set(first_batches(version, "train", 1, train=False)[0]["label"]) == {0, 1, 2}
+  with pytest.raises(errors.BadRecordError) as e:
+    first_batches(version, "test", 1, train=False)
+  assert str(e.value) == (
+    "unlabeled_shapes-test.array_record-00000-of-00001 record 0: label -1 outside [0, 3) of "
+    "the manifest's classes; -1 is TFDS's 'no label': this split is unlabeled, read a labeled one"
   )
 
 

@@ -6,6 +6,7 @@
       # (a flat val/: add --labels LOC_val_solution.csv)
   python -m pipeline.convert tfrecord 'train-*.tfrecord' OUT --num-classes 1000
   python -m pipeline.convert tfds imagenet2012 OUT --data-dir ~/tensorflow_datasets
+  python -m pipeline.convert tfds imagenet2012 OUT --split train --split validation
   python -m pipeline.convert verify OUT
   python -m pipeline.convert builtin data
   python -m pipeline.convert images SRC OUT --runner DirectRunner   # Apache Beam
@@ -71,8 +72,9 @@ def _options(progress: bool = True) -> argparse.ArgumentParser:
   return p
 
 
-def _common(p: argparse.ArgumentParser) -> None:
-  p.add_argument("--split", default="train", help="split name (default: train)")
+def _common(p: argparse.ArgumentParser, split: bool = True) -> None:
+  if split:
+    p.add_argument("--split", default="train", help="split name (default: train)")
   p.add_argument(
     "--shard-size-mb",
     type=_number(float, 0, low_ok=False),
@@ -162,9 +164,20 @@ def _parser() -> argparse.ArgumentParser:
   p = sub.add_parser("tfds", help="a TFDS dataset prepared in a local data dir", parents=options)
   p.add_argument("name", help="dataset name, e.g. imagenet2012 or mnist:3.0.1")
   p.add_argument("out", help="output folder")
-  p.add_argument("--data-dir", required=True, help="TFDS data dir holding the prepared data")
-  _common(p)
-  p.set_defaults(split=None)
+  p.add_argument(
+    "--data-dir",
+    default=None,
+    help="TFDS data dir holding the prepared data, or its version folder (default: "
+    "$TFDS_DATA_DIR, else ~/tensorflow_datasets)",
+  )
+  p.add_argument(
+    "--split",
+    action="append",
+    default=None,
+    help="a split to convert; repeat for several (default: every split; splits without "
+    "labels, label -1, are skipped)",
+  )
+  _common(p, split=False)
 
   p = sub.add_parser("verify", help="re-read and check a converted dataset", parents=options)
   p.add_argument("out", help="converted dataset folder (holding manifest.json)")

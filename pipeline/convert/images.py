@@ -49,6 +49,7 @@ def load_label_map(label_map: str | os.PathLike | Mapping[str, int] | Sequence[s
     except ValueError:
       label_map = [line.strip() for line in text.splitlines() if line.strip()]
   if not isinstance(label_map, Mapping):
+    manifest_lib.check_classes(list(label_map), source)
     label_map = {name: i for i, name in enumerate(label_map)}
   classes: list[str | None] = [None] * len(label_map)
   for name, label in label_map.items():

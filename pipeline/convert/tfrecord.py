@@ -141,7 +141,7 @@ def read_record(f, path: str, index: int, offset: int, length: int) -> bytes:
   return data
 
 
-def _read_task(task: Sequence[tuple], files: Sequence[str]) -> list[tuple[str, bytes]]:
+def read_items(task: Sequence[tuple], files: Sequence[str]) -> list[tuple[str, bytes]]:
   """(place, record bytes) for items ("tfrecord", file, index, offset, length) or
   ("array_record", file, index)."""
   out, handles = [], {}
@@ -171,7 +171,7 @@ def process(
 ) -> list[shards.Outcome]:
   """Worker: verifies each record (checksum, parse, label range, image) and passes its bytes."""
   outcomes: list[shards.Outcome] = []
-  for place, data in _read_task(task, files):
+  for place, data in read_items(task, files):
     try:
       image, label, _ = records.parse(data, keys)
     except records.RecordError as e:
@@ -191,10 +191,13 @@ def load_classes(
   classes: str | os.PathLike | Sequence[str] | None, num_classes: int | None
 ) -> list[str]:
   """Class names from a names-per-line file or a list, or "0".."N-1" from a count."""
+  where = "classes"
   if isinstance(classes, (str, os.PathLike)):
+    where = os.fspath(classes)
     with open(classes) as f:
       classes = [line.strip() for line in f if line.strip()]
   if classes is not None:
+    manifest_lib.check_classes(list(classes), where)
     if num_classes is not None and num_classes != len(classes):
       raise ValueError(f"num_classes {num_classes} != {len(classes)} class names")
     return list(classes)
@@ -217,7 +220,7 @@ def copy_job(
   shard_size_mb: float,
   max_pixels: int,
 ) -> shards.Job:
-  """Plans copying records located by `_read_task` items, per split in order, to `out`."""
+  """Plans copying records located by `read_items` items, per split in order, to `out`."""
   shard_bytes = shards.shard_bytes(shard_size_mb)
   plans = [
     p
