@@ -16,25 +16,33 @@ import collections
 import concurrent.futures
 import copy
 import threading
+import time
 from typing import Any, Protocol
 
 import grain
 
+from pipeline.stats import Recorder
+
 
 class Threads:
   """A thread pool started on first use in each process: a stage holding one pickles to
-  Grain's worker processes as its size and name."""
+  Grain's worker processes as its size and name (and the `Recorder` its tasks are timed in,
+  as `stage`, once `timed` is called)."""
 
-  def __init__(self, size: int, name: str):
-    self.size, self.name = size, name
+  def __init__(self, size: int, name: str, timed: tuple[Recorder, str] | None = None):
+    self.size, self.name, self._timed = size, name, timed
     self._pool: concurrent.futures.ThreadPoolExecutor | None = None
     self._lock = threading.Lock()
 
   def __getstate__(self):
-    return {"size": self.size, "name": self.name}
+    return {"size": self.size, "name": self.name, "timed": self._timed}
 
   def __setstate__(self, state):
-    self.__init__(state["size"], state["name"])
+    self.__init__(state["size"], state["name"], state["timed"])
+
+  def timed(self, recorder: Recorder, stage: str) -> None:
+    """Each task's running time is added to `recorder` as `stage`'s."""
+    self._timed = (recorder, stage)
 
   def submit(self, fn, *args) -> concurrent.futures.Future:
     if self._pool is None:
@@ -43,7 +51,17 @@ class Threads:
           self._pool = concurrent.futures.ThreadPoolExecutor(
             self.size, thread_name_prefix=self.name
           )
+    if self._timed is not None:
+      return self._pool.submit(_timed, self._timed, fn, *args)
     return self._pool.submit(fn, *args)
+
+
+def _timed(timed: tuple[Recorder, str], fn, *args):
+  t = time.perf_counter()
+  try:
+    return fn(*args)
+  finally:
+    timed[0].task(timed[1], time.perf_counter() - t)
 
 
 class Stage(Protocol):
@@ -58,23 +76,26 @@ class Stage(Protocol):
 
 
 class AheadIterDataset(grain.IterDataset):
-  """`stage` applied to each element of `parent`, up to `stage.depth()` elements ahead."""
+  """`stage` applied to each element of `parent`, up to `stage.depth()` elements ahead;
+  `timed`: the `Recorder` and stage name its hand-outs are counted in."""
 
-  def __init__(self, parent: grain.IterDataset, stage: Stage):
+  def __init__(
+    self, parent: grain.IterDataset, stage: Stage, timed: tuple[Recorder, str] | None = None
+  ):
     super().__init__(parent)
-    self.stage = stage
+    self.stage, self.timed = stage, timed
 
   def __iter__(self) -> grain.DatasetIterator:
-    return AheadIterator(self._parent.__iter__(), self.stage)
+    return AheadIterator(self._parent.__iter__(), self.stage, self.timed)
 
   def __str__(self) -> str:
     return f"AheadIterDataset({type(self.stage).__name__})"
 
 
 class AheadIterator(grain.DatasetIterator):
-  def __init__(self, parent: grain.DatasetIterator, stage: Stage):
+  def __init__(self, parent: grain.DatasetIterator, stage: Stage, timed=None):
     super().__init__(parent)
-    self.stage = stage
+    self.stage, self._timed = stage, timed
     self._started: collections.deque = collections.deque()  # (started, parent state after)
     self._state = copy.deepcopy(parent.get_state())
     self._exhausted = False
@@ -95,7 +116,11 @@ class AheadIterator(grain.DatasetIterator):
       raise StopIteration
     started, state = self._started.popleft()
     self._fill()  # keep the pipe full while this element finishes
+    queued = len(self._started)
+    t = time.perf_counter()
     out = self.stage.finish(started)
+    if self._timed is not None:
+      self._timed[0].handed(self._timed[1], time.perf_counter() - t, queued)
     self._state = state
     return out
 

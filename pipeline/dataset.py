@@ -39,6 +39,7 @@ from pipeline import (
   parallelism,
   reads,
   remote,
+  stats,
   tfds_folder,
 )
 from pipeline import manifest as manifest_lib
@@ -75,6 +76,7 @@ class Stages:
   workers: int
   prefetch: int
   stream: dict
+  stats_every_s: float | None = None
 
 
 def make_dataset(data_dir, split: str = "train", **keywords) -> grain.IterDataset:
@@ -135,6 +137,7 @@ def build(spec: Spec) -> Stages:
     workers=chosen.workers,
     prefetch=perf.prefetch,
     stream=_stream(spec, sampler),
+    stats_every_s=perf.stats_every_s,
   )
 
 
@@ -352,11 +355,16 @@ def chain(stages: Stages) -> grain.IterDataset:
     if handoff.available():  # images resized straight into shared memory (pipeline.handoff)
       writer = handoff.Writer.new()
       decode_stage = dataclasses.replace(decode_stage, allocate=writer.empty)
-  ds = grain.MapDataset.range(stages.sizes.num_batches).map(stages.plan)
+  recorder = stats.Recorder()  # every stage's counters (`pipeline.stats`), per process
+  recorder.read = stages.read
+  stages.read.threads.timed(recorder, "read")
+  decode_stage.threads.timed(recorder, "decode")
+  plan = stats.Timed(stages.plan, recorder, "plan")
+  ds = grain.MapDataset.range(stages.sizes.num_batches).map(plan)
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
-  it = AheadIterDataset(it, stages.read)
-  it = AheadIterDataset(it, decode_stage)
-  it = it.map(stages.finish)
+  it = AheadIterDataset(it, stages.read, (recorder, "read"))
+  it = AheadIterDataset(it, decode_stage, (recorder, "decode"))
+  it = it.map(stats.Timed(stages.finish, recorder, "finish", attach=True))
   if stages.normalize:
     it = it.map(_normalize_host)
   if stages.workers:
@@ -369,7 +377,9 @@ def chain(stages: Stages) -> grain.IterDataset:
       it = handoff.ReceiveIterDataset(it)
   else:
     it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=1)
-  return lifecycle.ClosedAtExit(StreamIterDataset(it, stages.stream))
+  return lifecycle.ClosedAtExit(
+    StreamIterDataset(it, stages.stream, recorder, stages.stats_every_s)
+  )
 
 
 def _record_cache(

@@ -17,8 +17,9 @@ from typing import Any, Literal
 import grain
 import jax
 
-from pipeline import dataset, device, plan
+from pipeline import dataset, device, lifecycle, plan, stats
 from pipeline.spec import Spec
+from pipeline.stream import StreamIterator
 
 
 def input(
@@ -145,6 +146,11 @@ class Input(grain.DatasetIterator):
 
   def set_state(self, state: dict[str, Any]) -> None:
     self._live().set_state(state)
+
+  def stats(self) -> stats.Stats:
+    """Each stage's figures in this process and its worker processes (`pipeline.stats`)."""
+    live = lifecycle.iterators(self._live())
+    return next(it for it in live if isinstance(it, StreamIterator)).stats()
 
   def start_prefetch(self) -> None:
     self._live().start_prefetch()

@@ -35,7 +35,7 @@ class ClosedAtExit(grain.IterDataset):
     return "ClosedAtExit"
 
 
-def _chain(it) -> list:
+def iterators(it) -> list:
   """The iterator and every Grain iterator it holds (its parents), outermost first."""
   seen, todo = [], [it]
   while todo:
@@ -57,14 +57,14 @@ def _noop() -> None:
 def _close_live_iterators() -> None:
   """Outermost first: an outer prefetch thread blocked in a closed inner iterator's
   `next()` would wait forever, and its `close()` with it (exit hung 1 time in 4)."""
-  live = sorted(list(_LIVE), key=lambda it: len(_chain(it)), reverse=True)
+  live = sorted(list(_LIVE), key=lambda it: len(iterators(it)), reverse=True)
   for it in live:
     try:
       it.close()
     except Exception:  # noqa: BLE001 - best effort at shutdown
       pass
   for it in live:
-    for node in _chain(it):  # their __del__ would close again, after modules are gone
+    for node in iterators(it):  # their __del__ would close again, after modules are gone
       node.close = _noop
 
 

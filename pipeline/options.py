@@ -90,7 +90,8 @@ class Performance:
   record_cache_dir: a local-disk folder for them too, shared by the host's processes and kept
   across runs. max_requests_per_s: the most storage requests a second this process's reads
   make, shared by its worker processes (None: no cap), to stay within a bucket's budget
-  (`pipeline.budget`).
+  (`pipeline.budget`). stats_every_s: print `iterator.stats()`'s table (a row per stage and
+  process, storage requests) to stderr every so many seconds (None: never).
 
   Changing pixels (mean absolute difference per pixel value, on the test photos, ~470x390, at
   64 and 224 px): cache_mb: RAM for decoded images ("map, cache, map"), kept with their
@@ -113,6 +114,7 @@ class Performance:
   record_cache_mb: float | None = None
   record_cache_dir: str | None = None
   max_requests_per_s: float | None = None
+  stats_every_s: float | None = None
   cache_mb: float = 0.0
   dct_scaling: bool = True
   fast_dct: bool = False
@@ -141,6 +143,8 @@ class Performance:
       raise ValueError(
         f"performance.max_requests_per_s must be None or > 0, got {self.max_requests_per_s}"
       )
+    if self.stats_every_s is not None and not self.stats_every_s > 0:
+      raise ValueError(f"performance.stats_every_s must be None or > 0, got {self.stats_every_s}")
     if self.cache_mb < 0:
       raise ValueError(f"performance.cache_mb must be >= 0, got {self.cache_mb}")
 

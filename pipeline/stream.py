@@ -8,17 +8,21 @@ through a pytree checkpoint comes back with 0-d numpy arrays for its integers (w
 accepts and then mis-counts), so states are normalized to plain Python values and checked
 against the shape of this iterator's own state before Grain sees them. The number of records
 skipped under `on_error="skip"` travels with each batch (also out of worker processes) and is
-summed here: `iterator.skipped`, and `get_state()["skipped"]`.
+summed here: `iterator.skipped`, and `get_state()["skipped"]`. So do the counters of the process
+that made it (`pipeline.stats`): `iterator.stats()` holds every process's latest.
 """
 
 from __future__ import annotations
 
+import os
+import sys
+import time
 from typing import Any
 
 import grain
 import numpy as np
 
-from pipeline import elastic
+from pipeline import elastic, stats
 from pipeline.elastic import StateError
 from pipeline.finish import SKIPPED_KEY
 
@@ -26,29 +30,52 @@ __all__ = ["StateError", "StreamIterDataset", "plain"]
 
 
 class StreamIterDataset(grain.IterDataset):
-  """Passes batches through; tags, validates and restores iterator states."""
+  """Passes batches through; tags, validates and restores iterator states; keeps each
+  process's stage counters (`recorder`: this process's), printed every `stats_every_s`."""
 
-  def __init__(self, parent: grain.IterDataset, stream: dict):
+  def __init__(
+    self,
+    parent: grain.IterDataset,
+    stream: dict,
+    recorder: stats.Recorder | None = None,
+    stats_every_s: float | None = None,
+  ):
     super().__init__(parent)
-    self._stream = stream
+    self._stream, self._recorder, self._every = stream, recorder, stats_every_s
 
   def __iter__(self) -> grain.DatasetIterator:
-    return StreamIterator(self._parent.__iter__(), self._stream)
+    recorder = self._recorder or stats.Recorder()
+    return StreamIterator(self._parent.__iter__(), self._stream, recorder, self._every)
 
   def __str__(self) -> str:
     return "StreamIterDataset"
 
 
 class StreamIterator(grain.DatasetIterator):
-  def __init__(self, parent: grain.DatasetIterator, stream: dict):
+  def __init__(self, parent, stream: dict, recorder: stats.Recorder, every_s: float | None):
     super().__init__(parent)
-    self._stream = stream
+    self._stream, self._recorder, self._every = stream, recorder, every_s
+    self._snapshots: dict[int, np.ndarray] = {}  # pid -> the latest counters of that process
+    self._printed = time.monotonic()
     self.skipped = 0
 
   def __next__(self) -> dict[str, np.ndarray]:
+    t = time.perf_counter()
     batch = next(self._parent)
+    self._recorder.handed("handoff", time.perf_counter() - t)
     self.skipped += int(batch.pop(SKIPPED_KEY))
+    snapshot = batch.pop(stats.STATS_KEY, None)
+    if snapshot is not None:
+      self._snapshots[int(snapshot[0, 0])] = snapshot
+    if self._every and time.monotonic() - self._printed >= self._every:
+      self._printed = time.monotonic()
+      print(f"pipeline stats:\n{self.stats().table()}", file=sys.stderr, flush=True)
     return batch
+
+  def stats(self) -> stats.Stats:
+    """Each stage's figures in this process and in every worker process, and storage's."""
+    main = os.getpid()
+    return stats.collect({**self._snapshots, main: self._recorder.snapshot()}, main)
 
   def get_state(self) -> dict:
     inner = self._parent.get_state()

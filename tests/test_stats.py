@@ -1,0 +1,111 @@
+"""`iterator.stats()`: each stage's figures in every process that runs it, storage's requests,
+and the periodic table (`performance.stats_every_s`). Batches hold none of it."""
+
+import numpy as np
+import pytest
+
+import pipeline
+from pipeline import stats
+
+STAGES = {"plan", "read", "decode", "finish"}
+
+
+def stream(data_dir, **performance):
+  return iter(
+    pipeline.make_dataset(
+      data_dir,
+      batch_size=8,
+      image_size=16,
+      shard_index=0,
+      shard_count=1,
+      performance={"num_threads": 1, "num_workers": 0, **performance},
+    )
+  )
+
+
+def by_process(s: stats.Stats) -> dict[str, dict[str, stats.Row]]:
+  out: dict = {}
+  for row in s.rows:
+    out.setdefault(row.process, {})[row.stage] = row
+  return out
+
+
+def test_one_process_counts_every_stage_and_each_storage_read(digits_dir):
+  it = stream(digits_dir)
+  batches = [next(it) for _ in range(10)]
+  s = it.stats()
+  it.close()
+  assert all(set(b) == {"image", "label"} for b in batches)
+  (main,) = by_process(s).values()
+  assert set(main) == STAGES | {"handoff"}
+  assert main["handoff"].items == 10 and main["handoff"].queued is None
+  for stage in STAGES:  # work started ahead is counted too, never less than what came out
+    assert main[stage].items >= 10, (stage, s.table())
+  assert main["decode"].busy > 0 and main["decode"].p99_ms >= main["decode"].p50_ms > 0
+  assert main["read"].queued is not None
+  # the global order reads one record per request; a digits record is ~1 KB
+  assert s.storage.requests == s.storage.reads >= 80
+  assert s.storage.images_per_request == 1.0 and 0.3 < s.storage.kb_per_request < 3
+  assert "storage: " in s.table().splitlines()[-1]
+
+
+def test_worker_processes_report_their_own_rows_through_the_batches(digits_dir):
+  it = stream(digits_dir, num_workers=2)
+  for _ in range(12):
+    next(it)
+  s = it.stats()
+  it.close()
+  processes = by_process(s)
+  main = next(p for p in processes if p.startswith("main"))
+  workers = [p for p in processes if p.startswith("worker")]
+  assert set(processes[main]) == {"handoff"} and processes[main]["handoff"].items == 12
+  assert len(workers) == 2, s.table()
+  for w in workers:
+    assert set(processes[w]) == STAGES and processes[w]["finish"].items >= 6, s.table()
+  assert s.storage.reads >= 12 * 8  # every worker's reads, summed
+
+
+def test_the_table_is_printed_every_stats_every_s(digits_dir, capfd):
+  it = stream(digits_dir, stats_every_s=1e-6)
+  next(it)
+  next(it)
+  it.close()
+  err = capfd.readouterr().err
+  assert err.count("pipeline stats:") == 2, err
+  assert "decode" in err and "storage: " in err
+
+
+def test_without_stats_every_s_nothing_is_printed(digits_dir, capfd):
+  it = stream(digits_dir)
+  next(it)
+  it.close()
+  assert "pipeline stats:" not in capfd.readouterr().err
+
+
+def test_stats_every_s_must_be_positive(digits_dir):
+  with pytest.raises(ValueError, match="performance.stats_every_s must be None or > 0, got 0"):
+    stream(digits_dir, stats_every_s=0)
+
+
+def test_latency_quantiles_come_from_log2_bins_within_a_factor_of_two():
+  r = stats.Recorder()
+  for _ in range(98):
+    r.task("decode", 0.001)
+  for _ in range(2):
+    r.task("decode", 0.1)
+  snapshot = r.snapshot()
+  row = next(x for x in stats.collect({1: snapshot}, 1).rows if x.stage == "decode")
+  assert 0.5 <= row.p50_ms <= 2 and 50 <= row.p99_ms <= 200
+  assert row.items == 0 and np.isclose(row.busy * snapshot[0, 1], 0.298)
+
+
+def test_pipeline_input_gives_its_streams_stats(digits_dir):
+  train = pipeline.input(
+    digits_dir, "train", global_batch_size=8, image_size=16, performance={"num_workers": 0}
+  )
+  next(train)
+  next(train)
+  s = train.stats()
+  train.close()
+  handoff = next(r for r in s.rows if r.stage == "handoff")
+  assert handoff.items >= 2 and s.storage.reads >= 16
