@@ -574,7 +574,9 @@ def finish(run: Run) -> dict:
     )
     run.log.scalars(run.step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
     run.log.close()
-    (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report.write_atomically(
+      run.workdir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode()
+    )
   run.ckpt.close()
   if hasattr(run.train_it, "close"):
     run.train_it.close()
