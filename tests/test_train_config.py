@@ -235,8 +235,8 @@ EVAL_PP = "decode|resize_small(36)|central_crop(32)"  # the recipe's image_size
       "decode_jpeg_and_inception_crop(32, area_min=50)|onehot(num_classes, key_result='labels')"
       "|keep('image', 'labels')",
       EVAL_PP,
-      "config.input.pp makes no 'label' (it keeps ['image', 'labels']); the loss and the eval "
-      "take the integer class in 'label'",
+      "config.input.pp makes no 'label' (it keeps ['image', 'labels']); the steps take uint8 "
+      "pixels in 'image' and the integer class in 'label'",
     ),
     (
       "decode_jpeg_and_inception_crop(32, area_min=50)",

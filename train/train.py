@@ -182,10 +182,10 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
     meta = pipeline.load_manifest(inputs["data_dir"])
   except (ValueError, OSError) as e:
     raise UsageError(f"config.input: {e}") from e
-  kwargs = [batch_kwargs(config, evaluation, meta.num_classes) for evaluation in (False, True)]
+  kwargs = {ev: batch_kwargs(config, ev, meta.num_classes) for ev in (False, True)}
   abstract = nnx.eval_shape(lambda: create_model(config, meta.num_classes))
   fit.check(  # before any data is opened: a batch that cannot fit is the first thing to say
-    abstract, kwargs[0].get("image_size", 224), config.compute_dtype, local_batch, data_devices
+    abstract, kwargs[False].get("image_size", 224), config.compute_dtype, local_batch, data_devices
   )
   datasets, notes = [], io.StringIO()
   for evaluation in (False, True):
@@ -229,17 +229,18 @@ def batch_kwargs(config, evaluation: bool, num_classes: int) -> dict:
   except (ValueError, TypeError, KeyError) as e:
     raise UsageError(f"{where}: {e}") from e
   image, label = batch.get("image"), batch.get("label")
-  if image is None or image.dtype.kind not in "iu":
-    made = "no 'image'" if image is None else f"{image.dtype} images"
+  if image is not None and image.dtype.kind not in "iu":
     raise UsageError(
-      f"{where}.{named} makes {made}; the train and eval steps take uint8 pixels and "
-      "normalize them to [-1, 1] on the device: drop the op that scales them (value_range)"
+      f"{where}.{named} makes {image.dtype} images; the train and eval steps take uint8 pixels "
+      "and normalize them to [-1, 1] on the device: drop the op that scales them (value_range)"
     )
-  if label is None or label.ndim != 1 or label.dtype.kind not in "iu":
+  if image is None or label is None or label.ndim != 1 or label.dtype.kind not in "iu":
     made = "no 'label'" if label is None else f"'label' of {label.dtype}{list(label.shape)}"
+    made = "no 'image'" if image is None else made
     raise UsageError(
-      f"{where}.{named} makes {made} (it keeps {sorted(batch)}); the loss and the eval take "
-      "the integer class in 'label': keep it (onehot(..., key_result='labels') adds beside it)"
+      f"{where}.{named} makes {made} (it keeps {sorted(batch)}); the steps take uint8 pixels "
+      "in 'image' and the integer class in 'label': keep them (onehot(..., "
+      "key_result='labels') adds its one-hot beside 'label')"
     )
   return kwargs
 
