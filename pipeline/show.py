@@ -12,6 +12,7 @@ imported only by `grid`, never by `import pipeline`.
 from __future__ import annotations
 
 import argparse
+import io
 import math
 import os
 import sys
@@ -24,6 +25,8 @@ from pipeline import manifest as manifest_lib
 from pipeline.dataset import make_dataset
 
 SOFT_LABEL_MIN = 0.05  # soft-label weights below this are left out of a title
+MAX_IMAGES = 256  # a sheet of more takes minutes to lay out, its images too small to see
+MAX_PIXEL_BYTES = 1 << 30  # the batch's uint8 pixels; each image is drawn 200 px wide
 
 
 def examples(
@@ -68,6 +71,7 @@ def grid(data_dir, *, columns: int | None = None, **kwargs):
   titled with the image's class; no pyplot state, so it also renders in a notebook)."""
   from matplotlib.figure import Figure
 
+  _check_size(kwargs.get("batch_size", 16), kwargs.get("image_size"))
   images, titles = examples(data_dir, **kwargs)
   columns = columns or math.ceil(math.sqrt(len(images)))
   rows = math.ceil(len(images) / columns)
@@ -82,6 +86,18 @@ def grid(data_dir, *, columns: int | None = None, **kwargs):
   heading = f"{os.fspath(data_dir)} [{split}], {pp or 'default augmentation'}"
   fig.suptitle(textwrap.fill(heading, width=18 * columns), fontsize=9)
   return fig
+
+
+def _check_size(batch_size: int, image_size: int | None) -> None:
+  """Refuses, before any image is read, a sheet too large to draw or to hold in memory."""
+  if batch_size > MAX_IMAGES:
+    raise ValueError(f"a sheet shows at most {MAX_IMAGES} images, not {batch_size}")
+  need = batch_size * (image_size or 0) ** 2 * 3
+  if need > MAX_PIXEL_BYTES:
+    raise ValueError(
+      f"{batch_size} images of {image_size} px take {need / 2**30:.1f} GiB; a sheet draws "
+      f"each at 200 px and holds at most {MAX_PIXEL_BYTES >> 30} GiB: use a smaller image size"
+    )
 
 
 def _title(label: np.ndarray, classes: list[str]) -> str:
@@ -116,10 +132,16 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("data_dir", metavar="DATA_DIR", help="a converted dataset (holds manifest.json)")
   p.add_argument("--split", default="train", help="the manifest split to read (default: train)")
   p.add_argument("--pp", help="a big_vision pp string, as make_dataset(pp=...) takes it")
-  p.add_argument("--batch", type=int, default=16, help="images on the sheet (default: 16)")
+  p.add_argument(
+    "--batch", type=int, default=16, help=f"images on the sheet (default: 16, at most {MAX_IMAGES})"
+  )
   p.add_argument("--seed", type=int, default=0, help="shuffle and augmentation seed")
   p.add_argument("--image-size", type=int, help="output side in pixels (default: 224 or pp's)")
-  p.add_argument("--out", required=True, help="the image file to write, e.g. grid.png")
+  p.add_argument(
+    "--out",
+    required=True,
+    help="the image file to write; its extension names the type (grid.png, grid.pdf)",
+  )
   p.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
   p.add_argument("--verbose", action="store_true", help="tracebacks instead of one-line errors")
   return p
@@ -128,14 +150,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
   args = _parser().parse_args(argv)
   try:
-    import matplotlib  # noqa: F401 - said here, before any image is decoded
+    from matplotlib.figure import Figure  # said here, before any image is decoded
   except ModuleNotFoundError as e:
     print(f"error: {extras.hint(e.name, 'python -m pipeline.show')}", file=sys.stderr)
     return 1
-  if os.path.exists(args.out) and not args.overwrite:
-    print(f"error: {args.out} exists: pass --overwrite to replace it", file=sys.stderr)
-    return 2
   try:
+    image_type = _image_type(args.out, args.overwrite, Figure().canvas.get_supported_filetypes())
     fig = grid(
       args.data_dir,
       split=args.split,
@@ -144,8 +164,16 @@ def main(argv: list[str] | None = None) -> int:
       seed=args.seed,
       image_size=args.image_size,
     )
-    os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-    fig.savefig(args.out, dpi=100)
+    sheet = io.BytesIO()
+    fig.savefig(sheet, format=image_type, dpi=100)
+    _write(args.out, sheet.getvalue(), args.overwrite)
+  except MemoryError as e:
+    if args.verbose:
+      raise
+    print(
+      f"error: out of memory for the sheet ({e}): lower --batch or the image size", file=sys.stderr
+    )
+    return 2
   except (ValueError, OSError, KeyError) as e:
     if args.verbose:
       raise
@@ -153,6 +181,44 @@ def main(argv: list[str] | None = None) -> int:
     return 2
   print(f"wrote {args.out}: {args.batch} images of {args.data_dir} [{args.split}]")
   return 0
+
+
+def _image_type(out: str, overwrite: bool, types: dict[str, str]) -> str:
+  """The image type `out` names by its extension; a folder, a name without a type matplotlib
+  writes, or a file that exists (without `overwrite`) is refused."""
+  if os.path.isdir(out):
+    raise ValueError(
+      f"--out {out} is a folder: name the image file, e.g. {os.path.join(out, 'grid.png')}"
+    )
+  image_type = os.path.splitext(out)[1][1:].lower()
+  if image_type not in types:
+    raise ValueError(
+      f"--out {out} does not end in an image type ({', '.join(sorted(types))}): "
+      f"name it, e.g. {out}.png"
+    )
+  if os.path.exists(out) and not overwrite:
+    raise FileExistsError(f"{out} exists: pass --overwrite to replace it")
+  return image_type
+
+
+def _write(out: str, data: bytes, overwrite: bool) -> None:
+  """`data` to exactly `out`: a new file, or with `overwrite` one renamed over the old."""
+  os.makedirs(os.path.dirname(os.path.abspath(out)), exist_ok=True)
+  if not overwrite:
+    try:
+      with open(out, "xb") as f:  # a file made meanwhile is not replaced either
+        f.write(data)
+    except FileExistsError:
+      raise FileExistsError(f"{out} exists: pass --overwrite to replace it") from None
+    return
+  tmp = f"{out}.tmp-{os.getpid()}"
+  try:
+    with open(tmp, "wb") as f:
+      f.write(data)
+    os.replace(tmp, out)
+  finally:
+    if os.path.exists(tmp):
+      os.remove(tmp)
 
 
 if __name__ == "__main__":

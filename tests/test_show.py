@@ -88,6 +88,8 @@ def test_the_cli_writes_a_grid_png_and_never_replaces_one_unasked(classes20_dir,
     (["{data}", "--split", "test"], "error: {data} has no split 'test'; it has train, validation"),
     (["{data}", "--batch", "0"], "error: batch_size must be positive, got 0"),
     (["{data}", "--pp", "nonsense(3)"], "error: "),
+    (["{data}", "--batch", "1438"], "error: a sheet shows at most 256 images, not 1438"),
+    (["{data}", "--image-size", "100000"], "error: 16 images of 100000 px take 447.0 GiB; "),
   ],
 )
 def test_bad_input_is_one_line_with_exit_status_2(classes20_dir, tmp_path, args, line):
@@ -96,6 +98,45 @@ def test_bad_input_is_one_line_with_exit_status_2(classes20_dir, tmp_path, args,
   assert p.returncode == 2
   assert p.stderr.startswith(line.format(**fill)) and p.stderr.count("\n") == 1, p.stderr
   assert not (tmp_path / "g.png").exists()
+
+
+def test_a_batch_too_large_for_memory_is_one_line(classes20_dir, tmp_path):
+  pp = "decode_jpeg_and_inception_crop(10000000)"  # the size comes from the pp string
+  p = run_show(classes20_dir, "--pp", pp, "--out", tmp_path / "g.png")
+  assert p.returncode == 2 and "Traceback" not in p.stderr
+  assert p.stderr.splitlines()[-1].startswith("error: out of memory for the sheet (Unable to")
+  assert p.stderr.endswith("lower --batch or the image size\n")
+  assert not (tmp_path / "g.png").exists()
+
+
+def test_the_cli_writes_exactly_the_path_it_names_in_the_type_it_names(classes20_dir, tmp_path):
+  out = tmp_path / "sheet.pdf"
+  p = run_show(classes20_dir, "--batch", "4", "--image-size", "16", "--out", out)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.startswith(f"wrote {out}: 4 images")
+  assert out.read_bytes().startswith(b"%PDF") and list(tmp_path.iterdir()) == [out]
+
+
+@pytest.mark.parametrize(
+  "out, line",
+  [
+    ("keep", "error: --out {out} does not end in an image type (avif, eps, "),
+    ("keep.jsonl", "error: --out {out} does not end in an image type (avif, eps, "),
+    ("folder", "error: --out {out} is a folder: name the image file, e.g. {out}/grid.png"),
+  ],
+)
+def test_an_out_path_that_names_no_image_file_is_refused_and_nothing_replaced(
+  classes20_dir, tmp_path, out, line
+):
+  (tmp_path / "keep.png").write_bytes(b"a sheet made earlier")
+  (tmp_path / "folder").mkdir()
+  before = sorted(tmp_path.iterdir())
+  out = tmp_path / out
+  p = run_show(classes20_dir, "--out", out, "--overwrite")
+  assert p.returncode == 2 and p.stderr.startswith(line.format(out=out)), p.stderr
+  assert p.stderr.count("\n") == 1
+  assert sorted(tmp_path.iterdir()) == before and not list((tmp_path / "folder").iterdir())
+  assert (tmp_path / "keep.png").read_bytes() == b"a sheet made earlier"
 
 
 def test_help_and_import_pipeline_without_matplotlib():

@@ -2,6 +2,7 @@
 the previous one; one trainer per workdir; Ctrl-C saves; a failed save and a finished run
 say so in one line; the logs carry no Orbax chatter. Real runs, real files, real signals."""
 
+import json
 import random
 import re
 import resource
@@ -10,8 +11,10 @@ import signal
 import subprocess
 
 import pytest
+from etils import epath
 
 from tests.test_train import ROOT, env, summary, train_cmd, wait_for
+from train import checkpoints
 
 STEPS = ["--config.num_steps=6", "--config.checkpoint_every_steps=2", "--config.keep_checkpoints=3"]
 
@@ -137,6 +140,30 @@ def test_a_damaged_latest_checkpoint_is_set_aside_and_the_previous_one_resumes_e
   assert summary(workdir)["params_sha256"] == summary(finished[0])["params_sha256"]
 
 
+def test_a_rerun_after_a_kill_mid_write_finishes_and_keeps_what_it_sets_aside(
+  finished, digits_dir, tmp_path
+):
+  """Killed while saving a checkpoint at step 5 (after a Ctrl-C) and while writing
+  metrics.jsonl: the re-run removes the unfinished save, moves the cut file aside, finishes."""
+  workdir = interrupted_copy(finished, tmp_path)
+  checkpoints = workdir / "checkpoints"
+  shutil.copytree(checkpoints / "4", checkpoints / "5.orbax-checkpoint-tmp")
+  metrics = workdir / "metrics.jsonl"
+  cut = metrics.read_bytes()[:-20]
+  metrics.write_bytes(cut)
+  out = train(workdir, digits_dir)
+  assert out.returncode == 0 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert out.stderr.splitlines() == [
+    f"warning: removing 5.orbax-checkpoint-tmp from {checkpoints}: a save cut short "
+    "(never restorable)",
+    f"warning: {metrics} line 3 is not a metrics row: moved it to {metrics}.damaged and began anew",
+  ]
+  assert sorted(p.name for p in checkpoints.iterdir()) == ["2", "4", "6"]
+  assert (workdir / "metrics.jsonl.damaged").read_bytes() == cut
+  assert summary(workdir)["steps"] == 6
+  assert [json.loads(x)["step"] for x in metrics.read_text().splitlines()] == [6]
+
+
 def test_when_no_checkpoint_restores_the_run_is_refused_in_one_line(finished, digits_dir, tmp_path):
   workdir = interrupted_copy(finished, tmp_path)
   for step in (2, 4, 6):
@@ -147,6 +174,15 @@ def test_when_no_checkpoint_restores_the_run_is_refused_in_one_line(finished, di
   assert "no checkpoint in" in out.stderr and "step 2:" in out.stderr
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]
   assert not (workdir / "summary.json").exists()
+
+
+def test_a_resume_on_one_host_of_a_checkpoint_saved_on_two_says_so_in_good_english(tmp_path):
+  ckpt = checkpoints.Checkpoints(epath.Path(tmp_path), keep=1)
+  ckpt.saved_on = 2  # as restoring a checkpoint of 2 processes sets it
+  assert ckpt.resumed(12) == (
+    f"resumed from step 12 on 1 host (saved on 2) ({tmp_path / 'checkpoints'})"
+  )
+  ckpt.close()
 
 
 def start(workdir, data_dir):

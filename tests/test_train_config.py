@@ -15,7 +15,7 @@ from flax import nnx
 import pipeline
 from configs import default, imagenet_mobilenet_v1, imagenet_mobilenet_v2
 from tests.test_train import ROOT
-from train import UsageError, fit, models
+from train import UsageError, fit, models, train
 from train import config as config_lib
 
 
@@ -205,8 +205,8 @@ def test_config_input_takes_sharding_and_pp_on_the_command_line(digits_dir, tmp_
     "--dry_run",
     f"--config.input.data_dir={digits_dir}",
     "--config.input.sharding=shards",
-    "--config.input.pp=decode_jpeg_and_inception_crop(32, area_min=50)|value_range(-1, 1)",
-    "--config.eval_input.pp=decode|resize_small(36)|central_crop(32)|value_range(-1, 1)",
+    "--config.input.pp=decode_jpeg_and_inception_crop(32, area_min=50)",
+    "--config.eval_input.pp=decode|resize_small(36)|central_crop(32)",
     "--config.input.seed=3",
     cwd=tmp_path,
   )
@@ -218,6 +218,81 @@ def test_config_input_takes_sharding_and_pp_on_the_command_line(digits_dir, tmp_
   assert config_lib.dataset_kwargs(config)["seed"] == config.seed  # unset: the run's seed
   with pytest.raises(UsageError, match="config.eval_input.pp is not"):  # a train head in eval
     config_lib.dataset_kwargs(config, evaluation=True)
+
+
+EVAL_PP = "decode|resize_small(36)|central_crop(32)"  # the recipe's image_size
+
+
+@pytest.mark.parametrize(
+  "train_pp, eval_pp, says",
+  [
+    (
+      "decode_jpeg_and_inception_crop(32, area_min=50)|value_range(-1, 1)",
+      EVAL_PP,
+      "config.input.pp makes float32 images; the train and eval steps take uint8 pixels",
+    ),
+    (
+      "decode_jpeg_and_inception_crop(32, area_min=50)|onehot(num_classes, key_result='labels')"
+      "|keep('image', 'labels')",
+      EVAL_PP,
+      "config.input.pp makes no 'label' (it keeps ['image', 'labels']); the steps take uint8 "
+      "pixels in 'image' and the integer class in 'label'",
+    ),
+    (
+      "decode_jpeg_and_inception_crop(32, area_min=50)",
+      EVAL_PP + "|onehot(num_classes)",
+      "config.eval_input.pp makes 'label' of float32[2, 10]",
+    ),
+  ],
+)
+def test_a_pp_string_whose_batches_the_steps_cannot_take_is_refused_before_the_run(
+  digits_dir, train_pp, eval_pp, says
+):
+  config = default.get_config()
+  config.input.data_dir, config.input.pp, config.eval_input.pp = str(digits_dir), train_pp, eval_pp
+  with pytest.raises(UsageError) as refused:
+    train.prepare(config)
+  assert says in str(refused.value)
+
+
+def test_the_dry_run_says_in_one_line_what_a_big_vision_pp_string_would_fail_on(
+  digits_dir, tmp_path
+):
+  bit_i1k = (  # big_vision's bit_i1k, at the recipe's size
+    "decode_jpeg_and_inception_crop(32, area_min=50)|flip_lr|value_range(-1, 1)"
+    "|onehot(num_classes, key='label', key_result='labels')|keep('image', 'labels')"
+  )
+  out = run_train(
+    "--config",
+    "default",
+    "--dry_run",
+    f"--config.input.data_dir={digits_dir}",
+    f"--config.input.pp={bit_i1k}",
+    "--config.input.augment.flip=True",  # the recipe's digits are not flipped
+    f"--config.eval_input.pp={EVAL_PP}",
+    cwd=tmp_path,
+  )
+  assert out.returncode == 2 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+  assert out.stderr.startswith("python -m train: config.input.pp makes float32 images")
+
+
+def test_the_image_size_is_the_pp_strings_where_it_sets_one(digits_dir, tmp_path):
+  config = default.get_config()  # image_size=32
+  config.input.data_dir = str(digits_dir)
+  config.input.pp = "decode_jpeg_and_inception_crop(24, area_min=50)"
+  config.eval_input.pp = "decode|resize_small(image_size)|central_crop(image_size)"
+  assert train.batch_kwargs(config, False, 10)["image_size"] == 24
+  assert train.batch_kwargs(config, True, 10)["image_size"] == 32  # written as image_size
+  out = run_train(
+    "--config",
+    "default",
+    "--dry_run",
+    f"--config.input.data_dir={digits_dir}",
+    "--config.input.pp=decode_jpeg_and_inception_crop(24, area_min=50)",  # the recipe's crops
+    "--config.eval_input.pp=decode|resize_small(28)|central_crop(24)",
+    cwd=tmp_path,
+  )
+  plan_line(out)
 
 
 def test_eval_input_overrides_only_what_it_names():

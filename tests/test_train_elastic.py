@@ -58,7 +58,8 @@ def at_checkpoint_12(unresized, workdir) -> None:
 
 
 def check_resumed(workdir, unresized, hosts: int, saved_on: int, out: str) -> None:
-  line = f"resumed from step 12 on {hosts} hosts (saved on {saved_on}) ({workdir / 'checkpoints'})"
+  on = "1 host" if hosts == 1 else f"{hosts} hosts"
+  line = f"resumed from step 12 on {on} (saved on {saved_on}) ({workdir / 'checkpoints'})"
   assert line in out
   assert "aside" not in out
   assert summary(workdir)["steps"] == 18 and summary(workdir)["processes"] == hosts

@@ -1,14 +1,19 @@
 """What a run tells its user: TensorBoard reads the scalars the trainer writes, metrics.jsonl
-keeps earlier runs' rows, and curves.png is a picture of them."""
+keeps earlier runs' rows, and curves.png is a picture of them. A report file that is damaged
+or cannot be written is one warning line, never the end of the run, never a file lost."""
 
 import json
+import resource
+import signal
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+import warnings
 
 import numpy as np
+import pytest
 from PIL import Image
 
 from train import report
@@ -31,6 +36,92 @@ def test_a_resumed_run_keeps_earlier_rows_and_draws_the_curves(tmp_path):
   assert rows[-1]["eval/top1"] == 0.75
   picture = np.asarray(Image.open(tmp_path / "curves.png").convert("L"))
   assert picture.shape[1] > 600 and picture.min() < 100 < picture.max()  # lines on white
+
+
+def rows_of(workdir):
+  return [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
+
+
+def warnings_in(text):
+  lines = text.splitlines()
+  assert "Traceback" not in text and all(x.startswith("warning: ") for x in lines), text
+  return lines
+
+
+@pytest.mark.parametrize(
+  "damaged",
+  [
+    b'{"step": 2, "train/loss": 2.0}\n{"step": 4, "train/lo',  # a write cut short
+    b'{"step": 2, "train/loss": 2.0}\n{"epoch": 1}\n',  # a row without a step
+    b"\x89PNG\r\n\x1a\n not metrics",  # not JSON
+  ],
+)
+def test_a_damaged_or_foreign_metrics_file_is_set_aside_with_one_warning(tmp_path, capsys, damaged):
+  (tmp_path / "metrics.jsonl").write_bytes(damaged)
+  log_run(tmp_path, [6, 8], loss=1.0)
+  (warning,) = warnings_in(capsys.readouterr().err)
+  aside = tmp_path / "metrics.jsonl.damaged"
+  assert warning.startswith(f"warning: {tmp_path / 'metrics.jsonl'} line ")
+  assert warning.endswith(f"is not a metrics row: moved it to {aside} and began anew")
+  assert aside.read_bytes() == damaged  # kept as it was, for whoever wrote it
+  assert [r["step"] for r in rows_of(tmp_path)] == [6, 8]
+  (tmp_path / "metrics.jsonl").write_bytes(damaged)  # again: the first one aside is kept
+  log_run(tmp_path, [10], loss=0.5)
+  assert (tmp_path / "metrics.jsonl.damaged-2").read_bytes() == damaged
+  assert aside.read_bytes() == damaged and [r["step"] for r in rows_of(tmp_path)] == [10]
+
+
+@pytest.mark.parametrize("name", ["metrics.jsonl", "curves.png"])
+def test_a_report_file_that_cannot_be_written_is_one_warning_and_the_other_is_written(
+  tmp_path, capsys, name
+):
+  (tmp_path / name).mkdir()
+  log_run(tmp_path, [2, 4], loss=1.0)
+  (warning,) = warnings_in(capsys.readouterr().err)
+  assert warning.startswith(f"warning: cannot write {tmp_path / name} (Is a directory")
+  other = {"metrics.jsonl", "curves.png"} - {name}
+  assert (tmp_path / other.pop()).is_file()
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+    "curves.png",
+    "metrics.jsonl",
+    "tensorboard",
+  ]
+
+
+def test_a_disk_full_while_writing_leaves_the_earlier_report_whole(tmp_path, capsys):
+  log_run(tmp_path, [2, 4], loss=2.0)
+  before = {n: (tmp_path / n).read_bytes() for n in ("metrics.jsonl", "curves.png")}
+  log = report.Log(tmp_path)
+  for step in range(6, 400, 2):  # a report larger than the disk has room for
+    log.scalars(step, "train", {"loss": 1.0, "accuracy": 0.5, "input_wait_share": 0.01})
+  limit = resource.getrlimit(resource.RLIMIT_FSIZE)
+  handler = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # writes past the limit: EFBIG
+  resource.setrlimit(resource.RLIMIT_FSIZE, (4096, limit[1]))  # room for 4 KiB a file
+  try:
+    log.close()
+  finally:
+    resource.setrlimit(resource.RLIMIT_FSIZE, limit)
+    signal.signal(signal.SIGXFSZ, handler)
+  warnings = warnings_in(capsys.readouterr().err)
+  assert [w.split(" (")[0] for w in warnings] == [
+    f"warning: cannot write {tmp_path / n}" for n in ("tensorboard", "metrics.jsonl", "curves.png")
+  ]
+  assert all("(File too large" in w for w in warnings)
+  assert {n: (tmp_path / n).read_bytes() for n in before} == before
+  assert sorted(p.name for p in tmp_path.iterdir()) == [
+    "curves.png",
+    "metrics.jsonl",
+    "tensorboard",
+  ]
+
+
+def test_a_run_stopped_before_its_first_log_line_draws_empty_curves_quietly(tmp_path):
+  log = report.Log(tmp_path)
+  with warnings.catch_warnings():
+    warnings.simplefilter("error")  # matplotlib's "No artists with labels" among them
+    log.close()
+  assert (tmp_path / "metrics.jsonl").read_text() == ""
+  assert Image.open(tmp_path / "curves.png").format == "PNG"
 
 
 def test_tensorboard_serves_the_scalars_the_trainer_writes(tmp_path):

@@ -77,6 +77,9 @@ def one_line(error: BaseException, limit: int = 300) -> str:
   return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
+UNFINISHED = ".orbax-checkpoint-tmp"  # in the name of a save Orbax has not finished
+
+
 class Checkpoints:
   """An Orbax CheckpointManager over WORKDIR/checkpoints that checks what it restores."""
 
@@ -86,9 +89,18 @@ class Checkpoints:
     if self.directory.exists() and not self.directory.is_dir():  # else: train, then fail to save
       raise UsageError(f"{self.directory} is not a folder: move it aside to keep checkpoints")
     self.saved_on = jax.process_count()  # processes that saved the restored checkpoint
-    self.manager = ocp.CheckpointManager(
-      self.directory, options=ocp.CheckpointManagerOptions(max_to_keep=keep, create=True)
+    unfinished = sorted(p.name for p in self.directory.glob(f"*{UNFINISHED}*"))
+    if unfinished and jax.process_index() == 0:
+      print(
+        f"warning: removing {', '.join(unfinished)} from {self.directory}: a save cut short "
+        "(never restorable)",
+        file=sys.stderr,
+        flush=True,
+      )
+    options = ocp.CheckpointManagerOptions(
+      max_to_keep=keep, create=True, cleanup_tmp_directories=bool(unfinished)
     )
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   def latest_step(self) -> int | None:
     return self.manager.latest_step()
@@ -176,7 +188,8 @@ class Checkpoints:
   def resumed(self, step: int) -> str:
     """The line that says where a run resumed (and on how many hosts, when it changed)."""
     hosts = jax.process_count()
-    moved = f" on {hosts} hosts (saved on {self.saved_on})" if self.saved_on != hosts else ""
+    on = f"{hosts} host" + ("s" if hosts > 1 else "")
+    moved = f" on {on} (saved on {self.saved_on})" if self.saved_on != hosts else ""
     return f"resumed from step {step}{moved} ({self.directory})"
 
   def _set_aside(self, failed: list[tuple[int, str]], step: int) -> None:

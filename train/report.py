@@ -3,11 +3,16 @@ end WORKDIR/metrics.jsonl and WORKDIR/curves.png (loss, accuracy, eval top-1, in
 
 from __future__ import annotations
 
+import io
+import itertools
 import json
 import os
+import sys
 import time
 
 from etils import epath
+
+from train.checkpoints import one_line
 
 PROGRESS_EVERY_S = 10.0  # between log lines, a progress line at most this often
 FIRST_PROGRESS_S = 3.0  # the first one this soon after compilation
@@ -62,18 +67,81 @@ class Log:
       row[f"{group}/{k}"] = float(v)
 
   def close(self) -> None:
-    self.writer.close()
+    """Writes the TensorBoard events, metrics.jsonl and curves.png; one that cannot be written
+    is a warning line, never the end of the run."""
+    try:
+      self.writer.close()
+    except OSError as e:
+      warn(f"cannot write {self.workdir / 'tensorboard'} ({one_line(e)})")
     path = self.workdir / "metrics.jsonl"
-    rows = {}
-    if path.exists():
-      for line in path.read_text().splitlines():
-        row = json.loads(line)
-        rows[row["step"]] = row
-    for step, row in self.rows.items():
-      rows[step] = {**rows.get(step, {}), **row}
-    ordered = [rows[s] for s in sorted(rows)]
-    path.write_text("".join(json.dumps(r) + "\n" for r in ordered))
-    draw(ordered, self.workdir / "curves.png")
+    rows = self.rows
+    try:
+      rows = merged(earlier_rows(path), self.rows)
+      write_atomically(path, "".join(json.dumps(rows[s]) + "\n" for s in sorted(rows)).encode())
+    except OSError as e:
+      warn(f"cannot write {path} ({one_line(e)})")
+    try:
+      draw([rows[s] for s in sorted(rows)], self.workdir / "curves.png")
+    except OSError as e:
+      warn(f"cannot write {self.workdir / 'curves.png'} ({one_line(e)})")
+
+
+def merged(earlier: dict[int, dict], new: dict[int, dict]) -> dict[int, dict]:
+  """Earlier rows with this run's added; a step logged again takes this run's values."""
+  rows = dict(earlier)
+  for step, row in new.items():
+    rows[step] = {**rows.get(step, {}), **row}
+  return rows
+
+
+def earlier_rows(path: epath.Path) -> dict[int, dict]:
+  """An earlier run's metrics.jsonl rows by step. A file this trainer did not write whole (a
+  cut line, a row without a step, not JSON) is renamed aside with a warning, never lost."""
+  if not path.exists():
+    return {}
+  rows = {}
+  for number, line in enumerate(path.read_bytes().decode(errors="replace").splitlines(), 1):
+    row = parse_row(line)
+    if row is None:
+      aside = free_name(path, "damaged")
+      path.rename(aside)
+      warn(f"{path} line {number} is not a metrics row: moved it to {aside} and began anew")
+      return {}
+    rows[row["step"]] = row
+  return rows
+
+
+def parse_row(line: str) -> dict | None:
+  try:
+    row = json.loads(line)
+  except ValueError:
+    return None
+  ok = isinstance(row, dict) and isinstance(row.get("step"), int)
+  return row if ok else None
+
+
+def free_name(path: epath.Path, tag: str) -> epath.Path:
+  """PATH.TAG, or PATH.TAG-2, -3...: the first name not taken."""
+  candidates = (
+    path.with_name(f"{path.name}.{tag}" + (f"-{n}" if n > 1 else "")) for n in itertools.count(1)
+  )
+  return next(p for p in candidates if not p.exists())
+
+
+def write_atomically(path: epath.Path, data: bytes) -> None:
+  """`data` to a temporary file beside `path`, then renamed over it: a kill or a full disk
+  leaves the old file or the new one, never a part."""
+  tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+  try:
+    tmp.write_bytes(data)
+    tmp.replace(path)
+  finally:
+    if tmp.exists():
+      tmp.unlink()
+
+
+def warn(message: str) -> None:
+  print(f"warning: {message}", file=sys.stderr, flush=True)
 
 
 def draw(rows: list[dict], path: epath.Path) -> None:
@@ -95,7 +163,8 @@ def draw(rows: list[dict], path: epath.Path) -> None:
     if top is not None:
       ax.set_ylim(0, max([top] + [r[k] for r in rows for k, _ in series if k in r]))
     ax.grid(alpha=0.3)
-    if len(series) > 1:
+    if len(series) > 1 and ax.get_legend_handles_labels()[0]:  # no legend before the first row
       ax.legend()
-  with path.open("wb") as f:
-    fig.savefig(f, format="png", dpi=80)
+  png = io.BytesIO()
+  fig.savefig(png, format="png", dpi=80)
+  write_atomically(path, png.getvalue())

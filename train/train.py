@@ -182,18 +182,18 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
     meta = pipeline.load_manifest(inputs["data_dir"])
   except (ValueError, OSError) as e:
     raise UsageError(f"config.input: {e}") from e
+  kwargs = {ev: batch_kwargs(config, ev, meta.num_classes) for ev in (False, True)}
   abstract = nnx.eval_shape(lambda: create_model(config, meta.num_classes))
   fit.check(  # before any data is opened: a batch that cannot fit is the first thing to say
-    abstract, inputs.get("image_size", 224), config.compute_dtype, local_batch, data_devices
+    abstract, kwargs[False].get("image_size", 224), config.compute_dtype, local_batch, data_devices
   )
   datasets, notes = [], io.StringIO()
   for evaluation in (False, True):
-    kwargs = config_lib.dataset_kwargs(config, evaluation)
     where = "config.eval_input" if evaluation else "config.input"
     try:
       with contextlib.redirect_stderr(notes):  # the pipeline's notes: shown with the plan
         datasets.append(
-          pipeline.make_dataset(**kwargs, batch_size=local_batch, train=not evaluation)
+          pipeline.make_dataset(**kwargs[evaluation], batch_size=local_batch, train=not evaluation)
         )
     except (ValueError, TypeError, OSError) as e:
       raise UsageError(f"{where}: {e}") from e
@@ -203,6 +203,46 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   plan = config_lib.resolve(config, train_examples, jax.process_count(), data_devices)
   make_optimizer(config, plan)  # an unknown optimizer is refused here
   return Setup(mesh, plan, meta.num_classes, *datasets, notes.getvalue())
+
+
+def batch_kwargs(config, evaluation: bool, num_classes: int) -> dict:
+  """`make_dataset`'s keywords for the train or eval stream, their image_size the one the
+  batches have: a pp string's head sets it (config's only fills `image_size` written in the
+  string). Ops that make batches the steps cannot take are refused in one line naming them:
+  images scaled to floats (the steps normalize uint8 pixels on the device), or no integer
+  "label" (the loss and the eval need it)."""
+  from pipeline import ops, pp
+
+  kwargs = config_lib.dataset_kwargs(config, evaluation)
+  where = "config.eval_input" if evaluation else "config.input"
+  size = kwargs.get("image_size", 224)
+  try:
+    if "pp" in kwargs:
+      compiled = pp.compile(kwargs["pp"], num_classes=num_classes, image_size=size)
+      kwargs["image_size"], batch_ops, named = compiled.image_size, compiled.batch_ops, "pp"
+    else:
+      context = {"num_classes": num_classes, "image_size": size}
+      batch_ops, named = pp.build(kwargs.get("batch_ops"), "batch", **context), "batch_ops"
+    labels = np.arange(2, dtype=np.int32) % num_classes
+    batch = {"image": np.zeros((2, 8, 8, 3), np.uint8), "label": labels}
+    batch = ops.apply_batch(batch_ops, batch, ops.batch_rng(0, 0))
+  except (ValueError, TypeError, KeyError) as e:
+    raise UsageError(f"{where}: {e}") from e
+  image, label = batch.get("image"), batch.get("label")
+  if image is not None and image.dtype.kind not in "iu":
+    raise UsageError(
+      f"{where}.{named} makes {image.dtype} images; the train and eval steps take uint8 pixels "
+      "and normalize them to [-1, 1] on the device: drop the op that scales them (value_range)"
+    )
+  if image is None or label is None or label.ndim != 1 or label.dtype.kind not in "iu":
+    made = "no 'label'" if label is None else f"'label' of {label.dtype}{list(label.shape)}"
+    made = "no 'image'" if image is None else made
+    raise UsageError(
+      f"{where}.{named} makes {made} (it keeps {sorted(batch)}); the steps take uint8 pixels "
+      "in 'image' and the integer class in 'label': keep them (onehot(..., "
+      "key_result='labels') adds its one-hot beside 'label')"
+    )
+  return kwargs
 
 
 def evaluate(eval_step, state, eval_ds) -> dict[str, float]:
@@ -574,7 +614,9 @@ def finish(run: Run) -> dict:
     )
     run.log.scalars(run.step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
     run.log.close()
-    (run.workdir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    report.write_atomically(
+      run.workdir / "summary.json", (json.dumps(summary, indent=2) + "\n").encode()
+    )
   run.ckpt.close()
   if hasattr(run.train_it, "close"):
     run.train_it.close()
