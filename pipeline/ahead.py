@@ -21,7 +21,7 @@ from typing import Any, Protocol
 
 import grain
 
-from pipeline.stats import Recorder
+from pipeline.stats import Recorder, annotation
 
 
 class Threads:
@@ -59,7 +59,8 @@ class Threads:
 def _timed(timed: tuple[Recorder, str], fn, *args):
   t = time.perf_counter()
   try:
-    return fn(*args)
+    with annotation(timed[1]):
+      return fn(*args)
   finally:
     timed[0].task(timed[1], time.perf_counter() - t)
 

@@ -7,14 +7,18 @@ histogram, for p50/p99), the seconds its consumer waited for it and how many ele
 started then (queue occupancy). Storage counters come from the read stage's `ReadStats`. A
 process's counters ride on every batch it makes (STATS_KEY, a small float64 array, as the skip
 count does), so the main process sees every worker's latest figures without a channel of its
-own; `Stats` turns them into rows and a table.
+own; `Stats` turns them into rows and a table. In a process that has imported jax, each task
+is also a profiler trace annotation named `pipeline.STAGE`, with the `_ipl_stage_*` metadata
+Grain gives its own stages, so a `jax.profiler` trace shows the stages beside the steps.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
+import sys
 import threading
 import time
 
@@ -22,6 +26,8 @@ import numpy as np
 
 STATS_KEY = "_stats"
 STAGES = ("plan", "read", "decode", "finish", "handoff")
+_ROW = {stage: row for row, stage in enumerate(STAGES)}
+_CATEGORIES = {"read": "read", "handoff": "prefetch"}  # Grain's; the rest "preprocessing"
 BINS = 40  # task durations in log2 bins of microseconds: 1 us .. ~6 days
 _COUNTS = ("items", "busy_s", "tasks", "wait_s", "waits", "started", "queues")  # then BINS
 STORAGE = ("requests", "request_bytes", "request_records", "retries", "reads", "cached")
@@ -37,7 +43,7 @@ class Recorder:
 
   def _reset(self):
     self._lock = threading.Lock()
-    self._counts = np.zeros((len(STAGES), len(_COUNTS) + BINS))
+    self._counts = [[0.0] * (len(_COUNTS) + BINS) for _ in STAGES]
     self._start = time.perf_counter()
 
   def __getstate__(self):
@@ -49,21 +55,19 @@ class Recorder:
 
   def task(self, stage: str, seconds: float, items: int = 0) -> None:
     """A task of `stage` ran `seconds` on one of its threads (`items`: elements it finished)."""
-    us = max(seconds * 1e6, 1.0)
-    row = STAGES.index(stage)
+    b = len(_COUNTS) + min(int(math.log2(max(seconds * 1e6, 1.0))), BINS - 1)
+    c = self._counts[_ROW[stage]]
     with self._lock:
-      c = self._counts[row]
       c[0] += items
       c[1] += seconds
       c[2] += 1
-      c[len(_COUNTS) + min(int(math.log2(us)), BINS - 1)] += 1
+      c[b] += 1
 
   def handed(self, stage: str, waited_s: float, started: int | None = None) -> None:
     """`stage` handed on an element after its consumer waited `waited_s`, with `started`
     elements in its queue (None: a queue it does not see)."""
-    row = STAGES.index(stage)
+    c = self._counts[_ROW[stage]]
     with self._lock:
-      c = self._counts[row]
       c[0] += 1
       c[3] += waited_s
       c[4] += 1
@@ -73,13 +77,27 @@ class Recorder:
 
   def snapshot(self) -> np.ndarray:
     """This process's counters as one array (STATS_KEY's value)."""
-    head = np.zeros((_HEAD, self._counts.shape[1]))
-    head[0, :2] = os.getpid(), time.perf_counter() - self._start
+    out = np.zeros((_HEAD + len(STAGES), len(_COUNTS) + BINS))
+    out[0, :2] = os.getpid(), time.perf_counter() - self._start
     if self.read is not None:
       s = self.read.stats
-      head[1, : len(STORAGE)] = [getattr(s, name) for name in STORAGE]
+      out[1, : len(STORAGE)] = [getattr(s, name) for name in STORAGE]
     with self._lock:
-      return np.concatenate([head, self._counts])
+      out[_HEAD:] = self._counts
+    return out
+
+
+def annotation(stage: str):
+  """A profiler trace annotation for a task of `stage` (none where jax is not imported: a
+  worker process, which the profiler does not trace)."""
+  jax = sys.modules.get("jax")
+  if jax is None:
+    return contextlib.nullcontext()
+  return jax.profiler.TraceAnnotation(
+    f"pipeline.{stage}",
+    _ipl_stage_name=stage,
+    _ipl_stage_cat=_CATEGORIES.get(stage, "preprocessing"),
+  )
 
 
 class Timed:
@@ -90,7 +108,8 @@ class Timed:
 
   def __call__(self, element):
     t = time.perf_counter()
-    out = self.fn(element)
+    with annotation(self.stage):
+      out = self.fn(element)
     self.recorder.task(self.stage, time.perf_counter() - t, 1)
     if self.attach:
       out[STATS_KEY] = self.recorder.snapshot()

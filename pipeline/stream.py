@@ -61,7 +61,8 @@ class StreamIterator(grain.DatasetIterator):
 
   def __next__(self) -> dict[str, np.ndarray]:
     t = time.perf_counter()
-    batch = next(self._parent)
+    with stats.annotation("handoff"):
+      batch = next(self._parent)
     self._recorder.handed("handoff", time.perf_counter() - t)
     self.skipped += int(batch.pop(SKIPPED_KEY))
     snapshot = batch.pop(stats.STATS_KEY, None)

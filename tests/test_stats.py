@@ -1,6 +1,7 @@
 """`iterator.stats()`: each stage's figures in every process that runs it, storage's requests,
 and the periodic table (`performance.stats_every_s`). Batches hold none of it."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -109,3 +110,17 @@ def test_pipeline_input_gives_its_streams_stats(digits_dir):
   train.close()
   handoff = next(r for r in s.rows if r.stage == "handoff")
   assert handoff.items >= 2 and s.storage.reads >= 16
+
+
+def test_a_jax_profiler_trace_shows_each_stage(digits_dir, tmp_path):
+  it = stream(digits_dir)
+  next(it)
+  with jax.profiler.trace(str(tmp_path)):
+    for _ in range(3):
+      next(it)
+  it.close()
+  (trace,) = tmp_path.glob("plugins/profile/*/*.xplane.pb")
+  data = trace.read_bytes()
+  for stage in STAGES | {"handoff"}:
+    assert f"pipeline.{stage}".encode() in data, stage
+  assert b"_ipl_stage_cat" in data  # as Grain tags its stages for the input-pipeline view
