@@ -35,6 +35,7 @@ import importlib.util
 import math
 import os
 import pathlib
+import statistics
 import sys
 import time
 import traceback
@@ -51,6 +52,7 @@ from pipeline import augment, dataset, decode, options, parallelism, reads, reco
 from pipeline import manifest as manifest_lib
 from pipeline.blocks import BLOCK_RECORDS
 from pipeline.source import ShardedSource
+from pipeline.stats import Stats
 
 STAGES = ("read", "parse", "decode", "augment")
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
@@ -177,7 +179,7 @@ class Requests:
   images_per_request: float
   order: str  # "global": one request per image; "blocks": one per block of block_records
   block_records: int | None
-  max_per_s: float | None  # performance.max_requests_per_s (this process's share)
+  max_per_s: float | None  # performance.max_requests_per_s
   latency_open_ms: float  # one read at open
   latency_ms: float  # a read task at the end (moving average)
 
@@ -192,7 +194,7 @@ class Run:
   seconds: float
   cpu_ms_per_image: float  # this process and its worker processes
   wait_share: float | None = None  # with a simulated step: time blocked in next() / total
-  requests: Requests | None = None  # without worker processes (theirs are not counted here)
+  requests: Requests | None = None  # every process's, worker processes' too
 
 
 @dataclasses.dataclass
@@ -373,7 +375,7 @@ def measure_run(
 ) -> Run:
   """Iterates `ds` for `seconds` after the first batch; sleeps `step_s` per batch if > 0.
   The recorder gets the consumer's view: waiting for batches, train steps. With `read`,
-  `ds`'s read stage in this process, the run counts its storage requests."""
+  `ds`'s read stage, the run counts the storage requests of every process (`it.stats()`)."""
   recorder = recorder or timeline.Recorder()
   me = psutil.Process()
   start = time.perf_counter()
@@ -384,7 +386,7 @@ def measure_run(
   first = time.perf_counter()
   kids = [k for k in me.children(recursive=True) if _same_exe(k, me)]  # worker processes
   cpu0 = time.process_time() + _cpu_s(kids)
-  before = dataclasses.replace(read.stats) if read else None
+  before = it.stats() if read else None
   images = batches = 0
   waited = 0.0
   while time.perf_counter() - first < seconds or batches < min_batches:
@@ -400,6 +402,7 @@ def measure_run(
         time.sleep(step_s)
   end = time.perf_counter()
   cpu = time.process_time() + _cpu_s(kids) - cpu0
+  after = it.stats() if read else None
   close = getattr(it, "close", None)
   if close:
     close()
@@ -410,27 +413,31 @@ def measure_run(
     round(end - first, 3),
     round(cpu / images * 1e3, 4),
     round(waited / (end - first), 3) if step_s else None,
-    _requests(read, before, end - first, opened) if read else None,
+    _requests(read, before, after, end - first, opened) if read else None,
   )
 
 
 def _requests(
-  read: reads.ReadRecords, before: reads.ReadStats, seconds: float, opened_s: float
+  read: reads.ReadRecords, before: Stats, after: Stats, seconds: float, opened_s: float
 ) -> Requests:
-  """The storage requests `read` made since `before` (its stats then), over `seconds`;
-  `opened_s`: its read latency at open."""
-  s = read.stats
-  made = s.requests - before.requests
+  """The storage requests of every process between `before` and `after` (`it.stats()`), over
+  `seconds`; `read`: the read stage's settings; `opened_s`: its read latency at open. The
+  latency at the end: this process's moving average, or the worker processes' median read
+  task (log2 bins) when they read."""
+  a, b = after.storage, before.storage
+  made = a.requests - b.requests
+  tasks = [r.p50_ms for r in after.rows if r.stage == "read" and r.process.startswith("worker")]
+  latency_ms = statistics.median(tasks) if tasks else read.stats.latency_s * 1e3
   return Requests(
     made,
     round(made / seconds, 1),
-    round((s.request_bytes - before.request_bytes) / max(made, 1) / 1e3, 1),
-    round((s.request_records - before.request_records) / max(made, 1), 2),
+    round((a.request_bytes - b.request_bytes) / max(made, 1) / 1e3, 1),
+    round((a.request_records - b.request_records) / max(made, 1), 2),
     "global" if read.ranges is None else "blocks",
     None if read.ranges is None else read.ranges.block_records,
-    None if read.budget is None else read.budget.per_s,
+    None if read.budget is None else read.budget.per_s * max(1, len(tasks)),
     round(opened_s * 1e3, 2),
-    round(s.latency_s * 1e3, 2),
+    round(latency_ms, 2),
   )
 
 
@@ -460,7 +467,7 @@ def measure_all(
     dataset.chain(stages),
     seconds,
     recorder=None if step_ms else recorder,
-    read=None if stages.workers else stages.read,
+    read=stages.read,
   )
   consumer = None
   if step_ms:  # the timeline shows this run: input waits beside train steps

@@ -35,6 +35,7 @@ READS_PER_OPEN = 2  # an ArrayRecord reader's open reads its footer and index: 2
 SATURATED = 0.9  # a level within this share of the best throughput counts as saturated
 QUEUED = 2.0  # latency this many times a lower level's, at more in flight: a queue
 FLAT = 1.25  # throughput growing less than this from one level to the next: flat
+LITTLE = 0.5  # a queue at a rate cap: latency at least this share of in flight / throughput
 UNDER = 0.95  # performance.max_requests_per_s advised: this share of the requests/s ceiling
 IDLE = 0.5  # CPU cores busy below this while reads wait: the process is not what stops them
 
@@ -74,13 +75,15 @@ class StorageCheck:
 
   def request_budget_per_s(self, cores: int) -> float | None:
     """The requests/s storage answers however many are in flight, when that binds: between
-    two levels throughput stays flat (grows < FLAT x) while the latency grows (>= QUEUED x:
-    requests queue at a rate cap, Little's law), and the CPU issuing them is not what stops
-    it. None otherwise."""
+    two levels throughput stays flat (grows < FLAT x) while the latency grows (>= QUEUED x)
+    as requests queuing at a rate cap make it (Little's law: at least LITTLE x in flight /
+    throughput), and the CPU issuing them is not what stops it. None otherwise: reads that
+    wait for a CPU (a loaded machine) are flat with a latency far under Little's."""
     for a, b in zip(self.levels, self.levels[1:]):
       flat = b.records_per_s < FLAT * a.records_per_s
       idle = b.cpu_cores < min(IDLE, 0.75 * cores)
-      if flat and b.median_ms >= QUEUED * a.median_ms and idle:
+      little = b.median_ms >= LITTLE * 1e3 * b.concurrency / max(b.records_per_s, 1e-9)
+      if flat and b.median_ms >= QUEUED * a.median_ms and little and idle:
         return max(x.records_per_s for x in self.levels)
     return None
 

@@ -138,6 +138,8 @@ class Storage:
   """Storage requests of every process together."""
 
   requests: int
+  request_bytes: int
+  request_records: int
   requests_per_s: float
   kb_per_request: float
   images_per_request: float
@@ -193,6 +195,8 @@ def collect(snapshots: dict[int, np.ndarray], main_pid: int) -> Stats:
     tuple(rows),
     Storage(
       requests=int(requests),
+      request_bytes=int(request_bytes),
+      request_records=int(request_records),
       requests_per_s=float(requests / max(seconds, 1e-9)),
       kb_per_request=float(request_bytes / 1e3 / max(requests, 1)),
       images_per_request=float(request_records / max(requests, 1)),

@@ -79,6 +79,18 @@ def test_in_the_block_order_larger_blocks_reach_the_rate_the_host_allows():
   assert bigger.proposed == -(-bigger.expected_images_per_sec // 237)
 
 
+def test_reads_waiting_for_a_cpu_on_a_loaded_machine_are_no_request_budget():
+  """Local disk beside other jobs (seen from a fresh clone's CI): more reads in flight give
+  no more throughput and a longer latency, but far under the queue a rate cap makes."""
+  levels = [
+    Level(1, 24, 0.03, 0.05, 6538.0, 7.5, 0.19),
+    Level(8, 24, 0.06, 0.22, 1545.0, 1.8, 0.19),
+  ]
+  check = StorageCheck("data/digits", 1438, 1, 0.1, 1.1, levels)
+  assert check.request_budget_per_s(cores=2) is None
+  assert capped_check().request_budget_per_s(cores=2) == 250.0  # a real cap still is one
+
+
 def test_a_run_well_under_the_ceiling_keeps_the_verdict():
   m = storage_bound(400.0, requests(per_s=25.0, order="blocks", block_records=16, latency_ms=21))
   m.python_us = None
@@ -140,6 +152,19 @@ def test_on_local_disk_the_verdict_does_not_name_the_request_budget(digits_dir, 
   assert "request budget" not in text and not proposal(d, "max_requests_per_s")
   q = d.run.requests
   assert q.made > 0 and q.images_per_request == 1.0  # global order: a request per image
+
+
+def test_with_worker_processes_their_requests_are_counted_and_the_budget_named(
+  storage_rig, digits_dir, capsys
+):
+  with storage_rig.mount(digits_dir, latency_ms=10, requests_per_s=40) as rig:
+    d = doctor.main([str(rig.path), *QUICK, "--order", "global", "--num-workers", "2"])
+    served = rig.stats()["reads"]
+  text = capsys.readouterr().out
+  q = d.run.requests
+  assert q is not None and 0 < q.made <= served and q.images_per_request == 1.0, text
+  assert d.bottleneck == doctor.REQUEST_BUDGET, text
+  assert "requests/s" in text
 
 
 def test_a_max_requests_per_s_under_the_ceiling_is_the_budget_and_not_proposed_again():
