@@ -269,8 +269,13 @@ def _pieces(sampler: Sampler, workers: int) -> int | None:
   """Records per block read in each process: a worker process reads its part of a block."""
   if sampler.blocks is None:
     return None
-  batch = sampler.block * (sampler.shard_count if sampler.global_order else 1)
+  batch = sampler.block * _dealt_to(sampler)
   return blocks_lib.pieces(sampler.blocks, batch, workers)
+
+
+def _dealt_to(sampler: Sampler) -> int:
+  """The processes the blocks are dealt out to (each process that owns shards has its own)."""
+  return sampler.shard_count if sampler.shard_records is None else 1
 
 
 def _window_bytes(sampler: Sampler, record_bytes: float) -> int:
@@ -278,7 +283,7 @@ def _window_bytes(sampler: Sampler, record_bytes: float) -> int:
   if sampler.blocks is None:
     return 0
   b = sampler.blocks
-  lanes = b.window_blocks // (sampler.shard_count if sampler.global_order else 1)
+  lanes = blocks_lib.lanes_per_host(b, _dealt_to(sampler))
   return int(lanes * b.block_records * record_bytes)
 
 
@@ -297,7 +302,10 @@ def _stream(spec: Spec, sampler: Sampler) -> dict:
     stream["remainder"] = "pad"
   if sampler.blocks is not None:
     b = sampler.blocks
-    stream["order"] = f"blocks of {b.block_records} in rounds over windows of {b.window_blocks}"
+    stream["order"] = (
+      f"blocks of {b.block_records}, each process its own, in rounds over windows of "
+      f"{b.window_blocks}"
+    )
   return stream
 
 
