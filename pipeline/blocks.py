@@ -69,6 +69,11 @@ class Blocks:
     first = starts[shard] + k * self.block_records
     return first, np.minimum(self.block_records, starts[shard] + counts[shard] - first)
 
+  @property
+  def count(self) -> int:
+    """Blocks in the split."""
+    return len(self._blocks[0])
+
   def permute(self, positions: np.ndarray, key: int) -> np.ndarray:
     """The record at each of `positions` (in [0, total records)) of the epoch keyed `key`,
     one process taking every block."""

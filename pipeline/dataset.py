@@ -259,6 +259,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
     max_depth=perf.read_ahead,
     block_records=_pieces(sampler, chosen.workers),
     window_bytes=_window_bytes(sampler, record_bytes),
+    epoch_requests=_epoch_requests(sampler, chosen.workers),
     max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
   )
   parallelism.announce(chosen, reads.describe(read, cache))
@@ -276,6 +277,15 @@ def _pieces(sampler: Sampler, workers: int) -> int | None:
 def _dealt_to(sampler: Sampler) -> int:
   """The processes the blocks are dealt out to (each process that owns shards has its own)."""
   return sampler.shard_count if sampler.shard_records is None else 1
+
+
+def _epoch_requests(sampler: Sampler, workers: int) -> float | None:
+  """The block reads this process makes in an epoch, on average: its share of the blocks,
+  each in block_records / pieces requests."""
+  if sampler.blocks is None:
+    return None
+  b = sampler.blocks
+  return b.count / sampler.shard_count * (b.block_records // _pieces(sampler, workers))
 
 
 def _window_bytes(sampler: Sampler, record_bytes: float) -> int:

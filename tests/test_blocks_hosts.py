@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import pipeline
+from pipeline import dataset, reads
 from pipeline.blocks import WINDOW_BATCHES, Blocks
 from pipeline.sampling import PAD, Sampler
 from pipeline.stream import StateError
@@ -105,6 +106,14 @@ def test_evaluation_reads_each_block_on_one_process_and_every_record_once(hosts,
   if not shuffle:  # each process its run of blocks in record order, as one process reads all
     ((_, records),) = streams(shards_of(100), 1, train=False, shuffle=False)
     assert records.tolist() == list(range(sum(shards_of(100)))) * EPOCHS
+
+
+def test_the_plan_line_says_the_requests_this_process_makes(digits_dir):
+  spec = pipeline.Spec.of(  # 240 records: 15 blocks, 5 each
+    digits_dir, batch_size=8, order="blocks", block_records=16, shard_index=0, shard_count=3
+  )
+  said = reads.requests(dataset.build(spec).read)
+  assert "one per block of 16 records, about 5 an epoch from this process's own blocks" in said
 
 
 def test_a_state_saved_in_the_previous_block_order_is_refused_in_one_line(digits_dir):
