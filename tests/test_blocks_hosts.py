@@ -4,19 +4,25 @@ splits smaller than one window included), in training and in evaluation, shuffle
 while every record still comes once per epoch and a batch still mixes many random blocks.
 
 The processes' index lists come from the sampler alone (what `make_dataset` plans from), at
-the global batch of 32 per process with the default window of 4 global batches of blocks.
+the global batch of 32 per process with the default window of 4 global batches of blocks; and
+real processes joined on 127.0.0.1 (tests/multihost_blocks_worker.py), each behind its own
+storage rig mount, count the storage reads they make.
 """
 
 from __future__ import annotations
+
+import contextlib
+import json
 
 import numpy as np
 import pytest
 
 import pipeline
-from pipeline import dataset, reads
+from pipeline import dataset, manifest, reads
 from pipeline.blocks import WINDOW_BATCHES, Blocks
 from pipeline.sampling import PAD, Sampler
 from pipeline.stream import StateError
+from tests.conftest import run_processes
 
 BATCH, RECORDS = 32, 16  # per process; records per block
 EPOCHS = 3
@@ -131,3 +137,39 @@ def test_a_state_saved_in_the_previous_block_order_is_refused_in_one_line(digits
   with pytest.raises(StateError, match="order blocks of 16 in rounds over windows of 32 in") as e:
     iter(make()).set_state(state)
   assert "\n" not in str(e.value)
+
+
+def pod_reads(storage_rig, data, tmp_path, hosts: int) -> dict[str, float]:
+  """{split: the storage reads of `hosts` processes, summed, per (epoch, block) they took}:
+  2 epochs of training and 2 evaluations of digits in blocks of 16, each host behind its
+  own rig mount."""
+  with contextlib.ExitStack() as mounts:
+    for i in range(hosts):
+      mounts.enter_context(storage_rig.mount(data, latency_ms=1, mountpoint=tmp_path / f"m{i}"))
+    run_processes(
+      "multihost_blocks_worker.py",
+      hosts,
+      num_processes=hosts,
+      data=tmp_path / "m{i}",
+      out=tmp_path / "{i}.json",
+    )
+  results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(hosts)]
+  splits = manifest.load(data).splits
+  per_block = {}
+  for split in ("train", "validation"):
+    shards = [s.num_records for s in splits[split].shards]
+    parts = [(np.array(r[split]["epochs"]), np.array(r[split]["records"])) for r in results]
+    taken = len(hosts_per_block(shards, parts))
+    per_block[split] = sum(r[split]["reads"] for r in results) / taken
+  return per_block
+
+
+@pytest.mark.parametrize("hosts", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_processes_behind_the_rig_read_each_block_once_from_storage(
+  storage_rig, digits_dir, tmp_path, hosts
+):
+  per_block = pod_reads(storage_rig, digits_dir, tmp_path, hosts)
+  assert per_block == {
+    "train": pytest.approx(1, abs=0.01),
+    "validation": pytest.approx(1, abs=0.01),
+  }
