@@ -3,14 +3,22 @@
 A bucket rations requests, not bytes, and the global shuffle (`sampling.permute`) asks one
 request per image. Here the records are cut into blocks of `block_records` consecutive
 records (consecutive within a shard; a shard's last block may be shorter), and an epoch is a
-keyed permutation of all blocks, cut into windows of `window_blocks` blocks (by default
-`WINDOW_BATCHES` global batches' worth). A window is served in rounds: each round takes one
-record from each of its blocks, in one fixed order of the window's blocks (its lanes), and
-global batches cut the rounds in turn. So a batch holds one record of each of as many random
-blocks (its label mix is that of as many random records: a global shuffle's; `label_distance`
-measures it), WINDOW_BATCHES batches in a row hold distinct blocks, a process's part of a
-batch takes the same lanes in every round of a window (a host reads only its own blocks,
-each once, and holds only them), and a block is done after `block_records` rounds.
+keyed permutation of all blocks, dealt out to the processes in shares of about equal records
+(the whole blocks in turn, the shorter ones each to the smallest share), and each process's
+share cut into windows of its `window_blocks / processes` blocks (by default `WINDOW_BATCHES`
+of its batches' worth). A window is served in rounds: each round takes one record from each
+of its blocks, in one fixed order of the window's blocks (its lanes), and the process's
+batches cut the rounds in turn. So a global batch holds one record of each of as many random
+blocks (its label mix is that of as many random records: a global shuffle's;
+`label_distance` measures it), WINDOW_BATCHES batches in a row hold distinct blocks, each
+block of an epoch is read by one process only, once, partial windows and splits smaller than
+a window included, and a block is done after `block_records` rounds.
+
+A share rarely holds exactly a process's part of an epoch, so in training ("drop") a
+process's epochs end where its own records do: process p takes share (p + e) % processes in
+epoch e, so `processes` epochs in a row give every process the whole split's records and
+its epochs stay within a few blocks of the others'. Evaluation ("pad") pads each epoch to
+the largest share. The order depends on the process count (a state resumes on its own).
 
 Within a block, round r takes the record at the bit-reversal rank of r: a worker process
 that takes one batch in w (w / gcd(w, WINDOW_BATCHES) a power of two, P) takes one aligned
@@ -27,7 +35,7 @@ import math
 
 import numpy as np
 
-from pipeline.sampling import permute
+from pipeline.sampling import PAD, epoch_key, permute
 
 BLOCK_RECORDS = 16  # records per block at least: images per request from one process
 BLOCK_BYTES = 2 * 2**20  # bytes per block at least, by default (a layer may cut at 1 MiB)
@@ -38,7 +46,7 @@ WINDOW_BATCHES = 4  # global batches of blocks per window: batches in a row with
 @dataclasses.dataclass(frozen=True)
 class Blocks:
   """The block order over shards of `shard_records` records (in shard order), read in
-  windows of `window_blocks` blocks."""
+  windows of `window_blocks` blocks (each of the processes' shares in its part of them)."""
 
   shard_records: tuple[int, ...]
   block_records: int = BLOCK_RECORDS
@@ -61,24 +69,104 @@ class Blocks:
     first = starts[shard] + k * self.block_records
     return first, np.minimum(self.block_records, starts[shard] + counts[shard] - first)
 
+  @property
+  def count(self) -> int:
+    """Blocks in the split."""
+    return len(self._blocks[0])
+
   def permute(self, positions: np.ndarray, key: int) -> np.ndarray:
-    """The record at each of `positions` (in [0, total records)) of the epoch keyed `key`."""
+    """The record at each of `positions` (in [0, total records)) of the epoch keyed `key`,
+    one process taking every block."""
+    return _serve(self, _epoch(self, key, 1, 0), np.asarray(positions, np.int64))
+
+  def loads(self, hosts: int, shuffle: bool = True) -> np.ndarray:
+    """The records of each of the `hosts` shares an epoch's blocks are dealt into."""
+    return _loads(self, hosts, shuffle)
+
+  def records(
+    self, positions: np.ndarray, host: int, hosts: int, seed: int | None, pad: bool
+  ) -> tuple[np.ndarray, np.ndarray]:
+    """(epoch, record or PAD) at each of `positions` of process `host`'s stream of `hosts`:
+    in epoch e it takes share (host + e) % hosts of the blocks, whole. Padded (`pad`), each
+    epoch takes as many positions as the largest share, the rest PAD; else the shares run on
+    into each other, so a process's epochs end where its own records do (within a few
+    blocks of the others': the shares of `hosts` epochs in a row add up to the split).
+    `seed` None: each share's records in record order."""
     positions = np.asarray(positions, np.int64)
-    first, sizes, starts, window_ends = _epoch(self, key)
-    window = np.searchsorted(window_ends, positions, side="right")
-    out = np.empty_like(positions)
-    ranks = _ranks(self.block_records)
-    for w in np.unique(window).tolist():  # a batch spans one window, rarely two
-      at = window == w
-      lo = int(window_ends[w - 1]) if w else 0
-      lane_first, lane_sizes = first[starts[w] : starts[w + 1]], sizes[starts[w] : starts[w + 1]]
-      active = (lane_sizes[None, :] > np.arange(self.block_records)[:, None]).sum(axis=1)
-      round_ends = np.cumsum(active)
-      p = positions[at] - lo
-      r = np.searchsorted(round_ends, p, side="right")
-      lane = p - (round_ends[r] - active[r])
-      out[at] = lane_first[lane] + ranks[lane_sizes[lane], r]
-    return out
+    loads = self.loads(hosts, seed is not None)
+    if pad:
+      epochs, offsets = np.divmod(positions, loads.max())
+    else:
+      turn = np.concatenate([[0], np.cumsum(np.roll(loads, -host))])  # a cycle of shares
+      cycles, rest = np.divmod(positions, turn[-1])
+      k = np.searchsorted(turn, rest, side="right") - 1
+      epochs, offsets = cycles * hosts + k, rest - turn[k]
+    out = np.full_like(positions, PAD)
+    for e in np.unique(epochs).tolist():  # a batch spans one epoch, rarely two
+      share = (host + e) % hosts
+      at = (epochs == e) & (offsets < loads[share])
+      if seed is None:
+        out[at] = _first_record(self, hosts, share) + offsets[at]
+      else:
+        out[at] = _serve(self, _epoch(self, epoch_key(seed, e), hosts, share), offsets[at])
+    return epochs, out
+
+
+def _serve(blocks: Blocks, epoch: tuple, positions: np.ndarray) -> np.ndarray:
+  """The records at `positions` of one process's epoch (`_epoch`): rounds over windows."""
+  first, sizes, starts, window_ends = epoch
+  window = np.searchsorted(window_ends, positions, side="right")
+  out = np.empty_like(positions)
+  ranks = _ranks(blocks.block_records)
+  for w in np.unique(window).tolist():  # a batch spans one window, rarely two
+    at = window == w
+    lo = int(window_ends[w - 1]) if w else 0
+    lane_first, lane_sizes = first[starts[w] : starts[w + 1]], sizes[starts[w] : starts[w + 1]]
+    active = (lane_sizes[None, :] > np.arange(blocks.block_records)[:, None]).sum(axis=1)
+    round_ends = np.cumsum(active)
+    p = positions[at] - lo
+    r = np.searchsorted(round_ends, p, side="right")
+    lane = p - (round_ends[r] - active[r])
+    out[at] = lane_first[lane] + ranks[lane_sizes[lane], r]
+  return out
+
+
+@functools.lru_cache(maxsize=8)
+def _shares(blocks: Blocks, hosts: int, shuffle: bool) -> np.ndarray:
+  """The share each block of an epoch goes to. Shuffled, the places of `_epoch`'s order (the
+  whole blocks, then the shorter ones longest first: the same sizes every epoch): the whole
+  blocks in turn (the last turn's spread out, so that shares in a row add up evenly), each
+  shorter one to the share then smallest. In order, the blocks in record order, cut into runs
+  of about equal records."""
+  _, sizes = blocks._blocks
+  if not shuffle:
+    return (np.cumsum(sizes) - sizes) * hosts // int(sizes.sum())
+  sizes = np.sort(sizes)[::-1]
+  whole = int((sizes == blocks.block_records).sum())
+  shares = np.arange(len(sizes)) % hosts
+  extra = whole % hosts  # the last turn's whole blocks, spread over the shares
+  shares[whole - extra : whole] = np.arange(extra) * hosts // max(1, extra)
+  loads = np.bincount(shares[:whole], minlength=hosts) * blocks.block_records
+  for j in range(whole, len(sizes)):
+    shares[j] = int(np.argmin(loads))
+    loads[shares[j]] += sizes[j]
+  return shares
+
+
+@functools.lru_cache(maxsize=8)
+def _loads(blocks: Blocks, hosts: int, shuffle: bool) -> np.ndarray:
+  _, sizes = blocks._blocks
+  if shuffle:
+    sizes = np.sort(sizes)[::-1]  # an epoch's blocks, as `_epoch` orders them
+  return np.bincount(_shares(blocks, hosts, shuffle), sizes, minlength=hosts).astype(np.int64)
+
+
+@functools.lru_cache(maxsize=8)
+def _first_record(blocks: Blocks, hosts: int, share: int) -> int:
+  """The first record of a share of blocks in record order."""
+  first, _ = blocks._blocks
+  mine = first[_shares(blocks, hosts, False) == share]
+  return int(mine[0]) if len(mine) else 0
 
 
 @functools.lru_cache(maxsize=8)
@@ -95,26 +183,34 @@ def _ranks(block_records: int) -> np.ndarray:
   return table
 
 
-@functools.lru_cache(maxsize=4)
-def _epoch(blocks: Blocks, key: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """The epoch's blocks in order: (first record of each, its records, the block each window
-  starts at and where it ends in the epoch's positions). The full blocks come first, in
-  windows of their own, so every round of a full window holds window_blocks records and a
-  process's part of the global batches keeps its lanes from round to round; then the
-  shorter ones (each shard's last), longest first in each window, so the blocks a round
-  takes are always a window's first lanes."""
+@functools.lru_cache(maxsize=8)
+def _epoch(
+  blocks: Blocks, key: int, hosts: int, share: int
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """A share's blocks of the epoch keyed `key`, in order: (first record of each, its records,
+  the block each window of the share's lanes starts at and where it ends in the share's
+  positions). The epoch's blocks are shuffled, the whole ones first, so every round of a
+  whole window holds as many records as lanes and a process's part of the batches keeps its
+  lanes from round to round; then the shorter ones (each shard's last), longest first, so
+  the blocks a round takes are always a window's first lanes."""
   first, sizes = blocks._blocks
   order = permute(np.arange(len(first)), len(first), key)
   short = sizes[order] < blocks.block_records
   order = np.concatenate(
     [order[~short], order[short][np.argsort(-sizes[order][short], kind="stable")]]
   )
+  order = order[_shares(blocks, hosts, True) == share]
   first, sizes = first[order], sizes[order]
-  full = int((~short).sum())
-  starts = [*range(0, full, blocks.window_blocks), *range(full, len(order), blocks.window_blocks)]
+  full, lanes = int((sizes == blocks.block_records).sum()), lanes_per_host(blocks, hosts)
+  starts = [*range(0, full, lanes), *range(full, len(order), lanes)]
   starts = np.asarray([*starts, len(order)], np.int64)
   position = np.concatenate([[0], np.cumsum(sizes)])
   return first, sizes, starts, position[starts[1:]]
+
+
+def lanes_per_host(blocks: Blocks, hosts: int) -> int:
+  """The blocks a window holds in each of `hosts` processes (each its own)."""
+  return max(1, blocks.window_blocks // hosts)
 
 
 def label_distance(labels: np.ndarray, batch_size: int) -> float:

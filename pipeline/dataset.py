@@ -262,6 +262,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
     max_depth=perf.read_ahead,
     block_records=_pieces(sampler, chosen.workers),
     window_bytes=_window_bytes(sampler, record_bytes),
+    epoch_requests=_epoch_requests(sampler, chosen.workers),
     max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
   )
   parallelism.announce(chosen, reads.describe(read, cache))
@@ -272,8 +273,22 @@ def _pieces(sampler: Sampler, workers: int) -> int | None:
   """Records per block read in each process: a worker process reads its part of a block."""
   if sampler.blocks is None:
     return None
-  batch = sampler.block * (sampler.shard_count if sampler.global_order else 1)
+  batch = sampler.block * _dealt_to(sampler)
   return blocks_lib.pieces(sampler.blocks, batch, workers)
+
+
+def _dealt_to(sampler: Sampler) -> int:
+  """The processes the blocks are dealt out to (each process that owns shards has its own)."""
+  return sampler.shard_count if sampler.shard_records is None else 1
+
+
+def _epoch_requests(sampler: Sampler, workers: int) -> float | None:
+  """The block reads this process makes in an epoch, on average: its share of the blocks,
+  each in block_records / pieces requests."""
+  if sampler.blocks is None:
+    return None
+  b = sampler.blocks
+  return b.count / sampler.shard_count * (b.block_records // _pieces(sampler, workers))
 
 
 def _window_bytes(sampler: Sampler, record_bytes: float) -> int:
@@ -281,7 +296,7 @@ def _window_bytes(sampler: Sampler, record_bytes: float) -> int:
   if sampler.blocks is None:
     return 0
   b = sampler.blocks
-  lanes = b.window_blocks // (sampler.shard_count if sampler.global_order else 1)
+  lanes = blocks_lib.lanes_per_host(b, _dealt_to(sampler))
   return int(lanes * b.block_records * record_bytes)
 
 
@@ -300,7 +315,10 @@ def _stream(spec: Spec, sampler: Sampler) -> dict:
     stream["remainder"] = "pad"
   if sampler.blocks is not None:
     b = sampler.blocks
-    stream["order"] = f"blocks of {b.block_records} in rounds over windows of {b.window_blocks}"
+    stream["order"] = (
+      f"blocks of {b.block_records}, each process its own, in rounds over windows of "
+      f"{b.window_blocks}"
+    )
   return stream
 
 

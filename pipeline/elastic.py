@@ -5,13 +5,18 @@ Under global sharding (`pipeline.sampling`) batch k of every process together ho
 positions [k*G, (k+1)*G), G = shard_count * batch_size. A state's "position" is k*G; set into
 m processes with batch b' it is batch k' = k*G / (m*b') of each of them: the same global
 batches from there on, whatever m is (the state of any process of the saving run will do).
-Owned shards (`sharding="shards"`) and padded eval streams order records per process count:
-their states resume on the same count only.
+Owned shards (`sharding="shards"`), padded eval streams and the block order (each process
+its own blocks) order records per process count: their states resume on the same count only.
 """
 
 from __future__ import annotations
 
 LAYOUT = ("shard_index", "shard_count", "batch_size")  # what may change between runs
+PER_COUNT = (  # stream tags whose order depends on the process count: (key, what, what does not)
+  ("sharding", "owned shards (sharding='shards')", "sharding='records', the default,"),
+  ("remainder", "a padded eval stream", "sharding='records', the default,"),
+  ("order", "the block order (each process reads its own blocks)", "order='global'"),
+)
 
 
 class StateError(ValueError):
@@ -65,13 +70,13 @@ def resize(state: dict, stream: dict, template: dict) -> dict:
     return inner  # every process is at the same batch: any process's state will do
   was = f"{saved['shard_count']} process(es) x batch {saved['batch_size']}"
   now = f"{stream['shard_count']} x {stream['batch_size']}"
-  if "sharding" in stream or "remainder" in stream:
-    what = "owned shards (sharding='shards')" if "sharding" in stream else "a padded eval stream"
-    raise StateError(
-      f"iterator state of {what} saved on {was} cannot continue on {now}: its order depends "
-      f"on the process count; resume on {saved['shard_count']} process(es) with batch "
-      f"{saved['batch_size']} (sharding='records', the default, continues on any count)"
-    )
+  for key, what, keep in PER_COUNT:
+    if key in stream:
+      raise StateError(
+        f"iterator state of {what} saved on {was} cannot continue on {now}: its order "
+        f"depends on the process count; resume on {saved['shard_count']} process(es) with "
+        f"batch {saved['batch_size']} ({keep} continues on any count)"
+      )
   if "position" not in state:
     raise StateError(
       f"iterator state saved on {was} has no global position (an older pipeline's): resume "

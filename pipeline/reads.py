@@ -69,7 +69,8 @@ class ReadRecords:
   latency measured at open; ahead_bytes: the most record bytes held by batches read ahead;
   block_records: records per block read (the block order); window_bytes: the bytes of the
   blocks a window of the block order holds in this process (blocks read whole are kept
-  within ahead_bytes + two windows: `pipeline.ranges`).
+  within ahead_bytes + two windows: `pipeline.ranges`); epoch_requests: the block reads this
+  process makes in an epoch (of its own blocks).
   Picklable: threads, counters and the cache's RAM are made anew in each process.
   """
 
@@ -87,10 +88,11 @@ class ReadRecords:
     block_records: int | None = None,
     max_requests_per_s: float | None = None,
     window_bytes: int = 0,
+    epoch_requests: float | None = None,
   ):
     self.source, self.batch_size, self.cache = source, batch_size, cache
     self.budget = RequestBudget(max_requests_per_s) if max_requests_per_s else None
-    self.ranges = None
+    self.ranges, self.epoch_requests = None, epoch_requests
     if block_records is not None:  # the block order: a block's records in one request
       counts = [b - a for a, b in zip(source.starts, source.starts[1:])]
       kept = ahead_bytes + 2 * window_bytes
@@ -316,10 +318,10 @@ def requests(read: ReadRecords) -> str:
     plan = "requests: one per record (order='global')"
   else:
     r = read.ranges
-    plan = (
-      f"requests: one per block of {r.block_records} records (order='blocks'; blocks kept "
-      f"within {r.budget_bytes / 2**20:,.0f} MB)"
-    )
+    plan = f"requests: one per block of {r.block_records} records"
+    if read.epoch_requests:
+      plan += f", about {read.epoch_requests:,.0f} an epoch from this process's own blocks"
+    plan += f" (order='blocks'; blocks kept within {r.budget_bytes / 2**20:,.0f} MB)"
   if read.budget is not None:
     plan += f", at most {read.budget.per_s:,.0f}/s (performance.max_requests_per_s)"
   if not s.requests:

@@ -10,8 +10,8 @@ i % b`, so batch k of processes 0..n-1, in process order, is global positions [k
 with G = n * b, whatever n is: the same global batch array on any process count (a batch
 may span an epoch boundary), and a state is a global position any process count continues
 from (`pipeline.elastic`). The order is a pure function of (seed, position). With
-`blocks`, each epoch's order is the block order (`pipeline.blocks`: few, large storage
-requests) instead of `permute`.
+`blocks`, each process instead takes its own share of each epoch's blocks, in the block order
+(`pipeline.blocks`: few, large storage requests, each block read by one process only).
 
 With `shard_records` (the records of each shard) a process instead owns whole shards, the
 same ones every epoch (shard k goes to process k % shard_count), and shuffles its own records
@@ -25,7 +25,8 @@ Remainder policy:
   finite stream on several processes ends after its last whole global batch. `per_epoch` is
   then a process's average share of an epoch.
 - "pad": each epoch is dealt out alone: each process takes `ceil(num_records / shard_count)`
-  positions, `j * shard_count + shard_index`; missing places are padding (index -1, masked
+  positions, `j * shard_count + shard_index` (in the block order: as many as the largest
+  share of the blocks, its own share first); missing places are padding (index -1, masked
   out). Every record is seen exactly once per epoch. For evaluation.
 """
 
@@ -51,6 +52,11 @@ def _mix(z: np.ndarray) -> np.ndarray:
   z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
   z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
   return z ^ (z >> np.uint64(31))
+
+
+def epoch_key(seed: int, epoch: int) -> int:
+  """The key of an epoch's shuffle."""
+  return seed << 32 | epoch % 2**32
 
 
 def permute(x: np.ndarray, n: int, key: int) -> np.ndarray:
@@ -125,6 +131,8 @@ class Sampler:
       return min(shares) if self.remainder == "drop" else max(shares)
     if self.remainder == "drop":
       return self.num_records // self.shard_count
+    if self.blocks is not None:  # the largest share of the blocks
+      return int(self.blocks.loads(self.shard_count, self.shuffle).max())
     return math.ceil(self.num_records / self.shard_count)
 
   @property
@@ -145,6 +153,10 @@ class Sampler:
     """(epoch, global record index or PAD) of each position of this process's stream."""
     if self.shard_records is not None:
       return self._owned_records(positions)
+    if self.blocks is not None:
+      seed = self.seed if self.shuffle else None
+      pad = self.remainder == "pad"
+      return self.blocks.records(positions, self.shard_index, self.shard_count, seed, pad)
     positions = np.asarray(positions, np.int64)
     if self.global_order:
       block, rest = np.divmod(positions, self.block)
@@ -157,7 +169,7 @@ class Sampler:
     if self.shuffle:
       for epoch in range(int(epochs[0]), int(epochs[-1]) + 1) if len(epochs) else ():
         at = (epochs == epoch) & ~pad  # a batch spans one epoch, rarely two
-        g[at] = self._permute(g[at], self.num_records, self.seed << 32 | epoch % 2**32)
+        g[at] = permute(g[at], self.num_records, epoch_key(self.seed, epoch))
     g[pad] = PAD
     return epochs, g
 
@@ -173,21 +185,19 @@ class Sampler:
     if self.shuffle:
       for epoch in range(int(epochs[0]), int(epochs[-1]) + 1) if len(epochs) else ():
         at = (epochs == epoch) & ~pad
-        local[at] = self._permute(local[at], total, self.seed << 32 | epoch % 2**32, owned)
+        local[at] = self._permute(local[at], total, epoch_key(self.seed, epoch), owned)
     ends = np.cumsum(counts[owned])
     k = np.searchsorted(ends, np.minimum(local, total - 1), side="right")
     g = starts[owned][k] + local - (ends[k] - counts[owned][k])
     g[pad] = PAD
     return epochs, g
 
-  def _permute(self, x: np.ndarray, n: int, key: int, owned=None) -> np.ndarray:
-    """The epoch's order: `permute`, or the block order over all (or the `owned`) shards."""
+  def _permute(self, x: np.ndarray, n: int, key: int, owned: np.ndarray) -> np.ndarray:
+    """The epoch's order of the `owned` shards' records: `permute`, or the block order."""
     if self.blocks is None:
       return permute(x, n, key)
-    if owned is not None:
-      counts = tuple(np.asarray(self.blocks.shard_records)[owned].tolist())
-      return dataclasses.replace(self.blocks, shard_records=counts).permute(x, key)
-    return self.blocks.permute(x, key)
+    counts = tuple(np.asarray(self.blocks.shard_records)[owned].tolist())
+    return dataclasses.replace(self.blocks, shard_records=counts).permute(x, key)
 
   def record_index(self, position: int) -> int:
     """The global record index at `position` of this process's stream, or PAD."""

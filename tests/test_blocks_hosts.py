@@ -1,0 +1,175 @@
+"""Each block read once across the pod: in the block order every block of an epoch is read by
+exactly one process, whatever the process count and the split's size (partial windows and
+splits smaller than one window included), in training and in evaluation, shuffled or not,
+while every record still comes once per epoch and a batch still mixes many random blocks.
+
+The processes' index lists come from the sampler alone (what `make_dataset` plans from), at
+the global batch of 32 per process with the default window of 4 global batches of blocks; and
+real processes joined on 127.0.0.1 (tests/multihost_blocks_worker.py), each behind its own
+storage rig mount, count the storage reads they make.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import numpy as np
+import pytest
+
+import pipeline
+from pipeline import dataset, manifest, reads
+from pipeline.blocks import WINDOW_BATCHES, Blocks
+from pipeline.sampling import PAD, Sampler
+from pipeline.stream import StateError
+from tests.conftest import run_processes
+
+BATCH, RECORDS = 32, 16  # per process; records per block
+EPOCHS = 3
+
+
+def shards_of(blocks: int) -> tuple[int, ...]:
+  """Shards of 1,000 records (62 blocks of 16 and one of 8), then one of whole blocks: a
+  split of `blocks` blocks."""
+  whole, rest = divmod(blocks, 63)
+  return (1000,) * whole + ((rest * RECORDS,) if rest else ())
+
+
+def streams(shards, hosts: int, train: bool = True, shuffle: bool = True) -> list[tuple]:
+  """(epoch, record) of every position of each process's stream over EPOCHS epochs."""
+  blocks = Blocks(shards, RECORDS, WINDOW_BATCHES * BATCH * hosts)
+  out = []
+  for p in range(hosts):
+    s = Sampler(
+      sum(shards),
+      seed=1,
+      shuffle=shuffle,
+      num_epochs=EPOCHS,
+      shard_index=p,
+      shard_count=hosts,
+      remainder="drop" if train else "pad",
+      block=BATCH,
+      blocks=blocks,
+    )
+    out.append(s.records(np.arange(len(s))))
+  return out
+
+
+def block_ids(records: np.ndarray, shards) -> np.ndarray:
+  """A number for the (shard, block) of each record."""
+  ends = np.cumsum(shards)
+  shard = np.searchsorted(ends, records, side="right")
+  return shard * 10**6 + (records - (ends - shards)[shard]) // RECORDS
+
+
+def hosts_per_block(shards, parts) -> np.ndarray:
+  """For each (epoch, block) any process reads: how many processes read it."""
+  pairs = []
+  for epochs, records in parts:
+    real = records != PAD
+    pairs.append(np.unique(epochs[real] * 10**9 + block_ids(records[real], shards)))
+  return np.unique(np.concatenate(pairs), return_counts=True)[1]
+
+
+def assert_every_record_once_per_epoch(shards, parts, epochs) -> None:
+  epoch = np.concatenate([e for e, _ in parts])
+  records = np.concatenate([r for _, r in parts])
+  for e in range(epochs):
+    assert sorted(records[(epoch == e) & (records != PAD)]) == list(range(sum(shards)))
+
+
+SIZES = {  # process count -> split sizes in blocks, around its window (4 x 32 x hosts blocks)
+  2: [2, 5, 90, 200, 255, 256, 257, 300, 520, 1000],
+  3: [2, 100, 383, 384, 385, 700, 1153],
+  8: [7, 100, 700, 1023, 1024, 1025, 4375, 4796],
+}
+
+
+@pytest.mark.parametrize("hosts", SIZES)
+def test_training_reads_each_block_of_an_epoch_on_one_process(hosts):
+  per_block = {}
+  for blocks in SIZES[hosts]:
+    shards = shards_of(blocks)
+    parts = streams(shards, hosts)
+    per_block[blocks] = float(hosts_per_block(shards, parts).mean())
+    # epochs run on into each other: all but the last are whole (the stream stops after
+    # the last whole global batch of EPOCHS epochs, as the global order's does)
+    assert_every_record_once_per_epoch(shards, parts, EPOCHS - 1)
+  assert per_block == dict.fromkeys(SIZES[hosts], 1.0)
+
+
+@pytest.mark.parametrize("shuffle", [True, False], ids=["shuffled", "in_order"])
+@pytest.mark.parametrize("hosts", SIZES)
+def test_evaluation_reads_each_block_on_one_process_and_every_record_once(hosts, shuffle):
+  per_block = {}
+  for blocks in SIZES[hosts]:
+    shards = shards_of(blocks)
+    parts = streams(shards, hosts, train=False, shuffle=shuffle)
+    per_block[blocks] = float(hosts_per_block(shards, parts).mean())
+    assert_every_record_once_per_epoch(shards, parts, EPOCHS)
+    assert len({len(r) for _, r in parts}) == 1  # as many batches on each process
+  assert per_block == dict.fromkeys(SIZES[hosts], 1.0)
+  if not shuffle:  # each process its run of blocks in record order, as one process reads all
+    ((_, records),) = streams(shards_of(100), 1, train=False, shuffle=False)
+    assert records.tolist() == list(range(sum(shards_of(100)))) * EPOCHS
+
+
+def test_the_plan_line_says_the_requests_this_process_makes(digits_dir):
+  spec = pipeline.Spec.of(  # 240 records: 15 blocks, 5 each
+    digits_dir, batch_size=8, order="blocks", block_records=16, shard_index=0, shard_count=3
+  )
+  said = reads.requests(dataset.build(spec).read)
+  assert "one per block of 16 records, about 5 an epoch from this process's own blocks" in said
+
+
+def test_a_state_saved_in_the_previous_block_order_is_refused_in_one_line(digits_dir):
+  def make():
+    perf = dict(num_workers=0)
+    return pipeline.make_dataset(
+      digits_dir, batch_size=8, seed=1, order="blocks", block_records=16, performance=perf
+    )
+
+  it = iter(make())
+  next(it)
+  state = it.get_state()
+  it.close()
+  state["stream"]["order"] = "blocks of 16 in rounds over windows of 32"  # as it tagged them
+  with pytest.raises(StateError, match="order blocks of 16 in rounds over windows of 32 in") as e:
+    iter(make()).set_state(state)
+  assert "\n" not in str(e.value)
+
+
+def pod_reads(storage_rig, data, tmp_path, hosts: int) -> dict[str, float]:
+  """{split: the storage reads of `hosts` processes, summed, per (epoch, block) they took}:
+  2 epochs of training and 2 evaluations of digits in blocks of 16, each host behind its
+  own rig mount."""
+  with contextlib.ExitStack() as mounts:
+    for i in range(hosts):
+      mounts.enter_context(storage_rig.mount(data, latency_ms=1, mountpoint=tmp_path / f"m{i}"))
+    run_processes(
+      "multihost_blocks_worker.py",
+      hosts,
+      num_processes=hosts,
+      data=tmp_path / "m{i}",
+      out=tmp_path / "{i}.json",
+    )
+  results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(hosts)]
+  splits = manifest.load(data).splits
+  per_block = {}
+  for split in ("train", "validation"):
+    shards = [s.num_records for s in splits[split].shards]
+    parts = [(np.array(r[split]["epochs"]), np.array(r[split]["records"])) for r in results]
+    taken = len(hosts_per_block(shards, parts))
+    per_block[split] = sum(r[split]["reads"] for r in results) / taken
+  return per_block
+
+
+@pytest.mark.parametrize("hosts", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_processes_behind_the_rig_read_each_block_once_from_storage(
+  storage_rig, digits_dir, tmp_path, hosts
+):
+  per_block = pod_reads(storage_rig, digits_dir, tmp_path, hosts)
+  assert per_block == {
+    "train": pytest.approx(1, abs=0.01),
+    "validation": pytest.approx(1, abs=0.01),
+  }
