@@ -243,6 +243,24 @@ def test_the_read_stage_waits_its_turn_under_max_requests_per_s(digits_dir):
     assert "at most 50/s (performance.max_requests_per_s)" in reads.requests(st.read)
 
 
+@pytest.mark.parametrize("cap", [float("inf"), 1e308])
+def test_a_request_cap_of_inf_or_past_any_rate_means_no_cap(digits_dir, cap):
+  perf = dict(max_requests_per_s=cap, num_workers=0)
+  spec = pipeline.Spec.of(
+    digits_dir, batch_size=16, image_size=16, order="blocks", performance=perf
+  )
+  st = dataset.build(spec)
+  assert len(take(iter(dataset.chain(st)), 2)) == 2
+  assert st.read.budget is None or st.read.budget.waited == 0
+
+
+@pytest.mark.parametrize("cap", [1e-300, 1e-3, float("nan"), -1.0])
+def test_a_request_cap_that_cannot_work_is_one_line(cap):
+  with pytest.raises(ValueError, match="performance.max_requests_per_s") as e:
+    pipeline.Performance(max_requests_per_s=cap)
+  assert "\n" not in str(e.value)
+
+
 def test_block_ordered_batches_are_the_same_in_a_worker_process_and_after_a_resume(digits_dir):
   def make(workers):
     perf = dict(num_workers=workers, record_cache_mb=0)
