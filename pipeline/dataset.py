@@ -274,12 +274,13 @@ def _pieces(sampler: Sampler, workers: int) -> int | None:
 
 
 def _window_bytes(sampler: Sampler, record_bytes: float) -> int:
-  """The bytes of the blocks one window of the block order holds in this process."""
+  """The bytes of the blocks one window of the block order holds in this process (at most
+  the split's)."""
   if sampler.blocks is None:
     return 0
   b = sampler.blocks
   lanes = b.window_blocks // (sampler.shard_count if sampler.global_order else 1)
-  return int(lanes * b.block_records * record_bytes)
+  return int(min(lanes * b.largest, sampler.num_records) * record_bytes)
 
 
 def _stream(spec: Spec, sampler: Sampler) -> dict:

@@ -261,6 +261,23 @@ def test_a_request_cap_that_cannot_work_is_one_line(cap):
   assert "\n" not in str(e.value)
 
 
+@pytest.mark.parametrize("size", ["block_records", "window_blocks"])
+def test_a_block_or_window_past_the_shards_is_bounded_by_them_and_keeps_the_order(digits_dir, size):
+  def make(value):
+    return pipeline.make_dataset(
+      digits_dir, batch_size=16, image_size=16, order="blocks", seed=4, **{size: value}
+    )
+
+  past = take(iter(make(2**40)), 16)  # 240 records in one shard: more than an epoch
+  assert_same_batches(take(iter(make(1024)), 16), past)  # any size past the shard's
+
+
+def test_a_block_larger_than_every_shard_is_that_shard_whatever_its_size():
+  shards = (700,) * 11 + (300,)
+  huge = Blocks(shards, block_records=2**40, window_blocks=2**40).permute(np.arange(8000), key=2)
+  assert np.array_equal(huge, Blocks(shards, 1024, 12).permute(np.arange(8000), key=2))
+
+
 def test_block_ordered_batches_are_the_same_in_a_worker_process_and_after_a_resume(digits_dir):
   def make(workers):
     perf = dict(num_workers=workers, record_cache_mb=0)
