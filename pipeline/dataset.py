@@ -33,6 +33,7 @@ from pipeline import augment as augment_lib
 from pipeline import blocks as blocks_lib
 from pipeline import (
   decode,
+  elastic,
   guards,
   handoff,
   lifecycle,
@@ -134,7 +135,7 @@ def build(spec: Spec) -> Stages:
     normalize=spec.transforms.normalize,
     workers=chosen.workers,
     prefetch=perf.prefetch,
-    stream=_stream(spec, sampler),
+    stream=_stream(spec, sampler, meta.splits[spec.split].shards),
   )
 
 
@@ -283,7 +284,7 @@ def _window_bytes(sampler: Sampler, record_bytes: float) -> int:
   return int(min(lanes * b.largest, sampler.num_records) * record_bytes)
 
 
-def _stream(spec: Spec, sampler: Sampler) -> dict:
+def _stream(spec: Spec, sampler: Sampler, shards: list) -> dict:
   """What the iterator's state is checked against when it is restored (`pipeline.stream`)."""
   stream = {
     "shard_index": sampler.shard_index,
@@ -291,6 +292,7 @@ def _stream(spec: Spec, sampler: Sampler) -> dict:
     "seed": spec.seed,
     "batch_size": spec.batch_size,
     "num_records": sampler.num_records,
+    "shards": elastic.shard_list([(s.file, s.num_records) for s in shards]),
   }
   if spec.sharding != "records":
     stream["sharding"] = spec.sharding
