@@ -126,7 +126,7 @@ def _check_shards(saved: dict, stream: dict) -> None:
   if was == now:
     return
   if was["count"] != now["count"]:
-    what = f"{was['count']} shards in the state, {now['count']} here"
+    what = f"{was['count']} shard(s) in the state, {now['count']} here"
   elif was["set"] == now["set"]:
     what = f"the same {now['count']} shards in another order"
   else:

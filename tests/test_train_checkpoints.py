@@ -11,6 +11,7 @@ import subprocess
 
 import pytest
 
+from pipeline.convert import images
 from tests.test_train import ROOT, env, summary, train_cmd, wait_for
 
 STEPS = ["--config.num_steps=6", "--config.checkpoint_every_steps=2", "--config.keep_checkpoints=3"]
@@ -147,6 +148,70 @@ def test_when_no_checkpoint_restores_the_run_is_refused_in_one_line(finished, di
   assert "no checkpoint in" in out.stderr and "step 2:" in out.stderr
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]
   assert not (workdir / "summary.json").exists()
+
+
+@pytest.fixture(scope="module")
+def in_blocks(digits_dir, tmp_path_factory):
+  """A 6-step run in the block order (a bucket's default), checkpoints at 2, 4 and 6."""
+  workdir = tmp_path_factory.mktemp("blocks") / "run"
+  out = train(workdir, digits_dir, "--config.input.order=blocks")
+  assert out.returncode == 0, out.stderr[-3000:]
+  return workdir, out
+
+
+def refused_and_kept(out, workdir) -> str:
+  """The one line of a run refused with its checkpoints left in place."""
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert "checkpoint 6 in" in out.stderr and "is good" in out.stderr
+  assert "aside" not in out.stderr and not (workdir / "unrestorable").exists()
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]
+  return out.stderr
+
+
+def test_a_checkpoint_resumed_over_another_shard_list_is_refused_and_kept(
+  finished, digits_raw, tmp_path
+):
+  workdir = interrupted_copy(finished, tmp_path)
+  resharded = tmp_path / "resharded"  # the same images, converted into smaller shards
+  images.convert(
+    digits_raw, resharded, val_fraction=0.2, seed=0, shard_size_mb=0.1, workers=1, progress=False
+  )
+  line = refused_and_kept(train(workdir, resharded), workdir)
+  assert re.search(r"another shard list \(1 shard\(s\) in the state, \d+ here\)", line)
+
+
+@pytest.mark.parametrize(
+  "flags, fix",
+  [
+    (
+      (),
+      "iterator state of order='blocks' cannot continue in order='global': pass "
+      "--config.input.order=blocks",
+    ),
+    (
+      ("--config.input.order=blocks", "--config.batch_size=16"),
+      "(global batch 16): keep the global batch 32 (--config.batch_size=32) or pass "
+      "--config.input.window_blocks=128",
+    ),
+  ],
+  ids=["order", "global_batch"],
+)
+def test_a_block_order_checkpoint_this_run_cannot_continue_names_the_flags_that_would(
+  in_blocks, digits_dir, tmp_path, flags, fix
+):
+  workdir = interrupted_copy(in_blocks, tmp_path)
+  assert refused_and_kept(train(workdir, digits_dir, *flags), workdir).endswith(fix + "\n")
+
+
+def test_a_block_order_checkpoint_resumes_exactly_with_the_flag_its_refusal_names(
+  in_blocks, digits_dir, tmp_path
+):
+  workdir = interrupted_copy(in_blocks, tmp_path)
+  shutil.rmtree(workdir / "checkpoints" / "6")
+  out = train(workdir, digits_dir, "--config.input.order=blocks")
+  assert out.returncode == 0 and "resumed from step 4" in out.stdout, out.stderr[-3000:]
+  assert summary(workdir)["params_sha256"] == summary(in_blocks[0])["params_sha256"]
 
 
 def start(workdir, data_dir):
