@@ -2,6 +2,8 @@
 the previous one; one trainer per workdir; Ctrl-C saves; a failed save and a finished run
 say so in one line; the logs carry no Orbax chatter. Real runs, real files, real signals."""
 
+import hashlib
+import json
 import random
 import re
 import resource
@@ -148,6 +150,31 @@ def test_when_no_checkpoint_restores_the_run_is_refused_in_one_line(finished, di
   assert "no checkpoint in" in out.stderr and "step 2:" in out.stderr
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]
   assert not (workdir / "summary.json").exists()
+
+
+def without_shard_list(workdir, step):
+  """Checkpoint `step` as saved before data states named their shard list."""
+  path = data_state_file(workdir, step)
+  state = json.loads(path.read_text())
+  del state["stream"]["shards"]
+  text = json.dumps(state, indent=4)  # as grain's handler writes it
+  path.write_text(text)
+  sums_path = workdir / "checkpoints" / str(step) / "checksums" / "metadata"
+  sums = json.loads(sums_path.read_text())
+  sums["data_sha256"] = [hashlib.sha256(text.encode()).hexdigest()]
+  sums_path.write_text(json.dumps(sums))
+
+
+def test_a_checkpoint_from_before_the_shard_list_resumes_exactly_with_a_warning(
+  finished, digits_dir, tmp_path
+):
+  workdir = interrupted_copy(finished, tmp_path)
+  shutil.rmtree(workdir / "checkpoints" / "6")
+  without_shard_list(workdir, 4)
+  out = train(workdir, digits_dir)
+  assert out.returncode == 0 and "resumed from step 4" in out.stdout, out.stderr[-3000:]
+  assert "saved before states named their shard list" in out.stderr
+  assert summary(workdir)["params_sha256"] == summary(finished[0])["params_sha256"]
 
 
 @pytest.fixture(scope="module")
