@@ -125,6 +125,8 @@ def _check_shards(saved: dict, stream: dict) -> None:
     return
   if was == now:
     return
+  if not isinstance(was, dict) or set(was) != set(now):
+    raise StateError(f"iterator state: 'shards' is no shard list, got {was!r:.80}")
   if was["count"] != now["count"]:
     what = f"{was['count']} shard(s) in the state, {now['count']} here"
   elif was["set"] == now["set"]:

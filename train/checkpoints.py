@@ -4,8 +4,10 @@ Each checkpoint holds the model and optimizer state, every process's data-iterat
 and the sha256 of both (an Orbax JSON item). A checkpoint that fails to restore (a
 truncated file) or does not match its checksums (flipped bytes) is moved aside and the
 previous one is used. One saved on another process count resumes: the model resharded, the
-data at the global position process 0 saved (`pipeline.elastic`). One trainer per workdir
-(a lock file); a failed save says why in one line.
+data at the global position process 0 saved (`pipeline.elastic`). A good one whose data this
+run cannot continue (another shard list, order or global batch) is refused in one line
+naming the flags that would, and kept. One trainer per workdir (a lock file); a failed save
+says why in one line.
 """
 
 from __future__ import annotations
