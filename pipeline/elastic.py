@@ -20,7 +20,7 @@ import re
 from absl import logging
 
 LAYOUT = ("shard_index", "shard_count", "batch_size")  # what may change between runs
-OWN_CHECKS = ("shards", "order")  # compared first, each refused with its own fix
+OWN_CHECKS = ("shards", "order")  # checked apart from the rest, each refused with its own fix
 
 
 class StateError(ValueError):
