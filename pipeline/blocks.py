@@ -59,15 +59,20 @@ class Blocks:
         raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
   @functools.cached_property
+  def largest(self) -> int:
+    """Records in the largest block: a block larger than every shard is its shard."""
+    return min(self.block_records, max(self.shard_records, default=1))
+
+  @functools.cached_property
   def _blocks(self) -> tuple[np.ndarray, np.ndarray]:
     """(first record, records) of each block, in record order."""
     counts = np.asarray(self.shard_records, np.int64)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]]).astype(np.int64)
-    per_shard = -(-counts // self.block_records)  # ceil
+    per_shard = -(-counts // self.largest)  # ceil
     shard = np.repeat(np.arange(len(counts)), per_shard)
     k = np.arange(len(shard)) - np.repeat(np.cumsum(per_shard) - per_shard, per_shard)
-    first = starts[shard] + k * self.block_records
-    return first, np.minimum(self.block_records, starts[shard] + counts[shard] - first)
+    first = starts[shard] + k * self.largest
+    return first, np.minimum(self.largest, starts[shard] + counts[shard] - first)
 
   @property
   def count(self) -> int:
@@ -117,17 +122,21 @@ def _serve(blocks: Blocks, epoch: tuple, positions: np.ndarray) -> np.ndarray:
   first, sizes, starts, window_ends = epoch
   window = np.searchsorted(window_ends, positions, side="right")
   out = np.empty_like(positions)
-  ranks = _ranks(blocks.block_records)
+  bits = max(1, (blocks.largest - 1).bit_length())
   for w in np.unique(window).tolist():  # a batch spans one window, rarely two
     at = window == w
     lo = int(window_ends[w - 1]) if w else 0
     lane_first, lane_sizes = first[starts[w] : starts[w + 1]], sizes[starts[w] : starts[w + 1]]
-    active = (lane_sizes[None, :] > np.arange(blocks.block_records)[:, None]).sum(axis=1)
+    longest_first = -np.sort(-lane_sizes)
+    active = np.searchsorted(-longest_first, -np.arange(longest_first[0]), side="left")
     round_ends = np.cumsum(active)
     p = positions[at] - lo
     r = np.searchsorted(round_ends, p, side="right")
     lane = p - (round_ends[r] - active[r])
-    out[at] = lane_first[lane] + ranks[lane_sizes[lane], r]
+    size = lane_sizes[lane]
+    for n in np.unique(size).tolist():  # one size, or a window's few shorter blocks
+      of = size == n
+      out[np.flatnonzero(at)[of]] = lane_first[lane[of]] + _ranks(bits, n)[r[of]]
   return out
 
 
@@ -169,18 +178,16 @@ def _first_record(blocks: Blocks, hosts: int, share: int) -> int:
   return int(mine[0]) if len(mine) else 0
 
 
-@functools.lru_cache(maxsize=8)
-def _ranks(block_records: int) -> np.ndarray:
-  """[size, round]: the record of a block of `size` records that round `round` takes: the
-  records in the order of their bit-reversed numbers (the rounds r = c mod 2^a take one
+@functools.lru_cache(maxsize=64)
+def _ranks(bits: int, size: int) -> np.ndarray:
+  """[round]: the record of a block of `size` records that each round takes: the records
+  in the order of their `bits`-bit reversed numbers (the rounds r = c mod 2^a take one
   aligned run of records), a shorter block's the same order less the records it lacks."""
-  bits = max(1, (block_records - 1).bit_length())
-  rev = np.array([int(f"{i:0{bits}b}"[::-1], 2) for i in range(block_records)])
-  table = np.zeros((block_records + 1, block_records), np.int64)
-  for size in range(1, block_records + 1):
-    order = np.argsort(rev[:size], kind="stable")
-    table[size, :size] = order
-  return table
+  i = np.arange(size, dtype=np.int64)
+  rev = np.zeros(size, np.int64)
+  for k in range(bits):
+    rev |= ((i >> k) & 1) << (bits - 1 - k)
+  return np.argsort(rev, kind="stable")
 
 
 @functools.lru_cache(maxsize=8)

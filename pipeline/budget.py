@@ -28,6 +28,21 @@ HOLD = 2  # windows at a depth before the next step up; doubled after each that 
 MAX_HOLD = 32
 
 
+MIN_PER_S = 1 / 60  # the lowest request cap: one request a minute
+
+
+def check_rate(per_s: float | None) -> None:
+  """Raises ValueError, in one line, unless `per_s` is a usable request cap (None or inf:
+  no cap)."""
+  if per_s is not None and not per_s > 0:
+    raise ValueError(f"performance.max_requests_per_s must be None or > 0, got {per_s}")
+  if per_s is not None and per_s < MIN_PER_S:
+    raise ValueError(
+      f"performance.max_requests_per_s={per_s} would wait {1 / per_s:.3g} s per request: "
+      "pass at least 1/60 (one request a minute), or None or inf for no cap"
+    )
+
+
 class RequestBudget:
   """At most `per_s` requests a second; `take` waits for the turn of the next `n`."""
 
@@ -37,8 +52,7 @@ class RequestBudget:
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
   ):
-    if per_s <= 0:
-      raise ValueError(f"performance.max_requests_per_s must be > 0, got {per_s}")
+    check_rate(per_s)
     self.per_s, self.clock, self.sleep = per_s, clock, sleep
     self._init_runtime()
 

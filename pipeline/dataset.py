@@ -33,6 +33,7 @@ from pipeline import augment as augment_lib
 from pipeline import blocks as blocks_lib
 from pipeline import (
   decode,
+  elastic,
   guards,
   handoff,
   lifecycle,
@@ -136,7 +137,7 @@ def build(spec: Spec) -> Stages:
     normalize=spec.transforms.normalize,
     workers=chosen.workers,
     prefetch=perf.prefetch,
-    stream=_stream(spec, sampler),
+    stream=_stream(spec, sampler, meta.splits[spec.split].shards),
     stats_every_s=perf.stats_every_s,
   )
 
@@ -292,15 +293,16 @@ def _epoch_requests(sampler: Sampler, workers: int) -> float | None:
 
 
 def _window_bytes(sampler: Sampler, record_bytes: float) -> int:
-  """The bytes of the blocks one window of the block order holds in this process."""
+  """The bytes of the blocks one window of the block order holds in this process (at most
+  the split's)."""
   if sampler.blocks is None:
     return 0
   b = sampler.blocks
   lanes = blocks_lib.lanes_per_host(b, _dealt_to(sampler))
-  return int(lanes * b.block_records * record_bytes)
+  return int(min(lanes * b.largest, sampler.num_records) * record_bytes)
 
 
-def _stream(spec: Spec, sampler: Sampler) -> dict:
+def _stream(spec: Spec, sampler: Sampler, shards: list) -> dict:
   """What the iterator's state is checked against when it is restored (`pipeline.stream`)."""
   stream = {
     "shard_index": sampler.shard_index,
@@ -308,6 +310,7 @@ def _stream(spec: Spec, sampler: Sampler) -> dict:
     "seed": spec.seed,
     "batch_size": spec.batch_size,
     "num_records": sampler.num_records,
+    "shards": elastic.shard_list([(s.file, s.num_records) for s in shards]),
   }
   if spec.sharding != "records":
     stream["sharding"] = spec.sharding

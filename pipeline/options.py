@@ -11,6 +11,8 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
+from pipeline import budget
+
 
 @dataclasses.dataclass(frozen=True)
 class Augment:
@@ -89,9 +91,9 @@ class Performance:
   >= 2 ms and the split fits in a quarter of the available memory, else 0);
   record_cache_dir: a local-disk folder for them too, shared by the host's processes and kept
   across runs. max_requests_per_s: the most storage requests a second this process's reads
-  make, shared by its worker processes (None: no cap), to stay within a bucket's budget
-  (`pipeline.budget`). stats_every_s: print `iterator.stats()`'s table (a row per stage and
-  process, storage requests) to stderr every so many seconds (None: never).
+  make, shared by its worker processes (None or inf: no cap; at least one a minute), to stay
+  within a bucket's budget (`pipeline.budget`). stats_every_s: print `iterator.stats()`'s table
+  (a row per stage and process, storage requests) to stderr every so many seconds (None: never).
 
   Changing pixels (mean absolute difference per pixel value, on the test photos, ~470x390, at
   64 and 224 px): cache_mb: RAM for decoded images ("map, cache, map"), kept with their
@@ -139,10 +141,7 @@ class Performance:
       raise ValueError(
         f"performance.record_cache_mb must be None or >= 0, got {self.record_cache_mb}"
       )
-    if self.max_requests_per_s is not None and not self.max_requests_per_s > 0:
-      raise ValueError(
-        f"performance.max_requests_per_s must be None or > 0, got {self.max_requests_per_s}"
-      )
+    budget.check_rate(self.max_requests_per_s)
     if self.stats_every_s is not None and not self.stats_every_s > 0:
       raise ValueError(f"performance.stats_every_s must be None or > 0, got {self.stats_every_s}")
     if self.cache_mb < 0:

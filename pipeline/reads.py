@@ -91,7 +91,8 @@ class ReadRecords:
     epoch_requests: float | None = None,
   ):
     self.source, self.batch_size, self.cache = source, batch_size, cache
-    self.budget = RequestBudget(max_requests_per_s) if max_requests_per_s else None
+    capped = max_requests_per_s and max_requests_per_s < math.inf
+    self.budget = RequestBudget(max_requests_per_s) if capped else None
     self.ranges, self.epoch_requests = None, epoch_requests
     if block_records is not None:  # the block order: a block's records in one request
       counts = [b - a for a, b in zip(source.starts, source.starts[1:])]
@@ -124,13 +125,14 @@ class ReadRecords:
     the bytes allowed. Both within `performance.read_ahead`, and under a request budget
     within what the budget's rate needs at the latency measured at open."""
     s = self.stats
-    need = reads_in_flight(max(self.rate_per_s, s.rate_per_s), self._initial[0])
-    ceiling = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
+    rate = max(self.rate_per_s, s.rate_per_s)
     if self.budget is not None:
       per_request = self.ranges.block_records if self.ranges is not None else 1
-      need = min(need, reads_in_flight(self.budget.per_s * per_request, self._initial[0]))
-      ceiling = min(ceiling, 1 + math.ceil(need / self.batch_size))
-    floor = 1 + math.ceil(need / self.batch_size)
+      rate = min(rate, self.budget.per_s * per_request)
+    floor = 1 + math.ceil(reads_in_flight(rate, self._initial[0]) / self.batch_size)
+    ceiling = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
+    if self.budget is not None:
+      ceiling = min(ceiling, floor)
     ceiling = min(ceiling, GROWTH * floor, self.max_depth or ceiling)
     return min(floor, ceiling), ceiling
 
@@ -323,7 +325,7 @@ def requests(read: ReadRecords) -> str:
       plan += f", about {read.epoch_requests:,.0f} an epoch from this process's own blocks"
     plan += f" (order='blocks'; blocks kept within {r.budget_bytes / 2**20:,.0f} MB)"
   if read.budget is not None:
-    plan += f", at most {read.budget.per_s:,.0f}/s (performance.max_requests_per_s)"
+    plan += f", at most {read.budget.per_s:,.6g}/s (performance.max_requests_per_s)"
   if not s.requests:
     return plan
   elapsed = time.perf_counter() - s.started_s

@@ -1,15 +1,16 @@
 """The outermost iterator of `make_dataset`: a state you can trust, and the skip count.
 
-A state is a batch position, tagged with the stream it indexes (seed, dataset, layout) and
-with its global position: a state of another stream is refused, and a train stream's state
-continues on another process count or batch size at the same global position
-(`pipeline.elastic`), or is refused in one line where it cannot. A state that went
-through a pytree checkpoint comes back with 0-d numpy arrays for its integers (which Grain
-accepts and then mis-counts), so states are normalized to plain Python values and checked
-against the shape of this iterator's own state before Grain sees them. The number of records
-skipped under `on_error="skip"` travels with each batch (also out of worker processes) and is
-summed here: `iterator.skipped`, and `get_state()["skipped"]`. So do the counters of the process
-that made it (`pipeline.stats`): `iterator.stats()` holds every process's latest.
+A state is a batch position, tagged with the stream it indexes (seed, dataset and its shard
+list, order, layout) and with its global position: a state of another stream is refused,
+and a train stream's state continues on another process count or batch size at the same
+global position (`pipeline.elastic`), or is refused in one line where it cannot. A state
+that went through a pytree checkpoint comes back with 0-d numpy arrays for its integers
+(which Grain accepts and then mis-counts), so states are normalized to plain Python values
+and checked against the shape of this iterator's own state before Grain sees them. The number
+of records skipped under `on_error="skip"` travels with each batch (also out of worker
+processes) and is summed here: `iterator.skipped`, and `get_state()["skipped"]`. So do the
+counters of the process that made it (`pipeline.stats`): `iterator.stats()` holds every
+process's latest.
 """
 
 from __future__ import annotations

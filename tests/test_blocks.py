@@ -243,6 +243,41 @@ def test_the_read_stage_waits_its_turn_under_max_requests_per_s(digits_dir):
     assert "at most 50/s (performance.max_requests_per_s)" in reads.requests(st.read)
 
 
+@pytest.mark.parametrize("cap", [float("inf"), 1e308])
+def test_a_request_cap_of_inf_or_past_any_rate_means_no_cap(digits_dir, cap):
+  perf = dict(max_requests_per_s=cap, num_workers=0)
+  spec = pipeline.Spec.of(
+    digits_dir, batch_size=16, image_size=16, order="blocks", performance=perf
+  )
+  st = dataset.build(spec)
+  assert len(take(iter(dataset.chain(st)), 2)) == 2
+  assert st.read.budget is None or st.read.budget.waited == 0
+
+
+@pytest.mark.parametrize("cap", [1e-300, 1e-3, float("nan"), -1.0])
+def test_a_request_cap_that_cannot_work_is_one_line(cap):
+  with pytest.raises(ValueError, match="performance.max_requests_per_s") as e:
+    pipeline.Performance(max_requests_per_s=cap)
+  assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("size", ["block_records", "window_blocks"])
+def test_a_block_or_window_past_the_shards_is_bounded_by_them_and_keeps_the_order(digits_dir, size):
+  def make(value):
+    return pipeline.make_dataset(
+      digits_dir, batch_size=16, image_size=16, order="blocks", seed=4, **{size: value}
+    )
+
+  past = take(iter(make(2**40)), 16)  # 240 records in one shard: more than an epoch
+  assert_same_batches(take(iter(make(1024)), 16), past)  # any size past the shard's
+
+
+def test_a_block_larger_than_every_shard_is_that_shard_whatever_its_size():
+  shards = (700,) * 11 + (300,)
+  huge = Blocks(shards, block_records=2**40, window_blocks=2**40).permute(np.arange(8000), key=2)
+  assert np.array_equal(huge, Blocks(shards, 1024, 12).permute(np.arange(8000), key=2))
+
+
 def test_block_ordered_batches_are_the_same_in_a_worker_process_and_after_a_resume(digits_dir):
   def make(workers):
     perf = dict(num_workers=workers, record_cache_mb=0)

@@ -12,14 +12,17 @@ boundaries) and after step 4 (just past a batch that spans a boundary).
 from __future__ import annotations
 
 import json
+import pathlib
+import shutil
 
 import numpy as np
 import pytest
 
 import pipeline
+from pipeline.convert import images
 from pipeline.sampling import Sampler
 from pipeline.stream import StateError
-from tests.conftest import run_processes
+from tests.conftest import assert_same_batches, run_processes, take
 from tests.elastic_pipeline_worker import GLOBAL_BATCH, IMAGE_SIZE, SEED, examples
 from tests.test_multihost_pipeline import odd_dir  # noqa: F401 - a fixture
 
@@ -165,3 +168,78 @@ def test_a_position_that_is_no_whole_global_batch_is_refused(odd_dir):  # noqa: 
   it = iter(make(odd_dir, shard_count=1, batch_size=3))  # another global batch that divides
   it.set_state(state)
   assert it.get_state()["position"] == 12
+
+
+def with_shards(data, tmp_path, change) -> pathlib.Path:
+  """A copy of `data` whose manifest lists the train shards as `change` makes them."""
+  copy = tmp_path / "data"
+  shutil.copytree(data, copy)
+  manifest = json.loads((copy / "manifest.json").read_text())
+  split = manifest["splits"]["train"]
+  split["shards"] = change(split["shards"])
+  split["num_records"] = sum(s["num_records"] for s in split["shards"])
+  (copy / "manifest.json").write_text(json.dumps(manifest))
+  return copy
+
+
+@pytest.mark.parametrize("order", ["global", "blocks"])
+def test_a_state_resumed_over_the_same_shards_in_another_order_is_refused_in_one_line(
+  odd_dir,  # noqa: F811
+  tmp_path,
+  order,
+):
+  state = state_after(make(odd_dir, shard_count=1, order=order), 2)
+  reordered = with_shards(odd_dir, tmp_path, lambda shards: shards[::-1])
+  with pytest.raises(StateError) as e:
+    iter(make(reordered, shard_count=1, order=order)).set_state(state)
+  assert str(e.value).startswith("iterator state of another shard list (the same ")
+  assert "in another order" in str(e.value) and "\n" not in str(e.value)
+  iter(make(odd_dir, shard_count=1, order=order)).set_state(state)  # the same list resumes
+
+
+def test_a_state_resumed_over_the_same_records_in_other_shards_names_their_counts(
+  odd_dir,  # noqa: F811
+  tmp_path,
+):
+  state = state_after(make(odd_dir, shard_count=1), 2)
+  count = state["stream"]["shards"]["count"]
+  images.convert(odd_dir.parent / "raw", tmp_path, shard_size_mb=1, workers=1, progress=False)
+  with pytest.raises(
+    StateError, match=f"shard list \\({count} shard\\(s\\) in the state, 1 here\\)"
+  ):
+    iter(make(tmp_path, shard_count=1)).set_state(state)
+
+
+def test_a_state_saved_before_states_named_their_shards_resumes_as_before(odd_dir):  # noqa: F811
+  it = iter(make(odd_dir, shard_count=1))
+  take(it, 2)
+  state = it.get_state()
+  expected = take(it, 2)
+  del state["stream"]["shards"]
+  resumed = iter(make(odd_dir, shard_count=1))
+  resumed.set_state(state)
+  assert_same_batches(expected, take(resumed, 2))
+
+
+def test_a_block_order_state_in_the_global_order_names_the_order_to_pass(odd_dir):  # noqa: F811
+  state = state_after(make(odd_dir, shard_count=1, order="blocks"), 2)
+  with pytest.raises(StateError) as e:
+    iter(make(odd_dir, shard_count=1, order="global")).set_state(state)
+  assert str(e.value) == (
+    "iterator state of order='blocks' cannot continue in order='global': pass order='blocks'"
+  )
+  assert e.value.passes == {"order": "blocks"}
+
+
+def test_a_block_order_state_in_other_windows_names_the_window_blocks_to_pass(
+  odd_dir,  # noqa: F811
+):
+  state = state_after(make(odd_dir, shard_count=1, batch_size=4, order="blocks"), 2)
+  with pytest.raises(StateError) as e:
+    iter(make(odd_dir, shard_count=1, batch_size=4, order="blocks", window_blocks=64)).set_state(
+      state
+    )
+  assert str(e.value).endswith("pass window_blocks=16") and "\n" not in str(e.value)
+  it = iter(make(odd_dir, shard_count=1, batch_size=4, order="blocks", window_blocks=16))
+  it.set_state(state)  # as the message says
+  assert it.get_state()["position"] == 8

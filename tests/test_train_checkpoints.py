@@ -2,6 +2,7 @@
 the previous one; one trainer per workdir; Ctrl-C saves; a failed save and a finished run
 say so in one line; the logs carry no Orbax chatter. Real runs, real files, real signals."""
 
+import hashlib
 import json
 import random
 import re
@@ -13,6 +14,7 @@ import subprocess
 import pytest
 from etils import epath
 
+from pipeline.convert import images
 from tests.test_train import ROOT, env, summary, train_cmd, wait_for
 from train import checkpoints
 
@@ -183,6 +185,95 @@ def test_a_resume_on_one_host_of_a_checkpoint_saved_on_two_says_so_in_good_engli
     f"resumed from step 12 on 1 host (saved on 2) ({tmp_path / 'checkpoints'})"
   )
   ckpt.close()
+
+
+def without_shard_list(workdir, step):
+  """Checkpoint `step` as saved before data states named their shard list."""
+  path = data_state_file(workdir, step)
+  state = json.loads(path.read_text())
+  del state["stream"]["shards"]
+  text = json.dumps(state, indent=4)  # as grain's handler writes it
+  path.write_text(text)
+  sums_path = workdir / "checkpoints" / str(step) / "checksums" / "metadata"
+  sums = json.loads(sums_path.read_text())
+  sums["data_sha256"] = [hashlib.sha256(text.encode()).hexdigest()]
+  sums_path.write_text(json.dumps(sums))
+
+
+def test_a_checkpoint_from_before_the_shard_list_resumes_exactly_with_a_warning(
+  finished, digits_dir, tmp_path
+):
+  workdir = interrupted_copy(finished, tmp_path)
+  shutil.rmtree(workdir / "checkpoints" / "6")
+  without_shard_list(workdir, 4)
+  out = train(workdir, digits_dir)
+  assert out.returncode == 0 and "resumed from step 4" in out.stdout, out.stderr[-3000:]
+  assert "saved before states named their shard list" in out.stderr
+  assert summary(workdir)["params_sha256"] == summary(finished[0])["params_sha256"]
+
+
+@pytest.fixture(scope="module")
+def in_blocks(digits_dir, tmp_path_factory):
+  """A 6-step run in the block order (a bucket's default), checkpoints at 2, 4 and 6."""
+  workdir = tmp_path_factory.mktemp("blocks") / "run"
+  out = train(workdir, digits_dir, "--config.input.order=blocks")
+  assert out.returncode == 0, out.stderr[-3000:]
+  return workdir, out
+
+
+def refused_and_kept(out, workdir) -> str:
+  """The one line of a run refused with its checkpoints left in place."""
+  assert out.returncode == 2, out.stderr[-3000:]
+  assert out.stderr.count("\n") == 1 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert "checkpoint 6 in" in out.stderr and "is good" in out.stderr
+  assert "aside" not in out.stderr and not (workdir / "unrestorable").exists()
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]
+  return out.stderr
+
+
+def test_a_checkpoint_resumed_over_another_shard_list_is_refused_and_kept(
+  finished, digits_raw, tmp_path
+):
+  workdir = interrupted_copy(finished, tmp_path)
+  resharded = tmp_path / "resharded"  # the same images, converted into smaller shards
+  images.convert(
+    digits_raw, resharded, val_fraction=0.2, seed=0, shard_size_mb=0.1, workers=1, progress=False
+  )
+  line = refused_and_kept(train(workdir, resharded), workdir)
+  assert re.search(r"another shard list \(1 shard\(s\) in the state, \d+ here\)", line)
+
+
+@pytest.mark.parametrize(
+  "flags, fix",
+  [
+    (
+      (),
+      "iterator state of order='blocks' cannot continue in order='global': pass "
+      "--config.input.order=blocks",
+    ),
+    (
+      ("--config.input.order=blocks", "--config.batch_size=16"),
+      "its order depends on the process count; resume on 1 process(es) with batch 32 "
+      "(order='global' continues on any count)",
+    ),
+  ],
+  ids=["order", "global_batch"],
+)
+def test_a_block_order_checkpoint_this_run_cannot_continue_names_the_flags_that_would(
+  in_blocks, digits_dir, tmp_path, flags, fix
+):
+  workdir = interrupted_copy(in_blocks, tmp_path)
+  assert refused_and_kept(train(workdir, digits_dir, *flags), workdir).endswith(fix + "\n")
+
+
+def test_a_block_order_checkpoint_resumes_exactly_with_the_flag_its_refusal_names(
+  in_blocks, digits_dir, tmp_path
+):
+  workdir = interrupted_copy(in_blocks, tmp_path)
+  shutil.rmtree(workdir / "checkpoints" / "6")
+  out = train(workdir, digits_dir, "--config.input.order=blocks")
+  assert out.returncode == 0 and "resumed from step 4" in out.stdout, out.stderr[-3000:]
+  assert summary(workdir)["params_sha256"] == summary(in_blocks[0])["params_sha256"]
 
 
 def start(workdir, data_dir):

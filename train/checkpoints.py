@@ -4,8 +4,10 @@ Each checkpoint holds the model and optimizer state, every process's data-iterat
 and the sha256 of both (an Orbax JSON item). A checkpoint that fails to restore (a
 truncated file) or does not match its checksums (flipped bytes) is moved aside and the
 previous one is used. One saved on another process count resumes: the model resharded, the
-data at the global position process 0 saved (`pipeline.elastic`). One trainer per workdir
-(a lock file); a failed save says why in one line.
+data at the global position process 0 saved (`pipeline.elastic`). A good one whose data this
+run cannot continue (another shard list, order or global batch) is refused in one line
+naming the flags that would, and kept. One trainer per workdir (a lock file); a failed save
+says why in one line.
 """
 
 from __future__ import annotations
@@ -132,31 +134,42 @@ class Checkpoints:
       raise ValueError(f"it was saved as step {sums['step']}, not {step} (copied or renamed?)")
     self.saved_on = len(sums["data_sha256"])
     items = {"state": ocp.args.StandardRestore(abstract)}
-    if self.saved_on == jax.process_count():  # each process its own iterator state
-      items["data"] = grain.checkpoint.CheckpointRestore(data)
     restored = self.manager.restore(step, args=ocp.args.Composite(**items))
     if checksum(restored.state) != sums["state_sha256"]:
       raise ValueError("the model state does not match its checksum")
-    if self.saved_on != jax.process_count():
-      self._restore_resized(step, sums, data)
-    elif data_checksum(data) != sums["data_sha256"][jax.process_index()]:
-      raise ValueError("the data-iterator state does not match its checksum")
+    self._restore_data(step, sums, data)
     return restored.state
 
-  def _restore_resized(self, step: int, sums: dict, data) -> None:
-    """Sets `data` to the iterator state process 0 of another process count saved: a global
-    position every process continues from (`pipeline.elastic`), or a one-line refusal."""
-    name = f"process_0-of-{self.saved_on}.json"  # as grain's checkpoint handler names it
+  def _restore_data(self, step: int, sums: dict, data) -> None:
+    """Sets `data` to the iterator state this process saved (process 0's, when saved on
+    another process count: a global position every process continues from,
+    `pipeline.elastic`), checked against its checksum; a good state this run cannot continue
+    (another shard list, order or global batch) is a one-line refusal."""
+    index = jax.process_index() if self.saved_on == jax.process_count() else 0
+    name = f"process_{index}-of-{self.saved_on}.json"  # as grain's checkpoint handler names it
     text = (self.directory / str(step) / "data" / name).read_text()
-    if hashlib.sha256(text.encode()).hexdigest() != sums["data_sha256"][0]:
+    if hashlib.sha256(text.encode()).hexdigest() != sums["data_sha256"][index]:
       raise ValueError(f"the data-iterator state {name} does not match its checksum")
     try:
       data.set_state(json.loads(text))
     except StateError as e:
-      raise UsageError(
-        f"checkpoint {step} in {self.directory} was saved by {self.saved_on} process(es) and "
-        f"is good, but this run on {jax.process_count()} cannot continue its data: {e}"
-      ) from e
+      raise UsageError(self._cannot_continue(step, e)) from e
+    data.start_prefetch()
+
+  def _cannot_continue(self, step: int, error: StateError) -> str:
+    """Why this run cannot continue checkpoint `step`'s data, with the flags that would."""
+    hosts = jax.process_count()
+    moved = f" was saved by {self.saved_on} process(es) and" if self.saved_on != hosts else ""
+    on = f" on {hosts}" if moved else ""
+    what, _, fix = str(error).rpartition(": ")  # the library's fix, in keywords: as flags
+    for key, value in error.passes.items():
+      fix = fix.replace(f"{key}={value!r}", f"--config.input.{key}={value}")
+    fix = re.sub(r"keep the global batch (\d+)", r"\g<0> (--config.batch_size=\1)", fix)
+    why = f"{what}: {fix}" if what else fix
+    return (
+      f"checkpoint {step} in {self.directory}{moved} is good, but this run{on} cannot "
+      f"continue its data: {why}"
+    )
 
   def restore(self, state, data) -> tuple[int, Any]:
     """(step, state) of the newest checkpoint that restores and matches its checksums, with
