@@ -260,6 +260,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
     block_records=_pieces(sampler, chosen.workers),
     window_bytes=_window_bytes(sampler, record_bytes),
     max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
+    deadline_s=perf.read_deadline_s,
   )
   parallelism.announce(chosen, reads.describe(read, cache))
   return read

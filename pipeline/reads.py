@@ -14,6 +14,9 @@ measured latency grows: following it, more reads would only queue longer). A rea
 storage answers with "slow down" (429, 503, ...) is read again after a backoff
 (`pipeline.remote.retry`) and halves the depth. The record cache (`pipeline.cache`) answers
 before storage. Read errors stay with their slot; the decode stage applies the error policy.
+A batch waits for its reads at most a deadline (`performance.read_deadline_s`), then raises one
+line naming the shard: a read blocked in its syscall on a stalled FUSE mount cannot be
+interrupted, but the iterator need not wait for it.
 """
 
 from __future__ import annotations
@@ -69,7 +72,8 @@ class ReadRecords:
   latency measured at open; ahead_bytes: the most record bytes held by batches read ahead;
   block_records: records per block read (the block order); window_bytes: the bytes of the
   blocks a window of the block order holds in this process (blocks read whole are kept
-  within ahead_bytes + two windows: `pipeline.ranges`).
+  within ahead_bytes + two windows: `pipeline.ranges`); deadline_s: the longest a batch waits
+  for its reads (None: `remote.ATTEMPT_S` x `remote.ATTEMPTS`, gs:// reads' deadline).
   Picklable: threads, counters and the cache's RAM are made anew in each process.
   """
 
@@ -87,6 +91,7 @@ class ReadRecords:
     block_records: int | None = None,
     max_requests_per_s: float | None = None,
     window_bytes: int = 0,
+    deadline_s: float | None = None,
   ):
     self.source, self.batch_size, self.cache = source, batch_size, cache
     self.budget = RequestBudget(max_requests_per_s) if max_requests_per_s else None
@@ -96,6 +101,7 @@ class ReadRecords:
       kept = ahead_bytes + 2 * window_bytes
       self.ranges = BlockReads(source.read_range, counts, block_records, kept)
     self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
+    self.deadline_s = deadline_s
     self._initial = (latency_s, record_bytes)
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
     self._init_runtime()
@@ -218,9 +224,24 @@ class ReadRecords:
         self.budget.take(requests)
       if remote.scheme(self.source.paths[shard]) is None:
         return read()
-      return remote.within(read, remote.ATTEMPT_S * remote.ATTEMPTS)
+      return remote.within(read, self._deadline_s())
 
     return remote.retry(attempt, self.source.paths[shard], self._retried)
+
+  def _deadline_s(self) -> float:
+    return self.deadline_s or remote.ATTEMPT_S * remote.ATTEMPTS
+
+  def _no_answer(self, shard: int) -> remote.RemoteStorageError:
+    path = self.source.paths[shard]
+    fix = (
+      f"check the network and the bucket, {remote.GCSFUSE}"
+      if remote.scheme(path)
+      else "check the mount (gcsfuse: its log and its connection)"
+    )
+    return remote.RemoteStorageError(
+      f"cannot read {path}: no answer within {self._deadline_s():g} s: {fix} "
+      "(performance.read_deadline_s sets the wait)"
+    )
 
   def _retried(self) -> None:
     with self._lock:
@@ -229,14 +250,17 @@ class ReadRecords:
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, futures = started
     s = self.stats
+    deadline_s = self._deadline_s()
+    if self.budget is not None:  # the budget's turns are no stall
+      deadline_s += len(batch.indices) / self.budget.per_s
+    end = time.monotonic() + deadline_s
     for shard, future in futures:
       try:
-        slots, got, read, seconds = future.result()
-      except remote.NoAnswer as e:
-        raise remote.RemoteStorageError(
-          f"cannot read {self.source.paths[shard]}: {e}: check the network and the bucket, "
-          f"{remote.GCSFUSE}"
-        ) from None
+        slots, got, read, seconds = future.result(max(0.0, end - time.monotonic()))
+      except TimeoutError as e:  # a gs:// read's `remote.NoAnswer`, or no result in time
+        if future.done() and not isinstance(e, remote.NoAnswer):  # the read's own error
+          raise
+        raise self._no_answer(shard) from None
       for slot, rec in zip(slots, got):
         batch.records[slot] = rec
       s.cached += len(got) - read
