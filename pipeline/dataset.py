@@ -245,7 +245,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
   """The read stage: read-ahead for the latency measured now, the record cache first; the
   choices printed once."""
   perf = spec.performance
-  latency_s, record_bytes = reads.probe(source)
+  latency_s, record_bytes = reads.probe(source, deadline_s=perf.read_deadline_s)
   cache = _record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
   read = reads.ReadRecords(
     source,

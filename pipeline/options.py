@@ -90,9 +90,10 @@ class Performance:
   record_cache_dir: a local-disk folder for them too, shared by the host's processes and kept
   across runs. max_requests_per_s: the most storage requests a second this process's reads
   make, shared by its worker processes (None: no cap), to stay within a bucket's budget
-  (`pipeline.budget`). read_deadline_s: how long a batch waits for its reads before the
-  iterator raises one line naming the shard (None: as gs:// reads, `pipeline.remote`: 60 s), so
-  that storage that stops answering (a stalled gcsfuse mount) is an error, never a hang.
+  (`pipeline.budget`). read_deadline_s: how long a batch (or the first records read at
+  open) waits for its reads before one line naming the shard is raised (None: as gs:// reads,
+  `pipeline.remote`: 60 s), so that storage that stops answering (a stalled gcsfuse mount) is
+  an error, never a hang.
 
   Changing pixels (mean absolute difference per pixel value, on the test photos, ~470x390, at
   64 and 224 px): cache_mb: RAM for decoded images ("map, cache, map"), kept with their

@@ -36,6 +36,7 @@ from pipeline.plan import Batch
 from pipeline.ranges import BlockReads
 from pipeline.source import CorruptRecordsError, ShardedSource
 
+DEADLINE = "performance.read_deadline_s"
 HEADROOM = 2.0  # reads in flight per Little's law, times this: latency and rate vary
 MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait, not compute)
 EWMA = 0.2  # weight of the newest latency measurement
@@ -231,18 +232,6 @@ class ReadRecords:
   def _deadline_s(self) -> float:
     return self.deadline_s or remote.ATTEMPT_S * remote.ATTEMPTS
 
-  def _no_answer(self, shard: int) -> remote.RemoteStorageError:
-    path = self.source.paths[shard]
-    fix = (
-      f"check the network and the bucket, {remote.GCSFUSE}"
-      if remote.scheme(path)
-      else "check the mount (gcsfuse: its log and its connection)"
-    )
-    return remote.RemoteStorageError(
-      f"cannot read {path}: no answer within {self._deadline_s():g} s: {fix} "
-      "(performance.read_deadline_s sets the wait)"
-    )
-
   def _retried(self) -> None:
     with self._lock:
       self.stats.retries += 1
@@ -260,7 +249,7 @@ class ReadRecords:
       except TimeoutError as e:  # a gs:// read's `remote.NoAnswer`, or no result in time
         if future.done() and not isinstance(e, remote.NoAnswer):  # the read's own error
           raise
-        raise self._no_answer(shard) from None
+        raise remote.no_answer(self.source.paths[shard], self._deadline_s(), DEADLINE) from None
       for slot, rec in zip(slots, got):
         batch.records[slot] = rec
       s.cached += len(got) - read
@@ -298,13 +287,17 @@ class ReadRecords:
       self._window = (begin, done + 1)
 
 
-def probe(source: ShardedSource, reads: int = 3) -> tuple[float, float]:
+def probe(
+  source: ShardedSource, reads: int = 3, deadline_s: float | None = None
+) -> tuple[float, float]:
   """(seconds, bytes) of one record read, the shard already open: the fastest of a few
   (a loaded machine's stalls are not storage latency). The read stage starts from it
-  before it measures its own reads."""
-  read = source.read
-  if source.paths and remote.scheme(source.paths[0]) is not None:  # with deadlines, retries
-    read = lambda indices: remote.call(lambda: source.read(indices), source.paths[0])
+  before it measures its own reads. On a mount each read waits at most `deadline_s`."""
+  path = source.paths[0] if source.paths else ""
+  if remote.scheme(path) is not None:  # with deadlines, retries
+    read = lambda indices: remote.call(lambda: source.read(indices), path)
+  else:
+    read = lambda indices: remote.on_mount(lambda: source.read(indices), path, deadline_s, DEADLINE)
   read([0])  # opens the first shard (its footer reads cost latency too)
   times, sizes = [], []
   for index in range(1, min(reads, len(source) - 1) + 1) or [0]:

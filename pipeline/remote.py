@@ -341,6 +341,32 @@ class NoAnswer(TimeoutError):
   """A read of a bucket that got no answer in time."""
 
 
+def no_answer(path, deadline_s: float, setting: str | None = None) -> RemoteStorageError:
+  """The one line for a read of `path` (gs:// or a mount) that got no answer in time; it
+  names the `setting` of the deadline, if any."""
+  fix = (
+    f"check the network and the bucket, {GCSFUSE}"
+    if scheme(path)
+    else "check the mount (gcsfuse: its log and its connection)"
+  )
+  said = f" ({setting} sets the wait)" if setting else ""
+  return RemoteStorageError(f"cannot read {path}: no answer within {deadline_s:g} s: {fix}{said}")
+
+
+def on_mount(
+  fn: Callable[[], T], path, deadline_s: float | None = None, setting: str | None = None
+) -> T:
+  """`fn()`, a read of local `path`: within a deadline (None: `ATTEMPT_S` x `ATTEMPTS`) where
+  `path` is on a FUSE mount, whose reads may never return; else `no_answer`."""
+  if not in_bucket(path):
+    return fn()
+  deadline_s = deadline_s or ATTEMPT_S * ATTEMPTS
+  try:
+    return within(fn, deadline_s)
+  except NoAnswer:
+    raise no_answer(path, deadline_s, setting) from None
+
+
 def within(fn: Callable[[], T], deadline_s: float) -> T:
   """`fn()` on a daemon thread of its own, or `NoAnswer` after `deadline_s` (the thread is
   left to finish or hang on its own: a stalled request cannot be interrupted, and a daemon

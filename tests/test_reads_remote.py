@@ -86,6 +86,29 @@ def test_a_mount_that_stops_answering_is_one_line_naming_the_shard(
   )
 
 
+def test_opening_a_dataset_on_a_stalled_mount_is_one_line_naming_the_manifest(
+  storage_rig, photos_dir, monkeypatch
+):
+  monkeypatch.setattr(remote, "ATTEMPT_S", 1.0)  # reads at open: 3 attempts' worth, 3 s
+  raised = []
+
+  def open_dataset():
+    try:
+      make(m.path)
+    except Exception as e:  # noqa: BLE001 - the test looks at what it is
+      raised.append(e)
+
+  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
+    opener = threading.Thread(target=open_dataset, daemon=True)
+    opener.start()
+    opener.join(60)
+    assert not opener.is_alive(), "make_dataset still waiting on a stalled mount after 60 s"
+  assert [str(e) for e in raised] == [
+    f"cannot read {m.path}/manifest.json: no answer within 3 s: check the mount (gcsfuse: its "
+    "log and its connection)"
+  ]
+
+
 def test_the_read_deadline_must_be_positive():
   with pytest.raises(ValueError, match="performance.read_deadline_s must be None or > 0, got 0"):
     options.Performance(read_deadline_s=0)
