@@ -20,6 +20,9 @@
    request cap (capped) and for the bandwidth cap (slowed); data files only):
      /.rig-stats   a snapshot
      /.rig-reset   a snapshot, then every counter back to zero (max_in_flight: to in_flight)
+   Two more stand in for a mount that stops answering (gcsfuse on a dead connection):
+     /.rig-stall   a snapshot, then every read of a data file waits (blocked in its syscall)
+     /.rig-resume  a snapshot, then the waiting reads go on
 
    Built and mounted by bench/rig.py; `python -m bench.rig --help` runs it by hand. */
 
@@ -46,6 +49,8 @@
 
 #define STATS_PATH "/.rig-stats"
 #define RESET_PATH "/.rig-reset"
+#define STALL_PATH "/.rig-stall"
+#define RESUME_PATH "/.rig-resume"
 
 static struct {
   char *source;      /* absolute path of the source directory */
@@ -61,6 +66,7 @@ static struct {
 static atomic_llong reads, bytes_read, opens, in_flight, max_in_flight, capped, slowed;
 static pthread_mutex_t caps = PTHREAD_MUTEX_INITIALIZER;
 static int64_t next_start_ns, next_byte_ns; /* under `caps` */
+static atomic_int stalled;
 
 struct handle {
   int fd;      /* the source file, or -1 for a virtual file */
@@ -75,7 +81,14 @@ static char *source_path(const char *path) {
 }
 
 static int is_virtual(const char *path) {
-  return strcmp(path, STATS_PATH) == 0 || strcmp(path, RESET_PATH) == 0;
+  return strcmp(path, STATS_PATH) == 0 || strcmp(path, RESET_PATH) == 0 ||
+         strcmp(path, STALL_PATH) == 0 || strcmp(path, RESUME_PATH) == 0;
+}
+
+/* Polls, holding no lock: libfuse cancels its workers at exit, stalled ones included. */
+static void wait_while_stalled(void) {
+  struct timespec tick = {.tv_sec = 0, .tv_nsec = 10000000};
+  while (atomic_load(&stalled)) nanosleep(&tick, NULL);
 }
 
 static char *snapshot(int reset) {
@@ -163,6 +176,8 @@ static int rig_open(const char *path, struct fuse_file_info *fi) {
   h->fd = -1;
   if (is_virtual(path)) {
     h->text = snapshot(strcmp(path, RESET_PATH) == 0);
+    if (strcmp(path, STALL_PATH) == 0 || strcmp(path, RESUME_PATH) == 0)
+      atomic_store(&stalled, strcmp(path, STALL_PATH) == 0);
     if (!h->text) {
       free(h);
       return -ENOMEM;
@@ -234,6 +249,7 @@ static int rig_read(const char *path, char *buf, size_t size, off_t offset,
     memcpy(buf, h->text + offset, n);
     return (int)n;
   }
+  wait_while_stalled();
   int64_t start = admit(now_ns());
   long long now = atomic_fetch_add(&in_flight, 1) + 1;
   long long peak = atomic_load(&max_in_flight);

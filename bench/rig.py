@@ -11,7 +11,8 @@ readahead), on up to 1024 threads so concurrent reads wait concurrently. A bucke
 rations requests: `requests_per_s` starts requests no closer than 1/requests_per_s apart
 (the rest queue), `mb_per_s` lets their bytes out at that rate. It counts read requests,
 bytes, reads in flight (now and at most) and reads that waited for a cap: `Mount.stats()`,
-or `cat MOUNTPOINT/.rig-stats`; reading `.rig-reset` zeroes the counters.
+or `cat MOUNTPOINT/.rig-stats`; reading `.rig-reset` zeroes the counters. Reading `.rig-stall`
+makes every read wait until `.rig-resume` is read (`Mount.stall()`): a mount that stops answering.
 
 `ensure_built()` compiles it once into ~/.cache/pipeline-rig (keyed by the source's hash),
 installing fuse3 and libfuse3-dev with apt-get first when they are missing and we are root;
@@ -119,6 +120,15 @@ class Mount:
   def reset(self) -> dict:
     """Zeroes the counters; returns them as they were."""
     return json.loads((self.path / ".rig-reset").read_text())
+
+  @contextlib.contextmanager
+  def stall(self) -> Iterator[None]:
+    """Reads of data files wait (blocked in their syscall) until the `with` block ends."""
+    (self.path / ".rig-stall").read_text()
+    try:
+      yield
+    finally:
+      (self.path / ".rig-resume").read_text()
 
 
 def _mounted(path: pathlib.Path) -> bool:

@@ -249,7 +249,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
   """The read stage: read-ahead for the latency measured now, the record cache first; the
   choices printed once."""
   perf = spec.performance
-  latency_s, record_bytes = reads.probe(source)
+  latency_s, record_bytes = reads.probe(source, deadline_s=perf.read_deadline_s)
   cache = _record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
   read = reads.ReadRecords(
     source,
@@ -265,6 +265,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
     window_bytes=_window_bytes(sampler, record_bytes),
     epoch_requests=_epoch_requests(sampler, chosen.workers),
     max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
+    deadline_s=perf.read_deadline_s,
   )
   parallelism.announce(chosen, reads.describe(read, cache))
   return read

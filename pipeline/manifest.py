@@ -285,8 +285,10 @@ def load(data_dir) -> Manifest:
     ) from None
   if size is None:
     raise ManifestError(f"{path} is not a regular file")
+  read = remote.on_mount if _is_local(path) else remote.call
+  text = read(path.read_bytes, path)
   try:
-    data = json.loads(path.read_bytes() if _is_local(path) else remote.call(path.read_bytes, path))
+    data = json.loads(text)
   except (ValueError, UnicodeDecodeError) as e:
     raise ManifestError(f"{path} is not valid JSON (truncated or damaged?): {e}") from None
   except RecursionError:

@@ -92,7 +92,10 @@ class Performance:
   record_cache_dir: a local-disk folder for them too, shared by the host's processes and kept
   across runs. max_requests_per_s: the most storage requests a second this process's reads
   make, shared by its worker processes (None or inf: no cap; at least one a minute), to stay
-  within a bucket's budget (`pipeline.budget`). stats_every_s: print `iterator.stats()`'s table
+  within a bucket's budget (`pipeline.budget`). read_deadline_s: how long a batch (or the first
+  records read at open) waits for its reads before one line naming the shard is raised (None:
+  as gs:// reads, `pipeline.remote`: 60 s), so that storage that stops answering (a stalled
+  gcsfuse mount) is an error, never a hang. stats_every_s: print `iterator.stats()`'s table
   (a row per stage and process, storage requests) to stderr every so many seconds (None: never).
 
   Changing pixels (mean absolute difference per pixel value, on the test photos, ~470x390, at
@@ -117,6 +120,7 @@ class Performance:
   record_cache_dir: str | None = None
   max_requests_per_s: float | None = None
   stats_every_s: float | None = None
+  read_deadline_s: float | None = None
   cache_mb: float = 0.0
   dct_scaling: bool = True
   fast_dct: bool = False
@@ -142,6 +146,10 @@ class Performance:
         f"performance.record_cache_mb must be None or >= 0, got {self.record_cache_mb}"
       )
     budget.check_rate(self.max_requests_per_s)
+    if self.read_deadline_s is not None and not self.read_deadline_s > 0:
+      raise ValueError(
+        f"performance.read_deadline_s must be None or > 0, got {self.read_deadline_s}"
+      )
     if self.stats_every_s is not None and not self.stats_every_s > 0:
       raise ValueError(f"performance.stats_every_s must be None or > 0, got {self.stats_every_s}")
     if self.cache_mb < 0:

@@ -14,6 +14,9 @@ measured latency grows: following it, more reads would only queue longer). A rea
 storage answers with "slow down" (429, 503, ...) is read again after a backoff
 (`pipeline.remote.retry`) and halves the depth. The record cache (`pipeline.cache`) answers
 before storage. Read errors stay with their slot; the decode stage applies the error policy.
+A batch waits for its reads at most a deadline (`performance.read_deadline_s`), then raises one
+line naming the shard: a read blocked in its syscall on a stalled FUSE mount cannot be
+interrupted, but the iterator need not wait for it.
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ from pipeline.plan import Batch
 from pipeline.ranges import BlockReads
 from pipeline.source import CorruptRecordsError, ShardedSource
 
+DEADLINE = "performance.read_deadline_s"
 HEADROOM = 2.0  # reads in flight per Little's law, times this: latency and rate vary
 MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait, not compute)
 EWMA = 0.2  # weight of the newest latency measurement
@@ -70,7 +74,8 @@ class ReadRecords:
   block_records: records per block read (the block order); window_bytes: the bytes of the
   blocks a window of the block order holds in this process (blocks read whole are kept
   within ahead_bytes + two windows: `pipeline.ranges`); epoch_requests: the block reads this
-  process makes in an epoch (of its own blocks).
+  process makes in an epoch (of its own blocks); deadline_s: the longest a batch waits for its
+  reads (None: `remote.ATTEMPT_S` x `remote.ATTEMPTS`, gs:// reads' deadline).
   Picklable: threads, counters and the cache's RAM are made anew in each process.
   """
 
@@ -89,6 +94,7 @@ class ReadRecords:
     max_requests_per_s: float | None = None,
     window_bytes: int = 0,
     epoch_requests: float | None = None,
+    deadline_s: float | None = None,
   ):
     self.source, self.batch_size, self.cache = source, batch_size, cache
     capped = max_requests_per_s and max_requests_per_s < math.inf
@@ -99,6 +105,7 @@ class ReadRecords:
       kept = ahead_bytes + 2 * window_bytes
       self.ranges = BlockReads(source.read_range, counts, block_records, kept)
     self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
+    self.deadline_s = deadline_s
     self._initial = (latency_s, record_bytes)
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
     self._init_runtime()
@@ -222,9 +229,12 @@ class ReadRecords:
         self.budget.take(requests)
       if remote.scheme(self.source.paths[shard]) is None:
         return read()
-      return remote.within(read, remote.ATTEMPT_S * remote.ATTEMPTS)
+      return remote.within(read, self._deadline_s())
 
     return remote.retry(attempt, self.source.paths[shard], self._retried)
+
+  def _deadline_s(self) -> float:
+    return self.deadline_s or remote.ATTEMPT_S * remote.ATTEMPTS
 
   def _retried(self) -> None:
     with self._lock:
@@ -233,14 +243,17 @@ class ReadRecords:
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, futures = started
     s = self.stats
+    deadline_s = self._deadline_s()
+    if self.budget is not None:  # the budget's turns are no stall
+      deadline_s += len(batch.indices) / self.budget.per_s
+    end = time.monotonic() + deadline_s
     for shard, future in futures:
       try:
-        slots, got, read, seconds = future.result()
-      except remote.NoAnswer as e:
-        raise remote.RemoteStorageError(
-          f"cannot read {self.source.paths[shard]}: {e}: check the network and the bucket, "
-          f"{remote.GCSFUSE}"
-        ) from None
+        slots, got, read, seconds = future.result(max(0.0, end - time.monotonic()))
+      except TimeoutError as e:  # a gs:// read's `remote.NoAnswer`, or no result in time
+        if future.done() and not isinstance(e, remote.NoAnswer):  # the read's own error
+          raise
+        raise remote.no_answer(self.source.paths[shard], self._deadline_s(), DEADLINE) from None
       for slot, rec in zip(slots, got):
         batch.records[slot] = rec
       s.cached += len(got) - read
@@ -278,13 +291,17 @@ class ReadRecords:
       self._window = (begin, done + 1)
 
 
-def probe(source: ShardedSource, reads: int = 3) -> tuple[float, float]:
+def probe(
+  source: ShardedSource, reads: int = 3, deadline_s: float | None = None
+) -> tuple[float, float]:
   """(seconds, bytes) of one record read, the shard already open: the fastest of a few
   (a loaded machine's stalls are not storage latency). The read stage starts from it
-  before it measures its own reads."""
-  read = source.read
-  if source.paths and remote.scheme(source.paths[0]) is not None:  # with deadlines, retries
-    read = lambda indices: remote.call(lambda: source.read(indices), source.paths[0])
+  before it measures its own reads. On a mount each read waits at most `deadline_s`."""
+  path = source.paths[0] if source.paths else ""
+  if remote.scheme(path) is not None:  # with deadlines, retries
+    read = lambda indices: remote.call(lambda: source.read(indices), path)
+  else:
+    read = lambda indices: remote.on_mount(lambda: source.read(indices), path, deadline_s, DEADLINE)
   read([0])  # opens the first shard (its footer reads cost latency too)
   times, sizes = [], []
   for index in range(1, min(reads, len(source) - 1) + 1) or [0]:

@@ -6,7 +6,9 @@ and array_record's C++ reader opens the shards itself (google-cloud-cpp: applica
 default credentials, and `CLOUD_STORAGE_EMULATOR_ENDPOINT` for an emulator). `check` turns
 what would otherwise surface as a long traceback (no gcsfs, no credentials, no network, an
 emulator set for one reader only, a scheme array_record cannot open) into one line naming
-the fix. A local path (or a gcsfuse mount) passes without a look.
+the fix; what retrying cannot mend (a storage host that does not resolve: no DNS, no network)
+is that line at once, naming missing credentials too. A local path (or a gcsfuse mount)
+passes without a look.
 
 `call` runs each read of a bucket that Python makes (the manifest, the shards' sizes, the
 first records at open) with a deadline per attempt and retries with exponential backoff and
@@ -28,8 +30,10 @@ import logging
 import os
 import random
 import re
+import socket
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable
 from typing import TypeVar
 
@@ -44,6 +48,11 @@ SLOW_DOWN_ATTEMPTS = 6  # of a read storage answers "slow down": waits of ~1+2+4
 SAID_EVERY_S = 10.0  # a warning per retry of a read, at most this often
 
 INSTALL = "pip install -e '.[gcs]' in the checkout (or pip install gcsfs)"
+LOGIN = (
+  "run `gcloud auth application-default login`, or on a TPU/GCE VM give its service account "
+  "Storage Object Viewer on the bucket"
+)
+GCS_HOST = "storage.googleapis.com"
 GCSFUSE = "or mount the bucket with gcsfuse and pass the mount path"
 # gcsfs (and so epath without TensorFlow) reads this; array_record's reader reads the other.
 EMULATOR_VARS = ("STORAGE_EMULATOR_HOST", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
@@ -128,10 +137,7 @@ def explain(e: BaseException) -> str:
   """One line for an error of reading GCS: what it is and what to do about it."""
   text = f"{type(e).__name__} {e}".lower()
   if any(s in text for s in _NO_ACCESS):
-    return (
-      f"no access ({_first_line(e)}): run `gcloud auth application-default login`, or on a "
-      "TPU/GCE VM give its service account Storage Object Viewer on the bucket"
-    )
+    return f"no access ({_first_line(e)}): {LOGIN}"
   if any(s in text for s in _NO_NETWORK) or isinstance(e, (ConnectionError, TimeoutError)):
     return f"cannot reach Cloud Storage ({_first_line(e)}): check the network"
   return _first_line(e)
@@ -176,6 +182,14 @@ def check(data_dir, probe: bool = True) -> None:
     )
   if not probe:
     return
+  unresolved = _unresolved()
+  if unresolved:
+    missing = None if emulator else _no_credentials()
+    also = f"; no credentials either ({missing}): {LOGIN}" if missing else ""
+    raise RemoteStorageError(
+      f"cannot read {data_dir}: cannot reach Cloud Storage ({unresolved}): check the network "
+      f"and DNS{also}; {GCSFUSE}"
+    )
   from pipeline.manifest import FILENAME
 
   path = epath.Path(data_dir) / FILENAME
@@ -187,6 +201,42 @@ def check(data_dir, probe: bool = True) -> None:
     raise
   except Exception as e:  # noqa: BLE001 - gcsfs, aiohttp, google-auth and TF raise their own
     raise RemoteStorageError(f"cannot read {path}: {explain(e)}; {GCSFUSE}") from None
+
+
+def _host() -> tuple[str, int]:
+  """(host, port) that gs:// reads go to: the emulator's, else Cloud Storage's."""
+  url = os.environ.get(EMULATOR_VARS[0]) or f"https://{GCS_HOST}"
+  parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
+  return parts.hostname or GCS_HOST, parts.port or (443 if parts.scheme == "https" else 80)
+
+
+def _unresolved() -> str | None:
+  """Why the storage host's name does not resolve (gcsfs would retry that for a minute),
+  or None; a resolver that does not answer in time is left to the reads' deadlines."""
+  host, port = _host()
+  try:
+    within(lambda: socket.getaddrinfo(host, port), ATTEMPT_S)
+  except socket.gaierror as e:
+    return f"{host} does not resolve: {e.strerror or e}"
+  except (NoAnswer, OSError):
+    pass
+  return None
+
+
+def _no_credentials() -> str | None:
+  """google-auth's reason when it finds no Application Default Credentials, else None."""
+  try:
+    import google.auth
+    from google.auth import exceptions
+  except ImportError:
+    return None
+  try:
+    within(google.auth.default, ATTEMPT_S)
+  except exceptions.DefaultCredentialsError as e:
+    return str(e).split(". ")[0]
+  except Exception:  # noqa: BLE001 - a slow or odd lookup: say nothing of credentials
+    pass
+  return None
 
 
 def _transient(e: BaseException) -> bool:
@@ -289,6 +339,32 @@ def _watch_gcsfs() -> _Retried:
 
 class NoAnswer(TimeoutError):
   """A read of a bucket that got no answer in time."""
+
+
+def no_answer(path, deadline_s: float, setting: str | None = None) -> RemoteStorageError:
+  """The one line for a read of `path` (gs:// or a mount) that got no answer in time; it
+  names the `setting` of the deadline, if any."""
+  fix = (
+    f"check the network and the bucket, {GCSFUSE}"
+    if scheme(path)
+    else "check the mount (gcsfuse: its log and its connection)"
+  )
+  said = f" ({setting} sets the wait)" if setting else ""
+  return RemoteStorageError(f"cannot read {path}: no answer within {deadline_s:g} s: {fix}{said}")
+
+
+def on_mount(
+  fn: Callable[[], T], path, deadline_s: float | None = None, setting: str | None = None
+) -> T:
+  """`fn()`, a read of local `path`: within a deadline (None: `ATTEMPT_S` x `ATTEMPTS`) where
+  `path` is on a FUSE mount, whose reads may never return; else `no_answer`."""
+  if not in_bucket(path):
+    return fn()
+  deadline_s = deadline_s or ATTEMPT_S * ATTEMPTS
+  try:
+    return within(fn, deadline_s)
+  except NoAnswer:
+    raise no_answer(path, deadline_s, setting) from None
 
 
 def within(fn: Callable[[], T], deadline_s: float) -> T:

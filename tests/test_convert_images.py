@@ -19,7 +19,7 @@ import pytest
 from array_record.python import array_record_module
 from PIL import Image
 
-from pipeline import manifest, records
+from pipeline import decode, manifest, records
 from pipeline.convert import images, shards
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
@@ -208,6 +208,20 @@ def test_bad_inputs_are_skipped_with_reasons_and_odd_ones_reencoded(messy, tmp_p
   line = shards.summary(m)
   assert "train: 8 records" in line and "skipped 10" in line and "re-encoded 3" in line
   assert "2 decompression bomb" in line and "1 empty class folder" in line
+
+
+def test_a_jpeg_libjpeg_decodes_with_a_warning_is_stored_untouched(photos_raw, tmp_path):
+  photo = next(photos_raw.rglob("*.jpg")).read_bytes()
+  strays = {}
+  for marker in (b"\xff\xdb", b"\xff\xc4", b"\xff\xda"):  # before DQT, DHT, SOS
+    at = photo.index(marker)
+    strays[marker.hex()] = photo[:at] + b"\x00" + photo[at:]
+    write(tmp_path / "src" / "a" / f"{marker.hex()}.jpg", strays[marker.hex()])
+  m = images.convert(tmp_path / "src", tmp_path / "out", workers=1, progress=False)
+  assert m.created_by["reencoded"] == [] and m.skipped == []
+  stored = {f: image for image, _, f in read_split(tmp_path / "out", "train")}
+  assert stored == {f"a/{name}.jpg": data for name, data in strays.items()}
+  assert all((decode.decode(data) == decode.decode(photo)).all() for data in stored.values())
 
 
 def test_symlinks_outside_source_are_followed_only_when_asked(messy, tmp_path):

@@ -30,6 +30,7 @@ NEUTRAL = [
   ("record_cache_mb", 64.0),
   ("max_requests_per_s", 500.0),
   ("stats_every_s", 0.001),
+  ("read_deadline_s", 300.0),
 ]
 # (option, value away from its default, bound on the mean absolute difference per pixel value)
 PIXELS = [("cache_mb", 64.0, 16), ("dct_scaling", False, 16), ("fast_dct", True, 3)]

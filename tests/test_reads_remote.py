@@ -1,10 +1,15 @@
 """The read stage on slow storage, through the rig (bench/rig.py: a fixed latency per read
 request, no page cache), counted by the rig itself: batches and resume are those of local
-disk, and with the record cache a second epoch asks storage for nothing."""
+disk, with the record cache a second epoch asks storage for nothing, and a mount that stops
+answering is one line naming the shard within the read deadline."""
 
 from __future__ import annotations
 
-from pipeline import dataset
+import threading
+
+import pytest
+
+from pipeline import dataset, options, remote
 from tests.conftest import assert_same_batches, take
 
 
@@ -48,3 +53,62 @@ def test_with_the_record_cache_a_second_epoch_reads_nothing_from_storage(storage
     rest = list(it)
     assert m.stats()["reads"] == 0  # epoch 2 came from the cache alone
   assert sum(int(b["mask"].sum()) for b in rest) > 0
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_a_mount_that_stops_answering_is_one_line_naming_the_shard(
+  storage_rig, photos_dir, workers
+):
+  with storage_rig.mount(photos_dir, latency_ms=1) as m:
+    perf = dict(record_cache_mb=0, read_deadline_s=2, num_workers=workers)
+    it = iter(dataset.chain(make(m.path, performance=perf)))
+    next(it)
+    raised = []
+
+    def read_on():
+      try:
+        for _ in range(1000):  # past every batch read ahead before the stall
+          next(it)
+      except Exception as e:  # noqa: BLE001 - the test looks at what it is
+        raised.append(e)
+
+    with m.stall():  # every read now blocks in its syscall, as on a dead gcsfuse connection
+      reader = threading.Thread(target=read_on, daemon=True)
+      reader.start()
+      reader.join(60)
+      assert not reader.is_alive(), "next() still waiting on a stalled mount after 60 s"
+    it.close()
+  shard = f"{m.path}/train.array_record-00000-of-00001"
+  assert [type(e) for e in raised] == [remote.RemoteStorageError]
+  assert str(raised[0]) == (
+    f"cannot read {shard}: no answer within 2 s: check the mount (gcsfuse: its log and its "
+    "connection) (performance.read_deadline_s sets the wait)"
+  )
+
+
+def test_opening_a_dataset_on_a_stalled_mount_is_one_line_naming_the_manifest(
+  storage_rig, photos_dir, monkeypatch
+):
+  monkeypatch.setattr(remote, "ATTEMPT_S", 1.0)  # reads at open: 3 attempts' worth, 3 s
+  raised = []
+
+  def open_dataset():
+    try:
+      make(m.path)
+    except Exception as e:  # noqa: BLE001 - the test looks at what it is
+      raised.append(e)
+
+  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
+    opener = threading.Thread(target=open_dataset, daemon=True)
+    opener.start()
+    opener.join(60)
+    assert not opener.is_alive(), "make_dataset still waiting on a stalled mount after 60 s"
+  assert [str(e) for e in raised] == [
+    f"cannot read {m.path}/manifest.json: no answer within 3 s: check the mount (gcsfuse: its "
+    "log and its connection)"
+  ]
+
+
+def test_the_read_deadline_must_be_positive():
+  with pytest.raises(ValueError, match="performance.read_deadline_s must be None or > 0, got 0"):
+    options.Performance(read_deadline_s=0)

@@ -67,7 +67,7 @@ CACHE = flags.DEFINE_string(
   "persistent XLA compilation cache ('' to disable)",
 )
 DRY_RUN = flags.DEFINE_bool("dry_run", False, "check the config, data and fit; print the plan")
-VERBOSE = flags.DEFINE_bool("verbose", False, "tracebacks for errors")
+VERBOSE = flags.DEFINE_bool("verbose", False, "tracebacks for errors; Orbax's and gcsfs' logs")
 
 
 def fail(message: str, code: int = 2):
@@ -105,7 +105,8 @@ def flag_error(e: Exception, argv: list[str]) -> str:
 
 
 def parse_flags(argv: list[str]) -> list[str]:
-  """absl's flag parsing with one-line errors; quiet logs (warnings and up) by default."""
+  """absl's flag parsing with one-line errors; quiet logs (warnings and up, none of Orbax's
+  or gcsfs') unless --verbose."""
   verbose = any(a in ("--verbose", "--verbose=true", "--verbose=True") for a in argv)
   try:
     rest = flags.FLAGS(config_path(argv))
@@ -119,6 +120,7 @@ def parse_flags(argv: list[str]) -> list[str]:
     flags.FLAGS.verbosity = logging.WARNING  # no Orbax INFO flood; --verbosity=0 shows it
     logging.get_absl_logger().addFilter(quiet_orbax)
     pylogging.getLogger("asyncio").setLevel(pylogging.CRITICAL)  # Orbax's unread futures
+    pylogging.getLogger("gcsfs").setLevel(pylogging.CRITICAL)  # its retries: ours say one line
     sys.unraisablehook = quiet_orbax_leftovers
     warnings.filterwarnings(  # Orbax's writes a failed save abandoned, collected at exit
       "ignore", message="coroutine .* was never awaited", category=RuntimeWarning

@@ -1,11 +1,13 @@
 """Image checks at conversion time: what is stored untouched, what is re-encoded, what is skipped.
 
-Policy: a JPEG (grayscale or YCbCr/RGB) that simplejpeg decodes strictly is stored byte for
-byte. Anything else Pillow can decode (PNG, GIF, BMP, WebP, TIFF, CMYK/YCCK JPEG, a PNG named
-.jpg, a JPEG with a recoverable decoder warning such as extraneous bytes, 16-bit images) is
-converted to RGB and re-encoded as a quality-95 JPEG, so every stored image decodes with the
-fast JPEG path. Empty, truncated ("premature end" of data) and non-image files, files Pillow
-cannot decode either, and decompression bombs raise `BadImage`.
+Policy: a JPEG (grayscale or YCbCr/RGB) that the pipeline's decoder decodes is stored byte for
+byte: one simplejpeg decodes strictly once the bytes between its header segments are dropped
+(libjpeg skips them with a warning, and so does `pipeline.decode`). Anything else Pillow can
+decode (PNG, GIF, BMP, WebP, TIFF, CMYK/YCCK JPEG, a PNG named .jpg, a JPEG with corrupt image
+data that libjpeg papers over, 16-bit images) is converted to RGB and re-encoded as a
+quality-95 JPEG, so every stored image decodes with the fast JPEG path. Empty, truncated
+("premature end" of data) and non-image files, files Pillow cannot decode either, and
+decompression bombs raise `BadImage`.
 EXIF orientation is not applied: stored bytes keep their tag, re-encoded pixels keep their
 stored orientation, as tf.image.decode_jpeg and simplejpeg read them.
 """
@@ -37,7 +39,9 @@ def _check_pixels(width: int, height: int, max_pixels: int) -> None:
 
 
 def _jpeg_fast_path(data: bytes, max_pixels: int) -> tuple[str | None, tuple[int, int]]:
-  """(None, (height, width)) if simplejpeg decodes `data` strictly, else (why not, size)."""
+  """(None, (height, width)) if simplejpeg decodes `data` strictly as libjpeg reads it (bytes
+  between header segments dropped), else (why not, size)."""
+  data = decode._without_strays(data)[0]
   try:
     height, width, colorspace, _ = simplejpeg.decode_jpeg_header(data)
   except ValueError as e:
