@@ -116,6 +116,23 @@ def test_processes_that_disagree_refuse_in_one_line_before_saving(
   assert not (tmp_path / "w" / "checkpoints").exists()
 
 
+def test_settings_that_change_no_batch_may_differ_and_each_host_says_its_own(digits_dir, tmp_path):
+  threads, ahead = "--config.input.performance.num_threads", "--config.input.performance.read_ahead"
+  extra = ((f"{threads}=2",), (f"{threads}=1", f"{ahead}=1"))
+  run = Run(tmp_path, tmp_path / "w", digits_dir, extra=extra, steps=4)
+  assert run.wait(timeout=400) == [0, 0], run.output(0)[-3000:] + run.output(1)[-3000:]
+  assert "pipeline: no worker processes, 2 decode threads" in run.output(0)
+  assert "pipeline: no worker processes, 1 decode threads" in run.output(1)
+  assert "process 1: follow process 0's log" in run.output(1)
+  for i in range(2):
+    out = run.output(i)
+    assert "config.input.performance.num_threads differs per host: process 0 2, process 1 1" in out
+    assert (
+      "config.input.performance.read_ahead differs per host: process 0 None, process 1 1" in out
+    )
+  assert summary(tmp_path / "w")["steps"] == 4
+
+
 def test_a_different_dataset_on_one_process_is_refused(digits_dir, photos_dir, tmp_path):
   run = Run(
     tmp_path, tmp_path / "w", digits_dir, extra=((), (f"--config.input.data_dir={photos_dir}",))

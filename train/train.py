@@ -40,6 +40,7 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import pipeline
+from pipeline import decode
 from train import UsageError, checkpoints, fit, hosts, models, report
 from train import config as config_lib
 
@@ -309,10 +310,30 @@ def already_done(workdir: epath.Path, plan: config_lib.Plan) -> dict | None:
   return summary if summary["steps"] >= plan.num_steps else None
 
 
+PER_HOST = tuple(  # `pipeline.Performance` fields that change no batch: each host its own
+  f.name
+  for f in dataclasses.fields(pipeline.Performance)
+  if f.name not in pipeline.Performance.CHANGES_PIXELS
+)
+
+
+def per_host(name: str) -> bool:
+  """Whether config field `name` (`config.input.performance.num_threads`) is `PER_HOST`."""
+  group, _, field = name.rpartition(".")
+  return field in PER_HOST and group.endswith("input.performance")
+
+
+def host_settings(config) -> dict[str, str]:
+  """This host's settings that change no batch (`PER_HOST`): they may differ per process."""
+  return {k: repr(v) for k, v in flatten(config.to_dict(), "config.") if per_host(k)}
+
+
 def start_fields(config, setup: Setup, workdir: epath.Path, token: str) -> dict[str, str]:
   """What every process must agree on before the first step, in the order to check it."""
   fields = {"code": code_version()}
-  fields.update((f"config.{k}", repr(v)) for k, v in flatten(config.to_dict()))
+  for name, value in flatten(config.to_dict(), "config."):
+    if not per_host(name):
+      fields[name] = repr(value)
   for evaluation in (False, True):
     data_dir = config_lib.dataset_kwargs(config, evaluation)["data_dir"]
     meta = pipeline.load_manifest(data_dir).to_json()
@@ -334,13 +355,21 @@ def flatten(d: dict, prefix: str = ""):
       yield f"{prefix}{k}", v
 
 
-def code_version() -> str:
-  """JAX's version and a digest of the trainer's and the pipeline's sources."""
+def sources_digest(*folders: pathlib.Path) -> str:
+  """A digest of the Python and C sources under `folders`."""
   h = hashlib.sha256()
-  for package in (pipeline, models):
-    for path in sorted(pathlib.Path(package.__file__).parent.rglob("*.py")):
+  for folder in folders:
+    for path in sorted(p for p in folder.rglob("*") if p.suffix in (".py", ".c")):
       h.update(path.read_bytes())
-  return f"jax {jax.__version__}, sources {h.hexdigest()[:12]}"
+  return h.hexdigest()[:12]
+
+
+def code_version() -> str:
+  """JAX's version, a digest of the trainer's and the pipeline's sources (the C decoder's
+  included) and whether that decoder is built here (else simplejpeg decodes: other pixels)."""
+  folders = [pathlib.Path(package.__file__).parent for package in (pipeline, models)]
+  decoder = "C" if decode.native() is not None else "simplejpeg"
+  return f"jax {jax.__version__}, sources {sources_digest(*folders)}, {decoder} JPEG decoder"
 
 
 def start(config: ml_collections.ConfigDict, workdir: epath.Path):
@@ -366,8 +395,9 @@ def start(config: ml_collections.ConfigDict, workdir: epath.Path):
     token = hosts.shared_workdir(workdir)
   except OSError as e:
     error = error or f"cannot write into the workdir {workdir}: {checkpoints.one_line(e)}"
-  hosts.agree({} if error else start_fields(config, setup, workdir, token), error)
-  return setup, lock
+  fields = {} if error else start_fields(config, setup, workdir, token)
+  differ = hosts.agree(fields, error, host_settings(config))
+  return dataclasses.replace(setup, notes=setup.notes + "".join(f"{d}\n" for d in differ)), lock
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -423,6 +453,13 @@ def set_up(config, workdir: epath.Path, setup: Setup, lock) -> Run:
   is_chief = jax.process_index() == 0
   if is_chief:
     print(f"plan: {plan.describe()}\n{setup.notes}{EXPLAIN_WAIT}", flush=True)
+  else:
+    print(
+      f"process {jax.process_index()}: follow process 0's log; plan: {plan.describe()}\n"
+      f"{setup.notes}",
+      end="",
+      flush=True,
+    )
   graphdef, state = init_state(config, setup.num_classes, plan, mesh)
   train_step, eval_step = make_steps(graphdef, setup.num_classes, config)
   train_it = iter(pipeline.device_prefetch(setup.train_ds, mesh, depth=config.device_depth))
