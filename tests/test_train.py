@@ -154,6 +154,7 @@ def test_short_run_on_eight_devices(digits_dir, tmp_path):
   config.synthetic_steps = 1
   result = train.train_and_evaluate(config, tmp_path)
   assert result["devices"] == 8 and result["steps"] == 4
+  assert [row["process"] for row in result["hosts"]] == [0] and result["verdict_process"] == 0
   assert result["eval_examples"] == 60  # the whole validation split, each example once
   assert 0.0 <= result["eval_top1"] <= result["eval_top5"] <= 1.0
   assert (tmp_path / "checkpoints" / "4").exists()

@@ -14,6 +14,8 @@ finish, so the time then blocked in `next()` is time the devices had nothing to 
 that wait, `next()` would also count time the devices were still busy). Compilation, the
 first log window, and the step right after each eval or checkpoint save are left out; the
 steps' own time (`synthetic_steps` on a batch already on the devices) is reported beside it.
+With several processes each log line gathers every host's numbers (`train.podview`) and the
+verdict is the worst host's, named.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ from jax.experimental import multihost_utils
 
 import pipeline
 from pipeline import decode
-from train import UsageError, checkpoints, fit, hosts, models, report
+from train import UsageError, checkpoints, fit, hosts, models, podview, report
 from train import config as config_lib
 
 MODERATE, HIGH = 0.05, 0.20  # TensorBoard profiler's input-bound thresholds
@@ -440,9 +442,7 @@ class Run:
   log: report.Log | None
   lock: Any
   stop: Stop
-  history: dict = dataclasses.field(
-    default_factory=lambda: {"input_wait": [], "images_per_sec": []}
-  )
+  history: dict = dataclasses.field(default_factory=lambda: {"images_per_sec": [], "hosts": []})
   synthetic: float | None = None  # seconds per step on a batch already on the devices
 
 
@@ -455,8 +455,8 @@ def set_up(config, workdir: epath.Path, setup: Setup, lock) -> Run:
     print(f"plan: {plan.describe()}\n{setup.notes}{EXPLAIN_WAIT}", flush=True)
   else:
     print(
-      f"process {jax.process_index()}: follow process 0's log; plan: {plan.describe()}\n"
-      f"{setup.notes}",
+      f"process {jax.process_index()}: follow process 0's log (every host's img/s and input "
+      f"wait are in it); plan: {plan.describe()}\n{setup.notes}",
       end="",
       flush=True,
     )
@@ -569,35 +569,49 @@ def log_window(run: Run, window: Window, metrics: dict, progress: report.Progres
   elapsed = window.elapsed()
   wait = min(1.0, window.blocked / elapsed)
   ips = window.steps * run.plan.batch_size / elapsed
-  run.history["input_wait"].append(wait)
-  run.history["images_per_sec"].append(ips)
   lr = float(schedule(run.plan)(run.step))
+  # The gather comes last: the next window starts on every host together.
+  hosts = podview.gather(window.steps * run.plan.local_batch_size / elapsed, wait)
+  run.history["images_per_sec"].append(ips)
+  run.history["hosts"].append(hosts)
   if not run.is_chief:
     return
+  worst = podview.worst(hosts).input_wait_share
   print(
     f"step {run.step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
-    f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% ({verdict(wait)}; "
-    f"step {1000 * elapsed / window.steps:.0f} ms, {1000 * run.synthetic:.0f} ms on device "
-    f"data)  ETA {progress.eta(run.step)}",
+    f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * worst:4.1f}% ({verdict(worst)}"
+    f"{podview.which(hosts)}; step {1000 * elapsed / window.steps:.0f} ms, "
+    f"{1000 * run.synthetic:.0f} ms on device data)  ETA {progress.eta(run.step)}",
     flush=True,
   )
+  if podview.differ(hosts):
+    print(podview.rows(hosts, verdict), flush=True)
   scalars = {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "lr": lr}
-  run.log.scalars(run.step, "train", {**scalars, "images_per_sec": ips, "input_wait_share": wait})
+  run.log.scalars(run.step, "train", {**scalars, "images_per_sec": ips, "input_wait_share": worst})
+  if len(hosts) > 1:
+    for h in hosts:
+      run.log.scalars(
+        run.step,
+        f"process{h.process}",
+        {"images_per_sec": h.images_per_sec, "input_wait_share": h.input_wait_share},
+      )
 
 
 def finish(run: Run) -> dict:
   """The final evaluation and the run's summary (written by process 0); everything closed."""
   ev = evaluate(run.eval_step, run.state, run.eval_ds)
-  waits = run.history["input_wait"][1:] or run.history["input_wait"]
-  wait = float(np.mean(waits)) if waits else None
+  hosts = podview.mean(run.history["hosts"])
+  wait = podview.worst(hosts).input_wait_share if hosts else None
   speeds = run.history["images_per_sec"]
   summary = {
     **ev,
     "steps": run.step,
     "images_per_sec": float(np.mean(speeds)) if speeds else None,
     "synthetic_step_s": run.synthetic,
-    "input_wait_share": wait,
-    "verdict": verdict(wait) if wait is not None else None,
+    "input_wait_share": wait,  # the worst host's
+    "verdict": verdict(wait) if hosts else None,
+    "verdict_process": podview.worst(hosts).process if hosts else None,
+    "hosts": [{**dataclasses.asdict(h), "verdict": verdict(h.input_wait_share)} for h in hosts],
     "params_sha256": checkpoints.checksum(run.state),
     "devices": jax.device_count(),
     "processes": jax.process_count(),
@@ -606,7 +620,8 @@ def finish(run: Run) -> dict:
   if run.is_chief:
     print(
       f"eval: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f} over "
-      f"{ev['eval_examples']} examples; {summary['verdict'] or 'no steps timed'}",
+      f"{ev['eval_examples']} examples; "
+      f"{summary['verdict'] + podview.which(hosts) if hosts else 'no steps timed'}",
       flush=True,
     )
     run.log.scalars(run.step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
