@@ -59,6 +59,21 @@ def test_input_bound_verdict_uses_the_profiler_thresholds():
   assert train.verdict(0.049) == "not input-bound"
 
 
+def test_hosts_agree_on_all_but_the_settings_that_change_no_batch_and_on_the_c_decoder(
+  tmp_path,
+):
+  assert train.per_host("config.input.performance.num_threads")
+  assert train.per_host("config.eval_input.performance.read_ahead")
+  assert not train.per_host("config.input.performance.cache_mb")  # changes pixels
+  assert not train.per_host("config.input.image_size")
+  (tmp_path / "ops.py").write_text("x = 1\n")
+  (tmp_path / "_jpeg.c").write_text("int x;\n")
+  before = train.sources_digest(tmp_path)
+  (tmp_path / "_jpeg.c").write_text("int y;\n")
+  assert train.sources_digest(tmp_path) != before
+  assert train.code_version().endswith(", C JPEG decoder")
+
+
 def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path):
   steps = ["--config.num_steps=12", "--config.checkpoint_every_steps=4"]
   whole = subprocess.run(
@@ -139,6 +154,7 @@ def test_short_run_on_eight_devices(digits_dir, tmp_path):
   config.synthetic_steps = 1
   result = train.train_and_evaluate(config, tmp_path)
   assert result["devices"] == 8 and result["steps"] == 4
+  assert [row["process"] for row in result["hosts"]] == [0] and result["verdict_process"] == 0
   assert result["eval_examples"] == 60  # the whole validation split, each example once
   assert 0.0 <= result["eval_top1"] <= result["eval_top5"] <= 1.0
   assert (tmp_path / "checkpoints" / "4").exists()

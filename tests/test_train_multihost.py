@@ -2,8 +2,9 @@
 joined by --coordinator_address/--num_processes/--process_id, one CPU device each.
 
 They train and evaluate every validation record once; processes that would train different
-things refuse in one line each before anything is saved; SIGTERM on one saves the same step
-on both; a killed process is named by the survivor in one line; each run resumes.
+things refuse in one line each before anything is saved, while settings that change no batch
+may differ; a host behind slow storage is named in process 0's log; SIGTERM on one saves the
+same step on both; a killed process is named by the survivor in one line; each run resumes.
 """
 
 import json
@@ -28,9 +29,10 @@ def free_port() -> int:
 
 
 class Run:
-  """Two trainer processes; `extra[i]` are process i's own extra arguments."""
+  """Two trainer processes; `extra[i]` are process i's own extra arguments, `cwds[i]` its
+  working folder (where a relative data_dir resolves)."""
 
-  def __init__(self, tmp_path, workdir, data_dir, *args, extra=((), ()), steps=14):
+  def __init__(self, tmp_path, workdir, data_dir, *args, extra=((), ()), steps=14, cwds=None):
     port = free_port()
     self.logs = [tmp_path / f"process{i}-{port}.log" for i in range(2)]
     self.procs = []
@@ -48,7 +50,9 @@ class Run:
       )
       with open(self.logs[i], "w") as log:
         self.procs.append(
-          subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
+          subprocess.Popen(
+            cmd, cwd=cwds[i] if cwds else ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT
+          )
         )
 
   def output(self, i: int) -> str:
@@ -114,6 +118,57 @@ def test_processes_that_disagree_refuse_in_one_line_before_saving(
     assert f"processes disagree on {name}: process 0 has" in lines[0]
     assert "process 1 " in lines[0]
   assert not (tmp_path / "w" / "checkpoints").exists()
+
+
+def test_settings_that_change_no_batch_may_differ_and_each_host_says_its_own(digits_dir, tmp_path):
+  threads, ahead = "--config.input.performance.num_threads", "--config.input.performance.read_ahead"
+  extra = ((f"{threads}=2",), (f"{threads}=1", f"{ahead}=1"))
+  run = Run(tmp_path, tmp_path / "w", digits_dir, extra=extra, steps=4)
+  assert run.wait(timeout=400) == [0, 0], run.output(0)[-3000:] + run.output(1)[-3000:]
+  assert "pipeline: no worker processes, 2 decode threads" in run.output(0)
+  assert "pipeline: no worker processes, 1 decode threads" in run.output(1)
+  assert "process 1: follow process 0's log" in run.output(1)
+  for i in range(2):
+    out = run.output(i)
+    assert "config.input.performance.num_threads differs per host: process 0 2, process 1 1" in out
+    assert (
+      "config.input.performance.read_ahead differs per host: process 0 None, process 1 1" in out
+    )
+  assert summary(tmp_path / "w")["steps"] == 4
+
+
+def test_a_host_behind_slow_storage_is_named_input_bound_in_process_0s_log(
+  storage_rig, digits_dir, tmp_path
+):
+  """Each host reads the digits through its own mount ("data" in its own folder): host 0's
+  answers at once, host 1's after 50 ms, 5 reads a second. A request per record, small buffers
+  and no record cache (the same on both), so the second log window waits for storage."""
+  cwds = [tmp_path / f"host{i}" for i in range(2)]
+  small = (
+    "--config.input.order=global",
+    "--config.device_depth=1",
+    "--config.input.performance.prefetch=1",
+    "--config.input.performance.read_ahead=1",
+    "--config.input.performance.record_cache_mb=0",
+    "--config.log_every=4",
+  )
+  with (
+    storage_rig.mount(digits_dir, latency_ms=0, mountpoint=cwds[0] / "data"),
+    storage_rig.mount(digits_dir, latency_ms=50, mountpoint=cwds[1] / "data", requests_per_s=5),
+  ):
+    run = Run(tmp_path, tmp_path / "w", "data", *small, steps=8, cwds=cwds)
+    codes = run.wait(timeout=400)
+  assert codes == [0, 0], run.output(0)[-3000:] + run.output(1)[-3000:]
+  log_lines = [line for line in run.output(0).splitlines() if line.startswith("step ")]
+  named = ["(input-bound: process 1, the worst of 2;" in line for line in log_lines]
+  assert any(named[:2]), run.output(0)[-3000:]
+  rows = [line for line in run.output(0).splitlines() if line.startswith("  process 1: ")]
+  assert any(row.endswith("% (input-bound)") for row in rows), run.output(0)[-3000:]
+  result = summary(tmp_path / "w")
+  assert result["verdict"] == "input-bound" and result["verdict_process"] == 1
+  assert [row["process"] for row in result["hosts"]] == [0, 1]
+  assert result["hosts"][1]["verdict"] == "input-bound"
+  assert result["hosts"][1]["input_wait_share"] > result["hosts"][0]["input_wait_share"]
 
 
 def test_a_different_dataset_on_one_process_is_refused(digits_dir, photos_dir, tmp_path):

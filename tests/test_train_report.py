@@ -1,6 +1,7 @@
 """What a run tells its user: TensorBoard reads the scalars the trainer writes, metrics.jsonl
-keeps earlier runs' rows, and curves.png is a picture of them. A report file that is damaged
-or cannot be written is one warning line, never the end of the run, never a file lost."""
+keeps earlier runs' rows, curves.png is a picture of them, and process 0's log shows every
+host when they differ. A report file that is damaged or cannot be written is one warning
+line, never the end of the run, never a file lost."""
 
 import json
 import resource
@@ -16,7 +17,8 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from train import report
+from train import podview, report, train
+from train.podview import Host
 
 
 def log_run(workdir, steps, loss):
@@ -152,3 +154,33 @@ def test_tensorboard_serves_the_scalars_the_trainer_writes(tmp_path):
     server.wait()
   (run,) = tags.values()
   assert {"train/loss", "train/accuracy", "eval/top1"} <= set(run)
+
+
+def test_process_0_shows_a_row_per_host_when_hosts_differ_and_names_the_worst():
+  even = [Host(0, 100.0, 0.01), Host(1, 95.0, 0.04)]
+  slow_input = [Host(0, 100.0, 0.01), Host(1, 100.0, 0.30)]
+  slow_host = [Host(0, 100.0, 0.01), Host(1, 85.0, 0.01)]
+  assert not podview.differ(even)
+  assert podview.differ(slow_input) and podview.differ(slow_host)
+  assert podview.worst(slow_input).process == 1
+  assert podview.which(slow_input) == ": process 1, the worst of 2"
+  assert podview.which(slow_input[:1]) == ""  # one process: nobody to name
+  assert podview.rows(slow_input, train.verdict).splitlines() == [
+    "  process 0:     100 img/s  input wait  1.0% (not input-bound)",
+    "  process 1:     100 img/s  input wait 30.0% (input-bound)",
+  ]
+
+
+def test_one_process_gathers_its_own_row():
+  assert podview.gather(120.0, 0.25) == [Host(0, 120.0, 0.25)]
+
+
+def test_a_runs_per_host_figures_leave_out_the_first_window():
+  windows = [
+    [Host(0, 10.0, 0.9), Host(1, 10.0, 0.9)],  # right after compilation
+    [Host(0, 100.0, 0.0), Host(1, 50.0, 0.25)],
+    [Host(0, 100.0, 0.125), Host(1, 70.0, 0.5)],
+  ]
+  assert podview.mean(windows) == [Host(0, 100.0, 0.0625), Host(1, 60.0, 0.375)]
+  assert podview.mean(windows[:1]) == windows[0]
+  assert podview.mean([]) == []

@@ -2,10 +2,11 @@
 
 `initialize` joins them (`jax.distributed`); `agree` checks, before the first step, that
 every process is about to train the same thing, and refuses on every host in one line
-naming the first field that differs; `shared_workdir` checks that all of them see one
-workdir. Both talk through the distributed service's key-value store, not through device
-collectives, so a process that failed to set up is reported by the others instead of
-leaving them blocked in a collective. A lost process is reported by `train.supervise`.
+naming the first field that differs (settings that change no batch may differ: it lists
+them); `shared_workdir` checks that all of them see one workdir. Both talk through the
+distributed service's key-value store, not through device collectives, so a process that
+failed to set up is reported by the others instead of leaving them blocked in a collective.
+A lost process is reported by `train.supervise`.
 """
 
 from __future__ import annotations
@@ -84,14 +85,15 @@ def _show(value: str) -> str:
   return value if len(value) <= 60 else value[:57] + "..."
 
 
-def agree(fields: dict[str, str], error: str | None) -> None:
+def agree(fields: dict[str, str], error: str | None, own: dict[str, str]) -> list[str]:
   """Raises `UsageError` on every process unless all set up (`error` is None everywhere)
-  and all have the same `fields` (name -> value, in the order to check them)."""
+  and all have the same `fields` (name -> value, in the order to check them). `own` (name ->
+  value) may differ per process: returns a line for each that does, with every value."""
   if jax.process_count() == 1:
     if error:
       raise UsageError(error)
-    return
-  mine = json.dumps({"error": error, "fields": list(fields.items())})
+    return []
+  mine = json.dumps({"error": error, "fields": list(fields.items()), "own": own})
   everyone = [json.loads(s) for s in _gather("start", mine)]
   if error:
     raise UsageError(error)
@@ -117,6 +119,12 @@ def agree(fields: dict[str, str], error: str | None) -> None:
   extra = {n for p in everyone for n, _ in p["fields"]} - set(reference)
   if extra:
     raise UsageError(f"processes disagree on {sorted(extra)[0]}: process 0 lacks it")
+  return [
+    f"{name} differs per host: "
+    + ", ".join(f"process {i} {p['own'].get(name)}" for i, p in enumerate(everyone))
+    for name in own
+    if len({p["own"].get(name) for p in everyone}) > 1
+  ]
 
 
 def lost_peer(error: BaseException) -> bool:

@@ -14,6 +14,8 @@ finish, so the time then blocked in `next()` is time the devices had nothing to 
 that wait, `next()` would also count time the devices were still busy). Compilation, the
 first log window, and the step right after each eval or checkpoint save are left out; the
 steps' own time (`synthetic_steps` on a batch already on the devices) is reported beside it.
+With several processes each log line gathers every host's numbers (`train.podview`) and the
+verdict is the worst host's, named.
 """
 
 from __future__ import annotations
@@ -40,7 +42,8 @@ from flax import nnx
 from jax.experimental import multihost_utils
 
 import pipeline
-from train import UsageError, checkpoints, fit, hosts, models, report
+from pipeline import decode
+from train import UsageError, checkpoints, fit, hosts, models, podview, report
 from train import config as config_lib
 
 MODERATE, HIGH = 0.05, 0.20  # TensorBoard profiler's input-bound thresholds
@@ -349,10 +352,30 @@ def already_done(workdir: epath.Path, plan: config_lib.Plan) -> dict | None:
   return summary if summary["steps"] >= plan.num_steps else None
 
 
+PER_HOST = tuple(  # `pipeline.Performance` fields that change no batch: each host its own
+  f.name
+  for f in dataclasses.fields(pipeline.Performance)
+  if f.name not in pipeline.Performance.CHANGES_PIXELS
+)
+
+
+def per_host(name: str) -> bool:
+  """Whether config field `name` (`config.input.performance.num_threads`) is `PER_HOST`."""
+  group, _, field = name.rpartition(".")
+  return field in PER_HOST and group.endswith("input.performance")
+
+
+def host_settings(config) -> dict[str, str]:
+  """This host's settings that change no batch (`PER_HOST`): they may differ per process."""
+  return {k: repr(v) for k, v in flatten(config.to_dict(), "config.") if per_host(k)}
+
+
 def start_fields(config, setup: Setup, workdir: epath.Path, token: str) -> dict[str, str]:
   """What every process must agree on before the first step, in the order to check it."""
   fields = {"code": code_version()}
-  fields.update((f"config.{k}", repr(v)) for k, v in flatten(config.to_dict()))
+  for name, value in flatten(config.to_dict(), "config."):
+    if not per_host(name):
+      fields[name] = repr(value)
   for evaluation in (False, True):
     data_dir = config_lib.dataset_kwargs(config, evaluation)["data_dir"]
     meta = pipeline.load_manifest(data_dir).to_json()
@@ -374,13 +397,21 @@ def flatten(d: dict, prefix: str = ""):
       yield f"{prefix}{k}", v
 
 
-def code_version() -> str:
-  """JAX's version and a digest of the trainer's and the pipeline's sources."""
+def sources_digest(*folders: pathlib.Path) -> str:
+  """A digest of the Python and C sources under `folders`."""
   h = hashlib.sha256()
-  for package in (pipeline, models):
-    for path in sorted(pathlib.Path(package.__file__).parent.rglob("*.py")):
+  for folder in folders:
+    for path in sorted(p for p in folder.rglob("*") if p.suffix in (".py", ".c")):
       h.update(path.read_bytes())
-  return f"jax {jax.__version__}, sources {h.hexdigest()[:12]}"
+  return h.hexdigest()[:12]
+
+
+def code_version() -> str:
+  """JAX's version, a digest of the trainer's and the pipeline's sources (the C decoder's
+  included) and whether that decoder is built here (else simplejpeg decodes: other pixels)."""
+  folders = [pathlib.Path(package.__file__).parent for package in (pipeline, models)]
+  decoder = "C" if decode.native() is not None else "simplejpeg"
+  return f"jax {jax.__version__}, sources {sources_digest(*folders)}, {decoder} JPEG decoder"
 
 
 def start(config: ml_collections.ConfigDict, workdir: epath.Path):
@@ -406,8 +437,9 @@ def start(config: ml_collections.ConfigDict, workdir: epath.Path):
     token = hosts.shared_workdir(workdir)
   except OSError as e:
     error = error or f"cannot write into the workdir {workdir}: {checkpoints.one_line(e)}"
-  hosts.agree({} if error else start_fields(config, setup, workdir, token), error)
-  return setup, lock
+  fields = {} if error else start_fields(config, setup, workdir, token)
+  differ = hosts.agree(fields, error, host_settings(config))
+  return dataclasses.replace(setup, notes=setup.notes + "".join(f"{d}\n" for d in differ)), lock
 
 
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
@@ -450,9 +482,7 @@ class Run:
   log: report.Log | None
   lock: Any
   stop: Stop
-  history: dict = dataclasses.field(
-    default_factory=lambda: {"input_wait": [], "images_per_sec": []}
-  )
+  history: dict = dataclasses.field(default_factory=lambda: {"images_per_sec": [], "hosts": []})
   synthetic: float | None = None  # seconds per step on a batch already on the devices
 
 
@@ -463,6 +493,13 @@ def set_up(config, workdir: epath.Path, setup: Setup, lock) -> Run:
   is_chief = jax.process_index() == 0
   if is_chief:
     print(f"plan: {plan.describe()}\n{setup.notes}{EXPLAIN_WAIT}", flush=True)
+  else:
+    print(
+      f"process {jax.process_index()}: follow process 0's log (every host's img/s and input "
+      f"wait are in it); plan: {plan.describe()}\n{setup.notes}",
+      end="",
+      flush=True,
+    )
   graphdef, state = init_state(config, setup.num_classes, plan, mesh)
   train_step, eval_step = make_steps(graphdef, setup.num_classes, config)
   train_it = iter(pipeline.device_prefetch(setup.train_ds, mesh, depth=config.device_depth))
@@ -572,35 +609,49 @@ def log_window(run: Run, window: Window, metrics: dict, progress: report.Progres
   elapsed = window.elapsed()
   wait = min(1.0, window.blocked / elapsed)
   ips = window.steps * run.plan.batch_size / elapsed
-  run.history["input_wait"].append(wait)
-  run.history["images_per_sec"].append(ips)
   lr = float(schedule(run.plan)(run.step))
+  # The gather comes last: the next window starts on every host together.
+  hosts = podview.gather(window.steps * run.plan.local_batch_size / elapsed, wait)
+  run.history["images_per_sec"].append(ips)
+  run.history["hosts"].append(hosts)
   if not run.is_chief:
     return
+  worst = podview.worst(hosts).input_wait_share
   print(
     f"step {run.step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
-    f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * wait:4.1f}% ({verdict(wait)}; "
-    f"step {1000 * elapsed / window.steps:.0f} ms, {1000 * run.synthetic:.0f} ms on device "
-    f"data)  ETA {progress.eta(run.step)}",
+    f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * worst:4.1f}% ({verdict(worst)}"
+    f"{podview.which(hosts)}; step {1000 * elapsed / window.steps:.0f} ms, "
+    f"{1000 * run.synthetic:.0f} ms on device data)  ETA {progress.eta(run.step)}",
     flush=True,
   )
+  if podview.differ(hosts):
+    print(podview.rows(hosts, verdict), flush=True)
   scalars = {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "lr": lr}
-  run.log.scalars(run.step, "train", {**scalars, "images_per_sec": ips, "input_wait_share": wait})
+  run.log.scalars(run.step, "train", {**scalars, "images_per_sec": ips, "input_wait_share": worst})
+  if len(hosts) > 1:
+    for h in hosts:
+      run.log.scalars(
+        run.step,
+        f"process{h.process}",
+        {"images_per_sec": h.images_per_sec, "input_wait_share": h.input_wait_share},
+      )
 
 
 def finish(run: Run) -> dict:
   """The final evaluation and the run's summary (written by process 0); everything closed."""
   ev = evaluate(run.eval_step, run.state, run.eval_ds)
-  waits = run.history["input_wait"][1:] or run.history["input_wait"]
-  wait = float(np.mean(waits)) if waits else None
+  hosts = podview.mean(run.history["hosts"])
+  wait = podview.worst(hosts).input_wait_share if hosts else None
   speeds = run.history["images_per_sec"]
   summary = {
     **ev,
     "steps": run.step,
     "images_per_sec": float(np.mean(speeds)) if speeds else None,
     "synthetic_step_s": run.synthetic,
-    "input_wait_share": wait,
-    "verdict": verdict(wait) if wait is not None else None,
+    "input_wait_share": wait,  # the worst host's
+    "verdict": verdict(wait) if hosts else None,
+    "verdict_process": podview.worst(hosts).process if hosts else None,
+    "hosts": [{**dataclasses.asdict(h), "verdict": verdict(h.input_wait_share)} for h in hosts],
     "params_sha256": checkpoints.checksum(run.state),
     "devices": jax.device_count(),
     "processes": jax.process_count(),
@@ -609,7 +660,8 @@ def finish(run: Run) -> dict:
   if run.is_chief:
     print(
       f"eval: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f} over "
-      f"{ev['eval_examples']} examples; {summary['verdict'] or 'no steps timed'}",
+      f"{ev['eval_examples']} examples; "
+      f"{summary['verdict'] + podview.which(hosts) if hosts else 'no steps timed'}",
       flush=True,
     )
     run.log.scalars(run.step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})

@@ -1,0 +1,71 @@
+"""Every host in process 0's log: at each log line every process's img/s and input wait,
+gathered with one small collective (all processes log at the same steps).
+
+Process 0 prints a row per host when they differ by more than `WAIT_POINTS` or
+`SPEED_SHARE`, and the run's verdict is the worst host's (the highest input wait), named.
+Storage requests/s are not gathered: the read stage's counters live inside the pipeline's
+stages (in worker processes too), out of the device iterator's reach.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+from jax.experimental import multihost_utils
+
+WAIT_POINTS = 0.05  # rows when input waits differ by more than 5 points of step time
+SPEED_SHARE = 0.10  # or img/s by more than 10%
+
+
+@dataclasses.dataclass(frozen=True)
+class Host:
+  """One process's window: the images it fed per second and its share of input wait."""
+
+  process: int
+  images_per_sec: float
+  input_wait_share: float
+
+
+def gather(images_per_sec: float, input_wait_share: float) -> list[Host]:
+  """Every process's numbers, in process order; a collective, so every process calls it."""
+  rows = multihost_utils.process_allgather(np.array([images_per_sec, input_wait_share]))
+  return [Host(i, float(ips), float(wait)) for i, (ips, wait) in enumerate(rows)]
+
+
+def worst(hosts: list[Host]) -> Host:
+  return max(hosts, key=lambda h: h.input_wait_share)
+
+
+def which(hosts: list[Host]) -> str:
+  """Whose the verdict is (the worst host's), when there are several hosts."""
+  return f": process {worst(hosts).process}, the worst of {len(hosts)}" if len(hosts) > 1 else ""
+
+
+def differ(hosts: list[Host]) -> bool:
+  waits = [h.input_wait_share for h in hosts]
+  speeds = [h.images_per_sec for h in hosts]
+  return max(waits) - min(waits) > WAIT_POINTS or max(speeds) > (1 + SPEED_SHARE) * min(speeds)
+
+
+def rows(hosts: list[Host], verdict) -> str:
+  """A line per host: `verdict(input_wait_share)` names how input-bound it is."""
+  return "\n".join(
+    f"  process {h.process}: {h.images_per_sec:7.0f} img/s  input wait "
+    f"{100 * h.input_wait_share:4.1f}% ({verdict(h.input_wait_share)})"
+    for h in hosts
+  )
+
+
+def mean(windows: list[list[Host]]) -> list[Host]:
+  """Each process's mean over `windows` (the first left out when there are others: it
+  holds the steps right after compilation); [] for none."""
+  windows = windows[1:] or windows
+  return [
+    Host(
+      i,
+      float(np.mean([w[i].images_per_sec for w in windows])),
+      float(np.mean([w[i].input_wait_share for w in windows])),
+    )
+    for i in range(len(windows[0]) if windows else 0)
+  ]
