@@ -61,6 +61,9 @@ PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index, 0 t
 HEARTBEAT = flags.DEFINE_integer(
   "heartbeat_timeout", 60, "seconds without a heartbeat after which a process counts as lost"
 )
+JOIN_TIMEOUT = flags.DEFINE_integer(
+  "join_timeout", 120, "seconds to wait for every process to join; then name those missing"
+)
 CACHE = flags.DEFINE_string(
   "compilation_cache",
   os.path.expanduser("~/.cache/jax"),
@@ -157,7 +160,7 @@ def main(argv):
     multihost = NUM_PROCESSES.value is not None or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
   if multihost:
     try:
-      hosts.initialize(*named, HEARTBEAT.value)
+      hosts.initialize(*named, HEARTBEAT.value, JOIN_TIMEOUT.value)
     except (ValueError, RuntimeError) as e:
       if VERBOSE.value:
         raise

@@ -1,46 +1,85 @@
 """Several processes (the hosts of a pod slice) running one training job.
 
-`initialize` joins them (`jax.distributed`); `agree` checks, before the first step, that
-every process is about to train the same thing, and refuses on every host in one line
-naming the first field that differs; `shared_workdir` checks that all of them see one
-workdir. Both talk through the distributed service's key-value store, not through device
-collectives, so a process that failed to set up is reported by the others instead of
-leaving them blocked in a collective. A lost process is reported by `train.supervise`.
+`initialize` joins them (`jax.distributed`, each saying whom it waits for: `train.join`);
+`agree` checks, before the first step, that every process is about to train the same thing,
+and refuses on every host in one line naming the first field that differs; `shared_workdir`
+checks that all of them see one workdir. Both talk through the distributed service's
+key-value store, not through device collectives, so a process that failed to set up is
+reported by the others instead of leaving them blocked in a collective. A lost process is
+reported by `train.supervise`.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+import signal
 import sys
 import time
 
 import jax
 from etils import epath
-from jax._src import distributed
+from jax._src import clusters, distributed
 
-from train import UsageError
+from train import UsageError, join
 
 START_TIMEOUT_S = 60  # for every process to reach the start check
+JOIN_GRACE_S = 10  # JAX's own join timeout is this much later: `train.join` names who is missing
 TOKEN = "processes.token"  # written by process 0 into the workdir, read by the others
 _heartbeat_s = 0  # as given to `initialize`
 
 
 def initialize(
-  coordinator: str | None, num_processes: int | None, process_id: int | None, heartbeat_s: int
+  coordinator: str | None,
+  num_processes: int | None,
+  process_id: int | None,
+  heartbeat_s: int,
+  join_timeout_s: int,
 ) -> None:
   """`jax.distributed.initialize`: with a coordinator, count and id when given (any cluster,
   or processes on one machine), else JAX's own detection (TPU pod slice, Slurm, ...). A
-  process that stops sending heartbeats for `heartbeat_s` is declared lost."""
+  process that stops sending heartbeats for `heartbeat_s` is declared lost.
+
+  While joining, says whom it waits for, and names those that never joined within
+  `join_timeout_s`, or a SIGTERM (`train.join`)."""
   global _heartbeat_s
   _heartbeat_s = heartbeat_s
-  jax.distributed.initialize(
-    coordinator,
-    num_processes,
-    process_id,
-    heartbeat_timeout_seconds=heartbeat_s,
-    shutdown_timeout_seconds=heartbeat_s,
-  )
+  devices = None
+  if None in (coordinator, num_processes, process_id):
+    coordinator, num_processes, process_id, devices = (
+      clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        coordinator, num_processes, process_id, None, None, join_timeout_s
+      )
+    )
+  if None in (coordinator, num_processes, process_id):
+    raise ValueError("JAX detected no cluster here")
+  roll = join.RollCall(coordinator, num_processes, process_id)
+  preemption = distributed._ENABLE_PREEMPTION_SERVICE.value
+  jax.config.update("jax_enable_preemption_service", False)  # it takes SIGTERM: once joined
+  previous = signal.signal(signal.SIGTERM, lambda signum, _: roll.stopped(signum))
+  try:
+    join.wait(
+      lambda: jax.distributed.initialize(
+        coordinator,
+        num_processes,
+        process_id,
+        devices,
+        initialization_timeout=join_timeout_s + JOIN_GRACE_S,
+        heartbeat_timeout_seconds=heartbeat_s,
+        shutdown_timeout_seconds=heartbeat_s,
+      ),
+      roll,
+      join_timeout_s,
+    )
+  finally:
+    roll.close()
+    signal.signal(signal.SIGTERM, previous)
+    jax.config.update("jax_enable_preemption_service", preemption)
+  distributed.global_state.initialize_preemption_sync_manager()
+
+
+def _say(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
 
 
 def _client():
@@ -129,11 +168,9 @@ def lost_peer(error: BaseException) -> bool:
 def await_verdict(error: BaseException) -> None:
   """Waits for the distributed service to declare which process was lost (it then ends
   this one, and `train.supervise` says so); re-raises `error` if it never does."""
-  print(
+  _say(
     f"process {jax.process_index()}: a collective failed ({' '.join(str(error).split())[:160]}); "
-    f"waiting up to {_heartbeat_s} s for the distributed service to name the lost process",
-    file=sys.stderr,
-    flush=True,
+    f"waiting up to {_heartbeat_s} s for the distributed service to name the lost process"
   )
   time.sleep(_heartbeat_s + 30)
   raise error

@@ -126,5 +126,5 @@ def run(argv: list[str]) -> int:
       file=sys.stderr,
       flush=True,
     )
-    return 1
+    return 128 - code
   return code
