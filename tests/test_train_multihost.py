@@ -4,11 +4,14 @@ joined by --coordinator_address/--num_processes/--process_id, one CPU device eac
 They train and evaluate every validation record once; processes that would train different
 things refuse in one line each before anything is saved; SIGTERM on one saves the same step
 on both; a killed process is named by the survivor in one line; each run resumes. A process
-that never joins, or is stopped before joining, is named by the others in one line.
+that never joins, or is stopped before joining, is named by the others in one line; so is
+one that fails, with its cause.
 """
 
 import json
 import pathlib
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +19,7 @@ import time
 
 import pytest
 
-from tests.test_train import env, train_cmd
+from tests.test_train import damage_train_records, env, train_cmd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VALIDATION = 60  # records in digits_dir's validation split
@@ -29,8 +32,8 @@ def free_port() -> int:
 
 
 class Run:
-  """Trainer processes of a run of `count`; `extra[i]` are process i's own extra arguments;
-  only the processes in `started` are started."""
+  """Trainer processes of a run of `count`; `extra[i]` are process i's own extra arguments,
+  `cwd[i]` its working folder; only the processes in `started` are started."""
 
   def __init__(
     self,
@@ -42,6 +45,7 @@ class Run:
     steps=14,
     count=2,
     started=None,
+    cwd=None,
   ):
     port = free_port()
     self.logs = [tmp_path / f"process{i}-{port}.log" for i in range(count)]
@@ -60,7 +64,7 @@ class Run:
       )
       with open(self.logs[i], "w") as log:
         self.procs[i] = subprocess.Popen(
-          cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT
+          cmd, cwd=cwd[i] if cwd else ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT
         )
 
   def output(self, i: int) -> str:
@@ -224,6 +228,26 @@ def test_sigterm_before_joining_exits_143_and_the_others_name_it(digits_dir, tmp
   ]
   (line,) = own_lines(run.output(0))
   assert line.startswith("python -m train: processes 1 (stopped by SIGTERM), 2 never joined")
+
+
+def test_a_bad_record_on_one_process_is_named_with_its_cause_on_both(digits_dir, tmp_path):
+  """Each process reads its own copy of the data (the same relative data_dir); process 1's
+  has damaged records, of the same size."""
+  for i in range(2):
+    shutil.copytree(digits_dir, tmp_path / f"host{i}" / "data")
+  damage_train_records(tmp_path / "host1" / "data", first=20)
+  cwd = [tmp_path / f"host{i}" for i in range(2)]
+  run = Run(tmp_path, tmp_path / "w", "data", cwd=cwd, steps=20)
+  assert run.wait(timeout=300) == [1, 1], run.output(0)[-3000:] + run.output(1)[-3000:]
+  for i in range(2):
+    line = last_line(run.output(i))
+    assert re.match(
+      r"python -m train: process 1 failed: train.array_record-00000-of-00001 record \d+: "
+      "corrupt record",
+      line,
+    ), run.output(i)[-3000:]
+    assert line.endswith("--config.input.on_error=skip skips bad records (counted)")
+    assert "lost" not in run.output(i)
 
 
 def test_the_distributed_services_verdicts_name_the_lost_process():
