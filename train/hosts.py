@@ -192,16 +192,20 @@ _failing = False  # this process reported its own error: it no longer ends for o
 
 def report_failure(line: str) -> None:
   """Tells the other processes this process's error (`line`, which they print), and waits
-  up to `REPORT_S` for them to have read it: when process 0 exits, the service goes too."""
+  up to `REPORT_S` for them to have read it (or to have failed too): when process 0 exits,
+  the service goes with it."""
   global _failing
   _failing = True
   client, me = _client(), jax.process_index()
+  waiting = set(range(jax.process_count())) - {me}
   deadline = time.monotonic() + REPORT_S
   try:
     client.key_value_set(f"train/failed/{me}", line)
-    for other in set(range(jax.process_count())) - {me}:
-      left_ms = int(1000 * (deadline - time.monotonic()))
-      client.blocking_key_value_get(f"train/read/{me}/{other}", max(left_ms, 1))
+    while waiting and time.monotonic() < deadline:
+      time.sleep(0.1)
+      answers = client.key_value_dir_get(f"train/read/{me}/")
+      for key, _ in answers + client.key_value_dir_get("train/failed/"):
+        waiting.discard(int(key.rsplit("/", 1)[1]))
   except Exception:  # noqa: BLE001 - gone or late: their supervisor names this process
     pass
 
@@ -224,6 +228,7 @@ def _watch_failures() -> None:
         _say(line)
       try:
         client.key_value_set(f"train/read/{process}/{me}", "1")
-      finally:
-        if not _failing:
-          os._exit(1)
+      except Exception:  # noqa: BLE001 - the service is gone with that process
+        pass
+      if not _failing:
+        os._exit(1)

@@ -5,7 +5,7 @@ its own threads (a fatal log line and exit: nothing the trainer can catch). So w
 processes `python -m train` runs the trainer as its child: it passes the output and the
 signals through, and when the service ends the child it prints one line instead of JAX's:
 which process was lost, the last saved step and how to resume; unless the child said first,
-in its own line, why it ends. Imports nothing heavy.
+in its own line, why it ends: that line is then the last. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -99,10 +99,9 @@ def run(argv: list[str]) -> int:
   )
   for s in (signal.SIGTERM, signal.SIGINT):
     signal.signal(s, lambda signum, _: child.send_signal(signum))
-  verdict, said = [], False  # said: the child's own last word, which the verdict does not follow
+  verdict, said = [], False  # said: the trainer's own last line was passed through
   for raw in child.stderr:
     line = raw.decode(errors="replace")
-    said = said or line.startswith(OWN)
     if FATAL in line or verdict:  # the service's verdict and what follows it: one line below
       if not verdict:
         timer = threading.Timer(EXIT_GRACE_S, child.kill)
@@ -110,6 +109,9 @@ def run(argv: list[str]) -> int:
         timer.start()
       verdict.append(line)
       continue
+    if said:  # what JAX logs about the end the trainer has already explained
+      continue
+    said = line.startswith(OWN)
     sys.stderr.write(line)
     sys.stderr.flush()
   code = child.wait()
