@@ -3,6 +3,8 @@
 import json
 import os
 import pathlib
+import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -42,6 +44,20 @@ def env():
 
 def summary(workdir):
   return json.loads((pathlib.Path(workdir) / "summary.json").read_text())
+
+
+def damage_train_records(data_dir: pathlib.Path, first: int) -> None:
+  """Flips a byte in the JPEG of every train record from index `first` on: the shard keeps
+  its size and the manifest its digest-free checks; reading such a record fails."""
+  shard = data_dir / "train.array_record-00000-of-00001"
+  data = bytearray(shard.read_bytes())
+  at = data.find(b"\xff\xd8\xff")  # where each record's JPEG starts
+  for _ in range(first):
+    at = data.find(b"\xff\xd8\xff", at + 3)
+  while at != -1:
+    data[at + 1] ^= 0xFF
+    at = data.find(b"\xff\xd8\xff", at + 3)
+  shard.write_bytes(bytes(data))
 
 
 def wait_for(predicate, proc, timeout=240):
@@ -138,6 +154,25 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(digits_dir, tmp_path):
   saved = [int(p.name) for p in (tmp_path / "checkpoints").iterdir() if p.name.isdigit()]
   assert saved and 4 <= saved[0] < 400
   assert f"saved checkpoint at step {saved[0]}" in out
+
+
+def test_a_bad_record_ends_the_run_in_one_line_naming_it_and_the_option_to_skip(
+  digits_dir, tmp_path
+):
+  data = tmp_path / "data"
+  shutil.copytree(digits_dir, data)
+  damage_train_records(data, first=20)
+  out = subprocess.run(
+    train_cmd(tmp_path / "w", data, "--config.num_steps=20"),
+    env=env(),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
+  assert out.returncode == 1 and out.stderr.count("\n") == 1, out.stderr[-3000:]
+  assert re.search(r"train.array_record-00000-of-00001 record \d+: corrupt record", out.stderr)
+  assert "--config.input.on_error=skip skips bad records" in out.stderr
 
 
 def test_short_run_on_eight_devices(digits_dir, tmp_path):

@@ -4,11 +4,15 @@ joined by --coordinator_address/--num_processes/--process_id, one CPU device eac
 They train and evaluate every validation record once; processes that would train different
 things refuse in one line each before anything is saved, while settings that change no batch
 may differ; a host behind slow storage is named in process 0's log; SIGTERM on one saves the
-same step on both; a killed process is named by the survivor in one line; each run resumes.
+same step on both; a killed process is named by the survivor in one line; each run resumes. A
+process that never joins, or is stopped before joining, is named by the others in one line; so
+is one that fails, with its cause.
 """
 
 import json
 import pathlib
+import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -16,7 +20,7 @@ import time
 
 import pytest
 
-from tests.test_train import env, train_cmd
+from tests.test_train import damage_train_records, env, train_cmd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VALIDATION = 60  # records in digits_dir's validation split
@@ -29,51 +33,61 @@ def free_port() -> int:
 
 
 class Run:
-  """Two trainer processes; `extra[i]` are process i's own extra arguments, `cwds[i]` its
-  working folder (where a relative data_dir resolves)."""
+  """Trainer processes of a run of `count`; `extra[i]` are process i's own extra arguments,
+  `cwd[i]` its working folder; only the processes in `started` are started."""
 
-  def __init__(self, tmp_path, workdir, data_dir, *args, extra=((), ()), steps=14, cwds=None):
+  def __init__(
+    self,
+    tmp_path,
+    workdir,
+    data_dir,
+    *args,
+    extra=((), ()),
+    steps=14,
+    count=2,
+    started=None,
+    cwd=None,
+  ):
     port = free_port()
-    self.logs = [tmp_path / f"process{i}-{port}.log" for i in range(2)]
-    self.procs = []
-    for i in range(2):
+    self.logs = [tmp_path / f"process{i}-{port}.log" for i in range(count)]
+    self.procs = {}  # process id -> its process
+    for i in range(count) if started is None else started:
       cmd = train_cmd(
         workdir,
         data_dir,
         f"--coordinator_address=127.0.0.1:{port}",
-        "--num_processes=2",
+        f"--num_processes={count}",
         f"--process_id={i}",
         "--heartbeat_timeout=30",  # a busy 2-core machine must not lose a process
         f"--config.num_steps={steps}",
         *args,
-        *extra[i],
+        *(extra[i] if i < len(extra) else ()),
       )
       with open(self.logs[i], "w") as log:
-        self.procs.append(
-          subprocess.Popen(
-            cmd, cwd=cwds[i] if cwds else ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT
-          )
+        self.procs[i] = subprocess.Popen(
+          cmd, cwd=cwd[i] if cwd else ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT
         )
 
   def output(self, i: int) -> str:
     return self.logs[i].read_text()
 
   def wait(self, timeout: float) -> list[int]:
-    """Exit statuses, waiting at most `timeout` s in all (a hang fails the test)."""
+    """Exit statuses of the started processes, waiting at most `timeout` s in all (a hang
+    fails the test)."""
     deadline = time.monotonic() + timeout
     try:
-      return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs]
+      return [p.wait(timeout=max(0.1, deadline - time.monotonic())) for p in self.procs.values()]
     except subprocess.TimeoutExpired:
-      pytest.fail(f"still running after {timeout} s:\n{self.output(0)[-2000:]}")
+      pytest.fail(f"still running after {timeout} s:\n{self.output(min(self.procs))[-2000:]}")
     finally:
-      for p in self.procs:
+      for p in self.procs.values():
         p.kill()
         p.wait()
 
   def wait_for(self, text: str, i: int = 0, timeout: float = 240) -> None:
     deadline = time.monotonic() + timeout
     while text not in self.output(i):
-      assert all(p.poll() is None for p in self.procs), self.output(0)[-3000:]
+      assert all(p.poll() is None for p in self.procs.values()), self.output(i)[-3000:]
       assert time.monotonic() < deadline, f"no {text!r}:\n{self.output(i)[-3000:]}"
       time.sleep(0.1)
 
@@ -156,7 +170,7 @@ def test_a_host_behind_slow_storage_is_named_input_bound_in_process_0s_log(
     storage_rig.mount(digits_dir, latency_ms=0, mountpoint=cwds[0] / "data"),
     storage_rig.mount(digits_dir, latency_ms=50, mountpoint=cwds[1] / "data", requests_per_s=5),
   ):
-    run = Run(tmp_path, tmp_path / "w", "data", *small, steps=8, cwds=cwds)
+    run = Run(tmp_path, tmp_path / "w", "data", *small, steps=8, cwd=cwds)
     codes = run.wait(timeout=400)
   assert codes == [0, 0], run.output(0)[-3000:] + run.output(1)[-3000:]
   log_lines = [line for line in run.output(0).splitlines() if line.startswith("step ")]
@@ -241,6 +255,51 @@ def test_a_killed_process_is_named_by_the_survivor_and_the_run_resumes(
   again = Run(tmp_path, workdir, digits_dir, *flags, steps=saved + 2)
   assert again.wait(timeout=400) == [0, 0], again.output(0)[-3000:]
   assert f"resumed from step {saved}" in again.output(0)
+
+
+def last_line(out: str) -> str:
+  return out.rstrip().splitlines()[-1]
+
+
+def test_a_process_that_never_starts_is_named_after_the_join_timeout(digits_dir, tmp_path):
+  run = Run(tmp_path, tmp_path / "w", digits_dir, "--join_timeout=20", started=(0,))
+  run.wait_for("process 0: waiting for process 1 to join", timeout=60)
+  assert run.wait(timeout=130) == [1], run.output(0)[-3000:]
+  assert "Traceback" not in run.output(0)
+  assert last_line(run.output(0)).startswith("python -m train: process 1 never joined")
+
+
+def test_sigterm_before_joining_exits_143_and_the_others_name_it(digits_dir, tmp_path):
+  """Three processes, one never started; process 1 stopped while they wait for it."""
+  run = Run(tmp_path, tmp_path / "w", digits_dir, "--join_timeout=30", count=3, started=(0, 1))
+  run.wait_for("process 1: waiting for process 2 to join", i=1, timeout=60)
+  run.procs[1].send_signal(signal.SIGTERM)
+  assert run.wait(timeout=130) == [1, 143], run.output(0)[-3000:]
+  assert own_lines(run.output(1)) == [
+    "python -m train: stopped by SIGTERM before joining the other processes"
+  ]
+  (line,) = own_lines(run.output(0))
+  assert line.startswith("python -m train: processes 1 (stopped by SIGTERM), 2 never joined")
+
+
+def test_a_bad_record_on_one_process_is_named_with_its_cause_on_both(digits_dir, tmp_path):
+  """Each process reads its own copy of the data (the same relative data_dir); process 1's
+  has damaged records, of the same size."""
+  for i in range(2):
+    shutil.copytree(digits_dir, tmp_path / f"host{i}" / "data")
+  damage_train_records(tmp_path / "host1" / "data", first=20)
+  cwd = [tmp_path / f"host{i}" for i in range(2)]
+  run = Run(tmp_path, tmp_path / "w", "data", cwd=cwd, steps=20)
+  assert run.wait(timeout=300) == [1, 1], run.output(0)[-3000:] + run.output(1)[-3000:]
+  for i in range(2):
+    line = last_line(run.output(i))
+    assert re.match(
+      r"python -m train: process 1 failed: train.array_record-00000-of-00001 record \d+: "
+      "corrupt record",
+      line,
+    ), run.output(i)[-3000:]
+    assert line.endswith("--config.input.on_error=skip skips bad records (counted)")
+    assert "lost" not in run.output(i)
 
 
 def test_the_distributed_services_verdicts_name_the_lost_process():

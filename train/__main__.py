@@ -61,6 +61,9 @@ PROCESS_ID = flags.DEFINE_integer("process_id", None, "this process's index, 0 t
 HEARTBEAT = flags.DEFINE_integer(
   "heartbeat_timeout", 60, "seconds without a heartbeat after which a process counts as lost"
 )
+JOIN_TIMEOUT = flags.DEFINE_integer(
+  "join_timeout", 120, "seconds to wait for every process to join; then name those missing"
+)
 CACHE = flags.DEFINE_string(
   "compilation_cache",
   os.path.expanduser("~/.cache/jax"),
@@ -73,6 +76,39 @@ VERBOSE = flags.DEFINE_bool("verbose", False, "tracebacks for errors; Orbax's an
 def fail(message: str, code: int = 2):
   print(f"python -m train: {message}", file=sys.stderr, flush=True)
   raise SystemExit(code)
+
+
+def cause(error: Exception) -> str | None:
+  """What ended the run, in one line, for errors that are not the trainer's own bug (the
+  data, memory, files); None for others, whose traceback is shown."""
+  import pipeline
+  from train import checkpoints
+
+  if isinstance(error, pipeline.BadRecordError):
+    return f"{error}; --config.input.on_error=skip skips bad records (counted)"
+  if isinstance(error, MemoryError):
+    return "out of host memory (MemoryError)"
+  text = " ".join(str(error).split())
+  if text.startswith("RESOURCE_EXHAUSTED"):
+    return f"out of device memory: {text[:240]}"
+  if isinstance(error, OSError):
+    return checkpoints.one_line(error)
+  return None
+
+
+def fail_here(message: str):
+  """Exit 1 with `message`; with several processes, naming this one to all of them."""
+  import jax
+
+  from train import hosts
+
+  if jax.process_count() == 1:
+    fail(message, 1)
+  line = f"python -m train: process {jax.process_index()} failed: {message}"
+  print(line, file=sys.stderr, flush=True)  # first: once process 0 exits, the service is gone
+  hosts.report_failure(line)
+  sys.stdout.flush()
+  os._exit(1)  # JAX's exit handlers would wait for the processes this one ends
 
 
 def config_path(argv: list[str]) -> list[str]:
@@ -159,7 +195,7 @@ def main(argv):
     multihost = NUM_PROCESSES.value is not None or "," in os.environ.get("TPU_WORKER_HOSTNAMES", "")
   if multihost:
     try:
-      hosts.initialize(*named, HEARTBEAT.value)
+      hosts.initialize(*named, HEARTBEAT.value, JOIN_TIMEOUT.value)
     except (ValueError, RuntimeError) as e:
       if VERBOSE.value:
         raise
@@ -179,18 +215,27 @@ def main(argv):
       print(f"plan: {setup.plan.describe()}; fits\n{setup.notes}", end="")
     else:
       train.train_and_evaluate(config, WORKDIR.value)
-  except (UsageError, TrainError) as e:
+  except UsageError as e:  # the same on every process (`hosts.agree`)
     if VERBOSE.value:
       raise
-    fail(str(e), 2 if isinstance(e, UsageError) else 1)
+    fail(str(e), 2)
+  except TrainError as e:
+    if VERBOSE.value:
+      traceback.print_exc()
+    fail_here(str(e))
   except KeyboardInterrupt:
     if VERBOSE.value:
       raise
     fail("interrupted; steps since the last checkpoint are lost", 130)
   except Exception as e:
-    if multihost and hosts.lost_peer(e):  # the distributed service will say which process
+    if hosts.lost_peer(e):  # the distributed service will say which process
       hosts.await_verdict(e)
-    raise
+    message = cause(e)
+    if message is None and jax.process_count() == 1:
+      raise
+    if message is None or VERBOSE.value:
+      traceback.print_exc()
+    fail_here(message or f"{type(e).__name__}: {' '.join(str(e).split())[:300]}")
 
 
 if __name__ == "__main__":

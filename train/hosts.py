@@ -1,47 +1,92 @@
 """Several processes (the hosts of a pod slice) running one training job.
 
-`initialize` joins them (`jax.distributed`); `agree` checks, before the first step, that
-every process is about to train the same thing, and refuses on every host in one line
-naming the first field that differs (settings that change no batch may differ: it lists
-them); `shared_workdir` checks that all of them see one workdir. Both talk through the
-distributed service's key-value store, not through device collectives, so a process that
-failed to set up is reported by the others instead of leaving them blocked in a collective.
-A lost process is reported by `train.supervise`.
+`initialize` joins them (`jax.distributed`, each saying whom it waits for: `train.join`);
+`agree` checks, before the first step, that every process is about to train the same thing,
+and refuses on every host in one line naming the first field that differs (settings that
+change no batch may differ: it lists them); `shared_workdir` checks that all of them see one
+workdir. Both talk through the distributed service's key-value store, not through device
+collectives, so a process that failed to set up is reported by the others instead of leaving
+them blocked in a collective, and so does `report_failure`, which names a process's error to
+all. A lost process is reported by `train.supervise`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import secrets
+import signal
 import sys
+import threading
 import time
 
 import jax
 from etils import epath
-from jax._src import distributed
+from jax._src import clusters, distributed
 
-from train import UsageError
+from train import UsageError, join
 
 START_TIMEOUT_S = 60  # for every process to reach the start check
+POLL_S = 1.0  # how often a process checks whether another reported an error
+REPORT_S = 10  # for the others to read a failing process's cause before it exits
+JOIN_GRACE_S = 10  # JAX's own join timeout is this much later: `train.join` names who is missing
 TOKEN = "processes.token"  # written by process 0 into the workdir, read by the others
 _heartbeat_s = 0  # as given to `initialize`
 
 
 def initialize(
-  coordinator: str | None, num_processes: int | None, process_id: int | None, heartbeat_s: int
+  coordinator: str | None,
+  num_processes: int | None,
+  process_id: int | None,
+  heartbeat_s: int,
+  join_timeout_s: int,
 ) -> None:
   """`jax.distributed.initialize`: with a coordinator, count and id when given (any cluster,
   or processes on one machine), else JAX's own detection (TPU pod slice, Slurm, ...). A
-  process that stops sending heartbeats for `heartbeat_s` is declared lost."""
+  process that stops sending heartbeats for `heartbeat_s` is declared lost.
+
+  While joining, says whom it waits for, and names those that never joined within
+  `join_timeout_s`, or a SIGTERM (`train.join`). Then watches for other processes' errors
+  (`report_failure`)."""
   global _heartbeat_s
   _heartbeat_s = heartbeat_s
-  jax.distributed.initialize(
-    coordinator,
-    num_processes,
-    process_id,
-    heartbeat_timeout_seconds=heartbeat_s,
-    shutdown_timeout_seconds=heartbeat_s,
-  )
+  devices = None
+  if None in (coordinator, num_processes, process_id):
+    coordinator, num_processes, process_id, devices = (
+      clusters.ClusterEnv.auto_detect_unset_distributed_params(
+        coordinator, num_processes, process_id, None, None, join_timeout_s
+      )
+    )
+  if None in (coordinator, num_processes, process_id):
+    raise ValueError("JAX detected no cluster here")
+  roll = join.RollCall(coordinator, num_processes, process_id)
+  preemption = distributed._ENABLE_PREEMPTION_SERVICE.value
+  jax.config.update("jax_enable_preemption_service", False)  # it takes SIGTERM: once joined
+  previous = signal.signal(signal.SIGTERM, lambda signum, _: roll.stopped(signum))
+  try:
+    join.wait(
+      lambda: jax.distributed.initialize(
+        coordinator,
+        num_processes,
+        process_id,
+        devices,
+        initialization_timeout=join_timeout_s + JOIN_GRACE_S,
+        heartbeat_timeout_seconds=heartbeat_s,
+        shutdown_timeout_seconds=heartbeat_s,
+      ),
+      roll,
+      join_timeout_s,
+    )
+  finally:
+    roll.close()
+    signal.signal(signal.SIGTERM, previous)
+    jax.config.update("jax_enable_preemption_service", preemption)
+  distributed.global_state.initialize_preemption_sync_manager()
+  threading.Thread(target=_watch_failures, daemon=True, name="train-failures").start()
+
+
+def _say(line: str) -> None:
+  print(line, file=sys.stderr, flush=True)
 
 
 def _client():
@@ -128,20 +173,69 @@ def agree(fields: dict[str, str], error: str | None, own: dict[str, str]) -> lis
 
 
 def lost_peer(error: BaseException) -> bool:
-  """Whether `error` may be a collective that failed because another process died."""
-  return jax.process_count() > 1 and (
-    isinstance(error, jax.errors.JaxRuntimeError) or "Gloo" in str(error)
+  """Whether `error` may be a collective that failed because another process died (not
+  this process's own error, such as running out of device memory)."""
+  return (
+    jax.process_count() > 1
+    and (isinstance(error, jax.errors.JaxRuntimeError) or "Gloo" in str(error))
+    and not str(error).startswith("RESOURCE_EXHAUSTED")
   )
 
 
 def await_verdict(error: BaseException) -> None:
   """Waits for the distributed service to declare which process was lost (it then ends
-  this one, and `train.supervise` says so); re-raises `error` if it never does."""
-  print(
+  this one, and `train.supervise` says so), or for a process to report its error (then
+  `_watch_failures` ends this one); re-raises `error` if neither comes."""
+  _say(
     f"process {jax.process_index()}: a collective failed ({' '.join(str(error).split())[:160]}); "
-    f"waiting up to {_heartbeat_s} s for the distributed service to name the lost process",
-    file=sys.stderr,
-    flush=True,
+    f"waiting up to {_heartbeat_s} s for the distributed service to name the lost process"
   )
   time.sleep(_heartbeat_s + 30)
   raise error
+
+
+_failing = False  # this process reported its own error: it no longer ends for others'
+
+
+def report_failure(line: str) -> None:
+  """Tells the other processes this process's error (`line`, which they print), and waits
+  up to `REPORT_S` for them to have read it (or to have failed too): when process 0 exits,
+  the service goes with it."""
+  global _failing
+  _failing = True
+  client, me = _client(), jax.process_index()
+  waiting = set(range(jax.process_count())) - {me}
+  deadline = time.monotonic() + REPORT_S
+  try:
+    client.key_value_set(f"train/failed/{me}", line)
+    while waiting and time.monotonic() < deadline:
+      time.sleep(0.1)
+      answers = client.key_value_dir_get(f"train/read/{me}/")
+      for key, _ in answers + client.key_value_dir_get("train/failed/"):
+        waiting.discard(int(key.rsplit("/", 1)[1]))
+  except Exception:  # noqa: BLE001 - gone or late: their supervisor names this process
+    pass
+
+
+def _watch_failures() -> None:
+  """Ends this process with the line another process reported as its error."""
+  client, me, read = _client(), jax.process_index(), set()
+  while True:
+    time.sleep(POLL_S)
+    try:
+      reports = client.key_value_dir_get("train/failed/")
+    except Exception:  # noqa: BLE001 - the service is gone: the supervisor says so
+      return
+    for key, line in reports:
+      process = int(key.rsplit("/", 1)[1])
+      if process == me or process in read:
+        continue
+      read.add(process)
+      if not _failing:  # one that failed itself says its own error last
+        _say(line)
+      try:
+        client.key_value_set(f"train/read/{process}/{me}", "1")
+      except Exception:  # noqa: BLE001 - the service is gone with that process
+        pass
+      if not _failing:
+        os._exit(1)

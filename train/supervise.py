@@ -4,7 +4,8 @@ When a process of the run dies, the JAX distributed service ends the others from
 its own threads (a fatal log line and exit: nothing the trainer can catch). So with several
 processes `python -m train` runs the trainer as its child: it passes the output and the
 signals through, and when the service ends the child it prints one line instead of JAX's:
-which process was lost, the last saved step and how to resume. Imports nothing heavy.
+which process was lost, the last saved step and how to resume; unless the child said first,
+in its own line, why it ends: that line is then the last. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import threading
 
 ENV = "TRAIN_SUPERVISED"  # set in the child
 FATAL = "JAX distributed service detected fatal errors"
+OWN = "python -m train: "  # how the trainer's own one-line errors begin
 EXIT_GRACE_S = 15  # after the service's verdict, for the child to exit before it is killed
 
 
@@ -97,7 +99,7 @@ def run(argv: list[str]) -> int:
   )
   for s in (signal.SIGTERM, signal.SIGINT):
     signal.signal(s, lambda signum, _: child.send_signal(signum))
-  verdict = []
+  verdict, said = [], False  # said: the trainer's own last line was passed through
   for raw in child.stderr:
     line = raw.decode(errors="replace")
     if FATAL in line or verdict:  # the service's verdict and what follows it: one line below
@@ -107,10 +109,15 @@ def run(argv: list[str]) -> int:
         timer.start()
       verdict.append(line)
       continue
+    if said:  # what JAX logs about the end the trainer has already explained
+      continue
+    said = line.startswith(OWN)
     sys.stderr.write(line)
     sys.stderr.flush()
   code = child.wait()
   where = last_saved_step(flag(argv, "workdir"))
+  if verdict and said:  # the child named the cause, and then the service its end
+    return code if code > 0 else 1
   if verdict:
     print(
       f"python -m train: lost {lost_process(''.join(verdict))} of the run; {where}; "
@@ -126,5 +133,5 @@ def run(argv: list[str]) -> int:
       file=sys.stderr,
       flush=True,
     )
-    return 1
+    return 128 - code
   return code
