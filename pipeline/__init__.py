@@ -5,6 +5,7 @@ ds = pipeline.device_prefetch(ds, mesh)                             # global jax
 train = pipeline.input("data/photos", "train", global_batch_size=128)   # both, in one call
 ds = pipeline.make_dataset(..., pp="decode_jpeg_and_inception_crop(224)|flip_lr|...")  # big_vision
 @pipeline.registry.register("my_op", "image")   # your own op, named in pp strings
+print(pipeline.stats_of(it).table())   # every stage, every process, storage requests
 """
 
 from pipeline import features, ops, pp, randaugment, registry
@@ -41,6 +42,7 @@ __all__ = [
   "pp",
   "randaugment",
   "registry",
+  "stats_of",
 ]
 
 _LAZY = {
@@ -49,6 +51,7 @@ _LAZY = {
   "normalize_images": "device",
   "input": "inputs",
   "Input": "inputs",
+  "stats_of": "stream",
 }
 
 

@@ -17,9 +17,9 @@ from typing import Any, Literal
 import grain
 import jax
 
-from pipeline import dataset, device, lifecycle, plan, stats
+from pipeline import dataset, device, plan, stats
 from pipeline.spec import Spec
-from pipeline.stream import StreamIterator
+from pipeline.stream import stats_of
 
 
 def input(
@@ -149,8 +149,7 @@ class Input(grain.DatasetIterator):
 
   def stats(self) -> stats.Stats:
     """Each stage's figures in this process and its worker processes (`pipeline.stats`)."""
-    live = lifecycle.iterators(self._live())
-    return next(it for it in live if isinstance(it, StreamIterator)).stats()
+    return stats_of(self._live())
 
   def start_prefetch(self) -> None:
     self._live().start_prefetch()

@@ -23,11 +23,11 @@ from typing import Any
 import grain
 import numpy as np
 
-from pipeline import elastic, stats
+from pipeline import elastic, lifecycle, stats
 from pipeline.elastic import StateError
 from pipeline.finish import SKIPPED_KEY
 
-__all__ = ["StateError", "StreamIterDataset", "plain"]
+__all__ = ["StateError", "StreamIterDataset", "plain", "stats_of"]
 
 
 class StreamIterDataset(grain.IterDataset):
@@ -99,6 +99,14 @@ class StreamIterator(grain.DatasetIterator):
     _check_like(inner, template, "state")
     self._parent.set_state(inner)
     self.skipped = skipped
+
+
+def stats_of(it: grain.DatasetIterator) -> stats.Stats:
+  """`stats()` of the `make_dataset` stream `it` holds (a `device_prefetch` iterator, say)."""
+  streams = [x for x in lifecycle.iterators(it) if isinstance(x, StreamIterator)]
+  if not streams:
+    raise ValueError(f"{it} holds no make_dataset stream: it has no stage stats")
+  return streams[0].stats()
 
 
 def plain(value: Any) -> Any:

@@ -158,7 +158,7 @@ def test_tensorboard_serves_the_scalars_the_trainer_writes(tmp_path):
 
 def test_process_0_shows_a_row_per_host_when_hosts_differ_and_names_the_worst():
   even = [Host(0, 100.0, 0.01), Host(1, 95.0, 0.04)]
-  slow_input = [Host(0, 100.0, 0.01), Host(1, 100.0, 0.30)]
+  slow_input = [Host(0, 100.0, 0.01), Host(1, 100.0, 0.30, 12.5)]
   slow_host = [Host(0, 100.0, 0.01), Host(1, 85.0, 0.01)]
   assert not podview.differ(even)
   assert podview.differ(slow_input) and podview.differ(slow_host)
@@ -166,13 +166,13 @@ def test_process_0_shows_a_row_per_host_when_hosts_differ_and_names_the_worst():
   assert podview.which(slow_input) == ": process 1, the worst of 2"
   assert podview.which(slow_input[:1]) == ""  # one process: nobody to name
   assert podview.rows(slow_input, train.verdict).splitlines() == [
-    "  process 0:     100 img/s  input wait  1.0% (not input-bound)",
-    "  process 1:     100 img/s  input wait 30.0% (input-bound)",
+    "  process 0:     100 img/s  input wait  1.0% (not input-bound)  0 requests/s",
+    "  process 1:     100 img/s  input wait 30.0% (input-bound)  12 requests/s",
   ]
 
 
 def test_one_process_gathers_its_own_row():
-  assert podview.gather(120.0, 0.25) == [Host(0, 120.0, 0.25)]
+  assert podview.gather(120.0, 0.25, 40.0) == [Host(0, 120.0, 0.25, 40.0)]
 
 
 def test_a_runs_per_host_figures_leave_out_the_first_window():

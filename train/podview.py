@@ -1,10 +1,9 @@
-"""Every host in process 0's log: at each log line every process's img/s and input wait,
-gathered with one small collective (all processes log at the same steps).
+"""Every host in process 0's log: at each log line every process's img/s, input wait and
+storage requests/s (`pipeline.stats_of`, its worker processes' included), gathered with one
+small collective (all processes log at the same steps).
 
 Process 0 prints a row per host when they differ by more than `WAIT_POINTS` or
 `SPEED_SHARE`, and the run's verdict is the worst host's (the highest input wait), named.
-Storage requests/s are not gathered: the read stage's counters live inside the pipeline's
-stages (in worker processes too), out of the device iterator's reach.
 """
 
 from __future__ import annotations
@@ -20,17 +19,20 @@ SPEED_SHARE = 0.10  # or img/s by more than 10%
 
 @dataclasses.dataclass(frozen=True)
 class Host:
-  """One process's window: the images it fed per second and its share of input wait."""
+  """One process's window: the images it fed per second, its share of input wait and the
+  storage requests it made per second."""
 
   process: int
   images_per_sec: float
   input_wait_share: float
+  requests_per_sec: float = 0.0
 
 
-def gather(images_per_sec: float, input_wait_share: float) -> list[Host]:
+def gather(images_per_sec: float, input_wait_share: float, requests_per_sec: float) -> list[Host]:
   """Every process's numbers, in process order; a collective, so every process calls it."""
-  rows = multihost_utils.process_allgather(np.array([images_per_sec, input_wait_share]))
-  return [Host(i, float(ips), float(wait)) for i, (ips, wait) in enumerate(rows)]
+  mine = np.array([images_per_sec, input_wait_share, requests_per_sec])
+  rows = multihost_utils.process_allgather(mine)
+  return [Host(i, *map(float, row)) for i, row in enumerate(rows)]
 
 
 def worst(hosts: list[Host]) -> Host:
@@ -52,7 +54,8 @@ def rows(hosts: list[Host], verdict) -> str:
   """A line per host: `verdict(input_wait_share)` names how input-bound it is."""
   return "\n".join(
     f"  process {h.process}: {h.images_per_sec:7.0f} img/s  input wait "
-    f"{100 * h.input_wait_share:4.1f}% ({verdict(h.input_wait_share)})"
+    f"{100 * h.input_wait_share:4.1f}% ({verdict(h.input_wait_share)})  "
+    f"{h.requests_per_sec:,.0f} requests/s"
     for h in hosts
   )
 
@@ -66,6 +69,7 @@ def mean(windows: list[list[Host]]) -> list[Host]:
       i,
       float(np.mean([w[i].images_per_sec for w in windows])),
       float(np.mean([w[i].input_wait_share for w in windows])),
+      float(np.mean([w[i].requests_per_sec for w in windows])),
     )
     for i in range(len(windows[0]) if windows else 0)
   ]

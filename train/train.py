@@ -484,6 +484,7 @@ class Run:
   stop: Stop
   history: dict = dataclasses.field(default_factory=lambda: {"images_per_sec": [], "hosts": []})
   synthetic: float | None = None  # seconds per step on a batch already on the devices
+  requests: int = 0  # storage requests of this host's pipeline at the last log line
 
 
 def set_up(config, workdir: epath.Path, setup: Setup, lock) -> Run:
@@ -610,8 +611,10 @@ def log_window(run: Run, window: Window, metrics: dict, progress: report.Progres
   wait = min(1.0, window.blocked / elapsed)
   ips = window.steps * run.plan.batch_size / elapsed
   lr = float(schedule(run.plan)(run.step))
+  made, run.requests = run.requests, pipeline.stats_of(run.train_it).storage.requests
   # The gather comes last: the next window starts on every host together.
-  hosts = podview.gather(window.steps * run.plan.local_batch_size / elapsed, wait)
+  mine = window.steps * run.plan.local_batch_size / elapsed
+  hosts = podview.gather(mine, wait, (run.requests - made) / elapsed)
   run.history["images_per_sec"].append(ips)
   run.history["hosts"].append(hosts)
   if not run.is_chief:
@@ -633,7 +636,11 @@ def log_window(run: Run, window: Window, metrics: dict, progress: report.Progres
       run.log.scalars(
         run.step,
         f"process{h.process}",
-        {"images_per_sec": h.images_per_sec, "input_wait_share": h.input_wait_share},
+        {
+          "images_per_sec": h.images_per_sec,
+          "input_wait_share": h.input_wait_share,
+          "requests_per_sec": h.requests_per_sec,
+        },
       )
 
 
