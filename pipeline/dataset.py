@@ -378,7 +378,6 @@ def chain(stages: Stages) -> grain.IterDataset:
       writer = handoff.Writer.new()
       decode_stage = dataclasses.replace(decode_stage, allocate=writer.empty)
   recorder = stats.Recorder()  # every stage's counters (`pipeline.stats`), per process
-  recorder.read = stages.read
   stages.read.threads.timed(recorder, "read")
   decode_stage.threads.timed(recorder, "decode")
   plan = stats.Timed(stages.plan, recorder, "plan")
@@ -386,7 +385,7 @@ def chain(stages: Stages) -> grain.IterDataset:
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   it = AheadIterDataset(it, stages.read, (recorder, "read"))
   it = AheadIterDataset(it, decode_stage, (recorder, "decode"))
-  it = it.map(stats.Timed(stages.finish, recorder, "finish", attach=True))
+  it = it.map(stats.Timed(stages.finish, recorder, "finish", stages.read))
   if stages.normalize:
     it = it.map(_normalize_host)
   if stages.workers:
@@ -400,7 +399,7 @@ def chain(stages: Stages) -> grain.IterDataset:
   else:
     it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=1)
   return lifecycle.ClosedAtExit(
-    StreamIterDataset(it, stages.stream, recorder, stages.stats_every_s)
+    StreamIterDataset(it, stages.stream, recorder, stages.stats_every_s, stages.read)
   )
 
 

@@ -35,10 +35,10 @@ _HEAD = 2  # the array's first row: pid, seconds since the recorder's start, sto
 
 
 class Recorder:
-  """One stream's counters in this process (thread-safe; made anew when unpickled)."""
+  """One stream's counters in this process (thread-safe; made anew when unpickled). It holds
+  no stage: stages hold it, and a cycle would keep their thread pools alive until a GC."""
 
   def __init__(self):
-    self.read = None  # the read stage (`pipeline.reads.ReadRecords`), for storage counters
     self._reset()
 
   def _reset(self):
@@ -47,10 +47,9 @@ class Recorder:
     self._start = time.perf_counter()
 
   def __getstate__(self):
-    return {"read": self.read}
+    return {}
 
   def __setstate__(self, state):
-    self.read = state["read"]
     self._reset()
 
   def task(self, stage: str, seconds: float, items: int = 0) -> None:
@@ -75,12 +74,13 @@ class Recorder:
         c[5] += started
         c[6] += 1
 
-  def snapshot(self) -> np.ndarray:
-    """This process's counters as one array (STATS_KEY's value)."""
+  def snapshot(self, read=None) -> np.ndarray:
+    """This process's counters as one array (STATS_KEY's value), with the storage counters
+    of `read` (the read stage, `pipeline.reads.ReadRecords`) when given."""
     out = np.zeros((_HEAD + len(STAGES), len(_COUNTS) + BINS))
     out[0, :2] = os.getpid(), time.perf_counter() - self._start
-    if self.read is not None:
-      s = self.read.stats
+    if read is not None:
+      s = read.stats
       out[1, : len(STORAGE)] = [getattr(s, name) for name in STORAGE]
     with self._lock:
       out[_HEAD:] = self._counts
@@ -101,18 +101,19 @@ def annotation(stage: str):
 
 
 class Timed:
-  """A map step (`fn`) timed as `stage`; `attach` adds this process's snapshot to its output."""
+  """A map step (`fn`) timed as `stage`; with `read` (the read stage), its output carries
+  this process's snapshot."""
 
-  def __init__(self, fn, recorder: Recorder, stage: str, attach: bool = False):
-    self.fn, self.recorder, self.stage, self.attach = fn, recorder, stage, attach
+  def __init__(self, fn, recorder: Recorder, stage: str, read=None):
+    self.fn, self.recorder, self.stage, self.read = fn, recorder, stage, read
 
   def __call__(self, element):
     t = time.perf_counter()
     with annotation(self.stage):
       out = self.fn(element)
     self.recorder.task(self.stage, time.perf_counter() - t, 1)
-    if self.attach:
-      out[STATS_KEY] = self.recorder.snapshot()
+    if self.read is not None:
+      out[STATS_KEY] = self.recorder.snapshot(self.read)
     return out
 
 

@@ -32,7 +32,8 @@ __all__ = ["StateError", "StreamIterDataset", "plain", "stats_of"]
 
 class StreamIterDataset(grain.IterDataset):
   """Passes batches through; tags, validates and restores iterator states; keeps each
-  process's stage counters (`recorder`: this process's), printed every `stats_every_s`."""
+  process's stage counters (`recorder`: this process's; `read`: its read stage, for storage's),
+  printed every `stats_every_s`."""
 
   def __init__(
     self,
@@ -40,22 +41,24 @@ class StreamIterDataset(grain.IterDataset):
     stream: dict,
     recorder: stats.Recorder | None = None,
     stats_every_s: float | None = None,
+    read=None,
   ):
     super().__init__(parent)
-    self._stream, self._recorder, self._every = stream, recorder, stats_every_s
+    self._stream, self._recorder, self._every, self._read = stream, recorder, stats_every_s, read
 
   def __iter__(self) -> grain.DatasetIterator:
     recorder = self._recorder or stats.Recorder()
-    return StreamIterator(self._parent.__iter__(), self._stream, recorder, self._every)
+    parent = self._parent.__iter__()
+    return StreamIterator(parent, self._stream, recorder, self._every, self._read)
 
   def __str__(self) -> str:
     return "StreamIterDataset"
 
 
 class StreamIterator(grain.DatasetIterator):
-  def __init__(self, parent, stream: dict, recorder: stats.Recorder, every_s: float | None):
+  def __init__(self, parent, stream: dict, recorder: stats.Recorder, every_s, read=None):
     super().__init__(parent)
-    self._stream, self._recorder, self._every = stream, recorder, every_s
+    self._stream, self._recorder, self._every, self._read = stream, recorder, every_s, read
     self._snapshots: dict[int, np.ndarray] = {}  # pid -> the latest counters of that process
     self._printed = time.monotonic()
     self.skipped = 0
@@ -77,7 +80,7 @@ class StreamIterator(grain.DatasetIterator):
   def stats(self) -> stats.Stats:
     """Each stage's figures in this process and in every worker process, and storage's."""
     main = os.getpid()
-    return stats.collect({**self._snapshots, main: self._recorder.snapshot()}, main)
+    return stats.collect({**self._snapshots, main: self._recorder.snapshot(self._read)}, main)
 
   def get_state(self) -> dict:
     inner = self._parent.get_state()

@@ -197,7 +197,7 @@ def main():
   for _ in range(40):
     next(it)
   same = all((b["image"] == c).all() for b, c in zip(kept, copies))
-  receiver = next(n for n in lifecycle._chain(it) if isinstance(n, handoff._ReceiveIterator))
+  receiver = next(n for n in lifecycle.iterators(it) if isinstance(n, handoff._ReceiveIterator))
   print(json.dumps({"same": bool(same), "blocks": len(receiver._blocks),
                     "tokens": sorted(handoff._TOKENS)}))
   # exits with batches unsent and the iterator open: the exit path must clean up
