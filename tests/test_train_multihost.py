@@ -28,9 +28,12 @@ def free_port() -> int:
 
 
 class Run:
-  """Two trainer processes; `extra[i]` are process i's own extra arguments."""
+  """Two trainer processes; `extra[i]` are process i's own extra arguments, `cwds[i]` its
+  working directory (a relative data_dir then names each host's own mount, as on a pod)."""
 
-  def __init__(self, tmp_path, workdir, data_dir, *args, extra=((), ()), steps=14):
+  def __init__(
+    self, tmp_path, workdir, data_dir, *args, extra=((), ()), steps=14, cwds=(ROOT, ROOT)
+  ):
     port = free_port()
     self.logs = [tmp_path / f"process{i}-{port}.log" for i in range(2)]
     self.procs = []
@@ -48,7 +51,7 @@ class Run:
       )
       with open(self.logs[i], "w") as log:
         self.procs.append(
-          subprocess.Popen(cmd, cwd=ROOT, env=env(), stdout=log, stderr=subprocess.STDOUT)
+          subprocess.Popen(cmd, cwd=cwds[i], env=env(), stdout=log, stderr=subprocess.STDOUT)
         )
 
   def output(self, i: int) -> str:
