@@ -206,6 +206,7 @@ def main(argv):
   if CACHE.value:
     jax.config.update("jax_compilation_cache_dir", CACHE.value)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
+  from pipeline import remote
   from train import train
 
   config = flags.FLAGS.config
@@ -227,6 +228,15 @@ def main(argv):
     if VERBOSE.value:
       raise
     fail("interrupted; steps since the last checkpoint are lost", 130)
+  except remote.RemoteStorageError as e:
+    # Storage that stopped answering mid-run: its reads may hang on in their threads (and an
+    # orderly exit joins them), the other processes wait in a collective for this one (and
+    # an orderly exit waits for them): leave at once, in one line; the others name this one.
+    if VERBOSE.value:
+      traceback.print_exc()
+    print(f"python -m train: {e}", file=sys.stderr, flush=True)
+    sys.stdout.flush()
+    os._exit(1)
   except Exception as e:
     if hosts.lost_peer(e):  # the distributed service will say which process
       hosts.await_verdict(e)
