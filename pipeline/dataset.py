@@ -32,10 +32,10 @@ from etils import epath
 from pipeline import augment as augment_lib
 from pipeline import blocks as blocks_lib
 from pipeline import (
-  decode,
   elastic,
   guards,
   handoff,
+  images,
   lifecycle,
   parallelism,
   reads,
@@ -49,7 +49,6 @@ from pipeline.blocks import WINDOW_BATCHES, Blocks
 from pipeline.cache import RecordCache, dataset_id
 from pipeline.errors import BadRecordError
 from pipeline.finish import FinishBatch
-from pipeline.images import DecodeImages
 from pipeline.options import Augment
 from pipeline.plan import PlanBatches, Sizes
 from pipeline.sampling import Sampler
@@ -71,7 +70,7 @@ class Stages:
   sizes: Sizes
   manifest: manifest_lib.Manifest
   read: reads.ReadRecords
-  decode: DecodeImages
+  decode: images.DecodeImages
   finish: FinishBatch
   normalize: bool
   workers: int
@@ -114,7 +113,7 @@ def build(spec: Spec) -> Stages:
     sizes=Sizes.of(sampler, spec.batch_size, spec.drop_remainder, repr(spec.split)),
     manifest=meta,
     read=read,
-    decode=DecodeImages(
+    decode=images.DecodeImages(
       head,
       keys=keys,
       seed=spec.seed,
@@ -122,7 +121,7 @@ def build(spec: Spec) -> Stages:
       prefetch=perf.prefetch,
       on_error=spec.on_error,
       cache_mb=perf.cache_mb,
-      decoder=None if perf.cache_mb else decode.batch_decoder(head, keys, spec.seed),
+      decoder=None if perf.cache_mb else images.batch_decoder(head, keys, spec.seed),
     ),
     finish=FinishBatch(
       num_classes=meta.num_classes,

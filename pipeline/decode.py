@@ -1,11 +1,11 @@
 """Image decoding: read the size from the header, then decode only the crop window.
 
-The batch path decodes in a `pipeline._jpeg.BatchDecoder` (`batch_decoder`, called by
-`pipeline.images`); the rest are the per-image functions of the Python path. JPEGs go through
-`pipeline._jpeg` (libjpeg-turbo with `jpeg_crop_scanline` and `jpeg_skip_scanlines`, DCT
-scaling, GIL released), the equivalent of tf.data's `decode_and_crop_jpeg`. If the extension was
-not built, simplejpeg decodes the whole image. Other formats (PNG, GIF, CMYK JPEG, ...) fall back
-to Pillow. Output is always uint8 RGB.
+The batch path decodes in a `pipeline._jpeg.BatchDecoder` (`images.batch_decoder`); the rest
+are the per-image functions of the Python path. JPEGs go through `pipeline._jpeg`
+(libjpeg-turbo with `jpeg_crop_scanline` and `jpeg_skip_scanlines`, DCT scaling, GIL
+released), the equivalent of tf.data's `decode_and_crop_jpeg`. If the extension was not built,
+simplejpeg decodes the whole image. Other formats (PNG, GIF, CMYK JPEG, ...) fall back to
+Pillow. Output is always uint8 RGB.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import importlib.util
 import io
 import os
 import re
-from typing import TYPE_CHECKING
 
 import numpy as np
 import PIL
@@ -24,9 +23,6 @@ import simplejpeg
 from PIL import Image
 
 from pipeline import fallback
-
-if TYPE_CHECKING:
-  from pipeline import augment, records
 
 
 def _soname_abi(lib: str) -> int | None:
@@ -102,15 +98,6 @@ def native():
 
     print(MISSING.format(why=_missing), file=sys.stderr, flush=True)
   return _jpeg
-
-
-def batch_decoder(head: augment.Head, keys: records.Keys, seed: int):
-  """The native decoder of a decode stage (`_jpeg.BatchDecoder`: `head`'s windows, `keys`'
-  features, `seed`'s draws), or None where the extension was not built."""
-  if native() is None:
-    return None
-  params, size, slot = head.native_params(), head.image_size, head.slot_bytes()
-  return _jpeg.BatchDecoder(params, size, slot, seed, keys.image.encode(), keys.label.encode())
 
 
 # Pillow's decompression-bomb limit; the C decoder enforces its own copy (one #define, exported
