@@ -56,8 +56,9 @@ def _compiled_abi() -> int | None:
     return None
 
 
-def _load_extension():
-  """Imports `_jpeg` after loading a libjpeg of the API it was compiled against."""
+def _load_libjpeg() -> int | None:
+  """Loads a libjpeg of the API `_jpeg` was compiled against, before `_jpeg` is imported;
+  returns that API version."""
   abi = _compiled_abi()
   for lib in libraries(abi):
     try:
@@ -65,20 +66,18 @@ def _load_extension():
       break
     except OSError:
       continue
-  global _missing
-  try:
-    from pipeline import _jpeg
-
-    return _jpeg
-  except ImportError as e:  # not built, or no libjpeg found: simplejpeg decodes whole images
-    _missing = str(e) or type(e).__name__
-    if abi is not None:
-      _missing += f" (it needs a libjpeg of API version {abi})"
-    return None
+  return abi
 
 
+_abi = _load_libjpeg()
 _missing: str | None = None  # why the extension did not load
-_jpeg = _load_extension()
+try:
+  from pipeline import _jpeg
+except ImportError as e:  # not built, or no libjpeg found: simplejpeg decodes whole images
+  _jpeg = None
+  _missing = str(e) or type(e).__name__
+  if _abi is not None:
+    _missing += f" (it needs a libjpeg of API version {_abi})"
 _reported = False
 MISSING = (
   "pipeline: the C JPEG decoder (pipeline/_jpeg.c) is not available ({why}): whole images "
