@@ -8,6 +8,8 @@ ds = pipeline.make_dataset(..., pp="decode_jpeg_and_inception_crop(224)|flip_lr|
 print(pipeline.stats_of(it).table())   # every stage, every process, storage requests
 """
 
+import importlib
+
 from pipeline import features, ops, pp, randaugment, registry
 from pipeline.errors import BadRecordError
 from pipeline.features import Feature
@@ -58,8 +60,6 @@ _LAZY = {
 def __getattr__(name: str):
   """Names that import Grain or JAX load on first use, so converters and workers stay light."""
   if name in _LAZY:
-    import importlib
-
     return getattr(importlib.import_module(f"pipeline.{_LAZY[name]}"), name)
   if name == "Mixup":
     raise AttributeError("pipeline.Mixup is now pipeline.PermutedMixup ('mixup' is big_vision's)")

@@ -1,6 +1,6 @@
 """The block order: an epoch's shuffle that a bucket can serve in few, large requests.
 
-A bucket rations requests, not bytes, and the global shuffle (`sampling.permute`) asks one
+A bucket rations requests, not bytes, and the global shuffle (`shuffle.permute`) asks one
 request per image. Here the records are cut into blocks of `block_records` consecutive
 records (consecutive within a shard; a shard's last block may be shorter), and an epoch is a
 keyed permutation of all blocks, dealt out to the processes in shares of about equal records
@@ -35,7 +35,7 @@ import math
 
 import numpy as np
 
-from pipeline.sampling import PAD, epoch_key, permute
+from pipeline.shuffle import PAD, epoch_key, permute
 
 BLOCK_RECORDS = 16  # records per block at least: images per request from one process
 BLOCK_BYTES = 2 * 2**20  # bytes per block at least, by default (a layer may cut at 1 MiB)

@@ -32,10 +32,10 @@ from etils import epath
 from pipeline import augment as augment_lib
 from pipeline import blocks as blocks_lib
 from pipeline import (
-  decode,
   elastic,
   guards,
   handoff,
+  images,
   lifecycle,
   parallelism,
   reads,
@@ -43,13 +43,14 @@ from pipeline import (
   stats,
   tfds_folder,
 )
+from pipeline import features as features_lib
 from pipeline import manifest as manifest_lib
+from pipeline import pp as pp_lib
 from pipeline.ahead import AheadIterDataset
 from pipeline.blocks import WINDOW_BATCHES, Blocks
 from pipeline.cache import RecordCache, dataset_id
 from pipeline.errors import BadRecordError
 from pipeline.finish import FinishBatch
-from pipeline.images import DecodeImages
 from pipeline.options import Augment
 from pipeline.plan import PlanBatches, Sizes
 from pipeline.sampling import Sampler
@@ -71,7 +72,7 @@ class Stages:
   sizes: Sizes
   manifest: manifest_lib.Manifest
   read: reads.ReadRecords
-  decode: DecodeImages
+  decode: images.DecodeImages
   finish: FinishBatch
   normalize: bool
   workers: int
@@ -103,8 +104,6 @@ def build(spec: Spec) -> Stages:
   head, image_ops, batch_ops = _transforms(spec, meta)
   features = spec.transforms.features
   if features:
-    from pipeline import features as features_lib
-
     features = features_lib.parse_specs(features, sample=source.read([0])[0])
   chosen = _workers(spec, head.image_size, sampler.blocks is not None)
   read = _read(spec, meta, source, pins, sampler, chosen)
@@ -114,7 +113,7 @@ def build(spec: Spec) -> Stages:
     sizes=Sizes.of(sampler, spec.batch_size, spec.drop_remainder, repr(spec.split)),
     manifest=meta,
     read=read,
-    decode=DecodeImages(
+    decode=images.DecodeImages(
       head,
       keys=keys,
       seed=spec.seed,
@@ -122,7 +121,7 @@ def build(spec: Spec) -> Stages:
       prefetch=perf.prefetch,
       on_error=spec.on_error,
       cache_mb=perf.cache_mb,
-      decoder=None if perf.cache_mb else decode.batch_decoder(head, keys, spec.seed),
+      decoder=None if perf.cache_mb else images.batch_decoder(head, keys, spec.seed),
     ),
     finish=FinishBatch(
       num_classes=meta.num_classes,
@@ -198,8 +197,6 @@ def _transforms(spec: Spec, meta: manifest_lib.Manifest) -> tuple[augment_lib.He
     )
   image_size = 224 if image_size is None else image_size
   if (ops or batch_ops) and group.pp is None:
-    from pipeline import pp as pp_lib
-
     context = dict(image_size=image_size, num_classes=meta.num_classes)
     ops = pp_lib.build(ops, "image", **context)
     batch_ops = pp_lib.build(batch_ops, "batch", **context)
@@ -329,8 +326,6 @@ def _stream(spec: Spec, sampler: Sampler, shards: list) -> dict:
 def _compile_pp(pp, meta, train, image_size, aug, ops, batch_ops, normalize):
   """`pp`'s head settings merged into `aug` and its ops; any setting it conflicts with is an
   error naming both."""
-  from pipeline import pp as pp_lib
-
   if ops or batch_ops:
     raise ValueError(
       "pass either pp= or ops= / batch_ops=: a pp string holds the ops (name yours in it "

@@ -1,11 +1,11 @@
 """Image decoding: read the size from the header, then decode only the crop window.
 
-The batch path decodes in a `pipeline._jpeg.BatchDecoder` (`batch_decoder`, called by
-`pipeline.images`); the rest are the per-image functions of the Python path. JPEGs go through
-`pipeline._jpeg` (libjpeg-turbo with `jpeg_crop_scanline` and `jpeg_skip_scanlines`, DCT
-scaling, GIL released), the equivalent of tf.data's `decode_and_crop_jpeg`. If the extension was
-not built, simplejpeg decodes the whole image. Other formats (PNG, GIF, CMYK JPEG, ...) fall back
-to Pillow. Output is always uint8 RGB.
+The batch path decodes in a `pipeline._jpeg.BatchDecoder` (`images.batch_decoder`); the rest
+are the per-image functions of the Python path. JPEGs go through `pipeline._jpeg`
+(libjpeg-turbo with `jpeg_crop_scanline` and `jpeg_skip_scanlines`, DCT scaling, GIL
+released), the equivalent of tf.data's `decode_and_crop_jpeg`. If the extension was not built,
+simplejpeg decodes the whole image. Other formats (PNG, GIF, CMYK JPEG, ...) fall back to
+Pillow. Output is always uint8 RGB.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ import importlib.util
 import io
 import os
 import re
-from typing import TYPE_CHECKING
 
 import numpy as np
 import PIL
@@ -24,9 +23,6 @@ import simplejpeg
 from PIL import Image
 
 from pipeline import fallback
-
-if TYPE_CHECKING:
-  from pipeline import augment, records
 
 
 def _soname_abi(lib: str) -> int | None:
@@ -60,8 +56,9 @@ def _compiled_abi() -> int | None:
     return None
 
 
-def _load_extension():
-  """Imports `_jpeg` after loading a libjpeg of the API it was compiled against."""
+def _load_libjpeg() -> int | None:
+  """Loads a libjpeg of the API `_jpeg` was compiled against, before `_jpeg` is imported;
+  returns that API version."""
   abi = _compiled_abi()
   for lib in libraries(abi):
     try:
@@ -69,20 +66,18 @@ def _load_extension():
       break
     except OSError:
       continue
-  global _missing
-  try:
-    from pipeline import _jpeg
-
-    return _jpeg
-  except ImportError as e:  # not built, or no libjpeg found: simplejpeg decodes whole images
-    _missing = str(e) or type(e).__name__
-    if abi is not None:
-      _missing += f" (it needs a libjpeg of API version {abi})"
-    return None
+  return abi
 
 
+_abi = _load_libjpeg()
 _missing: str | None = None  # why the extension did not load
-_jpeg = _load_extension()
+try:
+  from pipeline import _jpeg
+except ImportError as e:  # not built, or no libjpeg found: simplejpeg decodes whole images
+  _jpeg = None
+  _missing = str(e) or type(e).__name__
+  if _abi is not None:
+    _missing += f" (it needs a libjpeg of API version {_abi})"
 _reported = False
 MISSING = (
   "pipeline: the C JPEG decoder (pipeline/_jpeg.c) is not available ({why}): whole images "
@@ -102,15 +97,6 @@ def native():
 
     print(MISSING.format(why=_missing), file=sys.stderr, flush=True)
   return _jpeg
-
-
-def batch_decoder(head: augment.Head, keys: records.Keys, seed: int):
-  """The native decoder of a decode stage (`_jpeg.BatchDecoder`: `head`'s windows, `keys`'
-  features, `seed`'s draws), or None where the extension was not built."""
-  if native() is None:
-    return None
-  params, size, slot = head.native_params(), head.image_size, head.slot_bytes()
-  return _jpeg.BatchDecoder(params, size, slot, seed, keys.image.encode(), keys.label.encode())
 
 
 # Pillow's decompression-bomb limit; the C decoder enforces its own copy (one #define, exported

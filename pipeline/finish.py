@@ -15,7 +15,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from pipeline import errors, records
+from pipeline import errors, ops, records
+from pipeline import features as features_lib
 from pipeline.ahead import Threads
 from pipeline.plan import Batch
 
@@ -42,8 +43,6 @@ class FinishBatch:
     self.on_error, self.with_mask = on_error, with_mask
     self.image_ops, self.batch_ops, self.features = tuple(image_ops), tuple(batch_ops), features
     self.threads = Threads(num_threads, "pipeline-ops")
-    from pipeline import ops
-
     self.wants_example = tuple(ops.takes_example(op) for op in self.image_ops)
 
   def __call__(self, batch: Batch) -> dict[str, np.ndarray]:
@@ -51,8 +50,6 @@ class FinishBatch:
     n = len(batch.indices)
     arrays = None
     if self.features:
-      from pipeline import features as features_lib
-
       arrays = features_lib.allocate(self.features, n)
     op_images: list = [None] * n
     if self.image_ops or arrays is not None:
@@ -75,8 +72,6 @@ class FinishBatch:
     else:
       _fill_skipped(out, ok)
     if self.batch_ops:
-      from pipeline import ops
-
       out = ops.apply_batch(self.batch_ops, out, ops.batch_rng(self.seed, batch.index))
     out[SKIPPED_KEY] = np.int64((batch.real & batch.bad).sum())
     return out
@@ -94,13 +89,9 @@ class FinishBatch:
 
   def _extras(self, batch: Batch, slots: list[int], arrays, op_images: list) -> None:
     """Extra features and per-image ops of some good slots."""
-    from pipeline import ops
-
     for slot in slots:
       try:
         if arrays is not None:
-          from pipeline import features as features_lib
-
           features_lib.fill(self.features, batch.records[slot], arrays, slot)
         if self.image_ops:
           rng = ops.reused_example_rng(self.seed, int(batch.epochs[slot]), int(batch.indices[slot]))

@@ -3,7 +3,7 @@
 `DecodeImages` (an `AheadIterDataset` stage) cuts each batch into runs of at most MAX_TASK
 records, one decode-thread task each (fewer tasks: less GIL-held hand-off per image), keeping
 `prefetch` batches in flight. A task takes MAX_CHUNK records at a time, each chunk ONE call of
-its `decoder` (`decode.batch_decoder`), which without the GIL parses, draws the windows and flips
+its `decoder` (`batch_decoder`), which without the GIL parses, draws the windows and flips
 from (seed, epoch, index) and decodes them (mirrored) into this thread's arena; OpenCV resizes
 each into its batch slot. A broken JPEG comes back with its message; what else the decoder hands
 back (other formats, odd records; all without a decoder) takes the per-image Python path.
@@ -29,10 +29,20 @@ MAX_TASK = 32  # images per decode-thread task (native calls in turn): fewer tas
 _ARENAS = threading.local()  # each decode thread's windows, kept: no page faults per batch
 
 
+def batch_decoder(head: augment.Head, keys: records.Keys, seed: int):
+  """The native decoder of a decode stage (`_jpeg.BatchDecoder`: `head`'s windows, `keys`'
+  features, `seed`'s draws), or None where the extension was not built."""
+  native = decode.native()
+  if native is None:
+    return None
+  params, size, slot = head.native_params(), head.image_size, head.slot_bytes()
+  return native.BatchDecoder(params, size, slot, seed, keys.image.encode(), keys.label.encode())
+
+
 @dataclasses.dataclass(eq=False)
 class DecodeImages:
   """Fills `batch.images` (made by `allocate`: np.empty, or a `handoff.Writer`'s in shared
-  memory), `batch.labels`, `batch.bad`. `decoder`: `decode.batch_decoder`'s or a stand-in; None:
+  memory), `batch.labels`, `batch.bad`. `decoder`: `batch_decoder`'s or a stand-in; None:
   the Python path alone. Picklable: pool and cache are made on first use in each process."""
 
   head: augment.Head

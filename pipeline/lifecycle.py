@@ -17,6 +17,8 @@ import weakref
 
 import grain
 
+from pipeline import handoff
+
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -76,8 +78,6 @@ def die_with_parent() -> None:
   parent = multiprocessing.parent_process()
   if parent is None:
     return
-  from pipeline import handoff
-
   # A worker ending another way (its queue broken by the parent's death) exits through
   # multiprocessing, which runs its finalizers but not atexit: unlink the ring there too.
   multiprocessing.util.Finalize(None, handoff.close_rings, exitpriority=100)

@@ -40,6 +40,8 @@ from typing import TypeVar
 from absl import logging as absl_logging
 from etils import epath
 
+from pipeline.schema import FILENAME
+
 T = TypeVar("T")
 ATTEMPT_S = 20.0  # deadline of one attempt (gcsfs retries a 5xx by itself within it)
 ATTEMPTS = 3
@@ -190,8 +192,6 @@ def check(data_dir, probe: bool = True) -> None:
       f"cannot read {data_dir}: cannot reach Cloud Storage ({unresolved}): check the network "
       f"and DNS{also}; {GCSFUSE}"
     )
-  from pipeline.manifest import FILENAME
-
   path = epath.Path(data_dir) / FILENAME
   try:
     call(path.stat, path)

@@ -20,8 +20,8 @@ import os
 import numpy as np
 from etils import epath
 
-from pipeline import manifest, records
-from pipeline.manifest import Manifest, ManifestError, Split
+from pipeline import records, schema
+from pipeline.schema import Manifest, ManifestError, Split
 
 SCHEME = "tfds://"
 INFO = "dataset_info.json"
@@ -112,7 +112,7 @@ def keys_and_classes(info, folder) -> tuple[records.Keys, list[str]]:
     )
   filename = "file_name" if "file_name" in features else ""
   classes = list(features[label].names)
-  manifest.check_classes(
+  schema.check_classes(
     classes, os.fspath(tfds.features.ClassLabel.get_names_filepath(folder, label))
   )
   return records.Keys(image=image, label=label, filename=filename), classes
@@ -160,7 +160,7 @@ def load(data_dir) -> Manifest:
 
 def checked_splits(info, folder) -> dict[str, Split]:
   """The splits of the TFDS build in `folder` (its `info`), checked as strictly as those of a
-  manifest.json (`manifest.splits_from_json`): shardLengths are counts of records, and the
+  manifest.json (`schema.splits_from_json`): shardLengths are counts of records, and the
   shard files its templates name are files of `folder`, each listed once."""
   where = os.fspath(epath.Path(folder) / INFO)
   splits = {}
@@ -168,7 +168,7 @@ def checked_splits(info, folder) -> dict[str, Split]:
     lengths = list(split.shard_lengths)
     if split.num_examples and not lengths:
       raise ManifestError(f"{where}: split {name!r} lists no shardLengths; rebuild it")
-    if (bad := next((n for n in lengths if not 0 <= n < manifest.INT64), None)) is not None:
+    if (bad := next((n for n in lengths if not 0 <= n < schema.INT64), None)) is not None:
       raise ManifestError(
         f"{where}: split {name!r} has shardLengths {lengths}: {bad} is not a count of records"
       )
@@ -177,4 +177,4 @@ def checked_splits(info, folder) -> dict[str, Split]:
       raise ManifestError(f"{where}: split {name!r} has shards outside {folder}")
     shards = [{"file": p.name, "num_records": n, "sha256": ""} for p, n in zip(paths, lengths)]
     splits[name] = {"num_records": sum(lengths), "shards": shards}
-  return manifest.splits_from_json(splits, where)
+  return schema.splits_from_json(splits, where)

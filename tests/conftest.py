@@ -175,13 +175,18 @@ def run_python():
   return run
 
 
+def free_port() -> int:
+  """A localhost TCP port free now, for a server or a cluster's coordinator to bind."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    return s.getsockname()[1]
+
+
 def run_processes(script: str, count: int, timeout: float = 300, **flags) -> None:
   """Runs tests/SCRIPT as `count` processes that join over a fresh localhost port
   (each gets --process_id and --port, plus --NAME=VALUE per flag, where a value may contain
   `{i}` for the process id); fails with a process's output if any exits non-zero."""
-  with socket.socket() as s:
-    s.bind(("localhost", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   procs = [
     subprocess.Popen(
       [sys.executable, str(REPO / "tests" / script), f"--process_id={i}", f"--port={port}"]

@@ -26,6 +26,19 @@ def examples(batch: dict) -> list[str]:
   ]
 
 
+def make_dataset(data, shard_index: int, shard_count: int, workers: int = 0):
+  """What process `shard_index` of `shard_count` reads: its share of each global batch."""
+  return pipeline.make_dataset(
+    data,
+    batch_size=GLOBAL_BATCH // shard_count,
+    seed=SEED,
+    image_size=IMAGE_SIZE,
+    shard_index=shard_index,
+    shard_count=shard_count,
+    performance=dict(num_threads=1, num_workers=workers),
+  )
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--process_id", type=int, required=True)
@@ -40,15 +53,7 @@ def main() -> None:
   args = parser.parse_args()
 
   join(args.port, args.num_processes, args.process_id, devices=1)
-  ds = pipeline.make_dataset(
-    args.data,
-    batch_size=GLOBAL_BATCH // jax.process_count(),
-    seed=SEED,
-    image_size=IMAGE_SIZE,
-    shard_index=jax.process_index(),
-    shard_count=jax.process_count(),
-    performance=dict(num_threads=1, num_workers=args.workers),
-  )
+  ds = make_dataset(args.data, jax.process_index(), jax.process_count(), args.workers)
   save_at = [int(s) for s in args.save_at.split(",") if s]
   out = {"steps": [], "states": {}, "resumed": {}}
   it = iter(ds)

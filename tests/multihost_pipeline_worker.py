@@ -21,6 +21,31 @@ SEED = 7
 IMAGE_SIZE = 16
 
 
+def make_dataset(data, shard_index: int, shard_count: int, split="train", batch_size: int = 4):
+  """What process `shard_index` of `shard_count` reads: 2 shuffled epochs of eval images."""
+  return pipeline.make_dataset(
+    data,
+    split,
+    batch_size=batch_size,
+    train=False,
+    shuffle=True,
+    num_epochs=2,
+    seed=SEED,
+    image_size=IMAGE_SIZE,
+    shard_index=shard_index,
+    shard_count=shard_count,
+    performance=dict(num_threads=1),
+  )
+
+
+def hashes(batch: dict) -> list[str | None]:
+  """Each example's hash, None for padding."""
+  return [
+    hashlib.sha1(image.tobytes()).hexdigest() if real else None
+    for image, real in zip(batch["image"], batch["mask"])
+  ]
+
+
 def main() -> None:
   parser = argparse.ArgumentParser(description=__doc__)
   parser.add_argument("--process_id", type=int, required=True)
@@ -34,29 +59,14 @@ def main() -> None:
   args = parser.parse_args()
 
   join(args.port, args.num_processes, args.process_id, devices=1)
-  ds = pipeline.make_dataset(
-    args.data,
-    args.split,
-    batch_size=args.batch_size,
-    train=False,
-    shuffle=True,
-    num_epochs=2,
-    seed=SEED,
-    image_size=IMAGE_SIZE,
-    shard_index=jax.process_index(),
-    shard_count=jax.process_count(),
-    performance=dict(num_threads=1),
+  ds = make_dataset(
+    args.data, jax.process_index(), jax.process_count(), args.split, args.batch_size
   )
   it = iter(ds)
   out = {"process_index": jax.process_index(), "process_count": jax.process_count()}
   out["batches"] = []
   for batch in it:
-    out["batches"].append(
-      [
-        hashlib.sha1(image.tobytes()).hexdigest() if real else None
-        for image, real in zip(batch["image"], batch["mask"])
-      ]
-    )
+    out["batches"].append(hashes(batch))
     if len(out["batches"]) == args.save_at:
       out["state"] = it.get_state()
   it.close()

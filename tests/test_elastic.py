@@ -23,7 +23,7 @@ from pipeline.convert import images
 from pipeline.sampling import Sampler
 from pipeline.stream import StateError
 from tests.conftest import assert_same_batches, run_processes, take
-from tests.elastic_pipeline_worker import GLOBAL_BATCH, IMAGE_SIZE, SEED, examples
+from tests.elastic_pipeline_worker import GLOBAL_BATCH, IMAGE_SIZE, SEED, examples, make_dataset
 from tests.test_multihost_pipeline import odd_dir  # noqa: F401 - a fixture
 
 STEPS, SAVES = 8, (2, 4)
@@ -38,16 +38,7 @@ def by_step(results: list[list[list[str]]]) -> list[list[str]]:
 @pytest.fixture(scope="module")
 def reference(odd_dir) -> list[list[str]]:  # noqa: F811
   """The unresized run: one process, the whole global batch."""
-  ds = pipeline.make_dataset(
-    odd_dir,
-    batch_size=GLOBAL_BATCH,
-    seed=SEED,
-    image_size=IMAGE_SIZE,
-    shard_index=0,
-    shard_count=1,
-    performance=dict(num_threads=1, num_workers=0),
-  )
-  it = iter(ds)
+  it = iter(make_dataset(odd_dir, 0, 1))
   steps = [examples(next(it)) for _ in range(STEPS)]
   it.close()
   return steps

@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import pipeline
-from pipeline import augment, decode, records
+from pipeline import augment, decode, images, records
 from pipeline.dataset import BadRecordError
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -164,7 +164,7 @@ def _native_batch(record: bytes, seed: int) -> list:
   """The native batch path on one record (raw bytes exercise its Example parser), drawn as
   the "train" path draws it (example (seed, 0, 0))."""
   head = augment.Head(OUT)
-  decoder = decode.batch_decoder(head, records.Keys(), seed)
+  decoder = images.batch_decoder(head, records.Keys(), seed)
   if decoder is None:
     return []
   labels, index = np.zeros(2, np.int64), np.zeros(2, np.int64)
@@ -659,7 +659,7 @@ def test_the_batch_path_serves_protobufs_label():
   head = augment.Head(OUT)
   index, labels = np.zeros(1, np.int64), np.full(1, -1, np.int64)
   arena, dims = np.empty(head.slot_bytes(), np.uint8), np.zeros((1, 2), np.int32)
-  decoder = decode.batch_decoder(head, records.Keys(), 0)
+  decoder = images.batch_decoder(head, records.Keys(), 0)
   handed_back = decoder([record], index, index, labels, dims, arena, 0, 1)
   assert handed_back == [] and labels.tolist() == [0]
 

@@ -13,7 +13,6 @@ import importlib.util
 import inspect
 import os
 import re
-import socket
 import subprocess
 import sys
 import textwrap
@@ -23,6 +22,7 @@ import urllib.request
 import pytest
 
 from pipeline import remote
+from tests.conftest import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMULATOR_MISSING = [
@@ -195,9 +195,7 @@ def gcs(tmp_path_factory):
   """A local Cloud Storage with bucket "bkt"; yields the environment that points gcsfs, epath
   and array_record at it, and GCS_EMULATOR_COUNT: the file counting its GETs."""
   assert not EMULATOR_MISSING, f"CI=true but not installed: {EMULATOR_MISSING}"
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   url = f"http://127.0.0.1:{port}"
   count = os.path.join(tmp_path_factory.mktemp("gcs"), "gets")  # the GETs served so far
   proc = subprocess.Popen(

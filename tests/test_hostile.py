@@ -24,6 +24,7 @@ from PIL import Image
 
 from pipeline import augment, decode, fallback, manifest, records
 from pipeline.convert import checks, images, shards
+from pipeline.images import batch_decoder
 from pipeline.source import ShardedSource
 from tests import jpeg_modes
 from tests.conftest import native_or_skip
@@ -170,7 +171,7 @@ def batch_windows(*datas: bytes) -> tuple[list, list]:
     np.zeros((n, 2), np.int32),
     np.zeros(n * slot, np.uint8),
   )
-  decoder = decode.batch_decoder(head, records.Keys(), 7)
+  decoder = batch_decoder(head, records.Keys(), 7)
   back = decoder([records.encode(d, 1) for d in datas], same, same, labels, dims, arena, 0, n)
   return back, [arena[k * slot : k * slot + h * w * 3].copy() for k, (h, w) in enumerate(dims)]
 
@@ -266,6 +267,7 @@ def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
     """
     import resource, time
     from pipeline import augment, decode
+    from pipeline.images import batch_decoder
     from tests.jpeg_modes import hidden_frame_bomb
     import numpy as np
     native, bomb = decode.native(), hidden_frame_bomb()
@@ -279,7 +281,7 @@ def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
     head = augment.Head(32)
     index, labels = np.zeros(1, np.int64), np.zeros(1, np.int64)
     arena, dims = np.empty(head.slot_bytes(), np.uint8), np.zeros((1, 2), np.int32)
-    decoder = decode.batch_decoder(head, records.Keys(), 0)
+    decoder = batch_decoder(head, records.Keys(), 0)
     print(decoder([records.encode(bomb, 1)], index, index, labels, dims, arena, 0, 1))
     print(time.process_time() - start, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10)
     """,

@@ -1,5 +1,6 @@
 """The library's import boundaries: `pipeline/` never imports the repository's tools or
-trainer, and converting a folder loads neither Grain nor JAX."""
+trainer, its modules import each other at the top and in no circle, and converting a folder
+loads neither Grain nor JAX."""
 
 import ast
 import json
@@ -41,6 +42,72 @@ def test_the_library_imports_nothing_from_the_repositorys_tools_or_trainer():
     if name.split(".")[0] in OUTSIDE
   }
   assert not found, sorted(found)
+
+
+def pipeline_imports(path: pathlib.Path, modules: set[str]):
+  """(module, function or None, line) of each `pipeline` module that `path` imports: a
+  submodule where `from pipeline.x import y` names one, "pipeline.<dynamic>" for an
+  `import_module` of a computed name."""
+  tree = ast.parse(path.read_text(), str(path))
+  within = {}
+  for func in ast.walk(tree):
+    if isinstance(func, (ast.FunctionDef, ast.AsyncFunctionDef)):
+      for node in ast.walk(func):
+        within.setdefault(id(node), func.name)  # ast.walk goes outside in: the outermost
+  for node in ast.walk(tree):
+    names = []
+    if isinstance(node, ast.Import):
+      names = [alias.name for alias in node.names]
+    elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+      names = [
+        f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in modules else node.module
+        for a in node.names
+      ]
+    elif isinstance(node, ast.Call) and node.args:
+      func = node.func
+      called = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", "")
+      if called in ("import_module", "__import__"):
+        arg = node.args[0]
+        names = [arg.value if isinstance(arg, ast.Constant) else "pipeline.<dynamic>"]
+    for name in names:
+      if name.split(".")[0] == "pipeline":
+        yield name, within.get(id(node)), node.lineno
+
+
+def _module(path: pathlib.Path) -> str:
+  return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
+
+
+def test_pipeline_modules_import_each_other_at_the_top_and_in_no_circle():
+  """A CLI's `__main__.py` may import lazily (a fast --help), and the package's `__getattr__`
+  loads the names that need Grain or JAX on first use; nothing else imports inside a function,
+  and no module reaches itself through its imports."""
+  files = {_module(path): path for path in sorted((ROOT / "pipeline").rglob("*.py"))}
+  graph, inside = {}, []
+  for module, path in files.items():
+    graph[module] = set()
+    for name, func, line in pipeline_imports(path, set(files)):
+      lazy_ok = path.name == "__main__.py" or (module, func) == ("pipeline", "__getattr__")
+      if func is not None and not lazy_ok:
+        inside.append(f"{path.relative_to(ROOT)}:{line} {func}(): {name}")
+      if name in files and name not in (module, "pipeline"):
+        graph[module].add(name)
+  assert not inside, inside
+  assert "pipeline.shuffle" in graph["pipeline.blocks"]  # the graph sees the imports
+  circles, done = [], set()
+
+  def visit(module: str, path: list[str]) -> None:
+    for other in sorted(graph[module]):
+      if other in path:
+        circles.append(" -> ".join(path[path.index(other) :] + [other]))
+      elif other not in done:
+        visit(other, path + [other])
+    done.add(module)
+
+  for module in sorted(graph):
+    if module not in done:
+      visit(module, [module])
+  assert not circles, circles
 
 
 def test_converting_a_folder_loads_neither_grain_nor_jax(tmp_path):

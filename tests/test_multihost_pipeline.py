@@ -19,11 +19,11 @@ import pytest
 import pipeline
 from pipeline.convert import builtin, images
 from tests.conftest import run_processes
+from tests.multihost_pipeline_worker import IMAGE_SIZE, SEED, hashes, make_dataset
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NUM_RECORDS = 45  # divides by neither 2 nor 4: the last places of a slice are padding
 BATCH = 4
-SEED, IMAGE_SIZE = 7, 16  # as in the worker
 
 
 @pytest.fixture(scope="module")
@@ -88,27 +88,9 @@ def by_epoch(results: list[dict], num_processes: int) -> list[list[str]]:
 
 def stream(data, state: dict, shard_index: int, shard_count: int) -> list[list[str | None]]:
   """The rest of a process's stream after `state`, as the worker writes it."""
-  ds = pipeline.make_dataset(
-    data,
-    batch_size=BATCH,
-    train=False,
-    shuffle=True,
-    num_epochs=2,
-    seed=SEED,
-    image_size=IMAGE_SIZE,
-    shard_index=shard_index,
-    shard_count=shard_count,
-    performance=dict(num_threads=1),
-  )
-  it = iter(ds)
+  it = iter(make_dataset(data, shard_index, shard_count, batch_size=BATCH))
   it.set_state(json.loads(json.dumps(state)))
-  return [
-    [
-      hashlib.sha1(image.tobytes()).hexdigest() if real else None
-      for image, real in zip(b["image"], b["mask"])
-    ]
-    for b in it
-  ]
+  return [hashes(b) for b in it]
 
 
 @pytest.mark.parametrize("num_processes", [2, 4])
@@ -138,18 +120,7 @@ def test_processes_cover_each_epoch_once_and_resume_exactly(
 
 def test_a_state_from_another_process_count_is_refused_clearly(odd_dir):
   """An eval stream is padded per epoch and process count: its state resumes on that count."""
-  ds = pipeline.make_dataset(
-    odd_dir,
-    batch_size=BATCH,
-    train=False,
-    shuffle=True,
-    num_epochs=2,
-    seed=SEED,
-    image_size=IMAGE_SIZE,
-    shard_index=1,
-    shard_count=2,
-  )
-  it = iter(ds)
+  it = iter(make_dataset(odd_dir, 1, 2, batch_size=BATCH))
   next(it)
   state = it.get_state()
   with pytest.raises(ValueError, match="cannot continue on 4 x 4: .* resume on 2 process"):

@@ -14,22 +14,16 @@ import pathlib
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import time
 
 import pytest
 
+from tests.conftest import free_port
 from tests.test_train import damage_train_records, env, train_cmd
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 VALIDATION = 60  # records in digits_dir's validation split
-
-
-def free_port() -> int:
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
 
 
 class Run:

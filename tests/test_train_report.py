@@ -6,7 +6,6 @@ line, never the end of the run, never a file lost."""
 import json
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from tests.conftest import free_port
 from train import podview, report, train
 from train.podview import Host
 
@@ -128,9 +128,7 @@ def test_a_run_stopped_before_its_first_log_line_draws_empty_curves_quietly(tmp_
 
 def test_tensorboard_serves_the_scalars_the_trainer_writes(tmp_path):
   log_run(tmp_path, [1, 2, 3], loss=1.5)
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
+  port = free_port()
   server = subprocess.Popen(
     [sys.executable, "-m", "tensorboard.main", "--logdir", str(tmp_path / "tensorboard")]
     + ["--port", str(port), "--host", "127.0.0.1"],
