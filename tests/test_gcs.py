@@ -152,7 +152,7 @@ def test_an_emulator_without_the_gcsfs_setting_it_needs_is_refused():
   )
 
 
-@pytest.mark.parametrize("command", ["images SRC", "tfrecord 'x-*' --num-classes 2", "builtin"])
+@pytest.mark.parametrize("command", ["tfrecord 'x-*' --num-classes 2", "builtin"])
 def test_convert_to_gs_refuses_in_one_line_and_writes_nothing(tmp_path, command):
   argv = command.replace("SRC", str(tmp_path)).replace("'", "").split()
   if command == "builtin":
@@ -446,3 +446,120 @@ def test_the_trainer_shows_gcsfs_logs_only_when_verbose(verbose):
   )
   assert p.returncode == 0, p.stderr[-2000:]
   assert ("_request out of retries" in p.stderr) == verbose, p.stderr[-2000:]
+
+
+# --- converting where the data lives: gs:// in, gs:// out ------------------------------------
+
+BUCKET_CONVERT = "--val-fraction 0.2 --shard-size-mb 0.02 --no-progress".split()
+
+
+def convert(src: str, out: str, *flags: str, env: dict) -> subprocess.CompletedProcess:
+  return run("", env=env, args=["-m", "pipeline.convert", "images", src, out, *flags])
+
+
+@needs_emulator
+def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits_raw, tmp_path):
+  code = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
+  assert run(code, env=gcs, args=[str(digits_raw), "bkt/conv/raw"]).returncode == 0
+  local = convert(str(digits_raw), str(tmp_path / "local"), *BUCKET_CONVERT, env=gcs)
+  assert local.returncode == 0, local.stderr[-2000:]
+  flags = [*BUCKET_CONVERT, "--workers", "2"]
+  p = convert("gs://bkt/conv/raw", "gs://bkt/conv/out", *flags, env=gcs)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout == local.stdout.replace(str(tmp_path / "local"), "gs://bkt/conv/out")
+  assert "17 shards" not in p.stdout and "13 shards" in p.stdout  # several shards per split
+  code = textwrap.dedent(
+    """
+    import json, os, sys
+    import gcsfs
+    import numpy as np
+    from pipeline import make_dataset
+
+    local, url, fs = sys.argv[1], "gs://bkt/conv/out", gcsfs.GCSFileSystem(token="anon")
+    names = sorted(os.listdir(local))
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/conv/out")) == names, names
+    for name in names[1:]:  # every shard, byte for byte
+      assert fs.cat_file(f"bkt/conv/out/{name}") == open(f"{local}/{name}", "rb").read(), name
+    got = json.loads(fs.cat_file("bkt/conv/out/manifest.json"))
+    want = json.load(open(f"{local}/manifest.json"))
+    assert got["splits"] == want["splits"] and got["skipped"] == want["skipped"]
+    assert got["created_by"]["source"] == "gs://bkt/conv/raw"
+
+    def batches(data_dir):
+      ds = make_dataset(data_dir, "validation", batch_size=16, train=False, image_size=32)
+      return [(b["image"], b["label"]) for b in ds]
+
+    for g, w in zip(batches(url), batches(local), strict=True):
+      np.testing.assert_array_equal(g[0], w[0])
+      np.testing.assert_array_equal(g[1], w[1])
+    print(json.dumps({n: fs.info(f"bkt/conv/out/{n}")["generation"] for n in names}))
+    """
+  )
+  check = run(code, env=gcs, args=[str(tmp_path / "local")])
+  assert check.returncode == 0, check.stderr[-3000:]
+  # The same command again: done already, nothing written; another one: refused.
+  again = convert("gs://bkt/conv/raw", "gs://bkt/conv/out", *flags, env=gcs)
+  assert (again.returncode, again.stdout) == (0, p.stdout)
+  assert run(code, env=gcs, args=[str(tmp_path / "local")]).stdout == check.stdout
+  other = convert("gs://bkt/conv/raw", "gs://bkt/conv/out", "--seed", "1", *flags, env=gcs)
+  assert (other.returncode, other.stderr) == (
+    2,
+    "error: gs://bkt/conv/out already holds split(s) ['train', 'validation'] of another "
+    "conversion; pass --overwrite to replace them, or convert into another folder\n",
+  )
+  replaced = convert(
+    "gs://bkt/conv/raw", "gs://bkt/conv/out", "--seed", "1", "--overwrite", *flags, env=gcs
+  )
+  assert replaced.returncode == 0, replaced.stderr[-2000:]
+  assert run(code, env=gcs, args=[str(tmp_path / "local")]).returncode != 0  # other bytes
+
+
+@needs_emulator
+def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
+  gcs, digits_raw, tmp_path
+):
+  """Killed after 3 shards were uploaded: no dataset yet; the same command uploads the rest."""
+  code = textwrap.dedent(
+    """
+    import os, sys
+    import gcsfs
+    from pipeline.convert import __main__ as cli, bucket
+
+    fs, uploads, upload = gcsfs.GCSFileSystem(token="anon"), [], bucket.upload
+    if not fs.exists("bkt/resume/raw"):
+      fs.put(sys.argv[2], "bkt/resume/raw", recursive=True)
+
+    def counted(*args):
+      uploads.append(args[2].name)
+      if len(uploads) > int(sys.argv[1]):
+        os._exit(9)  # as if killed: no cleanup
+      return upload(*args)
+
+    bucket.upload = counted
+    code = cli.main(["images", "gs://bkt/resume/raw", "gs://bkt/resume/out", "--workers", "1",
+                     *sys.argv[3:]])
+    print(len(uploads), code)
+    """
+  )
+  flags = BUCKET_CONVERT
+  killed = run(code, env=gcs, args=["3", str(digits_raw), *flags])
+  assert killed.returncode == 9, killed.stderr[-2000:]
+  p = run("from pipeline import manifest; manifest.load('gs://bkt/resume/out')", env=gcs)
+  assert "manifest.json not found" in p.stderr  # no dataset while it is being converted
+  resumed = run(code, env=gcs, args=["100", str(digits_raw), *flags])
+  assert resumed.returncode == 0, resumed.stderr[-2000:]
+  assert resumed.stdout.splitlines()[-1] == "14 0"  # 17 shards, 3 kept
+  local = tmp_path / "local"
+  assert convert(str(digits_raw), str(local), *flags, env=gcs).returncode == 0
+  same = textwrap.dedent(
+    """
+    import os, sys
+    import gcsfs
+    fs, local = gcsfs.GCSFileSystem(token="anon"), sys.argv[1]
+    names = sorted(os.listdir(local))
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/resume/out")) == names
+    assert all(fs.cat_file(f"bkt/resume/out/{n}") == open(f"{local}/{n}", "rb").read()
+               for n in names if n != "manifest.json")
+    """
+  )
+  assert run(same, env=gcs, args=[str(local)]).returncode == 0
