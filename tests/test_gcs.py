@@ -168,12 +168,12 @@ def test_convert_to_gs_refuses_in_one_line_and_writes_nothing(tmp_path, command)
   assert not (tmp_path / "gs:").exists()
 
 
-def test_convert_verify_of_gs_refuses_in_one_line():
-  p = run("", args=["-m", "pipeline.convert", "verify", "gs://bkt/ds"])
+def test_convert_verify_of_a_scheme_array_record_cannot_open_refuses_in_one_line():
+  p = run("", args=["-m", "pipeline.convert", "verify", "s3://bkt/ds"])
   assert p.returncode == 2
   assert p.stderr == (
-    "error: cannot verify gs://bkt/ds: verify reads a local folder; run it before uploading, "
-    "or on the bucket mounted with gcsfuse\n"
+    "error: cannot read s3://bkt/ds: shards are read by array_record, which opens local paths "
+    "and gs:// only; mount the s3:// storage and pass the mount path\n"
   )
 
 
@@ -563,3 +563,21 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
     """
   )
   assert run(same, env=gcs, args=[str(local)]).returncode == 0
+  verify = ["-m", "pipeline.convert", "verify", "gs://bkt/resume/out", "--no-progress"]
+  ok = run("", env=gcs, args=verify)
+  assert (ok.returncode, ok.stdout) == (
+    0,
+    "gs://bkt/resume/out: train: 240, validation: 60 records; OK\n",
+  )
+  shard = "bkt/resume/out/train.array_record-00003-of-00013"
+  flip = (
+    "import gcsfs, sys; fs, name = gcsfs.GCSFileSystem(token='anon'), sys.argv[1]\n"
+    "b = bytearray(fs.cat_file(name)); b[500] ^= 1; fs.pipe_file(name, bytes(b))"
+  )
+  assert run(flip, env=gcs, args=[shard]).returncode == 0
+  bad = run("", env=gcs, args=verify)
+  assert bad.returncode == 1, bad.stderr[-2000:]
+  lines = bad.stdout.splitlines()
+  assert lines[0] == "gs://bkt/resume/out: train: 239, validation: 60 records; 3 problems:"
+  assert lines[1].startswith("  train.array_record-00003-of-00013: sha256 ")
+  assert lines[2].startswith("  train.array_record-00003-of-00013: crc32c ")

@@ -212,19 +212,14 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _into_bucket(args: argparse.Namespace) -> bool:
-  """Whether this command writes OUT in a bucket itself (not yet: tfrecord, tfds, builtin,
-  the Beam runner)."""
-  return args.command == "images" and not args.runner
+  """Whether this command reads or writes OUT in a bucket itself (not yet: tfrecord, tfds,
+  builtin, the Beam runner)."""
+  return args.command == "verify" or (args.command == "images" and not args.runner)
 
 
 def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
   """Runs one command; returns the exit status."""
   out = args.data_dir if args.command == "builtin" else args.out
-  if remote.scheme(out) and args.command == "verify":
-    raise remote.RemoteStorageError(
-      f"cannot verify {out}: verify reads a local folder; run it before uploading, or on "
-      "the bucket mounted with gcsfuse"
-    )
   if remote.scheme(out) and not _into_bucket(args):
     raise remote.RemoteStorageError(
       f"cannot write to {out}: shards are written as local files; convert into a local "
