@@ -212,9 +212,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _into_bucket(args: argparse.Namespace) -> bool:
-  """Whether this command reads or writes OUT in a bucket itself (not yet: tfrecord, tfds,
-  builtin, the Beam runner)."""
-  return args.command == "verify" or (args.command == "images" and not args.runner)
+  """Whether this command reads or writes OUT in a bucket itself (not yet: tfds, builtin,
+  the Beam runner)."""
+  return args.command == "verify" or (args.command in ("images", "tfrecord") and not args.runner)
 
 
 def _run(args: argparse.Namespace, beam_args: list[str]) -> int:

@@ -83,6 +83,33 @@ def read_bytes(path: str) -> bytes:
   return remote.call(epath.Path(path).read_bytes, path)
 
 
+def open_file(path: str):
+  """A source file opened for binary reads: local, or an object (read ahead in 8 MiB blocks)."""
+  if not is_url(path):
+    return open(path, "rb")
+  return remote.call(lambda: _fs(path).open(path, "rb", block_size=8 << 20), path)
+
+
+def stat(path: str) -> os.stat_result | ObjectStat:
+  """A source file's size and mtime (an object's generation), one request for an object."""
+  if not is_url(path):
+    return os.stat(path)
+  fs = _fs(path)
+  fs.invalidate_cache(path)
+  info = remote.call(lambda: fs.info(path), path)
+  return ObjectStat(int(info["size"]), int(info.get("generation") or 0))
+
+
+def glob(pattern: str) -> list[str]:
+  """The objects matching a glob `pattern` (gs://bucket/dir/*.tfrecord), sorted URLs."""
+  check(pattern.rsplit("/", 1)[0])
+  scheme, bare = pattern.split("://", 1)
+  fs = _fs(pattern)
+  fs.invalidate_cache()
+  found = remote.call(lambda: fs.glob(bare), pattern)
+  return sorted(f"{scheme}://{p}" for p in found)
+
+
 def list_files(src: str) -> list[tuple[str, ObjectStat]]:
   """Every object under the folder `src` (one listing): (path relative to `src`, its stat),
   in the order a walk of a local folder visits them (names sorted per folder)."""
