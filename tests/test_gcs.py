@@ -518,19 +518,21 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
 def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
   gcs, digits_raw, tmp_path
 ):
-  """Killed after 3 shards were uploaded: no dataset yet; the same command uploads the rest."""
+  """Killed after 3 shards were uploaded: no dataset yet; the same command uploads the rest,
+  holding one shard at a time on local disk."""
   code = textwrap.dedent(
     """
     import os, sys
     import gcsfs
     from pipeline.convert import __main__ as cli, bucket
 
-    fs, uploads, upload = gcsfs.GCSFileSystem(token="anon"), [], bucket.upload
+    fs, uploads, upload, staged = gcsfs.GCSFileSystem(token="anon"), [], bucket.upload, []
     if not fs.exists("bkt/resume/raw"):
       fs.put(sys.argv[2], "bkt/resume/raw", recursive=True)
 
     def counted(*args):
       uploads.append(args[2].name)
+      staged.append(os.listdir(os.path.dirname(args[1])))  # the local temporary folder
       if len(uploads) > int(sys.argv[1]):
         os._exit(9)  # as if killed: no cleanup
       return upload(*args)
@@ -538,7 +540,7 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
     bucket.upload = counted
     code = cli.main(["images", "gs://bkt/resume/raw", "gs://bkt/resume/out", "--workers", "1",
                      *sys.argv[3:]])
-    print(len(uploads), code)
+    print(len(uploads), code, max(map(len, staged)))
     """
   )
   flags = BUCKET_CONVERT
@@ -548,7 +550,8 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
   assert "manifest.json not found" in p.stderr  # no dataset while it is being converted
   resumed = run(code, env=gcs, args=["100", str(digits_raw), *flags])
   assert resumed.returncode == 0, resumed.stderr[-2000:]
-  assert resumed.stdout.splitlines()[-1] == "14 0"  # 17 shards, 3 kept
+  # 17 shards, 3 kept; on local disk never more than the shard being uploaded (1 worker)
+  assert resumed.stdout.splitlines()[-1] == "14 0 1"
   local = tmp_path / "local"
   assert convert(str(digits_raw), str(local), *flags, env=gcs).returncode == 0
   same = textwrap.dedent(

@@ -7,6 +7,7 @@
   python -m pipeline.convert tfrecord 'train-*.tfrecord' OUT --num-classes 1000
   python -m pipeline.convert tfds imagenet2012 OUT --data-dir ~/tensorflow_datasets
   python -m pipeline.convert tfds imagenet2012 OUT --split train --split validation
+  python -m pipeline.convert images gs://BUCKET/raw gs://BUCKET/ds   # in a bucket (also tfrecord)
   python -m pipeline.convert verify OUT
   python -m pipeline.convert builtin data
   python -m pipeline.convert images SRC OUT --runner DirectRunner   # Apache Beam
