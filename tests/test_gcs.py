@@ -457,6 +457,30 @@ def convert(src: str, out: str, *flags: str, env: dict) -> subprocess.CompletedP
   return run("", env=env, args=["-m", "pipeline.convert", "images", src, out, *flags])
 
 
+# `convert images ARGS... --workers 1` killed (exit 9, no cleanup) as it would upload shard N+1;
+# prints the shards it uploaded or tried to, its exit status, and the most files it held
+# in its local temporary folder.
+KILLED_AFTER = textwrap.dedent(
+  """
+  import os, sys
+  from pipeline.convert import __main__ as cli, bucket
+
+  uploads, upload, staged = [], bucket.upload, []
+
+  def counted(*args):
+    uploads.append(args[2].name)
+    staged.append(os.listdir(os.path.dirname(args[1])))  # the local temporary folder
+    if len(uploads) > int(sys.argv[1]):
+      os._exit(9)
+    return upload(*args)
+
+  bucket.upload = counted
+  code = cli.main(["images", *sys.argv[2:], "--workers", "1"])
+  print(len(uploads), code, max(map(len, staged)))
+  """
+)
+
+
 @needs_emulator
 def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits_raw, tmp_path):
   code = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
@@ -477,7 +501,8 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
 
     local, url, fs = sys.argv[1], "gs://bkt/conv/out", gcsfs.GCSFileSystem(token="anon")
     names = sorted(os.listdir(local))
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/conv/out")) == names, names
+    listed = sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/conv/out"))
+    assert [n for n in listed if n != ".convert-build"] == names, listed  # (a killed run's)
     for name in names[1:]:  # every shard, byte for byte
       assert fs.cat_file(f"bkt/conv/out/{name}") == open(f"{local}/{name}", "rb").read(), name
     got = json.loads(fs.cat_file("bkt/conv/out/manifest.json"))
@@ -507,9 +532,12 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
     "error: gs://bkt/conv/out already holds split(s) ['train', 'validation'] of another "
     "conversion; pass --overwrite to replace them, or convert into another folder\n",
   )
-  replaced = convert(
-    "gs://bkt/conv/raw", "gs://bkt/conv/out", "--seed", "1", "--overwrite", *flags, env=gcs
-  )
+  # Replacing it: killed half way, the old dataset is still there and reads as before.
+  overwrite = ["gs://bkt/conv/raw", "gs://bkt/conv/out", "--seed", "1", "--overwrite"]
+  killed = run(KILLED_AFTER, env=gcs, args=["3", *overwrite, *BUCKET_CONVERT])
+  assert killed.returncode == 9, killed.stderr[-2000:]
+  assert run(code, env=gcs, args=[str(tmp_path / "local")]).stdout == check.stdout
+  replaced = convert(*overwrite, *flags, env=gcs)
   assert replaced.returncode == 0, replaced.stderr[-2000:]
   assert run(code, env=gcs, args=[str(tmp_path / "local")]).returncode != 0  # other bytes
 
@@ -520,35 +548,15 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
 ):
   """Killed after 3 shards were uploaded: no dataset yet; the same command uploads the rest,
   holding one shard at a time on local disk."""
-  code = textwrap.dedent(
-    """
-    import os, sys
-    import gcsfs
-    from pipeline.convert import __main__ as cli, bucket
-
-    fs, uploads, upload, staged = gcsfs.GCSFileSystem(token="anon"), [], bucket.upload, []
-    if not fs.exists("bkt/resume/raw"):
-      fs.put(sys.argv[2], "bkt/resume/raw", recursive=True)
-
-    def counted(*args):
-      uploads.append(args[2].name)
-      staged.append(os.listdir(os.path.dirname(args[1])))  # the local temporary folder
-      if len(uploads) > int(sys.argv[1]):
-        os._exit(9)  # as if killed: no cleanup
-      return upload(*args)
-
-    bucket.upload = counted
-    code = cli.main(["images", "gs://bkt/resume/raw", "gs://bkt/resume/out", "--workers", "1",
-                     *sys.argv[3:]])
-    print(len(uploads), code, max(map(len, staged)))
-    """
-  )
+  put = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
+  assert run(put, env=gcs, args=[str(digits_raw), "bkt/resume/raw"]).returncode == 0
   flags = BUCKET_CONVERT
-  killed = run(code, env=gcs, args=["3", str(digits_raw), *flags])
+  where = ["gs://bkt/resume/raw", "gs://bkt/resume/out", *flags]
+  killed = run(KILLED_AFTER, env=gcs, args=["3", *where])
   assert killed.returncode == 9, killed.stderr[-2000:]
   p = run("from pipeline import manifest; manifest.load('gs://bkt/resume/out')", env=gcs)
   assert "manifest.json not found" in p.stderr  # no dataset while it is being converted
-  resumed = run(code, env=gcs, args=["100", str(digits_raw), *flags])
+  resumed = run(KILLED_AFTER, env=gcs, args=["100", *where])
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   # 17 shards, 3 kept; on local disk never more than the shard being uploaded (1 worker)
   assert resumed.stdout.splitlines()[-1] == "14 0 1"
