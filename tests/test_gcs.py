@@ -459,7 +459,7 @@ def convert(src: str, out: str, *flags: str, env: dict) -> subprocess.CompletedP
 
 # `convert images ARGS... --workers 1` killed (exit 9, no cleanup) as it would upload shard N+1;
 # prints the shards it uploaded or tried to, its exit status, and the most files it held
-# in its local temporary folder.
+# in its local temporary folder (killed: that folder).
 KILLED_AFTER = textwrap.dedent(
   """
   import os, sys
@@ -471,6 +471,7 @@ KILLED_AFTER = textwrap.dedent(
     uploads.append(args[2].name)
     staged.append(os.listdir(os.path.dirname(args[1])))  # the local temporary folder
     if len(uploads) > int(sys.argv[1]):
+      print(os.path.dirname(args[1]), flush=True)
       os._exit(9)
     return upload(*args)
 
@@ -560,6 +561,9 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
   assert resumed.returncode == 0, resumed.stderr[-2000:]
   # 17 shards, 3 kept; on local disk never more than the shard being uploaded (1 worker)
   assert resumed.stdout.splitlines()[-1] == "14 0 1"
+  stage = killed.stdout.strip()
+  assert os.path.basename(stage).startswith("pipeline-convert-"), stage
+  assert not os.path.exists(stage)  # the killed run's local temporary folder is removed
   local = tmp_path / "local"
   assert convert(str(digits_raw), str(local), *flags, env=gcs).returncode == 0
   same = textwrap.dedent(

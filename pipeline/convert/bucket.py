@@ -22,6 +22,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import shutil
 import tempfile
 from collections.abc import Callable
@@ -37,6 +38,7 @@ from pipeline.convert.progress import Progress
 T = TypeVar("T")
 _PLAN = "plan.json"
 _SWAP = "swap.json"
+_STAGE = "pipeline-convert-"  # + pid: the local temporary folder of a conversion
 
 
 class ObjectStat(NamedTuple):
@@ -276,6 +278,21 @@ def _finish(job: shards.Job, results: list[shards.ShardResult]) -> manifest_lib.
   return m
 
 
+def _remove_stale_stages() -> None:
+  """Removes the local temporary folders of killed conversions (their process is gone)."""
+  root = tempfile.gettempdir()
+  for entry in os.scandir(root):
+    match = re.fullmatch(rf"{_STAGE}(\d+)-\w+", entry.name)
+    if not match or not entry.is_dir(follow_symlinks=False):
+      continue
+    try:
+      os.kill(int(match[1]), 0)
+    except ProcessLookupError:
+      shutil.rmtree(entry.path, ignore_errors=True)
+    except OSError:  # alive, another user's
+      pass
+
+
 def run(
   job: shards.Job, *, workers: int | None, progress: bool, desc: str, overwrite: bool = False
 ) -> manifest_lib.Manifest:
@@ -298,7 +315,8 @@ def run(
   results = _resume(job)
   todo = [p for p in job.plans if p.name not in results]
   workers = workers or os.cpu_count() or 1
-  stage = tempfile.mkdtemp(prefix="pipeline-convert-")
+  _remove_stale_stages()
+  stage = tempfile.mkdtemp(prefix=f"{_STAGE}{os.getpid()}-")
   try:
     with Progress(sum(len(p.items) for p in todo), desc, "file", progress) as bar:
       if workers > 1 and len(todo) >= workers:
