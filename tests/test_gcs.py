@@ -636,3 +636,30 @@ def test_tfrecords_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, dig
   assert check.returncode == 0, check.stderr[-2000:]
   verify = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/tfr/out"])
   assert verify.returncode == 0 and verify.stdout.endswith("; OK\n"), verify.stdout
+
+
+@needs_emulator
+def test_a_workers_files_are_read_from_a_bucket_at_once_and_a_missing_one_is_skipped(gcs):
+  code = textwrap.dedent(
+    """
+    import gcsfs
+    from pipeline import records
+    from pipeline.convert import bucket, images
+
+    fs = gcsfs.GCSFileSystem(token="anon")
+    fs.pipe_file("bkt/many/a/1.jpg", b"not a JPEG")
+    got = bucket.read_many(["gs://bkt/many/a/1.jpg", "gs://bkt/many/a/2.jpg"])
+    print(got[0], type(got[1]).__name__)
+    outcomes = images.process((("a/1.jpg", 0), ("a/2.jpg", 0)), src="gs://bkt/many",
+                              keys=records.DEFAULT_KEYS, max_size=None, max_pixels=10**8)
+    print([(r, s["path"], n) for r, s, n in outcomes])
+    print(outcomes[1][1]["reason"])
+    """
+  )
+  p = run(code, env=gcs)
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout.splitlines() == [
+    "b'not a JPEG' FileNotFoundError",
+    "[(None, 'a/1.jpg', None), (None, 'a/2.jpg', None)]",
+    "[Errno 2] No such object: 'gs://bkt/many/a/2.jpg'",
+  ]

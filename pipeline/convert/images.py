@@ -331,9 +331,15 @@ def process(
 ) -> list[shards.Outcome]:
   """Worker: reads, checks and encodes each (relative path, label) of a task."""
   outcomes: list[shards.Outcome] = []
-  for rel, label in task:
+  fetched = (
+    bucket.read_many([os.path.join(src, rel) for rel, _ in task]) if bucket.is_url(src) else None
+  )
+  for i, (rel, label) in enumerate(task):
     try:
-      data = bucket.read_bytes(os.path.join(src, rel))
+      if fetched is None:
+        data = bucket.read_bytes(os.path.join(src, rel))
+      elif isinstance(data := fetched[i], OSError):
+        raise data
       payload, why = checks.prepare(data, max_size=max_size, max_pixels=max_pixels)
     except (checks.BadImage, OSError) as e:
       outcomes.append((None, {"path": rel, "reason": str(e)}, None))
