@@ -1,7 +1,8 @@
 """Conversion where the data lives: sources read from, and datasets written to, gs://.
 
 Reading: a source folder is listed once (`list_files`: names, sizes and generations, for the
-same plan as a local folder of the same files) and each file is fetched by a worker.
+same plan as a local folder of the same files); a worker fetches its task's files (up to 256,
+4 MiB) concurrently (`read_many`); TFRecords are read through gcsfs with 8 MiB read-ahead.
 
 Writing (`run`): the plan and the bytes are the local converter's. Each shard is written to
 a local temporary folder (at most one shard per worker at a time), uploaded as it finishes
@@ -11,8 +12,9 @@ crc32c, generation) lets a re-run of the same job keep it. At the end `swap.json
 manifest: the commit point) is written to the build folder, the shards are copied into OUT
 inside the bucket (no download), and manifest.json is written last, in one request; should
 a new shard take the name of an object in OUT, the old manifest.json is removed first. So a
-reader sees the old dataset, no dataset, or the new one. Not done yet: a lock object (two
-conversions into one gs:// OUT at a time are not refused).
+reader sees the old dataset, no dataset, or the new one. The manifest records each shard's
+CRC32C, which readers check (`manifest.checked_shards`); they pin the generation at open.
+Not done yet: a lock object (two conversions into one gs:// OUT at a time are not refused).
 """
 
 from __future__ import annotations
