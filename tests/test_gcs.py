@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
+import json
 import os
 import re
 import socket
@@ -503,7 +504,7 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
     local, url, fs = sys.argv[1], "gs://bkt/conv/out", gcsfs.GCSFileSystem(token="anon")
     names = sorted(os.listdir(local))
     listed = sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/conv/out"))
-    assert [n for n in listed if n != ".convert-build"] == names, listed  # (a killed run's)
+    assert [n for n in listed if n[0] != "."] == names, listed  # (a killed run's build, lock)
     for name in names[1:]:  # every shard, byte for byte
       assert fs.cat_file(f"bkt/conv/out/{name}") == open(f"{local}/{name}", "rb").read(), name
     got = json.loads(fs.cat_file("bkt/conv/out/manifest.json"))
@@ -663,3 +664,27 @@ def test_a_workers_files_are_read_from_a_bucket_at_once_and_a_missing_one_is_ski
     "[(None, 'a/1.jpg', None), (None, 'a/2.jpg', None)]",
     "[Errno 2] No such object: 'gs://bkt/many/a/2.jpg'",
   ]
+
+
+@needs_emulator
+def test_a_second_conversion_into_a_bucket_is_refused_by_the_lock_object(gcs, digits_raw):
+  lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})  # alive: this test
+  code = (
+    "import gcsfs, sys\n"
+    "gcsfs.GCSFileSystem(token='anon').pipe_file(sys.argv[1], sys.argv[2].encode())"
+  )
+  assert run(code, env=gcs, args=["bkt/locked/out/.convert.lock", lock]).returncode == 0
+  p = convert(str(digits_raw), "gs://bkt/locked/out", *BUCKET_CONVERT, env=gcs)
+  assert (p.returncode, p.stderr) == (
+    2,
+    f"error: gs://bkt/locked/out is being converted by another process (pid {os.getpid()} on "
+    f"{socket.gethostname()}); wait for it to finish or stop it (if it is gone: remove "
+    "gs://bkt/locked/out/.convert.lock)\n",
+  )
+  # Its process gone (pid 2**22 + 1 is above Linux's pid_max): taken over, and released.
+  gone = json.dumps({"host": socket.gethostname(), "pid": 2**22 + 1})
+  assert run(code, env=gcs, args=["bkt/locked/out/.convert.lock", gone]).returncode == 0
+  p = convert(str(digits_raw), "gs://bkt/locked/out", *BUCKET_CONVERT, env=gcs)
+  assert p.returncode == 0, p.stderr[-2000:]
+  listed = "import gcsfs; print(sorted(gcsfs.GCSFileSystem(token='anon').ls('bkt/locked/out')))"
+  assert ".convert.lock" not in run(listed, env=gcs).stdout

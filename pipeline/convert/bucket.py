@@ -14,13 +14,14 @@ inside the bucket (no download), and manifest.json is written last, in one reque
 a new shard take the name of an object in OUT, the old manifest.json is removed first. So a
 reader sees the old dataset, no dataset, or the new one. The manifest records each shard's
 CRC32C, which readers check (`manifest.checked_shards`); they pin the generation at open.
-Not done yet: a lock object (two conversions into one gs:// OUT at a time are not refused).
+A lock object (`locked`, created only if absent) refuses a second conversion into OUT.
 """
 
 from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -28,8 +29,9 @@ import json
 import os
 import re
 import shutil
+import socket
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, NamedTuple, TypeVar
 
 from etils import epath
@@ -308,6 +310,58 @@ def _finish(job: shards.Job, results: list[shards.ShardResult]) -> manifest_lib.
   return m
 
 
+def _create(url: str, data: bytes) -> bool:
+  """Writes the object `url` only if there is none (the precondition ifGenerationMatch=0);
+  False if there is one."""
+  fs = _fs(url)
+
+  def create() -> bool:
+    try:
+      fs.pipe_file(url, data, mode="create")
+    except FileExistsError:
+      return False
+    return True
+
+  return _writing(create, url)
+
+
+def _alive(pid: Any) -> bool:
+  try:
+    os.kill(int(pid), 0)
+  except ProcessLookupError:
+    return False
+  except (OSError, TypeError, ValueError):  # another user's process, or no pid
+    return True
+  return True
+
+
+@contextlib.contextmanager
+def locked(out: str) -> Iterator[None]:
+  """Holds OUT's lock object, created only if absent: a second conversion into OUT is refused
+  in one line. A lock left by a killed conversion on this host (its pid is gone) is taken
+  over; one from another host is named, for a person to remove."""
+  path, host = join(out, shards.LOCK_FILE), socket.gethostname()
+  mine = json.dumps({"host": host, "pid": os.getpid()}).encode()
+  for _ in range(2):
+    if _create(path, mine):
+      break
+    holder = _read_json(path)
+    holder = holder if isinstance(holder, dict) else {}
+    if holder.get("host") != host or _alive(holder.get("pid")):
+      raise shards.ConversionError(
+        f"{out} is being converted by another process (pid {holder.get('pid', '?')} on "
+        f"{holder.get('host', '?')}); wait for it to finish or stop it (if it is gone: "
+        f"remove {path})"
+      )
+    _remove(path)  # left by a killed conversion on this host
+  else:
+    raise shards.ConversionError(f"{out} is being converted by another process; try again")
+  try:
+    yield
+  finally:
+    _remove(path)
+
+
 def _remove_stale_stages() -> None:
   """Removes the local temporary folders of killed conversions (their process is gone)."""
   root = tempfile.gettempdir()
@@ -330,6 +384,13 @@ def run(
   then swaps the result into OUT. Local disk holds at most one shard per worker."""
   shards.check_workers(workers)
   check(job.out)
+  with locked(job.out):
+    return _run(job, workers, progress, desc, overwrite)
+
+
+def _run(
+  job: shards.Job, workers: int | None, progress: bool, desc: str, overwrite: bool
+) -> manifest_lib.Manifest:
   if _SWAP in _names(join(job.out, shards.BUILD_DIR)):
     swap_in(job.out)
   there = None
