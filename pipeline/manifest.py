@@ -97,11 +97,16 @@ def load(data_dir) -> Manifest:
   return from_json(data, os.fspath(path))
 
 
+def dumps(manifest: Manifest) -> str:
+  """The text of manifest.json."""
+  return json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n"
+
+
 def save(manifest: Manifest, data_dir) -> None:
   """Writes the manifest atomically (temporary name, then rename over the old one)."""
   path = epath.Path(data_dir) / FILENAME
   tmp = path.parent / f".{FILENAME}.tmp-{os.getpid()}"
-  tmp.write_text(json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n")
+  tmp.write_text(dumps(manifest))
   tmp.replace(path)
 
 

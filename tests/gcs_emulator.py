@@ -8,11 +8,15 @@ takes for the file's tail ("Invalid Riegeli/records file: chunk boundary is ..."
 wrapper turns `bytes=-N` into the equivalent `bytes=SIZE-N-` before the emulator sees it.
 And it serves one connection at a time with a backlog of 5, which drops the connections of
 array_record's parallel reads (54 s for 1,438 records); here each gets a thread (1.8 s).
-With GCS_EMULATOR_COUNT=FILE set, FILE holds the number of object downloads (GETs) so far.
+An upload with the precondition ifGenerationMatch=0 (create only if absent, what a lock
+object needs) is refused with 412 where the object exists, as GCS does; the emulator would
+overwrite it. With GCS_EMULATOR_COUNT=FILE set, FILE holds the number of object downloads
+(GETs) so far.
 """
 
 from __future__ import annotations
 
+import http
 import http.server
 import os
 import re
@@ -48,7 +52,29 @@ def _download_with_suffix_ranges(request, response, storage, *args, **kwargs):
   return _download(request, response, storage, *args, **kwargs)
 
 
+_insert = objects.insert
+
+
+def _insert_if_absent(request, response, storage, *args, **kwargs):
+  """An upload with ifGenerationMatch=0 (create only if absent) gets 412 where the object
+  exists, as from GCS; the emulator ignores the precondition."""
+  if request.query.get("ifGenerationMatch") == ["0"]:
+    name = (request.query.get("name") or [None])[0]
+    if name is None and isinstance(request.data, dict):
+      name = request.data.get("meta", {}).get("name")
+    try:
+      storage.get_file_obj(request.params["bucket_name"], name)
+    except Exception:  # noqa: BLE001 - absent: the upload goes on
+      pass
+    else:
+      response.status = http.HTTPStatus.PRECONDITION_FAILED
+      response.json({"error": {"code": 412, "message": "conditionNotMet"}})
+      return None
+  return _insert(request, response, storage, *args, **kwargs)
+
+
 objects.download = _download_with_suffix_ranges  # before `server` builds its routes
+objects.insert = _insert_if_absent
 
 from gcp_storage_emulator import server  # noqa: E402 - must follow the patch above
 

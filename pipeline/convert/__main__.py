@@ -7,6 +7,7 @@
   python -m pipeline.convert tfrecord 'train-*.tfrecord' OUT --num-classes 1000
   python -m pipeline.convert tfds imagenet2012 OUT --data-dir ~/tensorflow_datasets
   python -m pipeline.convert tfds imagenet2012 OUT --split train --split validation
+  python -m pipeline.convert images gs://BUCKET/raw gs://BUCKET/ds   # in a bucket (also tfrecord)
   python -m pipeline.convert verify OUT
   python -m pipeline.convert builtin data
   python -m pipeline.convert images SRC OUT --runner DirectRunner   # Apache Beam
@@ -211,15 +212,16 @@ def _verify(args: argparse.Namespace) -> int:
   return 0 if report.ok else 1
 
 
+def _into_bucket(args: argparse.Namespace) -> bool:
+  """Whether this command reads or writes OUT in a bucket itself (not yet: tfds, builtin,
+  the Beam runner)."""
+  return args.command == "verify" or (args.command in ("images", "tfrecord") and not args.runner)
+
+
 def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
   """Runs one command; returns the exit status."""
   out = args.data_dir if args.command == "builtin" else args.out
-  if remote.scheme(out) and args.command == "verify":
-    raise remote.RemoteStorageError(
-      f"cannot verify {out}: verify reads a local folder; run it before uploading, or on "
-      "the bucket mounted with gcsfuse"
-    )
-  if remote.scheme(out):
+  if remote.scheme(out) and not _into_bucket(args):
     raise remote.RemoteStorageError(
       f"cannot write to {out}: shards are written as local files; convert into a local "
       f"folder, then upload it: gcloud storage rsync -r DIR {out}"

@@ -20,7 +20,7 @@ import numpy as np
 
 from pipeline import __version__, records
 from pipeline import manifest as manifest_lib
-from pipeline.convert import checks, shards
+from pipeline.convert import bucket, checks, shards
 
 VALIDATION = "validation"  # the split `val_fraction` makes
 TOOL_FOLDERS = frozenset(
@@ -194,6 +194,59 @@ def _scan(
   return by_class, skipped
 
 
+def _scan_bucket(
+  src: str, exclude: Sequence[str], labels: Mapping[str, str] | None = None
+) -> tuple[dict[str, list[tuple[str, bucket.ObjectStat]]], list[dict[str, str]]]:
+  """`_scan` of a folder in a bucket (one listing): objects have no links, so what is left
+  out is hidden and tool entries, converted datasets, `exclude` and files outside a class."""
+  root = src.rstrip("/")
+  inside = (os.fspath(p).rstrip("/") for p in exclude)
+  excluded = {p[len(root) + 1 :] for p in inside if p.startswith(root + "/")}
+  files = bucket.list_files(src)
+  datasets = set()
+  for rel, _ in files:
+    parts = rel.split("/")
+    if parts[-1] == manifest_lib.FILENAME:
+      datasets.add("/".join(parts[:-1]))
+    if manifest_lib.BUILD_DIR in parts[:-1]:
+      datasets.add("/".join(parts[: parts.index(manifest_lib.BUILD_DIR)]))
+  skipped: list[dict[str, str]] = []
+  found: list[tuple[str, str, bucket.ObjectStat, bool]] = []
+  said: set[str] = set()
+
+  def skip(path: str, reason: str) -> None:
+    if path not in said:
+      said.add(path)
+      skipped.append({"path": path, "reason": reason})
+
+  for rel, st in files:
+    parts, ok = rel.split("/"), True
+    for k, name in enumerate(parts):
+      path, top, folder = "/".join(parts[: k + 1]), k == 0 and labels is None, k < len(parts) - 1
+      if path in excluded:
+        ok = False
+      elif _ignored(name):
+        skip(path, "hidden or tool folder, not a class" if top else "hidden or tool file or folder")
+      elif folder and path in datasets:
+        skip(path, "a converted dataset, not a class" if top else "a converted dataset")
+      elif top and not folder:
+        skip(path, "not in a class folder")
+      else:
+        continue
+      ok = False
+      break
+    if ok:
+      found.append(("" if labels is not None else parts[0], rel, st, True))
+  if labels is not None:
+    found = _labelled(found, labels, skipped)
+  by_class: dict[str, list[tuple[str, bucket.ObjectStat]]] = {
+    name: [] for name in sorted({name for name, *_ in found})
+  }
+  for name, rel, st, _ in found:
+    by_class[name].append((rel, st))
+  return by_class, skipped
+
+
 def _class_folders(
   src: str,
   root: str,
@@ -278,10 +331,16 @@ def process(
 ) -> list[shards.Outcome]:
   """Worker: reads, checks and encodes each (relative path, label) of a task."""
   outcomes: list[shards.Outcome] = []
-  for rel, label in task:
+  fetched = (
+    bucket.read_many([os.path.join(src, rel) for rel, _ in task]) if bucket.is_url(src) else None
+  )
+  for i, (rel, label) in enumerate(task):
     try:
-      with open(os.path.join(src, rel), "rb") as f:
-        payload, why = checks.prepare(f.read(), max_size=max_size, max_pixels=max_pixels)
+      if fetched is None:
+        data = bucket.read_bytes(os.path.join(src, rel))
+      elif isinstance(data := fetched[i], OSError):
+        raise data
+      payload, why = checks.prepare(data, max_size=max_size, max_pixels=max_pixels)
     except (checks.BadImage, OSError) as e:
       outcomes.append((None, {"path": rel, "reason": str(e)}, None))
       continue
@@ -353,13 +412,21 @@ def plan(
   src, out = os.fspath(src), os.fspath(out)
   _check_arguments(split, val_fraction, max_size, max_pixels)
   shard_bytes = shards.shard_bytes(shard_size_mb)
-  if not os.path.isdir(src):
+  in_bucket = bucket.is_url(src)
+  same = out.rstrip("/") == src.rstrip("/")
+  if in_bucket:
+    bucket.check(src)
+  elif not os.path.isdir(src):
     raise FileNotFoundError(f"image folder {src} not found")
-  if os.path.realpath(out) == os.path.realpath(src):
+  if same or (not in_bucket and os.path.realpath(out) == os.path.realpath(src)):
     raise ValueError(f"the output folder must not be the image folder {src} itself")
-  by_class, skipped = _scan(
-    src, follow_symlinks, [out], None if labels is None else load_labels(labels)
-  )
+  labelled = None if labels is None else load_labels(labels)
+  if in_bucket:
+    by_class, skipped = _scan_bucket(src, [out], labelled)
+    if not by_class and not skipped:
+      raise FileNotFoundError(f"image folder {src} not found (no objects under it)")
+  else:
+    by_class, skipped = _scan(src, follow_symlinks, [out], labelled)
   if label_map is not None:
     classes = load_label_map(label_map)
     unknown = sorted(set(by_class) - set(classes))
@@ -417,7 +484,7 @@ def plan(
       "tool": "pipeline.convert images",
       "version": __version__,
       "args": args,
-      "source": os.path.abspath(src),
+      "source": src if in_bucket else os.path.abspath(src),
     },
   )
 
@@ -449,6 +516,8 @@ def convert(
   keeps finished shards; the result is the same.
   """
   shards.check_workers(workers)
+  if bucket.is_url(out):
+    bucket.check(os.fspath(out))  # no gcsfs, credentials or network: one line, at once
   job = plan(
     src,
     out,
@@ -464,6 +533,5 @@ def convert(
     labels=labels,
   )
   name = os.path.basename(os.path.normpath(os.fspath(src)))
-  return shards.run(
-    job, workers=workers, progress=progress, desc=f"convert {name}", overwrite=overwrite
-  )
+  run = bucket.run if bucket.is_url(out) else shards.run
+  return run(job, workers=workers, progress=progress, desc=f"convert {name}", overwrite=overwrite)

@@ -401,28 +401,25 @@ def _prepare_build(job: Job) -> None:
         os.unlink(entry.path)
 
 
-def start(job: Job, overwrite: bool = False) -> manifest_lib.Manifest | None:
-  """Readies OUT for `job` (call it holding `locked(job.out)`); returns the manifest if the
-  job is already done there.
+def check_target(
+  job: Job, overwrite: bool, exists: Callable[[str], bool]
+) -> manifest_lib.Manifest | None:
+  """Refuses a job that would clobber OUT (`exists(name)`: a file of that name is in OUT);
+  returns OUT's manifest if this very job is already done there.
 
-  Finishes a swap an interrupted run had committed, then refuses to replace another
-  dataset's splits (or files) unless `overwrite`, and to add splits whose classes or keys
-  differ from the dataset's other splits. Another plan's unfinished build is removed.
+  Refuses a split without records, another dataset's splits (or files) unless `overwrite`,
+  and splits whose classes or keys differ from the dataset's other splits.
   """
   out = job.out
-  if os.path.exists(os.path.join(build_dir(out), _SWAP_FILE)):
-    swap_in(out)
   if empty := [s for s in job.splits if not any(p.split == s for p in job.plans)]:
     raise ConversionError(
       f"split {empty[0]!r} would hold no records (skipped "
       f"{len(job.skipped)}: {_reasons(job.skipped) or 'nothing'})"
     )
-  _remove_stale_files(out)
   old = _load_existing(out, overwrite)
   if old is not None:
     made = split_fingerprints(old)
     if all(made.get(s) == job.fp for s in job.splits) and _intact(out, old, job.splits):
-      shutil.rmtree(build_dir(out), ignore_errors=True)  # another plan's unfinished work
       return old
     clash = [s for s in job.splits if s in old.splits and made.get(s) != job.fp]
     if clash and not overwrite:
@@ -434,11 +431,29 @@ def start(job: Job, overwrite: bool = False) -> manifest_lib.Manifest | None:
       _check_can_join(job, old, kept)
   elif not overwrite:
     names = [p.name for p in job.plans] + [manifest_lib.FILENAME]
-    if taken := [n for n in names if os.path.lexists(os.path.join(out, n))]:
+    if taken := [n for n in names if exists(n)]:
       raise ConversionError(
         f"{out} holds files this conversion would replace ({taken[0]}, "
         "not part of a dataset); pass --overwrite or choose another folder"
       )
+  return None
+
+
+def start(job: Job, overwrite: bool = False) -> manifest_lib.Manifest | None:
+  """Readies OUT for `job` (call it holding `locked(job.out)`); returns the manifest if the
+  job is already done there.
+
+  Finishes a swap an interrupted run had committed, then checks OUT (`check_target`).
+  Another plan's unfinished build is removed.
+  """
+  out = job.out
+  if os.path.exists(os.path.join(build_dir(out), _SWAP_FILE)):
+    swap_in(out)
+  _remove_stale_files(out)
+  done = check_target(job, overwrite, lambda name: os.path.lexists(os.path.join(out, name)))
+  if done is not None:
+    shutil.rmtree(build_dir(out), ignore_errors=True)  # another plan's unfinished work
+    return done
   _prepare_build(job)
   return None
 
@@ -458,16 +473,17 @@ def pending(job: Job) -> list[ShardPlan]:
 
 
 class _ShardBuilder:
-  """Collects one shard's outcomes in plan order and commits it with its done marker."""
+  """Collects one shard's outcomes in plan order and commits it with its done marker (in
+  `directory`, by default the build folder; `done` says where the finished shard goes)."""
 
-  def __init__(self, job: Job, plan: ShardPlan):
+  def __init__(self, job: Job, plan: ShardPlan, directory: str | None = None):
     self.job, self.plan, self.left = job, plan, len(plan.items)
-    self.shard = AtomicShard(build_dir(job.out), plan.name)
+    self.shard = AtomicShard(directory or build_dir(job.out), plan.name)
     self.skipped: list[dict[str, str]] = []
     self.reencoded: list[dict[str, str]] = []
 
-  def add(self, task: tuple[Any, ...], outcomes: list[Outcome]) -> bool:
-    """Writes a task's outcomes; returns True once the shard is complete and committed."""
+  def add(self, task: tuple[Any, ...], outcomes: list[Outcome]) -> ShardResult | None:
+    """Writes a task's outcomes; returns the result once the shard is complete and done."""
     for record, skip, note in outcomes:
       if record is not None:
         self.shard.write(record)
@@ -477,11 +493,14 @@ class _ShardBuilder:
         self.reencoded.append(note)
     self.left -= len(task)
     if self.left:
-      return False
+      return None
     count, sha256, size, crc32c = self.shard.commit()
     result = ShardResult(self.plan.name, count, sha256, size, self.skipped, self.reencoded, crc32c)
+    return self.done(result)
+
+  def done(self, result: ShardResult) -> ShardResult:
     _mark_done(self.job.out, result, self.job.fp)
-    return True
+    return result
 
 
 def write_shard(job: Job, plan: ShardPlan) -> str:
@@ -555,12 +574,11 @@ def _merge(
   )
 
 
-def finish(job: Job) -> manifest_lib.Manifest:
-  """Builds the manifest from the done markers, commits it to the build folder and swaps
-  it into OUT (call it holding the lock). Zero records in a split is an error."""
-  results = [_load_done(job.out, p.name, job.fp) for p in job.plans]
-  if missing := [p.name for p, r in zip(job.plans, results) if r is None]:
-    raise RuntimeError(f"{job.out}: shards not written: {missing[:5]}...")
+def manifest_of(
+  job: Job, results: Sequence[ShardResult], old: manifest_lib.Manifest | None
+) -> tuple[manifest_lib.Manifest, list[str]]:
+  """The new manifest from the shards' results (merged with `old`'s other splits) and the old
+  shard files it no longer names. Zero records in a split is a `ConversionError`."""
   by_split = {s: manifest_lib.Split(0, []) for s in job.splits}
   for plan, r in zip(job.plans, results):
     by_split[plan.split].shards.append(
@@ -572,7 +590,6 @@ def finish(job: Job) -> manifest_lib.Manifest:
     key=lambda s: (s["path"], s["reason"]),
   )
   if empty := [s for s, split in by_split.items() if split.num_records == 0]:
-    shutil.rmtree(build_dir(job.out), ignore_errors=True)
     raise ConversionError(
       f"split {empty[0]!r} would hold no records (skipped "
       f"{len(skipped)}: {_reasons(skipped) or 'nothing'})"
@@ -587,13 +604,26 @@ def finish(job: Job) -> manifest_lib.Manifest:
   m = manifest_lib.Manifest(
     classes=list(job.classes), splits=by_split, skipped=skipped, keys=job.keys, created_by=entry
   )
-  old = _load_existing(job.out, overwrite=True)
   if old is not None and (kept := [s for s in old.splits if s not in job.splits]):
     m = _merge(old, kept, m, entry)
   files = {sh.file for s in m.splits.values() for sh in s.shards}
   remove = (
     [] if old is None else sorted({sh.file for s in old.splits.values() for sh in s.shards} - files)
   )
+  return m, remove
+
+
+def finish(job: Job) -> manifest_lib.Manifest:
+  """Builds the manifest from the done markers, commits it to the build folder and swaps
+  it into OUT (call it holding the lock). Zero records in a split is an error."""
+  results = [_load_done(job.out, p.name, job.fp) for p in job.plans]
+  if missing := [p.name for p, r in zip(job.plans, results) if r is None]:
+    raise RuntimeError(f"{job.out}: shards not written: {missing[:5]}...")
+  try:
+    m, remove = manifest_of(job, results, _load_existing(job.out, overwrite=True))
+  except ConversionError:
+    shutil.rmtree(build_dir(job.out), ignore_errors=True)
+    raise
   _write_json(
     os.path.join(build_dir(job.out), _SWAP_FILE), {"manifest": m.to_json(), "remove": remove}
   )

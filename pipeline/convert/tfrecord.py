@@ -23,7 +23,7 @@ from google.protobuf import message as protobuf_message
 
 from pipeline import __version__, records
 from pipeline import manifest as manifest_lib
-from pipeline.convert import checks, shards
+from pipeline.convert import bucket, checks, shards
 
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected
 
@@ -110,8 +110,8 @@ def masked_crc32c(data: bytes) -> int:
 
 def scan(path: str) -> list[tuple[int, int]]:
   """(offset, length) of each record of a TFRecord file, checking headers and file size."""
-  spans, size = [], os.path.getsize(path)
-  with open(path, "rb") as f:
+  spans, size = [], bucket.stat(path).st_size
+  with bucket.open_file(path) as f:
     offset = 0
     while offset < size:
       header = f.read(12)
@@ -149,7 +149,7 @@ def read_items(task: Sequence[tuple], files: Sequence[str]) -> list[tuple[str, b
     for kind, file_index, index, *span in task:
       path = files[file_index]
       if path not in handles and kind == "tfrecord":
-        handles[path] = stack.enter_context(open(path, "rb"))
+        handles[path] = stack.enter_context(bucket.open_file(path))
       elif path not in handles:
         handles[path] = stack.enter_context(
           contextlib.closing(array_record_module.ArrayRecordReader(path))
@@ -227,7 +227,7 @@ def copy_job(
     for split, (items, sizes) in split_items.items()
     for p in shards.plan_split(split, items, sizes, shard_bytes)
   ]
-  stats = [(f, os.path.getsize(f), os.stat(f).st_mtime_ns) for f in files]
+  stats = [(f, st.st_size, st.st_mtime_ns) for f in files for st in [bucket.stat(f)]]
   return shards.Job(
     out=os.fspath(out),
     plans=plans,
@@ -261,7 +261,9 @@ def plan(
   if max_pixels < 1:
     raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
   patterns = [pattern] if isinstance(pattern, str) else [os.fspath(p) for p in pattern]
-  files = sorted({f for p in patterns for f in glob.glob(p)})
+  files = sorted(
+    {f for p in patterns for f in (bucket.glob(p) if bucket.is_url(p) else glob.glob(p))}
+  )
   if not files:
     raise FileNotFoundError(f"no TFRecord files match {patterns}")
   names = load_classes(classes, num_classes)
@@ -274,7 +276,7 @@ def plan(
     raise TFRecordError(f"no records in {files}")
   if keys is None:
     _, file_index, index, offset, length = items[0]
-    with open(files[file_index], "rb") as f:
+    with bucket.open_file(files[file_index]) as f:
       first = read_record(f, files[file_index], index, offset, length)
     try:
       keys = records.detect_keys(first)
@@ -294,7 +296,7 @@ def plan(
     "tool": "pipeline.convert tfrecord",
     "version": __version__,
     "args": args,
-    "source": [os.path.abspath(f) for f in files],
+    "source": [f if bucket.is_url(f) else os.path.abspath(f) for f in files],
   }
   return copy_job(
     {split: (items, sizes)},
@@ -329,6 +331,8 @@ def convert(
   `out` (same classes); replaces one of another conversion only with `overwrite`.
   """
   shards.check_workers(workers)
+  if bucket.is_url(out):
+    bucket.check(os.fspath(out))  # no gcsfs, credentials or network: one line, at once
   job = plan(
     pattern,
     out,
@@ -339,6 +343,5 @@ def convert(
     shard_size_mb=shard_size_mb,
     max_pixels=max_pixels,
   )
-  return shards.run(
-    job, workers=workers, progress=progress, desc="convert tfrecord", overwrite=overwrite
-  )
+  run = bucket.run if bucket.is_url(out) else shards.run
+  return run(job, workers=workers, progress=progress, desc="convert tfrecord", overwrite=overwrite)

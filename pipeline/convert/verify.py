@@ -8,16 +8,20 @@ image. Problems name the shard and record index; the CLI exits non-zero if there
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import hashlib
 import os
 import stat
 
+import google_crc32c
 from array_record.python import array_record_module
+from etils import epath
 
 from pipeline import manifest as manifest_lib
 from pipeline import records
-from pipeline.convert import checks, shards
+from pipeline.convert import bucket, checks, shards
 from pipeline.convert.progress import Progress
 
 _RANGE = 256  # records per verification task
@@ -47,21 +51,42 @@ class Report:
     return "\n".join(lines + [f"  {p}" for p in self.problems])
 
 
+def _size(path: str) -> int | None:
+  """The size of a regular file or object, None for anything else."""
+  if bucket.is_url(path):
+    return manifest_lib._look(path)[0]
+  st = os.stat(path)
+  return st.st_size if stat.S_ISREG(st.st_mode) else None
+
+
+def _digests(path: str) -> tuple[str, str]:
+  """(sha256, crc32c) of a file, or of an object as read back (not its stored CRC32C)."""
+  if not bucket.is_url(path):
+    return shards.digests(path)
+  h, crc = hashlib.sha256(), google_crc32c.Checksum()
+  with epath.Path(path).open("rb") as f:
+    while block := f.read(1 << 22):
+      h.update(block)
+      crc.update(block)
+  return h.hexdigest(), crc.hexdigest().decode()
+
+
 def _check_file(path: str, shard: manifest_lib.Shard, source: str) -> tuple[bool, list[str]]:
   """Shard-level checks (a regular file, size, sha256, record count): (readable, problems).
 
-  The file is stat'ed before it is opened: opening a FIFO would wait forever."""
+  The file is stat'ed before it is opened: opening a FIFO would wait forever. A gs:// object
+  is looked up (one metadata request) and read once for its digests."""
   try:
-    st = os.stat(path)
+    size = _size(path)
   except FileNotFoundError:
     return False, [f"{shard.file}: missing"]
-  if not stat.S_ISREG(st.st_mode):
+  if size is None:
     return False, [f"{shard.file}: not a regular file"]
   problems = []
-  if shard.bytes is not None and st.st_size != shard.bytes:
-    problems.append(f"{shard.file}: {st.st_size} bytes, {source} says {shard.bytes}")
+  if shard.bytes is not None and size != shard.bytes:
+    problems.append(f"{shard.file}: {size} bytes, {source} says {shard.bytes}")
   if shard.sha256 or shard.crc32c is not None:
-    digest, crc32c = shards.digests(path)
+    digest, crc32c = _digests(path)
     if shard.sha256 and digest != shard.sha256:
       problems.append(f"{shard.file}: sha256 {digest[:12]}... != {source} {shard.sha256[:12]}...")
     if shard.crc32c is not None and crc32c != shard.crc32c:
@@ -106,7 +131,7 @@ def _check_range(
   if start == 0:
     readable, problems = _check_file(path, shard_info[name], source)
   else:  # the task starting at record 0 reports a missing or odd file
-    readable, problems = os.path.isfile(path), []
+    readable, problems = bucket.is_url(path) or os.path.isfile(path), []
   if not readable:
     return 0, problems
   read = 0
@@ -115,9 +140,13 @@ def _check_range(
   except _READ_ERRORS:  # reported by the task that starts at record 0
     return 0, problems
   try:
-    for index in range(start, min(stop, reader.num_records())):
+    stop, batch = min(stop, reader.num_records()), None
+    if bucket.is_url(path):  # one request for the range; record by record if it fails
+      with contextlib.suppress(*_READ_ERRORS):
+        batch = reader.read(list(range(start, stop)))
+    for index in range(start, stop):
       try:
-        data = reader.read([index])[0]
+        data = batch[index - start] if batch is not None else reader.read([index])[0]
       except _READ_ERRORS as e:
         problems.append(f"{name} record {index}: unreadable ({e})")
         continue
