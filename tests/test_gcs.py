@@ -14,6 +14,7 @@ import inspect
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import textwrap
