@@ -108,7 +108,10 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path
   assert [line for line in out[compiling:] if "ETA 0:" in line and "step" in line]
   assert list((tmp_path / "whole" / "tensorboard").glob("events.out.tfevents.*"))
   assert (tmp_path / "whole" / "curves.png").stat().st_size > 0
-  assert (tmp_path / "whole" / "metrics.jsonl").read_text().count("\n") == 6  # log_every=2
+  metrics = (tmp_path / "whole" / "metrics.jsonl").read_text()
+  assert metrics.count("\n") == 6  # log_every=2
+  # each log line also holds process 0's pipeline stages (`pipeline.stats_of`)
+  assert '"pipeline/decode_busy": ' in metrics and '"pipeline/handoff_wait_share": ' in metrics
 
   killed = tmp_path / "killed"
   proc = subprocess.Popen(

@@ -168,3 +168,16 @@ def draw(rows: list[dict], path: epath.Path) -> None:
   png = io.BytesIO()
   fig.savefig(png, format="png", dpi=80)
   write_atomically(path, png.getvalue())
+
+
+def stage_scalars(stats) -> dict[str, float]:
+  """A host's pipeline stages (`pipeline.stats_of`) as TensorBoard scalars: per stage its
+  threads kept busy (all processes together), the largest share of time its consumer waited
+  for it and the largest p99 of its tasks (ms)."""
+  out: dict[str, float] = {}
+  for row in stats.rows:
+    busy, wait, p99 = (f"{row.stage}_{k}" for k in ("busy", "wait_share", "p99_ms"))
+    out[busy] = out.get(busy, 0.0) + row.busy
+    out[wait] = max(out.get(wait, 0.0), row.wait_share)
+    out[p99] = max(out.get(p99, 0.0), row.p99_ms)
+  return out

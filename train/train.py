@@ -611,7 +611,8 @@ def log_window(run: Run, window: Window, metrics: dict, progress: report.Progres
   wait = min(1.0, window.blocked / elapsed)
   ips = window.steps * run.plan.batch_size / elapsed
   lr = float(schedule(run.plan)(run.step))
-  made, run.requests = run.requests, pipeline.stats_of(run.train_it).storage.requests
+  stages = pipeline.stats_of(run.train_it)
+  made, run.requests = run.requests, stages.storage.requests
   # The gather comes last: the next window starts on every host together.
   mine = window.steps * run.plan.local_batch_size / elapsed
   hosts = podview.gather(mine, wait, (run.requests - made) / elapsed)
@@ -631,6 +632,7 @@ def log_window(run: Run, window: Window, metrics: dict, progress: report.Progres
     print(podview.rows(hosts, verdict), flush=True)
   scalars = {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "lr": lr}
   run.log.scalars(run.step, "train", {**scalars, "images_per_sec": ips, "input_wait_share": worst})
+  run.log.scalars(run.step, "pipeline", report.stage_scalars(stages))
   if len(hosts) > 1:
     for h in hosts:
       run.log.scalars(
