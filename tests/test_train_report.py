@@ -17,6 +17,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import free_port
+from tests.test_train import ROOT, env, train_cmd
 from train import podview, report, train
 from train.podview import Host
 
@@ -182,3 +183,19 @@ def test_a_runs_per_host_figures_leave_out_the_first_window():
   assert podview.mean(windows) == [Host(0, 100.0, 0.0625), Host(1, 60.0, 0.375)]
   assert podview.mean(windows[:1]) == windows[0]
   assert podview.mean([]) == []
+
+
+def test_a_profiler_trace_of_a_run_shows_the_pipeline_stages(digits_dir, tmp_path):
+  out = subprocess.run(
+    train_cmd(tmp_path, digits_dir, "--config.num_steps=6", "--config.profile_steps=(2, 5)"),
+    env=env(),
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
+  assert out.returncode == 0, out.stderr[-3000:]
+  (trace,) = (tmp_path / "profile").glob("plugins/profile/*/*.xplane.pb")
+  data = trace.read_bytes()
+  for stage in ("read", "decode", "finish", "handoff"):  # plan runs ahead, before the trace
+    assert f"pipeline.{stage}".encode() in data, stage
