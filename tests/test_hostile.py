@@ -312,7 +312,7 @@ def test_out_of_memory_while_reading_is_an_error_not_a_corrupt_record(tmp_path):
     source = ShardedSource([{str(shard)!r}], [2])
     assert source.read([0]) == [b"small"]
     size = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) << 10
-    resource.setrlimit(resource.RLIMIT_AS, (size + (32 << 20),) * 2)
+    resource.setrlimit(resource.RLIMIT_AS, (size + (64 << 20),) * 2)  # < the 96 MB record
     try:
       source.read([1])
     except Exception as e:

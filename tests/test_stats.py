@@ -2,6 +2,7 @@
 and the periodic table (`performance.stats_every_s`). Batches hold none of it."""
 
 import gc
+import time
 import weakref
 
 import jax
@@ -150,6 +151,9 @@ def test_a_closed_stream_frees_its_stages_at_once_not_at_the_next_gc(digits_dir)
     next(it)
     it.close()
     del it, stages
+    deadline = time.monotonic() + 30  # the prefetch thread may still be leaving its last call
+    while read() is not None and time.monotonic() < deadline:
+      time.sleep(0.05)
     assert read() is None
   finally:
     gc.enable()
