@@ -39,7 +39,8 @@ def run_child(code: str, memory: int = 1 << 30, timeout: float = 60) -> subproce
   return subprocess.run(
     [sys.executable, "-c", prelude + textwrap.dedent(code)],
     cwd=ROOT,
-    env={**os.environ, "PYTHONPATH": str(ROOT)},
+    # one malloc arena: each new thread's would reserve 64 MB of the capped address space
+    env={**os.environ, "PYTHONPATH": str(ROOT), "MALLOC_ARENA_MAX": "1"},
     capture_output=True,
     text=True,
     timeout=timeout,
