@@ -17,7 +17,7 @@ from pipeline import pp
 from pipeline.catalog.manifest import Manifest
 from pipeline.catalog.manifest import load as load_manifest
 from pipeline.catalog.records import Keys
-from pipeline.options import Augment, Performance
+from pipeline.options import Augment, Decoding, Performance
 from pipeline.pp import features, ops, randaugment, registry
 from pipeline.pp.features import Feature
 from pipeline.pp.ops import BigVisionMixup, ColorJitter, OneHot, PermutedMixup
@@ -30,6 +30,7 @@ __all__ = [
   "BadRecordError",
   "BigVisionMixup",
   "ColorJitter",
+  "Decoding",
   "Feature",
   "Input",
   "Keys",

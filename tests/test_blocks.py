@@ -10,7 +10,7 @@ import pytest
 
 import pipeline
 from pipeline import dataset
-from pipeline.catalog import manifest
+from pipeline.catalog import manifest, split
 from pipeline.order import blocks
 from pipeline.order.blocks import Blocks, label_distance
 from pipeline.order.sampling import Sampler, permute
@@ -142,7 +142,7 @@ def test_sizes_are_checked_and_the_order_defaults_by_where_the_shards_are(tmp_pa
 
 def test_make_dataset_in_block_order_reads_every_record_once_per_epoch(digits_dir):
   spec = pipeline.Spec.of(digits_dir, batch_size=16, order="blocks", num_epochs=1, seed=2)
-  meta, source, _ = dataset._open(spec)
+  meta, source, _ = split.open(spec.data_dir, spec.split)
   s = dataset._sampler(spec, meta, source)
   shards = meta.splits["train"].shards
   record_bytes = sum(sh.bytes for sh in shards) / meta.splits["train"].num_records

@@ -1,5 +1,5 @@
 """Iterators closed at interpreter exit, so users never see Grain's shutdown noise; worker
-processes that end with the process that started them.
+processes that ignore Ctrl-C and end with the process that started them.
 
 Grain iterators still alive when Python exits print errors from `__del__` (their modules
 are already torn down; grain #1031) and leak shared-memory warnings. Datasets returned by
@@ -12,10 +12,12 @@ import atexit
 import multiprocessing
 import multiprocessing.util
 import os
+import signal
 import threading
 import weakref
 
 import grain
+from absl import flags
 
 from pipeline.stages import handoff
 
@@ -88,3 +90,19 @@ def die_with_parent() -> None:
     os._exit(1)
 
   threading.Thread(target=watch, name="pipeline-parent-watch", daemon=True).start()
+
+
+def worker_init(worker_index: int, worker_count: int) -> None:
+  """Grain's `worker_init_fn`: Ctrl-C is the main process's to handle (the trainer saves a
+  checkpoint); workers that also received it would die with tracebacks mid-save. Workers end
+  with the main process."""
+  del worker_index, worker_count
+  signal.signal(signal.SIGINT, signal.SIG_IGN)
+  die_with_parent()
+
+
+def ensure_absl_flags_parsed() -> None:
+  """Before starting workers: Grain workers read absl flags; unparsed flags crash them
+  (grain #1355)."""
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()

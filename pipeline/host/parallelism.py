@@ -231,3 +231,12 @@ def announce(chosen: Plan, reads_note: str = "") -> None:
     )
     if reads_note:
       print(f"pipeline: {reads_note}", file=sys.stderr, flush=True)
+
+
+def process_shard(shard_index: int | None, shard_count: int | None) -> tuple[int, int]:
+  """This process's (index, count) of the data: as given, else JAX's process index and count."""
+  if shard_index is None or shard_count is None:
+    import jax  # only here: worker processes and converters never load JAX
+
+    return jax.process_index(), jax.process_count()
+  return shard_index, shard_count

@@ -169,7 +169,7 @@ class Head:
   def from_decoded(self, image: np.ndarray, key: int, out: np.ndarray | None = None) -> np.ndarray:
     """The same on already decoded pixels (the RAM cache): the window is drawn on `image`'s
     own size, so a cached image, smaller than the record's, gets a slightly other crop
-    (`Performance.cache_mb` changes pixels)."""
+    (`Decoding.cache_mb` changes pixels)."""
     y, x, ch, cw = self.box(*image.shape[:2], key)
     crop = image[y : y + ch, x : x + cw]
     return self.finish(crop[:, ::-1] if self.flips(key) else crop, image.shape[:2], out)

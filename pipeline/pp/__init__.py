@@ -139,8 +139,12 @@ def compile(pp: str, *, num_classes: int, image_size: int | None = None) -> Comp
   image_ops: list[Callable] = []
   batch_ops: list[Callable] = []
   last = ""  # the text of the last op after the head
+  train_only = []  # the ops registered as training-only
   for call in parse(pp, context):
-    kind = registry.lookup(call.name).kind
+    registered = registry.lookup(call.name)
+    kind = registered.kind
+    if registered.train_only:
+      train_only.append(call.text)
     if kind == "head":
       if image_ops or batch_ops:
         raise ValueError(
@@ -166,6 +170,11 @@ def compile(pp: str, *, num_classes: int, image_size: int | None = None) -> Comp
       batch_ops.append(op)
     last = call.text
   train, size, augment = _head(head, pp)
+  if train_only and not train:
+    raise ValueError(
+      f"pp {pp!r} runs {train_only[0]!r}, registered for training batches only, after an eval "
+      "head (big_vision mixes training batches only): drop it from the eval pp"
+    )
   return Compiled(train, size, augment, tuple(image_ops), tuple(batch_ops))
 
 

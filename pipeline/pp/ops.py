@@ -505,7 +505,7 @@ class Keep:
     return {k: v for k, v in batch.items() if k in self.keys or k == MASK_KEY}
 
 
-@registry.register("mixup", "batch")
+@registry.register("mixup", "batch", train_only=True)
 @dataclasses.dataclass(frozen=True)
 class BigVisionMixup:
   """big_vision's mixup (`big_vision.utils.get_mixup`): a ~ Beta(p, p) once per batch,

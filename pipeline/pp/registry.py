@@ -35,18 +35,23 @@ RENAMED = {
 
 @dataclasses.dataclass(frozen=True)
 class Op:
-  """A registered name: its kind and the factory that builds the op (None for head ops)."""
+  """A registered name: its kind, the factory that builds the op (None for head ops), and
+  whether it belongs to training batches only (big_vision's mixup: refused after an eval head)."""
 
   name: str
   kind: Kind
   factory: Callable[..., Callable] | None
+  train_only: bool = False
 
 
 _OPS: dict[str, Op] = {name: Op(name, "head", None) for name in HEAD}
 
 
-def register(name: str, kind: Literal["image", "batch"], *, replace: bool = False):
-  """Decorator: `factory(*args, **kwargs)` builds the op a pp string names `name`.
+def register(
+  name: str, kind: Literal["image", "batch"], *, replace: bool = False, train_only: bool = False
+):
+  """Decorator: `factory(*args, **kwargs)` builds the op a pp string names `name`; a
+  `train_only` op is refused in a pp string with an eval head.
 
   Registering the same definition again (a re-run notebook cell, `importlib.reload`) is a
   no-op that keeps the newest object; a different definition under a taken name is refused
@@ -66,7 +71,7 @@ def register(name: str, kind: Literal["image", "batch"], *, replace: bool = Fals
         f"a different {taken.kind} op is already registered as {name!r} "
         f"({_where(taken.factory)}); choose another name or pass register(..., replace=True)"
       )
-    _OPS[name] = Op(name, kind, factory)
+    _OPS[name] = Op(name, kind, factory, train_only)
     return factory
 
   return add

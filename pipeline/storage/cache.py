@@ -10,7 +10,7 @@ any of these checks (damaged, swapped, copied or linked from another record's en
 filled from a shard since replaced) is a miss, removed and read again. Entries live under a
 folder named by the dataset's shard digests. What is cached is the bytes the shard holds,
 never decoded pixels: the cache changes no batch. (`DecodedCache` keeps decoded pixels for
-the decode stage: performance.cache_mb.)
+the decode stage: decoding.cache_mb.)
 """
 
 from __future__ import annotations
@@ -25,6 +25,12 @@ from collections.abc import Callable
 
 import google_crc32c
 import numpy as np
+
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.host import parallelism
+
+SLOW_READ_S = 0.002  # reads at least this slow get the record cache by default
+CACHE_MEMORY_SHARE = 0.25  # of the available memory the default record cache may take
 
 _MAGIC = b"GPR2"
 _HEADER = struct.Struct("<4s16sQI")  # magic, digest of the record's key, length, crc32c
@@ -226,3 +232,35 @@ def dataset_id(digests: list[str], names: list[str]) -> str:
   for name, digest in zip(names, digests):
     h.update(f"{name}:{digest}\n".encode())
   return h.hexdigest()[:16]
+
+
+def record_cache(
+  meta, split, perf, latency_s, record_bytes, chosen, sampler, pins
+) -> RecordCache | None:
+  """The record cache `perf` (`pipeline.Performance`) asks for; by default the whole split in
+  RAM when storage is slow (>= SLOW_READ_S a read) and every process's copy (`chosen.workers`)
+  fits CACHE_MEMORY_SHARE of memory, `sampler`'s share when it owns shards. Its entries are
+  tied to the shards as opened (`pins`)."""
+  shards = meta.splits[split].shards
+  ram_mb = perf.record_cache_mb
+  if ram_mb is None:
+    split_bytes = sum(s.bytes or 0 for s in shards)
+    if any(s.bytes is None for s in shards):  # sizes not recorded (a TFDS build): estimated
+      split_bytes = int(record_bytes * meta.splits[split].num_records)
+    if sampler.shard_records is not None:
+      split_bytes //= sampler.shard_count
+    copies = max(1, chosen.workers)
+    fits = copies * split_bytes <= CACHE_MEMORY_SHARE * parallelism.available_memory()
+    ram_mb = split_bytes * 1.05 / 2**20 if latency_s >= SLOW_READ_S and fits else 0.0
+  if not ram_mb and not perf.record_cache_dir:
+    return None
+  names = [s.file for s in shards]
+  directory = os.fspath(perf.record_cache_dir) if perf.record_cache_dir else None
+  return RecordCache(
+    int(ram_mb * 2**20),
+    directory,
+    # a TFDS build records no digests: its dataset info's fingerprint names it instead
+    dataset_id([s.sha256 or meta.created_by.get("fingerprint", "") for s in shards], names),
+    names,
+    [manifest_lib.cache_key(p) for p in pins],
+  )
