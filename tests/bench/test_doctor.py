@@ -57,12 +57,13 @@ def measured(
   )
 
 
-def settings(batch_size=16, **performance) -> Settings:
+def settings(batch_size=16, decoding=None, **performance) -> Settings:
   return Settings(
     "data/photos",
     batch_size=batch_size,
     image_size=224,
     performance={"num_threads": 2, **performance},
+    decoding=decoding or {},
   )
 
 
@@ -152,12 +153,12 @@ def test_a_fast_input_beside_a_slow_step_names_the_step():
 
 def test_dct_scaling_off_is_priced_and_turning_it_on_recommended():
   costs = stage_costs(decode=(2.0, 2.0), decode_dct=1.0)
-  d = doctor.diagnose(settings(dct_scaling=False), measured(costs, rate=600))
+  d = doctor.diagnose(settings(decoding={"dct_scaling": False}), measured(costs, rate=600))
   rec = d.recommendations[0]
   assert (rec.field, rec.proposed, rec.writes) == (
     "dct_scaling",
     True,
-    {"performance.dct_scaling": True},
+    {"decoding.dct_scaling": True},
   )
 
 
@@ -175,7 +176,8 @@ def config_package(tmp_path, name, data_dir) -> pathlib.Path:
         c.input = ml_collections.ConfigDict(dict(
             data_dir={str(data_dir)!r}, split="train", image_size=32,
             augment=dict(area_range=(0.5, 1.0), flip=False),
-            performance=dict(num_threads=None, num_workers=None, prefetch=2, cache_mb=0.0)))
+            decoding=dict(cache_mb=0.0),
+            performance=dict(num_threads=None, num_workers=None, prefetch=2)))
         c.batch_size = 16
         c.seed = 0
         c.model = "mobilenet_v1"
