@@ -292,7 +292,7 @@ def test_registering_the_same_definition_again_is_a_no_op_and_another_is_refused
 
 
 def test_the_registry_names_each_op_once_and_lists_every_name():
-  assert registry.lookup("mixup") == registry.Op("mixup", "batch", ops.BigVisionMixup)
+  assert registry.lookup("mixup") == registry.Op("mixup", "batch", ops.BigVisionMixup, True)
   assert registry.lookup("permuted_mixup").factory is ops.PermutedMixup
   assert registry.lookup("randaug").kind == "image"
   assert registry.lookup("flip_lr") == registry.Op("flip_lr", "head", None)
