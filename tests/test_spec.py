@@ -16,6 +16,7 @@ def test_make_datasets_keywords_are_the_specs_fields_with_the_ops_group_spread_o
   spec = pipeline.Spec.of("data", batch_size=8, pp=None, ops="color_jitter(0.4)")
   assert list(params)[:3] == ["data_dir", "split", "batch_size"]
   assert {"pp", "ops", "batch_ops", "features", "decoding"} <= set(params)
+  assert "normalize" not in params  # host: value_range; device: pipeline.input(normalize=)
   assert spec.transforms == pipeline.spec.Transforms(ops="color_jitter(0.4)")
   assert spec.augment == pipeline.Augment() and spec.performance == pipeline.Performance()
   assert spec.decoding == pipeline.Decoding()
