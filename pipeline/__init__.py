@@ -19,8 +19,9 @@ from pipeline.catalog.manifest import load as load_manifest
 from pipeline.catalog.records import Keys
 from pipeline.options import Augment, Decoding, Performance
 from pipeline.pp import features, ops, randaugment, registry
+from pipeline.pp.batch_ops import BigVisionMixup, OneHot, PermutedMixup
 from pipeline.pp.features import Feature
-from pipeline.pp.ops import BigVisionMixup, ColorJitter, OneHot, PermutedMixup
+from pipeline.pp.image_ops import ColorJitter
 from pipeline.spec import Spec
 from pipeline.stages.errors import BadRecordError
 

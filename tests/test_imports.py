@@ -180,9 +180,10 @@ def test_each_role_folder_imports_only_what_its_rule_allows():
     if not allowed(other)
   ]
   assert not broken, broken
-  # the op registry stands alone; the built-in ops do not need RandAugment
-  assert GRAPH["pipeline.pp.registry"] == set()
-  assert "pipeline.pp.randaugment" not in GRAPH["pipeline.pp.ops"]
+  # the op registry and the op contract stand alone; the built-in ops do not need RandAugment
+  assert GRAPH["pipeline.pp.registry"] == GRAPH["pipeline.pp.contract"] == set()
+  for ops in ("ops", "image_ops", "batch_ops"):
+    assert "pipeline.pp.randaugment" not in GRAPH[f"pipeline.pp.{ops}"]
 
 
 def test_the_library_is_folders_of_at_most_ten_modules():

@@ -38,8 +38,8 @@ import dataclasses
 import inspect
 from collections.abc import Callable, Mapping, Sequence
 
-from pipeline.pp import ops as ops_lib
 from pipeline.pp import registry
+from pipeline.pp.contract import MASK_KEY
 
 METHODS = {"bilinear": "bilinear", "bicubic": "bicubic"}
 
@@ -154,9 +154,9 @@ def compile(pp: str, *, num_classes: int, image_size: int | None = None) -> Comp
       head.append(call)
       continue
     op = make(call, context)
-    if (getattr(op, "key_result", None) or getattr(op, "key", None)) == ops_lib.MASK_KEY:
+    if (getattr(op, "key_result", None) or getattr(op, "key", None)) == MASK_KEY:
       raise ValueError(
-        f"pp: op {call.text!r} writes the {ops_lib.MASK_KEY!r} entry, which marks the padding "
+        f"pp: op {call.text!r} writes the {MASK_KEY!r} entry, which marks the padding "
         "rows of eval batches: give its result another name (key_result=...)"
       )
     if kind == "image":

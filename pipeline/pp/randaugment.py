@@ -29,7 +29,8 @@ import dataclasses
 import cv2
 import numpy as np
 
-from pipeline.pp import ops, registry
+from pipeline.pp import registry
+from pipeline.pp.contract import OpError
 
 MAX_LEVEL = 10.0
 GREY = (128, 128, 128)
@@ -73,7 +74,7 @@ class RandAugment:
 
   def __call__(self, image: np.ndarray, rng: np.random.Generator) -> np.ndarray:
     if image.dtype != np.uint8 or image.ndim != 3 or image.shape[2] != 3:
-      raise ops.OpError(
+      raise OpError(
         f"randaug needs uint8 HxWx3 images (put it before value_range), got "
         f"{image.dtype}{list(image.shape)}"
       )

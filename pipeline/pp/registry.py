@@ -7,9 +7,10 @@
     make_dataset(..., pp="decode_jpeg_and_inception_crop(224)|my_blur(2)|value_range(-1, 1)")
 
 An image op runs on each uint8 image after the fused head, a batch op on the whole batch
-(`pipeline.pp.ops` has their contracts). Head ops (decode, crop, resize, flip) are names too,
-but no factory: `pipeline.pp` compiles them into the fused head's settings. The shipped
-ops register when `pipeline` is imported (`pipeline.pp.ops`, `pipeline.pp.randaugment`).
+(`pipeline.pp.contract` has their contracts). Head ops (decode, crop, resize, flip) are
+names too, but no factory: `pipeline.pp` compiles them into the fused head's settings. The
+shipped ops register when `pipeline` is imported (`pp.image_ops`, `pp.batch_ops`,
+`pp.randaugment`).
 """
 
 from __future__ import annotations

@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import numpy as np
 
 from pipeline.catalog import records
+from pipeline.pp import contract as ops
 from pipeline.pp import features as features_lib
-from pipeline.pp import ops
 from pipeline.stages import errors
 from pipeline.stages.ahead import Threads
 from pipeline.stages.plan import Batch
