@@ -8,6 +8,7 @@ and the slow tests there; here the stage runs on local shards, where its bookkee
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 
 import numpy as np
@@ -85,6 +86,15 @@ def test_reads_in_flight_follow_littles_law_within_the_bytes():
   stage.control.depth = 5
   stage.ahead.ahead_bytes = 3 * 128 * 60_000
   assert stage.depth() == 3  # ... and never holding more bytes than allowed
+
+
+def test_a_read_stage_moves_to_a_worker_with_fresh_counters_and_one_storage_side(sharded_dir):
+  st = stages(sharded_dir, performance=dict(num_workers=0))
+  take(iter(dataset.chain(st)), 2)
+  moved = pickle.loads(pickle.dumps(st.read))  # as Grain hands it to a worker process
+  assert st.read.stats.reads > 0 and moved.stats.reads == 0
+  assert moved.ahead.reads is moved.fetcher  # the policy sizes for the stage's own reads
+  assert moved.depth() == moved.bounds()[0]  # the controller starts again at the floor
 
 
 def test_with_the_record_cache_the_second_epoch_reads_nothing_from_storage(sharded_dir):
