@@ -45,7 +45,9 @@ from pipeline.stages.plan import PlanBatches, Sizes
 from pipeline.stages.read import ReadRecords, describe, probe
 from pipeline.stages.stream import StreamIterDataset
 from pipeline.storage import remote
+from pipeline.storage.budget import ReadAhead
 from pipeline.storage.cache import record_cache as _record_cache
+from pipeline.storage.fetch import Fetcher
 from pipeline.storage.source import ShardedSource
 
 __all__ = ["BadRecordError", "Spec", "Stages", "build", "chain", "make_dataset"]
@@ -191,22 +193,26 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> ReadRecords:
   perf = spec.performance
   latency_s, record_bytes = probe(source, deadline_s=perf.read_deadline_s)
   cache = _record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
-  read = ReadRecords(
+  ahead_bytes = int(perf.read_ahead_mb * 2**20)
+  fetcher = Fetcher(
     source,
+    (latency_s, record_bytes),
+    cache=cache,
+    block_records=_pieces(sampler, chosen.workers),
+    kept_bytes=ahead_bytes + 2 * _window_bytes(sampler, record_bytes),
+    max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
+    deadline_s=perf.read_deadline_s,
+    epoch_requests=_epoch_requests(sampler, chosen.workers),
+  )
+  ahead = ReadAhead(
+    fetcher,
     batch_size=spec.batch_size,
     rate_per_s=parallelism.project(parallelism.available_cores(), parallelism.COSTS, chosen)
     / max(1, chosen.workers),
-    latency_s=latency_s,
-    record_bytes=record_bytes,
-    ahead_bytes=int(perf.read_ahead_mb * 2**20),
-    cache=cache,
+    ahead_bytes=ahead_bytes,
     max_depth=perf.read_ahead,
-    block_records=_pieces(sampler, chosen.workers),
-    window_bytes=_window_bytes(sampler, record_bytes),
-    epoch_requests=_epoch_requests(sampler, chosen.workers),
-    max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
-    deadline_s=perf.read_deadline_s,
   )
+  read = ReadRecords(fetcher, ahead)
   parallelism.announce(chosen, describe(read, cache))
   return read
 

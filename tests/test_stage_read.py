@@ -8,6 +8,7 @@ and the slow tests there; here the stage runs on local shards, where its bookkee
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 
 import numpy as np
@@ -19,7 +20,9 @@ from pipeline.convert import images, shards
 from pipeline.order.sampling import PAD, Sampler
 from pipeline.stages import read
 from pipeline.stages.ahead import AheadIterDataset
+from pipeline.storage.budget import ReadAhead
 from pipeline.storage.cache import RecordCache
+from pipeline.storage.fetch import Fetcher
 from tests import stage_chain
 from tests.conftest import assert_same_batches, take
 from tests.stage_chain import stages
@@ -65,18 +68,12 @@ def test_resume_drops_the_reads_started_ahead(sharded_dir):
   assert_same_batches(expected, take(resumed, 6))
 
 
-def bare_stage(**keywords) -> read.ReadRecords:
+def bare_stage(max_requests_per_s=None) -> read.ReadRecords:
   """A read stage of 128-image batches planned for 2,000 img/s at 20 ms a read, without a
   source: depth() and bounds() read only the stage's own fields."""
-  return read.ReadRecords(
-    type("S", (), {})(),
-    batch_size=128,
-    rate_per_s=2000,
-    latency_s=0.020,
-    record_bytes=60_000,
-    ahead_bytes=256 * 2**20,
-    **keywords,
-  )
+  fetcher = Fetcher(type("S", (), {})(), (0.020, 60_000), max_requests_per_s=max_requests_per_s)
+  ahead = ReadAhead(fetcher, batch_size=128, rate_per_s=2000, ahead_bytes=256 * 2**20)
+  return read.ReadRecords(fetcher, ahead)
 
 
 def test_reads_in_flight_follow_littles_law_within_the_bytes():
@@ -87,8 +84,17 @@ def test_reads_in_flight_follow_littles_law_within_the_bytes():
   stage.stats.latency_s = 0.100
   assert stage.depth() == 2  # a longer latency alone adds none (test_read_controller)
   stage.control.depth = 5
-  stage.ahead_bytes = 3 * 128 * 60_000
+  stage.ahead.ahead_bytes = 3 * 128 * 60_000
   assert stage.depth() == 3  # ... and never holding more bytes than allowed
+
+
+def test_a_read_stage_moves_to_a_worker_with_fresh_counters_and_one_storage_side(sharded_dir):
+  st = stages(sharded_dir, performance=dict(num_workers=0))
+  take(iter(dataset.chain(st)), 2)
+  moved = pickle.loads(pickle.dumps(st.read))  # as Grain hands it to a worker process
+  assert st.read.stats.reads > 0 and moved.stats.reads == 0
+  assert moved.ahead.reads is moved.fetcher  # the policy sizes for the stage's own reads
+  assert moved.depth() == moved.bounds()[0]  # the controller starts again at the floor
 
 
 def test_with_the_record_cache_the_second_epoch_reads_nothing_from_storage(sharded_dir):
@@ -256,5 +262,5 @@ def test_under_a_request_budget_the_reads_ahead_do_not_grow_with_the_queueing():
   stage = bare_stage(max_requests_per_s=250)
   stage.stats.latency_s = 1.0  # reads that waited their turn: 1 s each
   assert stage.bounds() == (2, 2)  # 2 x 250/s x 20 ms = 10 reads: one batch ahead
-  stage.budget = None
+  stage.fetcher.budget = None
   assert stage.bounds() == (2, 8 * 2)  # without it: more only while throughput grows

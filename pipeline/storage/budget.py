@@ -1,5 +1,5 @@
-"""A request budget: at most `per_s` storage requests a second from this process, and a
-controller that keeps no more reads in flight than pay.
+"""A request budget: at most `per_s` storage requests a second from this process, and the
+read-ahead policy: a controller that keeps no more reads in flight than pay.
 
 A bucket starts near 5,000 reads/s and answers more with 429/503 errors; a process that
 stays under its share never meets them. `RequestBudget.take(n)` returns when n more requests
@@ -14,11 +14,13 @@ that double while they pay, only while the throughput measured over a window gro
 it (by `GAIN`); a step that brings less goes back down and the next try waits twice as long
 (hysteresis). After a step up that did not pay it tries one batch less, and keeps going
 down while one less serves as well (a climb on noise is undone). A "slow down" from
-storage halves the depth (below the floor too, until steps pay again).
+storage halves the depth (below the floor too, until steps pay again). `ReadAhead` is the
+read stage's policy: the floor by Little's law, the controller above it, within the bytes.
 """
 
 from __future__ import annotations
 
+import math
 import threading
 import time
 from collections.abc import Callable
@@ -26,6 +28,9 @@ from collections.abc import Callable
 GAIN = 0.05  # a step up in depth stays if the throughput grows by this much
 HOLD = 2  # windows at a depth before the next step up; doubled after each that did not pay
 MAX_HOLD = 32
+HEADROOM = 2.0  # reads in flight per Little's law, times this: latency and rate vary
+WINDOW = 4  # batches (at least the depth) per throughput measurement of the controller
+GROWTH = 8  # the controller's depth: at most this times the floor
 
 
 MIN_PER_S = 1 / 60  # the lowest request cap: one request a minute
@@ -41,6 +46,11 @@ def check_rate(per_s: float | None) -> None:
       f"performance.max_requests_per_s={per_s} would wait {1 / per_s:.3g} s per request: "
       "pass at least 1/60 (one request a minute), or None or inf for no cap"
     )
+
+
+def reads_in_flight(rate_per_s: float, latency_s: float) -> int:
+  """Reads to keep in flight for `rate_per_s` records/s at `latency_s` per read."""
+  return max(1, math.ceil(HEADROOM * rate_per_s * latency_s))
 
 
 class RequestBudget:
@@ -137,3 +147,78 @@ class Controller:
     self._cut = True
     self._fail(down=False)
     return self.depth
+
+
+class ReadAhead:
+  """The batches the read stage keeps reading: `Controller`'s depth within `bounds()`.
+
+  reads: the storage side (`pipeline.storage.fetch.Fetcher`: its stats, the latency measured
+  at open, the request budget); rate_per_s: the decode rate this process is planned for
+  (records/s); ahead_bytes: the most record bytes held by batches read ahead; max_depth:
+  `performance.read_ahead`. Picklable: the controller starts anew in each process.
+  """
+
+  def __init__(
+    self,
+    reads,
+    *,
+    batch_size: int,
+    rate_per_s: float,
+    ahead_bytes: int,
+    max_depth: int | None = None,
+  ):
+    self.reads, self.batch_size, self.rate_per_s = reads, batch_size, rate_per_s
+    self.ahead_bytes, self.max_depth = ahead_bytes, max_depth
+    self._init_runtime()
+
+  _RUNTIME = ("control", "_window", "_slowed")
+
+  def _init_runtime(self):
+    self._window = (None, 0)  # (when the controller's window began, batches in it)
+    self.control = Controller(self.bounds()[0])
+    self._slowed = 0  # retries the controller has been told of
+
+  def __getstate__(self):
+    return {k: v for k, v in self.__dict__.items() if k not in self._RUNTIME}
+
+  def __setstate__(self, state):
+    self.__dict__.update(state)
+    self._init_runtime()
+
+  def bounds(self) -> tuple[int, int]:
+    """(floor, ceiling) of the batches to keep reading: Little's law for the planned (or
+    measured, when higher) rate at the latency measured at open; `GROWTH` times that, within
+    the bytes allowed. Both within `performance.read_ahead`, and under a request budget
+    within what the budget's rate needs at the latency measured at open."""
+    s, capped = self.reads.stats, self.reads.records_per_s()
+    rate = max(self.rate_per_s, s.rate_per_s)
+    if capped is not None:
+      rate = min(rate, capped)
+    floor = 1 + math.ceil(reads_in_flight(rate, self.reads.opened[0]) / self.batch_size)
+    ceiling = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
+    if capped is not None:
+      ceiling = min(ceiling, floor)
+    ceiling = min(ceiling, GROWTH * floor, self.max_depth or ceiling)
+    return min(floor, ceiling), ceiling
+
+  def depth(self) -> int:
+    """Batches to keep reading: the controller's depth, within `bounds()`'s ceiling."""
+    return min(self.control.depth, self.bounds()[1])
+
+  def finished(self, now: float, records: int) -> None:
+    """A batch of `records` finished at `now`: feeds the controller a "slow down" at once,
+    the throughput (records/s finished) once a window of batches is done."""
+    s = self.reads.stats
+    begin, done = self._window
+    if s.retries > self._slowed:
+      self._slowed = s.retries
+      self.control.slowed()
+      self._window = (now, 0)
+    elif begin is None:
+      self._window = (now, 0)  # from the first batch on: its reads started all at once
+    elif done + 1 >= max(WINDOW, self.control.depth) and now > begin:
+      s.rate_per_s = (done + 1) * records / (now - begin)
+      self.control.update(s.rate_per_s, *self.bounds())
+      self._window = (now, 0)
+    else:
+      self._window = (begin, done + 1)

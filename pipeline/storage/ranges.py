@@ -6,8 +6,8 @@ first time one of its records is wanted (one range read: one request, the block'
 hands each record out once, and keeps the rest for the batches that want them, within a
 byte budget (the oldest blocks go first; a record asked for after its block went is read
 again, with its block). Two batches read at once that want one block wait for one read.
-Each range read runs through the caller's `request` (the read stage's: the request budget's
-turn, a deadline, retries after "slow down").
+Each range read runs through the caller's `request` (`pipeline.storage.fetch.Fetcher`'s: the
+request budget's turn, a deadline, retries after "slow down").
 """
 
 from __future__ import annotations
