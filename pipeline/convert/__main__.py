@@ -21,6 +21,7 @@ for usage errors); --verbose shows the traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 
@@ -218,6 +219,14 @@ def _into_bucket(args: argparse.Namespace) -> bool:
   return args.command in ("verify", "images", "tfrecord")
 
 
+def _quiet_engine(runner: str) -> None:
+  """A local Dask cluster logs every worker's start and stop: its warnings only."""
+  if runner.endswith("DaskRunner"):
+    import distributed  # noqa: F401 - its import sets its loggers' levels: set them after
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)
+
+
 def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
   """Runs one command; returns the exit status."""
   out = args.data_dir if args.command == "builtin" else args.out
@@ -253,6 +262,7 @@ def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
       **common,
     )
     if args.runner:
+      _quiet_engine(args.runner)
       m = beam.convert_images(
         args.src,
         args.out,
@@ -272,6 +282,7 @@ def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
       **common,
     )
     if args.runner:
+      _quiet_engine(args.runner)
       m = beam.convert_tfrecord(
         args.pattern,
         args.out,

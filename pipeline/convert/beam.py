@@ -129,7 +129,7 @@ class _Progress:
     self.job, self.desc, self.enabled = job, desc, enabled
     self.files = {p.name: len(p.items) for p in todo}
     self.total_files = sum(self.files.values())
-    self.start, self.said = time.monotonic(), 0
+    self.start, self.said, self.shown = time.monotonic(), 0, 0
     self._stop = threading.Event()
     self._thread = threading.Thread(target=self._poll, daemon=True)
 
@@ -143,11 +143,15 @@ class _Progress:
     return [n for n in names if n in self.files]
 
   def report(self, final: bool = False) -> None:
+    """A line if another tenth of the shards is done (`final`: if any shard is done since
+    the last line)."""
+    if not self.enabled:
+      return
     done = self._done()
     step = len(done) * 10 // max(1, len(self.files))
-    if not self.enabled or (step <= self.said and not final):
+    if step <= self.said and not (final and len(done) != self.shown):
       return
-    self.said = step
+    self.said, self.shown = step, len(done)
     files = sum(self.files[n] for n in done)
     rate = files / max(1e-9, time.monotonic() - self.start)
     print(
