@@ -19,17 +19,17 @@ SOURCES := pipeline bench train configs tests examples setup.py
 # Two targets started at once in a fresh clone (two `make train`): the second waits on the
 # lock (flock, util-linux), then finds the environment installed instead of running pip
 # beside the first.
-$(STAMP): pyproject.toml setup.py pipeline/_jpeg.c
+$(STAMP): pyproject.toml setup.py pipeline/image/_jpeg.c
 	@mkdir -p .venv
 	@flock .venv/.lock $(MAKE) --no-print-directory _venv
 
-$(BEAM_STAMP): pyproject.toml setup.py pipeline/_jpeg.c
+$(BEAM_STAMP): pyproject.toml setup.py pipeline/image/_jpeg.c
 	@mkdir -p .venv-beam
 	@flock .venv-beam/.lock $(MAKE) --no-print-directory _venv VENV=.venv-beam EXTRAS=data,dev,beam
 
 VENV ?= .venv
 _venv:
-	@if [ -f $(VENV)/.installed ] && [ -z "$$(find pyproject.toml setup.py pipeline/_jpeg.c -newer $(VENV)/.installed)" ]; \
+	@if [ -f $(VENV)/.installed ] && [ -z "$$(find pyproject.toml setup.py pipeline/image/_jpeg.c -newer $(VENV)/.installed)" ]; \
 	then echo "$(VENV)/.installed: installed by another make meanwhile"; else \
 	set -e; python3 -m venv $(VENV); \
 	$(VENV)/bin/pip install --quiet --upgrade pip; \

@@ -3,17 +3,17 @@
 The chain, in Grain terms: one stage per step of the data flow, each in its own module:
 
     MapDataset.range(num_batches)
-      .map(PlanBatches)               plan: the (epoch, record) of each slot     pipeline.plan
+      .map(PlanBatches)               plan: the (epoch, record) of each slot     stages/plan.py
       .to_iter_dataset()
-    AheadIterDataset(ReadRecords)     read: next batches' records, many reads    pipeline.reads
-                                      in flight, record cache first              pipeline.cache
-    AheadIterDataset(DecodeImages)    decode/augment: native crop-window decode  pipeline.images
+    AheadIterDataset(ReadRecords)     read: next batches' records, many reads    stages/read.py
+                                      in flight, record cache first              storage/cache.py
+    AheadIterDataset(DecodeImages)    decode/augment: native crop-window decode  stages/decode.py
                                       + resize into the batch, on decode threads
-      .map(FinishBatch)               ops: labels checked, features, your ops    pipeline.finish
+      .map(FinishBatch)               ops: labels checked, features, your ops    stages/finish.py
       [.map(normalize)]
       .mp_prefetch(...) | ThreadPrefetchIterDataset    worker processes on many-core hosts,
-                                      their batches in reused shared memory       pipeline.handoff
-    StreamIterDataset                 validated, stream-tagged state; skip count pipeline.stream
+                                      their batches in reused shared memory       stages/handoff.py
+    StreamIterDataset                 validated, stream-tagged state; skip count stages/stream.py
 
 `build` makes the stages and `chain` joins them, so you (or a benchmark) can change one stage
 or add Grain steps between them. Every buffer sits inside the chain, whose state is the next
@@ -29,34 +29,29 @@ import grain
 import numpy as np
 from etils import epath
 
-from pipeline import augment as augment_lib
-from pipeline import blocks as blocks_lib
-from pipeline import (
-  elastic,
-  guards,
-  handoff,
-  images,
-  lifecycle,
-  parallelism,
-  reads,
-  remote,
-  stats,
-  tfds_folder,
-)
-from pipeline import features as features_lib
-from pipeline import manifest as manifest_lib
 from pipeline import pp as pp_lib
-from pipeline.ahead import AheadIterDataset
-from pipeline.blocks import WINDOW_BATCHES, Blocks
-from pipeline.cache import RecordCache, dataset_id
-from pipeline.errors import BadRecordError
-from pipeline.finish import FinishBatch
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.catalog import tfds_folder
+from pipeline.host import guards, lifecycle, parallelism
+from pipeline.image import augment as augment_lib
 from pipeline.options import Augment
-from pipeline.plan import PlanBatches, Sizes
-from pipeline.sampling import Sampler
-from pipeline.source import ShardedSource
+from pipeline.order import blocks as blocks_lib
+from pipeline.order import elastic
+from pipeline.order.blocks import WINDOW_BATCHES, Blocks
+from pipeline.order.sampling import Sampler
+from pipeline.pp import features as features_lib
 from pipeline.spec import SIGNATURE, Spec
-from pipeline.stream import StreamIterDataset
+from pipeline.stages import handoff, stats
+from pipeline.stages.ahead import AheadIterDataset
+from pipeline.stages.decode import DecodeImages, batch_decoder
+from pipeline.stages.errors import BadRecordError
+from pipeline.stages.finish import FinishBatch
+from pipeline.stages.plan import PlanBatches, Sizes
+from pipeline.stages.read import ReadRecords, describe, probe
+from pipeline.stages.stream import StreamIterDataset
+from pipeline.storage import remote
+from pipeline.storage.cache import RecordCache, dataset_id
+from pipeline.storage.source import ShardedSource
 
 __all__ = ["BadRecordError", "Spec", "Stages", "build", "chain", "make_dataset"]
 
@@ -71,8 +66,8 @@ class Stages:
   plan: PlanBatches
   sizes: Sizes
   manifest: manifest_lib.Manifest
-  read: reads.ReadRecords
-  decode: images.DecodeImages
+  read: ReadRecords
+  decode: DecodeImages
   finish: FinishBatch
   normalize: bool
   workers: int
@@ -113,7 +108,7 @@ def build(spec: Spec) -> Stages:
     sizes=Sizes.of(sampler, spec.batch_size, spec.drop_remainder, repr(spec.split)),
     manifest=meta,
     read=read,
-    decode=images.DecodeImages(
+    decode=DecodeImages(
       head,
       keys=keys,
       seed=spec.seed,
@@ -121,7 +116,7 @@ def build(spec: Spec) -> Stages:
       prefetch=perf.prefetch,
       on_error=spec.on_error,
       cache_mb=perf.cache_mb,
-      decoder=None if perf.cache_mb else images.batch_decoder(head, keys, spec.seed),
+      decoder=None if perf.cache_mb else batch_decoder(head, keys, spec.seed),
     ),
     finish=FinishBatch(
       num_classes=meta.num_classes,
@@ -155,8 +150,8 @@ def _open(spec: Spec):
 
 
 def _sampler(spec: Spec, meta: manifest_lib.Manifest, source: ShardedSource) -> Sampler:
-  """This process's order of the split's records (`pipeline.sampling`): by default the block
-  order (`pipeline.blocks`) when the shards are in a bucket, the global shuffle otherwise."""
+  """This process's order of the split's records (`pipeline.order.sampling`): by default the block
+  order (`pipeline.order.blocks`) when the shards are in a bucket, the global shuffle otherwise."""
   shard_index, shard_count = _process_shard(spec.shard_index, spec.shard_count)
   split = meta.splits[spec.split]
   counts = tuple(s.num_records for s in split.shards)
@@ -217,7 +212,7 @@ def _transforms(spec: Spec, meta: manifest_lib.Manifest) -> tuple[augment_lib.He
 
 
 def _workers(spec: Spec, image_size: int, blocks: bool) -> parallelism.Plan:
-  """Worker processes and threads for this host (`pipeline.parallelism`): in the block order
+  """Worker processes and threads for this host (`pipeline.host.parallelism`): in the block order
   a number of workers that divides WINDOW_BATCHES (each then reads its blocks whole);
   no workers when /dev/shm cannot hold their ring of batches (a SIGBUS later)."""
   perf, batch_size = spec.performance, spec.batch_size
@@ -242,13 +237,13 @@ def _workers(spec: Spec, image_size: int, blocks: bool) -> parallelism.Plan:
   return chosen
 
 
-def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
+def _read(spec: Spec, meta, source, pins, sampler, chosen) -> ReadRecords:
   """The read stage: read-ahead for the latency measured now, the record cache first; the
   choices printed once."""
   perf = spec.performance
-  latency_s, record_bytes = reads.probe(source, deadline_s=perf.read_deadline_s)
+  latency_s, record_bytes = probe(source, deadline_s=perf.read_deadline_s)
   cache = _record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
-  read = reads.ReadRecords(
+  read = ReadRecords(
     source,
     batch_size=spec.batch_size,
     rate_per_s=parallelism.project(parallelism.available_cores(), parallelism.COSTS, chosen)
@@ -264,7 +259,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> reads.ReadRecords:
     max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
     deadline_s=perf.read_deadline_s,
   )
-  parallelism.announce(chosen, reads.describe(read, cache))
+  parallelism.announce(chosen, describe(read, cache))
   return read
 
 
@@ -301,7 +296,7 @@ def _window_bytes(sampler: Sampler, record_bytes: float) -> int:
 
 
 def _stream(spec: Spec, sampler: Sampler, shards: list) -> dict:
-  """What the iterator's state is checked against when it is restored (`pipeline.stream`)."""
+  """What the iterator's state is checked against when it is restored (`pipeline.stages.stream`)."""
   stream = {
     "shard_index": sampler.shard_index,
     "shard_count": sampler.shard_count,
@@ -312,7 +307,7 @@ def _stream(spec: Spec, sampler: Sampler, shards: list) -> dict:
   }
   if spec.sharding != "records":
     stream["sharding"] = spec.sharding
-  if not spec.train:  # padded per epoch: the order depends on shard_count (pipeline.elastic)
+  if not spec.train:  # padded per epoch: the order depends on shard_count (pipeline.order.elastic)
     stream["remainder"] = "pad"
   if sampler.blocks is not None:
     b = sampler.blocks
@@ -329,7 +324,7 @@ def _compile_pp(pp, meta, train, image_size, aug, ops, batch_ops, normalize):
   if ops or batch_ops:
     raise ValueError(
       "pass either pp= or ops= / batch_ops=: a pp string holds the ops (name yours in it "
-      "after pipeline.registry.register)"
+      "after pipeline.pp.registry.register)"
     )
   compiled = pp_lib.compile(pp, num_classes=meta.num_classes, image_size=image_size)
   if compiled.train != train:
@@ -369,10 +364,10 @@ def chain(stages: Stages) -> grain.IterDataset:
   if stages.workers:
     guards.check_main_guard()
     _ensure_absl_flags_parsed()
-    if handoff.available():  # images resized straight into shared memory (pipeline.handoff)
+    if handoff.available():  # images resized straight into shared memory (pipeline.stages.handoff)
       writer = handoff.Writer.new()
       decode_stage = dataclasses.replace(decode_stage, allocate=writer.empty)
-  recorder = stats.Recorder()  # every stage's counters (`pipeline.stats`), per process
+  recorder = stats.Recorder()  # every stage's counters (`pipeline.stages.stats`), per process
   stages.read.threads.timed(recorder, "read")
   decode_stage.threads.timed(recorder, "decode")
   plan = stats.Timed(stages.plan, recorder, "plan")

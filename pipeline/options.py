@@ -11,7 +11,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any, ClassVar
 
-from pipeline import budget
+from pipeline.storage import budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,20 +83,20 @@ class Performance:
   rest leave every batch bitwise equal (tests/test_options_content.py checks both).
 
   num_threads / num_workers: decode threads per process and Grain worker processes
-  (None: chosen for this host, see `pipeline.parallelism`). prefetch: batches being decoded
+  (None: chosen for this host, see `pipeline.host.parallelism`). prefetch: batches being decoded
   at once per process. read_ahead: batches whose records are read ahead (None: as many as
   the read latency measured at open and as it runs needs, by Little's law; see
-  `pipeline.reads`), holding at most read_ahead_mb of records. record_cache_mb: RAM for stored
+  `pipeline.stages.read`), holding at most read_ahead_mb of records. record_cache_mb: RAM for stored
   record bytes, so storage is read once (None: the whole split when one read takes
   >= 2 ms and the split fits in a quarter of the available memory, else 0);
   record_cache_dir: a local-disk folder for them too, shared by the host's processes and kept
   across runs. max_requests_per_s: the most storage requests a second this process's reads
   make, shared by its worker processes (None or inf: no cap; at least one a minute), to stay
-  within a bucket's budget (`pipeline.budget`). read_deadline_s: how long a batch (or the first
-  records read at open) waits for its reads before one line naming the shard is raised (None:
-  as gs:// reads, `pipeline.remote`: 60 s), so that storage that stops answering (a stalled
-  gcsfuse mount) is an error, never a hang. stats_every_s: print `iterator.stats()`'s table
-  (a row per stage and process, storage requests) to stderr every so many seconds (None: never).
+  within a bucket's budget (`pipeline.storage.budget`). read_deadline_s: how long a batch (or the
+  first records read at open) waits for its reads before one line naming the shard is raised (None:
+  as gs:// reads, `pipeline.storage.remote`: 60 s), so that storage that stops answering (a stalled
+  gcsfuse mount) is an error, never a hang. stats_every_s: print `iterator.stats()`'s table (a row
+  per stage and process, storage requests) to stderr every so many seconds (None: never).
 
   Changing pixels (mean absolute difference per pixel value, on the test photos, ~470x390, at
   64 and 224 px): cache_mb: RAM for decoded images ("map, cache, map"), kept with their

@@ -13,8 +13,9 @@ import os
 import typing
 from collections.abc import Mapping, Sequence
 
-from pipeline import blocks, records
+from pipeline.catalog import records
 from pipeline.options import Augment, Performance, coerce
+from pipeline.order import blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,7 @@ class Spec:
     drop_remainder: drop the last partial batch of a finite stream (default: train).
     shard_index, shard_count: this process's slice; default jax.process_index()/count(). A
       train stream's global batches, and its states, are the same on any count
-      (`pipeline.elastic`).
+      (`pipeline.order.elastic`).
     sharding: "records" (default): the global shuffle is dealt out to the processes, each its
       block of every global batch;
       "shards": each process owns whole shards (shard k: process k % shard_count) and
@@ -59,7 +60,7 @@ class Spec:
       record anywhere, one storage request per image. "blocks": runs of `block_records`
       consecutive records of a shard (default: 16, 32, ... until a run holds 2 MiB), the
       blocks shuffled and taken in windows of `window_blocks` blocks (default: 4 global
-      batches' worth), each batch one record of each of as many blocks (`pipeline.blocks`):
+      batches' worth), each batch one record of each of as many blocks (`pipeline.order.blocks`):
       a process reads only its own blocks, one request each, and a batch's label mix is a
       global shuffle's. None (default): "blocks" for a bucket (gs:// or a FUSE mount such as
       gcsfuse), "global" on local disk.
@@ -84,9 +85,9 @@ class Spec:
       (`pipeline.Performance` or a dict of its fields); never changes what a batch holds,
       except the pixels under the options named in `Performance.CHANGES_PIXELS` (cache_mb,
       dct_scaling, fast_dct).
-      Threads and workers left None are chosen for this host (`pipeline.parallelism`; 2
+      Threads and workers left None are chosen for this host (`pipeline.host.parallelism`; 2
       cores: no workers, a thread per core), the read-ahead for the read latency measured at
-      open (`pipeline.reads`), and the choice is printed once.
+      open (`pipeline.stages.read`), and the choice is printed once.
   """
 
   data_dir: str | os.PathLike

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import augment, dataset, decode, manifest, records
+from pipeline import dataset
+from pipeline.catalog import manifest, records
 from pipeline.dataset import BadRecordError
-from pipeline.source import ShardedSource
-from pipeline.stream import StateError
+from pipeline.image import augment, decode
+from pipeline.stages.stream import StateError
+from pipeline.storage.source import ShardedSource
 from tests.conftest import assert_same_batches, jpeg, take
 
 
@@ -455,7 +457,7 @@ def test_make_dataset_refuses_shards_that_disagree_with_the_manifest(tmp_path, p
 def test_a_many_core_host_gets_worker_processes_and_the_same_batches(
   photos_dir, monkeypatch, capfd
 ):
-  from pipeline import parallelism
+  from pipeline.host import parallelism
 
   def make():
     return pipeline.make_dataset(

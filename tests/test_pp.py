@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import ops, pp
-from pipeline.randaugment import NAMES, RandAugment
+from pipeline import pp
+from pipeline.pp import ops
+from pipeline.pp.randaugment import NAMES, RandAugment
 from tests.conftest import assert_same_batches, take
 
 COMMON = '|onehot(4, key="label", key_result="labels")|value_range(-1, 1)|keep("image", "labels")'
@@ -196,7 +197,7 @@ def test_mixup_in_a_pp_string_is_big_vision_s(photos_dir):
 def test_image_ops_see_label_and_requested_features(tmp_path, write_dataset):
   from tensorflow_datasets.proto import tf_example_pb2
 
-  from pipeline import records
+  from pipeline.catalog import records
 
   recs = []
   for i in range(8):

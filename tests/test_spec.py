@@ -7,8 +7,8 @@ import sys
 import pytest
 
 import pipeline
-from pipeline import plan
-from pipeline.sampling import Sampler
+from pipeline.order.sampling import Sampler
+from pipeline.stages import plan
 
 
 def test_make_datasets_keywords_are_the_specs_fields_with_the_ops_group_spread_out():

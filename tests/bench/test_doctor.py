@@ -16,9 +16,9 @@ import time
 import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
-import pipeline.manifest
-import pipeline.parallelism as parallelism
-import pipeline.source
+import pipeline.catalog.manifest
+import pipeline.host.parallelism as parallelism
+import pipeline.storage.source
 from bench import doctor, storage_check
 from bench.doctor import Cost, Measurements, Run, Settings
 
@@ -305,13 +305,13 @@ def test_cli_help():
 
 @pytest.mark.slow
 def test_a_slow_source_is_named_read_in_a_real_run(photos_dir, monkeypatch):
-  read = pipeline.source.ShardedSource.read
+  read = pipeline.storage.source.ShardedSource.read
 
   def slow_read(self, indices):  # storage with 10 ms of latency per record
     time.sleep(0.01 * len(indices))
     return read(self, indices)
 
-  monkeypatch.setattr(pipeline.source.ShardedSource, "read", slow_read)
+  monkeypatch.setattr(pipeline.storage.source.ShardedSource, "read", slow_read)
   s = Settings(
     str(photos_dir), batch_size=8, image_size=64, performance={"num_threads": 2, "prefetch": 2}
   )
@@ -335,7 +335,7 @@ def test_storage_check_times_reads_through_the_rig_and_applies_littles_law(stora
   with storage_rig.mount(photos_dir, latency_ms=10) as rig:
     check = storage_check.measure(rig.path, "train", levels=(1, 8), reads_per_level=24)
     stats = rig.reset()
-    shard = pipeline.manifest.load(rig.path).shard_paths(rig.path, "train")[0]
+    shard = pipeline.catalog.manifest.load(rig.path).shard_paths(rig.path, "train")[0]
     ArrayRecordReader(str(shard), "readahead_buffer_size:0").close()
     open_reads = rig.stats()["reads"]  # what opening a reader reads (footer and index)
   one, eight = check.levels
