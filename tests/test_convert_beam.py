@@ -13,6 +13,7 @@ import functools
 import io
 import os
 import signal
+import textwrap
 
 import numpy as np
 import psutil
@@ -22,6 +23,7 @@ from PIL import Image
 from pipeline.convert import beam as convert_beam  # imports apache_beam only when it runs
 from pipeline.convert import images, shards, tfrecord
 from tests.test_convert_images import messy  # noqa: F401 - a fixture
+from tests.test_gcs import gcs, run  # noqa: F401 - gcs: a fixture, a local Cloud Storage
 
 pytest.importorskip("apache_beam", reason="optional extra: pip install '.[beam]'")
 
@@ -34,11 +36,12 @@ def same_files(a, b) -> None:
 
 
 @pytest.fixture(scope="module")
-def dask_cluster():
-  """A dask.distributed cluster of two worker processes (one thread each) on this machine."""
+def dask_cluster(gcs):  # noqa: F811 - the fixture imported above
+  """A dask.distributed cluster of two worker processes (one thread each) on this machine,
+  whose `gs://` is the local Cloud Storage of `gcs`."""
   distributed = pytest.importorskip("distributed", reason="optional extra: apache-beam[dask]")
   with distributed.LocalCluster(
-    n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None
+    n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, env=gcs
   ) as cluster:
     yield cluster
 
@@ -161,3 +164,43 @@ def test_a_worker_killed_in_the_middle_of_a_shard_is_retried_with_the_same_bytes
     pass
   assert on_dask == local
   same_files(tmp_path / "local", tmp_path / "dask")
+
+
+def test_from_a_bucket_into_a_bucket_through_beams_filesystems(
+  dask_cluster,
+  gcs,  # noqa: F811 - the fixture imported above
+  photos_raw,
+  tmp_path,
+):
+  """The CLI on two Dask workers that read gs:// and write gs:// through Beam's FileSystems
+  (no mount); gcsfs reads its emulator's address at import, so it runs in subprocesses."""
+  put = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
+  assert run(put, env=gcs, args=[str(photos_raw), "bkt/beam/raw"]).returncode == 0
+  flags = ["--val-fraction", "0.25", "--shard-size-mb", "0.5"]
+  images.convert(
+    photos_raw, tmp_path / "local", val_fraction=0.25, shard_size_mb=0.5, workers=1, progress=False
+  )
+  engine = ["--runner", "DaskRunner", "--dask_client_address", dask_cluster.scheduler_address]
+  cli = ["-m", "pipeline.convert", "images", "gs://bkt/beam/raw", "gs://bkt/beam/out"]
+  p = run("", env=gcs, args=[*cli, *flags, *engine])
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert "shards, 64/64 files" in p.stderr  # progress, from the done markers in the bucket
+  check = textwrap.dedent(
+    """
+    import json, os, sys
+    import gcsfs
+
+    local, fs = sys.argv[1], gcsfs.GCSFileSystem(token="anon")
+    names = sorted(os.listdir(local))
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/beam/out")) == names  # no build, lock
+    for name in names:
+      if name != "manifest.json":
+        assert fs.cat_file(f"bkt/beam/out/{name}") == open(f"{local}/{name}", "rb").read(), name
+    got = json.loads(fs.cat_file("bkt/beam/out/manifest.json"))
+    want = json.load(open(f"{local}/manifest.json"))
+    assert (got["splits"], got["skipped"]) == (want["splits"], want["skipped"])
+    assert got["created_by"]["source"] == "gs://bkt/beam/raw"
+    """
+  )
+  p = run(check, env=gcs, args=[str(tmp_path / "local")])
+  assert p.returncode == 0, p.stderr[-2000:]

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import dataclasses
+import errno
 import functools
 import json
 import os
@@ -66,6 +67,10 @@ def _read(path: str) -> bytes | OSError:
       return f.read()
   except OSError as e:  # Beam's BeamIOError is one too
     return e
+  except Exception as e:  # a missing object in a bucket: google.api_core NotFound, no OSError
+    if getattr(e, "code", None) == 404:
+      return FileNotFoundError(errno.ENOENT, "No such object", path)
+    raise
 
 
 def read_many(paths: list[str]) -> list[bytes | OSError]:
