@@ -3,13 +3,18 @@
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
 EXTRAS  := train,tensorboard,data,bench,dev
+# The Beam tests run in their own environment: apache-beam caps pillow, protobuf and pyarrow
+# below the main environment's versions (docs/ARCHITECTURE.md).
+BEAM_PY    := .venv-beam/bin/python
+BEAM_STAMP := .venv-beam/.installed
+BEAM_TESTS := tests/test_convert_beam.py
 DATA    := data
 ARGS    ?=
 CONFIG  ?= configs/default.py
 WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 SOURCES := pipeline bench train configs tests examples setup.py
 
-.PHONY: _venv setup data convert train tensorboard bench bench-report test test-slow format lint clean
+.PHONY: _venv setup data convert train tensorboard bench bench-report test test-beam test-slow format lint clean
 
 # Two targets started at once in a fresh clone (two `make train`): the second waits on the
 # lock (flock, util-linux), then finds the environment installed instead of running pip
@@ -18,13 +23,18 @@ $(STAMP): pyproject.toml setup.py pipeline/image/_jpeg.c
 	@mkdir -p .venv
 	@flock .venv/.lock $(MAKE) --no-print-directory _venv
 
+$(BEAM_STAMP): pyproject.toml setup.py pipeline/image/_jpeg.c
+	@mkdir -p .venv-beam
+	@flock .venv-beam/.lock $(MAKE) --no-print-directory _venv VENV=.venv-beam EXTRAS=data,dev,beam
+
+VENV ?= .venv
 _venv:
-	@if [ -f $(STAMP) ] && [ -z "$$(find pyproject.toml setup.py pipeline/image/_jpeg.c -newer $(STAMP))" ]; \
-	then echo "$(STAMP): installed by another make meanwhile"; else \
-	set -e; python3 -m venv .venv; \
-	.venv/bin/pip install --quiet --upgrade pip; \
-	.venv/bin/pip install --quiet -e '.[$(EXTRAS)]'; \
-	touch $(STAMP); fi
+	@if [ -f $(VENV)/.installed ] && [ -z "$$(find pyproject.toml setup.py pipeline/image/_jpeg.c -newer $(VENV)/.installed)" ]; \
+	then echo "$(VENV)/.installed: installed by another make meanwhile"; else \
+	set -e; python3 -m venv $(VENV); \
+	$(VENV)/bin/pip install --quiet --upgrade pip; \
+	$(VENV)/bin/pip install --quiet -e '.[$(EXTRAS)]'; \
+	touch $(VENV)/.installed; fi
 
 setup: $(STAMP)  ## create .venv: the library plus the extras $(EXTRAS)
 
@@ -46,8 +56,12 @@ bench: data  ## benchmarks on the built-in photos; report, figures and logs in r
 bench-report: data  ## the same, rewriting the committed bench/REPORT.md, docs/bench and docs/study
 	$(PY) -m bench all $(DATA)/photos --out runs/bench --refresh $(ARGS)
 
-test: $(STAMP)  ## the test suite (fast tests; `make test-slow` for the slow ones too)
-	$(PY) -m pytest $(ARGS)
+test: $(STAMP) $(BEAM_STAMP)  ## the test suite (fast tests; `make test-slow` for the slow ones too)
+	$(PY) -m pytest $(ARGS); main=$$?; \
+	$(if $(ARGS),exit $$main,$(BEAM_PY) -m pytest $(BEAM_TESTS); beam=$$?; [ $$main$$beam = 00 ])
+
+test-beam: $(BEAM_STAMP)  ## the Beam tests alone, in .venv-beam (DaskRunner, 2 worker processes)
+	$(BEAM_PY) -m pytest $(BEAM_TESTS) $(ARGS)
 
 test-slow: $(STAMP)
 	$(PY) -m pytest -m '' $(ARGS)
@@ -62,4 +76,4 @@ lint: $(STAMP)  ## format and lint checks; pylint is not run, so no pylint comme
 	@! grep -rn --include='*.py' 'pylint:' $(SOURCES) || (echo "pylint comments: pylint is not run"; false)
 
 clean:
-	rm -rf .venv runs build *.egg-info
+	rm -rf .venv .venv-beam runs build *.egg-info

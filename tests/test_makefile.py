@@ -24,7 +24,7 @@ chmod +x "$3/bin/pip"
 @pytest.mark.skipif(not shutil.which("flock") or not shutil.which("make"), reason="needs make")
 def test_two_makes_at_once_in_a_fresh_clone_install_the_environment_once(tmp_path):
   clone = tmp_path / "clone"
-  (clone / "pipeline").mkdir(parents=True)
+  (clone / "pipeline" / "image").mkdir(parents=True)
   shutil.copy(REPO / "Makefile", clone)
   for name in ("pyproject.toml", "setup.py", "pipeline/image/_jpeg.c"):
     (clone / name).write_text("")

@@ -11,6 +11,7 @@
   python -m pipeline.convert verify OUT
   python -m pipeline.convert builtin data
   python -m pipeline.convert images SRC OUT --runner DirectRunner   # Apache Beam
+  python -m pipeline.convert images gs://B/raw gs://B/ds --runner DataflowRunner ...  # docs/DATA.md
 
 A conversion adds its splits to a dataset already in OUT (same classes) and refuses to
 replace splits of another conversion unless --overwrite. Errors are one line (exit status 2
@@ -20,6 +21,7 @@ for usage errors); --verbose shows the traceback.
 from __future__ import annotations
 
 import argparse
+import logging
 import math
 import sys
 
@@ -99,7 +101,7 @@ def _beam(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "--runner",
     default=None,
-    help="run as an Apache Beam pipeline on this runner (DirectRunner, "
+    help="run as an Apache Beam pipeline on this runner (DirectRunner, DaskRunner, "
     "DataflowRunner, FlinkRunner, SparkRunner); other unknown flags go "
     "to Beam's PipelineOptions",
   )
@@ -213,9 +215,16 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _into_bucket(args: argparse.Namespace) -> bool:
-  """Whether this command reads or writes OUT in a bucket itself (not yet: tfds, builtin,
-  the Beam runner)."""
-  return args.command == "verify" or (args.command in ("images", "tfrecord") and not args.runner)
+  """Whether this command reads or writes OUT in a bucket itself (not yet: tfds, builtin)."""
+  return args.command in ("verify", "images", "tfrecord")
+
+
+def _quiet_engine(runner: str) -> None:
+  """A local Dask cluster logs every worker's start and stop: its warnings only."""
+  if runner.endswith("DaskRunner"):
+    import distributed  # noqa: F401 - its import sets its loggers' levels: set them after
+
+    logging.getLogger("distributed").setLevel(logging.WARNING)
 
 
 def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
@@ -253,8 +262,14 @@ def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
       **common,
     )
     if args.runner:
+      _quiet_engine(args.runner)
       m = beam.convert_images(
-        args.src, args.out, runner=args.runner, pipeline_args=beam_args, **kwargs
+        args.src,
+        args.out,
+        runner=args.runner,
+        pipeline_args=beam_args,
+        progress=args.progress,
+        **kwargs,
       )
     else:
       m = images.convert(args.src, args.out, workers=args.workers, progress=args.progress, **kwargs)
@@ -267,8 +282,14 @@ def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
       **common,
     )
     if args.runner:
+      _quiet_engine(args.runner)
       m = beam.convert_tfrecord(
-        args.pattern, args.out, runner=args.runner, pipeline_args=beam_args, **kwargs
+        args.pattern,
+        args.out,
+        runner=args.runner,
+        pipeline_args=beam_args,
+        progress=args.progress,
+        **kwargs,
       )
     else:
       m = tfrecord.convert(

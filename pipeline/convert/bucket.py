@@ -299,7 +299,8 @@ def swap_in(out: str) -> None:
   _remove(build, recursive=True)
 
 
-def _finish(job: shards.Job, results: list[shards.ShardResult]) -> manifest_lib.Manifest:
+def finish(job: shards.Job, results: list[shards.ShardResult]) -> manifest_lib.Manifest:
+  """Commits the manifest of the uploaded shards and swaps the build into OUT."""
   try:
     m, remove = shards.manifest_of(job, results, shards._load_existing(job.out, overwrite=True))
   except shards.ConversionError:
@@ -388,9 +389,11 @@ def run(
     return _run(job, workers, progress, desc, overwrite)
 
 
-def _run(
-  job: shards.Job, workers: int | None, progress: bool, desc: str, overwrite: bool
-) -> manifest_lib.Manifest:
+def start(
+  job: shards.Job, overwrite: bool
+) -> tuple[manifest_lib.Manifest | None, dict[str, shards.ShardResult]]:
+  """`shards.start` for OUT in a bucket (call it holding `locked(job.out)`): OUT's manifest
+  if this job is already done there, else None and the shards already uploaded."""
   if _SWAP in _names(join(job.out, shards.BUILD_DIR)):
     swap_in(job.out)
   there = None
@@ -402,8 +405,16 @@ def _run(
 
   if (m := shards.check_target(job, overwrite, exists)) is not None:
     _remove(join(job.out, shards.BUILD_DIR), recursive=True)
+    return m, {}
+  return None, _resume(job)
+
+
+def _run(
+  job: shards.Job, workers: int | None, progress: bool, desc: str, overwrite: bool
+) -> manifest_lib.Manifest:
+  m, results = start(job, overwrite)
+  if m is not None:
     return m
-  results = _resume(job)
   todo = [p for p in job.plans if p.name not in results]
   workers = workers or os.cpu_count() or 1
   _remove_stale_stages()
@@ -426,4 +437,4 @@ def _run(
           bar.update(len(task))
   finally:
     shutil.rmtree(stage, ignore_errors=True)
-  return _finish(job, [results[p.name] for p in job.plans])
+  return finish(job, [results[p.name] for p in job.plans])

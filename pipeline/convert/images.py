@@ -14,7 +14,7 @@ import csv
 import functools
 import json
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -328,12 +328,15 @@ def process(
   keys: records.Keys,
   max_size: int | None,
   max_pixels: int,
+  read_many: Callable[[list[str]], list[bytes | OSError]] | None = None,
 ) -> list[shards.Outcome]:
-  """Worker: reads, checks and encodes each (relative path, label) of a task."""
+  """Worker: reads, checks and encodes each (relative path, label) of a task. `read_many`
+  (paths to bytes, or the OSError of each) reads the files, e.g. through Beam's FileSystems;
+  by default a bucket's are fetched together and local files one at a time."""
   outcomes: list[shards.Outcome] = []
-  fetched = (
-    bucket.read_many([os.path.join(src, rel) for rel, _ in task]) if bucket.is_url(src) else None
-  )
+  if read_many is None and bucket.is_url(src):
+    read_many = bucket.read_many
+  fetched = None if read_many is None else read_many([os.path.join(src, rel) for rel, _ in task])
   for i, (rel, label) in enumerate(task):
     try:
       if fetched is None:

@@ -14,8 +14,8 @@ import functools
 import glob
 import os
 import struct
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, BinaryIO
 
 import numpy as np
 from array_record.python import array_record_module
@@ -141,15 +141,19 @@ def read_record(f, path: str, index: int, offset: int, length: int) -> bytes:
   return data
 
 
-def read_items(task: Sequence[tuple], files: Sequence[str]) -> list[tuple[str, bytes]]:
+def read_items(
+  task: Sequence[tuple],
+  files: Sequence[str],
+  open_file: Callable[[str], BinaryIO] = bucket.open_file,
+) -> list[tuple[str, bytes]]:
   """(place, record bytes) for items ("tfrecord", file, index, offset, length) or
-  ("array_record", file, index)."""
+  ("array_record", file, index); `open_file` opens a TFRecord file for seeks and reads."""
   out, handles = [], {}
   with contextlib.ExitStack() as stack:
     for kind, file_index, index, *span in task:
       path = files[file_index]
       if path not in handles and kind == "tfrecord":
-        handles[path] = stack.enter_context(bucket.open_file(path))
+        handles[path] = stack.enter_context(open_file(path))
       elif path not in handles:
         handles[path] = stack.enter_context(
           contextlib.closing(array_record_module.ArrayRecordReader(path))
@@ -168,10 +172,12 @@ def process(
   keys: records.Keys,
   num_classes: int,
   max_pixels: int,
+  open_file: Callable[[str], BinaryIO] = bucket.open_file,
 ) -> list[shards.Outcome]:
-  """Worker: verifies each record (checksum, parse, label range, image) and passes its bytes."""
+  """Worker: verifies each record (checksum, parse, label range, image) and passes its bytes;
+  `open_file` opens the TFRecord files (e.g. through Beam's FileSystems)."""
   outcomes: list[shards.Outcome] = []
-  for place, data in read_items(task, files):
+  for place, data in read_items(task, files, open_file):
     try:
       image, label, _ = records.parse(data, keys)
     except records.RecordError as e:
