@@ -25,9 +25,11 @@ import logging
 import math
 import sys
 
-from pipeline import extras, records, remote
-from pipeline import manifest as manifest_lib
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.catalog import records
 from pipeline.convert import checks, shards
+from pipeline.host import extras
+from pipeline.storage import remote
 
 
 class _Parser(argparse.ArgumentParser):

@@ -39,7 +39,7 @@ import time
 from collections.abc import Sequence
 from typing import Any, BinaryIO
 
-from pipeline import manifest as manifest_lib
+from pipeline.catalog import manifest as manifest_lib
 from pipeline.convert import bucket, images, shards, tfrecord
 
 DASK_RUNNER = "apache_beam.runners.dask.dask_runner.DaskRunner"

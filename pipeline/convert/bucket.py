@@ -36,10 +36,10 @@ from typing import Any, NamedTuple, TypeVar
 
 from etils import epath
 
-from pipeline import manifest as manifest_lib
-from pipeline import remote
+from pipeline.catalog import manifest as manifest_lib
 from pipeline.convert import shards
-from pipeline.convert.progress import Progress
+from pipeline.convert.shards import Progress
+from pipeline.storage import remote
 
 T = TypeVar("T")
 _PLAN = "plan.json"

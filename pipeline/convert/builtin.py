@@ -19,9 +19,9 @@ from collections.abc import Callable
 import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter
 
-from pipeline import manifest as manifest_lib
+from pipeline.catalog import manifest as manifest_lib
 from pipeline.convert import images, shards
-from pipeline.convert.progress import Progress
+from pipeline.convert.shards import Progress
 
 DIGITS_SIZE = 32
 PHOTO_SIZE = (470, 390)  # width, height: the mean of ImageNet's training images is ~400x350

@@ -2,7 +2,7 @@
 
 Policy: a JPEG (grayscale or YCbCr/RGB) that the pipeline's decoder decodes is stored byte for
 byte: one simplejpeg decodes strictly once the bytes between its header segments are dropped
-(libjpeg skips them with a warning, and so does `pipeline.decode`). Anything else Pillow can
+(libjpeg skips them with a warning, and so does `pipeline.image.decode`). Anything else Pillow can
 decode (PNG, GIF, BMP, WebP, TIFF, CMYK/YCCK JPEG, a PNG named .jpg, a JPEG with corrupt image
 data that libjpeg papers over, 16-bit images) is converted to RGB and re-encoded as a
 quality-95 JPEG, so every stored image decodes with the fast JPEG path. Empty, truncated
@@ -21,7 +21,7 @@ import numpy as np
 import simplejpeg
 from PIL import Image
 
-from pipeline import decode
+from pipeline.image import decode
 
 MAX_PIXELS = decode.MAX_PIXELS  # Pillow's own decompression-bomb threshold
 REENCODE_QUALITY = 95

@@ -18,8 +18,9 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-from pipeline import __version__, records
-from pipeline import manifest as manifest_lib
+from pipeline import __version__
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.catalog import records
 from pipeline.convert import bucket, checks, shards
 
 VALIDATION = "validation"  # the split `val_fraction` makes

@@ -29,17 +29,18 @@ import multiprocessing
 import os
 import re
 import shutil
+import sys
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import google_crc32c
 import numpy as np
+import tqdm
 from array_record.python import array_record_module
 
-from pipeline import manifest as manifest_lib
-from pipeline import records
-from pipeline.convert.progress import Progress
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.catalog import records
 
 OPTIONS = "group_size:1,uncompressed"  # random access; JPEG payloads are not compressed again
 DEFAULT_SHARD_SIZE_MB = 128
@@ -665,3 +666,40 @@ def summary(m: manifest_lib.Manifest) -> str:
   line += f" ({reasons})" if reasons else ""
   reencoded = sum(len(e.get("reencoded", [])) for e in _provenance(m))
   return line + (f"; re-encoded {reencoded}" if reencoded else "")
+
+
+# Progress of long conversions: a bar on a terminal; when stderr is not a terminal (a log
+# file, a pipe), one plain line per tenth of the work instead of carriage returns.
+_STEPS = 10
+
+
+class Progress:
+  """Counts work done out of `total`; shows it on stderr unless `enabled` is False."""
+
+  def __init__(self, total: int, desc: str, unit: str, enabled: bool = True):
+    self.total, self.desc, self.unit, self.done = total, desc, unit, 0
+    on_tty = enabled and sys.stderr.isatty()
+    self._bar = tqdm.tqdm(total=total, desc=desc, unit=unit, dynamic_ncols=True, disable=not on_tty)
+    self._lines = enabled and not on_tty and total > 0
+    self._step = 0
+
+  def update(self, n: int) -> None:
+    self.done += n
+    self._bar.update(n)
+    step = self.done * _STEPS // self.total if self.total else _STEPS
+    if self._lines and step > self._step:
+      self._step = step
+      print(
+        f"{self.desc}: {100 * self.done // self.total}% ({self.done}/{self.total} {self.unit}s)",
+        file=sys.stderr,
+        flush=True,
+      )
+
+  def close(self) -> None:
+    self._bar.close()
+
+  def __enter__(self) -> Progress:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()

@@ -13,8 +13,9 @@ import os
 import sys
 from collections.abc import Sequence
 
-from pipeline import __version__, records, tfds_folder
-from pipeline import manifest as manifest_lib
+from pipeline import __version__
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.catalog import records, tfds_folder
 from pipeline.convert import checks, shards, tfrecord
 
 

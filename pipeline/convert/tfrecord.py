@@ -21,8 +21,9 @@ import numpy as np
 from array_record.python import array_record_module
 from google.protobuf import message as protobuf_message
 
-from pipeline import __version__, records
-from pipeline import manifest as manifest_lib
+from pipeline import __version__
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.catalog import records
 from pipeline.convert import bucket, checks, shards
 
 _POLY = 0x82F63B78  # CRC-32C (Castagnoli), reflected

@@ -19,10 +19,10 @@ import google_crc32c
 from array_record.python import array_record_module
 from etils import epath
 
-from pipeline import manifest as manifest_lib
-from pipeline import records
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.catalog import records
 from pipeline.convert import bucket, checks, shards
-from pipeline.convert.progress import Progress
+from pipeline.convert.shards import Progress
 
 _RANGE = 256  # records per verification task
 _READ_ERRORS = (RuntimeError, ValueError, OSError)
