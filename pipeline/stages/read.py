@@ -31,6 +31,7 @@ import numpy as np
 from pipeline.stages.ahead import Threads
 from pipeline.stages.plan import Batch
 from pipeline.storage import remote
+from pipeline.storage.blockstore import SHM_DIR, BlockStore
 from pipeline.storage.budget import Controller, RequestBudget
 from pipeline.storage.cache import RecordCache
 from pipeline.storage.ranges import BlockReads
@@ -95,6 +96,7 @@ class ReadRecords:
     window_bytes: int = 0,
     epoch_requests: float | None = None,
     deadline_s: float | None = None,
+    store: BlockStore | None = None,
   ):
     self.source, self.batch_size, self.cache = source, batch_size, cache
     capped = max_requests_per_s and max_requests_per_s < math.inf
@@ -103,7 +105,7 @@ class ReadRecords:
     if block_records is not None:  # the block order: a block's records in one request
       counts = [b - a for a, b in zip(source.starts, source.starts[1:])]
       kept = ahead_bytes + 2 * window_bytes
-      self.ranges = BlockReads(source.read_range, counts, block_records, kept)
+      self.ranges = BlockReads(source.read_range, counts, block_records, kept, store)
     self.rate_per_s, self.ahead_bytes, self.max_depth = rate_per_s, ahead_bytes, max_depth
     self.deadline_s = deadline_s
     self._initial = (latency_s, record_bytes)
@@ -340,7 +342,11 @@ def requests(read: ReadRecords) -> str:
     plan = f"requests: one per block of {r.block_records} records"
     if read.epoch_requests:
       plan += f", about {read.epoch_requests:,.0f} an epoch from this process's own blocks"
-    plan += f" (order='blocks'; blocks kept within {r.budget_bytes / 2**20:,.0f} MB)"
+    if r.store is not None:
+      kept = f"each read once for the host's worker processes, shared in {SHM_DIR}"
+      plan += f" ({kept}, each keeping {r.store.budget_bytes / 2**20:,.0f} MB of them)"
+    else:
+      plan += f" (order='blocks'; blocks kept within {r.budget_bytes / 2**20:,.0f} MB)"
   if read.budget is not None:
     plan += f", at most {read.budget.per_s:,.6g}/s (performance.max_requests_per_s)"
   if not s.requests:
