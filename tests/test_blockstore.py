@@ -142,3 +142,30 @@ def test_the_batches_of_a_window_fall_to_workers_that_do_not_divide_it():
   blocks = records // 16
   owners = {b: {k % 3 for k in range(len(blocks)) if b in blocks[k]} for b in np.unique(blocks)}
   assert all(len(w) == 3 for w in owners.values())
+
+
+@pytest.mark.parametrize("workers", [3, 8])
+def test_workers_keeping_their_share_of_two_windows_read_each_block_once_an_epoch(workers):
+  shards, size, batch = (1024,) * 64, 100, 128  # records of 100 bytes, blocks of 32
+  s = Sampler(sum(shards), seed=4, block=batch, blocks=Blocks(shards, 32, 4 * batch))
+  window_bytes = 4 * batch * 32 * size
+  ahead = 4 * batch * size  # performance.read_ahead_mb's bytes: here 4 batches
+  calls = []
+
+  def read_range(shard, begin, end):
+    calls.append((shard, begin))
+    return [bytes(size)] * (end - begin)
+
+  store = BlockStore.new(0)  # each worker's copy: its share of the host's two windows
+  mine = [BlockStore(store.token, ahead + 2 * window_bytes // workers) for _ in range(workers)]
+  reads = [BlockReads(read_range, list(shards), 32, 0, m) for m in mine]
+  try:
+    for b in range(sum(shards) // batch):  # Grain gives worker w batches w, w + workers, ...
+      shard, local = np.divmod(s.records(np.arange(b * batch, (b + 1) * batch))[1], 1024)
+      for k in np.unique(shard).tolist():
+        got = reads[b % workers].read(k, local[shard == k].tolist())
+        assert got == [bytes(size)] * (shard == k).sum()
+    assert len(calls) == len(set(calls)) == sum(shards) // 32  # each block once in the epoch
+    assert sum(m.published for m in mine) == len(calls)
+  finally:
+    blockstore.remove(store.token)
