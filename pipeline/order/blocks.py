@@ -23,8 +23,10 @@ the largest share. The order depends on the process count (a state resumes on it
 Within a block, round r takes the record at the bit-reversal rank of r: a worker process
 that takes one batch in w (w / gcd(w, WINDOW_BATCHES) a power of two, P) takes one aligned
 run of block_records / P records of each of its blocks, and reads it in one request
-(`pipeline.storage.ranges`). As `permute`, the order is a pure function of (key, position): every
-record once per epoch, and a restart needs only the next position.
+(`pipeline.storage.ranges`); where /dev/shm serves, a host's workers of any count share each
+block's one read instead (`pipeline.storage.blockstore`). As `permute`, the order is a pure
+function of (key, position): every record once per epoch, and a restart needs only the next
+position.
 """
 
 from __future__ import annotations
