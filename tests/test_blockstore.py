@@ -169,3 +169,12 @@ def test_workers_keeping_their_share_of_two_windows_read_each_block_once_an_epoc
     assert sum(m.published for m in mine) == len(calls)
   finally:
     blockstore.remove(store.token)
+
+
+def test_a_dropped_store_takes_its_files_with_it():
+  store = BlockStore.new(2**20)
+  store.take((0, 0), [0], lambda: [b"x"])
+  token = store.token
+  assert glob.glob(f"{blockstore.SHM_DIR}/{blockstore.PREFIX}-{token}*")
+  del store  # as a dataset dropped after an evaluation
+  assert not glob.glob(f"{blockstore.SHM_DIR}/{blockstore.PREFIX}-{token}*")

@@ -8,9 +8,9 @@ exclusively and holds a lock on it), reads it whole in one storage request and p
 (one pread each: no copy of the block kept in any process). A worker unlinks the blocks it
 published, oldest first, past `budget_bytes`; a block wanted after it went is read again
 (one more request, the same records). Names hold the dataset's token (`new`, in the main
-process, which holds a lock on TOKEN.lock while it lives): the main process unlinks its
-tokens' files at exit, a worker its own blocks at its exit, and `new` the files of tokens
-whose main process is gone.
+process, which holds a lock on TOKEN.lock while the store lives): the main process unlinks
+the token's files when its store is dropped or at exit, a worker its own blocks at its exit,
+and `new` the files of tokens whose main process is gone.
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import os
 import secrets
 import struct
 import threading
+import weakref
 from collections.abc import Callable
 
 SHM_DIR = "/dev/shm"
@@ -31,8 +32,7 @@ PREFIX = "pipeline-blocks"
 HEAD = 4096  # bytes read first: the header of a block of up to 510 records
 IOV = 512  # records per write
 
-_OWN: dict[str, int] = {}  # token -> fd of its lock file, for the stores this process made
-_STORES: list[BlockStore] = []  # the stores that published blocks in this process
+_STORES: weakref.WeakSet[BlockStore] = weakref.WeakSet()  # those that published blocks here
 
 
 def available() -> bool:
@@ -49,11 +49,13 @@ class BlockStore:
 
   @classmethod
   def new(cls, budget_bytes: int) -> BlockStore:
-    """A store under a fresh token, whose files this process removes at its exit."""
+    """A store under a fresh token, whose files this process removes when the store is
+    dropped (its dataset with it) or at its exit."""
     sweep_orphaned()
     token = secrets.token_hex(16)
-    _OWN[token] = _claim(_lock_path(token))
-    return cls(token, budget_bytes)
+    store = cls(token, budget_bytes)
+    weakref.finalize(store, _release, token, _claim(_lock_path(token)))
+    return store
 
   def _init_runtime(self):
     self._lock = threading.Lock()
@@ -113,8 +115,8 @@ class BlockStore:
       return
     os.rename(name + ".part", name)
     with self._lock:
-      if not self._published and self not in _STORES:
-        _STORES.append(self)
+      if self not in _STORES:
+        _STORES.add(self)
         _at_worker_exit()
       self._published[name] = offsets[-1]
       self._bytes += offsets[-1]
@@ -215,17 +217,16 @@ def sweep_orphaned() -> None:
 
 def close_stores() -> None:
   """Unlinks the blocks this process published (a worker at its exit)."""
-  for store in _STORES:
+  for store in list(_STORES):
     store.close()
 
 
-@atexit.register
-def _at_exit() -> None:
-  close_stores()
-  for token, fd in list(_OWN.items()):
-    remove(token)
-    os.close(fd)
-  _OWN.clear()
+def _release(token: str, lock: int) -> None:
+  remove(token)
+  os.close(lock)
+
+
+atexit.register(close_stores)
 
 
 _finalized = []
