@@ -195,7 +195,7 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> ReadRecords:
   ahead_bytes = int(perf.read_ahead_mb * 2**20)
   window_bytes = _window_bytes(sampler, record_bytes)
   store = None
-  if sampler.blocks is not None and chosen.workers > 1 and blockstore.available():
+  if _shared(sampler, chosen.workers) and blockstore.available():
     # each worker publishes about 1/workers of the blocks: its share of two windows
     store = blockstore.BlockStore.new(ahead_bytes + 2 * window_bytes // chosen.workers)
   read = ReadRecords(
@@ -228,6 +228,15 @@ def _pieces(sampler: Sampler, workers: int, shared: bool) -> int | None:
     return sampler.blocks.block_records
   batch = sampler.block * _dealt_to(sampler)
   return blocks_lib.pieces(sampler.blocks, batch, workers)
+
+
+def _shared(sampler: Sampler, workers: int) -> bool:
+  """Whether a block's records fall to more than one worker process (Grain deals the batches
+  out in turn): in the block order, unless the workers divide a round's batches."""
+  if sampler.blocks is None:
+    return False
+  batch = sampler.block * _dealt_to(sampler)
+  return blocks_lib.workers_per_block(sampler.blocks, batch, workers) > 1
 
 
 def _dealt_to(sampler: Sampler) -> int:

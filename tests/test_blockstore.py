@@ -178,3 +178,14 @@ def test_a_dropped_store_takes_its_files_with_it():
   assert glob.glob(f"{blockstore.SHM_DIR}/{blockstore.PREFIX}-{token}*")
   del store  # as a dataset dropped after an evaluation
   assert not glob.glob(f"{blockstore.SHM_DIR}/{blockstore.PREFIX}-{token}*")
+
+
+@pytest.mark.parametrize("workers, shared", [(2, False), (4, False), (3, True), (8, True)])
+def test_only_workers_that_split_a_blocks_records_share_it(photos_dir, workers, shared):
+  perf = dict(num_workers=workers, num_threads=1)
+  spec = pipeline.Spec.of(
+    photos_dir, batch_size=8, order="blocks", shard_index=0, shard_count=1, performance=perf
+  )
+  st = dataset.build(spec)
+  assert (st.read.ranges.store is not None) == shared  # 2 or 4: each block one worker's
+  assert st.read.ranges.block_records == st.plan.sampler.blocks.block_records  # whole

@@ -244,12 +244,18 @@ def block_records(record_bytes: float | None) -> int:
   return k
 
 
+def workers_per_block(blocks: Blocks, batch_size: int, workers: int) -> int:
+  """The worker processes (of `workers` taking one batch of `batch_size` in turn) that the
+  records of one block fall to."""
+  batches = max(1, blocks.window_blocks // batch_size)  # batches per round
+  return max(1, workers) // math.gcd(max(1, workers), batches)
+
+
 def pieces(blocks: Blocks, batch_size: int, workers: int) -> int:
   """Records per read of a worker process (of `workers` taking one batch of `batch_size` in
   turn): the aligned run of its blocks' records it takes, when it takes one round in a power
   of two (see the module docstring); else a block whole (fewer requests, more bytes)."""
-  batches = max(1, blocks.window_blocks // batch_size)  # batches per round
-  share = max(1, workers) // math.gcd(max(1, workers), batches)  # this one takes 1 round in share
+  share = workers_per_block(blocks, batch_size, workers)  # this one takes 1 round in share
   if share & (share - 1):
     return blocks.block_records
   return max(1, blocks.block_records // share)
