@@ -251,6 +251,7 @@ def main(argv: list[str]) -> list[dict]:
         "--loader",
         name,
         "--no-stages",
+        "--no-reference",
         "--json",
         f.name,
       ]

@@ -58,6 +58,12 @@ interleaved; the model takes their medians, and the report gives each one's spre
    1: the latency's cost alone; the CPU of the host's storage client, gcsfuse or
    array_record's GCS client, is not in the model), the reads in flight it needs
    (`pipeline.reads.reads_in_flight`, Little's law with headroom), their memory, GET/s.
+   The block order (`pipeline.blocks`) the same way, its worker processes sharing each
+   block's read (`pipeline.storage.blockstore`): the CPU per image plus the store's (step 3, alone:
+   a block of the dataset's records written to shared memory, shared by its records, and
+   one record's pread; their Python and syscalls, measured with 1-byte records, counted as
+   GIL-held too), the images per storage request (a block's records: 2 MiB or more), one
+   read of each block per host, and the two windows of blocks the host holds.
 """
 
 from __future__ import annotations
@@ -72,11 +78,13 @@ import time
 
 import numpy as np
 import psutil
+from pipeline.source import ShardedSource
 
 from bench import emulate, gil, measure
 from pipeline import augment, decode, parallelism, reads, records
+from pipeline import blocks as blocks_lib
 from pipeline import manifest as manifest_lib
-from pipeline.source import ShardedSource
+from pipeline.storage import blockstore
 
 PAGE = 4096
 CORES_BOUND = 0.8  # share of the usable cores above which the ceiling is the machine's
@@ -211,7 +219,32 @@ def read_costs(spec: dict, seed: int = 0, kept: int = 1024) -> dict:
     "read_cpu_us": read_cpu / count * 1e6,
     "copy_us": copy_cpu / copies * 1e6,
     "record_kb": float(np.mean([len(r) for r in records])) / 1024,
+    **store_costs(records),
   }
+
+
+def store_costs(records: list[bytes], blocks: int = 16) -> dict:
+  """The block order's shared blocks (`pipeline.storage.blockstore`), per image: CPU of writing
+  `blocks` blocks of these records (as many as a block holds by default) into shared memory,
+  spread over their records, and of each record's pread from there (`store_us`); the same
+  with 1-byte records: the Python and syscalls only (`store_gil_us`, an upper bound of the
+  GIL-held part). `block_records`: the records a block holds."""
+  k = blocks_lib.block_records(float(np.mean([len(r) for r in records])))
+  out = {"block_records": k}
+  for key, recs in (("store_us", records), ("store_gil_us", [b"x"] * len(records))):
+    store = blockstore.BlockStore.new(2**62)
+    made = [[recs[(b * k + i) % len(recs)] for i in range(k)] for b in range(blocks)]
+    try:
+      cpu0 = time.process_time()
+      for b in range(blocks):
+        store.take((0, b), [0], lambda block=made[b]: block)
+      for i in range(1, k):
+        for b in range(blocks):
+          store.take((0, b), [i], None)
+      out[key] = (time.process_time() - cpu0) / (blocks * k) * 1e6
+    finally:
+      blockstore.remove(store.token)
+  return out
 
 
 def measure_in_child(
@@ -412,6 +445,11 @@ def measure_costs(
     "decode_us_per_image": round(free, 1),
     "resize_share": round(share, 3),
     "record_kb": round(_median(runs["read"], "record_kb"), 1),
+    "store": {
+      "us_per_image": round(_median(runs["read"], "store_us"), 1),
+      "gil_us_per_image": round(_median(runs["read"], "store_gil_us"), 1),
+      "block_records": int(_median(runs["read"], "block_records")),
+    },
     "emulation_honoured": honoured,
     "one_thread_img_s": _median(runs["real"], "img_s"),
     "first_batch_s": _median(runs["real"], "first_batch_s"),
@@ -490,6 +528,7 @@ def hosts(
   storage: dict | None = None,
   record_kb: float = 0.0,
   receive_at: dict | None = None,
+  store: dict | None = None,
 ) -> list[dict]:
   """The auto plan and its projected img/s for each core count (vCPUs, counted as
   `costs.threads_per_core` hardware threads per core) and per-process batch size; beside
@@ -497,7 +536,8 @@ def hosts(
   process's CPU per image is the one measured at that batch size (`receive_at`: {batch:
   (user, system)}), else `receive_us` measured at `batch` spread over the host's batch.
   With `storage` (step 8), the rate on that storage: the projection times the share of its
-  ceiling a process kept there (at most 1), and what it needs of the storage."""
+  ceiling a process kept there (at most 1), and what it needs of the storage. With `store`
+  (the block order's costs, `store_costs`), the block order's plan and rate beside it."""
   out = []
   for host_batch in host_batches:
     measured = (receive_at or {}).get(str(host_batch))
@@ -526,12 +566,46 @@ def hosts(
           "one_process_img_s": round(one),
         }
       )
+      if store:
+        out[-1]["blocks"] = block_order(c, host, host_batch, image_size, record_kb, store)
       if storage:
         # the needs of the rate as published, so the figures agree with each other exactly
         rate = round(out[-1]["projected_img_s"] * min(1.0, storage["of_rig_0ms"]))
         out[-1]["at_latency_img_s"] = rate
         out[-1].update(storage_needs(rate, storage, record_kb))
   return out
+
+
+def block_order(
+  cores: int, costs: parallelism.Costs, batch: int, image_size: int, record_kb: float, store: dict
+) -> dict:
+  """The block order on a host of `cores`: its plan and rate with the store's costs added
+  (workers share each block's read, so any worker count reads each block once per host),
+  images per storage request, and the bytes of the two windows of blocks the host holds."""
+  costs = dataclasses.replace(
+    costs,
+    cpu_us=costs.cpu_us + store["us_per_image"],
+    gil_us=costs.gil_us + store["gil_us_per_image"],
+  )
+  chosen = parallelism.plan(
+    cores,
+    batch_size=batch,
+    image_bytes=image_size**2 * 3,
+    costs=costs,
+    costs_batch=batch,
+    memory_bytes=cores * 2**30,
+  )
+  k = store["block_records"]
+  window_mb = blocks_lib.WINDOW_BATCHES * batch * k * record_kb * 1024 / 2**20
+  return {
+    "workers": chosen.workers,
+    "threads": chosen.threads,
+    "projected_img_s": round(parallelism.project(cores, costs, chosen, batch)),
+    "bound_by": parallelism.bound(cores, costs, chosen, batch),
+    "images_per_request": k,
+    "reads_per_block_per_host": 1,
+    "blocks_held_mb": round(2 * window_mb),
+  }
 
 
 def table(result: dict) -> str:
@@ -602,6 +676,25 @@ def table(result: dict) -> str:
     f"{h['projected_img_s']:,} | {h['bound_by']} | {h['one_process_img_s']:,} |"
     for h in result["hosts"]
   ]
+  store = result.get("store")
+  if store:
+    lines += [
+      "",
+      f"The block order, its workers sharing each block's read in shared memory: "
+      f"{store['us_per_image']:.0f} us more CPU per image ({store['gil_us_per_image']:.0f} us of "
+      f"it counted as GIL-held), blocks of {store['block_records']} records:",
+      "",
+      "| host cores | batch per process | workers x threads | projected img/s | bound by | "
+      "images per request | reads of a block per host | blocks held MB |",
+      "|---:|---:|---|---:|---|---:|---:|---:|",
+    ]
+    lines += [
+      f"| {h['cores']} | {h['batch']} | {b['workers']} x {b['threads']} | "
+      f"{b['projected_img_s']:,} | {b['bound_by']} | {b['images_per_request']} | "
+      f"{b['reads_per_block_per_host']} | {b['blocks_held_mb']:,} |"
+      for h in result["hosts"]
+      for b in [h["blocks"]]
+    ]
   st = result.get("storage")
   if st:
     lines += [
@@ -794,6 +887,7 @@ def main(argv: list[str]) -> dict:
     result["storage"],
     result["record_kb"],
     result["workers"]["receive_at"],
+    result["store"],
   )
   result.update(machine=measure.machine(), command="python -m bench scaling " + " ".join(argv))
   print(table(result))

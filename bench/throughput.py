@@ -5,18 +5,27 @@
 `--loader` picks the contender (ours by default; `peers` runs each in its own process).
 The per-stage breakdown times each stage alone on one thread over a sample of records:
 what one image costs in read, parse, header+crop choice, decode, resize+flip and batch.
+For ours, the same run also measures the physical limit: the cores' raw decode of the crop
+windows the pipeline decodes (its train crops, DCT-scaled as it scales them; decode alone, a
+thread per core, `bench.ceiling`'s timing) after the pipeline's run, and quotes img/s as a
+share of it; and, where tensorflow is installed, runs tf.data (`bench.peers`) in its own
+process and quotes img/s, first batch and peak RSS beside its.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import subprocess
 import sys
+import tempfile
 import time
 
 import numpy as np
 
-from bench import measure
-from pipeline import augment, decode, records
+from bench import ceiling, measure
+from pipeline import augment, decode, parallelism, records
 from pipeline import manifest as manifest_lib
 from pipeline.source import ShardedSource
 
@@ -64,6 +73,43 @@ def stage_breakdown(data_dir: str, split: str, image_size: int, sample: int = 25
   return {k: round(v, 4) for k, v in ms.items()}
 
 
+def crop_ceiling(
+  data_dir: str, split: str, image_size: int, images: int = 400, threads: int | None = None
+) -> dict:
+  """Images/s decoding the crop windows of the pipeline's train augmentation (its crop box of
+  each image, at its DCT scale) with one thread per core, best of 2: decode alone."""
+  jpegs = ceiling.load_jpegs(data_dir, split, images)
+  head = augment.Head(image_size=image_size)
+  boxes = [
+    head.box(*decode.image_size(d), augment.example_key(0, 0, i)) for i, d in enumerate(jpegs)
+  ]
+  threads = threads or parallelism.available_cores()
+  crop = lambda data, box, _: decode.decode_crop(data, box, head.dct_scale(box))
+  rate = max(ceiling.decode_rate(crop, jpegs, boxes, 1, threads) for _ in range(2))
+  return {"images_per_sec": round(rate, 1), "threads": threads, "images": len(jpegs)}
+
+
+def beside_tfdata(argv: list[str], ours: dict) -> dict:
+  """tf.data's run (`--loader tfdata`, its own process) and ours as ratios of it; or why not."""
+  if importlib.util.find_spec("tensorflow") is None:
+    return {"skipped": "tensorflow not installed (pip install -e '.[peers]')"}
+  with tempfile.NamedTemporaryFile(suffix=".json") as f:
+    cmd = [sys.executable, "-m", "bench", "throughput", *argv]
+    cmd += ["--loader", "tfdata", "--no-stages", "--no-reference", "--json", f.name]
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode:
+      return {"skipped": f"tf.data failed: {proc.stderr.strip().splitlines()[-1:]}"}
+    tf = json.load(open(f.name))
+  return {
+    "images_per_sec": tf["images_per_sec"],
+    "first_batch_s": tf["first_batch_s"],
+    "peak_rss_mb": tf["peak_rss_mb"],
+    "ours_x_images_per_sec": round(ours["images_per_sec"] / tf["images_per_sec"], 3),
+    "ours_x_first_batch": round(ours["first_batch_s"] / tf["first_batch_s"], 3),
+    "ours_x_peak_rss": round(ours["peak_rss_mb"] / tf["peak_rss_mb"], 3),
+  }
+
+
 def make_loader(name: str, args) -> callable:
   """A zero-argument function returning a fresh batch iterator for contender `name`."""
   if name == "pipeline":
@@ -108,6 +154,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--prefetch", type=int, default=2, help="batches in flight")
   p.add_argument("--workers", type=int, default=0, help="worker processes (0: threads only)")
   p.add_argument("--no-stages", action="store_true", help="skip the per-stage breakdown")
+  p.add_argument(
+    "--no-reference",
+    action="store_true",
+    help="skip the crop-window decode ceiling and tf.data beside ours",
+  )
   p.add_argument("--json", help="write the figures to this file")
   return p
 
@@ -123,6 +174,22 @@ def main(argv: list[str]) -> dict:
     "command": "python -m bench throughput " + " ".join(argv),
   }
   print(result.row())
+  if not args.no_reference and args.loader == "pipeline":
+    limit = crop_ceiling(args.data_dir, args.split, args.image_size)
+    limit["pipeline_share"] = round(result.images_per_sec / limit["images_per_sec"], 3)
+    out["crop_ceiling"] = limit
+    print(
+      f"{'':28s} {limit['pipeline_share']:.0%} of the cores' raw crop-window decode "
+      f"({limit['images_per_sec']:.0f} img/s, {limit['threads']} threads, decode alone)"
+    )
+    out["tfdata"] = tf = beside_tfdata(argv, out)
+    if "skipped" in tf:
+      print(f"{'':28s} tf.data: skipped, {tf['skipped']}")
+    else:
+      print(
+        f"{'':28s} x tf.data: img/s x{tf['ours_x_images_per_sec']:.2f}, first batch "
+        f"x{tf['ours_x_first_batch']:.2f}, peak RSS x{tf['ours_x_peak_rss']:.2f}"
+      )
   if not args.no_stages and args.loader == "pipeline":
     out["stages_ms_per_image"] = stage_breakdown(args.data_dir, args.split, args.image_size)
     print(

@@ -44,7 +44,7 @@ from pipeline.stages.finish import FinishBatch
 from pipeline.stages.plan import PlanBatches, Sizes
 from pipeline.stages.read import ReadRecords, describe, probe
 from pipeline.stages.stream import StreamIterDataset
-from pipeline.storage import remote
+from pipeline.storage import blockstore, remote
 from pipeline.storage.budget import ReadAhead
 from pipeline.storage.cache import record_cache as _record_cache
 from pipeline.storage.fetch import Fetcher
@@ -162,9 +162,10 @@ def _blocks(spec: Spec, shards: list, shard_count: int) -> Blocks:
 
 
 def _workers(spec: Spec, image_size: int, blocks: bool) -> parallelism.Plan:
-  """Worker processes and threads for this host (`pipeline.host.parallelism`): in the block order
-  a number of workers that divides WINDOW_BATCHES (each then reads its blocks whole);
-  no workers when /dev/shm cannot hold their ring of batches (a SIGBUS later)."""
+  """Worker processes and threads for this host (`pipeline.host.parallelism`): in the block
+  order without shared memory for the blocks (`pipeline.storage.blockstore`), a number of
+  workers that divides WINDOW_BATCHES (each then reads its blocks whole); no workers when
+  /dev/shm cannot hold their ring of batches (a SIGBUS later)."""
   perf, batch_size = spec.performance, spec.batch_size
   chosen = parallelism.plan(
     num_workers=perf.num_workers,
@@ -172,7 +173,7 @@ def _workers(spec: Spec, image_size: int, blocks: bool) -> parallelism.Plan:
     batch_size=batch_size,
     image_bytes=image_size**2 * 3,
     prefetch=perf.prefetch,
-    divide=WINDOW_BATCHES if blocks else None,
+    divide=WINDOW_BATCHES if blocks and not blockstore.available() else None,
   )
   if chosen.workers and handoff.available():
     normalize = spec.transforms.normalize
@@ -194,15 +195,21 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> ReadRecords:
   latency_s, record_bytes = probe(source, deadline_s=perf.read_deadline_s)
   cache = _record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
   ahead_bytes = int(perf.read_ahead_mb * 2**20)
+  window_bytes = _window_bytes(sampler, record_bytes)
+  store = None
+  if _shared(sampler, chosen.workers) and blockstore.available():
+    # each worker publishes about 1/workers of the blocks: its share of two windows
+    store = blockstore.BlockStore.new(ahead_bytes + 2 * window_bytes // chosen.workers)
   fetcher = Fetcher(
     source,
     (latency_s, record_bytes),
     cache=cache,
-    block_records=_pieces(sampler, chosen.workers),
-    kept_bytes=ahead_bytes + 2 * _window_bytes(sampler, record_bytes),
+    block_records=_pieces(sampler, chosen.workers, store is not None),
+    kept_bytes=ahead_bytes + 2 * window_bytes,
     max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
     deadline_s=perf.read_deadline_s,
-    epoch_requests=_epoch_requests(sampler, chosen.workers),
+    epoch_requests=_epoch_requests(sampler, chosen.workers, store is not None),
+    store=store,
   )
   ahead = ReadAhead(
     fetcher,
@@ -217,12 +224,24 @@ def _read(spec: Spec, meta, source, pins, sampler, chosen) -> ReadRecords:
   return read
 
 
-def _pieces(sampler: Sampler, workers: int) -> int | None:
-  """Records per block read in each process: a worker process reads its part of a block."""
+def _pieces(sampler: Sampler, workers: int, shared: bool) -> int | None:
+  """Records per block read in each process: blocks whole when the workers share them (in a
+  `BlockStore`), else a worker process reads its part of a block."""
   if sampler.blocks is None:
     return None
+  if shared:
+    return sampler.blocks.block_records
   batch = sampler.block * _dealt_to(sampler)
   return blocks_lib.pieces(sampler.blocks, batch, workers)
+
+
+def _shared(sampler: Sampler, workers: int) -> bool:
+  """Whether a block's records fall to more than one worker process (Grain deals the batches
+  out in turn): in the block order, unless the workers divide a round's batches."""
+  if sampler.blocks is None:
+    return False
+  batch = sampler.block * _dealt_to(sampler)
+  return blocks_lib.workers_per_block(sampler.blocks, batch, workers) > 1
 
 
 def _dealt_to(sampler: Sampler) -> int:
@@ -230,13 +249,16 @@ def _dealt_to(sampler: Sampler) -> int:
   return sampler.shard_count if sampler.shard_records is None else 1
 
 
-def _epoch_requests(sampler: Sampler, workers: int) -> float | None:
+def _epoch_requests(sampler: Sampler, workers: int, shared: bool) -> float | None:
   """The block reads this process makes in an epoch, on average: its share of the blocks,
-  each in block_records / pieces requests."""
+  each in block_records / pieces requests (shared by the workers: a worker reads 1 in
+  workers)."""
   if sampler.blocks is None:
     return None
   b = sampler.blocks
-  return b.count / sampler.shard_count * (b.block_records // _pieces(sampler, workers))
+  if shared:
+    return b.count / sampler.shard_count / workers
+  return b.count / sampler.shard_count * (b.block_records // _pieces(sampler, workers, False))
 
 
 def _window_bytes(sampler: Sampler, record_bytes: float) -> int:

@@ -325,20 +325,6 @@ def test_owned_shards_fill_the_record_cache_in_block_reads_and_then_read_nothing
     assert m.stats()["reads"] == 0
 
 
-@pytest.mark.parametrize("cores", [96, 224])
-def test_on_a_many_core_host_the_block_order_gets_workers_that_read_whole_blocks(
-  photos_dir, monkeypatch, cores
-):
-  from pipeline.host import parallelism
-
-  monkeypatch.setattr(parallelism, "available_cores", lambda: cores)  # as if on that host
-  monkeypatch.setattr(parallelism, "available_memory", lambda: 256 << 30)
-  spec = pipeline.Spec.of(photos_dir, batch_size=16, order="blocks", shard_index=0, shard_count=1)
-  st = dataset.build(spec)
-  assert st.workers in (2, 4)  # dividing blocks.WINDOW_BATCHES (global order: 3 here)
-  assert st.read.ranges.block_records == st.plan.sampler.blocks.block_records  # blocks whole
-
-
 @pytest.mark.parametrize("kept_windows", [0, 2])
 def test_block_reads_keep_two_windows_so_each_block_is_read_once(kept_windows):
   shards, size, batch = (1024,) * 64, 1000, 128  # records of 1,000 bytes

@@ -174,7 +174,8 @@ def plan(
   takes `costs.worker_mb` plus `prefetch +
   WORKER_BATCHES` batches, and the workers together at most half of `memory_bytes`
   (default: the memory available now); threads never outnumber the cores. `divide`: only
-  worker counts that divide it, or none (the block order's, `pipeline.order.blocks`). Up to
+  worker counts that divide it, or none (the block order's where /dev/shm cannot share its
+  blocks, `pipeline.storage.blockstore`). Up to
   SMALL_HOST cores it is the fast path whatever the costs: no workers, one thread per core.
   """
   cores = cores or available_cores()

@@ -23,8 +23,10 @@ the largest share. The order depends on the process count (a state resumes on it
 Within a block, round r takes the record at the bit-reversal rank of r: a worker process
 that takes one batch in w (w / gcd(w, WINDOW_BATCHES) a power of two, P) takes one aligned
 run of block_records / P records of each of its blocks, and reads it in one request
-(`pipeline.storage.ranges`). As `permute`, the order is a pure function of (key, position): every
-record once per epoch, and a restart needs only the next position.
+(`pipeline.storage.ranges`); where /dev/shm serves, a host's workers of any count share each
+block's one read instead (`pipeline.storage.blockstore`). As `permute`, the order is a pure
+function of (key, position): every record once per epoch, and a restart needs only the next
+position.
 """
 
 from __future__ import annotations
@@ -242,12 +244,18 @@ def block_records(record_bytes: float | None) -> int:
   return k
 
 
+def workers_per_block(blocks: Blocks, batch_size: int, workers: int) -> int:
+  """The worker processes (of `workers` taking one batch of `batch_size` in turn) that the
+  records of one block fall to."""
+  batches = max(1, blocks.window_blocks // batch_size)  # batches per round
+  return max(1, workers) // math.gcd(max(1, workers), batches)
+
+
 def pieces(blocks: Blocks, batch_size: int, workers: int) -> int:
   """Records per read of a worker process (of `workers` taking one batch of `batch_size` in
   turn): the aligned run of its blocks' records it takes, when it takes one round in a power
   of two (see the module docstring); else a block whole (fewer requests, more bytes)."""
-  batches = max(1, blocks.window_blocks // batch_size)  # batches per round
-  share = max(1, workers) // math.gcd(max(1, workers), batches)  # this one takes 1 round in share
+  share = workers_per_block(blocks, batch_size, workers)  # this one takes 1 round in share
   if share & (share - 1):
     return blocks.block_records
   return max(1, blocks.block_records // share)

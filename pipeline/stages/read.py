@@ -29,6 +29,7 @@ import numpy as np
 from pipeline.stages.ahead import Threads
 from pipeline.stages.plan import Batch
 from pipeline.storage import remote
+from pipeline.storage.blockstore import SHM_DIR
 from pipeline.storage.budget import ReadAhead, reads_in_flight
 from pipeline.storage.cache import RecordCache
 from pipeline.storage.fetch import Fetcher, ReadStats
@@ -152,7 +153,11 @@ def requests(read: ReadRecords) -> str:
     plan = f"requests: one per block of {r.block_records} records"
     if read.fetcher.epoch_requests:
       plan += f", about {read.fetcher.epoch_requests:,.0f} an epoch from this process's own blocks"
-    plan += f" (order='blocks'; blocks kept within {r.budget_bytes / 2**20:,.0f} MB)"
+    if r.store is not None:
+      kept = f"each read once for the host's worker processes, shared in {SHM_DIR}"
+      plan += f" ({kept}, each keeping {r.store.budget_bytes / 2**20:,.0f} MB of them)"
+    else:
+      plan += f" (order='blocks'; blocks kept within {r.budget_bytes / 2**20:,.0f} MB)"
   if read.budget is not None:
     plan += f", at most {read.budget.per_s:,.6g}/s (performance.max_requests_per_s)"
   if not s.requests:

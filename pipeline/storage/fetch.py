@@ -19,6 +19,7 @@ import threading
 import time
 
 from pipeline.storage import remote
+from pipeline.storage.blockstore import BlockStore
 from pipeline.storage.budget import RequestBudget
 from pipeline.storage.cache import RecordCache
 from pipeline.storage.ranges import BlockReads
@@ -52,8 +53,9 @@ class Fetcher:
   of a batch); kept_bytes: the most record bytes the block reads keep; max_requests_per_s:
   the request budget (None or inf: none); deadline_s: the longest a request from a bucket
   waits (None: `remote.ATTEMPT_S` x `remote.ATTEMPTS`); epoch_requests: the block reads this
-  process makes in an epoch (its own blocks; said in the plan note). Picklable: counters and
-  the cache's RAM are made anew in each process.
+  process makes in an epoch (its own blocks; said in the plan note); store: the host's
+  shared blocks (`pipeline.storage.blockstore`), when several workers share a block. Picklable:
+  counters and the cache's RAM are made anew in each process.
   """
 
   def __init__(
@@ -67,6 +69,7 @@ class Fetcher:
     max_requests_per_s: float | None = None,
     deadline_s: float | None = None,
     epoch_requests: float | None = None,
+    store: BlockStore | None = None,
   ):
     self.source, self.opened, self.cache = source, opened, cache
     capped = max_requests_per_s and max_requests_per_s < math.inf
@@ -74,7 +77,7 @@ class Fetcher:
     self.ranges, self.epoch_requests = None, epoch_requests
     if block_records is not None:  # the block order: a block's records in one request
       counts = [b - a for a, b in zip(source.starts, source.starts[1:])]
-      self.ranges = BlockReads(source.read_range, counts, block_records, kept_bytes)
+      self.ranges = BlockReads(source.read_range, counts, block_records, kept_bytes, store)
     self.deadline_s = deadline_s
     self._init_runtime()
 

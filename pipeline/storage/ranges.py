@@ -7,7 +7,9 @@ hands each record out once, and keeps the rest for the batches that want them, w
 byte budget (the oldest blocks go first; a record asked for after its block went is read
 again, with its block). Two batches read at once that want one block wait for one read.
 Each range read runs through the caller's `request` (`pipeline.storage.fetch.Fetcher`'s: the
-request budget's turn, a deadline, retries after "slow down").
+request budget's turn, a deadline, retries after "slow down"). With a `BlockStore`
+(`pipeline.storage.blockstore`), the worker processes of a host share each block's read
+through shared memory instead, and none keeps blocks of its own.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from __future__ import annotations
 import collections
 import threading
 from collections.abc import Callable
+
+from pipeline.storage.blockstore import BlockStore
 
 Request = Callable[[int, Callable[[], list]], list]  # (shard, read) -> read()'s records
 
@@ -27,7 +31,8 @@ class BlockReads:
   """Records of one source by (shard, index within the shard), read block by block.
 
   read_range(shard, begin, end): the shard's records [begin, end), one request;
-  shard_records: each shard's record count; budget_bytes: the most record bytes kept.
+  shard_records: each shard's record count; budget_bytes: the most record bytes kept;
+  store: the host's blocks, shared by its worker processes (None: this process's own).
   """
 
   def __init__(
@@ -36,9 +41,10 @@ class BlockReads:
     shard_records: list[int],
     block_records: int,
     budget_bytes: int,
+    store: BlockStore | None = None,
   ):
     self.read_range, self.shard_records = read_range, shard_records
-    self.block_records, self.budget_bytes = block_records, budget_bytes
+    self.block_records, self.budget_bytes, self.store = block_records, budget_bytes, store
     self._init_runtime()
 
   def _init_runtime(self):
@@ -51,7 +57,7 @@ class BlockReads:
     self.requests = self.bytes = self.taken = 0  # range reads, their bytes, records handed out
 
   def __getstate__(self):
-    keep = ("read_range", "shard_records", "block_records", "budget_bytes")
+    keep = ("read_range", "shard_records", "block_records", "budget_bytes", "store")
     return {k: self.__dict__[k] for k in keep}
 
   def __setstate__(self, state):
@@ -72,7 +78,16 @@ class BlockReads:
 
   def _take(self, block: tuple[int, int], local: list[int], request: Request) -> list:
     """Each of `local` (a batch across two epochs may name one twice) from the block's
-    kept copies, after one more read of the block whole if those are too few."""
+    kept copies, after one more read of the block whole if those are too few (with a store:
+    the host's copy, read once for all its processes)."""
+    if self.store is not None:
+      first = block[1] * self.block_records
+      got = self.store.take(
+        block, [i - first for i in local], lambda: self._read_block(block, request)
+      )
+      with self._lock:
+        self.taken += len(local)
+      return got
     need = collections.Counter(local)
     while True:
       with self._lock:

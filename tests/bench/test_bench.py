@@ -141,6 +141,13 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
   stages = out["stages_ms_per_image"]
   assert {"read", "parse", "decode", "resize_flip", "batch"} <= stages.keys()
   assert all(v >= 0 for v in stages.values()) and stages["decode"] > 0
+  limit = out["crop_ceiling"]  # the cores' raw decode of the same crop windows, this run
+  assert limit["images_per_sec"] > 0 and limit["threads"] >= 1
+  assert limit["pipeline_share"] == round(out["images_per_sec"] / limit["images_per_sec"], 3)
+  if importlib.util.find_spec("tensorflow") is None:
+    assert "tensorflow not installed" in out["tfdata"]["skipped"]
+  else:
+    assert out["tfdata"]["ours_x_peak_rss"] > 0
 
 
 def test_peers_runs_each_contender_in_its_own_process(photos_dir, tmp_path):

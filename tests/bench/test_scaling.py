@@ -94,6 +94,14 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
     assert h["at_latency_img_s"] <= h["projected_img_s"]
     assert h["reads_in_flight"] == read.reads_in_flight(h["at_latency_img_s"], 0.005)
     assert h["gets_per_s"] == round(h["at_latency_img_s"] * storage["reads_per_image"])
+  store = result["store"]  # the block order: its workers share each block's read
+  assert store["us_per_image"] > store["gil_us_per_image"] > 0 and store["block_records"] >= 16
+  for h in hosts:
+    b = h["blocks"]
+    assert b["images_per_request"] == store["block_records"] and b["reads_per_block_per_host"] == 1
+    # the store's CPU on top (a plan is any within 3% of the best: it may pick another)
+    assert 0 < b["projected_img_s"] <= h["projected_img_s"] / parallelism.NEAR_BEST
+  assert "The block order" in scaling.table(result)
   assert json.loads(out.read_text())["hosts"] == result["hosts"]
 
 
@@ -148,3 +156,14 @@ def test_a_hosts_storage_needs_are_those_of_its_published_rate():
   for h in rows:
     assert h["gets_per_s"] == round(h["at_latency_img_s"] * storage["reads_per_image"])
     assert h["reads_in_flight"] == read.reads_in_flight(h["at_latency_img_s"], 0.005)
+
+
+def test_the_block_order_gets_the_global_orders_workers_less_only_the_stores_cpu():
+  store = {"us_per_image": 55.0, "gil_us_per_image": 4.0, "block_records": 32}
+  (row,) = scaling.hosts(parallelism.COSTS, [224], 128, [1024], 224, record_kb=110.0, store=store)
+  b = row["blocks"]
+  assert b["workers"] > 4  # no longer only counts dividing a window's 4 batches
+  assert 0.9 * row["projected_img_s"] <= b["projected_img_s"] <= row["projected_img_s"]
+  assert b["images_per_request"] == 32 and b["blocks_held_mb"] == round(
+    2 * 4 * 1024 * 32 * 110 / 1024
+  )
