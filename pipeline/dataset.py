@@ -27,28 +27,21 @@ import grain
 
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import split as split_lib
-from pipeline.host import guards, lifecycle, parallelism
-from pipeline.host.parallelism import process_shard as _process_shard
-from pipeline.order import blocks as blocks_lib
-from pipeline.order.blocks import WINDOW_BATCHES, Blocks
-from pipeline.order.sampling import Sampler
+from pipeline.host import guards, lifecycle
 from pipeline.pp import features as features_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import SIGNATURE, Spec
 from pipeline.stages import handoff, stats
+from pipeline.stages import plan as plan_lib
+from pipeline.stages import read as read_lib
 from pipeline.stages import stream as stream_lib
 from pipeline.stages.ahead import AheadIterDataset
 from pipeline.stages.decode import DecodeImages, batch_decoder
 from pipeline.stages.errors import BadRecordError
 from pipeline.stages.finish import FinishBatch
 from pipeline.stages.plan import PlanBatches, Sizes
-from pipeline.stages.read import ReadRecords, describe, probe
+from pipeline.stages.read import ReadRecords
 from pipeline.stages.stream import StreamIterDataset
-from pipeline.storage import blockstore, remote
-from pipeline.storage.budget import ReadAhead
-from pipeline.storage.cache import record_cache as _record_cache
-from pipeline.storage.fetch import Fetcher
-from pipeline.storage.source import ShardedSource
 
 __all__ = ["BadRecordError", "Spec", "Stages", "build", "chain", "make_dataset"]
 
@@ -88,13 +81,13 @@ def build(spec: Spec) -> Stages:
   elif perf.num_workers:
     guards.check_main_guard()
   meta, source, pins = split_lib.open(spec.data_dir, spec.split, spec.verify)
-  sampler = _sampler(spec, meta, source)
+  sampler = plan_lib.sampler(spec, meta, source)
   head, image_ops, batch_ops = transforms(spec, meta.num_classes)
   features = spec.transforms.features
   if features:
     features = features_lib.parse_specs(features, sample=source.read([0])[0])
-  chosen = _workers(spec, head.image_size, sampler.blocks is not None)
-  read = _read(spec, meta, source, pins, sampler, chosen)
+  chosen = handoff.workers(spec, head.image_size, sampler.blocks is not None)
+  read = read_lib.stage(spec, meta, source, pins, sampler, chosen)
   keys = spec.keys or meta.keys
   return Stages(
     plan=PlanBatches(sampler, spec.batch_size),
@@ -126,149 +119,6 @@ def build(spec: Spec) -> Stages:
     stream=stream_lib.describe(spec, sampler, meta.splits[spec.split].shards),
     stats_every_s=perf.stats_every_s,
   )
-
-
-def _sampler(spec: Spec, meta: manifest_lib.Manifest, source: ShardedSource) -> Sampler:
-  """This process's order of the split's records (`pipeline.order.sampling`): by default the block
-  order (`pipeline.order.blocks`) when the shards are in a bucket, the global shuffle otherwise."""
-  shard_index, shard_count = _process_shard(spec.shard_index, spec.shard_count)
-  split = meta.splits[spec.split]
-  counts = tuple(s.num_records for s in split.shards)
-  order = spec.order or ("blocks" if remote.in_bucket(source.paths[0]) else "global")
-  return Sampler(
-    num_records=split.num_records,
-    seed=spec.seed,
-    shuffle=spec.shuffle,
-    num_epochs=spec.num_epochs,
-    shard_index=shard_index,
-    shard_count=shard_count,
-    remainder="drop" if spec.train else "pad",
-    shard_records=counts if spec.sharding == "shards" else None,
-    blocks=_blocks(spec, split.shards, shard_count) if order == "blocks" else None,
-    block=spec.batch_size,
-  )
-
-
-def _blocks(spec: Spec, shards: list, shard_count: int) -> Blocks:
-  """The block order: blocks of 2 MiB or more by default (`blocks_lib.block_records`, from
-  the manifest's shard sizes), windows of `WINDOW_BATCHES` global batches of blocks (a
-  process's own batches when it owns its shards)."""
-  counts = tuple(s.num_records for s in shards)
-  known = all(s.bytes is not None for s in shards)
-  record_bytes = sum(s.bytes for s in shards) / max(1, sum(counts)) if known else None
-  size = spec.block_records or blocks_lib.block_records(record_bytes)
-  batch = spec.batch_size * (shard_count if spec.sharding == "records" else 1)
-  return Blocks(counts, size, spec.window_blocks or WINDOW_BATCHES * batch)
-
-
-def _workers(spec: Spec, image_size: int, blocks: bool) -> parallelism.Plan:
-  """Worker processes and threads for this host (`pipeline.host.parallelism`): in the block
-  order without shared memory for the blocks (`pipeline.storage.blockstore`), a number of
-  workers that divides WINDOW_BATCHES (each then reads its blocks whole); no workers when
-  /dev/shm cannot hold their ring of batches (a SIGBUS later)."""
-  perf, batch_size = spec.performance, spec.batch_size
-  chosen = parallelism.plan(
-    num_workers=perf.num_workers,
-    num_threads=perf.num_threads,
-    batch_size=batch_size,
-    image_bytes=image_size**2 * 3,
-    prefetch=perf.prefetch,
-    divide=WINDOW_BATCHES if blocks and not blockstore.available() else None,
-  )
-  if chosen.workers and handoff.available():
-    normalize = spec.transforms.normalize
-    batch_bytes = batch_size * image_size**2 * 3 * (5 if normalize else 1)  # + float32 copy
-    needed = handoff.shm_needed(
-      chosen.workers, batch_bytes, perf.prefetch, parallelism.WORKER_BATCHES
-    )
-    short = handoff.shm_check(chosen.workers, needed)
-    if short:
-      chosen = parallelism.plan(num_workers=0, batch_size=batch_size, prefetch=perf.prefetch)
-      chosen = dataclasses.replace(chosen, why=short)
-  return chosen
-
-
-def _read(spec: Spec, meta, source, pins, sampler, chosen) -> ReadRecords:
-  """The read stage: read-ahead for the latency measured now, the record cache first; the
-  choices printed once."""
-  perf = spec.performance
-  latency_s, record_bytes = probe(source, deadline_s=perf.read_deadline_s)
-  cache = _record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
-  ahead_bytes = int(perf.read_ahead_mb * 2**20)
-  window_bytes = _window_bytes(sampler, record_bytes)
-  store = None
-  if _shared(sampler, chosen.workers) and blockstore.available():
-    # each worker publishes about 1/workers of the blocks: its share of two windows
-    store = blockstore.BlockStore.new(ahead_bytes + 2 * window_bytes // chosen.workers)
-  fetcher = Fetcher(
-    source,
-    (latency_s, record_bytes),
-    cache=cache,
-    block_records=_pieces(sampler, chosen.workers, store is not None),
-    kept_bytes=ahead_bytes + 2 * window_bytes,
-    max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
-    deadline_s=perf.read_deadline_s,
-    epoch_requests=_epoch_requests(sampler, chosen.workers, store is not None),
-    store=store,
-  )
-  ahead = ReadAhead(
-    fetcher,
-    batch_size=spec.batch_size,
-    rate_per_s=parallelism.project(parallelism.available_cores(), parallelism.COSTS, chosen)
-    / max(1, chosen.workers),
-    ahead_bytes=ahead_bytes,
-    max_depth=perf.read_ahead,
-  )
-  read = ReadRecords(fetcher, ahead)
-  parallelism.announce(chosen, describe(read, cache))
-  return read
-
-
-def _pieces(sampler: Sampler, workers: int, shared: bool) -> int | None:
-  """Records per block read in each process: blocks whole when the workers share them (in a
-  `BlockStore`), else a worker process reads its part of a block."""
-  if sampler.blocks is None:
-    return None
-  if shared:
-    return sampler.blocks.block_records
-  batch = sampler.block * _dealt_to(sampler)
-  return blocks_lib.pieces(sampler.blocks, batch, workers)
-
-
-def _shared(sampler: Sampler, workers: int) -> bool:
-  """Whether a block's records fall to more than one worker process (Grain deals the batches
-  out in turn): in the block order, unless the workers divide a round's batches."""
-  if sampler.blocks is None:
-    return False
-  batch = sampler.block * _dealt_to(sampler)
-  return blocks_lib.workers_per_block(sampler.blocks, batch, workers) > 1
-
-
-def _dealt_to(sampler: Sampler) -> int:
-  """The processes the blocks are dealt out to (each process that owns shards has its own)."""
-  return sampler.shard_count if sampler.shard_records is None else 1
-
-
-def _epoch_requests(sampler: Sampler, workers: int, shared: bool) -> float | None:
-  """The block reads this process makes in an epoch, on average: its share of the blocks,
-  each in block_records / pieces requests (shared by the workers: a worker reads 1 in
-  workers)."""
-  if sampler.blocks is None:
-    return None
-  b = sampler.blocks
-  if shared:
-    return b.count / sampler.shard_count / workers
-  return b.count / sampler.shard_count * (b.block_records // _pieces(sampler, workers, False))
-
-
-def _window_bytes(sampler: Sampler, record_bytes: float) -> int:
-  """The bytes of the blocks one window of the block order holds in this process (at most
-  the split's)."""
-  if sampler.blocks is None:
-    return 0
-  b = sampler.blocks
-  lanes = blocks_lib.lanes_per_host(b, _dealt_to(sampler))
-  return int(min(lanes * b.largest, sampler.num_records) * record_bytes)
 
 
 def chain(stages: Stages) -> grain.IterDataset:

@@ -27,12 +27,6 @@ class Transforms:
   batch_ops: str | Sequence = ()
   features: Mapping | None = None
 
-  @property
-  def normalize(self) -> bool:
-    """False: batches leave the host as uint8 unless an op scales them (`make_dataset`'s
-    normalize= is gone, `REMOVED`); read by `dataset._workers` until it moves out."""
-    return False
-
 
 # make_dataset keywords that are gone: the one line that refuses each, with the new spelling.
 REMOVED = {

@@ -38,6 +38,7 @@ import sys
 
 import numpy as np
 
+from pipeline.order import blocks as blocks_lib
 from pipeline.order.blocks import Blocks
 from pipeline.order.shuffle import PAD, epoch_key, permute
 
@@ -71,6 +72,47 @@ class Sampler:
       raise ValueError(f"{self.num_records} records cannot feed {self.shard_count} processes")
     if not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+
+  @property
+  def dealt_to(self) -> int:
+    """The processes the blocks are dealt out to (each process that owns shards has its own)."""
+    return self.shard_count if self.shard_records is None else 1
+
+  def shares_blocks(self, workers: int) -> bool:
+    """Whether a block's records fall to more than one of `workers` worker processes (Grain
+    deals the batches out in turn): in the block order, unless the workers divide a round's
+    batches."""
+    if self.blocks is None:
+      return False
+    return blocks_lib.workers_per_block(self.blocks, self.block * self.dealt_to, workers) > 1
+
+  def block_pieces(self, workers: int, shared: bool) -> int | None:
+    """Records per block read in each process: blocks whole when the workers share them (in
+    a `BlockStore`), else a worker process reads its part of a block."""
+    if self.blocks is None:
+      return None
+    if shared:
+      return self.blocks.block_records
+    return blocks_lib.pieces(self.blocks, self.block * self.dealt_to, workers)
+
+  def epoch_requests(self, workers: int, shared: bool) -> float | None:
+    """The block reads this process makes in an epoch, on average: its share of the blocks,
+    each in block_records / pieces requests (shared by the workers: a worker reads 1 in
+    workers)."""
+    if self.blocks is None:
+      return None
+    b = self.blocks
+    if shared:
+      return b.count / self.shard_count / workers
+    return b.count / self.shard_count * (b.block_records // self.block_pieces(workers, False))
+
+  def window_bytes(self, record_bytes: float) -> int:
+    """The bytes of the blocks one window of the block order holds in this process (at most
+    the split's)."""
+    if self.blocks is None:
+      return 0
+    lanes = blocks_lib.lanes_per_host(self.blocks, self.dealt_to)
+    return int(min(lanes * self.blocks.largest, self.num_records) * record_bytes)
 
   def _owned(self, process: int) -> np.ndarray:
     """The shard numbers process `process` owns (sharding by shards)."""

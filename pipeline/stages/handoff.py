@@ -42,6 +42,10 @@ from typing import Any
 import grain
 import numpy as np
 
+from pipeline.host import parallelism
+from pipeline.order.blocks import WINDOW_BATCHES
+from pipeline.storage import blockstore
+
 SHM_DIR = "/dev/shm"
 PREFIX = "pipeline-ring"
 HEADER = 64  # bytes before a block's data: state and generation (uint32 each)
@@ -440,3 +444,27 @@ def _sweep_at_exit() -> None:
   for token in _TOKENS:
     for path in _names(token):
       _unlink(path)
+
+
+def workers(spec, image_size: int, blocks: bool) -> parallelism.Plan:
+  """`spec`'s worker processes and threads on this host (`pipeline.host.parallelism`): in the block
+  order without shared memory for the blocks (`pipeline.storage.blockstore`), a number of
+  workers that divides WINDOW_BATCHES (each then reads its blocks whole); no workers when
+  /dev/shm cannot hold their ring of batches (a SIGBUS later)."""
+  perf, batch_size = spec.performance, spec.batch_size
+  chosen = parallelism.plan(
+    num_workers=perf.num_workers,
+    num_threads=perf.num_threads,
+    batch_size=batch_size,
+    image_bytes=image_size**2 * 3,
+    prefetch=perf.prefetch,
+    divide=WINDOW_BATCHES if blocks and not blockstore.available() else None,
+  )
+  if chosen.workers and available():
+    batch_bytes = batch_size * image_size**2 * 3
+    needed = shm_needed(chosen.workers, batch_bytes, perf.prefetch, parallelism.WORKER_BATCHES)
+    short = shm_check(chosen.workers, needed)
+    if short:
+      chosen = parallelism.plan(num_workers=0, batch_size=batch_size, prefetch=perf.prefetch)
+      chosen = dataclasses.replace(chosen, why=short)
+  return chosen

@@ -26,16 +26,17 @@ import time
 
 import numpy as np
 
+from pipeline.host import parallelism
 from pipeline.stages.ahead import Threads
 from pipeline.stages.plan import Batch
-from pipeline.storage import remote
+from pipeline.storage import blockstore, remote
 from pipeline.storage.blockstore import SHM_DIR
 from pipeline.storage.budget import ReadAhead, reads_in_flight
-from pipeline.storage.cache import RecordCache
+from pipeline.storage.cache import RecordCache, record_cache
 from pipeline.storage.fetch import Fetcher, ReadStats
 from pipeline.storage.source import ShardedSource
 
-__all__ = ["ReadRecords", "ReadStats", "describe", "probe", "reads_in_flight", "requests"]
+__all__ = ["ReadRecords", "ReadStats", "describe", "probe", "reads_in_flight", "requests", "stage"]
 
 DEADLINE = "performance.read_deadline_s"
 MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait, not compute)
@@ -102,6 +103,42 @@ class ReadRecords:
     self.fetcher.counted()
     self.ahead.finished(time.perf_counter(), len(batch.indices))
     return batch
+
+
+def stage(spec, meta, source, pins, sampler, chosen) -> ReadRecords:
+  """`spec`'s read stage: read-ahead for the latency measured now, the record cache first; the
+  choices printed once."""
+  perf = spec.performance
+  latency_s, record_bytes = probe(source, deadline_s=perf.read_deadline_s)
+  cache = record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
+  ahead_bytes = int(perf.read_ahead_mb * 2**20)
+  window_bytes = sampler.window_bytes(record_bytes)
+  store = None
+  if sampler.shares_blocks(chosen.workers) and blockstore.available():
+    # each worker publishes about 1/workers of the blocks: its share of two windows
+    store = blockstore.BlockStore.new(ahead_bytes + 2 * window_bytes // chosen.workers)
+  fetcher = Fetcher(
+    source,
+    (latency_s, record_bytes),
+    cache=cache,
+    block_records=sampler.block_pieces(chosen.workers, store is not None),
+    kept_bytes=ahead_bytes + 2 * window_bytes,
+    max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
+    deadline_s=perf.read_deadline_s,
+    epoch_requests=sampler.epoch_requests(chosen.workers, store is not None),
+    store=store,
+  )
+  ahead = ReadAhead(
+    fetcher,
+    batch_size=spec.batch_size,
+    rate_per_s=parallelism.project(parallelism.available_cores(), parallelism.COSTS, chosen)
+    / max(1, chosen.workers),
+    ahead_bytes=ahead_bytes,
+    max_depth=perf.read_ahead,
+  )
+  read = ReadRecords(fetcher, ahead)
+  parallelism.announce(chosen, describe(read, cache))
+  return read
 
 
 def probe(
