@@ -10,7 +10,6 @@ Two bindings of libjpeg-turbo are timed (ours and simplejpeg); the faster sets t
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import os
 import sys
@@ -114,29 +113,18 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str]) -> dict:
-  p = argparse.ArgumentParser(
-    prog="python -m bench ceiling",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  p.add_argument("data_dir", help="a converted dataset (manifest.json + shards)")
-  p.add_argument("--split", default="train")
+  p = measure.parser("ceiling", __doc__, "split", "threads", "repeats", "json")
   p.add_argument("--images", type=int, default=400, help="JPEGs decoded per run")
-  p.add_argument("--threads", type=int, default=None, help="threads (default: one per core)")
-  p.add_argument("--repeats", type=int, default=2, help="runs per row; the best counts")
-  p.add_argument("--json", help="write the figures to this file")
   args = p.parse_args(argv)
   jpegs = load_jpegs(args.data_dir, args.split, args.images)
   result = measure_ceiling(jpegs, args.threads or available_cores(), args.repeats)
-  result.update(machine=measure.machine(), command="python -m bench ceiling " + " ".join(argv))
+  measure.finish(p, args, argv, result)
   print(table(result))
   print(
     f"ceiling ({result['threads']} threads): "
     + ", ".join(f"{k} {v:.0f} img/s" for k, v in result["ceiling_images_per_sec"].items())
     + f"   [{result['machine']}]"
   )
-  if args.json:
-    measure.write_json(args.json, result)
   return result
 
 

@@ -43,18 +43,17 @@ from collections.abc import Callable, Iterator
 
 import grain
 import ml_collections
-import numpy as np
 import psutil
 
 import pipeline
+from bench import costs as costs_lib
 from bench import emulate, measure, storage_check, timeline
-from pipeline import augment, dataset, decode, options, parallelism, reads, records
+from bench.costs import STAGES, Cost
+from pipeline import augment, dataset, decode, options, parallelism, reads
 from pipeline import manifest as manifest_lib
 from pipeline.blocks import BLOCK_RECORDS
-from pipeline.source import ShardedSource
 from pipeline.stats import Stats
 
-STAGES = ("read", "parse", "decode", "augment")
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
 LIMITS = ("requests", "cores", "gil", "threads", "prefetch", "main")  # ties: hardware first
 MAX_PREFETCH = 16
@@ -153,23 +152,6 @@ class Settings:
 
 
 @dataclasses.dataclass
-class Cost:
-  """Milliseconds per image of one stage run alone on one thread.
-
-  `queued_ms` is time spent runnable but waiting for a CPU (other work on the machine);
-  `active_ms` leaves it out, so a busy machine does not pass for a stage waiting on I/O.
-  """
-
-  wall_ms: float
-  cpu_ms: float
-  queued_ms: float = 0.0
-
-  @property
-  def active_ms(self) -> float:
-    return max(self.cpu_ms, self.wall_ms - self.queued_ms)
-
-
-@dataclasses.dataclass
 class Requests:
   """The read stage's storage requests over a run's timed part (`pipeline.reads.ReadStats`)."""
 
@@ -248,99 +230,11 @@ class Diagnosis:
 # ---------------------------------------------------------------- stage costs
 
 
-def _queued_s() -> float:
-  """Seconds this thread has waited on a run queue (Linux schedstat; 0 where missing)."""
-  try:
-    with open("/proc/thread-self/schedstat") as f:
-      return int(f.read().split()[1]) / 1e9
-  except (OSError, IndexError, ValueError):
-    return 0.0
-
-
-class _Clock:
-  """Accumulates wall, CPU and run-queue time of timed blocks (run alone, so the process's
-  CPU time is this work's, helper threads included)."""
-
-  def __init__(self):
-    self.wall = self.cpu = self.queued = 0.0
-    self.count = 0
-
-  def time(self, fn: Callable, *args):
-    w, c, q = time.perf_counter(), time.process_time(), _queued_s()
-    out = fn(*args)
-    self.wall += time.perf_counter() - w
-    self.cpu += time.process_time() - c
-    self.queued += _queued_s() - q
-    return out
-
-  def cost(self, images: int) -> Cost:
-    return Cost(*(round(x / images * 1e3, 4) for x in (self.wall, self.cpu, self.queued)))
-
-
-def _decode(head: augment.Head, data: bytes, key: int) -> tuple[np.ndarray, int]:
-  """Header, crop window, crop-aware decode; returns the window and its DCT scale."""
-  box = head.box(*decode.image_size(data), key)
-  scale = head.dct_scale(box)
-  return decode.decode_crop(data, box, scale, head.fast_dct), scale
-
-
-def _augment(head: augment.Head, window: np.ndarray, key: int, out: np.ndarray) -> None:
-  """Flip (a view) and resize into the batch slot."""
-  augment.resize(
-    window[:, ::-1] if head.flips(key) else window, head.image_size, out, bicubic=head.bicubic
-  )
-
-
 def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
-  """Each stage alone on one thread over `sample` records of the split, read in batches.
-
-  Returns the costs and facts: records, shards, decoded-cache bytes per image and the share
-  of crops that DCT scaling shrinks. With dct_scaling off, "decode_dct" prices turning it
-  on; "cache_fill" and "augment_cached" price the decoded-image cache.
-  """
-  meta = manifest_lib.load(s.data_dir)
-  paths = meta.shard_paths(s.data_dir, s.split)
-  shards = meta.splits[s.split].shards
-  source = ShardedSource(paths, [x.num_records for x in shards])
-  n = min(sample, len(source))
-  indices = np.random.default_rng(s.seed).permutation(len(source))[:n].tolist()
-  keys = s.other.get("keys") or meta.keys
-  dct = s.perf.dct_scaling
-  extra = () if dct else ("decode_dct",)
-  clocks = {name: _Clock() for name in (*STAGES, *extra, "cache_fill", "augment_cached")}
-  source.read(indices[:1])  # open the shards before the clock
-  recs = []
-  for k in range(0, n, s.batch_size):
-    recs += clocks["read"].time(source.read, indices[k : k + s.batch_size])
-  head, head_dct = s.head(), s.head(dct_scaling=True)
-  out = np.empty((s.image_size, s.image_size, 3), np.uint8)
-  side = round(s.image_size / head.crop_fraction)  # the cache's shorter side
-  cache_bytes, scaled = [], 0
-  for k, (index, rec) in enumerate(zip(indices, recs)):
-    key = augment.example_key(s.seed, 0, index)
-    data = clocks["parse"].time(lambda r: records.parse(r, keys)[0], rec)
-    window, scale = clocks["decode"].time(_decode, head, data, key)
-    clocks["augment"].time(_augment, head, window, key, out)
-    if extra:
-      scale = clocks["decode_dct"].time(_decode, head_dct, data, key)[1]
-    scaled += scale > 1
-    if k < 32:  # enough to price the cache without paying a full decode for every image
-      cached = clocks["cache_fill"].time(
-        lambda d: augment.resize_shorter(decode.decode(d), side), data
-      )
-      clocks["augment_cached"].time(head.from_decoded, cached, key, out)
-      cache_bytes.append(cached.nbytes)
-  source.close()
-  costs = {
-    name: c.cost(min(n, 32) if name in ("cache_fill", "augment_cached") else n)
-    for name, c in clocks.items()
-  }
-  return costs, {
-    "num_records": len(source),
-    "num_shards": len(shards),
-    "cache_bytes_per_image": float(np.mean(cache_bytes)),
-    "dct_share": scaled / n,
-  }
+  """`bench.costs.stage_costs` for these settings."""
+  return costs_lib.stage_costs(
+    s.data_dir, s.split, s.head(), s.batch_size, sample, s.seed, s.other.get("keys")
+  )
 
 
 # ---------------------------------------------------------------- whole pipeline

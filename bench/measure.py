@@ -8,6 +8,7 @@ its children (worker processes), so a loader with workers pays for them.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import json
 import os
@@ -116,6 +117,49 @@ def machine() -> str:
 def write_json(path, payload) -> None:
   with open(path, "w") as f:
     json.dump(payload, f, indent=2)
+
+
+DATA_DIR = "a converted dataset (manifest.json + shards)"
+FLAGS = {  # the flags the tools share; a tool may give another default
+  "split": dict(default="train", help="the split to read (default: train)"),
+  "batch_size": dict(type=int, default=128, help="images per batch (default: %(default)s)"),
+  "image_size": dict(type=int, default=224, help="output side in pixels (default: %(default)s)"),
+  "seconds": dict(type=float, default=3.0, help="steady-state seconds per run"),
+  "threads": dict(type=int, default=None, help="threads (default: one per core)"),
+  "repeats": dict(type=int, default=2, help="runs per row; the best counts"),
+  "rounds": dict(type=int, default=3, help="interleaved rounds (default: %(default)s)"),
+  "batches": dict(type=int, default=20, help="batches per run (default: %(default)s)"),
+  "epochs": dict(type=float, default=3, help="images timed = epochs x split size"),
+  "json": dict(help="write the figures to this file"),
+}
+
+
+def parser(
+  command: str, doc: str, *flags: str, data_dir: str | None = DATA_DIR, **defaults
+) -> argparse.ArgumentParser:
+  """A tool's command line: `python -m bench COMMAND` (a dotted COMMAND: `python -m
+  COMMAND`), its docstring, a DATA_DIR argument (None: none) and the shared FLAGS named in
+  `flags`, with `defaults` (by flag name) replacing theirs."""
+  p = argparse.ArgumentParser(
+    prog=f"python -m {command}" if "." in command else f"python -m bench {command}",
+    description=doc,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  if data_dir:
+    p.add_argument("data_dir", help=data_dir)
+  for name in flags:
+    keywords = {**FLAGS[name], **({"default": defaults[name]} if name in defaults else {})}
+    p.add_argument("--" + name.replace("_", "-"), **keywords)
+  return p
+
+
+def finish(p: argparse.ArgumentParser, args, argv: list[str], result: dict) -> dict:
+  """`result` with the machine and the command that measured it, written to --json when
+  given."""
+  result.update(machine=machine(), command=f"{p.prog} {' '.join(argv)}")
+  if getattr(args, "json", None):
+    write_json(args.json, result)
+  return result
 
 
 def run_cli(main: Callable[[list[str]], object], argv: list[str]) -> None:

@@ -13,7 +13,6 @@ Peers need the `peers` extra: pip install -e '.[peers]'.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -210,22 +209,12 @@ def _available(module: str) -> bool:
 
 
 def main(argv: list[str]) -> list[dict]:
-  p = argparse.ArgumentParser(
-    prog="python -m bench peers",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  p.add_argument("data_dir")
-  p.add_argument("--split", default="train")
-  p.add_argument("--batch-size", type=int, default=128)
-  p.add_argument("--image-size", type=int, default=224)
-  p.add_argument("--epochs", type=float, default=3)
+  p = measure.parser("peers", __doc__, "split", "batch_size", "image_size", "epochs", "json")
   p.add_argument(
     "--loaders",
     default="pipeline,tfdata,grain-baseline,torch",
     help="comma-separated contenders; missing peers are skipped",
   )
-  p.add_argument("--json", help="write the table to this file")
   args = p.parse_args(argv)
   needs = {"tfdata": "tensorflow", "torch": "torchvision"}
   results = []
@@ -269,13 +258,5 @@ def main(argv: list[str]) -> list[dict]:
         f"   first batch x{r['first_batch_s'] / base['first_batch_s']:.2f}"
         f"   peak RSS x{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}"
       )
-  if args.json:
-    measure.write_json(
-      args.json,
-      {
-        "machine": measure.machine(),
-        "results": results,
-        "command": "python -m bench peers " + " ".join(argv),
-      },
-    )
+  measure.finish(p, args, argv, {"results": results})
   return results

@@ -73,10 +73,10 @@ import time
 import numpy as np
 import psutil
 
+from bench import costs as costs_lib
 from bench import emulate, gil, measure
-from pipeline import augment, decode, parallelism, reads, records
+from pipeline import augment, parallelism, reads
 from pipeline import manifest as manifest_lib
-from pipeline.source import ShardedSource
 
 PAGE = 4096
 CORES_BOUND = 0.8  # share of the usable cores above which the ceiling is the machine's
@@ -186,7 +186,7 @@ def read_costs(spec: dict, seed: int = 0, kept: int = 1024) -> dict:
   """Step 3, in this process: CPU per record of `ShardedSource.read` in batches of the
   run's batch size at shuffled indices, and of a memcpy of each record into fresh bytes
   (timed over up to `kept` of the records read)."""
-  source = _source(spec)
+  source = costs_lib.open_split(spec["data_dir"], spec["split"])[1]
   order = np.random.default_rng(seed).permutation(len(source))
   size = spec["batch_size"]
   batches = [order[i : i + size] for i in range(0, len(order), size)]
@@ -255,34 +255,12 @@ def fit_gil(curve: list[dict], most: float = float("inf")) -> tuple[float, float
   return float(gil[i, 0, 0]), float(handoff[0, j, 0])
 
 
-def _source(spec: dict) -> ShardedSource:
-  """The split's records, opened as `make_dataset` opens them."""
-  meta = manifest_lib.load(spec["data_dir"])
-  split = meta.splits[spec["split"]]
-  return ShardedSource(
-    meta.shard_paths(spec["data_dir"], spec["split"]), [s.num_records for s in split.shards]
-  )
-
-
 def resize_share(spec: dict, sample: int = 64) -> float:
-  """Resize's share of decode + resize per image, each timed alone on one thread through
-  the library's functions (the loader's native path does the same work)."""
-  meta = manifest_lib.load(spec["data_dir"])
-  source = _source(spec)
+  """Resize's share of decode + resize per image, each timed alone on one thread
+  (`bench.costs`; the loader's native path does the same work)."""
   head = augment.Head(image_size=spec["image_size"])
-  out = np.empty((head.image_size, head.image_size, 3), np.uint8)
-  decoding = resizing = 0.0
-  n = min(sample, len(source))
-  for index, rec in enumerate(source.read(list(range(n)))):
-    data = records.parse(rec, meta.keys)[0]
-    box = head.box(*decode.image_size(data), augment.example_key(0, 0, index))
-    t0 = time.process_time()
-    window = decode.decode_crop(data, box, head.dct_scale(box))
-    t1 = time.process_time()
-    augment.resize(window, head.image_size, out)
-    resizing += time.process_time() - t1
-    decoding += t1 - t0
-  return resizing / max(decoding + resizing, 1e-9)
+  c = costs_lib.stage_costs(spec["data_dir"], spec["split"], head, spec["batch_size"], sample)[0]
+  return c["augment"].cpu_ms / max(c["decode"].cpu_ms + c["augment"].cpu_ms, 1e-9)
 
 
 def gil_terms(rest_cpu: float, read_cpu: float, copy: float) -> dict:
@@ -664,16 +642,10 @@ def _ints(text: str) -> list[int]:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-    prog="python -m bench scaling",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+  p = measure.parser(
+    "scaling", __doc__, "split", "batch_size", "image_size", "seconds", "json", data_dir=None
   )
-  p.add_argument("data_dir", nargs="?", help="a converted dataset (manifest.json + shards)")
-  p.add_argument("--split", default="train")
-  p.add_argument("--batch-size", type=int, default=128)
-  p.add_argument("--image-size", type=int, default=224)
-  p.add_argument("--seconds", type=float, default=3.0, help="steady-state seconds per run")
+  p.add_argument("data_dir", nargs="?", help=measure.DATA_DIR)
   p.add_argument("--threads", default="1,2,4,8,16,32", help="thread counts of the ceiling")
   p.add_argument("--workers", type=int, default=2, help="worker processes of step 4")
   p.add_argument("--worker-threads", type=int, default=2, help="their decode threads")
@@ -722,7 +694,6 @@ def parser() -> argparse.ArgumentParser:
     help="the training step's host work per step in the main process (dispatch, metrics), "
     "microseconds (default %(default)s)",
   )
-  p.add_argument("--json", help="write the figures to this file")
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p
 
@@ -795,10 +766,8 @@ def main(argv: list[str]) -> dict:
     result["record_kb"],
     result["workers"]["receive_at"],
   )
-  result.update(machine=measure.machine(), command="python -m bench scaling " + " ".join(argv))
+  measure.finish(p, args, argv, result)
   print(table(result))
-  if args.json:
-    measure.write_json(args.json, result)
   return result
 
 

@@ -389,13 +389,9 @@ def _latencies(text: str) -> list[float]:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-    prog="python -m bench storage",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+  p = measure.parser(
+    "storage", __doc__, "split", "rounds", "batches", "batch_size", "json", batches=12
   )
-  p.add_argument("data_dir", help="a converted dataset (manifest.json + shards)")
-  p.add_argument("--split", default="train")
   p.add_argument(
     "--latency-ms",
     type=_latencies,
@@ -414,7 +410,6 @@ def parser() -> argparse.ArgumentParser:
     default=0,
     help="the pipeline's performance.max_requests_per_s (default 0: not set)",
   )
-  p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
   p.add_argument(
     "--shard-size-mb",
     type=float,
@@ -427,13 +422,6 @@ def parser() -> argparse.ArgumentParser:
     help="sort the split's records by label before re-sharding (as ImageNet's folders convert)",
   )
   p.add_argument(
-    "--batches",
-    type=int,
-    default=12,
-    help="batches per run, the first timed apart (default 12)",
-  )
-  p.add_argument("--batch-size", type=int, default=128)
-  p.add_argument(
     "--loaders", default="pipeline,tfdata", help=f"comma-separated: {','.join(LOADERS)}"
   )
   p.add_argument(
@@ -442,13 +430,13 @@ def parser() -> argparse.ArgumentParser:
     help="where the re-sharded copy and its TFRecord twin are kept (default runs/storage-bench)",
   )
   p.add_argument("--timeout", type=float, default=600, help="seconds per run before giving up")
-  p.add_argument("--json", help="write every run and the table's figures to this file")
   p.add_argument("--run-one", choices=list(LOADERS), help=argparse.SUPPRESS)
   return p
 
 
 def main(argv: list[str]) -> dict:
-  args = parser().parse_args(argv)
+  p = parser()
+  args = p.parse_args(argv)
   if args.run_one:  # the child: one loader, figures as the last line
     print(
       json.dumps(
@@ -493,8 +481,6 @@ def main(argv: list[str]) -> dict:
     f"per run{caps}   [{measure.machine()}]"
   )
   result = {
-    "machine": measure.machine(),
-    "command": "python -m bench storage " + " ".join(argv),
     "dataset": info,
     "latencies_ms": args.latency_ms,
     "requests_per_s": args.requests_per_s,
@@ -506,9 +492,7 @@ def main(argv: list[str]) -> dict:
     "rows": rows,
     "runs": runs,
   }
-  if args.json:
-    measure.write_json(args.json, result)
-  return result
+  return measure.finish(p, args, argv, result)
 
 
 if __name__ == "__main__":
