@@ -240,25 +240,6 @@ def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
 # ---------------------------------------------------------------- whole pipeline
 
 
-def _same_exe(p: psutil.Process, me: psutil.Process) -> bool:
-  """Whether `p` runs this Python (a worker process, not e.g. a FUSE server we started)."""
-  try:
-    return p.exe() == me.exe()
-  except psutil.Error:
-    return False
-
-
-def _cpu_s(procs) -> float:
-  total = 0.0
-  for p in procs:
-    try:
-      t = p.cpu_times()
-      total += t.user + t.system
-    except psutil.Error:
-      continue
-  return total
-
-
 def measure_run(
   ds,
   seconds: float,
@@ -271,15 +252,14 @@ def measure_run(
   The recorder gets the consumer's view: waiting for batches, train steps. With `read`,
   `ds`'s read stage, the run counts the storage requests of every process (`it.stats()`)."""
   recorder = recorder or timeline.Recorder()
-  me = psutil.Process()
   start = time.perf_counter()
   opened = read.stats.latency_s if read else 0.0  # the latency measured at open
   it: Iterator = iter(ds)
   with recorder.span("wait for batch"):
     next(it)
   first = time.perf_counter()
-  kids = [k for k in me.children(recursive=True) if _same_exe(k, me)]  # worker processes
-  cpu0 = time.process_time() + _cpu_s(kids)
+  kids = measure.workers()
+  cpu0 = time.process_time() + measure.cpu_s(kids)
   before = it.stats() if read else None
   images = batches = 0
   waited = 0.0
@@ -295,7 +275,7 @@ def measure_run(
       with recorder.span("train step"):
         time.sleep(step_s)
   end = time.perf_counter()
-  cpu = time.process_time() + _cpu_s(kids) - cpu0
+  cpu = time.process_time() + measure.cpu_s(kids) - cpu0
   after = it.stats() if read else None
   close = getattr(it, "close", None)
   if close:

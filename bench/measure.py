@@ -104,6 +104,31 @@ def run(
   return Result(name, seen / (end - first), first - start, rss.peak / 2**20, seen, end - first)
 
 
+def workers() -> list[psutil.Process]:
+  """Grain's worker processes: this process's spawned children (not multiprocessing's
+  resource tracker, nor a FUSE server it started)."""
+  out = []
+  for child in psutil.Process().children(recursive=True):
+    try:
+      if "spawn_main" in " ".join(child.cmdline()):
+        out.append(child)
+    except psutil.Error:  # a child that exited meanwhile
+      continue
+  return out
+
+
+def cpu_s(procs: list[psutil.Process]) -> float:
+  """CPU seconds of other processes (in clock ticks: precise over seconds, not over ms)."""
+  total = 0.0
+  for p in procs:
+    try:
+      t = p.cpu_times()
+      total += t.user + t.system
+    except psutil.Error:
+      continue
+  return total
+
+
 def machine() -> str:
   """A line naming the machine, printed beside every figure."""
   return (

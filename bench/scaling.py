@@ -71,7 +71,6 @@ import sys
 import time
 
 import numpy as np
-import psutil
 
 from bench import costs as costs_lib
 from bench import emulate, gil, measure
@@ -92,27 +91,8 @@ def method() -> str:
   return __doc__[__doc__.index("1. cpu") :].strip()
 
 
-def _cpu(proc) -> float:
-  """CPU seconds of another process (in clock ticks: precise over seconds, not over ms)."""
-  t = proc.cpu_times()
-  return t.user + t.system
-
-
-def _workers(proc) -> list:
-  """Grain's worker processes (spawned children; not multiprocessing's resource tracker)."""
-  out = []
-  for child in proc.children(recursive=True):
-    try:
-      if "spawn_main" in " ".join(child.cmdline()):
-        out.append(child)
-    except psutil.Error:  # a child that exited meanwhile
-      continue
-  return out
-
-
 def run_one(spec: dict, threads: int, workers: int) -> dict:
   """Times one `make_dataset` configuration in this process (see the module docstring)."""
-  me = psutil.Process()
   ds = emulate.make_dataset(
     spec["data_dir"],
     spec["split"],
@@ -134,8 +114,8 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   spy = gil.PySpy(spec["py_spy"], spec["seconds"]) if spec.get("py_spy") else None
   shim = gil.Counter() if spec.get("gil") else None
   first = time.perf_counter()
-  kids = _workers(me)
-  main0, kids0 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
+  kids = measure.workers()
+  main0, kids0 = resource.getrusage(resource.RUSAGE_SELF), measure.cpu_s(kids)
   images = batches = 0
   touch = np.zeros(2)  # user, system seconds
   while (spy.running() if spy else time.perf_counter() - first < spec["seconds"]) or batches < spec[
@@ -150,7 +130,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     batches += 1
   end = time.perf_counter()
   held = shim.read().held_s if shim else None
-  main1, kids1 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
+  main1, kids1 = resource.getrusage(resource.RUSAGE_SELF), measure.cpu_s(kids)
   rss = [k.memory_info().rss / 2**20 for k in kids]
   it.close()
   gil_share = _py_spy_share(spy) if spy else None
