@@ -539,10 +539,7 @@ def write_results(
 def main(argv: list[str]) -> None:
   parser = measure.parser(
     "study",
-    "The tf.data guide's artificial study (prefetch, interleave, parallel map, "
-    "cache, vectorized map, the optimized chain) rebuilt on Grain: prints measured vs "
-    "guide vs theoretical-minimum seconds, writes OUT/RESULTS.md and a timeline per "
-    "variant (OUT/NAME.png).",
+    __doc__,
     "repeats",
     data_dir=None,
   )
