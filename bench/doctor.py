@@ -49,7 +49,7 @@ import pipeline
 from bench import costs as costs_lib
 from bench import emulate, measure, storage_check, timeline
 from bench.costs import STAGES, Cost
-from pipeline import augment, dataset, decode, options, parallelism, reads
+from pipeline import dataset, decode, options, parallelism, reads
 from pipeline import manifest as manifest_lib
 from pipeline.blocks import BLOCK_RECORDS
 from pipeline.stats import Stats
@@ -88,21 +88,6 @@ class Settings:
   @property
   def perf(self) -> pipeline.Performance:
     return options.coerce(pipeline.Performance, self.performance)
-
-  def head(self, **change) -> augment.Head:
-    """The loader's per-image head for these settings (train)."""
-    a, p = self.aug, self.perf
-    fields = dict(
-      image_size=self.image_size,
-      area_range=a.area_range,
-      aspect_range=a.aspect_range,
-      flip=a.flip,
-      crop_fraction=a.eval_fraction(self.image_size),
-      bicubic=a.interpolation == "bicubic",
-      dct_scaling=p.dct_scaling,
-      fast_dct=p.fast_dct,
-    )
-    return augment.Head(**{**fields, **change})
 
   @property
   def batch_bytes(self) -> int:
@@ -230,13 +215,6 @@ class Diagnosis:
 # ---------------------------------------------------------------- stage costs
 
 
-def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
-  """`bench.costs.stage_costs` for these settings."""
-  return costs_lib.stage_costs(
-    s.data_dir, s.split, s.head(), s.batch_size, sample, s.seed, s.other.get("keys")
-  )
-
-
 # ---------------------------------------------------------------- whole pipeline
 
 
@@ -329,14 +307,16 @@ def measure_all(
   requests counted when it has no worker processes), then (with `step_ms`) beside a step;
   then the GIL-held time, unless storage's request budget binds (the emulated run would
   wait on storage, not on the GIL)."""
-  costs, facts = measure_costs(s, sample)
+  stages = s.stages()
+  costs, facts = costs_lib.stage_costs(
+    s.data_dir, s.split, stages.decode.head, s.batch_size, sample, s.seed, s.other.get("keys")
+  )
   check = (
     storage_check.measure(s.data_dir, s.split, storage_levels, storage_reads)
     if storage_levels
     else None
   )
   recorder = recorder or timeline.Recorder()
-  stages = s.stages()
   run = measure_run(
     dataset.chain(stages),
     seconds,
