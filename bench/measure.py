@@ -178,6 +178,11 @@ def parser(
   return p
 
 
+def flags(**values) -> list[str]:
+  """`--name value` options for a tool's command line."""
+  return [x for name, value in values.items() for x in (f"--{name.replace('_', '-')}", str(value))]
+
+
 def finish(p: argparse.ArgumentParser, args, argv: list[str], result: dict) -> dict:
   """`result` with the machine and the command that measured it, written to --json when
   given."""

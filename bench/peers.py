@@ -223,26 +223,15 @@ def main(argv: list[str]) -> list[dict]:
       print(f"{name:28s} skipped: {needs[name]} not installed (pip install -e '.[peers]')")
       continue
     with tempfile.NamedTemporaryFile(suffix=".json") as f:
-      cmd = [
-        sys.executable,
-        "-m",
-        "bench",
-        "throughput",
-        args.data_dir,
-        "--split",
-        args.split,
-        "--batch-size",
-        str(args.batch_size),
-        "--image-size",
-        str(args.image_size),
-        "--epochs",
-        str(args.epochs),
-        "--loader",
-        name,
-        "--no-stages",
-        "--json",
-        f.name,
-      ]
+      cmd = [sys.executable, "-m", "bench", "throughput", args.data_dir, "--no-stages"]
+      cmd += measure.flags(
+        split=args.split,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        epochs=args.epochs,
+        loader=name,
+        json=f.name,
+      )
       proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
       if proc.returncode:
         print(f"{name:28s} FAILED:\n{proc.stderr[-2000:]}")

@@ -207,23 +207,13 @@ def run_one(
 
 
 def _child(loader: str, data_dir: str, args, timeout: float) -> dict:
-  cmd = [
-    sys.executable,
-    "-m",
-    "bench",
-    "storage",
-    data_dir,
-    "--run-one",
-    loader,
-    "--split",
-    args.split,
-    "--batches",
-    str(args.batches),
-    "--batch-size",
-    str(args.batch_size),
-    "--max-requests-per-s",
-    str(args.max_requests_per_s),
-  ]
+  cmd = [sys.executable, "-m", "bench", "storage", data_dir, "--run-one", loader]
+  cmd += measure.flags(
+    split=args.split,
+    batches=args.batches,
+    batch_size=args.batch_size,
+    max_requests_per_s=args.max_requests_per_s,
+  )
   env = {**os.environ, "TQDM_DISABLE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
