@@ -28,10 +28,8 @@ from __future__ import annotations
 
 import ctypes
 import dataclasses
-import hashlib
 import os
 import pathlib
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -48,30 +46,10 @@ class ShimUnavailable(RuntimeError):
   """The GIL shim cannot be built or is not loaded; the message says why in one line."""
 
 
-def cache_dir() -> pathlib.Path:
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return pathlib.Path(base) / "pipeline-gil"
-
-
 def ensure_built() -> pathlib.Path:
-  """The shim's shared library, compiled once per source (keyed by its hash); raises
-  ShimUnavailable without a C compiler or when the build fails."""
-  code = SOURCE.read_bytes()
-  lib = cache_dir() / f"gilshim-{hashlib.sha256(code).hexdigest()[:16]}.so"
-  if lib.exists():
-    return lib
-  cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
-  if not cc:
-    raise ShimUnavailable("no C compiler (cc) to build the GIL shim (apt-get install gcc)")
-  lib.parent.mkdir(parents=True, exist_ok=True)
-  tmp = lib.with_name(f"{lib.name}.{os.getpid()}.tmp")
-  cmd = [cc, "-O2", "-Wall", "-shared", "-fPIC", "-o", str(tmp), str(SOURCE), "-ldl"]
-  proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
-  if proc.returncode:
-    first = next((x for x in proc.stderr.splitlines() if "error" in x), proc.stderr.strip())
-    raise ShimUnavailable(f"building {SOURCE.name} failed: {first}")
-  os.replace(tmp, lib)
-  return lib
+  """The shim's shared library, compiled once per source; raises ShimUnavailable without a
+  C compiler or when the build fails."""
+  return measure.compiled(SOURCE, "gilshim-HASH.so", ["-shared", "-fPIC", "-ldl"], ShimUnavailable)
 
 
 def preload_env(env: dict | None = None) -> dict:

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import threading
@@ -224,3 +226,35 @@ def child(module: str, spec: dict, env: dict | None = None) -> dict:
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     raise RuntimeError(f"a measuring process failed (exit {proc.returncode}): {tail[0]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compiled(
+  source: pathlib.Path, name: str, flags: list[str], error: type[Exception]
+) -> pathlib.Path:
+  """`source` (C) built with `flags` into the user's cache, once per content (`name`-HASH);
+  `error` in one line without a C compiler or when the build fails."""
+  code = source.read_bytes()
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  out = (
+    pathlib.Path(base)
+    / "pipeline-bench"
+    / name.replace("HASH", hashlib.sha256(code).hexdigest()[:16])
+  )
+  if out.exists():
+    return out
+  cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+  if not cc:
+    raise error(f"no C compiler (cc) to build {source.name} (apt-get install gcc)")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+  proc = subprocess.run(
+    [cc, "-O2", "-Wall", "-o", str(tmp), str(source), *flags],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  if proc.returncode:
+    first = next((x for x in proc.stderr.splitlines() if "error" in x), proc.stderr.strip())
+    raise error(f"building {source.name} failed: {first}")
+  os.replace(tmp, out)
+  return out
