@@ -15,34 +15,47 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
+import struct
 import subprocess
 import sys
 import tempfile
 
-from etils import epath
+import grain
 
 from bench import measure
 from pipeline import manifest as manifest_lib
+from pipeline.convert.tfrecord import masked_crc32c
 
 
-def _tfrecord_copy(data_dir: str, split: str) -> str:
-  """Writes the split's records once as TFRecord files beside the shards; returns a glob."""
-  import grain
-  import tensorflow as tf
+def write_tfrecord(path: str | os.PathLike, recs) -> None:
+  """Writes records as a TFRecord file (no TensorFlow needed)."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "wb") as f:
+    for data in recs:
+      length = struct.pack("<Q", len(data))
+      f.write(length + struct.pack("<I", masked_crc32c(length)))
+      f.write(data + struct.pack("<I", masked_crc32c(data)))
+  os.replace(tmp, path)
 
+
+def records(paths: list[str]):
+  """Every record of the shards, in order, a shard at a time."""
+  for path in paths:
+    source = grain.sources.ArrayRecordDataSource([path])
+    yield from source.__getitems__(list(range(len(source))))
+
+
+def tfrecord_copy(data_dir: str | os.PathLike, split: str) -> str:
+  """The split's shards copied once as TFRecord files (one each) into DATA_DIR/peers-tfrecord/
+  (tf.data cannot read ArrayRecord); returns their glob."""
   meta = manifest_lib.load(data_dir)
-  out = epath.Path(data_dir) / "peers-tfrecord"
+  out = pathlib.Path(data_dir) / "peers-tfrecord"
   out.mkdir(exist_ok=True)
   for path in meta.shard_paths(data_dir, split):
-    target = out / (path.name.replace("array_record", "tfrecord"))
-    if target.exists():
-      continue
-    source = grain.sources.ArrayRecordDataSource([os.fspath(path)])
-    tmp = os.fspath(target) + ".tmp"
-    with tf.io.TFRecordWriter(tmp) as w:
-      for r in source.__getitems__(list(range(len(source)))):
-        w.write(r)
-    os.replace(tmp, target)
+    target = out / path.name.replace("array_record", "tfrecord")
+    if not target.exists():
+      write_tfrecord(target, records([os.fspath(path)]))
   return os.fspath(out / f"{split}.tfrecord-*")
 
 
@@ -51,7 +64,7 @@ def _tfdata(args):
 
   tf.config.set_visible_devices([], "GPU")
   keys = manifest_lib.load(args.data_dir).keys
-  pattern = _tfrecord_copy(args.data_dir, args.split)
+  pattern = tfrecord_copy(args.data_dir, args.split)
   size, autotune = args.image_size, tf.data.AUTOTUNE
   features = {
     keys.image: tf.io.FixedLenFeature([], tf.string),
@@ -122,7 +135,6 @@ class _PilTransform:
 
 
 def _grain_baseline(args):
-  import grain
   from absl import flags
 
   flags.FLAGS.mark_as_parsed()
@@ -149,7 +161,6 @@ def _grain_baseline(args):
 
 
 def _torch(args):
-  import grain
   import numpy as np
   import torch
   from torchvision.transforms import v2

@@ -31,13 +31,12 @@ import os
 import pathlib
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import time
 import types
 
-from bench import measure
+from bench import measure, peers
 from pipeline import manifest as manifest_lib
 
 LOADERS = {
@@ -51,28 +50,6 @@ LOCAL = "local disk"
 
 
 # ---------------------------------------------------------------- the data
-
-
-def write_tfrecord(path: str | os.PathLike, recs) -> None:
-  """Writes records as a TFRecord file (no TensorFlow needed)."""
-  from pipeline.convert.tfrecord import masked_crc32c
-
-  tmp = f"{path}.tmp"
-  with open(tmp, "wb") as f:
-    for data in recs:
-      length = struct.pack("<Q", len(data))
-      f.write(length + struct.pack("<I", masked_crc32c(length)))
-      f.write(data + struct.pack("<I", masked_crc32c(data)))
-  os.replace(tmp, path)
-
-
-def _records(paths: list[str]):
-  """Every record of the shards, in order, a shard at a time."""
-  import grain
-
-  for path in paths:
-    source = grain.sources.ArrayRecordDataSource([path])
-    yield from source.__getitems__(list(range(len(source))))
 
 
 def prepare(
@@ -111,12 +88,12 @@ def prepare(
   if class_order and shard_size_mb <= 0:
     raise ValueError("--class-order re-shards the split: give --shard-size-mb > 0")
   if shard_size_mb > 0:
-    recs = _records(shards)
+    recs = peers.records(shards)
     if class_order:
       from pipeline import records
 
       recs = sorted(recs, key=lambda r: records.parse(r, meta.keys)[1])
-    write_tfrecord(tmp / "all.tfrecord", recs)
+    peers.write_tfrecord(tmp / "all.tfrecord", recs)
     tfrecord.convert(
       str(tmp / "all.tfrecord"),
       dataset,
@@ -134,11 +111,7 @@ def prepare(
       shutil.copy(path, dataset)
     only = manifest_lib.Manifest(meta.classes, {split: meta.splits[split]}, keys=meta.keys)
     manifest_lib.save(only, dataset)
-  new = manifest_lib.load(dataset)
-  (dataset / "peers-tfrecord").mkdir()
-  for path in new.shard_paths(dataset, split):
-    target = dataset / "peers-tfrecord" / path.name.replace("array_record", "tfrecord")
-    write_tfrecord(target, _records([os.fspath(path)]))
+  peers.tfrecord_copy(dataset, split)
   os.replace(dataset, tmp / "ready")
   shutil.rmtree(out, ignore_errors=True)
   os.replace(tmp / "ready", out)
@@ -150,7 +123,7 @@ def describe(dataset: pathlib.Path, split: str) -> dict:
   meta = manifest_lib.load(dataset)
   paths = meta.shard_paths(dataset, split)
   records = meta.splits[split].num_records
-  record_bytes = sum(len(r) for r in _records([os.fspath(p) for p in paths]))
+  record_bytes = sum(len(r) for r in peers.records([os.fspath(p) for p in paths]))
   return {
     "dir": os.fspath(dataset),
     "records": records,
@@ -179,8 +152,6 @@ def run_one(
       dataset.make_dataset(data_dir, split, batch_size=batch_size, performance=perf, order=order)
     )
   else:
-    from bench import peers
-
     args = types.SimpleNamespace(
       data_dir=data_dir,
       split=split,
