@@ -89,10 +89,6 @@ class Settings:
   def perf(self) -> pipeline.Performance:
     return options.coerce(pipeline.Performance, self.performance)
 
-  @property
-  def batch_bytes(self) -> int:
-    return self.batch_size * self.image_size**2 * 3
-
   def plan(self, cores: int, memory_bytes: int | None = None) -> parallelism.Plan:
     """The workers x threads `make_dataset` runs with on a host of `cores` cores."""
     p = self.perf
@@ -649,7 +645,7 @@ def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
       state.prefetch,
       _smallest(range(1, MAX_PREFETCH + 1), lambda p: rate(dataclasses.replace(state, prefetch=p))),
     )
-    batch_mb = s.batch_bytes / 2**20
+    batch_mb = s.batch_size * s.image_size**2 * 3 / 2**20
     propose(
       "prefetch",
       state.prefetch,
