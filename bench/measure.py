@@ -1,5 +1,6 @@
 """How we measure a loader: first-batch latency, steady-state images/s, peak RSS; and what
-every benchmark shares: the machine line, JSON output, one-line failures.
+every benchmark shares: the machine line, the command line's common flags, JSON output,
+one-line failures, measuring children, worker processes' CPU, the C helpers' builds.
 
 Throughput counts only batches after the first (steady state); the first batch's latency
 (from creating the iterator) is its own number. Peak RSS is sampled for this process and

@@ -3,8 +3,9 @@
     python -m bench throughput data/photos --batch-size 128 --epochs 3 --json out.json
 
 `--loader` picks the contender (ours by default; `peers` runs each in its own process).
-The per-stage breakdown times each stage alone on one thread over a sample of records:
-what one image costs in read, parse, header+crop choice, decode, resize+flip and batch.
+The per-stage breakdown times each stage alone on one thread over a sample of records
+(`bench.costs`, as the doctor does): what one image costs in read, parse, decode (header,
+crop window, crop-aware decode), resize+flip and batch.
 """
 
 from __future__ import annotations
