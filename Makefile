@@ -14,12 +14,12 @@ SOURCES := pipeline bench train configs tests examples setup.py
 # Two targets started at once in a fresh clone (two `make train`): the second waits on the
 # lock (flock, util-linux), then finds the environment installed instead of running pip
 # beside the first.
-$(STAMP): pyproject.toml setup.py pipeline/_jpeg.c
+$(STAMP): pyproject.toml setup.py pipeline/image/_jpeg.c
 	@mkdir -p .venv
 	@flock .venv/.lock $(MAKE) --no-print-directory _venv
 
 _venv:
-	@if [ -f $(STAMP) ] && [ -z "$$(find pyproject.toml setup.py pipeline/_jpeg.c -newer $(STAMP))" ]; \
+	@if [ -f $(STAMP) ] && [ -z "$$(find pyproject.toml setup.py pipeline/image/_jpeg.c -newer $(STAMP))" ]; \
 	then echo "$(STAMP): installed by another make meanwhile"; else \
 	set -e; python3 -m venv .venv; \
 	.venv/bin/pip install --quiet --upgrade pip; \

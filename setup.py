@@ -1,6 +1,6 @@
 """Builds the optional crop-aware JPEG decoder against the libjpeg API headers.
 
-It is not linked to a libjpeg: `pipeline.decode` loads one at import time (Pillow's bundled
+It is not linked to a libjpeg: `pipeline.image.decode` loads one at import time (Pillow's bundled
 libjpeg-turbo 3, else the system's), so the build needs only a compiler and jpeglib.h. The
 pipeline falls back to simplejpeg when it cannot be built."""
 
@@ -25,9 +25,9 @@ class OptionalBuildExt(build_ext):
 setup(
   ext_modules=[
     Extension(
-      "pipeline._jpeg",
-      ["pipeline/_jpeg.c"],
-      # no fused multiply-add: crop windows must match pipeline/augment.py's to the bit
+      "pipeline.image._jpeg",
+      ["pipeline/image/_jpeg.c"],
+      # no fused multiply-add: crop windows must match pipeline/image/augment.py's to the bit
       extra_compile_args=["-O3", "-Wall", "-Wextra", "-ffp-contract=off"],
       optional=True,
     )

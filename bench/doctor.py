@@ -44,6 +44,8 @@ from collections.abc import Callable, Iterator
 import grain
 import ml_collections
 import psutil
+from pipeline.blocks import BLOCK_RECORDS
+from pipeline.stats import Stats
 
 import pipeline
 from bench import costs as costs_lib
@@ -51,8 +53,6 @@ from bench import emulate, measure, storage_check, timeline
 from bench.costs import STAGES, Cost
 from pipeline import dataset, decode, options, parallelism, reads
 from pipeline import manifest as manifest_lib
-from pipeline.blocks import BLOCK_RECORDS
-from pipeline.stats import Stats
 
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
 LIMITS = ("requests", "cores", "gil", "threads", "prefetch", "main")  # ties: hardware first
@@ -79,6 +79,7 @@ class Settings:
   seed: int = 0
   augment: dict = dataclasses.field(default_factory=dict)  # pipeline.Augment fields
   performance: dict = dataclasses.field(default_factory=dict)  # pipeline.Performance fields
+  decoding: dict = dataclasses.field(default_factory=dict)  # pipeline.Decoding fields
   other: dict = dataclasses.field(default_factory=dict)  # any other make_dataset keyword
 
   @property
@@ -88,6 +89,10 @@ class Settings:
   @property
   def perf(self) -> pipeline.Performance:
     return options.coerce(pipeline.Performance, self.performance)
+
+  @property
+  def dec(self) -> pipeline.Decoding:
+    return options.coerce(pipeline.Decoding, self.decoding)
 
   def plan(self, cores: int, memory_bytes: int | None = None) -> parallelism.Plan:
     """The workers x threads `make_dataset` runs with on a host of `cores` cores."""
@@ -103,8 +108,9 @@ class Settings:
     )
 
   def check(self) -> None:
-    """Raises ValueError naming a bad augment or performance field or value."""
+    """Raises ValueError naming a bad augment, decoding or performance field or value."""
     options.coerce(pipeline.Augment, self.augment)
+    options.coerce(pipeline.Decoding, self.decoding)
     options.coerce(pipeline.Performance, self.performance)
 
   def keywords(self) -> dict:
@@ -120,6 +126,7 @@ class Settings:
       shard_count=1,
       augment=self.augment,
       performance=self.performance,
+      decoding=self.decoding,
       **self.other,
     )
 
@@ -206,9 +213,6 @@ class Diagnosis:
   recommendations: list[Recommendation]
   notes: list[str]
   cache_estimate_mb: float
-
-
-# ---------------------------------------------------------------- stage costs
 
 
 # ---------------------------------------------------------------- whole pipeline
@@ -347,8 +351,9 @@ def measure_python(s: Settings, costs: dict[str, Cost], seconds: float) -> float
   (`bench.emulate`), so that the GIL binds; the rate it reaches is 1 / (GIL time x
   hand-off factor)."""
   waits = (costs["decode"].cpu_ms * 1e3, costs["augment"].cpu_ms * 1e3)
-  perf = {**s.performance, "num_threads": CEILING_THREADS, "num_workers": 0, "cache_mb": 0.0}
-  run = measure_run(dataclasses.replace(s, performance=perf).dataset(waits), seconds)
+  perf = {**s.performance, "num_threads": CEILING_THREADS, "num_workers": 0}
+  uncached = dataclasses.replace(s, performance=perf, decoding={**s.decoding, "cache_mb": 0.0})
+  run = measure_run(uncached.dataset(waits), seconds)
   factor = parallelism.handoff_factor(CEILING_THREADS, parallelism.COSTS.handoff)
   return round(1e6 / run.images_per_sec / factor, 1)
 
@@ -496,8 +501,8 @@ def diagnose(
     chosen.workers,
     chosen.threads,
     perf.prefetch,
-    0 < cache_mb <= perf.cache_mb,
-    perf.dct_scaling,
+    0 < cache_mb <= s.dec.cache_mb,
+    s.dec.dct_scaling,
     budget and min(budget, m.run.requests.max_per_s or budget),  # a lower max_requests_per_s
     max(m.run.requests.images_per_request, 1.0) if budget else 1.0,
   )
@@ -637,7 +642,7 @@ def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
         f"{d.measured.dct_share:.0%} of the crops are at least twice image_size and "
         f"decode at 1/2 to 1/8 resolution ({costs['decode'].cpu_ms:.2f} -> "
         f"{costs['decode_dct'].cpu_ms:.2f} ms per image)",
-        {"performance.dct_scaling": True},
+        {"decoding.dct_scaling": True},
         dct=True,
       )
     _recommend_processes(d, state, propose)
@@ -663,13 +668,13 @@ def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
       budget = float(math.ceil(d.cache_estimate_mb * 1.2))
       propose(
         "cache_mb",
-        s.perf.cache_mb,
+        s.dec.cache_mb,
         budget,
         f"decoded images (shorter side {side}) take ~{d.cache_estimate_mb:.0f} MB and "
         f"fit in RAM: after the first epoch the decode ({costs['decode'].cpu_ms:.2f} ms "
         f"CPU) becomes a crop of cached pixels ({costs['augment_cached'].cpu_ms:.2f} "
         "ms)",
-        {"performance.cache_mb": budget},
+        {"decoding.cache_mb": budget},
         cached=True,
       )
     elif not state.cached:
@@ -786,7 +791,7 @@ def _recommend_processes(d: Diagnosis, state: _State, propose) -> None:
 def _notes(d: Diagnosis) -> None:
   s = d.settings
   d.notes.append(
-    f"DCT scaling {'applies' if s.perf.dct_scaling else 'would apply'} to "
+    f"DCT scaling {'applies' if s.dec.dct_scaling else 'would apply'} to "
     f"{d.measured.dct_share:.0%} of the crops at image_size {s.image_size} "
     "(those at least twice the output size)"
   )
@@ -838,7 +843,7 @@ def report(d: Diagnosis) -> str:
     (
       f"pipeline doctor: {s.data_dir} ({s.split}, {m.num_records} records, {m.num_shards} "
       f"shards), batch {s.batch_size}, image {s.image_size}, performance "
-      f"{dataclasses.asdict(s.perf)}"
+      f"{dataclasses.asdict(s.perf)}, decoding {dataclasses.asdict(s.dec)}"
     ),
     f"machine: {measure.machine()}, load average {m.load_average}",
     "",
@@ -949,6 +954,7 @@ def settings_from_config(config, path: str = "the config") -> Settings:
   known.setdefault("seed", config.get("seed", 0))
   known["augment"] = known.get("augment") or {}
   known["performance"] = known.get("performance") or {}
+  known["decoding"] = known.get("decoding") or {}
   return Settings(batch_size=config.get("batch_size", 128), other=kwargs, **known)
 
 
@@ -963,7 +969,7 @@ def write_config(path: str, d: Diagnosis, base_module: str, base, command: str) 
       lines[f"input.{key}"] = diagnosed[key]
   if d.settings.batch_size != current["batch_size"]:
     lines["batch_size"] = d.settings.batch_size
-  for group in ("augment", "performance"):
+  for group in ("augment", "decoding", "performance"):
     for key, value in diagnosed[group].items():
       if current[group].get(key) != value:
         lines[f"input.{group}.{key}"] = value
@@ -1061,10 +1067,13 @@ def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | N
   for field in ("data_dir", "split", "batch_size", "image_size"):
     if getattr(args, field) is not None:
       setattr(s, field, getattr(args, field))
-  performance = ("num_threads", "num_workers", "prefetch", "cache_mb", "dct_scaling")
-  for field in (*performance, "record_cache_mb", "max_requests_per_s"):
+  performance = ("num_threads", "num_workers", "prefetch", "record_cache_mb", "max_requests_per_s")
+  for field in performance:
     if getattr(args, field) is not None:
       s.performance = {**s.performance, field: getattr(args, field)}
+  for field in ("cache_mb", "dct_scaling"):
+    if getattr(args, field) is not None:
+      s.decoding = {**s.decoding, field: getattr(args, field)}
   for field in ("order", "block_records"):
     if getattr(args, field) is not None:
       s.other = {**s.other, field: getattr(args, field)}

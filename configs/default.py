@@ -30,8 +30,9 @@ def get_config() -> ml_collections.ConfigDict:
     on_error="raise",  # or "skip" bad records (counted)
     # Digits survive mild crops, not Inception's 8%; a mirrored 3 is not a 3.
     augment=options(pipeline.Augment, area_range=(0.5, 1.0), flip=False),
-    # Decoded digits fit in RAM: decode once, crop per epoch. None: chosen for the host.
-    performance=options(pipeline.Performance, prefetch=2, cache_mb=256.0),
+    # Decoded digits fit in RAM: decode once, crop per epoch (other crops: pixels change).
+    decoding=options(pipeline.Decoding, cache_mb=256.0),
+    performance=options(pipeline.Performance, prefetch=2),  # None: chosen for the host
   )
   c.eval_input = eval_input_config(split="validation")  # unset fields: as in c.input
   c.device_depth = 2  # batches already on the devices

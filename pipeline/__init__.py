@@ -9,16 +9,20 @@ print(pipeline.stats_of(it).table())   # every stage, every process, storage req
 """
 
 import importlib
+import importlib.abc
+import importlib.util
+import sys
 
-from pipeline import features, ops, pp, randaugment, registry
-from pipeline.errors import BadRecordError
-from pipeline.features import Feature
-from pipeline.manifest import Manifest
-from pipeline.manifest import load as load_manifest
-from pipeline.ops import BigVisionMixup, ColorJitter, OneHot, PermutedMixup
-from pipeline.options import Augment, Performance
-from pipeline.records import Keys
+from pipeline import pp
+from pipeline.catalog.manifest import Manifest
+from pipeline.catalog.manifest import load as load_manifest
+from pipeline.catalog.records import Keys
+from pipeline.options import Augment, Decoding, Performance
+from pipeline.pp import features, ops, randaugment, registry
+from pipeline.pp.features import Feature
+from pipeline.pp.ops import BigVisionMixup, ColorJitter, OneHot, PermutedMixup
 from pipeline.spec import Spec
+from pipeline.stages.errors import BadRecordError
 
 __version__ = "0.1.0"
 __all__ = [
@@ -26,6 +30,7 @@ __all__ = [
   "BadRecordError",
   "BigVisionMixup",
   "ColorJitter",
+  "Decoding",
   "Feature",
   "Input",
   "Keys",
@@ -53,7 +58,7 @@ _LAZY = {
   "normalize_images": "device",
   "input": "inputs",
   "Input": "inputs",
-  "stats_of": "stream",
+  "stats_of": "stages.stream",
 }
 
 
@@ -64,3 +69,64 @@ def __getattr__(name: str):
   if name == "Mixup":
     raise AttributeError("pipeline.Mixup is now pipeline.PermutedMixup ('mixup' is big_vision's)")
   raise AttributeError(f"module 'pipeline' has no attribute {name!r}")
+
+
+# Modules that moved into the role folders (round of 2026-11-27): `import pipeline.sampling`
+# and `from pipeline import sampling` keep working, as the same module object.
+_MOVED = {
+  "ahead": "stages.ahead",
+  "augment": "image.augment",
+  "blocks": "order.blocks",
+  "budget": "storage.budget",
+  "cache": "storage.cache",
+  "decode": "image.decode",
+  "elastic": "order.elastic",
+  "errors": "stages.errors",
+  "extras": "host.extras",
+  "fallback": "image.fallback",
+  "features": "pp.features",
+  "finish": "stages.finish",
+  "guards": "host.guards",
+  "handoff": "stages.handoff",
+  "images": "stages.decode",
+  "lifecycle": "host.lifecycle",
+  "manifest": "catalog.manifest",
+  "ops": "pp.ops",
+  "parallelism": "host.parallelism",
+  "plan": "stages.plan",
+  "randaugment": "pp.randaugment",
+  "ranges": "storage.ranges",
+  "reads": "stages.read",
+  "records": "catalog.records",
+  "registry": "pp.registry",
+  "remote": "storage.remote",
+  "sampling": "order.sampling",
+  "schema": "catalog.schema",
+  "shuffle": "order.shuffle",
+  "source": "storage.source",
+  "stats": "stages.stats",
+  "stream": "stages.stream",
+  "tfds_folder": "catalog.tfds_folder",
+}
+
+
+class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+  """Finds `pipeline.OLD` for a module now at `pipeline.FOLDER.NEW` and hands out that one."""
+
+  def find_spec(self, fullname, path=None, target=None):
+    package, _, name = fullname.rpartition(".")
+    if package != "pipeline" or name not in _MOVED:
+      return None
+    return importlib.util.spec_from_loader(fullname, self)
+
+  def create_module(self, spec):
+    module = importlib.import_module(f"pipeline.{_MOVED[spec.name.rpartition('.')[2]]}")
+    spec.loader_state = module.__spec__
+    return module
+
+  def exec_module(self, module):
+    """The module ran at its own path already; it keeps that path's spec."""
+    module.__spec__ = module.__spec__.loader_state
+
+
+sys.meta_path.append(_MovedModules())

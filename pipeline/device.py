@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pipeline import lifecycle
+from pipeline.host import lifecycle
 
 MASK_KEY = "mask"
 IMAGE_KEY = "image"

@@ -3,7 +3,7 @@
     train = pipeline.input("data/imagenet", "train", global_batch_size=1024)
     for step, batch in zip(range(train.steps_per_epoch * 90), train): ...
 
-It divides the global batch over the processes (`pipeline.plan.process_batch_size`), builds
+It divides the global batch over the processes (`pipeline.stages.plan.process_batch_size`), builds
 `make_dataset`'s stages + `device_prefetch` and returns an `Input`: a Grain iterator
 (checkpoint it with `grain.checkpoint.CheckpointSave(train)`) that knows `num_examples`,
 `steps_per_epoch` (the stages' `plan.Sizes`), `num_classes` and `classes`. A finite stream
@@ -17,9 +17,10 @@ from typing import Any, Literal
 import grain
 import jax
 
-from pipeline import dataset, device, plan, stats
+from pipeline import dataset, device
 from pipeline.spec import Spec
-from pipeline.stream import stats_of
+from pipeline.stages import plan, stats
+from pipeline.stages.stream import stats_of
 
 
 def input(
@@ -148,7 +149,7 @@ class Input(grain.DatasetIterator):
     self._live().set_state(state)
 
   def stats(self) -> stats.Stats:
-    """Each stage's figures in this process and its worker processes (`pipeline.stats`)."""
+    """Each stage's figures in this process and its worker processes (`pipeline.stages.stats`)."""
     return stats_of(self._live())
 
   def start_prefetch(self) -> None:

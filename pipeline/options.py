@@ -1,7 +1,8 @@
-"""The two groups of `make_dataset` settings that are not about *which* data: how each image is
-cropped (`Augment`) and how fast the pipeline runs (`Performance`).
+"""The three groups of `make_dataset` settings that are not about *which* data: how each image
+is cropped (`Augment`), how its JPEG becomes pixels, trading exactness for speed (`Decoding`:
+these change pixels), and how fast the pipeline runs (`Performance`: never changes a batch).
 
-Both are frozen dataclasses; `make_dataset` also takes them as plain dicts (e.g. from a
+All are frozen dataclasses; `make_dataset` also takes them as plain dicts (e.g. from a
 `config.input` block), so a config names exactly these fields.
 """
 
@@ -9,9 +10,9 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Mapping
-from typing import Any, ClassVar
+from typing import Any
 
-from pipeline import budget
+from pipeline.storage import budget
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,42 +75,59 @@ class Augment:
 INTERPOLATIONS = ("bilinear", "bicubic")
 CROPS = ("torchvision", "tf")
 EVAL_ORDERS = ("crop_then_resize", "resize_then_crop")
+# Fields that moved to another group (issue 38): the old spelling is refused in one line that
+# gives the new one.
+MOVED = {"Performance": {name: "decoding" for name in ("cache_mb", "dct_scaling", "fast_dct")}}
+
+
+@dataclasses.dataclass(frozen=True)
+class Decoding:
+  """How each JPEG becomes pixels: speed bought with pixel values. Each option changes the
+  pixels of a batch, never its records, order, labels or masks (tests/test_options_content.py
+  checks both, within the bounds below).
+
+  Mean absolute difference per pixel value, on the test photos (~470x390) at 64 and 224 px:
+  cache_mb: RAM for decoded images ("map, cache, map"), kept with their shorter side resized
+  to image_size / crop_fraction; windows are drawn and cut on that smaller image, so crops
+  move and change size a little and the pixels differ (5-10 grey levels; images no larger
+  than that size are unchanged). dct_scaling (default on): decode at 1/2, 1/4, 1/8 when the
+  window's shorter side is that many times image_size; off, such windows are decoded whole
+  and shrunk by the resize instead (7-9 levels at 64 px; none at 224, where no window was that
+  large). fast_dct: libjpeg's fast integer IDCT (tf.data's default; 0.4-1 level, 2.2 on the
+  32 px digits; none on DCT-scaled windows).
+  """
+
+  cache_mb: float = 0.0
+  dct_scaling: bool = True
+  fast_dct: bool = False
+
+  def __post_init__(self):
+    if self.cache_mb < 0:
+      raise ValueError(f"decoding.cache_mb must be >= 0, got {self.cache_mb}")
 
 
 @dataclasses.dataclass(frozen=True)
 class Performance:
-  """How the work is spread and how much is kept. Only the options in CHANGES_PIXELS change
-  what a batch holds, and only its pixels (never its records, order, labels or masks); the
-  rest leave every batch bitwise equal (tests/test_options_content.py checks both).
+  """How the work is spread and how much is kept; never changes what a batch holds: every
+  option leaves every batch bitwise equal (tests/test_options_content.py). Pixel-changing
+  choices are `Decoding`'s.
 
   num_threads / num_workers: decode threads per process and Grain worker processes
-  (None: chosen for this host, see `pipeline.parallelism`). prefetch: batches being decoded
+  (None: chosen for this host, see `pipeline.host.parallelism`). prefetch: batches being decoded
   at once per process. read_ahead: batches whose records are read ahead (None: as many as
   the read latency measured at open and as it runs needs, by Little's law; see
-  `pipeline.reads`), holding at most read_ahead_mb of records. record_cache_mb: RAM for stored
+  `pipeline.stages.read`), holding at most read_ahead_mb of records. record_cache_mb: RAM for stored
   record bytes, so storage is read once (None: the whole split when one read takes
   >= 2 ms and the split fits in a quarter of the available memory, else 0);
   record_cache_dir: a local-disk folder for them too, shared by the host's processes and kept
   across runs. max_requests_per_s: the most storage requests a second this process's reads
   make, shared by its worker processes (None or inf: no cap; at least one a minute), to stay
-  within a bucket's budget (`pipeline.budget`). read_deadline_s: how long a batch (or the first
-  records read at open) waits for its reads before one line naming the shard is raised (None:
-  as gs:// reads, `pipeline.remote`: 60 s), so that storage that stops answering (a stalled
-  gcsfuse mount) is an error, never a hang. stats_every_s: print `iterator.stats()`'s table
-  (a row per stage and process, storage requests) to stderr every so many seconds (None: never).
-
-  Changing pixels (mean absolute difference per pixel value, on the test photos, ~470x390, at
-  64 and 224 px): cache_mb: RAM for decoded images ("map, cache, map"), kept with their
-  shorter side resized to image_size / crop_fraction; windows are drawn and cut on that
-  smaller image, so crops move and change size a little and the pixels differ (5-10 grey
-  levels; images no larger than that size are unchanged). dct_scaling (default on): decode at
-  1/2, 1/4, 1/8 when the window's shorter side is that many times image_size; off, such
-  windows are decoded whole and shrunk by the resize instead (7-9 levels at 64 px; none at
-  224, where no window was that large). fast_dct: libjpeg's fast integer IDCT (tf.data's
-  default; 0.4-1 level, 2.2 on the 32 px digits; none on DCT-scaled windows).
+  within a bucket's budget (`pipeline.storage.budget`). read_deadline_s: how long a batch (or the
+  first records read at open) waits for its reads before one line naming the shard is raised (None:
+  as gs:// reads, `pipeline.storage.remote`: 60 s), so that storage that stops answering (a stalled
+  gcsfuse mount) is an error, never a hang. stats_every_s: print `iterator.stats()`'s table (a row
+  per stage and process, storage requests) to stderr every so many seconds (None: never).
   """
-
-  CHANGES_PIXELS: ClassVar[tuple[str, ...]] = ("cache_mb", "dct_scaling", "fast_dct")
 
   num_threads: int | None = None
   num_workers: int | None = None
@@ -121,9 +139,10 @@ class Performance:
   max_requests_per_s: float | None = None
   stats_every_s: float | None = None
   read_deadline_s: float | None = None
-  cache_mb: float = 0.0
-  dct_scaling: bool = True
-  fast_dct: bool = False
+
+  def __new__(cls, *args, **fields):
+    _refuse_moved(cls, fields)
+    return super().__new__(cls)
 
   def __post_init__(self):
     for name in ("num_threads", "num_workers"):
@@ -152,8 +171,6 @@ class Performance:
       )
     if self.stats_every_s is not None and not self.stats_every_s > 0:
       raise ValueError(f"performance.stats_every_s must be None or > 0, got {self.stats_every_s}")
-    if self.cache_mb < 0:
-      raise ValueError(f"performance.cache_mb must be >= 0, got {self.cache_mb}")
 
 
 def coerce(cls, value: Any):
@@ -164,6 +181,7 @@ def coerce(cls, value: Any):
     return value
   if isinstance(value, Mapping) or hasattr(value, "to_dict"):
     fields = dict(value.to_dict() if hasattr(value, "to_dict") else value)
+    _refuse_moved(cls, fields)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - known)
     if unknown:
@@ -171,3 +189,14 @@ def coerce(cls, value: Any):
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
     return cls(**fields)
   raise TypeError(f"expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
+
+
+def _refuse_moved(cls, fields: Mapping) -> None:
+  """A field of `cls` that moved to another group (`MOVED`): one line naming its new place."""
+  moved = MOVED.get(cls.__name__, {})
+  for name in (n for n in fields if n in moved):
+    old, new = cls.__name__.lower(), moved[name]
+    raise ValueError(
+      f"{old}.{name} is now {new}.{name} (it changes pixels; {old} never does): pass "
+      f"{new}={{{name!r}: ...}} or pipeline.{new.title()}({name}=...)"
+    )

@@ -20,9 +20,9 @@ import textwrap
 
 import numpy as np
 
-from pipeline import extras
-from pipeline import manifest as manifest_lib
+from pipeline.catalog import manifest as manifest_lib
 from pipeline.dataset import make_dataset
+from pipeline.host import extras
 
 SOFT_LABEL_MIN = 0.05  # soft-label weights below this are left out of a title
 MAX_IMAGES = 256  # a sheet of more takes minutes to lay out, its images too small to see

@@ -13,8 +13,9 @@ import os
 import typing
 from collections.abc import Mapping, Sequence
 
-from pipeline import blocks, records
-from pipeline.options import Augment, Performance, coerce
+from pipeline.catalog import records
+from pipeline.options import Augment, Decoding, Performance, coerce
+from pipeline.order import blocks
 
 
 @dataclasses.dataclass(frozen=True)
@@ -25,7 +26,23 @@ class Transforms:
   ops: str | Sequence = ()
   batch_ops: str | Sequence = ()
   features: Mapping | None = None
-  normalize: bool = False
+
+  @property
+  def normalize(self) -> bool:
+    """False: batches leave the host as uint8 unless an op scales them (`make_dataset`'s
+    normalize= is gone, `REMOVED`); read by `dataset._workers` until it moves out."""
+    return False
+
+
+# make_dataset keywords that are gone: the one line that refuses each, with the new spelling.
+REMOVED = {
+  "normalize": (
+    "make_dataset(normalize=) is gone: normalize on the device (pipeline.input(..., "
+    "normalize='minus_one_one'), device_prefetch(normalize=...) or pipeline.normalize_images "
+    "in your step; uint8 moves 4x fewer bytes), or on the host with "
+    "batch_ops='value_range(-1, 1)' (in a pp string: value_range)"
+  ),
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -49,7 +66,7 @@ class Spec:
     drop_remainder: drop the last partial batch of a finite stream (default: train).
     shard_index, shard_count: this process's slice; default jax.process_index()/count(). A
       train stream's global batches, and its states, are the same on any count
-      (`pipeline.elastic`).
+      (`pipeline.order.elastic`).
     sharding: "records" (default): the global shuffle is dealt out to the processes, each its
       block of every global batch;
       "shards": each process owns whole shards (shard k: process k % shard_count) and
@@ -59,7 +76,7 @@ class Spec:
       record anywhere, one storage request per image. "blocks": runs of `block_records`
       consecutive records of a shard (default: 16, 32, ... until a run holds 2 MiB), the
       blocks shuffled and taken in windows of `window_blocks` blocks (default: 4 global
-      batches' worth), each batch one record of each of as many blocks (`pipeline.blocks`):
+      batches' worth), each batch one record of each of as many blocks (`pipeline.order.blocks`):
       a process reads only its own blocks, one request each, and a batch's label mix is a
       global shuffle's. None (default): "blocks" for a bucket (gs:// or a FUSE mount such as
       gcsfuse), "global" on local disk.
@@ -69,7 +86,7 @@ class Spec:
     verify: what is checked of the shards at open against the manifest: "size" (regular
       files, sizes, record counts), "sha256" (also every byte), or "none".
     augment: the crop, flip and resize filter (`pipeline.Augment` or a dict of its fields).
-    transforms (keywords pp, ops, batch_ops, features, normalize of `make_dataset`):
+    transforms (keywords pp, ops, batch_ops, features of `make_dataset`):
       pp: a big_vision pp string, e.g. "decode_jpeg_and_inception_crop(224)|flip_lr|
         value_range(-1, 1)|onehot(1000, key='label', key_result='labels')|keep('image',
         'labels')": its decode/crop/resize/flip ops set the fused head (train must match
@@ -79,14 +96,17 @@ class Spec:
         RNG: callables or a pp string without a head ("color_jitter(0.4)"; `pipeline.pp`);
         batch_ops: the same for whole batches (e.g. "permuted_mixup(0.2)").
       features: extra Example features to pass through, {name: key or pipeline.Feature}.
-      normalize: host-side float32 in [-1, 1] (default: uint8; normalize on device instead).
-    performance: threads, worker processes, prefetch, read-ahead, caches, DCT scaling
-      (`pipeline.Performance` or a dict of its fields); never changes what a batch holds,
-      except the pixels under the options named in `Performance.CHANGES_PIXELS` (cache_mb,
-      dct_scaling, fast_dct).
-      Threads and workers left None are chosen for this host (`pipeline.parallelism`; 2
+      Batches leave the host as uint8: normalize on the device (`pipeline.input`'s
+      normalize=, `pipeline.normalize_images`), or on the host with `value_range`.
+    decoding: the decoded-image cache, DCT scaling and the fast IDCT (`pipeline.Decoding` or
+      a dict of its fields): faster decoding that changes pixels (never records, order or
+      labels), by the amounts its docstring gives.
+    performance: threads, worker processes, prefetch, read-ahead, the record cache, request
+      budget, deadline (`pipeline.Performance` or a dict of its fields); never changes what a
+      batch holds.
+      Threads and workers left None are chosen for this host (`pipeline.host.parallelism`; 2
       cores: no workers, a thread per core), the read-ahead for the read latency measured at
-      open (`pipeline.reads`), and the choice is printed once.
+      open (`pipeline.stages.read`), and the choice is printed once.
   """
 
   data_dir: str | os.PathLike
@@ -111,14 +131,17 @@ class Spec:
   keys: records.Keys | None = None
   on_error: str = "raise"
   verify: str = "size"
-  # the groups (`of` makes augment and performance their classes)
+  # the groups (`of` makes augment, decoding and performance their classes)
   augment: Augment | Mapping | None = None
   transforms: Transforms = Transforms()
+  decoding: Decoding | Mapping | None = None
   performance: Performance | Mapping | None = None
 
   @classmethod
   def of(cls, data_dir, split: str = "train", **keywords) -> Spec:
     """The spec of `make_dataset(data_dir, split, **keywords)`, checked and completed."""
+    for name in (n for n in keywords if n in REMOVED):
+      raise TypeError(REMOVED[name])
     unknown = sorted(set(keywords) - set(SIGNATURE.parameters))
     if unknown:
       raise TypeError(f"make_dataset() got an unexpected keyword argument {unknown[0]!r}")
@@ -149,6 +172,7 @@ class Spec:
     if values["num_epochs"] is None and not train:
       values["num_epochs"] = 1
     values["augment"] = coerce(Augment, values["augment"])
+    values["decoding"] = coerce(Decoding, values["decoding"])
     values["performance"] = coerce(Performance, values["performance"])
     return cls(**values, transforms=Transforms(**group))
 

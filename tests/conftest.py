@@ -11,7 +11,7 @@ splits train and validation. All are folders holding manifest.json and shards;
 the raw image folders are `photos_raw` and `digits_raw`. `run_python` runs a command line
 from the repository root. `storage_rig` is bench.rig (latency-injecting FUSE), built once;
 a machine that cannot run it skips the tests using it, except in CI (CI=true): there they fail.
-`native` (or `native_or_skip()`) is the C extension pipeline/_jpeg.c, on the same terms.
+`native` (or `native_or_skip()`) is the C extension pipeline/image/_jpeg.c, on the same terms.
 """
 
 from __future__ import annotations
@@ -29,8 +29,9 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordWriter
 from PIL import Image
 
-from pipeline import decode, manifest
+from pipeline.catalog import manifest
 from pipeline.convert import builtin, images
+from pipeline.image import decode
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -111,7 +112,7 @@ def build_or_skip(what: str, build, unavailable: type[Exception]):
 
 
 def native_or_skip():
-  """The C extension (`pipeline._jpeg`); where it was not built the test is skipped, except in
+  """The C extension (`pipeline.image._jpeg`); where it was not built the test is skipped, except in
   CI (CI=true), where it fails."""
 
   def load():
@@ -119,7 +120,7 @@ def native_or_skip():
       raise ImportError(decode._missing)
     return decode.native()
 
-  return build_or_skip("the C JPEG decoder (pipeline/_jpeg.c)", load, ImportError)
+  return build_or_skip("the C JPEG decoder (pipeline/image/_jpeg.c)", load, ImportError)
 
 
 @pytest.fixture

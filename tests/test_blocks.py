@@ -1,4 +1,4 @@
-"""The block order (`pipeline.blocks`): few storage requests per epoch, every record once,
+"""The block order (`pipeline.order.blocks`): few storage requests per epoch, every record once,
 a pure function of (seed, epoch, position), and batches that mix nearly as well as a global
 shuffle's on shards in class order (as an ImageNet folder converts)."""
 
@@ -9,12 +9,16 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import blocks, dataset, manifest, reads, remote
-from pipeline.blocks import Blocks, label_distance
-from pipeline.budget import RequestBudget
-from pipeline.ranges import BlockReads
-from pipeline.sampling import Sampler, permute
-from pipeline.source import ShardedSource
+from pipeline import dataset
+from pipeline.catalog import manifest, split
+from pipeline.order import blocks
+from pipeline.order.blocks import Blocks, label_distance
+from pipeline.order.sampling import Sampler, permute
+from pipeline.stages import read
+from pipeline.storage import remote
+from pipeline.storage.budget import RequestBudget
+from pipeline.storage.ranges import BlockReads
+from pipeline.storage.source import ShardedSource
 from tests.conftest import assert_same_batches, take
 
 # a class-ordered split: 20 classes of 400 records, in shards of 700 (the last shorter)
@@ -138,7 +142,7 @@ def test_sizes_are_checked_and_the_order_defaults_by_where_the_shards_are(tmp_pa
 
 def test_make_dataset_in_block_order_reads_every_record_once_per_epoch(digits_dir):
   spec = pipeline.Spec.of(digits_dir, batch_size=16, order="blocks", num_epochs=1, seed=2)
-  meta, source, _ = dataset._open(spec)
+  meta, source, _ = split.open(spec.data_dir, spec.split)
   s = dataset._sampler(spec, meta, source)
   shards = meta.splits["train"].shards
   record_bytes = sum(sh.bytes for sh in shards) / meta.splits["train"].num_records
@@ -240,7 +244,7 @@ def test_the_read_stage_waits_its_turn_under_max_requests_per_s(digits_dir):
     st = dataset.build(spec)
     take(iter(dataset.chain(st)), 2)
     assert st.read.budget.waited >= 1 and st.read.stats.requests >= 2
-    assert "at most 50/s (performance.max_requests_per_s)" in reads.requests(st.read)
+    assert "at most 50/s (performance.max_requests_per_s)" in read.requests(st.read)
 
 
 @pytest.mark.parametrize("cap", [float("inf"), 1e308])
@@ -325,7 +329,7 @@ def test_owned_shards_fill_the_record_cache_in_block_reads_and_then_read_nothing
 def test_on_a_many_core_host_the_block_order_gets_workers_that_read_whole_blocks(
   photos_dir, monkeypatch, cores
 ):
-  from pipeline import parallelism
+  from pipeline.host import parallelism
 
   monkeypatch.setattr(parallelism, "available_cores", lambda: cores)  # as if on that host
   monkeypatch.setattr(parallelism, "available_memory", lambda: 256 << 30)

@@ -18,10 +18,12 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import dataset, manifest, reads
-from pipeline.blocks import WINDOW_BATCHES, Blocks
-from pipeline.sampling import PAD, Sampler
-from pipeline.stream import StateError
+from pipeline import dataset
+from pipeline.catalog import manifest
+from pipeline.order.blocks import WINDOW_BATCHES, Blocks
+from pipeline.order.sampling import PAD, Sampler
+from pipeline.stages import read
+from pipeline.stages.stream import StateError
 from tests.conftest import run_processes
 
 BATCH, RECORDS = 32, 16  # per process; records per block
@@ -118,7 +120,7 @@ def test_the_plan_line_says_the_requests_this_process_makes(digits_dir):
   spec = pipeline.Spec.of(  # 240 records: 15 blocks, 5 each
     digits_dir, batch_size=8, order="blocks", block_records=16, shard_index=0, shard_count=3
   )
-  said = reads.requests(dataset.build(spec).read)
+  said = read.requests(dataset.build(spec).read)
   assert "one per block of 16 records, about 5 an epoch from this process's own blocks" in said
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 from PIL import Image
 
-from pipeline import manifest
+from pipeline.catalog import manifest
 from pipeline.convert import __main__ as cli
 from pipeline.convert import builtin, verify
 

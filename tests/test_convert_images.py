@@ -19,8 +19,9 @@ import pytest
 from array_record.python import array_record_module
 from PIL import Image
 
-from pipeline import decode, manifest, records
+from pipeline.catalog import manifest, records
 from pipeline.convert import images, shards
+from pipeline.image import decode
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 

@@ -12,7 +12,7 @@ import tensorflow_datasets as tfds
 from array_record.python import array_record_module
 from PIL import Image
 
-from pipeline import manifest, records
+from pipeline.catalog import manifest, records
 from pipeline.convert import __main__ as cli
 from pipeline.convert import tfds as convert_tfds
 

@@ -8,7 +8,7 @@ import struct
 import pytest
 from array_record.python import array_record_module
 
-from pipeline import manifest, records
+from pipeline.catalog import manifest, records
 from pipeline.convert import tfrecord
 
 OTHER_KEYS = records.Keys(image="data", label="category", filename="name")

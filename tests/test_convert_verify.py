@@ -6,7 +6,7 @@ import shutil
 
 import pytest
 
-from pipeline import manifest, records
+from pipeline.catalog import manifest, records
 from pipeline.convert import __main__ as cli
 from pipeline.convert import shards, verify
 

@@ -7,10 +7,12 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import augment, dataset, decode, manifest, records
+from pipeline import dataset
+from pipeline.catalog import manifest, records
 from pipeline.dataset import BadRecordError
-from pipeline.source import ShardedSource
-from pipeline.stream import StateError
+from pipeline.image import augment, decode
+from pipeline.stages.stream import StateError
+from pipeline.storage.source import ShardedSource
 from tests.conftest import assert_same_batches, jpeg, take
 
 
@@ -117,7 +119,7 @@ def test_eval_images_are_the_resized_centre_crop_and_deterministic(photos_dir):
         image_size=32,
         shard_index=0,
         shard_count=1,
-        performance=dict(dct_scaling=False),
+        decoding=dict(dct_scaling=False),
       )
     )
 
@@ -151,7 +153,7 @@ def test_cache_decodes_each_record_once_over_epochs(photos_dir, monkeypatch):
     shard_index=0,
     shard_count=1,
     num_epochs=3,
-    performance=dict(cache_mb=64),
+    decoding=dict(cache_mb=64),
   )
   batches = list(ds)
   n = manifest.load(photos_dir).splits["validation"].num_records
@@ -198,12 +200,16 @@ def test_native_and_python_paths_give_identical_images(photos_dir, train, augmen
       np.testing.assert_array_equal(batch["image"][slot], out)
 
 
-def test_host_normalization_gives_floats_in_minus_one_one(photos_dir):
-  ds = pipeline.make_dataset(
-    photos_dir, batch_size=4, image_size=32, normalize=True, shard_index=0, shard_count=1
-  )
+def test_the_host_normalizes_one_way_value_range_and_normalize_is_refused_naming_it(photos_dir):
+  keywords = dict(batch_size=4, image_size=32, shard_index=0, shard_count=1)
+  pixels = next(iter(pipeline.make_dataset(photos_dir, **keywords)))["image"]
+  ds = pipeline.make_dataset(photos_dir, batch_ops="value_range(-1, 1)", **keywords)
   img = next(iter(ds))["image"]
-  assert img.dtype == np.float32 and img.min() >= -1.0 and img.max() <= 1.0
+  assert img.dtype == np.float32
+  np.testing.assert_allclose(img, pixels / 127.5 - 1.0, atol=1e-6)
+  with pytest.raises(TypeError, match=r"normalize=\) is gone: normalize on the device") as e:
+    pipeline.make_dataset(photos_dir, normalize=True, **keywords)
+  assert "batch_ops='value_range(-1, 1)'" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_bad_records_raise_naming_shard_and_index(tmp_path, write_dataset):
@@ -455,7 +461,7 @@ def test_make_dataset_refuses_shards_that_disagree_with_the_manifest(tmp_path, p
 def test_a_many_core_host_gets_worker_processes_and_the_same_batches(
   photos_dir, monkeypatch, capfd
 ):
-  from pipeline import parallelism
+  from pipeline.host import parallelism
 
   def make():
     return pipeline.make_dataset(
@@ -474,23 +480,6 @@ def test_a_many_core_host_gets_worker_processes_and_the_same_batches(
     capfd.readouterr().err
   )
   assert_same_batches(here, there)
-
-
-def test_host_normalization_refuses_images_an_op_made_float(photos_dir):
-  def scaled(image, rng):
-    return image.astype(np.float32) / 127.5 - 1.0
-
-  ds = pipeline.make_dataset(
-    photos_dir,
-    batch_size=4,
-    image_size=32,
-    normalize=True,
-    ops=[scaled],
-    shard_index=0,
-    shard_count=1,
-  )
-  with pytest.raises(ValueError, match="normalize=True scales uint8 pixels"):
-    next(iter(ds))
 
 
 def test_a_state_without_its_stream_is_refused(photos_dir):

@@ -9,7 +9,7 @@ import io
 import numpy as np
 from PIL import Image
 
-from pipeline import decode
+from pipeline.image import decode
 
 
 def test_libraries_of_another_api_are_never_tried():

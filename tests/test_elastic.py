@@ -20,8 +20,8 @@ import pytest
 
 import pipeline
 from pipeline.convert import images
-from pipeline.sampling import Sampler
-from pipeline.stream import StateError
+from pipeline.order.sampling import Sampler
+from pipeline.stages.stream import StateError
 from tests.conftest import assert_same_batches, run_processes, take
 from tests.elastic_pipeline_worker import GLOBAL_BATCH, IMAGE_SIZE, SEED, examples, make_dataset
 from tests.test_multihost_pipeline import odd_dir  # noqa: F401 - a fixture

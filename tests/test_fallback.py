@@ -1,6 +1,6 @@
-"""One owner per twin: `pipeline/_jpeg.c` draws the keys, windows and DCT scales and walks the
-frame; `pipeline.fallback`, its Python twin, gives the same answers where the extension was not
-built, and refuses the windows the C decoder refuses, in its words."""
+"""One owner per twin: `pipeline/image/_jpeg.c` draws the keys, windows and DCT scales and walks the
+frame; `pipeline.image.fallback`, its Python twin, gives the same answers where the extension was
+not built, and refuses the windows the C decoder refuses, in its words."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from pipeline import augment, decode, fallback
+from pipeline.image import augment, decode, fallback
 from tests import jpeg_modes
 
 RNG_SEED = 2026

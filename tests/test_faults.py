@@ -22,9 +22,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import pipeline
-from pipeline import manifest
+from pipeline.catalog import manifest
 from pipeline.dataset import BadRecordError
-from pipeline.source import ShardedSource
+from pipeline.storage.source import ShardedSource
 from tests.conftest import assert_same_batches, take
 
 SHARD = "validation.array_record-00000-of-00001"

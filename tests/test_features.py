@@ -8,8 +8,10 @@ from array_record.python.array_record_module import ArrayRecordReader
 from PIL import Image
 from tensorflow_datasets.proto import tf_example_pb2
 
-from pipeline import Feature, features, records
-from pipeline.records import RecordError
+from pipeline import Feature
+from pipeline.catalog import records
+from pipeline.catalog.records import RecordError
+from pipeline.pp import features
 
 SHARD = "train.array_record-00000-of-00001"
 

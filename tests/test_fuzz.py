@@ -31,8 +31,10 @@ from hypothesis import strategies as st
 from PIL import Image
 
 import pipeline
-from pipeline import augment, decode, images, records
+from pipeline.catalog import records
 from pipeline.dataset import BadRecordError
+from pipeline.image import augment, decode
+from pipeline.stages import decode as decode_stage
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 SANDBOX_MEMORY = 3 << 30  # address space of the sandbox: a pixel-limited image fits
@@ -164,7 +166,7 @@ def _native_batch(record: bytes, seed: int) -> list:
   """The native batch path on one record (raw bytes exercise its Example parser), drawn as
   the "train" path draws it (example (seed, 0, 0))."""
   head = augment.Head(OUT)
-  decoder = images.batch_decoder(head, records.Keys(), seed)
+  decoder = decode_stage.batch_decoder(head, records.Keys(), seed)
   if decoder is None:
     return []
   labels, index = np.zeros(2, np.int64), np.zeros(2, np.int64)
@@ -659,7 +661,7 @@ def test_the_batch_path_serves_protobufs_label():
   head = augment.Head(OUT)
   index, labels = np.zeros(1, np.int64), np.full(1, -1, np.int64)
   arena, dims = np.empty(head.slot_bytes(), np.uint8), np.zeros((1, 2), np.int32)
-  decoder = images.batch_decoder(head, records.Keys(), 0)
+  decoder = decode_stage.batch_decoder(head, records.Keys(), 0)
   handed_back = decoder([record], index, index, labels, dims, arena, 0, 1)
   assert handed_back == [] and labels.tolist() == [0]
 
@@ -669,7 +671,8 @@ def test_the_batch_path_serves_protobufs_label():
 SANITIZED_RUN = """
 import importlib.util, random, sys
 import numpy as np
-from pipeline import augment, decode, records
+from pipeline.image import augment, decode
+from pipeline.catalog import records
 from tests import jpeg_modes, test_fuzz as f
 spec = importlib.util.spec_from_file_location("sanitized._jpeg", sys.argv[1])
 native = importlib.util.module_from_spec(spec)
@@ -719,14 +722,14 @@ print("clean")
 def build_sanitized_extension(
   out: pathlib.Path, source: pathlib.Path | None = None
 ) -> pathlib.Path:
-  """`pipeline/_jpeg.c` built with -fsanitize=address,undefined (any error aborts)."""
+  """`pipeline/image/_jpeg.c` built with -fsanitize=address,undefined (any error aborts)."""
   import sysconfig
 
   target = out / "_jpeg.so"
   subprocess.run(
     ["cc", "-shared", "-fPIC", "-g", "-O1", "-Wall", "-Wextra", "-Werror",
      "-fsanitize=address,undefined", "-fno-sanitize-recover=all", "-fno-omit-frame-pointer",
-     f"-I{sysconfig.get_paths()['include']}", str(source or ROOT / "pipeline" / "_jpeg.c"),
+     f"-I{sysconfig.get_paths()['include']}", str(source or ROOT / "pipeline/image/_jpeg.c"),
      "-o", str(target)],
     check=True, capture_output=True, text=True,
   )  # fmt: skip
@@ -772,7 +775,7 @@ def test_the_extension_runs_the_fuzz_corpus_clean_under_asan_and_ubsan(tmp_path)
 @pytest.mark.slow
 def test_the_sanitized_run_catches_a_planted_overflow(tmp_path):
   """The harness itself: a parser that trusts a length 3 bytes too far is caught by ASan."""
-  source = (ROOT / "pipeline" / "_jpeg.c").read_text()
+  source = (ROOT / "pipeline" / "image" / "_jpeg.c").read_text()
   bound = "len > (uint64_t)(m->end - m->p) ||"
   assert bound in source
   planted = tmp_path / "_jpeg.c"

@@ -23,7 +23,7 @@ import urllib.request
 
 import pytest
 
-from pipeline import remote
+from pipeline.storage import remote
 from tests.conftest import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -70,10 +70,10 @@ def test_a_scheme_array_record_cannot_open_is_refused_in_one_line():
 
 
 def test_gs_without_gcsfs_says_what_to_install():
-  p = run(WITHOUT_GCSFS + "from pipeline import remote; remote.check('gs://bucket/ds')")
+  p = run(WITHOUT_GCSFS + "from pipeline.storage import remote; remote.check('gs://bucket/ds')")
   last = p.stderr.strip().splitlines()[-1]
   assert last == (
-    "pipeline.remote.RemoteStorageError: reading gs://bucket/ds needs gcsfs: "
+    "pipeline.storage.remote.RemoteStorageError: reading gs://bucket/ds needs gcsfs: "
     "pip install -e '.[gcs]' in the checkout (or pip install gcsfs); or mount the bucket with "
     "gcsfuse and pass the mount path"
   )
@@ -86,7 +86,7 @@ def _make_dataset_checks() -> bool:
 
 
 @pytest.mark.skipif(
-  not _make_dataset_checks(), reason="make_dataset does not call pipeline.remote.check yet"
+  not _make_dataset_checks(), reason="make_dataset does not call pipeline.storage.remote.check yet"
 )
 def test_make_dataset_of_gs_without_gcsfs_is_one_line():
   p = run(WITHOUT_GCSFS + "import pipeline; pipeline.make_dataset('gs://bucket/ds', batch_size=2)")
@@ -122,11 +122,11 @@ def test_the_trainer_on_gs_without_gcsfs_is_one_line_naming_the_install():
 
 def test_an_emulator_set_for_one_reader_only_is_refused():
   p = run(
-    "from pipeline import remote; remote.check('gs://bucket/ds')",
+    "from pipeline.storage import remote; remote.check('gs://bucket/ds')",
     env={"STORAGE_EMULATOR_HOST": "http://127.0.0.1:1", "CLOUD_STORAGE_EMULATOR_ENDPOINT": ""},
   )
   assert p.stderr.strip().splitlines()[-1] == (
-    "pipeline.remote.RemoteStorageError: STORAGE_EMULATOR_HOST is set but "
+    "pipeline.storage.remote.RemoteStorageError: STORAGE_EMULATOR_HOST is set but "
     "CLOUD_STORAGE_EMULATOR_ENDPOINT is not: the manifest and the shards would be read from "
     "different places (gcsfs reads the first, array_record the second); set both to the "
     "emulator's URL, or neither"
@@ -136,7 +136,7 @@ def test_an_emulator_set_for_one_reader_only_is_refused():
 @needs_emulator
 def test_an_emulator_without_the_gcsfs_setting_it_needs_is_refused():
   p = run(
-    "from pipeline import remote; remote.check('gs://bucket/ds')",
+    "from pipeline.storage import remote; remote.check('gs://bucket/ds')",
     env={
       "STORAGE_EMULATOR_HOST": "http://127.0.0.1:1",
       "CLOUD_STORAGE_EMULATOR_ENDPOINT": "http://127.0.0.1:1",
@@ -148,7 +148,7 @@ def test_an_emulator_without_the_gcsfs_setting_it_needs_is_refused():
     p.stderr.strip()
     .splitlines()[-1]
     .startswith(
-      "pipeline.remote.RemoteStorageError: STORAGE_EMULATOR_HOST is set: also set "
+      "pipeline.storage.remote.RemoteStorageError: STORAGE_EMULATOR_HOST is set: also set "
       "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT=false (else gcsfs asks the emulator"
     )
   )
@@ -235,8 +235,10 @@ def test_a_dataset_in_a_bucket_reads_as_it_does_from_disk(gcs, digits_dir):
     import sys
     import gcsfs
     import numpy as np
-    from pipeline import make_dataset, manifest, remote
-    from pipeline.source import ShardedSource
+    from pipeline import make_dataset
+    from pipeline.catalog import manifest
+    from pipeline.storage import remote
+    from pipeline.storage.source import ShardedSource
 
     local, url = sys.argv[1], "gs://bkt/digits"
     gcsfs.GCSFileSystem(token="anon").put(local, "bkt/digits", recursive=True)
@@ -280,9 +282,10 @@ def test_a_shard_written_again_in_the_bucket_is_refused_not_served(gcs, digits_d
     import gcsfs
     import numpy as np
     from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
-    from pipeline import make_dataset, manifest
+    from pipeline import make_dataset
+    from pipeline.catalog import manifest
     from pipeline.convert import shards
-    from pipeline.source import ShardedSource
+    from pipeline.storage.source import ShardedSource
 
     local, work = sys.argv[1], sys.argv[2]
     url, fs = "gs://bkt/pinned", gcsfs.GCSFileSystem(token="anon")
@@ -375,7 +378,8 @@ def test_from_a_bucket_the_block_order_reads_many_images_per_get(gcs, photos_dir
 @needs_emulator
 def test_a_missing_dataset_in_a_bucket_says_convert_first(gcs):
   p = run(
-    "from pipeline import manifest, remote; remote.check('gs://bkt/none'); "
+    "from pipeline.catalog import manifest; from pipeline.storage import remote; "
+    "remote.check('gs://bkt/none'); "
     "manifest.load('gs://bkt/none')",
     env=gcs,
   )
@@ -429,7 +433,8 @@ def test_an_emulator_host_that_does_not_resolve_is_one_line_naming_it(tmp_path):
   )
   assert p.returncode == 1, p.stderr[-2000:]
   assert p.stderr.strip().splitlines()[-1] == (
-    "pipeline.remote.RemoteStorageError: cannot read gs://bkt/ds: cannot reach Cloud Storage "
+    "pipeline.storage.remote.RemoteStorageError: cannot read gs://bkt/ds: "
+    "cannot reach Cloud Storage "
     "(gcs-emulator.internal does not resolve: Name or service not known): check the network "
     "and DNS; or mount the bucket with gcsfuse and pass the mount path"
   )
@@ -555,7 +560,7 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
   where = ["gs://bkt/resume/raw", "gs://bkt/resume/out", *flags]
   killed = run(KILLED_AFTER, env=gcs, args=["3", *where])
   assert killed.returncode == 9, killed.stderr[-2000:]
-  p = run("from pipeline import manifest; manifest.load('gs://bkt/resume/out')", env=gcs)
+  p = run("from pipeline.catalog import manifest; manifest.load('gs://bkt/resume/out')", env=gcs)
   assert "manifest.json not found" in p.stderr  # no dataset while it is being converted
   resumed = run(KILLED_AFTER, env=gcs, args=["100", *where])
   assert resumed.returncode == 0, resumed.stderr[-2000:]
@@ -643,7 +648,7 @@ def test_a_workers_files_are_read_from_a_bucket_at_once_and_a_missing_one_is_ski
   code = textwrap.dedent(
     """
     import gcsfs
-    from pipeline import records
+    from pipeline.catalog import records
     from pipeline.convert import bucket, images
 
     fs = gcsfs.GCSFileSystem(token="anon")

@@ -4,7 +4,7 @@ naming it within seconds, never a hang and never a silent wait.
 
 The bucket is the local emulator (tests/gcs_emulator.py) behind a proxy that stalls or answers
 503 for manifest.json, as a Cloud Storage outage or a dead connection would; reads run in
-fresh processes with short deadlines (pipeline.remote.ATTEMPT_S) so that the tests take
+fresh processes with short deadlines (pipeline.storage.remote.ATTEMPT_S) so that the tests take
 seconds.
 """
 
@@ -25,7 +25,7 @@ import pytest
 from tests.test_gcs import REPO, gcs, needs_emulator  # noqa: F401 - the emulator fixture
 
 HOP = ("host", "content-length", "transfer-encoding", "connection")
-SHORT = "from pipeline import remote; remote.ATTEMPT_S, remote.BACKOFF_S = 2.0, 0.2\n"
+SHORT = "from pipeline.storage import remote; remote.ATTEMPT_S, remote.BACKOFF_S = 2.0, 0.2\n"
 
 
 def run(code: str, env: dict, timeout: float = 60, args=()) -> subprocess.CompletedProcess:
@@ -128,7 +128,10 @@ def bucket(gcs, digits_dir):  # noqa: F811 - the fixture imported above
     proxy.shutdown()
 
 
-LOAD = SHORT + "from pipeline import manifest; print(manifest.load('gs://bkt/digits').num_classes)"
+LOAD = (
+  SHORT
+  + "from pipeline.catalog import manifest; print(manifest.load('gs://bkt/digits').num_classes)"
+)
 
 
 @needs_emulator
@@ -143,7 +146,7 @@ def test_a_stalled_or_failing_bucket_is_one_line_within_seconds(bucket, fault, s
   assert p.returncode == 1, p.stderr[-2000:]
   last = p.stderr.strip().splitlines()[-1]
   assert last.startswith(
-    "pipeline.remote.RemoteStorageError: cannot read gs://bkt/digits/manifest.json: "
+    "pipeline.storage.remote.RemoteStorageError: cannot read gs://bkt/digits/manifest.json: "
   ), p.stderr[-2000:]
   assert says in last and "3 attempts in" in last
   retries = [x for x in p.stderr.splitlines() if "attempt 2 of 3" in x or "attempt 3 of 3" in x]
@@ -182,7 +185,7 @@ def test_a_shard_read_that_stalls_is_one_line_within_seconds(bucket, fault):
     p.stderr.strip()
     .splitlines()[-1]
     .startswith(
-      "pipeline.remote.RemoteStorageError: cannot read gs://bkt/digits/train.array_record-00000-"
+      "pipeline.storage.remote.RemoteStorageError: cannot read gs://bkt/digits/train.array_record-00000-"
       "of-00001: no answer within 2 s (3 attempts in "
     )
   ), p.stderr[-2000:]
@@ -205,6 +208,8 @@ def test_a_shard_that_stalls_while_batches_are_read_is_one_line_within_seconds(b
   finally:
     proxy.fault = None
   assert p.returncode == 1, p.stderr[-2000:]
-  error = "pipeline.remote.RemoteStorageError: cannot read gs://bkt/digits/train.array_record-"
+  error = (
+    "pipeline.storage.remote.RemoteStorageError: cannot read gs://bkt/digits/train.array_record-"
+  )
   said = [x for x in p.stderr.splitlines() if x.startswith(error)]  # Grain adds a note after
   assert said and "-00000-of-00001: no answer within 6 s: " in said[0], p.stderr[-2000:]

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import augment, decode
+from pipeline.image import augment, decode
 from tests import make_geometry_reference as reference
 
 REFERENCE = pathlib.Path(__file__).resolve().parent / "reference"

@@ -8,12 +8,12 @@ import textwrap
 import pytest
 
 import pipeline
-from pipeline import guards
+from pipeline.host import guards
 from tests.conftest import REPO
 
 BUILD = """
 import pipeline
-from pipeline import guards
+from pipeline.host import guards
 guards.check_main_guard()  # what make_dataset runs before starting worker processes
 ds = pipeline.make_dataset({data!r}, "train", batch_size=8, image_size=16,
                            performance={{"num_workers": 1, "num_threads": 1}})
@@ -64,7 +64,7 @@ def test_a_guarded_script_starts_its_worker_processes_and_gets_batches(tmp_path,
 
 
 def test_notebooks_and_python_c_are_not_scripts_to_guard():
-  code = "from pipeline import guards; guards.check_main_guard(); print('ok')"
+  code = "from pipeline.host import guards; guards.check_main_guard(); print('ok')"
   out = subprocess.run(
     [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
   )
@@ -170,7 +170,7 @@ def test_a_missing_c_decoder_is_reported_once_with_its_cost(digits_dir):
   # As on a host without libjpeg headers, where pip builds no extension and says so only
   # with -v: the first batch prints one line, once, and the batches still come.
   code = (
-    "import sys; sys.modules['pipeline._jpeg'] = None\n"
+    "import sys; sys.modules['pipeline.image._jpeg'] = None\n"
     "import pipeline\n"
     f"ds = pipeline.make_dataset({str(digits_dir)!r}, 'train', batch_size=8, image_size=16,"
     " performance={'num_threads': 1})\n"

@@ -22,10 +22,11 @@ from array_record.python.array_record_module import ArrayRecordWriter
 from etils import epath
 from PIL import Image
 
-from pipeline import augment, decode, fallback, manifest, records
+from pipeline.catalog import manifest, records
 from pipeline.convert import checks, images, shards
-from pipeline.images import batch_decoder
-from pipeline.source import ShardedSource
+from pipeline.image import augment, decode, fallback
+from pipeline.stages.decode import batch_decoder
+from pipeline.storage.source import ShardedSource
 from tests import jpeg_modes
 from tests.conftest import native_or_skip
 
@@ -56,7 +57,7 @@ def test_rare_jpeg_modes_decode_or_are_refused_without_crashing():
   conversion stores it re-encoded, or the mode is refused."""
   child = run_child("""
     import json, sys
-    from pipeline import decode
+    from pipeline.image import decode
     from pipeline.convert import checks
     from tests.jpeg_modes import RARE
     for name, data in sorted(RARE.items()):
@@ -267,8 +268,8 @@ def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
   child = run_child(
     """
     import resource, time
-    from pipeline import augment, decode
-    from pipeline.images import batch_decoder
+    from pipeline.image import augment, decode
+    from pipeline.stages.decode import batch_decoder
     from tests.jpeg_modes import hidden_frame_bomb
     import numpy as np
     native, bomb = decode.native(), hidden_frame_bomb()
@@ -278,7 +279,7 @@ def test_the_c_decoder_refuses_a_hidden_bomb_before_allocating():
       native.decode_crop(bomb, 0, 0, 64, 64, 1)
     except ValueError as e:
       print(e)
-    from pipeline import records
+    from pipeline.catalog import records
     head = augment.Head(32)
     index, labels = np.zeros(1, np.int64), np.zeros(1, np.int64)
     arena, dims = np.empty(head.slot_bytes(), np.uint8), np.zeros((1, 2), np.int32)
@@ -309,7 +310,7 @@ def test_out_of_memory_while_reading_is_an_error_not_a_corrupt_record(tmp_path):
   child = run_child(
     f"""
     import re, resource
-    from pipeline.source import ShardedSource
+    from pipeline.storage.source import ShardedSource
     source = ShardedSource([{str(shard)!r}], [2])
     assert source.read([0]) == [b"small"]
     size = int(re.search(r"VmSize:\\s+(\\d+)", open("/proc/self/status").read()).group(1)) << 10
@@ -331,7 +332,7 @@ def test_out_of_memory_while_reading_is_an_error_not_a_corrupt_record(tmp_path):
 @pytest.mark.skipif(os.environ.get("CI") != "true", reason="CI=true only: elsewhere it is optional")
 def test_ci_runs_with_the_c_extension_built():
   """setup.py only warns when the build fails; in CI a silent fallback would test the wrong path."""
-  assert decode.native() is not None, "pipeline._jpeg was not built: see setup.py's warning"
+  assert decode.native() is not None, "pipeline.image._jpeg was not built: see setup.py's warning"
 
 
 # --- a full disk during conversion ------------------------------------------------------------
@@ -590,7 +591,7 @@ def test_a_checkpoint_copied_to_another_step_is_not_trusted(tmp_path, capfd):
 
 def test_a_dataset_with_a_hidden_bomb_record_serves_the_rest_quickly(tmp_path, write_dataset):
   """One such record cost ~52 s and 8.5 GB on the native path, and again on the Python retry."""
-  from pipeline import records
+  from pipeline.catalog import records
 
   good = jpeg_modes.sequential(8, 0xC0)
   recs = [records.encode(good, 0), records.encode(jpeg_modes.hidden_frame_bomb(), 1)] * 4

@@ -78,22 +78,27 @@ def _module(path: pathlib.Path) -> str:
   return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
+# The package's lazy names (those that need Grain or JAX) and its moved modules' old paths.
+PACKAGE_LAZY = {("pipeline", "__getattr__"), ("pipeline", "create_module")}
+
+
 def test_pipeline_modules_import_each_other_at_the_top_and_in_no_circle():
-  """A CLI's `__main__.py` may import lazily (a fast --help), and the package's `__getattr__`
-  loads the names that need Grain or JAX on first use; nothing else imports inside a function,
-  and no module reaches itself through its imports."""
+  """A CLI's `__main__.py` may import lazily (a fast --help), and the package loads the names
+  that need Grain or JAX on first use; nothing else imports inside a function, and no module
+  reaches itself through its imports."""
   files = {_module(path): path for path in sorted((ROOT / "pipeline").rglob("*.py"))}
   graph, inside = {}, []
   for module, path in files.items():
     graph[module] = set()
     for name, func, line in pipeline_imports(path, set(files)):
-      lazy_ok = path.name == "__main__.py" or (module, func) == ("pipeline", "__getattr__")
+      lazy_ok = path.name == "__main__.py" or (module, func) in PACKAGE_LAZY
       if func is not None and not lazy_ok:
         inside.append(f"{path.relative_to(ROOT)}:{line} {func}(): {name}")
       if name in files and name not in (module, "pipeline"):
         graph[module].add(name)
   assert not inside, inside
-  assert "pipeline.shuffle" in graph["pipeline.blocks"]  # the graph sees the imports
+  assert "pipeline.order.shuffle" in graph["pipeline.order.blocks"]  # the graph sees the imports
+  GRAPH.update(graph)
   circles, done = [], set()
 
   def visit(module: str, path: list[str]) -> None:
@@ -147,3 +152,55 @@ def test_converting_a_folder_loads_neither_grain_nor_jax(tmp_path):
   }
   assert {"pipeline", "array_record"} <= imported  # the report covers the conversion
   assert not imported & {"grain", "jax", "jaxlib"}, imported & {"grain", "jax", "jaxlib"}
+
+
+GRAPH: dict[str, set[str]] = {}  # module -> the pipeline modules it imports (filled above)
+
+# Folder rules: what each role folder may import from the rest of the library.
+RULES = {
+  "pipeline.order": lambda other: not other.startswith("pipeline.stages"),
+  "pipeline.storage": lambda other: not other.startswith("pipeline.stages"),
+  "pipeline.image": lambda other: (
+    other.startswith("pipeline.image") or other == ("pipeline.catalog.records")
+  ),
+}
+
+
+def test_each_role_folder_imports_only_what_its_rule_allows():
+  """`order/` and `storage/` never import a stage; `image/` imports only the record schema."""
+  if not GRAPH:
+    test_pipeline_modules_import_each_other_at_the_top_and_in_no_circle()
+  assert {m.rpartition(".")[0] for m in GRAPH if m.count(".") == 2} >= set(RULES)
+  broken = [
+    f"{module} -> {other}"
+    for module, imported in GRAPH.items()
+    for folder, allowed in RULES.items()
+    if module.startswith(folder + ".")
+    for other in imported
+    if not allowed(other)
+  ]
+  assert not broken, broken
+  # the op registry stands alone; the built-in ops do not need RandAugment
+  assert GRAPH["pipeline.pp.registry"] == set()
+  assert "pipeline.pp.randaugment" not in GRAPH["pipeline.pp.ops"]
+
+
+def test_the_library_is_folders_of_at_most_ten_modules():
+  """The face at the top (`pipeline/*.py`), each role in a folder, none over ten modules."""
+  library = ROOT / "pipeline"
+  folders = [library] + [p for p in library.iterdir() if (p / "__init__.py").exists()]
+  sizes = {f.name: len(list(f.glob("*.py"))) - 1 for f in folders}  # without __init__.py
+  assert len(folders) >= 8 and max(sizes.values()) <= 10, sizes
+
+
+def test_a_module_that_moved_into_a_folder_still_imports_by_its_old_path():
+  code = (
+    "import pipeline.sampling as a, pipeline.order.sampling as b; from pipeline import reads;"
+    "import pipeline.stages.read as r; assert a is b and reads is r, (a, b);"
+    "assert a.__spec__.name == 'pipeline.order.sampling', a.__spec__;"
+    "import pipeline.nothing"
+  )
+  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+  assert proc.stderr.strip().splitlines()[-1] == (
+    "ModuleNotFoundError: No module named 'pipeline.nothing'"
+  ), proc.stderr

@@ -8,7 +8,7 @@ import pathlib
 
 import pytest
 
-from pipeline import manifest, records
+from pipeline.catalog import manifest, records
 from pipeline.convert import images, tfrecord
 from tests.test_convert_images import jpeg, read_shard, write
 from tests.test_convert_tfrecord import write_tfrecord

@@ -15,7 +15,7 @@ import termios
 
 import pytest
 
-from pipeline import manifest
+from pipeline.catalog import manifest
 from pipeline.convert import __main__ as cli
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

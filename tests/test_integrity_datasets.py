@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from pipeline import manifest, records
+from pipeline.catalog import manifest, records
 from pipeline.convert import __main__ as cli_main
 from pipeline.convert import images, shards, verify
 from tests.test_convert_images import read_shard

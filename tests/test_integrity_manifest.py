@@ -16,7 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pipeline import manifest
+from pipeline.catalog import manifest
 from pipeline.convert import shards, verify
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]

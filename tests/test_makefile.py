@@ -26,7 +26,7 @@ def test_two_makes_at_once_in_a_fresh_clone_install_the_environment_once(tmp_pat
   clone = tmp_path / "clone"
   (clone / "pipeline").mkdir(parents=True)
   shutil.copy(REPO / "Makefile", clone)
-  for name in ("pyproject.toml", "setup.py", "pipeline/_jpeg.c"):
+  for name in ("pyproject.toml", "setup.py", "pipeline/image/_jpeg.c"):
     (clone / name).write_text("")
   bin_dir = tmp_path / "bin"
   bin_dir.mkdir()

@@ -1,6 +1,6 @@
-"""Each performance option, on and off, over a converted dataset: the content-neutral ones give
-bitwise equal batches; those in `Performance.CHANGES_PIXELS` change pixels only, and within
-the bounds its docstring gives."""
+"""Each performance and decoding option, on and off, over a converted dataset: every
+`Performance` option gives bitwise equal batches; every `Decoding` option changes pixels only,
+and within the bounds its docstring gives."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from tests.conftest import assert_same_batches
 SIZE = 64  # DCT scaling applies to the photos' larger windows at this size
 STREAMS = {"train": 12, "validation": None}  # train: two epochs (caches filled, then hit)
 
-# Each neutral option set away from its default (record_cache_dir: see below).
+# Each Performance option set away from its default (record_cache_dir: see below).
 NEUTRAL = [
   ("num_threads", 1),
   ("num_threads", 3),
@@ -32,11 +32,12 @@ NEUTRAL = [
   ("stats_every_s", 0.001),
   ("read_deadline_s", 300.0),
 ]
-# (option, value away from its default, bound on the mean absolute difference per pixel value)
+# Each Decoding option: (value away from its default, bound on the mean absolute difference per
+# pixel value)
 PIXELS = [("cache_mb", 64.0, 16), ("dct_scaling", False, 16), ("fast_dct", True, 3)]
 
 
-def batches(data_dir, split: str, **performance) -> list[dict]:
+def batches(data_dir, split: str, decoding=None, **performance) -> list[dict]:
   ds = pipeline.make_dataset(
     data_dir,
     split,
@@ -44,6 +45,7 @@ def batches(data_dir, split: str, **performance) -> list[dict]:
     train=split == "train",
     image_size=SIZE,
     performance=performance,
+    decoding=decoding,
   )
   return list(itertools.islice(iter(ds), STREAMS[split]))
 
@@ -53,11 +55,10 @@ def defaults(photos_dir) -> dict[str, list[dict]]:
   return {split: batches(photos_dir, split) for split in STREAMS}
 
 
-def test_every_option_is_neutral_or_named_as_changing_pixels():
+def test_every_option_is_tested_performances_as_neutral_decodings_as_changing_pixels():
   fields = {f.name for f in dataclasses.fields(pipeline.Performance)}
-  tested = {name for name, _ in NEUTRAL} | {"record_cache_dir"} | {name for name, *_ in PIXELS}
-  assert tested == fields
-  assert set(pipeline.Performance.CHANGES_PIXELS) == {name for name, *_ in PIXELS}
+  assert {name for name, _ in NEUTRAL} | {"record_cache_dir"} == fields
+  assert {name for name, *_ in PIXELS} == {f.name for f in dataclasses.fields(pipeline.Decoding)}
 
 
 @pytest.mark.parametrize("split", STREAMS)
@@ -82,7 +83,7 @@ def test_the_disk_record_cache_filled_and_read_leaves_every_batch_bitwise_equal(
 def test_a_pixel_option_changes_pixels_only_and_within_its_bound(
   photos_dir, defaults, name, value, bound
 ):
-  changed = batches(photos_dir, "train", **{name: value})
+  changed = batches(photos_dir, "train", decoding={name: value})
   assert len(changed) == len(defaults["train"])
   for got, want in zip(changed, defaults["train"]):
     assert got.keys() == want.keys()

@@ -9,8 +9,8 @@ import os
 
 import pytest
 
-from pipeline import parallelism
-from pipeline.parallelism import COSTS, Plan, plan, project
+from pipeline.host import parallelism
+from pipeline.host.parallelism import COSTS, Plan, plan, project
 
 GIB = 2**30
 IMAGE = 224 * 224 * 3  # bytes of an image at 224 px

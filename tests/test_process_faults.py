@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from pipeline import handoff
+from pipeline.stages import handoff
 from tests.conftest import REPO
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
@@ -158,6 +158,6 @@ def test_too_little_memory_to_open_a_split_is_one_line_not_a_hang(digits_dir):
   assert p.returncode == 1
   last = p.stderr.strip().splitlines()[-1]
   assert last.startswith(
-    f"pipeline.guards.AddressSpaceError: out of memory to open split 'train' of {digits_dir}: "
+    f"pipeline.host.guards.AddressSpaceError: out of memory to open split 'train' of {digits_dir}: "
   ), p.stderr[-2000:]
   assert "ulimit -v" in last

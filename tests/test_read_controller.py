@@ -2,8 +2,8 @@
 at open needs only while throughput grows with them, and storage's "slow down" (429, 503,
 ...) is read again after a backoff and halves them.
 
-The controller (`pipeline.budget.Controller`) is fed made-up throughput, one figure per
-window, as the read stage measures it; the retries (`pipeline.remote.retry`) run with a fake
+The controller (`pipeline.storage.budget.Controller`) is fed made-up throughput, one figure per
+window, as the read stage measures it; the retries (`pipeline.storage.remote.retry`) run with a fake
 sleep, then in the read stage on real shards whose reads storage refuses now and then.
 """
 
@@ -15,8 +15,10 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import dataset, reads, remote
-from pipeline.budget import Controller
+from pipeline import dataset
+from pipeline.stages import read
+from pipeline.storage import remote
+from pipeline.storage.budget import Controller
 from tests.conftest import take
 
 
@@ -173,7 +175,7 @@ def test_batches_are_served_exactly_through_slow_downs_and_each_retry_is_counted
     for k in a:
       np.testing.assert_array_equal(a[k], b[k])
   assert refusing.refused >= 5 and st.read.stats.retries == refusing.refused
-  assert f"{refusing.refused:,} read again after a slow-down" in reads.requests(st.read)
+  assert f"{refusing.refused:,} read again after a slow-down" in read.requests(st.read)
 
 
 def test_behind_a_request_cap_the_reads_ahead_do_not_spiral(storage_rig, photos_dir):

@@ -9,7 +9,8 @@ import threading
 
 import pytest
 
-from pipeline import dataset, options, remote
+from pipeline import dataset, options
+from pipeline.storage import remote
 from tests.conftest import assert_same_batches, take
 
 
@@ -19,7 +20,7 @@ def make(data_dir, **kwargs):
 
 
 def test_slow_storage_gives_local_batches_and_resumes_exactly(storage_rig, photos_dir):
-  # a mount is read in block order by default (pipeline.blocks), local disk when asked
+  # a mount is read in block order by default (pipeline.order.blocks), local disk when asked
   local = take(iter(dataset.chain(make(photos_dir, seed=2, order="blocks"))), 9)
   with storage_rig.mount(photos_dir, latency_ms=5) as m:
     ds = dataset.chain(make(m.path, seed=2, performance=dict(record_cache_mb=0)))

@@ -7,17 +7,35 @@ import sys
 import pytest
 
 import pipeline
-from pipeline import plan
-from pipeline.sampling import Sampler
+from pipeline.order.sampling import Sampler
+from pipeline.stages import plan
 
 
 def test_make_datasets_keywords_are_the_specs_fields_with_the_ops_group_spread_out():
   params = inspect.signature(pipeline.make_dataset).parameters
-  spec = pipeline.Spec.of("data", batch_size=8, pp=None, ops="color_jitter(0.4)", normalize=True)
+  spec = pipeline.Spec.of("data", batch_size=8, pp=None, ops="color_jitter(0.4)")
   assert list(params)[:3] == ["data_dir", "split", "batch_size"]
-  assert {"pp", "ops", "batch_ops", "features", "normalize"} <= set(params)
-  assert spec.transforms == pipeline.spec.Transforms(ops="color_jitter(0.4)", normalize=True)
+  assert {"pp", "ops", "batch_ops", "features", "decoding"} <= set(params)
+  assert "normalize" not in params  # host: value_range; device: pipeline.input(normalize=)
+  assert spec.transforms == pipeline.spec.Transforms(ops="color_jitter(0.4)")
   assert spec.augment == pipeline.Augment() and spec.performance == pipeline.Performance()
+  assert spec.decoding == pipeline.Decoding()
+
+
+def test_the_pixel_changing_options_are_decodings_and_the_old_spellings_say_so():
+  spec = pipeline.Spec.of("data", batch_size=8, decoding={"fast_dct": True, "cache_mb": 64})
+  assert spec.decoding == pipeline.Decoding(cache_mb=64, fast_dct=True)
+  assert spec.performance == pipeline.Performance()
+  new = r"performance.fast_dct is now decoding.fast_dct .*pass decoding=\{'fast_dct': ...\}"
+  for old in (
+    lambda: pipeline.Performance(fast_dct=True),
+    lambda: pipeline.Spec.of("data", batch_size=8, performance={"fast_dct": True}),
+  ):
+    with pytest.raises(ValueError, match=new) as e:
+      old()
+    assert "\n" not in str(e.value)
+  with pytest.raises(ValueError, match=r"performance.cache_mb is now decoding.cache_mb"):
+    pipeline.Spec.of("data", batch_size=8, performance={"num_threads": 2, "cache_mb": 64})
 
 
 @pytest.mark.parametrize(

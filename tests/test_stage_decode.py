@@ -1,11 +1,13 @@
-"""Stage 3, decode/augment (pipeline.images, pipeline.decode, pipeline.augment): records ->
-uint8 images and labels; crop windows inside the image and drawn from (seed, epoch, index)."""
+"""Stage 3, decode/augment (pipeline.stages.decode, pipeline.image.decode, pipeline.image.augment):
+records -> uint8 images and labels; crop windows inside the image and drawn from (seed, epoch,
+index)."""
 
 import numpy as np
 import pytest
 
-from pipeline import augment, decode, records
-from pipeline.ahead import AheadIterDataset
+from pipeline.catalog import records
+from pipeline.image import augment, decode
+from pipeline.stages.ahead import AheadIterDataset
 from tests import stage_chain
 from tests.conftest import jpeg, native_or_skip
 

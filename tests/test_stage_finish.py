@@ -1,18 +1,18 @@
-"""Stage 4, finish (pipeline.finish): a decoded `Batch` -> the batch dict: labels checked
+"""Stage 4, finish (pipeline.stages.finish): a decoded `Batch` -> the batch dict: labels checked
 against the manifest's classes, the eval mask, extra features, your ops."""
 
 import numpy as np
 import pytest
 
 from pipeline import dataset
-from pipeline.ahead import AheadIterDataset
-from pipeline.finish import SKIPPED_KEY as SKIPPED
+from pipeline.stages.ahead import AheadIterDataset
+from pipeline.stages.finish import SKIPPED_KEY as SKIPPED
 from tests import stage_chain
 from tests.conftest import assert_same_batches
 
 
 def finished(s):
-  """Stages 1-4 over Grain; the stream stage (pipeline.stream) would take the skip count."""
+  """Stages 1-4 over Grain; the stream stage (pipeline.stages.stream) would take the skip count."""
   decoded = AheadIterDataset(AheadIterDataset(stage_chain.planned(s), s.read), s.decode)
   return decoded.map(s.finish).map(lambda batch: {k: v for k, v in batch.items() if k != SKIPPED})
 

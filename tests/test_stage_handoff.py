@@ -1,4 +1,4 @@
-"""The worker hand-off (pipeline/handoff.py): batches written once into a reused ring of
+"""The worker hand-off (pipeline/stages/handoff.py): batches written once into a reused ring of
 shared-memory blocks, read in place, never overwritten while you hold them, nothing left behind.
 """
 
@@ -16,7 +16,7 @@ import grain
 import numpy as np
 import pytest
 
-from pipeline import handoff
+from pipeline.stages import handoff
 
 from .conftest import REPO
 
@@ -121,7 +121,7 @@ def test_a_missing_block_is_a_handoff_error_naming_it():
 # without cleaning up (a crash).
 HOLDER = """
 import os, sys
-from pipeline import handoff
+from pipeline.stages import handoff
 writer = handoff.Writer.new()
 image = writer.empty((1 << 20,), "uint8")
 print(writer.ring().blocks[0].path, flush=True)
@@ -167,7 +167,7 @@ def test_a_sweep_from_another_pid_namespace_leaves_live_blocks_alone():
   """A process in another container sharing /dev/shm sees none of our process ids."""
   proc, path = _holder("live")
   try:
-    sweeper = "from pipeline import handoff; handoff.Writer.new(); handoff.sweep_crashed()"
+    sweeper = "from pipeline.stages import handoff; handoff.Writer.new(); handoff.sweep_crashed()"
     subprocess.run(
       [*_unshare_pid(), sys.executable, "-c", sweeper],
       check=True,
@@ -186,7 +186,8 @@ CHILD = """
 import glob, json, os, sys
 import numpy as np
 import pipeline
-from pipeline import handoff, lifecycle
+from pipeline.stages import handoff
+from pipeline.host import lifecycle
 
 def main():
   ds = pipeline.make_dataset(sys.argv[1], batch_size=8, image_size=64, shard_index=0,

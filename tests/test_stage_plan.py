@@ -1,5 +1,5 @@
-"""Stage 1, plan (pipeline.plan over pipeline.sampling): batch i -> the (epoch, record) of each
-slot, a pure function of (seed, position): every record once per epoch, a new order each
+"""Stage 1, plan (pipeline.stages.plan over pipeline.order.sampling): batch i -> the (epoch, record)
+of each slot, a pure function of (seed, position): every record once per epoch, a new order each
 epoch, disjoint process slices."""
 
 import math
@@ -8,7 +8,7 @@ import grain
 import numpy as np
 import pytest
 
-from pipeline.sampling import PAD, Sampler
+from pipeline.order.sampling import PAD, Sampler
 from tests import stage_chain
 
 

@@ -14,11 +14,12 @@ import numpy as np
 import pytest
 from array_record.python.array_record_module import ArrayRecordReader, ArrayRecordWriter
 
-from pipeline import dataset, reads
-from pipeline.ahead import AheadIterDataset
-from pipeline.cache import RecordCache
+from pipeline import dataset
 from pipeline.convert import images, shards
-from pipeline.sampling import PAD, Sampler
+from pipeline.order.sampling import PAD, Sampler
+from pipeline.stages import read
+from pipeline.stages.ahead import AheadIterDataset
+from pipeline.storage.cache import RecordCache
 from tests import stage_chain
 from tests.conftest import assert_same_batches, take
 from tests.stage_chain import stages
@@ -64,10 +65,10 @@ def test_resume_drops_the_reads_started_ahead(sharded_dir):
   assert_same_batches(expected, take(resumed, 6))
 
 
-def bare_stage(**keywords) -> reads.ReadRecords:
+def bare_stage(**keywords) -> read.ReadRecords:
   """A read stage of 128-image batches planned for 2,000 img/s at 20 ms a read, without a
   source: depth() and bounds() read only the stage's own fields."""
-  return reads.ReadRecords(
+  return read.ReadRecords(
     type("S", (), {})(),
     batch_size=128,
     rate_per_s=2000,
@@ -79,7 +80,7 @@ def bare_stage(**keywords) -> reads.ReadRecords:
 
 
 def test_reads_in_flight_follow_littles_law_within_the_bytes():
-  assert reads.reads_in_flight(2000, 0.020) == 80  # 2 x rate x latency
+  assert read.reads_in_flight(2000, 0.020) == 80  # 2 x rate x latency
   stage = bare_stage()
   assert stage.depth() == 2  # 80 reads: one batch ahead of the one being read
   assert stage.bounds() == (2, 8 * 2)  # more only while throughput grows with them

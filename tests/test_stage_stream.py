@@ -1,11 +1,11 @@
-"""Stage 6, stream (pipeline.stream): the outermost iterator: a state tagged with its stream
+"""Stage 6, stream (pipeline.stages.stream): the outermost iterator: a state tagged with its stream
 and its global position, checked before Grain sees it, and the skip count."""
 
 import pytest
 
-from pipeline import records
-from pipeline.ahead import AheadIterDataset
-from pipeline.stream import StateError, StreamIterDataset
+from pipeline.catalog import records
+from pipeline.stages.ahead import AheadIterDataset
+from pipeline.stages.stream import StateError, StreamIterDataset
 from tests import stage_chain
 from tests.conftest import assert_same_batches, jpeg, take
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import dataset, stats
+from pipeline import dataset
 from pipeline.spec import Spec
+from pipeline.stages import stats
 
 STAGES = {"plan", "read", "decode", "finish"}
 

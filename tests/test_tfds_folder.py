@@ -23,10 +23,12 @@ import tensorflow_datasets as tfds
 from PIL import Image
 
 import pipeline
-from pipeline import dataset, errors, manifest, records
+from pipeline import dataset
+from pipeline.catalog import manifest, records
 from pipeline.convert import __main__ as convert_cli
 from pipeline.convert import tfds as convert_tfds
 from pipeline.convert import verify
+from pipeline.stages import errors
 from tests import stage_chain
 from tests.conftest import assert_same_batches
 from tests.test_convert_tfds import UnlabeledShapes

@@ -80,7 +80,7 @@ def test_hosts_agree_on_all_but_the_settings_that_change_no_batch_and_on_the_c_d
 ):
   assert train.per_host("config.input.performance.num_threads")
   assert train.per_host("config.eval_input.performance.read_ahead")
-  assert not train.per_host("config.input.performance.cache_mb")  # changes pixels
+  assert not train.per_host("config.input.decoding.cache_mb")  # changes pixels
   assert not train.per_host("config.input.image_size")
   (tmp_path / "ops.py").write_text("x = 1\n")
   (tmp_path / "_jpeg.c").write_text("int x;\n")

@@ -161,7 +161,7 @@ def test_the_input_block_is_exactly_make_datasets_keywords_with_every_option_set
     for evaluation in (False, True):
       kwargs = config_lib.dataset_kwargs(config, evaluation)
       assert set(kwargs) <= keywords - {"batch_size", "train"}
-      for group, cls in (("augment", pipeline.Augment), ("performance", pipeline.Performance)):
+      for group, cls in config_lib.OPTIONS.items():
         assert set(kwargs[group]) == {f.name for f in dataclasses.fields(cls)}
         cls(**kwargs[group])  # valid as given
     assert config_lib.dataset_kwargs(config, evaluation=True)["split"] == "validation"
@@ -297,12 +297,13 @@ def test_the_image_size_is_the_pp_strings_where_it_sets_one(digits_dir, tmp_path
 
 def test_eval_input_overrides_only_what_it_names():
   config = default.get_config()
-  config.eval_input.performance = {"cache_mb": 0.0}
+  config.eval_input.decoding = {"cache_mb": 0.0}
   train_kwargs = config_lib.dataset_kwargs(config)
   eval_kwargs = config_lib.dataset_kwargs(config, evaluation=True)
   assert eval_kwargs["split"] == "validation" and train_kwargs["split"] == "train"
-  assert eval_kwargs["performance"] == {**train_kwargs["performance"], "cache_mb": 0.0}
+  assert eval_kwargs["decoding"] == {**train_kwargs["decoding"], "cache_mb": 0.0}
   assert eval_kwargs["augment"] == train_kwargs["augment"]
+  assert eval_kwargs["performance"] == train_kwargs["performance"]
 
 
 def test_keywords_the_trainer_sets_or_make_dataset_lacks_are_refused():

@@ -133,7 +133,7 @@ def test_a_stalled_mount_on_one_host_ends_it_in_one_line_naming_the_shard_and_th
       "data",  # each host's own mount, at the same path
       "--config.checkpoint_every_steps=1000",
       "--config.input.performance.read_deadline_s=3",
-      "--config.input.performance.cache_mb=0",  # every epoch reads storage again
+      "--config.input.decoding.cache_mb=0",  # every epoch reads storage again
       "--config.input.performance.record_cache_mb=0",
       steps=400,
       cwd=hosts,

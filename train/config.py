@@ -24,7 +24,11 @@ from train import UsageError
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
 SET_BY_TRAINER = ("batch_size", "train")
-OPTIONS = {"augment": pipeline.Augment, "performance": pipeline.Performance}
+OPTIONS = {
+  "augment": pipeline.Augment,
+  "decoding": pipeline.Decoding,
+  "performance": pipeline.Performance,
+}
 
 
 def find(name_or_path: str) -> pathlib.Path:

@@ -352,11 +352,8 @@ def already_done(workdir: epath.Path, plan: config_lib.Plan) -> dict | None:
   return summary if summary["steps"] >= plan.num_steps else None
 
 
-PER_HOST = tuple(  # `pipeline.Performance` fields that change no batch: each host its own
-  f.name
-  for f in dataclasses.fields(pipeline.Performance)
-  if f.name not in pipeline.Performance.CHANGES_PIXELS
-)
+# `pipeline.Performance`'s fields: none changes a batch, so each host may set its own.
+PER_HOST = tuple(f.name for f in dataclasses.fields(pipeline.Performance))
 
 
 def per_host(name: str) -> bool:

@@ -15,7 +15,7 @@ import pytest
 
 from bench import all as bench_all
 from bench import ceiling, gets, layout, peers, storage, throughput
-from pipeline import manifest, records
+from pipeline.catalog import manifest, records
 from pipeline.convert import tfrecord
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]

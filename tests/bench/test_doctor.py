@@ -16,9 +16,9 @@ import time
 import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
-import pipeline.manifest
-import pipeline.parallelism as parallelism
-import pipeline.source
+import pipeline.catalog.manifest
+import pipeline.host.parallelism as parallelism
+import pipeline.storage.source
 from bench import doctor, storage_check
 from bench.doctor import Cost, Measurements, Run, Settings
 
@@ -57,12 +57,13 @@ def measured(
   )
 
 
-def settings(batch_size=16, **performance) -> Settings:
+def settings(batch_size=16, decoding=None, **performance) -> Settings:
   return Settings(
     "data/photos",
     batch_size=batch_size,
     image_size=224,
     performance={"num_threads": 2, **performance},
+    decoding=decoding or {},
   )
 
 
@@ -152,12 +153,12 @@ def test_a_fast_input_beside_a_slow_step_names_the_step():
 
 def test_dct_scaling_off_is_priced_and_turning_it_on_recommended():
   costs = stage_costs(decode=(2.0, 2.0), decode_dct=1.0)
-  d = doctor.diagnose(settings(dct_scaling=False), measured(costs, rate=600))
+  d = doctor.diagnose(settings(decoding={"dct_scaling": False}), measured(costs, rate=600))
   rec = d.recommendations[0]
   assert (rec.field, rec.proposed, rec.writes) == (
     "dct_scaling",
     True,
-    {"performance.dct_scaling": True},
+    {"decoding.dct_scaling": True},
   )
 
 
@@ -175,7 +176,8 @@ def config_package(tmp_path, name, data_dir) -> pathlib.Path:
         c.input = ml_collections.ConfigDict(dict(
             data_dir={str(data_dir)!r}, split="train", image_size=32,
             augment=dict(area_range=(0.5, 1.0), flip=False),
-            performance=dict(num_threads=None, num_workers=None, prefetch=2, cache_mb=0.0)))
+            decoding=dict(cache_mb=0.0),
+            performance=dict(num_threads=None, num_workers=None, prefetch=2)))
         c.batch_size = 16
         c.seed = 0
         c.model = "mobilenet_v1"
@@ -305,13 +307,13 @@ def test_cli_help():
 
 @pytest.mark.slow
 def test_a_slow_source_is_named_read_in_a_real_run(photos_dir, monkeypatch):
-  read = pipeline.source.ShardedSource.read
+  read = pipeline.storage.source.ShardedSource.read
 
   def slow_read(self, indices):  # storage with 10 ms of latency per record
     time.sleep(0.01 * len(indices))
     return read(self, indices)
 
-  monkeypatch.setattr(pipeline.source.ShardedSource, "read", slow_read)
+  monkeypatch.setattr(pipeline.storage.source.ShardedSource, "read", slow_read)
   s = Settings(
     str(photos_dir), batch_size=8, image_size=64, performance={"num_threads": 2, "prefetch": 2}
   )
@@ -335,7 +337,7 @@ def test_storage_check_times_reads_through_the_rig_and_applies_littles_law(stora
   with storage_rig.mount(photos_dir, latency_ms=10) as rig:
     check = storage_check.measure(rig.path, "train", levels=(1, 8), reads_per_level=24)
     stats = rig.reset()
-    shard = pipeline.manifest.load(rig.path).shard_paths(rig.path, "train")[0]
+    shard = pipeline.catalog.manifest.load(rig.path).shard_paths(rig.path, "train")[0]
     ArrayRecordReader(str(shard), "readahead_buffer_size:0").close()
     open_reads = rig.stats()["reads"]  # what opening a reader reads (footer and index)
   one, eight = check.levels

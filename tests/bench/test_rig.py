@@ -17,7 +17,7 @@ import time
 import grain
 import pytest
 
-from pipeline import manifest
+from pipeline.catalog import manifest
 
 
 @pytest.fixture

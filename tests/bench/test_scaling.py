@@ -6,7 +6,8 @@ import json
 import pytest
 
 from bench import scaling
-from pipeline import parallelism, reads
+from pipeline.host import parallelism
+from pipeline.stages import read
 
 
 def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
@@ -91,7 +92,7 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   assert storage["rig_0ms_img_s"] > 0 and storage["of_rig_0ms"] > 0
   for h in hosts:
     assert h["at_latency_img_s"] <= h["projected_img_s"]
-    assert h["reads_in_flight"] == reads.reads_in_flight(h["at_latency_img_s"], 0.005)
+    assert h["reads_in_flight"] == read.reads_in_flight(h["at_latency_img_s"], 0.005)
     assert h["gets_per_s"] == round(h["at_latency_img_s"] * storage["reads_per_image"])
   assert json.loads(out.read_text())["hosts"] == result["hosts"]
 
@@ -146,4 +147,4 @@ def test_a_hosts_storage_needs_are_those_of_its_published_rate():
   rows = scaling.hosts(parallelism.COSTS, [2, 8, 224], 128, [128], 224, storage, 110.0)
   for h in rows:
     assert h["gets_per_s"] == round(h["at_latency_img_s"] * storage["reads_per_image"])
-    assert h["reads_in_flight"] == reads.reads_in_flight(h["at_latency_img_s"], 0.005)
+    assert h["reads_in_flight"] == read.reads_in_flight(h["at_latency_img_s"], 0.005)

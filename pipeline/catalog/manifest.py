@@ -1,0 +1,269 @@
+"""`manifest.json` read and written (its schema: `pipeline.catalog.schema`), and the checks a reader
+makes of the files it lists.
+
+`checked_shards` is what a reader calls at open: it refuses a dataset whose files do not
+match the manifest (missing, not regular files, another size, counts that do not add up, and
+for gs:// objects another CRC32C than the shard's: GCS keeps every object's CRC32C, so one
+metadata request per shard checks its content). `pin` and `check_pinned` keep a reader on the
+files it checked (local: device, inode, size, mtime; gs://: the object's generation): a shard
+replaced later (a `convert --overwrite`, an object overwritten) is refused when the reader
+opens it. Manifests written before shards had a "crc32c" still open, with the size check.
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import hashlib
+import importlib.util
+import json
+import os
+import stat
+
+from etils import epath
+
+from pipeline.catalog import tfds_folder
+
+# The schema's names, where they were before `pipeline.catalog.schema` held them.
+from pipeline.catalog.schema import (  # noqa: F401
+  FILENAME,
+  FORMAT,
+  Manifest,
+  ManifestError,
+  Shard,
+  Split,
+  check_classes,
+  from_json,
+  splits_from_json,
+)
+from pipeline.storage import remote
+
+BUILD_DIR = ".convert-build"  # where a conversion into the folder writes until it is done
+VERIFY_LEVELS = ("none", "size", "sha256")
+
+
+class ShardReplacedError(OSError):
+  """A shard that is not the file its reader pinned when the dataset was opened."""
+
+
+def _is_local(path: epath.Path) -> bool:
+  return "://" not in os.fspath(path)
+
+
+def _regular_size(path: epath.Path) -> int | None:
+  """The size of a regular file, None if `path` is something else; never opens it."""
+  if _is_local(path):
+    st = os.stat(path)
+    return st.st_size if stat.S_ISREG(st.st_mode) else None
+  st = remote.call(path.stat, path)
+  return None if st.is_directory else st.length
+
+
+def load(data_dir) -> Manifest:
+  """Reads `data_dir/manifest.json`; a missing one is `FileNotFoundError`, a damaged one
+  `ManifestError`, each naming the file; a bucket this host cannot read (no gcsfs, no
+  credentials) is one `RemoteStorageError` line (`pipeline.storage.remote.check`). A TFDS
+  ArrayRecord build (its version folder, or tfds://name[:version]) has none:
+  `pipeline.catalog.tfds_folder` makes its Manifest."""
+  if tfds_folder.is_uri(data_dir):
+    return tfds_folder.load(data_dir)
+  remote.check(data_dir)
+  path, missing = epath.Path(data_dir) / FILENAME, False
+  try:
+    size = _regular_size(path)
+  except FileNotFoundError:
+    missing = True
+  if missing and tfds_folder.is_build(data_dir):
+    return tfds_folder.load(data_dir)
+  if missing:
+    if _is_local(path) and os.path.isdir(os.path.join(os.fspath(data_dir), BUILD_DIR)):
+      raise FileNotFoundError(
+        f"{path} not found: a conversion into {data_dir} is running or was interrupted; "
+        "re-run it to finish"
+      ) from None
+    raise FileNotFoundError(
+      f"{path} not found: convert the dataset first (python -m pipeline.convert --help)"
+      + tfds_folder.hint(data_dir)
+    ) from None
+  if size is None:
+    raise ManifestError(f"{path} is not a regular file")
+  read = remote.on_mount if _is_local(path) else remote.call
+  text = read(path.read_bytes, path)
+  try:
+    data = json.loads(text)
+  except (ValueError, UnicodeDecodeError) as e:
+    raise ManifestError(f"{path} is not valid JSON (truncated or damaged?): {e}") from None
+  except RecursionError:
+    raise ManifestError(f"{path} is nested too deeply to be a manifest") from None
+  return from_json(data, os.fspath(path))
+
+
+def dumps(manifest: Manifest) -> str:
+  """The text of manifest.json."""
+  return json.dumps(manifest.to_json(), indent=2, sort_keys=False) + "\n"
+
+
+def save(manifest: Manifest, data_dir) -> None:
+  """Writes the manifest atomically (temporary name, then rename over the old one)."""
+  path = epath.Path(data_dir) / FILENAME
+  tmp = path.parent / f".{FILENAME}.tmp-{os.getpid()}"
+  tmp.write_text(dumps(manifest))
+  tmp.replace(path)
+
+
+def _sha256(path: epath.Path) -> str:
+  h = hashlib.sha256()
+  with path.open("rb") as f:
+    while block := f.read(1 << 22):
+      h.update(block)
+  return h.hexdigest()
+
+
+def _gcs_object(path) -> dict | None:
+  """A gs:// object's metadata (size, generation, crc32c) from gcsfs, fresh (not a listing
+  cached earlier): one request. None where gcsfs is not installed (then only a size is known)."""
+  if importlib.util.find_spec("gcsfs") is None:
+    return None
+  from etils.epath.backend import fsspec_backend
+
+  fs = fsspec_backend.fs(os.fspath(path))
+  fs.invalidate_cache(os.fspath(path))
+  return fs.info(os.fspath(path))
+
+
+def _look(path) -> tuple[int | None, tuple | None, str | None]:
+  """(size, pin, crc32c) of a shard from one stat or one object metadata request, never a read:
+  size None if it is not a regular file (or object); pin (see `pin`) and crc32c (8 hex digits,
+  gs:// objects only) None where not known."""
+  if _is_local(path):
+    st = os.stat(path)
+    if not stat.S_ISREG(st.st_mode):
+      return None, None, None
+    return st.st_size, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), None
+  gs = os.fspath(path).startswith("gs://")
+  info = remote.call(lambda: _gcs_object(path), path) if gs else None  # deadline, retries
+  if info is None:
+    st = remote.call(epath.Path(path).stat, path)
+    return (None if st.is_directory else st.length), None, None
+  if info.get("type") != "file":
+    return None, None, None
+  size, crc = int(info["size"]), info.get("crc32c")
+  return (
+    size,
+    ("gs", str(info.get("generation")), size),
+    base64.b64decode(crc).hex() if crc else None,
+  )
+
+
+def _checked(data_dir, meta: Manifest, split: str, verify: str) -> tuple[list[epath.Path], list]:
+  """`checked_shards`, plus the pin of each shard taken by the same stat or request."""
+  if verify not in VERIFY_LEVELS:
+    raise ValueError(f"verify must be one of {VERIFY_LEVELS}, not {verify!r}")
+  where = epath.Path(data_dir) / meta.read_from
+  if split not in meta.splits:
+    raise ManifestError(f"split {split!r} not in {where}; it has {sorted(meta.splits)}")
+  s = meta.splits[split]
+  total = sum(sh.num_records for sh in s.shards)
+  if s.num_records != total:
+    raise ManifestError(
+      f"{where}: split {split!r} says {s.num_records} records but its shards hold {total}"
+    )
+  paths = [epath.Path(data_dir) / sh.file for sh in s.shards]
+  pins = []
+  if verify == "none":  # but never a FIFO or device a reader would block on (local: one stat)
+    for path in paths:
+      pinned = None
+      if _is_local(path):
+        with contextlib.suppress(FileNotFoundError):  # missing: the reader says so at open
+          if not (pinned := _look(path)[1]):
+            raise ManifestError(f"shard {path} is not a regular file")
+      pins.append(pinned)
+    return paths, pins
+  for path, sh in zip(paths, s.shards):
+    try:
+      size, pinned, crc = _look(path)
+    except FileNotFoundError:
+      raise ManifestError(f"shard {path} is missing") from None
+    if size is None:
+      raise ManifestError(f"shard {path} is not a regular file")
+    if sh.bytes is not None and size != sh.bytes:
+      raise ManifestError(
+        f"shard {path} has {size} bytes, {where} says {sh.bytes}: it changed after conversion"
+      )
+    if crc is not None and sh.crc32c is not None and crc != sh.crc32c:
+      raise ManifestError(
+        f"shard {path} has crc32c {crc}, {where} says {sh.crc32c}: it changed after conversion"
+      )
+    if verify == "sha256" and not sh.sha256:
+      raise ManifestError(f"{where} records no sha256 of {path.name}: use verify='size'")
+    if verify == "sha256" and (digest := _sha256(path)) != sh.sha256:
+      raise ManifestError(
+        f"shard {path} has sha256 {digest[:12]}..., {where} says "
+        f"{sh.sha256[:12]}...: it changed after conversion"
+      )
+    pins.append(pinned)
+  return paths, pins
+
+
+def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -> list[epath.Path]:
+  """The split's shard paths after checking them against the manifest, for a reader to open.
+
+  Always: the split exists and its `num_records` is the sum of its shards' counts.
+  verify="size" (cheap: one stat, or for gs:// one metadata request, per shard): each shard is
+  a regular file of the recorded size (manifests without sizes skip the size check), and a
+  gs:// object has the recorded CRC32C; "sha256": also its full digest; "none": no per-file
+  checks but, where local, that each is a regular file (a reader would block forever on a
+  FIFO). Raises `ManifestError` naming the file.
+  """
+  return _checked(data_dir, meta, split, verify)[0]
+
+
+def pin(path) -> tuple | None:
+  """What identifies the shard at `path` now, without reading it: local files (device, inode,
+  size, mtime), one stat; gs:// objects ("gs", generation, size), one metadata request; None
+  where neither is known (gs:// without gcsfs)."""
+  return _look(path)[1]
+
+
+def cache_key(pinned: tuple | None) -> str:
+  """The part of a pin that names the shard's content across restarts and remounts (not the
+  inode, which gcsfuse numbers anew per mount): what record cache entries are tied to."""
+  if pinned is None:
+    return "unpinned"
+  return f"gs:{pinned[1]}" if pinned[0] == "gs" else f"{pinned[2]}:{pinned[3]}"
+
+
+def check_pinned(path, pinned: tuple | None) -> None:
+  """Refuses a shard that is no longer the file pinned when the dataset was opened.
+
+  Call it just after opening the shard: files are replaced by rename (objects by a new
+  generation), so if the path is still the pinned one then, the reader opened the pinned file.
+  Raises `ShardReplacedError` (an OSError, as readers report a file that went away).
+  """
+  if pinned is None:
+    return
+  try:
+    now = pin(path)
+  except FileNotFoundError:
+    now = None
+  if now != tuple(pinned):
+    raise ShardReplacedError(
+      f"shard {path} was replaced after this dataset was opened (a conversion with "
+      "--overwrite, an object written again?): open the dataset again to read the new one"
+    )
+
+
+def pinned_shards(data_dir, meta: Manifest, split: str, verify: str = "size"):
+  """`checked_shards`, plus each shard's `pin`, taken while `meta` is still the manifest in
+  `data_dir` (a conversion swaps shards in only after removing or replacing it)."""
+  paths, pins = _checked(data_dir, meta, split, verify)
+  try:
+    still = load(data_dir) == meta
+  except (FileNotFoundError, ManifestError):
+    still = False
+  if not still:
+    raise ManifestError(
+      f"{epath.Path(data_dir) / FILENAME} changed while the dataset was being opened "
+      "(a conversion into it?): open it again"
+    )
+  return paths, pins

@@ -1,0 +1,183 @@
+"""Elastic states: a train stream's position as a global record count, which any process
+count continues from.
+
+Under global sharding (`pipeline.order.sampling`) batch k of every process together holds global
+positions [k*G, (k+1)*G), G = shard_count * batch_size. A state's "position" is k*G; set into
+m processes with batch b' it is batch k' = k*G / (m*b') of each of them: the same global
+batches from there on, whatever m is (the state of any process of the saving run will do).
+Owned shards (`sharding="shards"`), padded eval streams and the block order (each process
+its own blocks) order records per process count: their states resume on the same count only.
+A position means the same records only over the same shard list (names, record counts, order):
+a state names it (`shard_list`), and one of another list is refused; a state saved before
+states named it resumes with a warning.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+
+from absl import logging
+
+LAYOUT = ("shard_index", "shard_count", "batch_size")  # what may change between runs
+PER_COUNT = (  # stream tags whose order depends on the process count: (key, what, what does not)
+  ("sharding", "owned shards (sharding='shards')", "sharding='records', the default,"),
+  ("remainder", "a padded eval stream", "sharding='records', the default,"),
+  ("order", "the block order (each process reads its own blocks)", "order='global'"),
+)
+OWN_CHECKS = ("shards", "order")  # checked apart from the rest, each refused with its own fix
+
+
+class StateError(ValueError):
+  """An iterator state that does not belong to this dataset; `passes`: the make_dataset
+  keywords (and values) the message says to pass."""
+
+  def __init__(self, message: str, passes: dict | None = None):
+    super().__init__(message)
+    self.passes = passes or {}
+
+
+def shard_list(shards: list[tuple[str, int]]) -> dict:
+  """The stream tag of a split's (shard file name, records) list: its length and digests of
+  it in order and as a set (a reordered list keeps the set's)."""
+
+  def digest(items) -> str:
+    return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
+
+  listed = [[name, count] for name, count in shards]
+  return {"count": len(listed), "order": digest(listed), "set": digest(sorted(listed))}
+
+
+def global_batch(stream: dict) -> int:
+  """Records in one step's batches of all processes together."""
+  return stream["shard_count"] * stream["batch_size"]
+
+
+def batches_done(inner: dict) -> int:
+  """The batches a Grain chain's state has yielded: a thread-prefetch state
+  ({"next_index"}) or a worker-process one (the workers' round-robin interleave)."""
+  if set(inner) == {"next_index"}:
+    return inner["next_index"]
+  return sum(s["next_index"] for s in inner["iterators_in_use_states"])
+
+
+def at_batch(template: dict, k: int) -> dict:
+  """`template`, a fresh state of this chain, moved to batch `k` (the inverse of
+  `batches_done`: worker w of W yields batches w, w + W, ...)."""
+  if set(template) == {"next_index"}:
+    return {"next_index": k}
+  workers = len(template["iterators_in_use_states"])
+  return {
+    **template,
+    "next_index_in_cycle": k % workers,
+    "iterators_in_use_states": [
+      {"next_index": max(0, (k - w + workers - 1) // workers)} for w in range(workers)
+    ],
+  }
+
+
+def resize(state: dict, stream: dict, template: dict) -> dict:
+  """The inner state that continues `state` (saved with stream tag `state["stream"]`, maybe on
+  another process count or batch size) in the stream tagged `stream`; `template` is this
+  chain's own state. Raises StateError, in one line, where it cannot."""
+  saved = state.get("stream") or {}
+  inner = {k: v for k, v in state.items() if k not in ("stream", "skipped", "position")}
+  order = {k: v for k, v in stream.items() if k not in LAYOUT + OWN_CHECKS}
+  if {k: v for k, v in saved.items() if k not in LAYOUT + OWN_CHECKS} != order or not saved:
+    diff = ", ".join(
+      f"{k} {saved.get(k)} in the state, {v} here" for k, v in order.items() if saved.get(k) != v
+    )
+    raise StateError(
+      f"iterator state of another stream ({diff or saved}): resume with the same seed, "
+      "sharding, train/eval and dataset"
+    )
+  _check_shards(saved, stream)
+  same = all(saved[k] == stream[k] for k in ("shard_count", "batch_size"))
+  was = f"{saved['shard_count']} process(es) x batch {saved['batch_size']}"
+  now = f"{stream['shard_count']} x {stream['batch_size']}"
+  for key, what, keep in PER_COUNT:
+    if not same and key in stream and key in saved:
+      raise StateError(
+        f"iterator state of {what} saved on {was} cannot continue on {now}: its order "
+        f"depends on the process count; resume on {saved['shard_count']} process(es) with "
+        f"batch {saved['batch_size']} ({keep} continues on any count)"
+      )
+  _check_order(saved, stream)
+  if same:
+    return inner  # every process is at the same batch: any process's state will do
+  if "position" not in state:
+    raise StateError(
+      f"iterator state saved on {was} has no global position (an older pipeline's): resume "
+      f"it on {saved['shard_count']} process(es) with batch {saved['batch_size']}"
+    )
+  position, size = state["position"], global_batch(stream)
+  if position % size:
+    raise StateError(
+      f"iterator state at global position {position} (saved on {was}) cannot continue on "
+      f"{now}: {position} is not a multiple of the global batch {size}; keep the global "
+      f"batch {global_batch(saved)}"
+    )
+  return at_batch(template, position // size)
+
+
+def _check_shards(saved: dict, stream: dict) -> None:
+  """Raises StateError unless the state was saved over this stream's shard list."""
+  was, now = saved.get("shards"), stream["shards"]
+  if was is None:
+    logging.warning(
+      "iterator state saved before states named their shard list: resumed as is, which "
+      "repeats and skips records unless the split's shards are the ones it was saved with"
+    )
+    return
+  if was == now:
+    return
+  if not isinstance(was, dict) or set(was) != set(now):
+    raise StateError(f"iterator state: 'shards' is no shard list, got {was!r:.80}")
+  if was["count"] != now["count"]:
+    what = f"{was['count']} shard(s) in the state, {now['count']} here"
+  elif was["set"] == now["set"]:
+    what = f"the same {now['count']} shards in another order"
+  else:
+    what = f"{now['count']} shards, other names or record counts"
+  raise StateError(
+    f"iterator state of another shard list ({what}): its positions are records of the "
+    "shards it was saved with; keep their list (the manifest's, in its order) or start "
+    "without the state"
+  )
+
+
+def _check_order(saved: dict, stream: dict) -> None:
+  """Raises StateError, naming the keywords that continue it, unless the state was saved
+  in this stream's order (global, or blocks of the same size and windows)."""
+  was, now = saved.get("order"), stream.get("order")
+  if was == now:
+    return
+  if was is None or now is None:
+    name, other = ("blocks", "global") if was else ("global", "blocks")
+    raise StateError(
+      f"iterator state of order={name!r} cannot continue in order={other!r}: pass order={name!r}",
+      {"order": name},
+    )
+  (records, window), (records_now, window_now) = _blocks_of(was), _blocks_of(now)
+  passes = {"block_records": records} if records != records_now else {}
+  passes.update({"window_blocks": window} if window != window_now else {})
+  if not passes:  # the same blocks and windows, dealt out as an earlier version did
+    raise StateError(
+      f"iterator state of an earlier block order (order {was} in the state, {now} here): its "
+      "positions are that order's records; start without the state"
+    )
+  fix = "pass " + " and ".join(f"{k}={v!r}" for k, v in passes.items())
+  batch, batch_now = global_batch(saved), global_batch(stream)
+  raise StateError(
+    f"iterator state of order='blocks' in blocks of {records} records and windows of "
+    f"{window} blocks (global batch {batch}) cannot continue in blocks of {records_now} and "
+    f"windows of {window_now} (global batch {batch_now}): {fix}",
+    passes,
+  )
+
+
+def _blocks_of(order: str) -> tuple[int, int]:
+  """(block_records, window_blocks) of a stream's "order" tag."""
+  records, window = re.findall(r"\d+", order)
+  return int(records), int(window)

@@ -1,0 +1,232 @@
+"""What each stage of a stream did, in every process that runs it: `iterator.stats()`.
+
+A `Recorder` belongs to one stream and travels with its stages into Grain's worker processes,
+where it starts again from zero (counters are per process). Each stage adds what it did:
+elements handed on, the seconds its threads were busy and each task's duration (a log2
+histogram, for p50/p99), the seconds its consumer waited for it and how many elements it had
+started then (queue occupancy). Storage counters come from the read stage's `ReadStats`. A
+process's counters ride on every batch it makes (STATS_KEY, a small float64 array, as the skip
+count does), so the main process sees every worker's latest figures without a channel of its
+own; `Stats` turns them into rows and a table. In a process that has imported jax, each task
+is also a profiler trace annotation named `pipeline.STAGE`, with the `_ipl_stage_*` metadata
+Grain gives its own stages, so a `jax.profiler` trace shows the stages beside the steps.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import os
+import sys
+import threading
+import time
+
+import numpy as np
+
+STATS_KEY = "_stats"
+STAGES = ("plan", "read", "decode", "finish", "handoff")
+_ROW = {stage: row for row, stage in enumerate(STAGES)}
+_CATEGORIES = {"read": "read", "handoff": "prefetch"}  # Grain's; the rest "preprocessing"
+BINS = 40  # task durations in log2 bins of microseconds: 1 us .. ~6 days
+_COUNTS = ("items", "busy_s", "tasks", "wait_s", "waits", "started", "queues")  # then BINS
+STORAGE = ("requests", "request_bytes", "request_records", "retries", "reads", "cached")
+_HEAD = 2  # the array's first row: pid, seconds since the recorder's start, storage counters
+
+
+class Recorder:
+  """One stream's counters in this process (thread-safe; made anew when unpickled). It holds
+  no stage: stages hold it, and a cycle would keep their thread pools alive until a GC."""
+
+  def __init__(self):
+    self._reset()
+
+  def _reset(self):
+    self._lock = threading.Lock()
+    self._counts = [[0.0] * (len(_COUNTS) + BINS) for _ in STAGES]
+    self._start = time.perf_counter()
+
+  def __getstate__(self):
+    return {}
+
+  def __setstate__(self, state):
+    self._reset()
+
+  def task(self, stage: str, seconds: float, items: int = 0) -> None:
+    """A task of `stage` ran `seconds` on one of its threads (`items`: elements it finished)."""
+    b = len(_COUNTS) + min(int(math.log2(max(seconds * 1e6, 1.0))), BINS - 1)
+    c = self._counts[_ROW[stage]]
+    with self._lock:
+      c[0] += items
+      c[1] += seconds
+      c[2] += 1
+      c[b] += 1
+
+  def handed(self, stage: str, waited_s: float, started: int | None = None) -> None:
+    """`stage` handed on an element after its consumer waited `waited_s`, with `started`
+    elements in its queue (None: a queue it does not see)."""
+    c = self._counts[_ROW[stage]]
+    with self._lock:
+      c[0] += 1
+      c[3] += waited_s
+      c[4] += 1
+      if started is not None:
+        c[5] += started
+        c[6] += 1
+
+  def snapshot(self, read=None) -> np.ndarray:
+    """This process's counters as one array (STATS_KEY's value), with the storage counters
+    of `read` (the read stage, `pipeline.stages.read.ReadRecords`) when given."""
+    out = np.zeros((_HEAD + len(STAGES), len(_COUNTS) + BINS))
+    out[0, :2] = os.getpid(), time.perf_counter() - self._start
+    if read is not None:
+      s = read.stats
+      out[1, : len(STORAGE)] = [getattr(s, name) for name in STORAGE]
+    with self._lock:
+      out[_HEAD:] = self._counts
+    return out
+
+
+def annotation(stage: str):
+  """A profiler trace annotation for a task of `stage` (none where jax is not imported: a
+  worker process, which the profiler does not trace)."""
+  jax = sys.modules.get("jax")
+  if jax is None:
+    return contextlib.nullcontext()
+  return jax.profiler.TraceAnnotation(
+    f"pipeline.{stage}",
+    _ipl_stage_name=stage,
+    _ipl_stage_cat=_CATEGORIES.get(stage, "preprocessing"),
+  )
+
+
+class Timed:
+  """A map step (`fn`) timed as `stage`; with `read` (the read stage), its output carries
+  this process's snapshot."""
+
+  def __init__(self, fn, recorder: Recorder, stage: str, read=None):
+    self.fn, self.recorder, self.stage, self.read = fn, recorder, stage, read
+
+  def __call__(self, element):
+    t = time.perf_counter()
+    with annotation(self.stage):
+      out = self.fn(element)
+    self.recorder.task(self.stage, time.perf_counter() - t, 1)
+    if self.read is not None:
+      out[STATS_KEY] = self.recorder.snapshot(self.read)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Row:
+  """One stage in one process. `busy`: its threads' busy seconds per second (threads kept
+  busy); `wait_share`: of the seconds since the start, those its consumer waited for it;
+  `queued`: elements it had started, on average, when one was asked for (None: not seen)."""
+
+  process: str
+  stage: str
+  items: int
+  items_per_s: float
+  busy: float
+  wait_share: float
+  queued: float | None
+  p50_ms: float
+  p99_ms: float
+
+
+@dataclasses.dataclass(frozen=True)
+class Storage:
+  """Storage requests of every process together."""
+
+  requests: int
+  request_bytes: int
+  request_records: int
+  requests_per_s: float
+  kb_per_request: float
+  images_per_request: float
+  retries: int
+  reads: int
+  cached: int
+
+
+@dataclasses.dataclass(frozen=True)
+class Stats:
+  """`iterator.stats()`: a row per stage and process (the main process first), and storage."""
+
+  rows: tuple[Row, ...]
+  storage: Storage
+
+  def table(self) -> str:
+    """The rows as a fixed-width table, storage on the last line."""
+    lines = [
+      f"{'process':<20}{'stage':<9}{'items':>8}{'items/s':>9}{'busy':>6}{'wait':>7}"
+      f"{'queued':>7}{'p50 ms':>8}{'p99 ms':>8}"
+    ]
+    for r in self.rows:
+      lines.append(
+        f"{r.process:<20}{r.stage:<9}{r.items:>8}{r.items_per_s:>9.1f}{r.busy:>6.2f}"
+        f"{r.wait_share:>6.0%} {'-' if r.queued is None else f'{r.queued:.1f}':>6}"
+        f"{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}"
+      )
+    s = self.storage
+    lines.append(
+      f"storage: {s.requests} requests ({s.requests_per_s:.0f}/s), {s.kb_per_request:.0f} KB "
+      f"and {s.images_per_request:.1f} images each, {s.retries} retries; {s.reads} records "
+      f"read, {s.cached} from the record cache"
+    )
+    return "\n".join(lines)
+
+
+def collect(snapshots: dict[int, np.ndarray], main_pid: int) -> Stats:
+  """`Stats` of the latest snapshot of each process (keyed by pid)."""
+  rows, storage = [], np.zeros(len(STORAGE))
+  seconds = 0.0
+  order = sorted(snapshots, key=lambda pid: (pid != main_pid, pid))
+  for n, pid in enumerate(order):
+    snap = snapshots[pid]
+    elapsed = max(float(snap[0, 1]), 1e-9)
+    seconds = max(seconds, elapsed)
+    storage += snap[1, : len(STORAGE)]
+    name = "main" if pid == main_pid else f"worker {n - (main_pid in snapshots)}"
+    for stage, c in zip(STAGES, snap[_HEAD:]):
+      if c[0] or c[2] or c[4]:
+        rows.append(_row(f"{name} ({pid})", stage, c, elapsed))
+  requests, request_bytes, request_records, retries, reads, cached = storage.tolist()
+  return Stats(
+    tuple(rows),
+    Storage(
+      requests=int(requests),
+      request_bytes=int(request_bytes),
+      request_records=int(request_records),
+      requests_per_s=float(requests / max(seconds, 1e-9)),
+      kb_per_request=float(request_bytes / 1e3 / max(requests, 1)),
+      images_per_request=float(request_records / max(requests, 1)),
+      retries=int(retries),
+      reads=int(reads),
+      cached=int(cached),
+    ),
+  )
+
+
+def _row(process: str, stage: str, c: np.ndarray, elapsed: float) -> Row:
+  hist = c[len(_COUNTS) :]
+  return Row(
+    process=process,
+    stage=stage,
+    items=int(c[0]),
+    items_per_s=float(c[0] / elapsed),
+    busy=float(c[1] / elapsed),
+    wait_share=float(c[3] / elapsed),
+    queued=float(c[5] / c[6]) if c[6] else None,
+    p50_ms=_quantile(hist, 0.5),
+    p99_ms=_quantile(hist, 0.99),
+  )
+
+
+def _quantile(hist: np.ndarray, q: float) -> float:
+  """The `q` quantile of durations in log2 bins of microseconds, in ms (a bin's middle)."""
+  total = hist.sum()
+  if not total:
+    return 0.0
+  k = int(np.searchsorted(np.cumsum(hist), q * total))
+  return float(2 ** (k + 0.5) / 1e3)

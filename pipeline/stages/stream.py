@@ -1,0 +1,176 @@
+"""The outermost iterator of `make_dataset`: a state you can trust, and the skip count.
+
+A state is a batch position, tagged with the stream it indexes (seed, dataset and its shard
+list, order, layout) and with its global position: a state of another stream is refused,
+and a train stream's state continues on another process count or batch size at the same
+global position (`pipeline.order.elastic`), or is refused in one line where it cannot. A state
+that went through a pytree checkpoint comes back with 0-d numpy arrays for its integers
+(which Grain accepts and then mis-counts), so states are normalized to plain Python values
+and checked against the shape of this iterator's own state before Grain sees them. The number
+of records skipped under `on_error="skip"` travels with each batch (also out of worker
+processes) and is summed here: `iterator.skipped`, and `get_state()["skipped"]`. So do the
+counters of the process that made it (`pipeline.stages.stats`): `iterator.stats()` holds every
+process's latest.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+from typing import Any
+
+import grain
+import numpy as np
+
+from pipeline.host import lifecycle
+from pipeline.order import elastic
+from pipeline.order.elastic import StateError
+from pipeline.order.sampling import Sampler
+from pipeline.spec import Spec
+from pipeline.stages import stats
+from pipeline.stages.finish import SKIPPED_KEY
+
+__all__ = ["StateError", "StreamIterDataset", "describe", "plain", "stats_of"]
+
+
+def describe(spec: Spec, sampler: Sampler, shards: list) -> dict:
+  """The stream a state indexes, which it is checked against when restored: the process's
+  slice, seed, batch size, the split's records and `shards`, and what changes the order."""
+  stream = {
+    "shard_index": sampler.shard_index,
+    "shard_count": sampler.shard_count,
+    "seed": spec.seed,
+    "batch_size": spec.batch_size,
+    "num_records": sampler.num_records,
+    "shards": elastic.shard_list([(s.file, s.num_records) for s in shards]),
+  }
+  if spec.sharding != "records":
+    stream["sharding"] = spec.sharding
+  if not spec.train:  # padded per epoch: the order depends on shard_count (pipeline.order.elastic)
+    stream["remainder"] = "pad"
+  if sampler.blocks is not None:
+    b = sampler.blocks
+    stream["order"] = (
+      f"blocks of {b.block_records}, each process its own, in rounds over windows of "
+      f"{b.window_blocks}"
+    )
+  return stream
+
+
+class StreamIterDataset(grain.IterDataset):
+  """Passes batches through; tags, validates and restores iterator states; keeps each
+  process's stage counters (`recorder`: this process's; `read`: its read stage, for storage's),
+  printed every `stats_every_s`."""
+
+  def __init__(
+    self,
+    parent: grain.IterDataset,
+    stream: dict,
+    recorder: stats.Recorder | None = None,
+    stats_every_s: float | None = None,
+    read=None,
+  ):
+    super().__init__(parent)
+    self._stream, self._recorder, self._every, self._read = stream, recorder, stats_every_s, read
+
+  def __iter__(self) -> grain.DatasetIterator:
+    recorder = self._recorder or stats.Recorder()
+    parent = self._parent.__iter__()
+    return StreamIterator(parent, self._stream, recorder, self._every, self._read)
+
+  def __str__(self) -> str:
+    return "StreamIterDataset"
+
+
+class StreamIterator(grain.DatasetIterator):
+  def __init__(self, parent, stream: dict, recorder: stats.Recorder, every_s, read=None):
+    super().__init__(parent)
+    self._stream, self._recorder, self._every, self._read = stream, recorder, every_s, read
+    self._snapshots: dict[int, np.ndarray] = {}  # pid -> the latest counters of that process
+    self._printed = time.monotonic()
+    self.skipped = 0
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    t = time.perf_counter()
+    with stats.annotation("handoff"):
+      batch = next(self._parent)
+    self._recorder.handed("handoff", time.perf_counter() - t)
+    self.skipped += int(batch.pop(SKIPPED_KEY))
+    snapshot = batch.pop(stats.STATS_KEY, None)
+    if snapshot is not None:
+      self._snapshots[int(snapshot[0, 0])] = snapshot
+    if self._every and time.monotonic() - self._printed >= self._every:
+      self._printed = time.monotonic()
+      print(f"pipeline stats:\n{self.stats().table()}", file=sys.stderr, flush=True)
+    return batch
+
+  def stats(self) -> stats.Stats:
+    """Each stage's figures in this process and in every worker process, and storage's."""
+    main = os.getpid()
+    return stats.collect({**self._snapshots, main: self._recorder.snapshot(self._read)}, main)
+
+  def get_state(self) -> dict:
+    inner = self._parent.get_state()
+    position = elastic.batches_done(inner) * elastic.global_batch(self._stream)
+    return {**inner, "stream": self._stream, "skipped": self.skipped, "position": position}
+
+  def set_state(self, state: dict) -> None:
+    state = plain(state)
+    if not isinstance(state, dict):
+      raise StateError(f"an iterator state is a dict, not {type(state).__name__}")
+    position = state.get("position", 0)
+    if not isinstance(position, int) or position < 0:
+      raise StateError(f"iterator state: 'position' must be a count, got {position!r}")
+    template = self._parent.get_state()
+    inner = elastic.resize(state, self._stream, template)
+    skipped = state.get("skipped", 0)
+    if not isinstance(skipped, int) or skipped < 0:
+      raise StateError(f"iterator state: 'skipped' must be a count, got {skipped!r}")
+    _check_like(inner, template, "state")
+    self._parent.set_state(inner)
+    self.skipped = skipped
+
+
+def stats_of(it: grain.DatasetIterator) -> stats.Stats:
+  """`stats()` of the `make_dataset` stream `it` holds (a `device_prefetch` iterator, say)."""
+  streams = [x for x in lifecycle.iterators(it) if isinstance(x, StreamIterator)]
+  if not streams:
+    raise ValueError(f"{it} holds no make_dataset stream: it has no stage stats")
+  return streams[0].stats()
+
+
+def plain(value: Any) -> Any:
+  """`value` with numpy scalars and 0-d arrays as Python values, arrays as lists."""
+  if isinstance(value, dict):
+    return {plain(k): plain(v) for k, v in value.items()}
+  if isinstance(value, (list, tuple)):
+    return [plain(v) for v in value]
+  if isinstance(value, (np.ndarray, np.generic)):
+    return plain(value.tolist())
+  return value
+
+
+def _check_like(value: Any, template: Any, where: str) -> None:
+  """Raises StateError unless `value` has the keys and value kinds of `template`."""
+  if isinstance(template, dict):
+    if not isinstance(value, dict):
+      raise StateError(f"iterator {where} must be a dict, got {value!r:.80}")
+    if template and set(value) != set(template):
+      raise StateError(
+        f"iterator {where} has keys {sorted(map(str, value))}, this dataset's "
+        f"states have {sorted(map(str, template))}"
+      )
+    for k in value:
+      _check_like(value[k], template.get(k, value[k]), f"{where}[{k!r}]")
+  elif isinstance(template, list):
+    if not isinstance(value, list):
+      raise StateError(f"iterator {where} must be a list, got {value!r:.80}")
+    for k, v in enumerate(value):
+      _check_like(v, template[k] if k < len(template) else v, f"{where}[{k}]")
+  elif isinstance(template, bool) or isinstance(value, bool):
+    if type(value) is not type(template):
+      raise StateError(f"iterator {where} must be {type(template).__name__}, got {value!r}")
+  elif isinstance(template, int):
+    if not isinstance(value, int) or value < 0:
+      raise StateError(f"iterator {where} must be a non-negative integer, got {value!r:.80}")
