@@ -162,6 +162,22 @@ FLAGS = {  # the flags the tools share; a tool may give another default
 }
 
 
+def numbers(kind: type = int, least: float = 1) -> Callable[[str], list]:
+  """An argparse type: comma-separated numbers of `kind`, none under `least`."""
+  what = "positive integers" if (kind, least) == (int, 1) else f"numbers >= {least:g}"
+
+  def parse(text: str) -> list:
+    try:
+      values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+      values = []
+    if not values or min(values) < least:
+      raise argparse.ArgumentTypeError(f"takes comma-separated {what}, e.g. 1,16: {text!r}")
+    return values
+
+  return parse
+
+
 def parser(
   command: str, doc: str, *flags: str, data_dir: str | None = DATA_DIR, **defaults
 ) -> argparse.ArgumentParser:

@@ -614,29 +614,28 @@ def _fail(message: str, code: int = 2):
   sys.exit(code)
 
 
-def _ints(text: str) -> list[int]:
-  values = [int(x) for x in text.split(",") if x.strip()]
-  if not values or min(values) < 1:
-    raise ValueError
-  return values
-
-
 def parser() -> argparse.ArgumentParser:
   p = measure.parser(
     "scaling", __doc__, "split", "batch_size", "image_size", "seconds", "json", data_dir=None
   )
   p.add_argument("data_dir", nargs="?", help=measure.DATA_DIR)
-  p.add_argument("--threads", default="1,2,4,8,16,32", help="thread counts of the ceiling")
+  p.add_argument(
+    "--threads",
+    type=measure.numbers(),
+    default="1,2,4,8,16,32",
+    help="thread counts of the ceiling",
+  )
   p.add_argument("--workers", type=int, default=2, help="worker processes of step 4")
   p.add_argument("--worker-threads", type=int, default=2, help="their decode threads")
   p.add_argument(
     "--cores",
+    type=measure.numbers(),
     default="2,8,24,96,112,224",
     help="host core counts to project (TPU v5e VMs: 24, 112, 224)",
   )
   p.add_argument(
     "--host-batch",
-    default="",
+    type=measure.numbers(),
     help="per-process batch sizes to project, e.g. 128,1024 (default: "
     "--batch-size); the main process's Python per batch spreads over it",
   )
@@ -690,13 +689,7 @@ def main(argv: list[str]) -> dict:
     return {}
   if not args.data_dir:
     p.error("give DATA_DIR, a converted dataset")
-  try:
-    threads, cores = _ints(args.threads), _ints(args.cores)
-    host_batches = _ints(args.host_batch) if args.host_batch else [args.batch_size]
-  except ValueError:
-    p.error(
-      "--threads, --cores and --host-batch take comma-separated positive integers, e.g. 96,224"
-    )
+  host_batches = args.host_batch or [args.batch_size]
   if (
     min(args.workers, args.worker_threads, args.batch_size, args.repeat, args.threads_per_core) < 1
     or args.seconds <= 0
@@ -722,7 +715,7 @@ def main(argv: list[str]) -> dict:
   try:
     result = measure_costs(
       spec,
-      threads,
+      args.threads,
       args.workers,
       args.worker_threads,
       args.py_spy,
@@ -738,7 +731,7 @@ def main(argv: list[str]) -> dict:
   costs = parallelism.Costs(**result["costs"])
   result["hosts"] = hosts(
     costs,
-    cores,
+    args.cores,
     args.batch_size,
     host_batches,
     args.image_size,

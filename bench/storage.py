@@ -337,25 +337,13 @@ def table(rows: list[dict], latencies, loaders) -> str:
   return "\n".join(lines)
 
 
-def _latencies(text: str) -> list[float]:
-  try:
-    values = [float(x) for x in text.split(",") if x.strip()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-      f"expected milliseconds like 0,5,20,50, got {text!r}"
-    ) from None
-  if not values or min(values) < 0:
-    raise argparse.ArgumentTypeError(f"latencies must be >= 0 ms, got {text!r}")
-  return values
-
-
 def parser() -> argparse.ArgumentParser:
   p = measure.parser(
     "storage", __doc__, "split", "rounds", "batches", "batch_size", "json", batches=12
   )
   p.add_argument(
     "--latency-ms",
-    type=_latencies,
+    type=measure.numbers(float, 0),
     default=[0.0, 5.0, 20.0, 50.0],
     help="per read request, comma-separated (default 0,5,20,50); local disk is added",
   )
