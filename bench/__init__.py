@@ -12,7 +12,7 @@ def missing_extra(kind, error, tb, hook=sys.excepthook) -> None:
   """`sys.excepthook` for the tools: an uncaught ModuleNotFoundError of a module that one of
   the project's extras brings is one line naming the command and the extra; anything else
   goes to the previous hook."""
-  from pipeline import extras
+  from pipeline.host import extras
 
   main = getattr(sys.modules.get("__main__"), "__spec__", None)
   what = "python -m " + main.name.removesuffix(".__main__") if main else "this tool"

@@ -30,7 +30,7 @@ import tqdm
 from matplotlib import figure
 
 from bench import ceiling, layout, measure, scaling
-from pipeline import manifest as manifest_lib
+from pipeline.catalog import manifest as manifest_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -76,12 +76,9 @@ class Step:
 
 def _flags(args, **values) -> list[str]:
   """`--name value` options; a (full, quick) pair gives the value by --quick."""
-  flags = []
-  for name, value in values.items():
-    if isinstance(value, tuple):
-      value = value[args.quick]
-    flags += [f"--{name.replace('_', '-')}", str(value)]
-  return flags
+  return measure.flags(
+    **{k: v[args.quick] if isinstance(v, tuple) else v for k, v in values.items()}
+  )
 
 
 # ---------------------------------------------------------------- sections

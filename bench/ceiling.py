@@ -10,7 +10,6 @@ Two bindings of libjpeg-turbo are timed (ours and simplejpeg); the faster sets t
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import os
 import sys
@@ -23,9 +22,10 @@ import simplejpeg
 import tqdm
 
 from bench import measure
-from pipeline import decode, records
-from pipeline import manifest as manifest_lib
-from pipeline.parallelism import available_cores
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.catalog import records
+from pipeline.host.parallelism import available_cores
+from pipeline.image import decode
 
 SCALES = (1, 2)
 
@@ -47,7 +47,7 @@ def load_jpegs(data_dir: str, split: str, limit: int | None) -> list[bytes]:
 def decoders() -> dict[str, Callable[[bytes, tuple[int, int], int], np.ndarray]]:
   """name -> fn(jpeg, (h, w), scale) returning the image decoded at 1/scale."""
   return {
-    "pipeline._jpeg": lambda d, hw, s: decode.decode_crop(d, (0, 0, *hw), s),
+    "pipeline.image._jpeg": lambda d, hw, s: decode.decode_crop(d, (0, 0, *hw), s),
     "simplejpeg": lambda d, hw, s: simplejpeg.decode_jpeg(
       d, colorspace="RGB", min_height=hw[0] // s, min_width=hw[1] // s
     ),
@@ -114,29 +114,18 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str]) -> dict:
-  p = argparse.ArgumentParser(
-    prog="python -m bench ceiling",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  p.add_argument("data_dir", help="a converted dataset (manifest.json + shards)")
-  p.add_argument("--split", default="train")
+  p = measure.parser("ceiling", __doc__, "split", "threads", "repeats", "json")
   p.add_argument("--images", type=int, default=400, help="JPEGs decoded per run")
-  p.add_argument("--threads", type=int, default=None, help="threads (default: one per core)")
-  p.add_argument("--repeats", type=int, default=2, help="runs per row; the best counts")
-  p.add_argument("--json", help="write the figures to this file")
   args = p.parse_args(argv)
   jpegs = load_jpegs(args.data_dir, args.split, args.images)
   result = measure_ceiling(jpegs, args.threads or available_cores(), args.repeats)
-  result.update(machine=measure.machine(), command="python -m bench ceiling " + " ".join(argv))
+  measure.finish(p, args, argv, result)
   print(table(result))
   print(
     f"ceiling ({result['threads']} threads): "
     + ", ".join(f"{k} {v:.0f} img/s" for k, v in result["ceiling_images_per_sec"].items())
     + f"   [{result['machine']}]"
   )
-  if args.json:
-    measure.write_json(args.json, result)
   return result
 
 

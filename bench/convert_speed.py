@@ -11,7 +11,6 @@ shards than workers each worker writes whole shards), timed with one worker and 
 
 from __future__ import annotations
 
-import argparse
 import io
 import os
 import tempfile
@@ -21,8 +20,8 @@ import psutil
 from PIL import Image
 
 from bench import measure
-from pipeline import manifest as manifest_lib
-from pipeline import records
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.catalog import records
 from pipeline.convert import images, shards
 
 
@@ -78,11 +77,7 @@ def _timed(run) -> tuple[float, float, int]:
 
 
 def main(argv: list[str]) -> dict:
-  p = argparse.ArgumentParser(
-    prog="python -m bench convert",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
+  p = measure.parser("convert", __doc__, "repeats", "json", data_dir=None)
   p.add_argument("src", help="image folder SRC/CLASS/IMAGE, or a converted dataset folder")
   p.add_argument(
     "--workers",
@@ -90,14 +85,12 @@ def main(argv: list[str]) -> dict:
     default=os.cpu_count(),
     help="worker processes for ours (default: all cores)",
   )
-  p.add_argument("--repeats", type=int, default=2, help="runs per contender; best is kept")
   p.add_argument(
     "--shard-size-mb",
     type=float,
     default=8,
     help="default 8 (as `make data`): more shards than workers, as for ImageNet",
   )
-  p.add_argument("--json", help="also write the figures to this file")
   args = p.parse_args(argv)
   src = _source(args.src)
   by_class, _ = images.scan(src)
@@ -151,17 +144,8 @@ def main(argv: list[str]) -> dict:
       f"{base['seconds'] / r['seconds']:.2f}x | {r['cpu_seconds']:.2f} | "
       f"{r['images_per_cpu_s']:.0f} |"
     )
-  result = {
-    "source": src,
-    "images": len(paths),
-    "bytes": total_bytes,
-    "workers": args.workers,
-    "machine": measure.machine(),
-    "rows": rows,
-  }
-  if args.json:
-    measure.write_json(args.json, result)
-  return result
+  result = {"source": src, "images": len(paths), "bytes": total_bytes, "workers": args.workers}
+  return measure.finish(p, args, argv, {**result, "rows": rows})
 
 
 def _count(m: manifest_lib.Manifest) -> int:

@@ -5,7 +5,6 @@ steady-state images/s, first-batch seconds, the ratio, and peak RSS.
 `python -m bench device --help`.
 """
 
-import argparse
 import json
 import resource
 import statistics
@@ -66,7 +65,7 @@ def time_run(ds: grain.IterDataset, batches: int, block, bar: tqdm.tqdm) -> tupl
 
 def main(argv: list[str]) -> None:
   """Parses `argv` (arguments after `device`), runs the comparison, prints the figures."""
-  parser = argparse.ArgumentParser(prog="python -m bench device", description=__doc__)
+  parser = measure.parser("device", __doc__, "batches", "rounds", data_dir=None)
   parser.add_argument(
     "--source",
     choices=("premade", "jpeg"),
@@ -75,8 +74,6 @@ def main(argv: list[str]) -> None:
     "ceiling; jpeg: a 256x256 JPEG decode + crop per image",
   )
   parser.add_argument("--batch", type=int, default=128, help="per-process batch size")
-  parser.add_argument("--batches", type=int, default=20, help="timed batches per run")
-  parser.add_argument("--rounds", type=int, default=3, help="alternating runs of each")
   parser.add_argument("--threads", type=int, default=2, help="host read threads")
   parser.add_argument("--devices", type=int, default=1, help="CPU devices in the mesh")
   parser.add_argument("--depth", type=int, default=2, help="device prefetch depth")

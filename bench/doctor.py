@@ -10,7 +10,7 @@ resize and flip into the batch; wall and CPU ms per image), then runs the whole
 `make_dataset` pipeline for a few seconds (and, with --step-ms, beside a simulated train
 step to measure the input wait), then once more on 16 threads with decode and resize
 replaced by GIL-free waits of their length: the rate where the GIL binds gives the time
-each image holds it ("python"). These costs feed `pipeline.parallelism`'s host model
+each image holds it ("python"). These costs feed `pipeline.host.parallelism`'s host model
 (threads, GIL, cores, worker processes' transfer; see there) plus one limit of the
 loader's own:
 
@@ -43,18 +43,20 @@ from collections.abc import Callable, Iterator
 
 import grain
 import ml_collections
-import numpy as np
 import psutil
 
 import pipeline
+from bench import costs as costs_lib
 from bench import emulate, measure, storage_check, timeline
-from pipeline import augment, dataset, decode, options, parallelism, reads, records
-from pipeline import manifest as manifest_lib
-from pipeline.blocks import BLOCK_RECORDS
-from pipeline.source import ShardedSource
-from pipeline.stats import Stats
+from bench.costs import STAGES, Cost
+from pipeline import dataset, options
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.host import parallelism
+from pipeline.image import decode
+from pipeline.order.blocks import BLOCK_RECORDS
+from pipeline.stages import read as read_lib
+from pipeline.stages.stats import Stats
 
-STAGES = ("read", "parse", "decode", "augment")
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
 LIMITS = ("requests", "cores", "gil", "threads", "prefetch", "main")  # ties: hardware first
 MAX_PREFETCH = 16
@@ -94,25 +96,6 @@ class Settings:
   @property
   def dec(self) -> pipeline.Decoding:
     return options.coerce(pipeline.Decoding, self.decoding)
-
-  def head(self, **change) -> augment.Head:
-    """The loader's per-image head for these settings (train)."""
-    a, p = self.aug, self.dec
-    fields = dict(
-      image_size=self.image_size,
-      area_range=a.area_range,
-      aspect_range=a.aspect_range,
-      flip=a.flip,
-      crop_fraction=a.eval_fraction(self.image_size),
-      bicubic=a.interpolation == "bicubic",
-      dct_scaling=p.dct_scaling,
-      fast_dct=p.fast_dct,
-    )
-    return augment.Head(**{**fields, **change})
-
-  @property
-  def batch_bytes(self) -> int:
-    return self.batch_size * self.image_size**2 * 3
 
   def plan(self, cores: int, memory_bytes: int | None = None) -> parallelism.Plan:
     """The workers x threads `make_dataset` runs with on a host of `cores` cores."""
@@ -160,25 +143,8 @@ class Settings:
 
 
 @dataclasses.dataclass
-class Cost:
-  """Milliseconds per image of one stage run alone on one thread.
-
-  `queued_ms` is time spent runnable but waiting for a CPU (other work on the machine);
-  `active_ms` leaves it out, so a busy machine does not pass for a stage waiting on I/O.
-  """
-
-  wall_ms: float
-  cpu_ms: float
-  queued_ms: float = 0.0
-
-  @property
-  def active_ms(self) -> float:
-    return max(self.cpu_ms, self.wall_ms - self.queued_ms)
-
-
-@dataclasses.dataclass
 class Requests:
-  """The read stage's storage requests over a run's timed part (`pipeline.reads.ReadStats`)."""
+  """The read stage's storage requests over a run's timed part (`stages.read.ReadStats`)."""
 
   made: int
   per_s: float
@@ -252,124 +218,7 @@ class Diagnosis:
   cache_estimate_mb: float
 
 
-# ---------------------------------------------------------------- stage costs
-
-
-def _queued_s() -> float:
-  """Seconds this thread has waited on a run queue (Linux schedstat; 0 where missing)."""
-  try:
-    with open("/proc/thread-self/schedstat") as f:
-      return int(f.read().split()[1]) / 1e9
-  except (OSError, IndexError, ValueError):
-    return 0.0
-
-
-class _Clock:
-  """Accumulates wall, CPU and run-queue time of timed blocks (run alone, so the process's
-  CPU time is this work's, helper threads included)."""
-
-  def __init__(self):
-    self.wall = self.cpu = self.queued = 0.0
-    self.count = 0
-
-  def time(self, fn: Callable, *args):
-    w, c, q = time.perf_counter(), time.process_time(), _queued_s()
-    out = fn(*args)
-    self.wall += time.perf_counter() - w
-    self.cpu += time.process_time() - c
-    self.queued += _queued_s() - q
-    return out
-
-  def cost(self, images: int) -> Cost:
-    return Cost(*(round(x / images * 1e3, 4) for x in (self.wall, self.cpu, self.queued)))
-
-
-def _decode(head: augment.Head, data: bytes, key: int) -> tuple[np.ndarray, int]:
-  """Header, crop window, crop-aware decode; returns the window and its DCT scale."""
-  box = head.box(*decode.image_size(data), key)
-  scale = head.dct_scale(box)
-  return decode.decode_crop(data, box, scale, head.fast_dct), scale
-
-
-def _augment(head: augment.Head, window: np.ndarray, key: int, out: np.ndarray) -> None:
-  """Flip (a view) and resize into the batch slot."""
-  augment.resize(
-    window[:, ::-1] if head.flips(key) else window, head.image_size, out, bicubic=head.bicubic
-  )
-
-
-def measure_costs(s: Settings, sample: int) -> tuple[dict[str, Cost], dict]:
-  """Each stage alone on one thread over `sample` records of the split, read in batches.
-
-  Returns the costs and facts: records, shards, decoded-cache bytes per image and the share
-  of crops that DCT scaling shrinks. With dct_scaling off, "decode_dct" prices turning it
-  on; "cache_fill" and "augment_cached" price the decoded-image cache.
-  """
-  meta = manifest_lib.load(s.data_dir)
-  paths = meta.shard_paths(s.data_dir, s.split)
-  shards = meta.splits[s.split].shards
-  source = ShardedSource(paths, [x.num_records for x in shards])
-  n = min(sample, len(source))
-  indices = np.random.default_rng(s.seed).permutation(len(source))[:n].tolist()
-  keys = s.other.get("keys") or meta.keys
-  dct = s.dec.dct_scaling
-  extra = () if dct else ("decode_dct",)
-  clocks = {name: _Clock() for name in (*STAGES, *extra, "cache_fill", "augment_cached")}
-  source.read(indices[:1])  # open the shards before the clock
-  recs = []
-  for k in range(0, n, s.batch_size):
-    recs += clocks["read"].time(source.read, indices[k : k + s.batch_size])
-  head, head_dct = s.head(), s.head(dct_scaling=True)
-  out = np.empty((s.image_size, s.image_size, 3), np.uint8)
-  side = round(s.image_size / head.crop_fraction)  # the cache's shorter side
-  cache_bytes, scaled = [], 0
-  for k, (index, rec) in enumerate(zip(indices, recs)):
-    key = augment.example_key(s.seed, 0, index)
-    data = clocks["parse"].time(lambda r: records.parse(r, keys)[0], rec)
-    window, scale = clocks["decode"].time(_decode, head, data, key)
-    clocks["augment"].time(_augment, head, window, key, out)
-    if extra:
-      scale = clocks["decode_dct"].time(_decode, head_dct, data, key)[1]
-    scaled += scale > 1
-    if k < 32:  # enough to price the cache without paying a full decode for every image
-      cached = clocks["cache_fill"].time(
-        lambda d: augment.resize_shorter(decode.decode(d), side), data
-      )
-      clocks["augment_cached"].time(head.from_decoded, cached, key, out)
-      cache_bytes.append(cached.nbytes)
-  source.close()
-  costs = {
-    name: c.cost(min(n, 32) if name in ("cache_fill", "augment_cached") else n)
-    for name, c in clocks.items()
-  }
-  return costs, {
-    "num_records": len(source),
-    "num_shards": len(shards),
-    "cache_bytes_per_image": float(np.mean(cache_bytes)),
-    "dct_share": scaled / n,
-  }
-
-
 # ---------------------------------------------------------------- whole pipeline
-
-
-def _same_exe(p: psutil.Process, me: psutil.Process) -> bool:
-  """Whether `p` runs this Python (a worker process, not e.g. a FUSE server we started)."""
-  try:
-    return p.exe() == me.exe()
-  except psutil.Error:
-    return False
-
-
-def _cpu_s(procs) -> float:
-  total = 0.0
-  for p in procs:
-    try:
-      t = p.cpu_times()
-      total += t.user + t.system
-    except psutil.Error:
-      continue
-  return total
 
 
 def measure_run(
@@ -378,21 +227,20 @@ def measure_run(
   step_s: float = 0.0,
   recorder: timeline.Recorder | None = None,
   min_batches: int = 3,
-  read: reads.ReadRecords | None = None,
+  read: read_lib.ReadRecords | None = None,
 ) -> Run:
   """Iterates `ds` for `seconds` after the first batch; sleeps `step_s` per batch if > 0.
   The recorder gets the consumer's view: waiting for batches, train steps. With `read`,
   `ds`'s read stage, the run counts the storage requests of every process (`it.stats()`)."""
   recorder = recorder or timeline.Recorder()
-  me = psutil.Process()
   start = time.perf_counter()
   opened = read.stats.latency_s if read else 0.0  # the latency measured at open
   it: Iterator = iter(ds)
   with recorder.span("wait for batch"):
     next(it)
   first = time.perf_counter()
-  kids = [k for k in me.children(recursive=True) if _same_exe(k, me)]  # worker processes
-  cpu0 = time.process_time() + _cpu_s(kids)
+  kids = measure.workers()
+  cpu0 = time.process_time() + measure.cpu_s(kids)
   before = it.stats() if read else None
   images = batches = 0
   waited = 0.0
@@ -408,7 +256,7 @@ def measure_run(
       with recorder.span("train step"):
         time.sleep(step_s)
   end = time.perf_counter()
-  cpu = time.process_time() + _cpu_s(kids) - cpu0
+  cpu = time.process_time() + measure.cpu_s(kids) - cpu0
   after = it.stats() if read else None
   close = getattr(it, "close", None)
   if close:
@@ -425,7 +273,7 @@ def measure_run(
 
 
 def _requests(
-  read: reads.ReadRecords, before: Stats, after: Stats, seconds: float, opened_s: float
+  read: read_lib.ReadRecords, before: Stats, after: Stats, seconds: float, opened_s: float
 ) -> Requests:
   """The storage requests of every process between `before` and `after` (`it.stats()`), over
   `seconds`; `read`: the read stage's settings; `opened_s`: its read latency at open. The
@@ -462,14 +310,16 @@ def measure_all(
   requests counted when it has no worker processes), then (with `step_ms`) beside a step;
   then the GIL-held time, unless storage's request budget binds (the emulated run would
   wait on storage, not on the GIL)."""
-  costs, facts = measure_costs(s, sample)
+  stages = s.stages()
+  costs, facts = costs_lib.stage_costs(
+    s.data_dir, s.split, stages.decode.head, s.batch_size, sample, s.seed, s.other.get("keys")
+  )
   check = (
     storage_check.measure(s.data_dir, s.split, storage_levels, storage_reads)
     if storage_levels
     else None
   )
   recorder = recorder or timeline.Recorder()
-  stages = s.stages()
   run = measure_run(
     dataset.chain(stages),
     seconds,
@@ -587,7 +437,7 @@ def host_costs(costs: dict[str, Cost], state: _State, s: Settings) -> parallelis
 
 
 def model(costs: dict[str, Cost], state: _State, cores: int, s: Settings) -> dict[str, float]:
-  """Images/s each resource allows (the module docstring and pipeline.parallelism)."""
+  """Images/s each resource allows (the module docstring and pipeline.host.parallelism)."""
   hc = parallelism.at_batch(host_costs(costs, state, s), s.batch_size)
   lim = parallelism.limits(cores, hc, parallelism.Plan(state.workers, state.threads))
   free = _free_stages(costs, state)
@@ -803,7 +653,7 @@ def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
       state.prefetch,
       _smallest(range(1, MAX_PREFETCH + 1), lambda p: rate(dataclasses.replace(state, prefetch=p))),
     )
-    batch_mb = s.batch_bytes / 2**20
+    batch_mb = s.batch_size * s.image_size**2 * 3 / 2**20
     propose(
       "prefetch",
       state.prefetch,
@@ -871,7 +721,7 @@ def _recommend_requests(d: Diagnosis, state: _State, propose, rate) -> None:
       "order",
       "global",
       "blocks",
-      f"one request per image; the block order (pipeline.blocks) reads {k} consecutive "
+      f"one request per image; the block order (pipeline.order.blocks) reads {k} consecutive "
       f"records a request: up to ~{state.budget_per_s * k:,.0f} img/s at "
       f"{state.budget_per_s:,.0f} requests/s",
       {"order": "blocks"},

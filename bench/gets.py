@@ -12,7 +12,6 @@ own GCS client, without a FUSE layer cutting reads into 1 MiB requests.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import pathlib
@@ -56,14 +55,7 @@ def count(orders: list[str], data_dir: str, batches: int, batch_size: int) -> li
 
 
 def main(argv: list[str]) -> list[dict]:
-  p = argparse.ArgumentParser(
-    prog="python -m bench gets",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  p.add_argument("data_dir", help="a converted dataset (manifest.json + shards)")
-  p.add_argument("--batches", type=int, default=20)
-  p.add_argument("--batch-size", type=int, default=128)
+  p = measure.parser("gets", __doc__, "batches", "batch_size")
   p.add_argument("--orders", default="global,blocks", help="comma-separated (default both)")
   args = p.parse_args(argv)
   with socket.socket() as s:

@@ -13,7 +13,6 @@ measured with mincore(2) and reported beside the figure, so nobody has to trust 
 
 from __future__ import annotations
 
-import argparse
 import concurrent.futures
 import ctypes
 import mmap
@@ -29,9 +28,9 @@ import numpy as np
 import tqdm
 
 from bench import measure
-from pipeline import manifest as manifest_lib
-from pipeline import records
-from pipeline.parallelism import available_cores
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.catalog import records
+from pipeline.host.parallelism import available_cores
 
 _libc = ctypes.CDLL(None, use_errno=True)
 _libc.mmap.restype = ctypes.c_void_p
@@ -196,23 +195,13 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str]) -> dict:
-  p = argparse.ArgumentParser(
-    prog="python -m bench layout",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  p.add_argument("data_dir", help="a converted dataset (manifest.json + shards)")
-  p.add_argument("--split", default="train")
-  p.add_argument("--batch-size", type=int, default=128, help="records per batched read")
-  p.add_argument("--threads", type=int, default=None, help="file-reading threads (default: cores)")
-  p.add_argument("--repeats", type=int, default=2, help="runs per row; the fastest counts")
+  p = measure.parser("layout", __doc__, "split", "batch_size", "threads", "repeats", "json")
   p.add_argument(
     "--tmp-dir",
     default=None,
     help="where the one-file-per-image copy goes (default: the system temp dir); "
     "deleted afterwards",
   )
-  p.add_argument("--json", help="write the figures to this file")
   args = p.parse_args(argv)
   meta = manifest_lib.load(args.data_dir)
   shards = [os.fspath(p) for p in meta.shard_paths(args.data_dir, args.split)]
@@ -224,8 +213,6 @@ def main(argv: list[str]) -> dict:
     )
     same_device = os.stat(tmp).st_dev == os.stat(shards[0]).st_dev
     result = {
-      "machine": measure.machine(),
-      "command": "python -m bench layout " + " ".join(argv),
       "records": len(files),
       "shards": len(shards),
       "files_mb": round(sum(map(os.path.getsize, files)) / 1e6, 1),
@@ -239,14 +226,13 @@ def main(argv: list[str]) -> dict:
     }
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+  measure.finish(p, args, argv, result)
   print(table(rows))
   print(
     f"{result['records']} records: {result['files_mb']} MB as files on "
     f"{result['filesystem']['files']}, {result['shards_mb']} MB in {result['shards']} shards "
     f"on {result['filesystem']['shards']}   [{result['machine']}]"
   )
-  if args.json:
-    measure.write_json(args.json, result)
   return result
 
 

@@ -1,5 +1,6 @@
 """How we measure a loader: first-batch latency, steady-state images/s, peak RSS; and what
-every benchmark shares: the machine line, JSON output, one-line failures.
+every benchmark shares: the machine line, the command line's common flags, JSON output,
+one-line failures, measuring children, worker processes' CPU, the C helpers' builds.
 
 Throughput counts only batches after the first (steady state); the first batch's latency
 (from creating the iterator) is its own number. Peak RSS is sampled for this process and
@@ -8,12 +9,15 @@ its children (worker processes), so a loader with workers pays for them.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import pathlib
 import platform
 import resource
+import shutil
 import subprocess
 import sys
 import threading
@@ -103,6 +107,31 @@ def run(
   return Result(name, seen / (end - first), first - start, rss.peak / 2**20, seen, end - first)
 
 
+def workers() -> list[psutil.Process]:
+  """Grain's worker processes: this process's spawned children (not multiprocessing's
+  resource tracker, nor a FUSE server it started)."""
+  out = []
+  for child in psutil.Process().children(recursive=True):
+    try:
+      if "spawn_main" in " ".join(child.cmdline()):
+        out.append(child)
+    except psutil.Error:  # a child that exited meanwhile
+      continue
+  return out
+
+
+def cpu_s(procs: list[psutil.Process]) -> float:
+  """CPU seconds of other processes (in clock ticks: precise over seconds, not over ms)."""
+  total = 0.0
+  for p in procs:
+    try:
+      t = p.cpu_times()
+      total += t.user + t.system
+    except psutil.Error:
+      continue
+  return total
+
+
 def machine() -> str:
   """A line naming the machine, printed beside every figure."""
   return (
@@ -116,6 +145,70 @@ def machine() -> str:
 def write_json(path, payload) -> None:
   with open(path, "w") as f:
     json.dump(payload, f, indent=2)
+
+
+DATA_DIR = "a converted dataset (manifest.json + shards)"
+FLAGS = {  # the flags the tools share; a tool may give another default
+  "split": dict(default="train", help="the split to read (default: train)"),
+  "batch_size": dict(type=int, default=128, help="images per batch (default: %(default)s)"),
+  "image_size": dict(type=int, default=224, help="output side in pixels (default: %(default)s)"),
+  "seconds": dict(type=float, default=3.0, help="steady-state seconds per run"),
+  "threads": dict(type=int, default=None, help="threads (default: one per core)"),
+  "repeats": dict(type=int, default=2, help="runs per row; the best counts"),
+  "rounds": dict(type=int, default=3, help="interleaved rounds (default: %(default)s)"),
+  "batches": dict(type=int, default=20, help="batches per run (default: %(default)s)"),
+  "epochs": dict(type=float, default=3, help="images timed = epochs x split size"),
+  "json": dict(help="write the figures to this file"),
+}
+
+
+def numbers(kind: type = int, least: float = 1) -> Callable[[str], list]:
+  """An argparse type: comma-separated numbers of `kind`, none under `least`."""
+  what = "positive integers" if (kind, least) == (int, 1) else f"numbers >= {least:g}"
+
+  def parse(text: str) -> list:
+    try:
+      values = [kind(x) for x in text.split(",") if x.strip()]
+    except ValueError:
+      values = []
+    if not values or min(values) < least:
+      raise argparse.ArgumentTypeError(f"takes comma-separated {what}, e.g. 1,16: {text!r}")
+    return values
+
+  return parse
+
+
+def parser(
+  command: str, doc: str, *flags: str, data_dir: str | None = DATA_DIR, **defaults
+) -> argparse.ArgumentParser:
+  """A tool's command line: `python -m bench COMMAND` (a dotted COMMAND: `python -m
+  COMMAND`), its docstring, a DATA_DIR argument (None: none) and the shared FLAGS named in
+  `flags`, with `defaults` (by flag name) replacing theirs."""
+  p = argparse.ArgumentParser(
+    prog=f"python -m {command}" if "." in command else f"python -m bench {command}",
+    description=doc,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  if data_dir:
+    p.add_argument("data_dir", help=data_dir)
+  for name in flags:
+    keywords = {**FLAGS[name], **({"default": defaults[name]} if name in defaults else {})}
+    p.add_argument("--" + name.replace("_", "-"), **keywords)
+  return p
+
+
+def flags(**values) -> list[str]:
+  """`--name value` options for a tool's command line."""
+  return [x for name, value in values.items() for x in (f"--{name.replace('_', '-')}", str(value))]
+
+
+def finish(p: argparse.ArgumentParser, args, argv: list[str], result: dict) -> dict:
+  """`result` with the machine and the command that measured it, written to --json when
+  given."""
+  result.update(machine=machine(), command=f"{p.prog} {' '.join(argv)}")
+  if getattr(args, "json", None):
+    write_json(args.json, result)
+  return result
 
 
 def run_cli(main: Callable[[list[str]], object], argv: list[str]) -> None:
@@ -150,3 +243,35 @@ def child(module: str, spec: dict, env: dict | None = None) -> dict:
     tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
     raise RuntimeError(f"a measuring process failed (exit {proc.returncode}): {tail[0]}")
   return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def compiled(
+  source: pathlib.Path, name: str, flags: list[str], error: type[Exception]
+) -> pathlib.Path:
+  """`source` (C) built with `flags` into the user's cache, once per content (`name`-HASH);
+  `error` in one line without a C compiler or when the build fails."""
+  code = source.read_bytes()
+  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+  out = (
+    pathlib.Path(base)
+    / "pipeline-bench"
+    / name.replace("HASH", hashlib.sha256(code).hexdigest()[:16])
+  )
+  if out.exists():
+    return out
+  cc = shutil.which(os.environ.get("CC", "cc")) or shutil.which("gcc")
+  if not cc:
+    raise error(f"no C compiler (cc) to build {source.name} (apt-get install gcc)")
+  out.parent.mkdir(parents=True, exist_ok=True)
+  tmp = out.with_name(f"{out.name}.{os.getpid()}.tmp")
+  proc = subprocess.run(
+    [cc, "-O2", "-Wall", "-o", str(tmp), str(source), *flags],
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  if proc.returncode:
+    first = next((x for x in proc.stderr.splitlines() if "error" in x), proc.stderr.strip())
+    raise error(f"building {source.name} failed: {first}")
+  os.replace(tmp, out)
+  return out

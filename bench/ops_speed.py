@@ -13,7 +13,6 @@ fused default measured in the same rounds, and the same for the process's CPU ti
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
@@ -22,7 +21,7 @@ from etils import epath
 
 from bench import measure
 from pipeline import dataset
-from pipeline import manifest as manifest_lib
+from pipeline.catalog import manifest as manifest_lib
 
 
 def identity(image, rng):
@@ -65,12 +64,9 @@ def rate(data_dir: str, settings: dict, batch_size: int, batches: int, threads: 
 
 
 def main(argv: list[str]) -> dict:
-  p = argparse.ArgumentParser(prog="python -m bench.ops_speed", description=__doc__.split("\n")[0])
-  p.add_argument("data_dir")
-  p.add_argument("--batch-size", type=int, default=128)
-  p.add_argument("--batches", type=int, default=30)
-  p.add_argument("--rounds", type=int, default=3)
-  p.add_argument("--threads", type=int, default=2)
+  p = measure.parser(
+    "ops", __doc__, "batch_size", "batches", "rounds", "threads", batches=30, threads=2
+  )
   p.add_argument("--only", default="", help="comma-separated variant names (substrings)")
   args = p.parse_args(argv)
   meta = manifest_lib.load(epath.Path(args.data_dir))

@@ -13,37 +13,49 @@ Peers need the `peers` extra: pip install -e '.[peers]'.
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
+import pathlib
+import struct
 import subprocess
 import sys
 import tempfile
 
-from etils import epath
+import grain
 
 from bench import measure
-from pipeline import manifest as manifest_lib
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.convert.tfrecord import masked_crc32c
 
 
-def _tfrecord_copy(data_dir: str, split: str) -> str:
-  """Writes the split's records once as TFRecord files beside the shards; returns a glob."""
-  import grain
-  import tensorflow as tf
+def write_tfrecord(path: str | os.PathLike, recs) -> None:
+  """Writes records as a TFRecord file (no TensorFlow needed)."""
+  tmp = f"{path}.tmp"
+  with open(tmp, "wb") as f:
+    for data in recs:
+      length = struct.pack("<Q", len(data))
+      f.write(length + struct.pack("<I", masked_crc32c(length)))
+      f.write(data + struct.pack("<I", masked_crc32c(data)))
+  os.replace(tmp, path)
 
+
+def records(paths: list[str]):
+  """Every record of the shards, in order, a shard at a time."""
+  for path in paths:
+    source = grain.sources.ArrayRecordDataSource([path])
+    yield from source.__getitems__(list(range(len(source))))
+
+
+def tfrecord_copy(data_dir: str | os.PathLike, split: str) -> str:
+  """The split's shards copied once as TFRecord files (one each) into DATA_DIR/peers-tfrecord/
+  (tf.data cannot read ArrayRecord); returns their glob."""
   meta = manifest_lib.load(data_dir)
-  out = epath.Path(data_dir) / "peers-tfrecord"
+  out = pathlib.Path(data_dir) / "peers-tfrecord"
   out.mkdir(exist_ok=True)
   for path in meta.shard_paths(data_dir, split):
-    target = out / (path.name.replace("array_record", "tfrecord"))
-    if target.exists():
-      continue
-    source = grain.sources.ArrayRecordDataSource([os.fspath(path)])
-    tmp = os.fspath(target) + ".tmp"
-    with tf.io.TFRecordWriter(tmp) as w:
-      for r in source.__getitems__(list(range(len(source)))):
-        w.write(r)
-    os.replace(tmp, target)
+    target = out / path.name.replace("array_record", "tfrecord")
+    if not target.exists():
+      write_tfrecord(target, records([os.fspath(path)]))
   return os.fspath(out / f"{split}.tfrecord-*")
 
 
@@ -52,7 +64,7 @@ def _tfdata(args):
 
   tf.config.set_visible_devices([], "GPU")
   keys = manifest_lib.load(args.data_dir).keys
-  pattern = _tfrecord_copy(args.data_dir, args.split)
+  pattern = tfrecord_copy(args.data_dir, args.split)
   size, autotune = args.image_size, tf.data.AUTOTUNE
   features = {
     keys.image: tf.io.FixedLenFeature([], tf.string),
@@ -110,7 +122,8 @@ class _PilTransform:
     import numpy as np
     from PIL import Image
 
-    from pipeline import augment, records
+    from pipeline.catalog import records
+    from pipeline.image import augment
 
     data, label, _ = records.parse(record, self.keys)
     im = Image.open(io.BytesIO(data)).convert("RGB")
@@ -123,7 +136,6 @@ class _PilTransform:
 
 
 def _grain_baseline(args):
-  import grain
   from absl import flags
 
   flags.FLAGS.mark_as_parsed()
@@ -150,7 +162,6 @@ def _grain_baseline(args):
 
 
 def _torch(args):
-  import grain
   import numpy as np
   import torch
   from torchvision.transforms import v2
@@ -171,7 +182,7 @@ def _torch(args):
     def __getitem__(self, i):
       from torchvision.io import decode_jpeg
 
-      from pipeline import records
+      from pipeline.catalog import records
 
       if self.source is None:
         self.source = grain.sources.ArrayRecordDataSource(paths)
@@ -210,22 +221,12 @@ def _available(module: str) -> bool:
 
 
 def main(argv: list[str]) -> list[dict]:
-  p = argparse.ArgumentParser(
-    prog="python -m bench peers",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  p.add_argument("data_dir")
-  p.add_argument("--split", default="train")
-  p.add_argument("--batch-size", type=int, default=128)
-  p.add_argument("--image-size", type=int, default=224)
-  p.add_argument("--epochs", type=float, default=3)
+  p = measure.parser("peers", __doc__, "split", "batch_size", "image_size", "epochs", "json")
   p.add_argument(
     "--loaders",
     default="pipeline,tfdata,grain-baseline,torch",
     help="comma-separated contenders; missing peers are skipped",
   )
-  p.add_argument("--json", help="write the table to this file")
   args = p.parse_args(argv)
   needs = {"tfdata": "tensorflow", "torch": "torchvision"}
   results = []
@@ -240,21 +241,17 @@ def main(argv: list[str]) -> list[dict]:
         "bench",
         "throughput",
         args.data_dir,
-        "--split",
-        args.split,
-        "--batch-size",
-        str(args.batch_size),
-        "--image-size",
-        str(args.image_size),
-        "--epochs",
-        str(args.epochs),
-        "--loader",
-        name,
         "--no-stages",
         "--no-reference",
-        "--json",
-        f.name,
       ]
+      cmd += measure.flags(
+        split=args.split,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        epochs=args.epochs,
+        loader=name,
+        json=f.name,
+      )
       proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
       if proc.returncode:
         print(f"{name:28s} FAILED:\n{proc.stderr[-2000:]}")
@@ -270,13 +267,5 @@ def main(argv: list[str]) -> list[dict]:
         f"   first batch x{r['first_batch_s'] / base['first_batch_s']:.2f}"
         f"   peak RSS x{r['peak_rss_mb'] / base['peak_rss_mb']:.2f}"
       )
-  if args.json:
-    measure.write_json(
-      args.json,
-      {
-        "machine": measure.machine(),
-        "results": results,
-        "command": "python -m bench peers " + " ".join(argv),
-      },
-    )
+  measure.finish(p, args, argv, {"results": results})
   return results

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import hashlib
 import json
 import os
 import pathlib
@@ -36,17 +35,14 @@ import tempfile
 import time
 from collections.abc import Iterator
 
+from bench import measure
+
 SOURCE = pathlib.Path(__file__).with_name("latencyfs.c")
 APT_PACKAGES = ("fuse3", "libfuse3-dev", "pkg-config")
 
 
 class RigUnavailable(RuntimeError):
   """The rig cannot run on this machine; the message says why in one line."""
-
-
-def cache_dir() -> pathlib.Path:
-  base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-  return pathlib.Path(base) / "pipeline-rig"
 
 
 def _have_fuse3() -> bool:
@@ -73,33 +69,14 @@ def ensure_built() -> pathlib.Path:
   """The latencyfs binary, compiled (and FUSE 3 installed) if needed; raises RigUnavailable."""
   if not os.path.exists("/dev/fuse"):
     raise RigUnavailable("no /dev/fuse on this machine: the storage rig needs FUSE")
-  code = SOURCE.read_bytes()
-  binary = cache_dir() / f"latencyfs-{hashlib.sha256(code).hexdigest()[:16]}"
-  if binary.exists() and shutil.which("fusermount3"):
-    return binary
   if not _have_fuse3():
     _install_fuse3()
     if not _have_fuse3():
       raise RigUnavailable("fuse3 and libfuse3-dev were installed but pkg-config finds no fuse3")
-  cc = shutil.which(os.environ.get("CC", "cc"))
-  if not cc:
-    raise RigUnavailable("no C compiler (cc) to build the storage rig")
   flags = subprocess.run(
     ["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True, text=True, check=True
   ).stdout.split()
-  binary.parent.mkdir(parents=True, exist_ok=True)
-  tmp = binary.with_name(f"{binary.name}.{os.getpid()}.tmp")
-  proc = subprocess.run(
-    [cc, "-O2", "-Wall", "-o", str(tmp), str(SOURCE), *flags],
-    capture_output=True,
-    text=True,
-    check=False,
-  )
-  if proc.returncode:
-    first = next((x for x in proc.stderr.splitlines() if "error" in x), proc.stderr.strip())
-    raise RigUnavailable(f"building {SOURCE.name} failed: {first}")
-  os.replace(tmp, binary)
-  return binary
+  return measure.compiled(SOURCE, "latencyfs-HASH", flags, RigUnavailable)
 
 
 @dataclasses.dataclass
@@ -242,6 +219,4 @@ def main(argv: list[str]) -> None:
 
 
 if __name__ == "__main__":
-  from bench import measure
-
   measure.run_cli(main, sys.argv[1:])

@@ -3,7 +3,7 @@
     python -m bench scaling data/photos --cores 96,224 --json scaling.json
 
 A 2-core machine cannot run a 224-core host's pipeline, so this measures the costs that
-decide it here and projects with `pipeline.parallelism`'s model. Every run is
+decide it here and projects with `pipeline.host.parallelism`'s model. Every run is
 `make_dataset` (train augmentation, given batch and image size) in a fresh process, timed
 in steady state after its first batch. Steps 1-4 and 7 run `--repeat` times (default 3),
 interleaved; the model takes their medians, and the report gives each one's spread.
@@ -38,7 +38,7 @@ interleaved; the model takes their medians, and the report gives each one's spre
 6. py-spy (the second method, when py-spy is installed or given by --py-spy): `py-spy
    record --gil` samples step 5's best run; the share of samples holding the GIL x wall
    time per image is `gil_pyspy_us_per_image`.
-7. workers: Grain worker processes with the hand-off (`pipeline.handoff`), decode emulated
+7. workers: Grain worker processes with the hand-off (`pipeline.stages.handoff`), decode emulated
    by ~0 waits so that batches cross as fast as the workers make them, at each
    `--host-batch`: the main process's CPU per image, every thread of it, touching every
    page as device_put would (user: receiving, holding the GIL; system: the kernel), and
@@ -57,8 +57,8 @@ interleaved; the model takes their medians, and the report gives each one's spre
    step 8: the rate on that storage (times the share of the rig-at-0-ms rate kept, at most
    1: the latency's cost alone; the CPU of the host's storage client, gcsfuse or
    array_record's GCS client, is not in the model), the reads in flight it needs
-   (`pipeline.reads.reads_in_flight`, Little's law with headroom), their memory, GET/s.
-   The block order (`pipeline.blocks`) the same way, its worker processes sharing each
+   (`pipeline.stages.read.reads_in_flight`, Little's law with headroom), their memory, GET/s.
+   The block order (`pipeline.order.blocks`) the same way, its worker processes sharing each
    block's read (`pipeline.storage.blockstore`): the CPU per image plus the store's (step 3, alone:
    a block of the dataset's records written to shared memory, shared by its records, and
    one record's pread; their Python and syscalls, measured with 1-byte records, counted as
@@ -77,13 +77,14 @@ import sys
 import time
 
 import numpy as np
-import psutil
-from pipeline.source import ShardedSource
 
+from bench import costs as costs_lib
 from bench import emulate, gil, measure
-from pipeline import augment, decode, parallelism, reads, records
-from pipeline import blocks as blocks_lib
-from pipeline import manifest as manifest_lib
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.host import parallelism
+from pipeline.image import augment
+from pipeline.order import blocks as blocks_lib
+from pipeline.stages import read as read_lib
 from pipeline.storage import blockstore
 
 PAGE = 4096
@@ -100,27 +101,8 @@ def method() -> str:
   return __doc__[__doc__.index("1. cpu") :].strip()
 
 
-def _cpu(proc) -> float:
-  """CPU seconds of another process (in clock ticks: precise over seconds, not over ms)."""
-  t = proc.cpu_times()
-  return t.user + t.system
-
-
-def _workers(proc) -> list:
-  """Grain's worker processes (spawned children; not multiprocessing's resource tracker)."""
-  out = []
-  for child in proc.children(recursive=True):
-    try:
-      if "spawn_main" in " ".join(child.cmdline()):
-        out.append(child)
-    except psutil.Error:  # a child that exited meanwhile
-      continue
-  return out
-
-
 def run_one(spec: dict, threads: int, workers: int) -> dict:
   """Times one `make_dataset` configuration in this process (see the module docstring)."""
-  me = psutil.Process()
   ds = emulate.make_dataset(
     spec["data_dir"],
     spec["split"],
@@ -142,8 +124,8 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
   spy = gil.PySpy(spec["py_spy"], spec["seconds"]) if spec.get("py_spy") else None
   shim = gil.Counter() if spec.get("gil") else None
   first = time.perf_counter()
-  kids = _workers(me)
-  main0, kids0 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
+  kids = measure.workers()
+  main0, kids0 = resource.getrusage(resource.RUSAGE_SELF), measure.cpu_s(kids)
   images = batches = 0
   touch = np.zeros(2)  # user, system seconds
   while (spy.running() if spy else time.perf_counter() - first < spec["seconds"]) or batches < spec[
@@ -158,7 +140,7 @@ def run_one(spec: dict, threads: int, workers: int) -> dict:
     batches += 1
   end = time.perf_counter()
   held = shim.read().held_s if shim else None
-  main1, kids1 = resource.getrusage(resource.RUSAGE_SELF), sum(_cpu(k) for k in kids)
+  main1, kids1 = resource.getrusage(resource.RUSAGE_SELF), measure.cpu_s(kids)
   rss = [k.memory_info().rss / 2**20 for k in kids]
   it.close()
   gil_share = _py_spy_share(spy) if spy else None
@@ -194,7 +176,7 @@ def read_costs(spec: dict, seed: int = 0, kept: int = 1024) -> dict:
   """Step 3, in this process: CPU per record of `ShardedSource.read` in batches of the
   run's batch size at shuffled indices, and of a memcpy of each record into fresh bytes
   (timed over up to `kept` of the records read)."""
-  source = _source(spec)
+  source = costs_lib.open_split(spec["data_dir"], spec["split"])[1]
   order = np.random.default_rng(seed).permutation(len(source))
   size = spec["batch_size"]
   batches = [order[i : i + size] for i in range(0, len(order), size)]
@@ -288,34 +270,12 @@ def fit_gil(curve: list[dict], most: float = float("inf")) -> tuple[float, float
   return float(gil[i, 0, 0]), float(handoff[0, j, 0])
 
 
-def _source(spec: dict) -> ShardedSource:
-  """The split's records, opened as `make_dataset` opens them."""
-  meta = manifest_lib.load(spec["data_dir"])
-  split = meta.splits[spec["split"]]
-  return ShardedSource(
-    meta.shard_paths(spec["data_dir"], spec["split"]), [s.num_records for s in split.shards]
-  )
-
-
 def resize_share(spec: dict, sample: int = 64) -> float:
-  """Resize's share of decode + resize per image, each timed alone on one thread through
-  the library's functions (the loader's native path does the same work)."""
-  meta = manifest_lib.load(spec["data_dir"])
-  source = _source(spec)
+  """Resize's share of decode + resize per image, each timed alone on one thread
+  (`bench.costs`; the loader's native path does the same work)."""
   head = augment.Head(image_size=spec["image_size"])
-  out = np.empty((head.image_size, head.image_size, 3), np.uint8)
-  decoding = resizing = 0.0
-  n = min(sample, len(source))
-  for index, rec in enumerate(source.read(list(range(n)))):
-    data = records.parse(rec, meta.keys)[0]
-    box = head.box(*decode.image_size(data), augment.example_key(0, 0, index))
-    t0 = time.process_time()
-    window = decode.decode_crop(data, box, head.dct_scale(box))
-    t1 = time.process_time()
-    augment.resize(window, head.image_size, out)
-    resizing += time.process_time() - t1
-    decoding += t1 - t0
-  return resizing / max(decoding + resizing, 1e-9)
+  c = costs_lib.stage_costs(spec["data_dir"], spec["split"], head, spec["batch_size"], sample)[0]
+  return c["augment"].cpu_ms / max(c["decode"].cpu_ms + c["augment"].cpu_ms, 1e-9)
 
 
 def gil_terms(rest_cpu: float, read_cpu: float, copy: float) -> dict:
@@ -511,7 +471,7 @@ def at_latency(spec: dict, best: dict, waits: tuple, latency_ms: float) -> dict:
 def storage_needs(rate: float, storage: dict, record_kb: float) -> dict:
   """What a host reading `rate` img/s from storage of that latency keeps in flight, holds,
   and asks of the bucket (Little's law with the read stage's headroom)."""
-  in_flight = reads.reads_in_flight(rate, storage["latency_ms"] / 1e3)
+  in_flight = read_lib.reads_in_flight(rate, storage["latency_ms"] / 1e3)
   return {
     "reads_in_flight": in_flight,
     "read_ahead_mb": round(in_flight * record_kb / 1e3, 1),
@@ -749,35 +709,28 @@ def _fail(message: str, code: int = 2):
   sys.exit(code)
 
 
-def _ints(text: str) -> list[int]:
-  values = [int(x) for x in text.split(",") if x.strip()]
-  if not values or min(values) < 1:
-    raise ValueError
-  return values
-
-
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-    prog="python -m bench scaling",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+  p = measure.parser(
+    "scaling", __doc__, "split", "batch_size", "image_size", "seconds", "json", data_dir=None
   )
-  p.add_argument("data_dir", nargs="?", help="a converted dataset (manifest.json + shards)")
-  p.add_argument("--split", default="train")
-  p.add_argument("--batch-size", type=int, default=128)
-  p.add_argument("--image-size", type=int, default=224)
-  p.add_argument("--seconds", type=float, default=3.0, help="steady-state seconds per run")
-  p.add_argument("--threads", default="1,2,4,8,16,32", help="thread counts of the ceiling")
+  p.add_argument("data_dir", nargs="?", help=measure.DATA_DIR)
+  p.add_argument(
+    "--threads",
+    type=measure.numbers(),
+    default="1,2,4,8,16,32",
+    help="thread counts of the ceiling",
+  )
   p.add_argument("--workers", type=int, default=2, help="worker processes of step 4")
   p.add_argument("--worker-threads", type=int, default=2, help="their decode threads")
   p.add_argument(
     "--cores",
+    type=measure.numbers(),
     default="2,8,24,96,112,224",
     help="host core counts to project (TPU v5e VMs: 24, 112, 224)",
   )
   p.add_argument(
     "--host-batch",
-    default="",
+    type=measure.numbers(),
     help="per-process batch sizes to project, e.g. 128,1024 (default: "
     "--batch-size); the main process's Python per batch spreads over it",
   )
@@ -815,7 +768,6 @@ def parser() -> argparse.ArgumentParser:
     help="the training step's host work per step in the main process (dispatch, metrics), "
     "microseconds (default %(default)s)",
   )
-  p.add_argument("--json", help="write the figures to this file")
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p
 
@@ -832,13 +784,7 @@ def main(argv: list[str]) -> dict:
     return {}
   if not args.data_dir:
     p.error("give DATA_DIR, a converted dataset")
-  try:
-    threads, cores = _ints(args.threads), _ints(args.cores)
-    host_batches = _ints(args.host_batch) if args.host_batch else [args.batch_size]
-  except ValueError:
-    p.error(
-      "--threads, --cores and --host-batch take comma-separated positive integers, e.g. 96,224"
-    )
+  host_batches = args.host_batch or [args.batch_size]
   if (
     min(args.workers, args.worker_threads, args.batch_size, args.repeat, args.threads_per_core) < 1
     or args.seconds <= 0
@@ -864,7 +810,7 @@ def main(argv: list[str]) -> dict:
   try:
     result = measure_costs(
       spec,
-      threads,
+      args.threads,
       args.workers,
       args.worker_threads,
       args.py_spy,
@@ -880,7 +826,7 @@ def main(argv: list[str]) -> dict:
   costs = parallelism.Costs(**result["costs"])
   result["hosts"] = hosts(
     costs,
-    cores,
+    args.cores,
     args.batch_size,
     host_batches,
     args.image_size,
@@ -889,10 +835,8 @@ def main(argv: list[str]) -> dict:
     result["workers"]["receive_at"],
     result["store"],
   )
-  result.update(machine=measure.machine(), command="python -m bench scaling " + " ".join(argv))
+  measure.finish(p, args, argv, result)
   print(table(result))
-  if args.json:
-    measure.write_json(args.json, result)
   return result
 
 

@@ -8,7 +8,7 @@ per read request, no page cache) and runs, each in a fresh process, on the same 
 - pipeline: `make_dataset(DIR, split, batch_size=128)`, nothing else set (224 px train);
   pipeline-nocache: the same with its record cache off (every epoch read from storage);
   pipeline-nocache-global: also order="global" (one request per image, as on local disk;
-  through the rig the default is the block order, `pipeline.blocks`);
+  through the rig the default is the block order, `pipeline.order.blocks`);
 - tfdata: tf.data as `peers` runs it (parallel map with decode_and_crop_jpeg, AUTOTUNE),
   interleaving 8 TFRecord files with 256 KB read buffers.
 The split is first re-sharded into --shard-size-mb shards (the issue's rig: 1 MB, >= 100
@@ -31,14 +31,13 @@ import os
 import pathlib
 import shutil
 import statistics
-import struct
 import subprocess
 import sys
 import time
 import types
 
-from bench import measure
-from pipeline import manifest as manifest_lib
+from bench import measure, peers
+from pipeline.catalog import manifest as manifest_lib
 
 LOADERS = {
   "pipeline": "this pipeline, defaults",
@@ -51,28 +50,6 @@ LOCAL = "local disk"
 
 
 # ---------------------------------------------------------------- the data
-
-
-def write_tfrecord(path: str | os.PathLike, recs) -> None:
-  """Writes records as a TFRecord file (no TensorFlow needed)."""
-  from pipeline.convert.tfrecord import masked_crc32c
-
-  tmp = f"{path}.tmp"
-  with open(tmp, "wb") as f:
-    for data in recs:
-      length = struct.pack("<Q", len(data))
-      f.write(length + struct.pack("<I", masked_crc32c(length)))
-      f.write(data + struct.pack("<I", masked_crc32c(data)))
-  os.replace(tmp, path)
-
-
-def _records(paths: list[str]):
-  """Every record of the shards, in order, a shard at a time."""
-  import grain
-
-  for path in paths:
-    source = grain.sources.ArrayRecordDataSource([path])
-    yield from source.__getitems__(list(range(len(source))))
 
 
 def prepare(
@@ -111,12 +88,12 @@ def prepare(
   if class_order and shard_size_mb <= 0:
     raise ValueError("--class-order re-shards the split: give --shard-size-mb > 0")
   if shard_size_mb > 0:
-    recs = _records(shards)
+    recs = peers.records(shards)
     if class_order:
-      from pipeline import records
+      from pipeline.catalog import records
 
       recs = sorted(recs, key=lambda r: records.parse(r, meta.keys)[1])
-    write_tfrecord(tmp / "all.tfrecord", recs)
+    peers.write_tfrecord(tmp / "all.tfrecord", recs)
     tfrecord.convert(
       str(tmp / "all.tfrecord"),
       dataset,
@@ -134,11 +111,7 @@ def prepare(
       shutil.copy(path, dataset)
     only = manifest_lib.Manifest(meta.classes, {split: meta.splits[split]}, keys=meta.keys)
     manifest_lib.save(only, dataset)
-  new = manifest_lib.load(dataset)
-  (dataset / "peers-tfrecord").mkdir()
-  for path in new.shard_paths(dataset, split):
-    target = dataset / "peers-tfrecord" / path.name.replace("array_record", "tfrecord")
-    write_tfrecord(target, _records([os.fspath(path)]))
+  peers.tfrecord_copy(dataset, split)
   os.replace(dataset, tmp / "ready")
   shutil.rmtree(out, ignore_errors=True)
   os.replace(tmp / "ready", out)
@@ -150,7 +123,7 @@ def describe(dataset: pathlib.Path, split: str) -> dict:
   meta = manifest_lib.load(dataset)
   paths = meta.shard_paths(dataset, split)
   records = meta.splits[split].num_records
-  record_bytes = sum(len(r) for r in _records([os.fspath(p) for p in paths]))
+  record_bytes = sum(len(r) for r in peers.records([os.fspath(p) for p in paths]))
   return {
     "dir": os.fspath(dataset),
     "records": records,
@@ -179,8 +152,6 @@ def run_one(
       dataset.make_dataset(data_dir, split, batch_size=batch_size, performance=perf, order=order)
     )
   else:
-    from bench import peers
-
     args = types.SimpleNamespace(
       data_dir=data_dir,
       split=split,
@@ -207,23 +178,13 @@ def run_one(
 
 
 def _child(loader: str, data_dir: str, args, timeout: float) -> dict:
-  cmd = [
-    sys.executable,
-    "-m",
-    "bench",
-    "storage",
-    data_dir,
-    "--run-one",
-    loader,
-    "--split",
-    args.split,
-    "--batches",
-    str(args.batches),
-    "--batch-size",
-    str(args.batch_size),
-    "--max-requests-per-s",
-    str(args.max_requests_per_s),
-  ]
+  cmd = [sys.executable, "-m", "bench", "storage", data_dir, "--run-one", loader]
+  cmd += measure.flags(
+    split=args.split,
+    batches=args.batches,
+    batch_size=args.batch_size,
+    max_requests_per_s=args.max_requests_per_s,
+  )
   env = {**os.environ, "TQDM_DISABLE": "1", "TF_CPP_MIN_LOG_LEVEL": "2"}
   try:
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
@@ -376,29 +337,13 @@ def table(rows: list[dict], latencies, loaders) -> str:
   return "\n".join(lines)
 
 
-def _latencies(text: str) -> list[float]:
-  try:
-    values = [float(x) for x in text.split(",") if x.strip()]
-  except ValueError:
-    raise argparse.ArgumentTypeError(
-      f"expected milliseconds like 0,5,20,50, got {text!r}"
-    ) from None
-  if not values or min(values) < 0:
-    raise argparse.ArgumentTypeError(f"latencies must be >= 0 ms, got {text!r}")
-  return values
-
-
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-    prog="python -m bench storage",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
+  p = measure.parser(
+    "storage", __doc__, "split", "rounds", "batches", "batch_size", "json", batches=12
   )
-  p.add_argument("data_dir", help="a converted dataset (manifest.json + shards)")
-  p.add_argument("--split", default="train")
   p.add_argument(
     "--latency-ms",
-    type=_latencies,
+    type=measure.numbers(float, 0),
     default=[0.0, 5.0, 20.0, 50.0],
     help="per read request, comma-separated (default 0,5,20,50); local disk is added",
   )
@@ -414,7 +359,6 @@ def parser() -> argparse.ArgumentParser:
     default=0,
     help="the pipeline's performance.max_requests_per_s (default 0: not set)",
   )
-  p.add_argument("--rounds", type=int, default=3, help="interleaved rounds (default 3)")
   p.add_argument(
     "--shard-size-mb",
     type=float,
@@ -427,13 +371,6 @@ def parser() -> argparse.ArgumentParser:
     help="sort the split's records by label before re-sharding (as ImageNet's folders convert)",
   )
   p.add_argument(
-    "--batches",
-    type=int,
-    default=12,
-    help="batches per run, the first timed apart (default 12)",
-  )
-  p.add_argument("--batch-size", type=int, default=128)
-  p.add_argument(
     "--loaders", default="pipeline,tfdata", help=f"comma-separated: {','.join(LOADERS)}"
   )
   p.add_argument(
@@ -442,13 +379,13 @@ def parser() -> argparse.ArgumentParser:
     help="where the re-sharded copy and its TFRecord twin are kept (default runs/storage-bench)",
   )
   p.add_argument("--timeout", type=float, default=600, help="seconds per run before giving up")
-  p.add_argument("--json", help="write every run and the table's figures to this file")
   p.add_argument("--run-one", choices=list(LOADERS), help=argparse.SUPPRESS)
   return p
 
 
 def main(argv: list[str]) -> dict:
-  args = parser().parse_args(argv)
+  p = parser()
+  args = p.parse_args(argv)
   if args.run_one:  # the child: one loader, figures as the last line
     print(
       json.dumps(
@@ -493,8 +430,6 @@ def main(argv: list[str]) -> dict:
     f"per run{caps}   [{measure.machine()}]"
   )
   result = {
-    "machine": measure.machine(),
-    "command": "python -m bench storage " + " ".join(argv),
     "dataset": info,
     "latencies_ms": args.latency_ms,
     "requests_per_s": args.requests_per_s,
@@ -506,9 +441,7 @@ def main(argv: list[str]) -> dict:
     "rows": rows,
     "runs": runs,
   }
-  if args.json:
-    measure.write_json(args.json, result)
-  return result
+  return measure.finish(p, args, argv, result)
 
 
 if __name__ == "__main__":

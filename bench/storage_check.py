@@ -7,7 +7,7 @@ the latency and a decode rate it derives, by Little's law (reads in flight = rat
 latency), what the pipeline will keep in flight, what a host of N cores needs, and the GET
 rate and GET cost of an epoch on a bucket (one GET per record read, ~2 per shard opened;
 the price per 1,000 GETs is a flag: GCS class B operations, $0.0004 in 2025), and in the
-block order (`pipeline.blocks`). When throughput stops growing while the latency of more
+block order (`pipeline.order.blocks`). When throughput stops growing while the latency of more
 reads in flight grows, requests queue at a rate cap: the report names the request budget.
 """
 
@@ -23,10 +23,10 @@ import time
 import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
-from pipeline import manifest as manifest_lib
-from pipeline.blocks import BLOCK_RECORDS
-from pipeline.reads import reads_in_flight
-from pipeline.source import READER_OPTIONS
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.order.blocks import BLOCK_RECORDS
+from pipeline.stages.read import reads_in_flight
+from pipeline.storage.source import READER_OPTIONS
 
 LEVELS = (1, 16, 128)
 GET_PRICE_PER_1000 = 0.0004  # USD; GCS class B (object reads), standard storage

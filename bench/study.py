@@ -9,7 +9,6 @@ with the theoretical minimum of its schedule, and drawn as a timeline (PNG).
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import itertools
 import os
@@ -538,12 +537,11 @@ def write_results(
 
 
 def main(argv: list[str]) -> None:
-  parser = argparse.ArgumentParser(
-    prog="python -m bench study",
-    description="The tf.data guide's artificial study (prefetch, interleave, parallel map, "
-    "cache, vectorized map, the optimized chain) rebuilt on Grain: prints measured vs "
-    "guide vs theoretical-minimum seconds, writes OUT/RESULTS.md and a timeline per "
-    "variant (OUT/NAME.png).",
+  parser = measure.parser(
+    "study",
+    __doc__,
+    "repeats",
+    data_dir=None,
   )
   parser.add_argument(
     "--out",
@@ -556,9 +554,6 @@ def main(argv: list[str]) -> None:
     type=float,
     default=1.0,
     help="multiply every simulated cost by this (default 1: the guide's)",
-  )
-  parser.add_argument(
-    "--repeats", type=int, default=2, help="runs per variant; the fastest counts (default 2)"
   )
   parser.add_argument(
     "--variants",

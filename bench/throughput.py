@@ -3,8 +3,9 @@
     python -m bench throughput data/photos --batch-size 128 --epochs 3 --json out.json
 
 `--loader` picks the contender (ours by default; `peers` runs each in its own process).
-The per-stage breakdown times each stage alone on one thread over a sample of records:
-what one image costs in read, parse, header+crop choice, decode, resize+flip and batch.
+The per-stage breakdown times each stage alone on one thread over a sample of records
+(`bench.costs`, as the doctor does): what one image costs in read, parse, decode (header,
+crop window, crop-aware decode), resize+flip and batch.
 For ours, the same run also measures the physical limit: the cores' raw decode of the crop
 windows the pipeline decodes (its train crops, DCT-scaled as it scales them; decode alone, a
 thread per core, `bench.ceiling`'s timing) after the pipeline's run, and quotes img/s as a
@@ -25,51 +26,26 @@ import time
 import numpy as np
 
 from bench import ceiling, measure
-from pipeline import augment, decode, parallelism, records
-from pipeline import manifest as manifest_lib
-from pipeline.source import ShardedSource
+from bench import costs as costs_lib
+from pipeline.catalog import manifest as manifest_lib
+from pipeline.host import parallelism
+from pipeline.image import augment, decode
 
 LOADERS = ("pipeline", "grain-baseline", "tfdata", "torch")
 
 
 def stage_breakdown(data_dir: str, split: str, image_size: int, sample: int = 256) -> dict:
-  """Milliseconds per image for each stage run alone on one thread."""
-  meta = manifest_lib.load(data_dir)
-  source = ShardedSource(
-    meta.shard_paths(data_dir, split), [s.num_records for s in meta.splits[split].shards]
-  )
-  n = min(sample, len(source))
-  idx = np.random.default_rng(0).permutation(len(source))[:n].tolist()
+  """Milliseconds per image (wall) for each stage run alone on one thread (`bench.costs`;
+  decode includes the header and the crop window), and for stacking a batch."""
   head = augment.Head(image_size=image_size)
-  ms = {}
-
-  def timed(name, fn, items):
-    start = time.perf_counter()
-    out = [fn(x) for x in items]
-    ms[name] = (time.perf_counter() - start) / len(items) * 1e3
-    return out
-
-  start = time.perf_counter()
-  recs = source.read(idx)  # batched, as the pipeline reads
-  ms["read"] = (time.perf_counter() - start) / n * 1e3
-  parsed = timed("parse", lambda r: records.parse(r, meta.keys)[0], recs)
-  keys = iter(range(n))
-  boxes = timed(
-    "crop_choice",
-    lambda d: head.box(*decode.image_size(d), augment.example_key(0, 0, next(keys))),
-    parsed,
-  )
-  crops = timed(
-    "decode",
-    lambda db: decode.decode_crop(db[0], db[1], augment.dct_scale(db[1], image_size)),
-    list(zip(parsed, boxes)),
-  )
-  timed("decode_full_image", decode.decode, parsed)
-  outs = timed("resize_flip", lambda c: augment.resize(c[:, ::-1], image_size), crops)
+  costs = costs_lib.stage_costs(data_dir, split, head, sample, sample)[0]
+  ms = {k: costs[k].wall_ms for k in ("read", "parse", "decode")}
+  ms["resize_flip"] = costs["augment"].wall_ms
+  outs = [np.zeros((image_size, image_size, 3), np.uint8) for _ in range(min(sample, 128))]
   start = time.perf_counter()
   np.stack(outs)
-  ms["batch"] = (time.perf_counter() - start) / n * 1e3
-  ms["total_per_image"] = sum(v for k, v in ms.items() if k != "decode_full_image")
+  ms["batch"] = (time.perf_counter() - start) / len(outs) * 1e3
+  ms["total_per_image"] = sum(ms.values())
   return {k: round(v, 4) for k, v in ms.items()}
 
 
@@ -134,21 +110,7 @@ def make_loader(name: str, args) -> callable:
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
-    prog="python -m bench throughput",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  p.add_argument("data_dir", help="a converted dataset (manifest.json + shards)")
-  p.add_argument("--split", default="train")
-  p.add_argument("--batch-size", type=int, default=128)
-  p.add_argument("--image-size", type=int, default=224)
-  p.add_argument(
-    "--epochs",
-    type=float,
-    default=3,
-    help="images timed = epochs x split size (after the first batch)",
-  )
+  p = measure.parser("throughput", __doc__, "split", "batch_size", "image_size", "epochs", "json")
   p.add_argument("--loader", choices=LOADERS, default="pipeline")
   p.add_argument("--threads", type=int, default=None, help="decode threads (default: cores)")
   p.add_argument("--prefetch", type=int, default=2, help="batches in flight")
@@ -159,20 +121,16 @@ def parser() -> argparse.ArgumentParser:
     action="store_true",
     help="skip the crop-window decode ceiling and tf.data beside ours",
   )
-  p.add_argument("--json", help="write the figures to this file")
   return p
 
 
 def main(argv: list[str]) -> dict:
-  args = parser().parse_args(argv)
+  p = parser()
+  args = p.parse_args(argv)
   meta = manifest_lib.load(args.data_dir)
   num_images = int(args.epochs * meta.splits[args.split].num_records)
   result = measure.run(args.loader, make_loader(args.loader, args), args.batch_size, num_images)
-  out = {
-    **result.__dict__,
-    "machine": measure.machine(),
-    "command": "python -m bench throughput " + " ".join(argv),
-  }
+  out = {**result.__dict__}
   print(result.row())
   if not args.no_reference and args.loader == "pipeline":
     limit = crop_ceiling(args.data_dir, args.split, args.image_size)
@@ -196,9 +154,7 @@ def main(argv: list[str]) -> dict:
       "per image, one thread:",
       ", ".join(f"{k} {v:.3f} ms" for k, v in out["stages_ms_per_image"].items()),
     )
-  if args.json:
-    measure.write_json(args.json, out)
-  return out
+  return measure.finish(p, args, argv, out)
 
 
 if __name__ == "__main__":

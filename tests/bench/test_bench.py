@@ -69,7 +69,7 @@ def test_storage_can_reshard_in_class_order_as_an_image_folder_converts(photos_d
   out = storage.prepare(str(photos_dir), "train", 0.2, str(tmp_path), class_order=True)
   meta = manifest.load(out)
   paths = [os.fspath(p) for p in meta.shard_paths(out, "train")]
-  labels = [records.parse(r, meta.keys)[1] for r in storage._records(paths)]
+  labels = [records.parse(r, meta.keys)[1] for r in peers.records(paths)]
   assert labels == sorted(labels) and len(set(labels)) > 1 and len(paths) > 1
 
 

@@ -127,13 +127,3 @@ def test_unloaded_process_says_so():
   )
   assert proc.stdout.strip() == "False"
   assert "not loaded in this process" in proc.stderr
-
-
-def test_top_holders_aggregates_py_spy_stacks():
-  stacks = [
-    ("thread (0x1);run (a.py:1);read (r.py:5)", 6),
-    ("thread (0x2);run (a.py:1);parse (p.py:9)", 3),
-    ("thread (0x2);run (a.py:1)", 1),
-  ]
-  assert gil.top_holders(stacks, 2) == [("read (r.py:5)", 0.6), ("parse (p.py:9)", 0.3)]
-  assert gil.top_holders(stacks, 1, inclusive=True) == [("run (a.py:1)", 1.0)]

@@ -34,6 +34,25 @@ def mounted(path) -> bool:
     return any(line.split()[1] == os.path.realpath(path) for line in f)
 
 
+def _at_once(rig, n: int, size: int) -> tuple[list[bytes], dict]:
+  """`n` threads each read the k-th `size` bytes of the rig's blob.bin at once (counters
+  reset after the open); what they read and the rig's counters."""
+  fd = os.open(rig.path / "blob.bin", os.O_RDONLY)
+  rig.reset()
+  barrier = threading.Barrier(n)
+
+  def read(k: int) -> bytes:
+    barrier.wait()
+    return os.pread(fd, size, k * size)
+
+  try:
+    with concurrent.futures.ThreadPoolExecutor(n) as pool:
+      got = list(pool.map(read, range(n)))
+  finally:
+    os.close(fd)
+  return got, rig.stats()
+
+
 def test_a_4kb_read_waits_the_latency_and_again_when_repeated(storage_rig, blob):
   src, data = blob
   with storage_rig.mount(src, latency_ms=30) as rig:
@@ -84,20 +103,7 @@ def test_the_request_cap_queues_every_request_of_a_burst_but_the_first(storage_r
   src, data = blob
   n = 16
   with storage_rig.mount(src, latency_ms=0, requests_per_s=50) as rig:
-    fd = os.open(rig.path / "blob.bin", os.O_RDONLY)
-    rig.reset()
-    barrier = threading.Barrier(n)
-
-    def read(k: int) -> bytes:
-      barrier.wait()
-      return os.pread(fd, 4096, k * 4096)
-
-    try:
-      with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        got = list(pool.map(read, range(n)))
-    finally:
-      os.close(fd)
-    stats = rig.stats()
+    got, stats = _at_once(rig, n, 4096)
   assert got == [data[k * 4096 : (k + 1) * 4096] for k in range(n)]
   # 16 requests at once, 1 per 20 ms: all but the first wait their turn (a thread late
   # by a whole turn may miss it)
@@ -121,19 +127,7 @@ def test_the_bandwidth_cap_lets_concurrent_bytes_out_one_after_another(storage_r
   src, data = blob
   n = 8
   with storage_rig.mount(src, latency_ms=0, mb_per_s=2) as rig:  # 64 KB: 32 ms each
-    fd = os.open(rig.path / "blob.bin", os.O_RDONLY)
-    barrier = threading.Barrier(n)
-
-    def read(k: int) -> bytes:
-      barrier.wait()
-      return os.pread(fd, 65536, k * 65536)
-
-    try:
-      with concurrent.futures.ThreadPoolExecutor(n) as pool:
-        got = list(pool.map(read, range(n)))
-    finally:
-      os.close(fd)
-    stats = rig.stats()
+    got, stats = _at_once(rig, n, 65536)
   assert got == [data[k * 65536 : (k + 1) * 65536] for k in range(n)]
   assert stats["bytes"] == n * 65536 and stats["slowed"] >= n - 2 and stats["mb_per_s"] == 2
 

@@ -7,7 +7,7 @@ import pytest
 
 from bench import scaling
 from pipeline.host import parallelism
-from pipeline.stages import read
+from pipeline.stages import read as read_lib
 
 
 def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
@@ -92,7 +92,7 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   assert storage["rig_0ms_img_s"] > 0 and storage["of_rig_0ms"] > 0
   for h in hosts:
     assert h["at_latency_img_s"] <= h["projected_img_s"]
-    assert h["reads_in_flight"] == read.reads_in_flight(h["at_latency_img_s"], 0.005)
+    assert h["reads_in_flight"] == read_lib.reads_in_flight(h["at_latency_img_s"], 0.005)
     assert h["gets_per_s"] == round(h["at_latency_img_s"] * storage["reads_per_image"])
   store = result["store"]  # the block order: its workers share each block's read
   assert store["us_per_image"] > store["gil_us_per_image"] > 0 and store["block_records"] >= 16
@@ -155,7 +155,7 @@ def test_a_hosts_storage_needs_are_those_of_its_published_rate():
   rows = scaling.hosts(parallelism.COSTS, [2, 8, 224], 128, [128], 224, storage, 110.0)
   for h in rows:
     assert h["gets_per_s"] == round(h["at_latency_img_s"] * storage["reads_per_image"])
-    assert h["reads_in_flight"] == read.reads_in_flight(h["at_latency_img_s"], 0.005)
+    assert h["reads_in_flight"] == read_lib.reads_in_flight(h["at_latency_img_s"], 0.005)
 
 
 def test_the_block_order_gets_the_global_orders_workers_less_only_the_stores_cpu():
