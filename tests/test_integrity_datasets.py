@@ -21,21 +21,15 @@ import pytest
 from pipeline.catalog import manifest, records
 from pipeline.convert import __main__ as cli_main
 from pipeline.convert import images, shards, verify
+from tests.conftest import run_command
 from tests.test_convert_images import read_shard
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLASSES = ["astronaut", "chelsea", "coffee", "rocket"]
 
 
-def cli(*args, **kwargs) -> subprocess.CompletedProcess:
-  return subprocess.run(
-    [sys.executable, "-m", "pipeline.convert", *map(str, args)],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    **kwargs,
-  )
+def cli(*args) -> subprocess.CompletedProcess:
+  return run_command([sys.executable, "-m", "pipeline.convert", *args])
 
 
 def main(capsys, *args) -> subprocess.CompletedProcess:
@@ -394,19 +388,12 @@ def test_the_library_refuses_bad_arguments_too(photos_raw, tmp_path):
 
 
 def test_every_converter_records_each_shards_size(photos_dir, tmp_path):
-  from tests.test_convert_tfrecord import write_tfrecord
-
-  payloads = [r for p in sorted(photos_dir.glob("train.*")) for r in read_shard(p)]
-  write_tfrecord(tmp_path / "in.tfrecord", payloads)
   from pipeline.convert import tfrecord
+  from tests.test_convert_tfrecord import photos_tfrecord
 
+  source = photos_tfrecord(photos_dir, tmp_path)
   tfrecord.convert(
-    str(tmp_path / "in.tfrecord"),
-    tmp_path / "tf",
-    num_classes=4,
-    shard_size_mb=1,
-    workers=1,
-    progress=False,
+    source, tmp_path / "tf", num_classes=4, shard_size_mb=1, workers=1, progress=False
   )
   for out in (photos_dir, tmp_path / "tf"):
     data = json.loads((out / manifest.FILENAME).read_text())

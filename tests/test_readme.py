@@ -4,12 +4,12 @@ links, and those of docs/, lead somewhere."""
 import os
 import pathlib
 import re
-import subprocess
 import sys
 
 import pytest
 
 import pipeline
+from tests.conftest import run_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
@@ -45,14 +45,7 @@ def test_readme_flax_example_runs_as_written(data, request, tmp_path):
   empty.mkdir()
   script = empty / "experiment.py"
   script.write_text(check)
-  out = subprocess.run(
-    [sys.executable, str(script)],
-    cwd=empty,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  out = run_command([sys.executable, script], cwd=empty, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "OK" in out.stdout
 
@@ -145,9 +138,7 @@ def test_readme_big_vision_pp_example_runs_as_written(data, request, tmp_path):
   empty.mkdir()
   script = empty / "big_vision.py"
   script.write_text(check)
-  out = subprocess.run(
-    [sys.executable, str(script)], cwd=empty, env=env, capture_output=True, text=True, timeout=300
-  )
+  out = run_command([sys.executable, script], cwd=empty, env=env)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "OK" in out.stdout
 
