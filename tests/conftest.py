@@ -8,11 +8,13 @@ a whole-pipeline guarantee in test_dataset.py, and the trainer in test_train_*.p
 validation (16). `digits_dir`: 300 scikit-learn digits (32x32 RGB JPEGs, 10 classes),
 splits train (240) and validation (60); `classes20_dir`: 120 small JPEGs of 20 classes,
 splits train and validation. All are folders holding manifest.json and shards;
-the raw image folders are `photos_raw` and `digits_raw`. `run_command` runs a command line to
-its end, `run_python` a Python one from the repository root. `storage_rig` is bench.rig
+the raw image folders are `photos_raw` and `digits_raw`; `big_src` is 384 photos (hard
+links) for a conversion to interrupt. `run_command` runs a command line to its end,
+`run_python` a Python one from the repository root. `storage_rig` is bench.rig
 (latency-injecting FUSE), built once; a machine that cannot run it skips the tests using it,
 except in CI (CI=true): there they fail.
-`native` (or `native_or_skip()`) is the C extension pipeline/image/_jpeg.c, on the same terms.
+`native` (or `native_or_skip()`) is the C extension pipeline/image/_jpeg.c, on the same terms;
+`decoder` runs a test with it and again with the Python fallback.
 """
 
 from __future__ import annotations
@@ -72,6 +74,22 @@ def photos_dir(photos_raw) -> pathlib.Path:
   return converted(photos_raw, val_fraction=0.25)
 
 
+def linked_photos(photos_raw: pathlib.Path, src: pathlib.Path, copies: int) -> pathlib.Path:
+  """SRC holding `copies` hard links of each of the photos (same class folders): a source
+  that converts long enough to be interrupted."""
+  for i in range(copies):
+    for f in photos_raw.rglob("*.jpg"):
+      (src / f.parent.name).mkdir(parents=True, exist_ok=True)
+      os.link(f, src / f.parent.name / f"{i:02d}_{f.name}")
+  return src
+
+
+@pytest.fixture(scope="session")
+def big_src(photos_raw) -> pathlib.Path:
+  """384 photos (6 hard links of each of the photos), for conversions to interrupt."""
+  return linked_photos(photos_raw, photos_raw.parent / "big_src", copies=6)
+
+
 @pytest.fixture(scope="session")
 def digits_raw(tmp_path_factory) -> pathlib.Path:
   raw = tmp_path_factory.mktemp("digits") / "raw"
@@ -126,6 +144,16 @@ def native_or_skip():
 @pytest.fixture
 def native():
   return native_or_skip()
+
+
+@pytest.fixture(params=["libjpeg-turbo extension", "simplejpeg fallback"])
+def decoder(request, monkeypatch):
+  """Runs a test with the C extension and again as if it had not been built."""
+  if request.param == "simplejpeg fallback":
+    monkeypatch.setattr(decode, "_jpeg", None)
+  else:
+    native_or_skip()
+  return request.param
 
 
 @pytest.fixture(scope="session")

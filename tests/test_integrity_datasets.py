@@ -8,7 +8,6 @@ own process where it is killed or stopped). A "reader" is what the loader does a
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import signal
@@ -87,17 +86,6 @@ def wait_for_done_shards(out: pathlib.Path, child: subprocess.Popen, count: int)
       return
     time.sleep(0.002)
   raise AssertionError("the conversion ended before it was interrupted")
-
-
-@pytest.fixture(scope="module")
-def big_src(photos_raw, tmp_path_factory) -> pathlib.Path:
-  """384 photos (hard links of the fixture's, same class) so a conversion can be interrupted."""
-  src = tmp_path_factory.mktemp("integrity") / "src"
-  for i in range(6):
-    for f in photos_raw.rglob("*.jpg"):
-      (src / f.parent.name).mkdir(parents=True, exist_ok=True)
-      os.link(f, src / f.parent.name / f"{i:02d}_{f.name}")
-  return src
 
 
 @pytest.fixture
