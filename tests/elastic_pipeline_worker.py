@@ -25,12 +25,9 @@ def examples(batch: dict) -> list[str]:
   ]
 
 
-def make_dataset(
-  data, shard_index: int, shard_count: int, workers: int = 0, batch_size: int = 0, **kwargs
-):
-  """What process `shard_index` of `shard_count` reads: its share of each global batch (of
-  another global batch with `batch_size`, and other options with `kwargs`, for the tests
-  that resume on other settings)."""
+def make_dataset(data, shard_index: int, shard_count: int, workers=0, batch_size=None, **kwargs):
+  """What process `shard_index` of `shard_count` reads: its share of each global batch (for
+  the tests that resume on other settings: another `batch_size`, other `kwargs`)."""
   return pipeline.make_dataset(
     data,
     batch_size=batch_size or GLOBAL_BATCH // shard_count,
