@@ -8,10 +8,13 @@ a whole-pipeline guarantee in test_dataset.py, and the trainer in test_train_*.p
 validation (16). `digits_dir`: 300 scikit-learn digits (32x32 RGB JPEGs, 10 classes),
 splits train (240) and validation (60); `classes20_dir`: 120 small JPEGs of 20 classes,
 splits train and validation. All are folders holding manifest.json and shards;
-the raw image folders are `photos_raw` and `digits_raw`. `run_python` runs a command line
-from the repository root. `storage_rig` is bench.rig (latency-injecting FUSE), built once;
-a machine that cannot run it skips the tests using it, except in CI (CI=true): there they fail.
-`native` (or `native_or_skip()`) is the C extension pipeline/image/_jpeg.c, on the same terms.
+the raw image folders are `photos_raw` and `digits_raw`; `big_src` is 384 photos (hard
+links) for a conversion to interrupt. `run_command` runs a command line to its end,
+`run_python` a Python one from the repository root. `storage_rig` is bench.rig
+(latency-injecting FUSE), built once; a machine that cannot run it skips the tests using it,
+except in CI (CI=true): there they fail.
+`native` (or `native_or_skip()`) is the C extension pipeline/image/_jpeg.c, on the same terms;
+`decoder` runs a test with it and again with the Python fallback.
 """
 
 from __future__ import annotations
@@ -20,7 +23,6 @@ import hashlib
 import io
 import os
 import pathlib
-import socket
 import subprocess
 import sys
 
@@ -32,6 +34,7 @@ from PIL import Image
 from pipeline.catalog import manifest
 from pipeline.convert import builtin, images
 from pipeline.image import decode
+from tests.cluster import free_port  # noqa: F401 - test_train_*.py import it from here
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -52,6 +55,13 @@ def pytest_runtest_makereport(item, call):
     report.longrepr = (str(item.path), item.location[1] or 0, f"Skipped: the error at {first}")
 
 
+def converted(raw: pathlib.Path, val_fraction: float) -> pathlib.Path:
+  """The image folder RAW converted into data/ beside it, `val_fraction` of it validation."""
+  out = raw.parent / "data"
+  images.convert(raw, out, val_fraction=val_fraction, seed=0, workers=1, progress=False)
+  return out
+
+
 @pytest.fixture(scope="session")
 def photos_raw(tmp_path_factory) -> pathlib.Path:
   raw = tmp_path_factory.mktemp("photos") / "raw"
@@ -61,9 +71,23 @@ def photos_raw(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def photos_dir(photos_raw) -> pathlib.Path:
-  out = photos_raw.parent / "data"
-  images.convert(photos_raw, out, val_fraction=0.25, seed=0, workers=1, progress=False)
-  return out
+  return converted(photos_raw, val_fraction=0.25)
+
+
+def linked_photos(photos_raw: pathlib.Path, src: pathlib.Path, copies: int) -> pathlib.Path:
+  """SRC holding `copies` hard links of each of the photos (same class folders): a source
+  that converts long enough to be interrupted."""
+  for i in range(copies):
+    for f in photos_raw.rglob("*.jpg"):
+      (src / f.parent.name).mkdir(parents=True, exist_ok=True)
+      os.link(f, src / f.parent.name / f"{i:02d}_{f.name}")
+  return src
+
+
+@pytest.fixture(scope="session")
+def big_src(photos_raw) -> pathlib.Path:
+  """384 photos (6 hard links of each of the photos), for conversions to interrupt."""
+  return linked_photos(photos_raw, photos_raw.parent / "big_src", copies=6)
 
 
 @pytest.fixture(scope="session")
@@ -75,17 +99,13 @@ def digits_raw(tmp_path_factory) -> pathlib.Path:
 
 @pytest.fixture(scope="session")
 def digits_dir(digits_raw) -> pathlib.Path:
-  out = digits_raw.parent / "data"
-  images.convert(digits_raw, out, val_fraction=0.2, seed=0, workers=1, progress=False)
-  return out
+  return converted(digits_raw, val_fraction=0.2)
 
 
 @pytest.fixture(scope="session")
 def classes20_dir(tmp_path_factory) -> pathlib.Path:
   """A converted folder of 20 classes ("class00".."class19", 6 JPEGs of 40x32 each, a hue
   per class): a dataset that is not the 10 digits."""
-  from PIL import Image
-
   raw = tmp_path_factory.mktemp("classes20") / "raw"
   rng = np.random.default_rng(0)
   for k in range(20):
@@ -95,9 +115,7 @@ def classes20_dir(tmp_path_factory) -> pathlib.Path:
       noise = rng.integers(-40, 40, size=(32, 40, 3))
       pixels = np.clip(color + noise, 0, 255).astype(np.uint8)
       Image.fromarray(pixels).save(raw / f"class{k:02d}" / f"{i}.jpg", quality=90)
-  out = raw.parent / "data"
-  images.convert(raw, out, val_fraction=0.2, seed=0, workers=1, progress=False)
-  return out
+  return converted(raw, val_fraction=0.2)
 
 
 def build_or_skip(what: str, build, unavailable: type[Exception]):
@@ -126,6 +144,16 @@ def native_or_skip():
 @pytest.fixture
 def native():
   return native_or_skip()
+
+
+@pytest.fixture(params=["libjpeg-turbo extension", "simplejpeg fallback"])
+def decoder(request, monkeypatch):
+  """Runs a test with the C extension and again as if it had not been built."""
+  if request.param == "simplejpeg fallback":
+    monkeypatch.setattr(decode, "_jpeg", None)
+  else:
+    native_or_skip()
+  return request.param
 
 
 @pytest.fixture(scope="session")
@@ -157,6 +185,16 @@ def write_dataset():
   return write
 
 
+def run_command(args, cwd=REPO, env=None, input=None, timeout: float = 300):
+  """Runs the command line ARGS (str() of each) from `cwd` to its end, a hang failing at
+  `timeout`; returns the finished process, its output as text, whatever its exit status.
+  `env`, when given, is the whole environment; `input` the text on stdin."""
+  args = [str(a) for a in args]
+  return subprocess.run(
+    args, cwd=cwd, env=env, input=input, capture_output=True, text=True, timeout=timeout
+  )
+
+
 @pytest.fixture
 def run_python():
   """Runs `python ARGS...` in a fresh process from the repository root, as a user would
@@ -164,49 +202,10 @@ def run_python():
   exit status."""
 
   def run(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
-    return subprocess.run(
-      [sys.executable, *args],
-      cwd=REPO,
-      capture_output=True,
-      text=True,
-      timeout=timeout,
-      env={**os.environ, "TQDM_DISABLE": "1"},
-    )
+    env = {**os.environ, "TQDM_DISABLE": "1"}
+    return run_command([sys.executable, *args], env=env, timeout=timeout)
 
   return run
-
-
-def free_port() -> int:
-  """A localhost TCP port free now, for a server or a cluster's coordinator to bind."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
-
-
-def run_processes(script: str, count: int, timeout: float = 300, **flags) -> None:
-  """Runs tests/SCRIPT as `count` processes that join over a fresh localhost port
-  (each gets --process_id and --port, plus --NAME=VALUE per flag, where a value may contain
-  `{i}` for the process id); fails with a process's output if any exits non-zero."""
-  port = free_port()
-  procs = [
-    subprocess.Popen(
-      [sys.executable, str(REPO / "tests" / script), f"--process_id={i}", f"--port={port}"]
-      + [f"--{k}={str(v).format(i=i)}" for k, v in flags.items()],
-      cwd=REPO,
-      env={**os.environ, "PYTHONPATH": str(REPO)},
-      stdout=subprocess.PIPE,
-      stderr=subprocess.STDOUT,
-      text=True,
-    )
-    for i in range(count)
-  ]
-  try:
-    for p in procs:
-      out, _ = p.communicate(timeout=timeout)
-      assert p.returncode == 0, out[-3000:]
-  finally:
-    for p in procs:
-      p.kill()
 
 
 def jpeg(seed: int, size=(90, 120)) -> bytes:

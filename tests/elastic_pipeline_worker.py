@@ -7,14 +7,13 @@ record and its crop), the iterator state after each --save_at step, and, for eac
 in --resume (a JSON file), the steps that follow it, up to --steps in all.
 """
 
-import argparse
 import hashlib
 import json
 
 import jax
 
 import pipeline
-from tests.cluster import join
+from tests import cluster
 
 SEED, IMAGE_SIZE, GLOBAL_BATCH = 7, 16, 12
 
@@ -26,33 +25,31 @@ def examples(batch: dict) -> list[str]:
   ]
 
 
-def make_dataset(data, shard_index: int, shard_count: int, workers: int = 0):
-  """What process `shard_index` of `shard_count` reads: its share of each global batch."""
+def make_dataset(data, shard_index: int, shard_count: int, workers=0, batch_size=None, **kwargs):
+  """What process `shard_index` of `shard_count` reads: its share of each global batch (for
+  the tests that resume on other settings: another `batch_size`, other `kwargs`)."""
   return pipeline.make_dataset(
     data,
-    batch_size=GLOBAL_BATCH // shard_count,
+    batch_size=batch_size or GLOBAL_BATCH // shard_count,
     seed=SEED,
     image_size=IMAGE_SIZE,
     shard_index=shard_index,
     shard_count=shard_count,
     performance=dict(num_threads=1, num_workers=workers),
+    **kwargs,
   )
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--process_id", type=int, required=True)
-  parser.add_argument("--num_processes", type=int, required=True)
-  parser.add_argument("--port", type=int, required=True)
+  parser = cluster.parser(__doc__)
   parser.add_argument("--data", required=True, help="a converted dataset")
   parser.add_argument("--steps", type=int, required=True, help="steps of a whole run")
   parser.add_argument("--save_at", default="", help="steps after which to save the state")
   parser.add_argument("--resume", default="", help="state JSON files, comma-separated")
   parser.add_argument("--workers", type=int, default=0, help="performance.num_workers")
-  parser.add_argument("--out", required=True, help="JSON file to write")
   args = parser.parse_args()
 
-  join(args.port, args.num_processes, args.process_id, devices=1)
+  cluster.join(args)
   ds = make_dataset(args.data, jax.process_index(), jax.process_count(), args.workers)
   save_at = [int(s) for s in args.save_at.split(",") if s]
   out = {"steps": [], "states": {}, "resumed": {}}

@@ -9,7 +9,6 @@ and writes JSON: per split, the rig's read count and the (epoch, record) of each
 it planned (PAD: -1).
 """
 
-import argparse
 import json
 import pathlib
 
@@ -18,25 +17,32 @@ import numpy as np
 
 import pipeline
 from pipeline import dataset
-from tests.cluster import join
+from tests import cluster
+
+BLOCK_RECORDS = 16
 
 
-def reads(split: str, data: str, train: bool) -> dict:
-  spec = pipeline.Spec.of(
+def spec(data: str, split: str, shard_index: int, shard_count: int) -> pipeline.Spec:
+  """What process `shard_index` of `shard_count` reads of `split`: 2 epochs (training) or 2
+  evaluations in blocks of BLOCK_RECORDS, with no record cache to hide the storage reads."""
+  return pipeline.Spec.of(
     data,
     split,
     batch_size=4,
-    train=train,
+    train=split == "train",
     num_epochs=2,
     seed=3,
     image_size=16,
     order="blocks",
-    block_records=16,
-    shard_index=jax.process_index(),
-    shard_count=jax.process_count(),
+    block_records=BLOCK_RECORDS,
+    shard_index=shard_index,
+    shard_count=shard_count,
     performance=dict(num_workers=0, num_threads=1, record_cache_mb=0),
   )
-  st = dataset.build(spec)
+
+
+def reads(data: str, split: str) -> dict:
+  st = dataset.build(spec(data, split, jax.process_index(), jax.process_count()))
   source = st.read.source
   for shard in range(len(source.paths)):
     source.read_range(shard, 0, 1)
@@ -54,16 +60,12 @@ def reads(split: str, data: str, train: bool) -> dict:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--process_id", type=int, required=True)
-  parser.add_argument("--num_processes", type=int, required=True)
-  parser.add_argument("--port", type=int, required=True)
+  parser = cluster.parser(__doc__)
   parser.add_argument("--data", required=True, help="this host's rig mount of a dataset")
-  parser.add_argument("--out", required=True, help="JSON file to write")
   args = parser.parse_args()
 
-  join(args.port, args.num_processes, args.process_id, devices=1)
-  out = {split: reads(split, args.data, split == "train") for split in ("train", "validation")}
+  cluster.join(args)
+  out = {split: reads(args.data, split) for split in ("train", "validation")}
   with open(args.out, "w") as f:
     json.dump(out, f)
   jax.distributed.shutdown()

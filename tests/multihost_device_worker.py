@@ -4,17 +4,14 @@ Joins a 2-process JAX cluster on localhost with 4 CPU devices, feeds its slice o
 through `device_prefetch`, and saves what it sees of the global batches to an .npz file.
 """
 
-import argparse
-
 import grain
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 from pipeline.device import device_prefetch
-from tests.cluster import join
+from tests import cluster
 
-NUM_PROCESSES = 2
 LOCAL_BATCH = 4
 
 
@@ -26,14 +23,11 @@ def examples(ids):
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--process_id", type=int, required=True)
-  parser.add_argument("--port", type=int, required=True)
+  parser = cluster.parser(__doc__)
   parser.add_argument("--mesh", default="8", help="mesh shape, e.g. 8 or 4,2")
-  parser.add_argument("--out", required=True, help=".npz file to write")
   args = parser.parse_args()
 
-  join(args.port, NUM_PROCESSES, args.process_id, devices=4)
+  cluster.join(args, devices=4)
   shape = tuple(int(s) for s in args.mesh.split(","))
   names = ("data", "model")[: len(shape)]
   mesh = jax.make_mesh(shape, names, axis_types=(jax.sharding.AxisType.Auto,) * len(shape))
@@ -63,7 +57,7 @@ def main() -> None:
 
   # Eval: 21 ids, uneven slices (11 and 10), padded to full batches with a mask.
   ds = device_prefetch(
-    examples(list(range(21))[args.process_id :: NUM_PROCESSES])
+    examples(list(range(21))[args.process_id :: args.num_processes])
     .batch(LOCAL_BATCH)
     .to_iter_dataset(),
     mesh,

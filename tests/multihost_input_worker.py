@@ -4,27 +4,22 @@ Joins a 2-process JAX cluster on localhost with 4 CPU devices each, reads a data
 `pipeline.input` in both layouts, and saves what it sees to an .npz file.
 """
 
-import argparse
-
 import jax
 import numpy as np
 from jax.experimental import multihost_utils
 
 import pipeline
-from tests.cluster import join
+from tests import cluster
 
 FAST = {"image_size": 8, "performance": {"num_threads": 1}}
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--process_id", type=int, required=True)
-  parser.add_argument("--port", type=int, required=True)
+  parser = cluster.parser(__doc__)
   parser.add_argument("--data_dir", required=True)
-  parser.add_argument("--out", required=True, help=".npz file to write")
   args = parser.parse_args()
 
-  join(args.port, 2, args.process_id, devices=4)
+  cluster.join(args, devices=4)
   gather = lambda x: np.asarray(multihost_utils.process_allgather(x, tiled=True))
   out = {}
 

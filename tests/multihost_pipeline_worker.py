@@ -6,7 +6,6 @@ images, which are a pure function of their record, so a hash names the record. W
 each batch's hashes (null for padding) and the iterator state after --save_at batches.
 """
 
-import argparse
 import hashlib
 import json
 
@@ -15,21 +14,20 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 import pipeline
-from tests.cluster import join
+from tests import cluster
 
-SEED = 7
-IMAGE_SIZE = 16
+SEED, IMAGE_SIZE, BATCH = 7, 16, 4
 
 
-def make_dataset(data, shard_index: int, shard_count: int, split="train", batch_size: int = 4):
-  """What process `shard_index` of `shard_count` reads: 2 shuffled epochs of eval images."""
+def make_dataset(data, shard_index: int, shard_count: int, shuffle=True, num_epochs=2):
+  """What process `shard_index` of `shard_count` reads: 2 shuffled epochs of eval images
+  (the test hashes each record from 1 epoch in order)."""
   return pipeline.make_dataset(
     data,
-    split,
-    batch_size=batch_size,
+    batch_size=BATCH,
     train=False,
-    shuffle=True,
-    num_epochs=2,
+    shuffle=shuffle,
+    num_epochs=num_epochs,
     seed=SEED,
     image_size=IMAGE_SIZE,
     shard_index=shard_index,
@@ -47,21 +45,13 @@ def hashes(batch: dict) -> list[str | None]:
 
 
 def main() -> None:
-  parser = argparse.ArgumentParser(description=__doc__)
-  parser.add_argument("--process_id", type=int, required=True)
-  parser.add_argument("--num_processes", type=int, required=True)
-  parser.add_argument("--port", type=int, required=True)
+  parser = cluster.parser(__doc__)
   parser.add_argument("--data", required=True, help="a converted dataset")
-  parser.add_argument("--split", default="train")
-  parser.add_argument("--batch_size", type=int, default=4)
   parser.add_argument("--save_at", type=int, default=0, help="save the state after N batches")
-  parser.add_argument("--out", required=True, help="JSON file to write")
   args = parser.parse_args()
 
-  join(args.port, args.num_processes, args.process_id, devices=1)
-  ds = make_dataset(
-    args.data, jax.process_index(), jax.process_count(), args.split, args.batch_size
-  )
+  cluster.join(args)
+  ds = make_dataset(args.data, jax.process_index(), jax.process_count())
   it = iter(ds)
   out = {"process_index": jax.process_index(), "process_count": jax.process_count()}
   out["batches"] = []

@@ -24,7 +24,8 @@ from pipeline.order.blocks import WINDOW_BATCHES, Blocks
 from pipeline.order.sampling import PAD, Sampler
 from pipeline.stages import read
 from pipeline.stages.stream import StateError
-from tests.conftest import run_processes
+from tests.cluster import run_processes
+from tests.multihost_blocks_worker import BLOCK_RECORDS
 
 BATCH, RECORDS = 32, 16  # per process; records per block
 EPOCHS = 3
@@ -57,19 +58,19 @@ def streams(shards, hosts: int, train: bool = True, shuffle: bool = True) -> lis
   return out
 
 
-def block_ids(records: np.ndarray, shards) -> np.ndarray:
-  """A number for the (shard, block) of each record."""
+def block_ids(records: np.ndarray, shards, block: int) -> np.ndarray:
+  """A number for the (shard, block of `block` records) of each record."""
   ends = np.cumsum(shards)
   shard = np.searchsorted(ends, records, side="right")
-  return shard * 10**6 + (records - (ends - shards)[shard]) // RECORDS
+  return shard * 10**6 + (records - (ends - shards)[shard]) // block
 
 
-def hosts_per_block(shards, parts) -> np.ndarray:
+def hosts_per_block(shards, parts, block: int = RECORDS) -> np.ndarray:
   """For each (epoch, block) any process reads: how many processes read it."""
   pairs = []
   for epochs, records in parts:
     real = records != PAD
-    pairs.append(np.unique(epochs[real] * 10**9 + block_ids(records[real], shards)))
+    pairs.append(np.unique(epochs[real] * 10**9 + block_ids(records[real], shards, block)))
   return np.unique(np.concatenate(pairs), return_counts=True)[1]
 
 
@@ -143,17 +144,12 @@ def test_a_state_saved_in_the_previous_block_order_is_refused_in_one_line(digits
 
 def pod_reads(storage_rig, data, tmp_path, hosts: int) -> dict[str, float]:
   """{split: the storage reads of `hosts` processes, summed, per (epoch, block) they took}:
-  2 epochs of training and 2 evaluations of digits in blocks of 16, each host behind its
-  own rig mount."""
+  the worker's `spec` of each split, each host behind its own rig mount."""
   with contextlib.ExitStack() as mounts:
     for i in range(hosts):
       mounts.enter_context(storage_rig.mount(data, latency_ms=1, mountpoint=tmp_path / f"m{i}"))
     run_processes(
-      "multihost_blocks_worker.py",
-      hosts,
-      num_processes=hosts,
-      data=tmp_path / "m{i}",
-      out=tmp_path / "{i}.json",
+      "multihost_blocks_worker.py", hosts, data=tmp_path / "m{i}", out=tmp_path / "{i}.json"
     )
   results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(hosts)]
   splits = manifest.load(data).splits
@@ -161,7 +157,7 @@ def pod_reads(storage_rig, data, tmp_path, hosts: int) -> dict[str, float]:
   for split in ("train", "validation"):
     shards = [s.num_records for s in splits[split].shards]
     parts = [(np.array(r[split]["epochs"]), np.array(r[split]["records"])) for r in results]
-    taken = len(hosts_per_block(shards, parts))
+    taken = len(hosts_per_block(shards, parts, BLOCK_RECORDS))
     per_block[split] = sum(r[split]["reads"] for r in results) / taken
   return per_block
 

@@ -65,22 +65,13 @@ def test_beam_image_conversion_matches_the_local_one(photos_raw, tmp_path):
 
 
 def test_beam_tfrecord_conversion_matches_the_local_one(photos_dir, tmp_path):
-  from tests.test_convert_images import read_shard
-  from tests.test_convert_tfrecord import write_tfrecord
+  from tests.test_convert_tfrecord import photos_tfrecord
 
-  payloads = [r for p in sorted(photos_dir.glob("train.*")) for r in read_shard(p)]
-  write_tfrecord(tmp_path / "in.tfrecord", payloads)
+  source = photos_tfrecord(photos_dir, tmp_path)
   local = tfrecord.convert(
-    str(tmp_path / "in.tfrecord"),
-    tmp_path / "local",
-    num_classes=4,
-    shard_size_mb=1,
-    workers=1,
-    progress=False,
+    source, tmp_path / "local", num_classes=4, shard_size_mb=1, workers=1, progress=False
   )
-  on_beam = convert_beam.convert_tfrecord(
-    str(tmp_path / "in.tfrecord"), tmp_path / "beam", num_classes=4, shard_size_mb=1
-  )
+  on_beam = convert_beam.convert_tfrecord(source, tmp_path / "beam", num_classes=4, shard_size_mb=1)
   assert on_beam == local
   same_files(tmp_path / "local", tmp_path / "beam")
 

@@ -1,6 +1,5 @@
 """Conversion under faults: killed at random points, or out of disk space, then resumed."""
 
-import os
 import random
 import resource
 import signal
@@ -11,20 +10,10 @@ import time
 import pytest
 
 from pipeline.convert import images, shards, verify
+from tests.conftest import REPO, run_command
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CONVERT_IMAGES = [sys.executable, "-m", "pipeline.convert", "images"]
 ARGS = ["--shard-size-mb", "0.5", "--val-fraction", "0.1", "--no-progress"]
-
-
-@pytest.fixture(scope="module")
-def big_src(photos_raw, tmp_path_factory):
-  """384 photos (hard links of the fixture's) so conversion takes long enough to interrupt."""
-  src = tmp_path_factory.mktemp("faults") / "src"
-  for i in range(6):
-    for f in photos_raw.rglob("*.jpg"):
-      (src / f.parent.name).mkdir(parents=True, exist_ok=True)
-      os.link(f, src / f.parent.name / f"{i:02d}_{f.name}")
-  return src
 
 
 @pytest.fixture(scope="module")
@@ -34,18 +23,9 @@ def whole(big_src, tmp_path_factory):
   return out
 
 
-def convert_cmd(src, out, workers=2):
-  return [
-    sys.executable,
-    "-m",
-    "pipeline.convert",
-    "images",
-    str(src),
-    str(out),
-    *ARGS,
-    "--workers",
-    str(workers),
-  ]
+def convert_cmd(src, out, workers=2) -> list[str]:
+  """The command line converting SRC into OUT in shards of 0.5 MB, a tenth for validation."""
+  return [*CONVERT_IMAGES, str(src), str(out), *ARGS, "--workers", str(workers)]
 
 
 def assert_identical(out, whole):
@@ -61,16 +41,14 @@ def test_sigkill_at_a_random_point_then_rerun_gives_identical_shards(
 ):
   out = tmp_path / "out"
   child = subprocess.Popen(
-    convert_cmd(big_src, out), cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    convert_cmd(big_src, out), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
   )
   time.sleep(random.Random(seed).uniform(0.5, 3.0))  # start-up, planning or writing
   child.send_signal(signal.SIGKILL)
   child.wait()
   if (out / "manifest.json").exists():  # finished before the kill: still must be whole
     assert verify.verify(out, progress=False).ok
-  rerun = subprocess.run(
-    convert_cmd(big_src, out, workers=1), cwd=ROOT, capture_output=True, text=True, timeout=300
-  )
+  rerun = run_command(convert_cmd(big_src, out, workers=1))
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   assert_identical(out, whole)
   assert verify.verify(out, progress=False).ok
@@ -90,7 +68,7 @@ def test_disk_full_fails_clearly_leaves_nothing_complete_looking_and_resumes(
   out = tmp_path / "out"
   full = subprocess.run(
     convert_cmd(big_src, out),
-    cwd=ROOT,
+    cwd=REPO,
     capture_output=True,
     text=True,
     timeout=300,
@@ -107,8 +85,6 @@ def test_disk_full_fails_clearly_leaves_nothing_complete_looking_and_resumes(
   for shard in listed:  # whatever was renamed into place is a complete shard; the rest
     # (the shard being written) stays under a hidden temporary name
     assert shard.read_bytes() == (whole / shard.name).read_bytes(), shard.name
-  rerun = subprocess.run(
-    convert_cmd(big_src, out), cwd=ROOT, capture_output=True, text=True, timeout=300
-  )
+  rerun = run_command(convert_cmd(big_src, out))
   assert rerun.returncode == 0, rerun.stderr[-2000:]
   assert_identical(out, whole)

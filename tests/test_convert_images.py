@@ -10,7 +10,6 @@ import shutil
 import signal
 import struct
 import subprocess
-import sys
 import time
 import zlib
 
@@ -22,8 +21,8 @@ from PIL import Image
 from pipeline.catalog import manifest, records
 from pipeline.convert import images, shards
 from pipeline.image import decode
-
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+from tests.conftest import REPO, linked_photos, run_command
+from tests.test_convert_faults import CONVERT_IMAGES, convert_cmd
 
 
 def read_shard(path) -> list[bytes]:
@@ -287,24 +286,8 @@ def test_label_map_orders_classes_and_rejects_bad_maps(tmp_path):
 def test_cli_reports_label_map_errors_with_exit_status(tmp_path):
   write(tmp_path / "src" / "cat" / "x.jpg", jpeg())
   (tmp_path / "map.json").write_text('{"dog": 0}')
-  result = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "pipeline.convert",
-      "images",
-      str(tmp_path / "src"),
-      str(tmp_path / "out"),
-      "--label-map",
-      str(tmp_path / "map.json"),
-      "--no-progress",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=120,
-    check=False,
-  )
+  flags = ["--label-map", tmp_path / "map.json", "--no-progress"]
+  result = run_command([*CONVERT_IMAGES, tmp_path / "src", tmp_path / "out", *flags], timeout=120)
   assert result.returncode == 2
   assert "error: class folders ['cat']" in result.stderr
 
@@ -318,31 +301,10 @@ def test_finished_conversion_is_not_redone(photos_raw, tmp_path):
 
 
 def test_resume_after_sigkill_keeps_finished_shards_and_matches(photos_raw, tmp_path):
-  src = tmp_path / "src"
-  for i in range(12):  # 768 photos (hard links) so the kill lands mid-conversion
-    for f in photos_raw.rglob("*.jpg"):
-      (src / f.parent.name).mkdir(parents=True, exist_ok=True)
-      os.link(f, src / f.parent.name / f"{i:02d}_{f.name}")
+  src = linked_photos(photos_raw, tmp_path / "src", copies=12)  # 768: the kill lands mid-way
   out, build = tmp_path / "killed", tmp_path / "killed" / shards.BUILD_DIR
   child = subprocess.Popen(
-    [
-      sys.executable,
-      "-m",
-      "pipeline.convert",
-      "images",
-      str(src),
-      str(out),
-      "--shard-size-mb",
-      "0.5",
-      "--workers",
-      "1",
-      "--val-fraction",
-      "0.1",
-      "--no-progress",
-    ],
-    cwd=ROOT,
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.DEVNULL,
+    convert_cmd(src, out, workers=1), cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
   )
   deadline = time.monotonic() + 120
   while time.monotonic() < deadline and child.poll() is None:

@@ -17,22 +17,29 @@ from pipeline.convert import __main__ as cli
 from pipeline.convert import tfds as convert_tfds
 
 
-class TinyShapes(tfds.core.GeneratorBasedBuilder):
-  """Three classes of small random JPEG images, prepared without TensorFlow."""
+def jpeg_feature() -> tfds.features.Image:
+  """An RGB image stored as the JPEG file given."""
+  return tfds.features.Image(shape=(None, None, 3), encoding_format="jpeg")
+
+
+class Builder(tfds.core.GeneratorBasedBuilder):
+  """A small builder of these tests, version 1.0.0: its examples hold its `features()`."""
 
   VERSION = tfds.core.Version("1.0.0")
 
   def _info(self):
-    return tfds.core.DatasetInfo(
-      builder=self,
-      features=tfds.features.FeaturesDict(
-        {
-          "image": tfds.features.Image(shape=(None, None, 3), encoding_format="jpeg"),
-          "label": tfds.features.ClassLabel(names=["circle", "square", "star"]),
-          "file_name": tfds.features.Text(),
-        }
-      ),
-    )
+    return tfds.core.DatasetInfo(builder=self, features=tfds.features.FeaturesDict(self.features()))
+
+
+class TinyShapes(Builder):
+  """Three classes of small random JPEG images, prepared without TensorFlow."""
+
+  def features(self):
+    return {
+      "image": jpeg_feature(),
+      "label": tfds.features.ClassLabel(names=["circle", "square", "star"]),
+      "file_name": tfds.features.Text(),
+    }
 
   def _split_generators(self, dl_manager):
     return {"train": self._generate_examples(12), "test": self._generate_examples(5)}

@@ -10,6 +10,7 @@ from array_record.python import array_record_module
 
 from pipeline.catalog import manifest, records
 from pipeline.convert import tfrecord
+from tests.test_convert_images import read_shard
 
 OTHER_KEYS = records.Keys(image="data", label="category", filename="name")
 
@@ -21,6 +22,13 @@ def write_tfrecord(path, payloads: list[bytes]) -> None:
       length = struct.pack("<Q", len(data))
       f.write(length + struct.pack("<I", tfrecord.masked_crc32c(length)))
       f.write(data + struct.pack("<I", tfrecord.masked_crc32c(data)))
+
+
+def photos_tfrecord(photos_dir, folder) -> str:
+  """The `photos_dir` fixture's train records as one TFRecord file in `folder`: its path."""
+  path = folder / "in.tfrecord"
+  write_tfrecord(path, [r for p in sorted(photos_dir.glob("train.*")) for r in read_shard(p)])
+  return str(path)
 
 
 def read_all(data_dir) -> list[bytes]:

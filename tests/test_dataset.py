@@ -16,6 +16,11 @@ from pipeline.storage.source import ShardedSource
 from tests.conftest import assert_same_batches, jpeg, take
 
 
+def one_process(data, *args, **kwargs):
+  """`pipeline.make_dataset` as the only process (shard 0 of 1)."""
+  return pipeline.make_dataset(data, *args, shard_index=0, shard_count=1, **kwargs)
+
+
 def fingerprints(batches) -> list[str]:
   """One hash per real example (eval images are a pure function of the record)."""
   out = []
@@ -29,7 +34,7 @@ def fingerprints(batches) -> list[str]:
 
 
 def test_train_batches_have_the_documented_form(photos_dir):
-  ds = pipeline.make_dataset(photos_dir, batch_size=8, image_size=64, shard_index=0, shard_count=1)
+  ds = one_process(photos_dir, batch_size=8, image_size=64)
   b = next(iter(ds))
   assert b["image"].shape == (8, 64, 64, 3) and b["image"].dtype == np.uint8
   assert b["label"].shape == (8,) and b["label"].dtype == np.int32
@@ -39,16 +44,8 @@ def test_train_batches_have_the_documented_form(photos_dir):
 
 def test_eval_covers_every_record_exactly_once_per_epoch(photos_dir):
   n = manifest.load(photos_dir).splits["train"].num_records
-  ds = pipeline.make_dataset(
-    photos_dir,
-    "train",
-    batch_size=5,
-    train=False,
-    image_size=32,
-    shuffle=True,
-    num_epochs=2,
-    shard_index=0,
-    shard_count=1,
+  ds = one_process(
+    photos_dir, "train", batch_size=5, train=False, image_size=32, shuffle=True, num_epochs=2
   )
   batches = list(ds)
   prints = fingerprints(batches)
@@ -80,13 +77,11 @@ def test_processes_read_disjoint_slices_that_cover_the_split(photos_dir):
 
 def test_same_seed_same_batches_whatever_the_thread_count(photos_dir):
   def run(threads, seed=0):
-    ds = pipeline.make_dataset(
+    ds = one_process(
       photos_dir,
       batch_size=6,
       image_size=48,
       seed=seed,
-      shard_index=0,
-      shard_count=1,
       performance=dict(num_threads=threads),
     )
     return take(iter(ds), 4)
@@ -98,7 +93,7 @@ def test_same_seed_same_batches_whatever_the_thread_count(photos_dir):
 
 
 def test_exact_resume_mid_epoch(photos_dir):
-  ds = pipeline.make_dataset(photos_dir, batch_size=7, image_size=40, shard_index=0, shard_count=1)
+  ds = one_process(photos_dir, batch_size=7, image_size=40)
   it = iter(ds)
   take(it, 3)
   state = it.get_state()
@@ -111,14 +106,12 @@ def test_exact_resume_mid_epoch(photos_dir):
 def test_eval_images_are_the_resized_centre_crop_and_deterministic(photos_dir):
   def run():
     return list(
-      pipeline.make_dataset(
+      one_process(
         photos_dir,
         "validation",
         batch_size=8,
         train=False,
         image_size=32,
-        shard_index=0,
-        shard_count=1,
         decoding=dict(dct_scaling=False),
       )
     )
@@ -145,13 +138,11 @@ def test_cache_decodes_each_record_once_over_epochs(photos_dir, monkeypatch):
   decoded = []
   real_decode = decode.decode
   monkeypatch.setattr(decode, "decode", lambda data: decoded.append(1) or real_decode(data))
-  ds = pipeline.make_dataset(
+  ds = one_process(
     photos_dir,
     "validation",
     batch_size=4,
     image_size=32,
-    shard_index=0,
-    shard_count=1,
     num_epochs=3,
     decoding=dict(cache_mb=64),
   )
@@ -201,14 +192,14 @@ def test_native_and_python_paths_give_identical_images(photos_dir, train, augmen
 
 
 def test_the_host_normalizes_one_way_value_range_and_normalize_is_refused_naming_it(photos_dir):
-  keywords = dict(batch_size=4, image_size=32, shard_index=0, shard_count=1)
-  pixels = next(iter(pipeline.make_dataset(photos_dir, **keywords)))["image"]
-  ds = pipeline.make_dataset(photos_dir, batch_ops="value_range(-1, 1)", **keywords)
+  keywords = dict(batch_size=4, image_size=32)
+  pixels = next(iter(one_process(photos_dir, **keywords)))["image"]
+  ds = one_process(photos_dir, batch_ops="value_range(-1, 1)", **keywords)
   img = next(iter(ds))["image"]
   assert img.dtype == np.float32
   np.testing.assert_allclose(img, pixels / 127.5 - 1.0, atol=1e-6)
   with pytest.raises(TypeError, match=r"normalize=\) is gone: normalize on the device") as e:
-    pipeline.make_dataset(photos_dir, normalize=True, **keywords)
+    one_process(photos_dir, normalize=True, **keywords)
   assert "batch_ops='value_range(-1, 1)'" in str(e.value) and "\n" not in str(e.value)
 
 
@@ -216,9 +207,7 @@ def test_bad_records_raise_naming_shard_and_index(tmp_path, write_dataset):
   good = [records.encode(jpeg(i), i % 2) for i in range(6)]
   recs = good[:3] + [records.encode(b"\xff\xd8\xffgarbage", 0)] + good[3:]
   data = write_dataset(tmp_path / "bad", recs)
-  ds = pipeline.make_dataset(
-    data, batch_size=7, train=False, image_size=32, shard_index=0, shard_count=1
-  )
+  ds = one_process(data, batch_size=7, train=False, image_size=32)
   with pytest.raises(BadRecordError, match=r"train\.array_record-00000-of-00001 record 3"):
     list(ds)
 
@@ -228,25 +217,15 @@ def test_bad_records_are_skipped_and_counted_when_asked(tmp_path, write_dataset)
   missing_key = records.encode(jpeg(9), 1, keys=records.Keys(image="other"))
   recs = good[:2] + [b"\x00\x01not a proto", missing_key] + good[2:]
   data = write_dataset(tmp_path / "bad", recs)
-  eval_batches = list(
-    pipeline.make_dataset(
-      data, batch_size=8, train=False, image_size=32, on_error="skip", shard_index=0, shard_count=1
-    )
-  )
+  eval_batches = list(one_process(data, batch_size=8, train=False, image_size=32, on_error="skip"))
   assert sum(int(b["mask"].sum()) for b in eval_batches) == 6
-  train = next(
-    iter(
-      pipeline.make_dataset(
-        data, batch_size=8, image_size=32, on_error="skip", shard_index=0, shard_count=1
-      )
-    )
-  )
+  train = next(iter(one_process(data, batch_size=8, image_size=32, on_error="skip")))
   assert train["image"].shape[0] == 8 and "mask" not in train
 
 
 def test_out_of_range_label_is_an_error(tmp_path, write_dataset):
   data = write_dataset(tmp_path / "labels", [records.encode(jpeg(i), 5) for i in range(4)])
-  ds = pipeline.make_dataset(data, batch_size=2, image_size=32, shard_index=0, shard_count=1)
+  ds = one_process(data, batch_size=2, image_size=32)
   with pytest.raises(BadRecordError, match=r"label 5 outside \[0, 2\)"):
     next(iter(ds))
 
@@ -255,20 +234,16 @@ def test_other_key_names_are_read(tmp_path, write_dataset):
   keys = records.TFDS_KEYS
   recs = [records.encode(jpeg(i), i % 2, f"{i}.jpg", keys=keys) for i in range(4)]
   data = write_dataset(tmp_path / "tfds", recs)
-  ds = pipeline.make_dataset(
-    data, batch_size=4, image_size=32, keys=keys, train=False, shard_index=0, shard_count=1
-  )
+  ds = one_process(data, batch_size=4, image_size=32, keys=keys, train=False)
   assert list(next(iter(ds))["label"]) == [0, 1, 0, 1]
 
 
 def test_worker_processes_give_the_batches_threads_give_and_resume_exactly(photos_dir):
   def make(workers, threads):
-    return pipeline.make_dataset(
+    return one_process(
       photos_dir,
       batch_size=4,
       image_size=32,
-      shard_index=0,
-      shard_count=1,
       performance=dict(num_workers=workers, num_threads=threads),
     )
 
@@ -294,14 +269,12 @@ def test_skipped_records_are_counted_in_the_iterator_and_its_state(
   recs = good[:2] + [b"\x00\x01not a proto", records.encode(b"\xff\xd8\xffbad", 0)] + good[2:]
   data = write_dataset(tmp_path / "bad", recs)
   it = iter(
-    pipeline.make_dataset(
+    one_process(
       data,
       batch_size=4,
       train=False,
       image_size=32,
       on_error="skip",
-      shard_index=0,
-      shard_count=1,
       performance=dict(num_workers=workers, num_threads=1),
     )
   )
@@ -310,7 +283,7 @@ def test_skipped_records_are_counted_in_the_iterator_and_its_state(
 
 
 def test_a_state_restored_with_numpy_values_resumes_at_the_next_unseen_batch(photos_dir):
-  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0, shard_count=1)
+  ds = one_process(photos_dir, batch_size=4, image_size=32)
   it = iter(ds)
   take(it, 5)
   state = it.get_state()
@@ -339,9 +312,7 @@ def test_a_state_restored_with_numpy_values_resumes_at_the_next_unseen_batch(pho
   ],
 )
 def test_garbage_states_are_refused_in_one_line(photos_dir, state):
-  it = iter(
-    pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0, shard_count=1)
-  )
+  it = iter(one_process(photos_dir, batch_size=4, image_size=32))
   with pytest.raises(StateError) as e:
     it.set_state(state)
   assert "\n" not in str(e.value)
@@ -350,12 +321,10 @@ def test_garbage_states_are_refused_in_one_line(photos_dir, state):
 @pytest.mark.slow
 def test_worker_processes_give_the_same_batches_for_the_same_worker_count(photos_dir):
   def run():
-    ds = pipeline.make_dataset(
+    ds = one_process(
       photos_dir,
       batch_size=4,
       image_size=32,
-      shard_index=0,
-      shard_count=1,
       performance=dict(num_workers=2),
     )
     it = iter(ds)
@@ -379,12 +348,10 @@ def test_custom_ops_and_extra_features_are_deterministic_across_threads_workers_
   data = write_dataset(tmp_path / "extra", recs)
 
   def make(workers, threads):
-    return pipeline.make_dataset(
+    return one_process(
       data,
       batch_size=4,
       image_size=32,
-      shard_index=0,
-      shard_count=1,
       ops="color_jitter(0.4)",
       batch_ops="permuted_mixup(0.2)",
       features={"id": "image/id"},
@@ -392,13 +359,11 @@ def test_custom_ops_and_extra_features_are_deterministic_across_threads_workers_
     )
 
   in_order = list(
-    pipeline.make_dataset(
+    one_process(
       data,
       batch_size=5,
       train=False,
       image_size=32,
-      shard_index=0,
-      shard_count=1,
       features={"id": "image/id"},
     )
   )
@@ -420,9 +385,7 @@ def test_custom_ops_and_extra_features_are_deterministic_across_threads_workers_
   rest = take(resumed, 4)
   resumed.close()
   assert_same_batches(threads, first + rest)
-  plain = next(
-    iter(pipeline.make_dataset(data, batch_size=4, image_size=32, shard_index=0, shard_count=1))
-  )
+  plain = next(iter(one_process(data, batch_size=4, image_size=32)))
   assert not np.array_equal(plain["image"], threads[0]["image"])  # the ops did something
 
 
@@ -430,9 +393,7 @@ def test_a_failing_custom_op_names_the_record(photos_dir):
   def broken(image, rng):
     raise RuntimeError("boom")
 
-  ds = pipeline.make_dataset(
-    photos_dir, batch_size=4, image_size=32, shard_index=0, shard_count=1, ops=[broken]
-  )
+  ds = one_process(photos_dir, batch_size=4, image_size=32, ops=[broken])
   with pytest.raises(ValueError, match=r"array_record-\d+-of-\d+ record \d+: RuntimeError: boom"):
     next(iter(ds))
 
@@ -449,13 +410,13 @@ def test_make_dataset_refuses_shards_that_disagree_with_the_manifest(tmp_path, p
   meta["splits"]["validation"]["num_records"] -= 3  # edited down: would serve fewer records
   path.write_text(json.dumps(meta))
   with pytest.raises(manifest.ManifestError, match="validation"):
-    pipeline.make_dataset(data, "validation", batch_size=4, shard_index=0, shard_count=1)
+    one_process(data, "validation", batch_size=4)
   shutil.copy(photos_dir / "manifest.json", path)
   shard = data / meta["splits"]["train"]["shards"][0]["file"]
   shard.unlink()
   os.mkfifo(shard)  # would hang a reader that opened it
   with pytest.raises(manifest.ManifestError, match=shard.name):
-    pipeline.make_dataset(data, "train", batch_size=4, shard_index=0, shard_count=1)
+    one_process(data, "train", batch_size=4)
 
 
 def test_a_many_core_host_gets_worker_processes_and_the_same_batches(
@@ -464,9 +425,7 @@ def test_a_many_core_host_gets_worker_processes_and_the_same_batches(
   from pipeline.host import parallelism
 
   def make():
-    return pipeline.make_dataset(
-      photos_dir, batch_size=48, image_size=32, shard_index=0, shard_count=1
-    )
+    return one_process(photos_dir, batch_size=48, image_size=32)
 
   here = take(iter(make()), 3)
   monkeypatch.setattr(parallelism, "available_cores", lambda: 24)  # as if on a bigger host
@@ -483,7 +442,7 @@ def test_a_many_core_host_gets_worker_processes_and_the_same_batches(
 
 
 def test_a_state_without_its_stream_is_refused(photos_dir):
-  ds = pipeline.make_dataset(photos_dir, batch_size=4, image_size=32, shard_index=0, shard_count=1)
+  ds = one_process(photos_dir, batch_size=4, image_size=32)
   it = iter(ds)
   take(it, 2)
   state = it.get_state()

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from pipeline.device import device_prefetch, normalize_images
-from tests.conftest import run_processes
+from tests.cluster import run_processes
 
 try:  # Must precede the first JAX operation of the pytest process; see mesh().
   jax.config.update("jax_num_cpu_devices", 8)

@@ -18,12 +18,12 @@ import shutil
 import numpy as np
 import pytest
 
-import pipeline
 from pipeline.convert import images
 from pipeline.order.sampling import Sampler
 from pipeline.stages.stream import StateError
-from tests.conftest import assert_same_batches, run_processes, take
-from tests.elastic_pipeline_worker import GLOBAL_BATCH, IMAGE_SIZE, SEED, examples, make_dataset
+from tests.cluster import run_processes
+from tests.conftest import assert_same_batches, take
+from tests.elastic_pipeline_worker import GLOBAL_BATCH, examples, make_dataset
 from tests.test_multihost_pipeline import odd_dir  # noqa: F401 - a fixture
 
 STEPS, SAVES = 8, (2, 4)
@@ -58,7 +58,6 @@ def runs(odd_dir, tmp_path_factory) -> dict:  # noqa: F811
     run_processes(
       "elastic_pipeline_worker.py",
       n,
-      num_processes=n,
       data=odd_dir,
       steps=STEPS,
       save_at=",".join(map(str, SAVES)),
@@ -111,16 +110,8 @@ def test_a_state_continues_on_another_process_count(runs, reference, saved_on, r
 
 
 def make(data, *, shard_count: int, batch_size: int = 4, **kwargs):
-  return pipeline.make_dataset(
-    data,
-    batch_size=batch_size,
-    seed=SEED,
-    image_size=IMAGE_SIZE,
-    shard_index=0,
-    shard_count=shard_count,
-    performance=dict(num_threads=1, num_workers=0),
-    **kwargs,
-  )
+  """Process 0 of `shard_count` of the workers' dataset, in batches of `batch_size`."""
+  return make_dataset(data, 0, shard_count, batch_size=batch_size, **kwargs)
 
 
 def state_after(ds, batches: int) -> dict:

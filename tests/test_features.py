@@ -8,6 +8,7 @@ from array_record.python.array_record_module import ArrayRecordReader
 from PIL import Image
 from tensorflow_datasets.proto import tf_example_pb2
 
+import pipeline
 from pipeline import Feature
 from pipeline.catalog import records
 from pipeline.catalog.records import RecordError
@@ -199,23 +200,23 @@ def test_bytes_features_round_trip_exactly_trailing_nul_bytes_included(tmp_path,
   assert arrays["tags_length"].tolist() == [2] * len(values)
 
 
+def blobs(write_dataset, folder, values: list[bytes], **kwargs):
+  """An eval dataset, written to `folder` by the `write_dataset` fixture, whose
+  record i holds values[i] as the bytes feature "blob" (at most 8 bytes)."""
+  path = write_dataset(folder, [example(i, blob=[v]) for i, v in enumerate(values)])
+  blob = Feature("blob", "bytes", max_bytes=8)
+  return pipeline.make_dataset(
+    path, "train", train=False, image_size=8, features={"blob": blob}, **kwargs
+  )
+
+
 def test_bytes_features_arrive_exactly_through_the_dataset_and_device_feeding(
   tmp_path, write_dataset
 ):
-  import pipeline
-
   values = [b"\x07\x00", np.array([2.0, 0.0], np.float32).tobytes()] + [
     b"%d\x00" % i for i in range(7)
   ]
-  path = write_dataset(tmp_path / "ds", [example(i, blob=[v]) for i, v in enumerate(values)])
-  host = pipeline.make_dataset(
-    path,
-    "train",
-    batch_size=8,
-    train=False,
-    image_size=8,
-    features={"blob": Feature("blob", "bytes", max_bytes=8)},
-  )
+  host = blobs(write_dataset, tmp_path / "ds", values, batch_size=8)
   batches = list(pipeline.device_prefetch(host, remainder="pad", batch_size=8))
   got = [v for b in batches for v, m in zip(b["blob"], b["mask"]) if m]
   assert got == values
@@ -223,19 +224,9 @@ def test_bytes_features_arrive_exactly_through_the_dataset_and_device_feeding(
 
 
 def test_bytes_features_arrive_exactly_from_a_worker_process(tmp_path, write_dataset):
-  import pipeline
-
   values = [b"\x07\x00", np.array([3.0, 0.0], np.float32).tobytes(), b"", b"z\x00\x00"]
-  path = write_dataset(tmp_path / "ds", [example(i, blob=[v]) for i, v in enumerate(values)])
-  ds = pipeline.make_dataset(
-    path,
-    "train",
-    batch_size=2,
-    train=False,
-    image_size=8,
-    features={"blob": Feature("blob", "bytes", max_bytes=8)},
-    performance={"num_workers": 1, "num_threads": 1},
-  )
+  workers = {"num_workers": 1, "num_threads": 1}
+  ds = blobs(write_dataset, tmp_path / "ds", values, batch_size=2, performance=workers)
   it = iter(ds)
   try:
     got = [v for b in it for v in b["blob"].tolist()]

@@ -24,7 +24,7 @@ import urllib.request
 import pytest
 
 from pipeline.storage import remote
-from tests.conftest import free_port
+from tests.cluster import free_port
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 EMULATOR_MISSING = [

@@ -128,6 +128,17 @@ def bucket(gcs, digits_dir):  # noqa: F811 - the fixture imported above
     proxy.shutdown()
 
 
+def run_with(bucket, fault: str | None, code: str) -> subprocess.CompletedProcess:
+  """`python -c CODE` reading the bucket while its proxy plays `fault` (None: one the code
+  asks for); the proxy serves faultlessly after."""
+  proxy, env = bucket
+  proxy.fault = fault
+  try:
+    return run(code, env=env)
+  finally:
+    proxy.fault = None
+
+
 LOAD = (
   SHORT
   + "from pipeline.catalog import manifest; print(manifest.load('gs://bkt/digits').num_classes)"
@@ -137,12 +148,7 @@ LOAD = (
 @needs_emulator
 @pytest.mark.parametrize("fault, says", [("stall", "no answer within 2 s"), ("503", "503")])
 def test_a_stalled_or_failing_bucket_is_one_line_within_seconds(bucket, fault, says):
-  proxy, env = bucket
-  proxy.fault = fault
-  try:
-    p = run(LOAD, env=env)
-  finally:
-    proxy.fault = None
+  p = run_with(bucket, fault, LOAD)
   assert p.returncode == 1, p.stderr[-2000:]
   last = p.stderr.strip().splitlines()[-1]
   assert last.startswith(
@@ -155,12 +161,7 @@ def test_a_stalled_or_failing_bucket_is_one_line_within_seconds(bucket, fault, s
 
 @needs_emulator
 def test_a_read_that_stalls_once_is_read_again_after_its_deadline(bucket):
-  proxy, env = bucket
-  proxy.fault = "stall once"
-  try:
-    p = run(LOAD, env=env)
-  finally:
-    proxy.fault = None
+  p = run_with(bucket, "stall once", LOAD)
   assert p.returncode == 0, p.stderr[-2000:]
   assert p.stdout.split() == ["10"]
   assert "reading gs://bkt/digits/manifest.json: no answer within 2 s; attempt 2 of 3" in p.stderr
@@ -169,17 +170,12 @@ def test_a_read_that_stalls_once_is_read_again_after_its_deadline(bucket):
 @needs_emulator
 @pytest.mark.parametrize("fault", ["stall shards", "stall shard metadata"])
 def test_a_shard_read_that_stalls_is_one_line_within_seconds(bucket, fault):
-  proxy, env = bucket
-  proxy.fault = fault
   code = SHORT + (
     "import pipeline\n"
     "pipeline.make_dataset('gs://bkt/digits', batch_size=8, image_size=32, shard_index=0, "
     "shard_count=1)"
   )
-  try:
-    p = run(code, env=env)
-  finally:
-    proxy.fault = None
+  p = run_with(bucket, fault, code)
   assert p.returncode == 1, p.stderr[-2000:]
   assert (
     p.stderr.strip()
@@ -193,7 +189,6 @@ def test_a_shard_read_that_stalls_is_one_line_within_seconds(bucket, fault):
 
 @needs_emulator
 def test_a_shard_that_stalls_while_batches_are_read_is_one_line_within_seconds(bucket):
-  proxy, env = bucket
   code = SHORT + (
     "import os, urllib.request\n"
     "import pipeline\n"
@@ -203,10 +198,7 @@ def test_a_shard_that_stalls_while_batches_are_read_is_one_line_within_seconds(b
     "urllib.request.urlopen(url).read()\n"
     "next(iter(ds))\n"
   )
-  try:
-    p = run(code, env=env)
-  finally:
-    proxy.fault = None
+  p = run_with(bucket, None, code)
   assert p.returncode == 1, p.stderr[-2000:]
   error = (
     "pipeline.storage.remote.RemoteStorageError: cannot read gs://bkt/digits/train.array_record-"

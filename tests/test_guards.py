@@ -9,7 +9,7 @@ import pytest
 
 import pipeline
 from pipeline.host import guards
-from tests.conftest import REPO
+from tests.conftest import REPO, run_command
 
 BUILD = """
 import pipeline
@@ -23,18 +23,15 @@ it.close()
 """
 
 
+def bare_env(home, path: str = str(REPO)) -> dict:
+  """A user's bare environment: PYTHONPATH `path` (this checkout), HOME `home`."""
+  return {"PYTHONPATH": path, "PATH": "/usr/bin:/bin", "HOME": str(home)}
+
+
 def run_script(tmp_path, source: str, name: str = "experiment.py") -> subprocess.CompletedProcess:
   script = tmp_path / name
   script.write_text(source)
-  env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-  return subprocess.run(
-    [sys.executable, str(script)],
-    cwd=tmp_path,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=240,
-  )
+  return run_command([sys.executable, script], cwd=tmp_path, env=bare_env(tmp_path), timeout=240)
 
 
 def indented(code: str) -> str:
@@ -65,9 +62,7 @@ def test_a_guarded_script_starts_its_worker_processes_and_gets_batches(tmp_path,
 
 def test_notebooks_and_python_c_are_not_scripts_to_guard():
   code = "from pipeline.host import guards; guards.check_main_guard(); print('ok')"
-  out = subprocess.run(
-    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
-  )
+  out = run_command([sys.executable, "-c", code], timeout=60)
   assert out.stdout.strip() == "ok", out.stderr
   guards.check_main_guard()  # under pytest: called from a function, never module level
 
@@ -115,15 +110,8 @@ def test_an_unguarded_script_is_refused_at_start_even_where_no_worker_would_star
 def test_code_typed_into_the_interpreter_is_not_a_script_to_guard(tmp_path, digits_dir):
   # As a REPL or a notebook cell: __main__ has no file, so module-level code is fine.
   code = THREADS_ONLY.format(data=str(digits_dir), performance="")
-  env = {"PYTHONPATH": str(REPO), "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-  out = subprocess.run(
-    [sys.executable, "-"],
-    input=code,
-    cwd=tmp_path,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=240,
+  out = run_command(
+    [sys.executable, "-"], cwd=tmp_path, env=bare_env(tmp_path), input=code, timeout=240
   )
   assert out.returncode == 0, out.stderr[-2000:]
   assert "batch (8, 16, 16, 3)" in out.stdout
@@ -137,15 +125,8 @@ def test_a_guarded_module_run_with_python_m_is_not_refused(tmp_path, digits_dir)
   (package / "__main__.py").write_text(
     "\n".join(body[:3]) + '\nif __name__ == "__main__":\n' + indented("\n".join(body[3:]))
   )
-  env = {"PYTHONPATH": f"{REPO}:{tmp_path}", "PATH": "/usr/bin:/bin", "HOME": str(tmp_path)}
-  out = subprocess.run(
-    [sys.executable, "-m", "exp"],
-    cwd=tmp_path,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=240,
-  )
+  env = bare_env(tmp_path, f"{REPO}:{tmp_path}")
+  out = run_command([sys.executable, "-m", "exp"], cwd=tmp_path, env=env, timeout=240)
   assert out.returncode == 0, out.stderr[-2000:]
   assert "batch (8, 16, 16, 3)" in out.stdout
 
@@ -176,9 +157,7 @@ def test_a_missing_c_decoder_is_reported_once_with_its_cost(digits_dir):
     " performance={'num_threads': 1})\n"
     "it = iter(ds); [next(it) for _ in range(3)]; it.close(); print('batches')\n"
   )
-  out = subprocess.run(
-    [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-  )
+  out = run_command([sys.executable, "-c", code], timeout=120)
   assert out.returncode == 0, out.stderr[-2000:]
   lines = [line for line in out.stderr.splitlines() if "C JPEG decoder" in line]
   assert len(lines) == 1, out.stderr

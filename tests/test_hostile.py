@@ -28,7 +28,6 @@ from pipeline.image import augment, decode, fallback
 from pipeline.stages.decode import batch_decoder
 from pipeline.storage.source import ShardedSource
 from tests import jpeg_modes
-from tests.conftest import native_or_skip
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 NATIVE = decode.native()
@@ -196,16 +195,6 @@ def test_stray_bytes_before_a_header_segment_give_the_pixels_libjpeg_gives():
       back, (want, window) = batch_windows(original, data)
       assert back == [], f"{name}: {where}: handed back {back}"
       np.testing.assert_array_equal(window, want, err_msg=f"{name}: {where}")
-
-
-@pytest.fixture(params=["libjpeg-turbo extension", "simplejpeg fallback"])
-def decoder(request, monkeypatch):
-  """Runs a test with the C extension and again as if it had not been built."""
-  if request.param == "simplejpeg fallback":
-    monkeypatch.setattr(decode, "_jpeg", None)
-  else:
-    native_or_skip()
-  return request.param
 
 
 def test_stray_bytes_change_no_pixel_on_any_decoder(decoder):
@@ -449,13 +438,19 @@ def _convert(src, out, **kw):
   return images.convert(src, out, workers=1, progress=False, shard_size_mb=0.01, **kw)
 
 
-def test_shards_replaced_by_convert_overwrite_are_refused_at_open(tmp_path):
-  """A reader pinned the shards it checked; `convert --overwrite` swaps in new files."""
+def _pinned(tmp_path):
+  """tmp_path/out converted from the first of `_two_datasets`, its manifest and its train
+  shards' paths and pins, as a reader opens them; and the second source."""
   old_src, new_src = _two_datasets(tmp_path)
   out = tmp_path / "out"
   _convert(old_src, out)
   meta = manifest.load(out)
-  paths, pins = manifest.pinned_shards(out, meta, "train")
+  return out, meta, *manifest.pinned_shards(out, meta, "train"), new_src
+
+
+def test_shards_replaced_by_convert_overwrite_are_refused_at_open(tmp_path):
+  """A reader pinned the shards it checked; `convert --overwrite` swaps in new files."""
+  out, meta, paths, pins, new_src = _pinned(tmp_path)
   assert len(paths) >= 3
   for path, pinned in zip(paths, pins):
     manifest.check_pinned(path, pinned)  # unchanged: fine
@@ -474,11 +469,7 @@ def test_shards_replaced_by_convert_overwrite_are_refused_at_open(tmp_path):
 
 def test_a_source_opened_before_convert_overwrite_refuses_the_new_shards(tmp_path):
   """End to end through ShardedSource: passes once source.py pins and checks (see report)."""
-  old_src, new_src = _two_datasets(tmp_path)
-  out = tmp_path / "out"
-  _convert(old_src, out)
-  meta = manifest.load(out)
-  paths, pins = manifest.pinned_shards(out, meta, "train")
+  out, meta, paths, pins, new_src = _pinned(tmp_path)
   counts = [s.num_records for s in meta.splits["train"].shards]
   source = ShardedSource(paths, counts, pins)
   first = source.read([0])

@@ -6,11 +6,12 @@ import ast
 import json
 import os
 import pathlib
-import subprocess
 import sys
 
 import numpy as np
 from PIL import Image
+
+from tests.conftest import run_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 OUTSIDE = {"bench", "train", "configs", "tests"}  # repository folders beside the library
@@ -124,24 +125,8 @@ def test_converting_a_folder_loads_neither_grain_nor_jax_nor_beam(tmp_path):
       Image.fromarray(pixels).save(tmp_path / "src" / label / f"{i}.jpg", quality=90)
   # Every process (the CLI's and its conversion workers') reports each import on stderr.
   env = {**os.environ, "PYTHONPROFILEIMPORTTIME": "1", "TQDM_DISABLE": "1"}
-  proc = subprocess.run(
-    [
-      sys.executable,
-      "-m",
-      "pipeline.convert",
-      "images",
-      str(tmp_path / "src"),
-      str(tmp_path / "out"),
-      "--workers",
-      "2",
-      "--no-progress",
-    ],
-    cwd=ROOT,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  convert = ["-m", "pipeline.convert", "images", tmp_path / "src", tmp_path / "out"]
+  proc = run_command([sys.executable, *convert, "--workers", "2", "--no-progress"], env=env)
   assert proc.returncode == 0, proc.stderr[-2000:]
   manifest = json.loads((tmp_path / "out" / "manifest.json").read_text())
   assert manifest["splits"]["train"]["num_records"] == 6
@@ -202,7 +187,7 @@ def test_a_module_that_moved_into_a_folder_still_imports_by_its_old_path():
     "assert a.__spec__.name == 'pipeline.order.sampling', a.__spec__;"
     "import pipeline.nothing"
   )
-  proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+  proc = run_command([sys.executable, "-c", code])
   assert proc.stderr.strip().splitlines()[-1] == (
     "ModuleNotFoundError: No module named 'pipeline.nothing'"
   ), proc.stderr

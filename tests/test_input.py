@@ -9,7 +9,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import pipeline
-from tests.conftest import run_processes
+from tests.cluster import run_processes
 
 try:  # Must precede the first JAX operation of the pytest process (see test_device.py).
   jax.config.update("jax_num_cpu_devices", 8)

@@ -17,8 +17,8 @@ import pytest
 
 from pipeline.catalog import manifest
 from pipeline.convert import __main__ as cli
+from tests.conftest import REPO, run_command
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
 CONVERT = [sys.executable, "-m", "pipeline.convert"]
 
 
@@ -29,6 +29,12 @@ def main(capsys, *args) -> tuple[int, str, str]:
     code = e.code
   out, err = capsys.readouterr()
   return code, out, err
+
+
+def convert_photos(photos_raw, tmp_path) -> list[str]:
+  """The command line that converts the photos into tmp_path/out, 64 files in several shards."""
+  out = str(tmp_path / "out")
+  return [*CONVERT, "images", str(photos_raw), out, "--shard-size-mb", "0.2", "--workers", "1"]
 
 
 def one_line(text: str) -> str:
@@ -81,33 +87,16 @@ def test_verify_of_a_damaged_manifest_is_one_line_with_exit_status_1(damaged, ca
 
 def test_in_a_new_process_too_and_verbose_shows_the_traceback(tmp_path):
   args = [*CONVERT, "images", str(tmp_path / "nope"), str(tmp_path / "out"), "--no-progress"]
-  plain = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+  plain = run_command(args, timeout=120)
   assert plain.returncode == 2
   assert one_line(plain.stderr) == f"error: image folder {tmp_path / 'nope'} not found"
-  verbose = subprocess.run(
-    args + ["--verbose"], cwd=ROOT, capture_output=True, text=True, timeout=120
-  )
+  verbose = run_command(args + ["--verbose"], timeout=120)
   assert verbose.returncode != 0
   assert "Traceback" in verbose.stderr and "FileNotFoundError" in verbose.stderr
 
 
 def test_progress_is_a_line_per_tenth_when_not_on_a_terminal(photos_raw, tmp_path):
-  result = subprocess.run(
-    [
-      *CONVERT,
-      "images",
-      str(photos_raw),
-      str(tmp_path / "out"),
-      "--shard-size-mb",
-      "0.2",
-      "--workers",
-      "1",
-    ],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  result = run_command(convert_photos(photos_raw, tmp_path))
   assert result.returncode == 0, result.stderr
   assert "\r" not in result.stderr
   lines = result.stderr.strip().splitlines()
@@ -119,19 +108,7 @@ def test_progress_is_a_bar_on_a_terminal(photos_raw, tmp_path):
   controller, terminal = pty.openpty()
   fcntl.ioctl(terminal, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))  # rows, cols
   child = subprocess.Popen(
-    [
-      *CONVERT,
-      "images",
-      str(photos_raw),
-      str(tmp_path / "out"),
-      "--shard-size-mb",
-      "0.2",
-      "--workers",
-      "1",
-    ],
-    cwd=ROOT,
-    stdout=subprocess.DEVNULL,
-    stderr=terminal,
+    convert_photos(photos_raw, tmp_path), cwd=REPO, stdout=subprocess.DEVNULL, stderr=terminal
   )
   os.close(terminal)
   shown = b""

@@ -8,7 +8,6 @@ own process where it is killed or stopped). A "reader" is what the loader does a
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 import shutil
 import signal
@@ -21,21 +20,15 @@ import pytest
 from pipeline.catalog import manifest, records
 from pipeline.convert import __main__ as cli_main
 from pipeline.convert import images, shards, verify
+from tests.conftest import run_command
 from tests.test_convert_images import read_shard
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 CLASSES = ["astronaut", "chelsea", "coffee", "rocket"]
 
 
-def cli(*args, **kwargs) -> subprocess.CompletedProcess:
-  return subprocess.run(
-    [sys.executable, "-m", "pipeline.convert", *map(str, args)],
-    cwd=ROOT,
-    capture_output=True,
-    text=True,
-    timeout=300,
-    **kwargs,
-  )
+def cli(*args) -> subprocess.CompletedProcess:
+  return run_command([sys.executable, "-m", "pipeline.convert", *args])
 
 
 def main(capsys, *args) -> subprocess.CompletedProcess:
@@ -93,17 +86,6 @@ def wait_for_done_shards(out: pathlib.Path, child: subprocess.Popen, count: int)
       return
     time.sleep(0.002)
   raise AssertionError("the conversion ended before it was interrupted")
-
-
-@pytest.fixture(scope="module")
-def big_src(photos_raw, tmp_path_factory) -> pathlib.Path:
-  """384 photos (hard links of the fixture's, same class) so a conversion can be interrupted."""
-  src = tmp_path_factory.mktemp("integrity") / "src"
-  for i in range(6):
-    for f in photos_raw.rglob("*.jpg"):
-      (src / f.parent.name).mkdir(parents=True, exist_ok=True)
-      os.link(f, src / f.parent.name / f"{i:02d}_{f.name}")
-  return src
 
 
 @pytest.fixture
@@ -394,19 +376,12 @@ def test_the_library_refuses_bad_arguments_too(photos_raw, tmp_path):
 
 
 def test_every_converter_records_each_shards_size(photos_dir, tmp_path):
-  from tests.test_convert_tfrecord import write_tfrecord
-
-  payloads = [r for p in sorted(photos_dir.glob("train.*")) for r in read_shard(p)]
-  write_tfrecord(tmp_path / "in.tfrecord", payloads)
   from pipeline.convert import tfrecord
+  from tests.test_convert_tfrecord import photos_tfrecord
 
+  source = photos_tfrecord(photos_dir, tmp_path)
   tfrecord.convert(
-    str(tmp_path / "in.tfrecord"),
-    tmp_path / "tf",
-    num_classes=4,
-    shard_size_mb=1,
-    workers=1,
-    progress=False,
+    source, tmp_path / "tf", num_classes=4, shard_size_mb=1, workers=1, progress=False
   )
   for out in (photos_dir, tmp_path / "tf"):
     data = json.loads((out / manifest.FILENAME).read_text())

@@ -9,7 +9,6 @@ one, from the state's JSON, with the saving process's shard_index and shard_coun
 
 from __future__ import annotations
 
-import hashlib
 import json
 import math
 import pathlib
@@ -18,12 +17,11 @@ import pytest
 
 import pipeline
 from pipeline.convert import builtin, images
-from tests.conftest import run_processes
-from tests.multihost_pipeline_worker import IMAGE_SIZE, SEED, hashes, make_dataset
+from tests.cluster import run_processes
+from tests.multihost_pipeline_worker import BATCH, hashes, make_dataset
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NUM_RECORDS = 45  # divides by neither 2 nor 4: the last places of a slice are padding
-BATCH = 4
 
 
 @pytest.fixture(scope="module")
@@ -39,38 +37,17 @@ def odd_dir(tmp_path_factory) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def record_hashes(odd_dir) -> set[str]:
   """The hash of every record's eval image, read by one process in order."""
-  ds = pipeline.make_dataset(
-    odd_dir,
-    batch_size=BATCH,
-    train=False,
-    image_size=IMAGE_SIZE,
-    seed=SEED,
-    shard_index=0,
-    shard_count=1,
-  )
-  hashes = [
-    hashlib.sha1(image.tobytes()).hexdigest()
-    for b in ds
-    for image, real in zip(b["image"], b["mask"], strict=True)
-    if real
-  ]
-  assert len(set(hashes)) == len(hashes) == NUM_RECORDS  # a hash identifies a record
-  return set(hashes)
+  ds = make_dataset(odd_dir, 0, 1, shuffle=False, num_epochs=1)
+  real = [h for b in ds for h in hashes(b) if h is not None]
+  assert len(set(real)) == len(real) == NUM_RECORDS  # a hash identifies a record
+  return set(real)
 
 
-def run_cluster(
-  num_processes: int, data: pathlib.Path, out: pathlib.Path, save_at: int
-) -> list[dict]:
-  """Starts `num_processes` workers joined on a fresh localhost port; returns their JSON."""
+def run_cluster(num_processes: int, data: pathlib.Path, out: pathlib.Path, save_at: int):
+  """The JSON of `num_processes` workers joined on a fresh localhost port."""
   out.mkdir(parents=True, exist_ok=True)
   run_processes(
-    "multihost_pipeline_worker.py",
-    num_processes,
-    num_processes=num_processes,
-    data=data,
-    batch_size=BATCH,
-    save_at=save_at,
-    out=out / "{i}.json",
+    "multihost_pipeline_worker.py", num_processes, data=data, save_at=save_at, out=out / "{i}.json"
   )
   return [json.loads((out / f"{i}.json").read_text()) for i in range(num_processes)]
 
@@ -88,7 +65,7 @@ def by_epoch(results: list[dict], num_processes: int) -> list[list[str]]:
 
 def stream(data, state: dict, shard_index: int, shard_count: int) -> list[list[str | None]]:
   """The rest of a process's stream after `state`, as the worker writes it."""
-  it = iter(make_dataset(data, shard_index, shard_count, batch_size=BATCH))
+  it = iter(make_dataset(data, shard_index, shard_count))
   it.set_state(json.loads(json.dumps(state)))
   return [hashes(b) for b in it]
 
@@ -120,7 +97,7 @@ def test_processes_cover_each_epoch_once_and_resume_exactly(
 
 def test_a_state_from_another_process_count_is_refused_clearly(odd_dir):
   """An eval stream is padded per epoch and process count: its state resumes on that count."""
-  it = iter(make_dataset(odd_dir, 1, 2, batch_size=BATCH))
+  it = iter(make_dataset(odd_dir, 1, 2))
   next(it)
   state = it.get_state()
   with pytest.raises(ValueError, match="cannot continue on 4 x 4: .* resume on 2 process"):

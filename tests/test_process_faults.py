@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from pipeline.stages import handoff
-from tests.conftest import REPO
+from tests.conftest import REPO, run_command
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
 
@@ -117,14 +117,7 @@ def test_a_dev_shm_too_small_for_the_workers_falls_back_to_threads_in_one_line(
     f"mount -t tmpfs -o size=8m tmpfs {handoff.SHM_DIR} && "
     f"exec {sys.executable} {script} {digits_dir}"
   )
-  p = subprocess.run(
-    [*_private_mounts(), "sh", "-c", shell],
-    capture_output=True,
-    text=True,
-    cwd=tmp_path,
-    env=ENV,
-    timeout=120,
-  )
+  p = run_command([*_private_mounts(), "sh", "-c", shell], cwd=tmp_path, env=ENV, timeout=120)
   assert p.returncode == 0, p.stderr[-2000:]
   assert p.stdout.strip() == "40 batches"
   (line,) = [x for x in p.stderr.splitlines() if "/dev/shm" in x]
@@ -148,13 +141,7 @@ next(iter(ds))
 
 
 def test_too_little_memory_to_open_a_split_is_one_line_not_a_hang(digits_dir):
-  p = subprocess.run(
-    [sys.executable, "-c", LIMITED, str(digits_dir)],
-    capture_output=True,
-    text=True,
-    env=ENV,
-    timeout=60,  # a hang fails here
-  )
+  p = run_command([sys.executable, "-c", LIMITED, digits_dir], env=ENV, timeout=60)  # a hang fails
   assert p.returncode == 1
   last = p.stderr.strip().splitlines()[-1]
   assert last.startswith(

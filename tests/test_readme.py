@@ -10,22 +10,41 @@ import sys
 import pytest
 
 import pipeline
+from tests.conftest import run_command
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 
-@pytest.mark.parametrize("data", ["digits_dir", "classes20_dir"])
-def test_readme_flax_example_runs_as_written(data, request, tmp_path):
-  """On the built-in digits and on a 20-class folder: nothing assumes 10 classes."""
-  data_dir = request.getfixturevalue(data)
-  classes = pipeline.load_manifest(data_dir).num_classes
-  readme = (ROOT / "README.md").read_text()
-  section = readme.split("## Using the pipeline in your own Flax experiment")[1].split("\n## ")[0]
-  blocks = re.findall(r"```python\n(.*?)```", section, re.S)
-  assert len(blocks) == 3
+def python_blocks(title: str) -> list[str]:
+  """The code of the ```python blocks in the README's section TITLE."""
+  section = (ROOT / "README.md").read_text().split(f"## {title}")[1].split("\n## ")[0]
+  return re.findall(r"```python\n(.*?)```", section, re.S)
+
+
+def run_saved(code: str, name: str, data_dir, tmp_path, **env) -> subprocess.CompletedProcess:
+  """CODE saved as the script NAME in an empty folder and run there, with the tree under test
+  on the path (not an installed copy) and ~/pipeline-data/digits the dataset `data_dir`."""
   home = tmp_path / "home"
   (home / "pipeline-data").mkdir(parents=True)
   (home / "pipeline-data" / "digits").symlink_to(data_dir)
+  empty = tmp_path / "cwd"
+  empty.mkdir()
+  script = empty / name
+  script.write_text(code)
+  env = {**os.environ, "HOME": str(home), "PYTHONPATH": str(ROOT), **env}
+  return run_command([sys.executable, script], cwd=empty, env=env)
+
+
+@pytest.fixture(params=["digits_dir", "classes20_dir"])
+def data_dir(request) -> pathlib.Path:
+  """The built-in digits, and a folder of 20 classes: nothing may assume 10 classes."""
+  return request.getfixturevalue(request.param)
+
+
+def test_readme_flax_example_runs_as_written(data_dir, tmp_path):
+  classes = pipeline.load_manifest(data_dir).num_classes
+  blocks = python_blocks("Using the pipeline in your own Flax experiment")
+  assert len(blocks) == 3
   check = "\n".join(blocks) + (
     '\nif __name__ == "__main__":'
     "\n  assert batch['image'].sharding.spec[0] == 'data'"
@@ -38,21 +57,8 @@ def test_readme_flax_example_runs_as_written(data, request, tmp_path):
     "\n  assert label.shape == (64,) and 0 <= int(label.min()) and int(label.max()) <= 1"
     "\n  print('OK')\n"
   )
-  # The tree under test, not an installed copy; from an empty folder, as a saved script.
-  env = dict(os.environ, HOME=str(home), XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  env["PYTHONPATH"] = str(ROOT)
-  empty = tmp_path / "cwd"
-  empty.mkdir()
-  script = empty / "experiment.py"
-  script.write_text(check)
-  out = subprocess.run(
-    [sys.executable, str(script)],
-    cwd=empty,
-    env=env,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  devices = "--xla_force_host_platform_device_count=4"
+  out = run_saved(check, "experiment.py", data_dir, tmp_path, XLA_FLAGS=devices)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "OK" in out.stdout
 
@@ -121,17 +127,10 @@ def test_readme_convert_and_doctor_commands_parse_as_written():
   assert {"images", "tfrecord", "tfds", "verify", "builtin", "bench.doctor"} <= checked
 
 
-@pytest.mark.parametrize("data", ["digits_dir", "classes20_dir"])
-def test_readme_big_vision_pp_example_runs_as_written(data, request, tmp_path):
-  data_dir = request.getfixturevalue(data)
+def test_readme_big_vision_pp_example_runs_as_written(data_dir, tmp_path):
   classes = pipeline.load_manifest(data_dir).num_classes
-  readme = (ROOT / "README.md").read_text()
-  section = readme.split("## Coming from big_vision / the Flax ImageNet example")[1]
-  blocks = re.findall(r"```python\n(.*?)```", section.split("\n## ")[0], re.S)
+  blocks = python_blocks("Coming from big_vision / the Flax ImageNet example")
   assert len(blocks) == 1
-  home = tmp_path / "home"
-  (home / "pipeline-data").mkdir(parents=True)
-  (home / "pipeline-data" / "digits").symlink_to(data_dir)
   check = blocks[0] + (
     '\nif __name__ == "__main__":'
     "\n  assert batch['image'].shape == (64, 64, 64, 3) and str(batch['image'].dtype) == 'float32'"
@@ -140,14 +139,7 @@ def test_readme_big_vision_pp_example_runs_as_written(data, request, tmp_path):
     "\n  assert seen == val.num_examples"
     "\n  print('OK')\n"
   )
-  env = dict(os.environ, HOME=str(home), PYTHONPATH=str(ROOT))
-  empty = tmp_path / "cwd"
-  empty.mkdir()
-  script = empty / "big_vision.py"
-  script.write_text(check)
-  out = subprocess.run(
-    [sys.executable, str(script)], cwd=empty, env=env, capture_output=True, text=True, timeout=300
-  )
+  out = run_saved(check, "big_vision.py", data_dir, tmp_path)
   assert out.returncode == 0, out.stderr[-3000:]
   assert "OK" in out.stdout
 

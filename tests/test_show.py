@@ -10,7 +10,7 @@ from PIL import Image
 
 import pipeline
 from pipeline import show
-from tests.conftest import REPO
+from tests.conftest import run_command
 
 
 def class_colors() -> np.ndarray:
@@ -53,13 +53,7 @@ def test_mixed_labels_of_a_pp_string_are_titled_with_each_class_and_its_weight(c
 
 
 def run_show(*args: str) -> subprocess.CompletedProcess:
-  return subprocess.run(
-    [sys.executable, "-m", "pipeline.show", *map(str, args)],
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=300,
-  )
+  return run_command([sys.executable, "-m", "pipeline.show", *args])
 
 
 def test_the_cli_writes_a_grid_png_and_never_replaces_one_unasked(classes20_dir, tmp_path):
@@ -143,5 +137,5 @@ def test_help_and_import_pipeline_without_matplotlib():
   p = run_show("--help")
   assert p.returncode == 0 and "--overwrite" in p.stdout and "--pp" in p.stdout
   code = "import sys, pipeline, pipeline.show; print('matplotlib' in sys.modules)"
-  p = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True)
+  p = run_command([sys.executable, "-c", code])
   assert p.stdout.strip() == "False", p.stderr

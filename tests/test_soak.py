@@ -168,16 +168,13 @@ def summary(samples: list[Sample], num_records: int) -> str:
   )
 
 
-def test_short_soak_with_thread_decoding_stays_flat(digits_dir):
-  samples, closed, _ = soak(digits_dir, 10, num_workers=0, restart_every_s=1)
-  print(summary(samples, 240))
-  assert_flat(samples)
-  assert closed.threads <= samples[0].threads + THREAD_BOUND
-
-
-@pytest.mark.slow
-def test_soak_with_thread_decoding_stays_flat(digits_dir):
-  samples, closed, _ = soak(digits_dir, 60, num_workers=0, restart_every_s=3)
+@pytest.mark.parametrize(
+  "seconds, restart_every_s",
+  [(10, 1), pytest.param(60, 3, marks=pytest.mark.slow)],
+  ids=["short", "long"],
+)
+def test_soak_with_thread_decoding_stays_flat(digits_dir, seconds, restart_every_s):
+  samples, closed, _ = soak(digits_dir, seconds, num_workers=0, restart_every_s=restart_every_s)
   print(summary(samples, 240))
   assert_flat(samples)
   assert closed.threads <= samples[0].threads + THREAD_BOUND

@@ -9,7 +9,7 @@ from pipeline.catalog import records
 from pipeline.image import augment, decode
 from pipeline.stages.ahead import AheadIterDataset
 from tests import stage_chain
-from tests.conftest import jpeg, native_or_skip
+from tests.conftest import jpeg
 
 
 @pytest.mark.parametrize("train", [True, False])
@@ -58,16 +58,6 @@ def test_an_examples_draws_depend_only_on_seed_epoch_and_index():
   )
   draws = [augment.uniform(augment.example_key(0, 0, i), 0) for i in range(4000)]
   assert 0 <= min(draws) and max(draws) < 1 and abs(np.mean(draws) - 0.5) < 0.02
-
-
-@pytest.fixture(params=["libjpeg-turbo extension", "simplejpeg fallback"])
-def decoder(request, monkeypatch):
-  """Runs a test with the C extension and again as if it had not been built."""
-  if request.param == "simplejpeg fallback":
-    monkeypatch.setattr(decode, "_jpeg", None)
-  else:
-    native_or_skip()
-  return request.param
 
 
 def test_crop_decode_matches_full_decode_and_dct_scaling_halves(decoder):

@@ -31,7 +31,7 @@ from pipeline.convert import verify
 from pipeline.stages import errors
 from tests import stage_chain
 from tests.conftest import assert_same_batches
-from tests.test_convert_tfds import UnlabeledShapes
+from tests.test_convert_tfds import Builder, UnlabeledShapes, jpeg_feature
 from tests.test_gcs import gcs, needs_emulator, run  # noqa: F401 - gcs is a fixture
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -47,24 +47,15 @@ def _jpeg(rng) -> io.BytesIO:
   return out
 
 
-class TinyPets(tfds.core.GeneratorBasedBuilder):
+class TinyPets(Builder):
   """JPEGs of three classes in splits train (40) and validation (9); 1.1.0 has other images
   under the same file names."""
 
-  VERSION = tfds.core.Version("1.0.0")
   SUPPORTED_VERSIONS = [tfds.core.Version("1.1.0")]
 
-  def _info(self):
-    return tfds.core.DatasetInfo(
-      builder=self,
-      features=tfds.features.FeaturesDict(
-        {
-          "image": tfds.features.Image(shape=(None, None, 3), encoding_format="jpeg"),
-          "label": tfds.features.ClassLabel(names=CLASSES),
-          "file_name": tfds.features.Text(),
-        }
-      ),
-    )
+  def features(self):
+    labels = tfds.features.ClassLabel(names=CLASSES)
+    return {"image": jpeg_feature(), "label": labels, "file_name": tfds.features.Text()}
 
   def _split_generators(self, dl_manager):
     return {"train": self._generate_examples(40, 1), "validation": self._generate_examples(9, 2)}
@@ -75,21 +66,12 @@ class TinyPets(tfds.core.GeneratorBasedBuilder):
       yield i, {"image": _jpeg(rng), "label": i % 3, "file_name": f"pet{seed}_{i}.jpg"}
 
 
-class DepthPets(tfds.core.GeneratorBasedBuilder):
+class DepthPets(Builder):
   """16-bit PNGs: an image the decoder cannot serve as it is."""
 
-  VERSION = tfds.core.Version("1.0.0")
-
-  def _info(self):
-    return tfds.core.DatasetInfo(
-      builder=self,
-      features=tfds.features.FeaturesDict(
-        {
-          "image": tfds.features.Image(shape=(None, None, 1), dtype=np.uint16),
-          "label": tfds.features.ClassLabel(names=CLASSES),
-        }
-      ),
-    )
+  def features(self):
+    image = tfds.features.Image(shape=(None, None, 1), dtype=np.uint16)
+    return {"image": image, "label": tfds.features.ClassLabel(names=CLASSES)}
 
   def _split_generators(self, dl_manager):
     return {"train": self._generate_examples()}
@@ -102,21 +84,11 @@ class DepthPets(tfds.core.GeneratorBasedBuilder):
       yield i, {"image": io.BytesIO(png.read()), "label": i}
 
 
-class CountPets(tfds.core.GeneratorBasedBuilder):
+class CountPets(Builder):
   """A label that is an integer, not a ClassLabel: no class names."""
 
-  VERSION = tfds.core.Version("1.0.0")
-
-  def _info(self):
-    return tfds.core.DatasetInfo(
-      builder=self,
-      features=tfds.features.FeaturesDict(
-        {
-          "image": tfds.features.Image(shape=(None, None, 3), encoding_format="jpeg"),
-          "label": tfds.features.Scalar(dtype=np.int64),
-        }
-      ),
-    )
+  def features(self):
+    return {"image": jpeg_feature(), "label": tfds.features.Scalar(dtype=np.int64)}
 
   def _split_generators(self, dl_manager):
     return {"train": self._generate_examples()}
