@@ -7,7 +7,7 @@ EXTRAS  := train,tensorboard,data,bench,dev
 # below the main environment's versions (docs/ARCHITECTURE.md).
 BEAM_PY    := .venv-beam/bin/python
 BEAM_STAMP := .venv-beam/.installed
-BEAM_TESTS := tests/test_convert_beam.py
+BEAM_TESTS := tests/convert/test_beam.py
 DATA    := data
 ARGS    ?=
 CONFIG  ?= configs/default.py

@@ -1,4 +1,4 @@
-"""One process of the elastic-resume tests (see test_elastic.py).
+"""One process of the elastic-resume tests (see order/test_elastic.py).
 
 Joins an N-process JAX cluster on localhost and reads its slice of a train split with
 `make_dataset` (shard_index/shard_count from jax), a global batch of GLOBAL_BATCH examples

@@ -1,4 +1,5 @@
-"""Records TensorFlow's crop statistics and big_vision's eval pixels for tests/test_geometry.py.
+"""Records TensorFlow's crop statistics and big_vision's eval pixels for
+tests/image/test_geometry.py.
 
 Needs tensorflow (not a test dependency): `python tests/make_geometry_reference.py` rewrites
 tests/reference/geometry_reference.json and tests/reference/geometry_eval.npz.

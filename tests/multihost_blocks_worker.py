@@ -1,4 +1,4 @@
-"""One process of test_blocks_hosts.py's pod: reads its slice of a split in the block order
+"""One process of order/test_blocks_hosts.py's pod: reads its slice of a split in the block order
 through its own storage rig mount (--data: this host's mount), as a host of a pod reads a
 bucket, and counts the storage reads it made.
 

@@ -1,4 +1,4 @@
-"""One process of the multi-host pipeline tests (see test_multihost_pipeline.py).
+"""One process of the multi-host pipeline tests (see order/test_multihost_pipeline.py).
 
 Joins an N-process JAX cluster on localhost, reads its slice of a split with `make_dataset`
 (shard_index/shard_count from jax.process_index()/process_count()) for 2 epochs of eval

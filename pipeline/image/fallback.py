@@ -2,9 +2,9 @@
 not built: the example key and its draws, the crop windows, the DCT scale, the JPEG frame walk.
 
 Where the extension is built, `pipeline.image.augment` and `pipeline.image.decode` call the C
-functions (`decode.geometry()` picks), so a window has one owner; tests/test_fallback.py checks that
-these give the same answers on many shapes and keys. `segments` also serves `decode` to hand the
-Python decoders a JPEG as libjpeg reads it.
+functions (`decode.geometry()` picks), so a window has one owner; tests/image/test_fallback.py
+checks that these give the same answers on many shapes and keys. `segments` also serves `decode` to
+hand the Python decoders a JPEG as libjpeg reads it.
 """
 
 from __future__ import annotations

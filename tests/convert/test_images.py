@@ -22,7 +22,7 @@ from pipeline.catalog import manifest, records
 from pipeline.convert import images, shards
 from pipeline.image import decode
 from tests.conftest import REPO, linked_photos, run_command
-from tests.test_convert_faults import CONVERT_IMAGES, convert_cmd
+from tests.convert.test_faults import CONVERT_IMAGES, convert_cmd
 
 
 def read_shard(path) -> list[bytes]:

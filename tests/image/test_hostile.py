@@ -29,7 +29,7 @@ from pipeline.stages.decode import batch_decoder
 from pipeline.storage.source import ShardedSource
 from tests import jpeg_modes
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NATIVE = decode.native()
 
 

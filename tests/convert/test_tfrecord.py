@@ -10,7 +10,7 @@ from array_record.python import array_record_module
 
 from pipeline.catalog import manifest, records
 from pipeline.convert import tfrecord
-from tests.test_convert_images import read_shard
+from tests.convert.test_images import read_shard
 
 OTHER_KEYS = records.Keys(image="data", label="category", filename="name")
 

@@ -17,8 +17,7 @@ import numpy as np
 import pytest
 
 from pipeline.stages import handoff
-
-from .conftest import REPO
+from tests.conftest import REPO
 
 
 def _batches(n: int, rows: int = 4, side: int = 160) -> list[dict]:

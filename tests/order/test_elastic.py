@@ -24,7 +24,7 @@ from pipeline.stages.stream import StateError
 from tests.cluster import run_processes
 from tests.conftest import assert_same_batches, take
 from tests.elastic_pipeline_worker import GLOBAL_BATCH, examples, make_dataset
-from tests.test_multihost_pipeline import odd_dir  # noqa: F401 - a fixture
+from tests.order.test_multihost_pipeline import odd_dir  # noqa: F401 - a fixture
 
 STEPS, SAVES = 8, (2, 4)
 PAIRS = [(2, 1), (1, 2), (3, 2), (2, 3), (4, 2)]

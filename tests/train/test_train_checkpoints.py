@@ -15,7 +15,7 @@ import pytest
 from etils import epath
 
 from pipeline.convert import images
-from tests.test_train import ROOT, env, summary, train_cmd, wait_for
+from tests.train.test_train import ROOT, env, summary, train_cmd, wait_for
 from train import checkpoints
 
 STEPS = ["--config.num_steps=6", "--config.checkpoint_every_steps=2", "--config.keep_checkpoints=3"]

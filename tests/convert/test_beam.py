@@ -22,8 +22,8 @@ from PIL import Image
 
 from pipeline.convert import beam as convert_beam  # imports apache_beam only when it runs
 from pipeline.convert import images, shards, tfrecord
-from tests.test_convert_images import messy  # noqa: F401 - a fixture
-from tests.test_gcs import gcs, run  # noqa: F401 - gcs: a fixture, a local Cloud Storage
+from tests.convert.test_images import messy  # noqa: F401 - a fixture
+from tests.storage.test_gcs import gcs, run  # noqa: F401 - gcs: a fixture, a local Cloud Storage
 
 pytest.importorskip("apache_beam", reason="optional extra: pip install '.[beam]'")
 
@@ -65,7 +65,7 @@ def test_beam_image_conversion_matches_the_local_one(photos_raw, tmp_path):
 
 
 def test_beam_tfrecord_conversion_matches_the_local_one(photos_dir, tmp_path):
-  from tests.test_convert_tfrecord import photos_tfrecord
+  from tests.convert.test_tfrecord import photos_tfrecord
 
   source = photos_tfrecord(photos_dir, tmp_path)
   local = tfrecord.convert(

@@ -20,9 +20,9 @@ import time
 import pytest
 
 from tests.conftest import free_port
-from tests.test_train import damage_train_records, env, train_cmd
+from tests.train.test_train import damage_train_records, env, train_cmd
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 VALIDATION = 60  # records in digits_dir's validation split
 
 

@@ -17,7 +17,7 @@ import pipeline
 from pipeline.image import augment, decode
 from tests import make_geometry_reference as reference
 
-REFERENCE = pathlib.Path(__file__).resolve().parent / "reference"
+REFERENCE = pathlib.Path(__file__).resolve().parents[1] / "reference"
 CROPS = json.loads((REFERENCE / "geometry_reference.json").read_text())
 
 

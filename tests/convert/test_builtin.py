@@ -77,7 +77,7 @@ def test_a_second_builtin_build_of_the_same_folder_waits_for_the_first(tmp_path)
     fcntl.flock(held, fcntl.LOCK_EX)
     second = subprocess.Popen(
       [sys.executable, "-m", "pipeline.convert", "builtin", str(tmp_path)],
-      cwd=pathlib.Path(__file__).resolve().parent.parent,
+      cwd=pathlib.Path(__file__).resolve().parents[2],
       stderr=subprocess.PIPE,
       text=True,
     )
@@ -99,7 +99,7 @@ def test_two_builtin_builds_at_once_both_succeed_with_one_dataset(tmp_path):
   import sys
 
   command = [sys.executable, "-m", "pipeline.convert", "builtin", str(tmp_path)]
-  repo = pathlib.Path(__file__).resolve().parent.parent
+  repo = pathlib.Path(__file__).resolve().parents[2]
   runs = [
     subprocess.Popen(command, cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     for _ in range(2)

@@ -36,7 +36,7 @@ from pipeline.dataset import BadRecordError
 from pipeline.image import augment, decode
 from pipeline.stages import decode as decode_stage
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 SANDBOX_MEMORY = 3 << 30  # address space of the sandbox: a pixel-limited image fits
 MAX_RSS_MB = 1500  # what the sandbox may have touched at its peak
 CALL_TIMEOUT_S = 30  # one input through every decode path (loaded 2-core CI machine)

@@ -31,10 +31,10 @@ from pipeline.convert import verify
 from pipeline.stages import errors
 from tests import stage_chain
 from tests.conftest import assert_same_batches
-from tests.test_convert_tfds import Builder, UnlabeledShapes, jpeg_feature
-from tests.test_gcs import gcs, needs_emulator, run  # noqa: F401 - gcs is a fixture
+from tests.convert.test_tfds import Builder, UnlabeledShapes, jpeg_feature
+from tests.storage.test_gcs import gcs, needs_emulator, run  # noqa: F401 - gcs is a fixture
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
+REPO = pathlib.Path(__file__).resolve().parents[2]
 CLASSES = ["cat", "dog", "fox"]
 
 

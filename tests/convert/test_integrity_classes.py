@@ -10,8 +10,8 @@ import pytest
 
 from pipeline.catalog import manifest, records
 from pipeline.convert import images, tfrecord
-from tests.test_convert_images import jpeg, read_shard, write
-from tests.test_convert_tfrecord import write_tfrecord
+from tests.convert.test_images import jpeg, read_shard, write
+from tests.convert.test_tfrecord import write_tfrecord
 
 
 def stored(out) -> dict[str, str]:

@@ -20,7 +20,7 @@ from pipeline.convert import builtin, images
 from tests.cluster import run_processes
 from tests.multihost_pipeline_worker import BATCH, hashes, make_dataset
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 NUM_RECORDS = 45  # divides by neither 2 nor 4: the last places of a slice are padding
 
 

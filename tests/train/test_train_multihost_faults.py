@@ -1,10 +1,11 @@
-"""Issue 37's faults in the trainer as two hosts of a pod slice (tests/test_train_multihost.py's
-`Run`): a checkpoint resumed over a reordered shard list is refused on both hosts and kept
-(row 1); a stalled mount on one host ends that host in one line naming the shard, and the
-other host too (row 3); a cut metrics.jsonl is set aside with one warning and the re-run
-finishes (row 4); blocks past every shard train (row 5: the hosts deal the blocks out).
-Row 2 (TFDS metadata) is a check every host makes at open as one process does
-(tests/test_tfds_folder.py); an error at open is one line on every host (`train.hosts.agree`).
+"""Issue 37's faults in the trainer as two hosts of a pod slice
+(tests/train/test_train_multihost.py's `Run`): a checkpoint resumed over a reordered shard list is
+refused on both hosts and kept (row 1); a stalled mount on one host ends that host in one line
+naming the shard, and the other host too (row 3); a cut metrics.jsonl is set aside with one warning
+and the re-run finishes (row 4); blocks past every shard train (row 5: the hosts deal the blocks
+out). Row 2 (TFDS metadata) is a check every host makes at open as one process does
+(tests/catalog/test_tfds_folder.py); an error at open is one line on every host
+(`train.hosts.agree`).
 """
 
 import json
@@ -15,7 +16,7 @@ import subprocess
 import pytest
 
 from pipeline.convert import images
-from tests.test_train_multihost import VALIDATION, Run, own_lines, summary
+from tests.train.test_train_multihost import VALIDATION, Run, own_lines, summary
 
 STEPS = ("--config.checkpoint_every_steps=2",)
 
@@ -96,7 +97,7 @@ def test_a_cut_metrics_file_is_set_aside_with_one_warning_and_the_rerun_finishes
   assert summary(workdir)["steps"] == 4
 
 
-@pytest.mark.slow  # ~55 s; one process: tests/test_blocks.py
+@pytest.mark.slow  # ~55 s; one process: tests/order/test_blocks.py
 def test_blocks_past_every_shard_train_on_two_hosts_as_blocks_of_a_shard(sharded, tmp_path):
   """block_records and window_blocks of 2**40 (row 5: no answer in 120 s, 8.5 GB): each
   block is a shard, dealt out to the hosts; every validation record evaluated once."""

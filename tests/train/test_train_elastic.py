@@ -17,8 +17,8 @@ import subprocess
 import pytest
 
 from pipeline.convert import images
-from tests.test_train import ROOT, env, train_cmd
-from tests.test_train_multihost import Run, own_lines, summary
+from tests.train.test_train import ROOT, env, train_cmd
+from tests.train.test_train_multihost import Run, own_lines, summary
 
 # No dropout: its masks come from "rbg" keys, whose bits follow the devices' layout.
 FLAGS = ("--config.checkpoint_every_steps=6", "--config.log_every=1", "--config.dropout=0")

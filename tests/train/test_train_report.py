@@ -17,7 +17,7 @@ import pytest
 from PIL import Image
 
 from tests.conftest import free_port
-from tests.test_train import ROOT, env, train_cmd
+from tests.train.test_train import ROOT, env, train_cmd
 from train import podview, report, train
 from train.podview import Host
 

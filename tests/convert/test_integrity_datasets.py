@@ -21,9 +21,9 @@ from pipeline.catalog import manifest, records
 from pipeline.convert import __main__ as cli_main
 from pipeline.convert import images, shards, verify
 from tests.conftest import run_command
-from tests.test_convert_images import read_shard
+from tests.convert.test_images import read_shard
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 CLASSES = ["astronaut", "chelsea", "coffee", "rocket"]
 
 
@@ -377,7 +377,7 @@ def test_the_library_refuses_bad_arguments_too(photos_raw, tmp_path):
 
 def test_every_converter_records_each_shards_size(photos_dir, tmp_path):
   from pipeline.convert import tfrecord
-  from tests.test_convert_tfrecord import photos_tfrecord
+  from tests.convert.test_tfrecord import photos_tfrecord
 
   source = photos_tfrecord(photos_dir, tmp_path)
   tfrecord.convert(

@@ -26,7 +26,7 @@ import pytest
 from pipeline.storage import remote
 from tests.cluster import free_port
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EMULATOR_MISSING = [
   name for name in ("gcp_storage_emulator", "gcsfs") if importlib.util.find_spec(name) is None
 ]
@@ -607,7 +607,7 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
 def test_tfrecords_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits_dir, tmp_path):
   from array_record.python.array_record_module import ArrayRecordReader
 
-  from tests.test_convert_tfrecord import write_tfrecord
+  from tests.convert.test_tfrecord import write_tfrecord
 
   name = sorted(p.name for p in digits_dir.glob("train.array_record-*"))[0]
   reader = ArrayRecordReader(str(digits_dir / name))

@@ -22,7 +22,7 @@ import urllib.request
 
 import pytest
 
-from tests.test_gcs import REPO, gcs, needs_emulator  # noqa: F401 - the emulator fixture
+from tests.storage.test_gcs import REPO, gcs, needs_emulator  # noqa: F401 - the emulator fixture
 
 HOP = ("host", "content-length", "transfer-encoding", "connection")
 SHORT = "from pipeline.storage import remote; remote.ATTEMPT_S, remote.BACKOFF_S = 2.0, 0.2\n"

@@ -14,7 +14,7 @@ from flax import nnx
 
 import pipeline
 from configs import default, imagenet_mobilenet_v1, imagenet_mobilenet_v2
-from tests.test_train import ROOT
+from tests.train.test_train import ROOT
 from train import UsageError, fit, models, train
 from train import config as config_lib
 

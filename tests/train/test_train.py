@@ -14,7 +14,7 @@ import jax
 
 from train import train
 
-ROOT = pathlib.Path(__file__).resolve().parent.parent
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 def train_cmd(workdir, data_dir, *overrides):

@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 from pipeline.catalog import manifest
 from pipeline.convert import shards, verify
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
+ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture
