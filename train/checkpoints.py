@@ -229,6 +229,20 @@ class Checkpoints:
     self.manager.close()
 
 
+def already_done(workdir: epath.Path, num_steps: int) -> dict | None:
+  """The summary of a run that finished at least `num_steps` steps, if any."""
+  path = workdir / "summary.json"
+  if not path.exists():
+    return None
+  try:
+    summary = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise UsageError(f"{path} is not a summary this trainer wrote ({e}): move it aside") from None
+  if not isinstance(summary, dict) or not isinstance(summary.get("steps"), int):
+    raise UsageError(f"{path} is not a summary this trainer wrote (no step count): move it aside")
+  return summary if summary["steps"] >= num_steps else None
+
+
 def saved_steps(workdir: epath.Path) -> list[int]:
   """The steps of the checkpoints in WORKDIR/checkpoints, ascending (finished saves only)."""
   folder = workdir / "checkpoints"
