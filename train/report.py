@@ -89,6 +89,19 @@ class Reporter:
     self.synthetic: float | None = None  # seconds per step on a batch already on the devices
     self.requests = 0  # storage requests of this host's pipeline at the last log line
 
+  def begin(self, notes: str) -> None:
+    """The plan and the pipeline's `notes` for this host; how to read the input wait."""
+    plan = self.plan.describe()
+    if self.chief:
+      print(f"plan: {plan}\n{notes}{EXPLAIN_WAIT}", flush=True)
+    else:
+      print(
+        f"process {jax.process_index()}: follow process 0's log (every host's img/s and input "
+        f"wait are in it); plan: {plan}\n{notes}",
+        end="",
+        flush=True,
+      )
+
   def say(self, line: str) -> None:
     if self.chief:
       print(line, flush=True)

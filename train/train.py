@@ -156,12 +156,13 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   config_lib.local_batch_size(config, jax.process_count(), data_devices)
   notes = io.StringIO()
   with contextlib.redirect_stderr(notes):  # the pipeline's notes: shown with the plan
-    train, eval_ = (open_input(config, mesh, evaluation) for evaluation in (False, True))
+    train = open_input(config, mesh, evaluation=False)
+    val = open_input(config, mesh, evaluation=True)
   abstract = nnx.eval_shape(lambda: create_model(config, train.num_classes))
   fit.check(abstract, train.image_size, config.compute_dtype, train.batch_size, data_devices)
   plan = config_lib.resolve(config, train.num_examples, jax.process_count(), data_devices)
   make_optimizer(config, plan)  # an unknown optimizer is refused here
-  return Setup(mesh, plan, train, eval_, notes.getvalue())
+  return Setup(mesh, plan, train, val, notes.getvalue())
 
 
 def open_input(
@@ -273,6 +274,7 @@ class Run:
   """A run's live parts: made by `set_up`, advanced by `train_loop`, closed by `finish`."""
 
   config: ml_collections.ConfigDict
+  workdir: epath.Path
   plan: config_lib.Plan
   train_step: Callable[[nnx.State, Batch], tuple[nnx.State, Metrics]]
   eval_step: Callable[[nnx.State, Batch], Metrics]
@@ -281,43 +283,36 @@ class Run:
   train: pipeline.Input
   eval: pipeline.Input
   ckpt: checkpoints.Checkpoints
-  report: report.Reporter
+  reporter: report.Reporter
   lock: Lock
   stop: preemption.Stop
 
 
 def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup, lock: Lock) -> Run:
   """The state (restored from the last checkpoint, if any) and the jitted steps."""
-  plan, data = setup.plan, setup.train
-  if jax.process_index() == 0:
-    print(f"plan: {plan.describe()}\n{setup.notes}{report.EXPLAIN_WAIT}", flush=True)
-  else:
-    print(
-      f"process {jax.process_index()}: follow process 0's log (every host's img/s and input "
-      f"wait are in it); plan: {plan.describe()}\n{setup.notes}",
-      end="",
-      flush=True,
-    )
-  graphdef, state = init_state(config, data.num_classes, plan, setup.mesh)
-  train_step, eval_step = make_steps(graphdef, data.num_classes, config)
+  reporter = report.Reporter(workdir, setup.plan, chief=jax.process_index() == 0)
+  reporter.begin(setup.notes)
+  num_classes = setup.train.num_classes
+  graphdef, state = init_state(config, num_classes, setup.plan, setup.mesh)
+  train_step, eval_step = make_steps(graphdef, num_classes, config)
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
-  step, state = ckpt.restore(state, data)
-  reporter = report.Reporter(workdir, plan, chief=jax.process_index() == 0)
+  step, state = ckpt.restore(state, setup.train)
   if step:
     reporter.say(ckpt.resumed(step))
   return Run(
-    config,
-    plan,
-    train_step,
-    eval_step,
-    state,
-    step,
-    data,
-    setup.eval,
-    ckpt,
-    reporter,
-    lock,
-    preemption.Stop(),
+    config=config,
+    workdir=workdir,
+    plan=setup.plan,
+    train_step=train_step,
+    eval_step=eval_step,
+    state=state,
+    step=step,
+    train=setup.train,
+    eval=setup.eval,
+    ckpt=ckpt,
+    reporter=reporter,
+    lock=lock,
+    stop=preemption.Stop(),
   )
 
 
@@ -330,7 +325,7 @@ def train_loop(run: Run) -> None:
   window, metrics, progress = report.Window(), {}, None
   while run.step < plan.num_steps:
     if profile and run.step == profile[0] and chief:
-      jax.profiler.start_trace(os.fspath(run.report.workdir / "profile"))
+      jax.profiler.start_trace(os.fspath(run.workdir / "profile"))
     with jax.profiler.StepTraceAnnotation("train", step_num=run.step):
       if metrics:  # the devices wait for input only once the previous step is done
         jax.block_until_ready(metrics)
@@ -340,8 +335,8 @@ def train_loop(run: Run) -> None:
         window.settling -= 1
       else:
         window.blocked += time.perf_counter() - t0
-      if run.report.synthetic is None:
-        run.report.synthetic = compile_and_time(run, batch)
+      if run.reporter.synthetic is None:
+        run.reporter.synthetic = compile_and_time(run, batch)
         window, progress = report.Window(), report.Progress(run.step, plan.num_steps)
       run.state, metrics = run.train_step(run.state, batch)
     run.step += 1
@@ -358,39 +353,39 @@ def train_loop(run: Run) -> None:
       jax.block_until_ready(run.state)  # the steps' compute belongs to the window
     if log_now:
       lr = float(schedule(plan)(step))
-      run.report.window(step, window, jax.device_get(metrics), lr, run.train.stats(), progress)
+      run.reporter.window(step, window, jax.device_get(metrics), lr, run.train.stats(), progress)
       window = report.Window()
     else:
-      run.report.progress(progress, step, window)
+      run.reporter.progress(progress, step, window)
     if save_now:
       with window.pause():
         run.ckpt.save(step, run.state, run.train)
     if stopping:
-      run.report.close()
-      run.report.say(run.stop.say(step))
+      run.reporter.close()
+      run.reporter.say(run.stop.say(step))
       raise SystemExit(128 + run.stop.signum)
     if eval_now:
       with window.pause():
-        run.report.eval(step, evaluate(run.eval_step, run.state, run.eval))
+        run.reporter.eval(step, evaluate(run.eval_step, run.state, run.eval))
   if run.ckpt.latest_step() != run.step:
     run.ckpt.save(run.step, run.state, run.train)
 
 
 def compile_and_time(run: Run, batch: Batch) -> float:
   """Compiles the train step on the first batch; returns the seconds per step on it."""
-  run.report.say("compiling the train step...")
+  run.reporter.say("compiling the train step...")
   compile_start = time.perf_counter()
   jax.block_until_ready(run.train_step(run.state, batch))
   compiled = time.perf_counter() - compile_start
   synthetic = synthetic_step_time(run.train_step, run.state, batch, run.config.synthetic_steps)
-  run.report.say(f"compiled in {compiled:.1f} s; training")
+  run.reporter.say(f"compiled in {compiled:.1f} s; training")
   return synthetic
 
 
 def finish(run: Run) -> dict:
   """The final evaluation and the run's summary (written by process 0); everything closed."""
   ev = evaluate(run.eval_step, run.state, run.eval)
-  summary = run.report.summary(ev, run.step, checkpoints.checksum(run.state))
+  summary = run.reporter.summary(ev, run.step, checkpoints.checksum(run.state))
   run.ckpt.close()
   run.train.close()
   run.eval.close()
