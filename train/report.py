@@ -77,9 +77,24 @@ class Window:
       self.settling = 1
 
 
+def begin(plan: Plan, notes: str) -> None:
+  """The plan and the pipeline's `notes` for this host; process 0 says how to read the input
+  wait, the others where to look."""
+  if jax.process_index() == 0:
+    print(f"plan: {plan.describe()}\n{notes}{EXPLAIN_WAIT}", flush=True)
+  else:
+    print(
+      f"process {jax.process_index()}: follow process 0's log (every host's img/s and input "
+      f"wait are in it); plan: {plan.describe()}\n{notes}",
+      end="",
+      flush=True,
+    )
+
+
 class Reporter:
   """A run's speed record and what it says: every process measures its windows and gathers
-  every host's (`train.podview`); process 0 (`chief`) prints them and writes the `Log`."""
+  every host's (`train.podview`); process 0 (`chief`) prints them and writes the `Log` (made
+  with the Reporter: after a refused restore, nothing is written)."""
 
   def __init__(self, workdir: epath.Path, plan: Plan, chief: bool):
     self.workdir, self.plan, self.chief = workdir, plan, chief
@@ -88,19 +103,6 @@ class Reporter:
     self.hosts: list[list[podview.Host]] = []  # per window, each process's
     self.synthetic: float | None = None  # seconds per step on a batch already on the devices
     self.requests = 0  # storage requests of this host's pipeline at the last log line
-
-  def begin(self, notes: str) -> None:
-    """The plan and the pipeline's `notes` for this host; how to read the input wait."""
-    plan = self.plan.describe()
-    if self.chief:
-      print(f"plan: {plan}\n{notes}{EXPLAIN_WAIT}", flush=True)
-    else:
-      print(
-        f"process {jax.process_index()}: follow process 0's log (every host's img/s and input "
-        f"wait are in it); plan: {plan}\n{notes}",
-        end="",
-        flush=True,
-      )
 
   def say(self, line: str) -> None:
     if self.chief:

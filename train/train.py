@@ -290,13 +290,13 @@ class Run:
 
 def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup, lock: Lock) -> Run:
   """The state (restored from the last checkpoint, if any) and the jitted steps."""
-  reporter = report.Reporter(workdir, setup.plan, chief=jax.process_index() == 0)
-  reporter.begin(setup.notes)
+  report.begin(setup.plan, setup.notes)
   num_classes = setup.train.num_classes
   graphdef, state = init_state(config, num_classes, setup.plan, setup.mesh)
   train_step, eval_step = make_steps(graphdef, num_classes, config)
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, setup.train)
+  reporter = report.Reporter(workdir, setup.plan, chief=jax.process_index() == 0)
   if step:
     reporter.say(ckpt.resumed(step))
   return Run(
