@@ -6,8 +6,9 @@
 It divides the global batch over the processes (`pipeline.stages.plan.process_batch_size`), builds
 `make_dataset`'s stages + `device_prefetch` and returns an `Input`: a Grain iterator
 (checkpoint it with `grain.checkpoint.CheckpointSave(train)`) that knows `num_examples`,
-`steps_per_epoch` (the stages' `plan.Sizes`), `num_classes` and `classes`. A finite stream
-(eval) starts a new pass after each one ends.
+`steps_per_epoch` (the stages' `plan.Sizes`), `num_classes`, `classes`, the `manifest`, and
+what the spec made of the images: `image_size` and the `batch_ops` each batch goes through
+last. A finite stream (eval) starts a new pass after each one ends.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import grain
 import jax
 
 from pipeline import dataset, device
+from pipeline.catalog.manifest import Manifest
 from pipeline.spec import Spec
 from pipeline.stages import plan, stats
 from pipeline.stages.stream import stats_of
@@ -81,7 +83,9 @@ def input(
     fed,
     num_examples=stages.plan.sampler.num_records,
     steps_per_epoch=stages.sizes.steps_per_epoch,
-    classes=stages.manifest.classes,
+    manifest=stages.manifest,
+    image_size=stages.decode.head.image_size,
+    batch_ops=stages.finish.batch_ops,
     global_batch_size=global_batch_size,
     batch_size=batch_size,
     train=train,
@@ -95,6 +99,8 @@ class Input(grain.DatasetIterator):
   `grain.checkpoint.CheckpointSave/CheckpointRestore`) save and resume the position. When
   a finite pass ends (StopIteration), the next `next()` or `for` loop starts a new pass;
   `reset()` starts one at once. `dataset` is the underlying `grain.IterDataset`.
+  `image_size` is the side of its square images (the spec's, a pp string's head's, or the
+  default); `batch_ops` the ops run on each whole batch (pp's or `batch_ops=`), in order.
   """
 
   def __init__(
@@ -103,7 +109,9 @@ class Input(grain.DatasetIterator):
     *,
     num_examples: int,
     steps_per_epoch: int,
-    classes: list[str],
+    manifest: Manifest,
+    image_size: int,
+    batch_ops: tuple,
     global_batch_size: int,
     batch_size: int,
     train: bool,
@@ -112,7 +120,10 @@ class Input(grain.DatasetIterator):
     self.dataset = dataset
     self.num_examples = num_examples
     self.steps_per_epoch = steps_per_epoch
-    self.classes = list(classes)
+    self.manifest = manifest
+    self.classes = list(manifest.classes)
+    self.image_size = image_size
+    self.batch_ops = tuple(batch_ops)
     self.global_batch_size = global_batch_size
     self.batch_size = batch_size
     self.train = train

@@ -18,7 +18,8 @@ except RuntimeError:
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 P = jax.sharding.PartitionSpec
-FAST = {"image_size": 16, "performance": {"num_threads": 2}}
+FAST_THREADS = {"performance": {"num_threads": 2}}
+FAST = {"image_size": 16, **FAST_THREADS}
 
 
 @pytest.fixture(autouse=True)
@@ -53,6 +54,19 @@ def test_each_eval_pass_counts_every_example_once_and_the_next_loop_starts_anoth
   val.reset()  # a pass abandoned half-way: reset starts over
   assert len(list(val)) == 4
   val.close()
+
+
+def test_an_input_says_what_its_spec_made_of_the_images_before_the_first_batch(digits_dir):
+  pp = "decode|resize_small(28)|central_crop(24)|value_range(-1, 1)"
+  val = pipeline.input(digits_dir, "validation", global_batch_size=8, pp=pp, **FAST_THREADS)
+  assert val.image_size == 24  # the pp string's head sets it
+  assert [type(op).__name__ for op in val.batch_ops] == ["ValueRange"]
+  assert val.manifest == pipeline.load_manifest(digits_dir)
+  assert val.manifest.splits["validation"].num_records == val.num_examples == 60
+  plain = pipeline.input(digits_dir, "train", global_batch_size=8, **FAST_THREADS)
+  assert plain.image_size == 224 and plain.batch_ops == ()  # the library's default size
+  val.close()
+  plain.close()
 
 
 def test_normalization_and_dtype_happen_on_device(digits_dir):

@@ -28,7 +28,7 @@ try:  # the 'train' extra: named in one line when missing (`pip install .` has o
   import optax  # noqa: F401
   import orbax.checkpoint  # noqa: F401
 except ModuleNotFoundError as e:
-  from pipeline import extras
+  from pipeline.host import extras
 
   if extras.hint(e.name, "python -m train") is None:
     raise
@@ -206,7 +206,7 @@ def main(argv):
   if CACHE.value:
     jax.config.update("jax_compilation_cache_dir", CACHE.value)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  from pipeline import remote
+  from pipeline.storage import remote
   from train import train
 
   config = flags.FLAGS.config

@@ -4,7 +4,7 @@ Each checkpoint holds the model and optimizer state, every process's data-iterat
 and the sha256 of both (an Orbax JSON item). A checkpoint that fails to restore (a
 truncated file) or does not match its checksums (flipped bytes) is moved aside and the
 previous one is used. One saved on another process count resumes: the model resharded, the
-data at the global position process 0 saved (`pipeline.elastic`). A good one whose data this
+data at the global position process 0 saved (`pipeline.order.elastic`). A good one whose data this
 run cannot continue (another shard list, order or global batch) is refused in one line
 naming the flags that would, and kept. One trainer per workdir (a lock file); a failed save
 says why in one line.
@@ -29,7 +29,7 @@ from etils import epath
 from flax import nnx
 from jax.experimental import multihost_utils
 
-from pipeline.stream import StateError
+from pipeline.stages.stream import StateError
 from train import TrainError, UsageError
 
 
@@ -143,7 +143,7 @@ class Checkpoints:
   def _restore_data(self, step: int, sums: dict, data) -> None:
     """Sets `data` to the iterator state this process saved (process 0's, when saved on
     another process count: a global position every process continues from,
-    `pipeline.elastic`), checked against its checksum; a good state this run cannot continue
+    `pipeline.order.elastic`), checked against its checksum; a good state this run cannot continue
     (another shard list, order or global batch) is a one-line refusal."""
     index = jax.process_index() if self.saved_on == jax.process_count() else 0
     name = f"process_{index}-of-{self.saved_on}.json"  # as grain's checkpoint handler names it
@@ -227,6 +227,20 @@ class Checkpoints:
 
   def close(self) -> None:
     self.manager.close()
+
+
+def already_done(workdir: epath.Path, num_steps: int) -> dict | None:
+  """The summary of a run that finished at least `num_steps` steps, if any."""
+  path = workdir / "summary.json"
+  if not path.exists():
+    return None
+  try:
+    summary = json.loads(path.read_text())
+  except (OSError, ValueError) as e:
+    raise UsageError(f"{path} is not a summary this trainer wrote ({e}): move it aside") from None
+  if not isinstance(summary, dict) or not isinstance(summary.get("steps"), int):
+    raise UsageError(f"{path} is not a summary this trainer wrote (no step count): move it aside")
+  return summary if summary["steps"] >= num_steps else None
 
 
 def saved_steps(workdir: epath.Path) -> list[int]:

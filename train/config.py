@@ -4,7 +4,8 @@ A recipe (`configs/*.py`) names its data as `config.input`: exactly `pipeline.ma
 keywords (the trainer adds `batch_size`, this process's share, and `train`), with
 `config.eval_input` overriding some of them for evaluation. Fields derived from others
 (the learning rate, step counts given in epochs) are resolved here, after the command
-line's overrides, from the final batch size and the dataset's size.
+line's overrides, from the final batch size and the dataset's size; the input's batch ops
+are checked to make batches the train and eval steps take (`check_batches`).
 """
 
 from __future__ import annotations
@@ -16,10 +17,12 @@ import typing
 from collections.abc import Mapping
 
 import ml_collections
+import numpy as np
 from ml_collections import config_dict
 
 import pipeline
-from pipeline.plan import process_batch_size
+from pipeline.pp import ops
+from pipeline.stages.plan import process_batch_size
 from train import UsageError
 
 CONFIGS = pathlib.Path(__file__).resolve().parent.parent / "configs"
@@ -166,7 +169,7 @@ def steps(config: ml_collections.ConfigDict, name: str, steps_per_epoch: float) 
 
 def local_batch_size(config: ml_collections.ConfigDict, processes: int, data_devices: int) -> int:
   """This process's share of the global `config.batch_size`, which must split evenly over the
-  processes (`pipeline.plan.process_batch_size`) and the devices on the data axis."""
+  processes (`pipeline.stages.plan.process_batch_size`) and the devices on the data axis."""
   try:
     local = process_batch_size(config.batch_size, processes, name="config.batch_size")
   except ValueError as e:
@@ -182,15 +185,11 @@ def local_batch_size(config: ml_collections.ConfigDict, processes: int, data_dev
 def resolve(
   config: ml_collections.ConfigDict, train_examples: int, processes: int, data_devices: int
 ) -> Plan:
-  """The plan for `config` on a split of `train_examples`."""
+  """The plan for `config` on a split of `train_examples` (a batch larger than the split is
+  refused when the data opens: `pipeline.host.guards.check_batch_fits`)."""
   local_batch = local_batch_size(config, processes, data_devices)
   batch = config.batch_size
   per_epoch = train_examples / batch
-  if per_epoch < 1:
-    raise UsageError(
-      f"config.batch_size={batch} is larger than the {train_examples} "
-      "training examples (the train split drops a partial batch)"
-    )
   plan = Plan(
     batch_size=batch,
     local_batch_size=local_batch,
@@ -207,3 +206,29 @@ def resolve(
   if plan.warmup_steps < 0:
     raise UsageError(f"warmup resolves to {plan.warmup_steps} steps; it must be >= 0")
   return plan
+
+
+def check_batches(data: pipeline.Input, where: str, named: str) -> None:
+  """Refuses, in one line naming `where`, batch ops that make batches the steps cannot take:
+  images scaled to floats (the steps normalize uint8 pixels on the device), or no integer
+  "label" (the loss and the eval need it)."""
+  labels = np.arange(2, dtype=np.int32) % data.num_classes
+  batch = {"image": np.zeros((2, 8, 8, 3), np.uint8), "label": labels}
+  try:
+    batch = ops.apply_batch(data.batch_ops, batch, ops.batch_rng(0, 0))
+  except (ValueError, TypeError, KeyError) as e:
+    raise UsageError(f"{where}: {e}") from e
+  image, label = batch.get("image"), batch.get("label")
+  if image is not None and image.dtype.kind not in "iu":
+    raise UsageError(
+      f"{where}.{named} makes {image.dtype} images; the train and eval steps take uint8 pixels "
+      "and normalize them to [-1, 1] on the device: drop the op that scales them (value_range)"
+    )
+  if image is None or label is None or label.ndim != 1 or label.dtype.kind not in "iu":
+    made = "no 'label'" if label is None else f"'label' of {label.dtype}{list(label.shape)}"
+    made = "no 'image'" if image is None else made
+    raise UsageError(
+      f"{where}.{named} makes {made} (it keeps {sorted(batch)}); the steps take uint8 pixels "
+      "in 'image' and the integer class in 'label': keep them (onehot(..., "
+      "key_result='labels') adds its one-hot beside 'label')"
+    )

@@ -1,8 +1,21 @@
-"""What a run tells its user: a progress line with an ETA, TensorBoard scalars, and at the
-end WORKDIR/metrics.jsonl and WORKDIR/curves.png (loss, accuracy, eval top-1, input wait)."""
+"""What a run tells its user: a log line per window (loss, speed, input wait and its verdict),
+a progress line with an ETA, TensorBoard scalars, and at the end WORKDIR/metrics.jsonl,
+WORKDIR/curves.png (loss, accuracy, eval top-1, input wait) and WORKDIR/summary.json.
+
+Input-bound verdict, as XProf defines it: the share of step time the devices sit idle
+waiting for the next batch. Before each `next()` the loop waits for the previous step to
+finish, so the time then blocked in `next()` is time the devices had nothing to do (without
+that wait, `next()` would also count time the devices were still busy). Compilation, the
+first log window, and the step right after each eval or checkpoint save are left out; the
+steps' own time (`synthetic_steps` on a batch already on the devices) is reported beside it.
+With several processes each log line gathers every host's numbers (`train.podview`) and the
+verdict is the worst host's, named.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import io
 import itertools
 import json
@@ -10,12 +23,179 @@ import os
 import sys
 import time
 
+import jax
+import numpy as np
 from etils import epath
 
+from pipeline.stages.stats import Stats
+from train import podview
 from train.checkpoints import one_line
+from train.config import Plan
+
+MODERATE, HIGH = 0.05, 0.20  # TensorBoard profiler's input-bound thresholds
+EXPLAIN_WAIT = (
+  "input wait: share of step time the devices sat idle for the next batch (time blocked in "
+  "next() after the previous step finished; compilation, the first window and the step after "
+  "each eval or save left out); >= 5% is moderately, >= 20% highly input-bound (XProf)"
+)
 
 PROGRESS_EVERY_S = 10.0  # between log lines, a progress line at most this often
 FIRST_PROGRESS_S = 3.0  # the first one this soon after compilation
+
+
+def verdict(wait_share: float) -> str:
+  if wait_share >= HIGH:
+    return "input-bound"
+  if wait_share >= MODERATE:
+    return "moderately input-bound"
+  return "not input-bound"
+
+
+@dataclasses.dataclass
+class Window:
+  """The steps since the last log line, timed without checkpoint saves, evals and logging."""
+
+  start: float = dataclasses.field(default_factory=time.perf_counter)
+  steps: int = 0
+  blocked: float = 0.0  # in next(train) with the devices idle (previous step finished)
+  paused: float = 0.0  # saving, evaluating: not step time
+  settling: int = 0  # steps still to leave out of `blocked` after a pause
+
+  def elapsed(self) -> float:
+    return time.perf_counter() - self.start - self.paused
+
+  def wait(self) -> float:
+    return min(1.0, self.blocked / max(self.elapsed(), 1e-9))
+
+  @contextlib.contextmanager
+  def pause(self):
+    t = time.perf_counter()
+    try:
+      yield
+    finally:
+      self.paused += time.perf_counter() - t
+      self.settling = 1
+
+
+def begin(plan: Plan, notes: str) -> None:
+  """The plan and the pipeline's `notes` for this host; process 0 says how to read the input
+  wait, the others where to look."""
+  if jax.process_index() == 0:
+    print(f"plan: {plan.describe()}\n{notes}{EXPLAIN_WAIT}", flush=True)
+  else:
+    print(
+      f"process {jax.process_index()}: follow process 0's log (every host's img/s and input "
+      f"wait are in it); plan: {plan.describe()}\n{notes}",
+      end="",
+      flush=True,
+    )
+
+
+class Reporter:
+  """A run's speed record and what it says: every process measures its windows and gathers
+  every host's (`train.podview`); process 0 (`chief`) prints them and writes the `Log` (made
+  with the Reporter: after a refused restore, nothing is written)."""
+
+  def __init__(self, workdir: epath.Path, plan: Plan, chief: bool):
+    self.workdir, self.plan, self.chief = workdir, plan, chief
+    self.log = Log(workdir) if chief else None
+    self.images_per_sec: list[float] = []  # per window, all processes together
+    self.hosts: list[list[podview.Host]] = []  # per window, each process's
+    self.synthetic: float | None = None  # seconds per step on a batch already on the devices
+    self.requests = 0  # storage requests of this host's pipeline at the last log line
+
+  def say(self, line: str) -> None:
+    if self.chief:
+      print(line, flush=True)
+
+  def progress(self, progress: Progress, step: int, window: Window) -> None:
+    if self.chief and progress.due():
+      print(progress.line(step, self.plan.batch_size, window.wait()), flush=True)
+
+  def window(
+    self, step: int, window: Window, metrics: dict, lr: float, stages: Stats, progress: Progress
+  ) -> None:
+    """The window's loss, speed and input wait: into the history, and printed and logged by
+    process 0."""
+    elapsed = window.elapsed()
+    wait = min(1.0, window.blocked / elapsed)
+    ips = window.steps * self.plan.batch_size / elapsed
+    made, self.requests = self.requests, stages.storage.requests
+    # The gather comes last: the next window starts on every host together.
+    mine = window.steps * self.plan.local_batch_size / elapsed
+    hosts = podview.gather(mine, wait, (self.requests - made) / elapsed)
+    self.images_per_sec.append(ips)
+    self.hosts.append(hosts)
+    if not self.chief:
+      return
+    worst = podview.worst(hosts).input_wait_share
+    print(
+      f"step {step:6d}  loss {metrics['loss']:.4f}  acc {metrics['accuracy']:.3f}  "
+      f"lr {lr:.2e}  {ips:7.0f} img/s  input wait {100 * worst:4.1f}% ({verdict(worst)}"
+      f"{podview.which(hosts)}; step {1000 * elapsed / window.steps:.0f} ms, "
+      f"{1000 * self.synthetic:.0f} ms on device data)  ETA {progress.eta(step)}",
+      flush=True,
+    )
+    if podview.differ(hosts):
+      print(podview.rows(hosts, verdict), flush=True)
+    scalars = {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "lr": lr}
+    self.log.scalars(step, "train", {**scalars, "images_per_sec": ips, "input_wait_share": worst})
+    self.log.scalars(step, "pipeline", stage_scalars(stages))
+    if len(hosts) > 1:
+      for h in hosts:
+        self.log.scalars(
+          step,
+          f"process{h.process}",
+          {
+            "images_per_sec": h.images_per_sec,
+            "input_wait_share": h.input_wait_share,
+            "requests_per_sec": h.requests_per_sec,
+          },
+        )
+
+  def eval(self, step: int, ev: dict[str, float]) -> None:
+    if self.chief:
+      print(
+        f"eval at step {step}: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f}",
+        flush=True,
+      )
+      self.log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
+
+  def close(self) -> None:
+    if self.chief:
+      self.log.close()
+
+  def summary(self, ev: dict[str, float], step: int, params_sha256: str) -> dict:
+    """The run's summary after the final eval `ev`; process 0 prints its line and writes it
+    (WORKDIR/summary.json) with the log."""
+    hosts = podview.mean(self.hosts)
+    wait = podview.worst(hosts).input_wait_share if hosts else None
+    summary = {
+      **ev,
+      "steps": step,
+      "images_per_sec": float(np.mean(self.images_per_sec)) if self.images_per_sec else None,
+      "synthetic_step_s": self.synthetic,
+      "input_wait_share": wait,  # the worst host's
+      "verdict": verdict(wait) if hosts else None,
+      "verdict_process": podview.worst(hosts).process if hosts else None,
+      "hosts": [{**dataclasses.asdict(h), "verdict": verdict(h.input_wait_share)} for h in hosts],
+      "params_sha256": params_sha256,
+      "devices": jax.device_count(),
+      "processes": jax.process_count(),
+      "plan": dataclasses.asdict(self.plan),
+    }
+    if self.chief:
+      print(
+        f"eval: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f} over "
+        f"{ev['eval_examples']} examples; "
+        f"{summary['verdict'] + podview.which(hosts) if hosts else 'no steps timed'}",
+        flush=True,
+      )
+      self.log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
+      self.log.close()
+      text = json.dumps(summary, indent=2) + "\n"
+      write_atomically(self.workdir / "summary.json", text.encode())
+    return summary
 
 
 def duration(seconds: float) -> str:
@@ -170,7 +350,7 @@ def draw(rows: list[dict], path: epath.Path) -> None:
   write_atomically(path, png.getvalue())
 
 
-def stage_scalars(stats) -> dict[str, float]:
+def stage_scalars(stats: Stats) -> dict[str, float]:
   """A host's pipeline stages (`pipeline.stats_of`) as TensorBoard scalars: per stage its
   threads kept busy (all processes together), the largest share of time its consumer waited
   for it and the largest p99 of its tasks (ms)."""

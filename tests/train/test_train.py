@@ -12,7 +12,7 @@ import time
 
 import jax
 
-from train import train
+from train import agreement, report, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -69,25 +69,25 @@ def wait_for(predicate, proc, timeout=240):
 
 
 def test_input_bound_verdict_uses_the_profiler_thresholds():
-  assert train.verdict(0.25) == "input-bound"
-  assert train.verdict(0.20) == "input-bound"
-  assert train.verdict(0.07) == "moderately input-bound"
-  assert train.verdict(0.049) == "not input-bound"
+  assert report.verdict(0.25) == "input-bound"
+  assert report.verdict(0.20) == "input-bound"
+  assert report.verdict(0.07) == "moderately input-bound"
+  assert report.verdict(0.049) == "not input-bound"
 
 
 def test_hosts_agree_on_all_but_the_settings_that_change_no_batch_and_on_the_c_decoder(
   tmp_path,
 ):
-  assert train.per_host("config.input.performance.num_threads")
-  assert train.per_host("config.eval_input.performance.read_ahead")
-  assert not train.per_host("config.input.decoding.cache_mb")  # changes pixels
-  assert not train.per_host("config.input.image_size")
+  assert agreement.per_host("config.input.performance.num_threads")
+  assert agreement.per_host("config.eval_input.performance.read_ahead")
+  assert not agreement.per_host("config.input.decoding.cache_mb")  # changes pixels
+  assert not agreement.per_host("config.input.image_size")
   (tmp_path / "ops.py").write_text("x = 1\n")
   (tmp_path / "_jpeg.c").write_text("int x;\n")
-  before = train.sources_digest(tmp_path)
+  before = agreement.sources_digest(tmp_path)
   (tmp_path / "_jpeg.c").write_text("int y;\n")
-  assert train.sources_digest(tmp_path) != before
-  assert train.code_version().endswith(", C JPEG decoder")
+  assert agreement.sources_digest(tmp_path) != before
+  assert agreement.code_version().endswith(", C JPEG decoder")
 
 
 def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path):

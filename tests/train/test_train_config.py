@@ -116,6 +116,7 @@ def test_the_default_recipe_reads_the_repos_data_from_any_folder():
     ),
     ("--config.input.image_size=0", "image_size must be positive, got 0"),
     ("--config.batch_size=12", "config.batch_size=12 does not divide over the 8 devices"),
+    ("--config.batch_size=256", "config.input: batch_size=256 is larger than the 240 records"),
     ("--config.input.augment.crop_fraction=2.0", "crop_fraction must be in (0, 1]"),
     ("--config.optimizer=adam", "unknown config.optimizer 'adam'"),
   ],
@@ -281,8 +282,11 @@ def test_the_image_size_is_the_pp_strings_where_it_sets_one(digits_dir, tmp_path
   config.input.data_dir = str(digits_dir)
   config.input.pp = "decode_jpeg_and_inception_crop(24, area_min=50)"
   config.eval_input.pp = "decode|resize_small(image_size)|central_crop(image_size)"
-  assert train.batch_kwargs(config, False, 10)["image_size"] == 24
-  assert train.batch_kwargs(config, True, 10)["image_size"] == 32  # written as image_size
+  setup = train.prepare(config)
+  assert setup.train.image_size == 24
+  assert setup.eval.image_size == 32  # written as image_size
+  setup.train.close()
+  setup.eval.close()
   out = run_train(
     "--config",
     "default",
@@ -327,6 +331,7 @@ def test_a_batch_too_large_for_the_host_is_refused_before_compiling(digits_dir, 
     "--workdir",
     str(tmp_path / "run"),
     f"--config.input.data_dir={digits_dir}",
+    "--config.input.drop_remainder=False",  # else 4096 > the 240 digits is said first
     cwd=tmp_path,
   )
   assert out.returncode == 2, out.stderr[-3000:]

@@ -11,7 +11,7 @@ import jax
 import pytest
 
 from configs import default
-from train import train
+from train import report, train
 
 SLEEP_S = 1.0
 
@@ -43,7 +43,7 @@ def test_input_wait_is_near_zero_when_the_step_is_slow_despite_frequent_evals_an
   config.synthetic_steps = 2
   result = train.train_and_evaluate(config, tmp_path)
   assert result["synthetic_step_s"] >= SLEEP_S
-  assert result["input_wait_share"] < train.MODERATE, result
+  assert result["input_wait_share"] < report.MODERATE, result
   assert result["verdict"] == "not input-bound"
 
 
@@ -67,7 +67,7 @@ def test_evals_and_saves_every_few_steps_on_instant_input_are_not_input_bound(
   config.eval_every_steps = 3
   config.checkpoint_every_steps = 2
   result = train.train_and_evaluate(config, tmp_path)
-  assert result["input_wait_share"] < train.MODERATE, result
+  assert result["input_wait_share"] < report.MODERATE, result
   assert result["verdict"] == "not input-bound"
   out = capsys.readouterr().out
   assert "input wait: share of step time the devices sat idle for the next batch" in out
@@ -82,4 +82,4 @@ def test_two_identical_runs_agree_on_the_input_wait_within_five_points(digits_di
     params.append(result["params_sha256"])
   assert params[0] == params[1]  # the same run
   assert abs(shares[0] - shares[1]) < 0.05, shares
-  assert {train.verdict(s) for s in shares} == {train.verdict(shares[0])}
+  assert {report.verdict(s) for s in shares} == {report.verdict(shares[0])}

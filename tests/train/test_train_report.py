@@ -18,7 +18,7 @@ from PIL import Image
 
 from tests.conftest import free_port
 from tests.train.test_train import ROOT, env, train_cmd
-from train import podview, report, train
+from train import podview, report
 from train.podview import Host
 
 
@@ -164,7 +164,7 @@ def test_process_0_shows_a_row_per_host_when_hosts_differ_and_names_the_worst():
   assert podview.worst(slow_input).process == 1
   assert podview.which(slow_input) == ": process 1, the worst of 2"
   assert podview.which(slow_input[:1]) == ""  # one process: nobody to name
-  assert podview.rows(slow_input, train.verdict).splitlines() == [
+  assert podview.rows(slow_input, report.verdict).splitlines() == [
     "  process 0:     100 img/s  input wait  1.0% (not input-bound)  0 requests/s",
     "  process 1:     100 img/s  input wait 30.0% (input-bound)  12 requests/s",
   ]
