@@ -89,7 +89,7 @@ def build(spec: Spec) -> Stages:
   chosen = handoff.workers(spec, head.image_size, sampler.blocks is not None)
   batch_bytes = spec.batch_size * head.image_size**2 * 3
   held = handoff.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
-  read = read_lib.stage(spec, meta, source, pins, sampler, chosen, held)
+  read = read_lib.stage(spec, meta, source, pins, sampler, chosen, batch_bytes, held)
   keys = spec.keys or meta.keys
   return Stages(
     plan=PlanBatches(sampler, spec.batch_size),

@@ -9,6 +9,10 @@ main process alone; P = max(W, 1) processes read and decode):
     record cache   P x the record cache's RAM (each process keeps its own, `storage.cache`)
     worker rings   the workers' rings of shared memory for their batches
                    (`stages.handoff.shm_needed`); without workers, the batches in flight
+    working        P x WORKING_BATCHES batches' bytes: what a process holds beyond the parts
+                   above (its threads' malloc arenas, decode temporaries, records being
+                   decoded): 110-170 MB measured at batch 128 of 224 px (`bench throughput
+                   --order blocks|global` on data/photos, peak PSS less the parts' use)
     workers        W x `parallelism.COSTS.worker_mb` (300 MB: a worker's RSS before its
                    batches, its imports incl. JAX and Grain, measured under `python -m train`)
 
@@ -29,6 +33,7 @@ from pipeline.host import parallelism
 MB = 2**20
 DEFAULT_SHARE = 0.5  # of the available memory, when performance.memory_mb is None
 FLAG = "performance.memory_mb"
+WORKING_BATCHES = 8  # a process's working memory, in batches' bytes (measured: see above)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,12 +46,13 @@ class Split:
   blocks: int
   record_cache: int
   batches: int
+  working: int
   workers: int
   worker_bytes: int
 
   @property
   def total(self) -> int:
-    fixed = self.blocks + self.batches + self.workers * self.worker_bytes
+    fixed = self.blocks + self.batches + self.working + self.workers * self.worker_bytes
     return self.read_ahead + self.record_cache + fixed
 
   def per_process(self, part: str) -> int:
@@ -60,7 +66,8 @@ class Split:
     return (
       f"memory: {mb(self.total)} of {mb(self.budget)} MB (read-ahead {mb(self.read_ahead)}, "
       f"blocks {mb(self.blocks)}, record cache {mb(self.record_cache)}, {rings} "
-      f"{mb(self.batches)}, workers {workers}); {FLAG} sets the budget"
+      f"{mb(self.batches)}, working {mb(self.working)}, workers {workers}); {FLAG} sets the "
+      "budget"
     )
 
 
@@ -89,22 +96,23 @@ def fit(
   record_cache: int,
   blocks: int,
   batches: int,
+  working: int,
   worker_bytes: int = int(parallelism.COSTS.worker_mb * MB),
 ) -> Split:
-  """The parts within `budget_bytes`: `read_ahead` and `record_cache` (bytes per process)
-  shrink, the cache first, the read-ahead down to `least_read_ahead`; the rest is fixed.
-  Raises one line when even the least does not fit."""
+  """The parts within `budget_bytes`: `read_ahead`, `record_cache` and `working` are bytes
+  per process; the first two shrink, the cache first, the read-ahead down to
+  `least_read_ahead`; the rest is fixed. Raises one line when even the least does not fit."""
   p = max(1, workers)
-  fixed = blocks + batches + workers * worker_bytes
+  fixed = blocks + batches + p * working + workers * worker_bytes
   least = min(read_ahead, least_read_ahead)
   room = budget_bytes - fixed
   if room < p * least:
     raise ValueError(
       f"{FLAG}={budget_bytes / MB:,.4g} is below the least this loader holds, "
-      f"{mb(fixed + p * least)} MB (blocks {mb(blocks)}, worker rings or batches {mb(batches)}, "
-      f"workers {_workers(workers, worker_bytes)}, read-ahead {mb(p * least)}): raise it, or lower "
-      "performance.num_workers or batch_size"
+      f"{mb(fixed + p * least)} MB (blocks {mb(blocks)}, worker rings or batches "
+      f"{mb(batches)}, working {mb(p * working)}, workers {_workers(workers, worker_bytes)}, "
+      f"read-ahead {mb(p * least)}): raise it, or lower performance.num_workers or batch_size"
     )
   cache = max(0, min(p * record_cache, room - p * read_ahead))
   ahead = min(p * read_ahead, room - cache)
-  return Split(budget_bytes, p, ahead, blocks, cache, batches, workers, worker_bytes)
+  return Split(budget_bytes, p, ahead, blocks, cache, batches, p * working, workers, worker_bytes)

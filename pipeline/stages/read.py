@@ -45,11 +45,12 @@ MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait,
 class ReadRecords:
   """The read stage (an `AheadIterDataset` stage): fills `batch.records`, the reads of a batch
   started at once (one `fetcher.fetch` per shard of the batch, on the I/O threads) and
-  finished in order, `ahead.depth()` batches ahead. Picklable: threads, counters and the
-  cache's RAM are made anew in each process."""
+  finished in order, `ahead.depth()` batches ahead; `memory`: the host's memory split it was
+  planned within (`pipeline.host.memory`). Picklable: threads, counters and the cache's RAM
+  are made anew in each process."""
 
-  def __init__(self, fetcher: Fetcher, ahead: ReadAhead):
-    self.fetcher, self.ahead = fetcher, ahead
+  def __init__(self, fetcher: Fetcher, ahead: ReadAhead, memory: memory.Split | None = None):
+    self.fetcher, self.ahead, self.memory = fetcher, ahead, memory
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
 
   source = property(lambda self: self.fetcher.source)
@@ -105,10 +106,12 @@ class ReadRecords:
     return batch
 
 
-def stage(spec, meta, source, pins, sampler, chosen, batches_bytes: int = 0) -> ReadRecords:
+def stage(
+  spec, meta, source, pins, sampler, chosen, batch_bytes: int = 0, held_bytes: int = 0
+) -> ReadRecords:
   """`spec`'s read stage: read-ahead for the latency measured now, the record cache first, both
-  within the memory budget (`pipeline.host.memory`; `batches_bytes`: the batches the host's
-  processes hold); the choices printed once."""
+  within the memory budget (`pipeline.host.memory`; `batch_bytes`: a batch's images,
+  `held_bytes`: the batches the host's processes hold); the choices printed once."""
   perf = spec.performance
   latency_s, record_bytes = probe(source, deadline_s=perf.read_deadline_s)
   cache = record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
@@ -120,7 +123,8 @@ def stage(spec, meta, source, pins, sampler, chosen, batches_bytes: int = 0) -> 
     least_read_ahead=int(spec.batch_size * record_bytes),
     record_cache=cache.ram_bytes if cache is not None else 0,
     blocks=2 * window_bytes,
-    batches=batches_bytes,
+    batches=held_bytes,
+    working=memory.WORKING_BATCHES * batch_bytes,
   )
   if cache is not None and cache.ram_bytes > split.per_process("record_cache"):
     cache.ram_bytes = split.per_process("record_cache")
@@ -149,7 +153,7 @@ def stage(spec, meta, source, pins, sampler, chosen, batches_bytes: int = 0) -> 
     ahead_bytes=ahead_bytes,
     max_depth=perf.read_ahead,
   )
-  read = ReadRecords(fetcher, ahead)
+  read = ReadRecords(fetcher, ahead, split)
   parallelism.announce(chosen, describe(read, cache), split.describe())
   return read
 
