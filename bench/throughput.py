@@ -91,19 +91,27 @@ def make_loader(name: str, args) -> callable:
   if name == "pipeline":
     from pipeline import dataset
 
-    return lambda: iter(
-      dataset.make_dataset(
-        args.data_dir,
-        args.split,
-        batch_size=args.batch_size,
-        image_size=args.image_size,
-        shard_index=0,
-        shard_count=1,
-        performance=dict(
-          num_threads=args.threads, prefetch=args.prefetch, num_workers=args.workers
-        ),
-      )
+    spec = dataset.Spec.of(
+      args.data_dir,
+      args.split,
+      batch_size=args.batch_size,
+      image_size=args.image_size,
+      order=args.order,
+      shard_index=0,
+      shard_count=1,
+      performance=dict(
+        num_threads=args.threads,
+        prefetch=args.prefetch,
+        num_workers=args.workers,
+        memory_mb=args.memory_mb,
+      ),
     )
+
+    def make():  # keeps its stages: the memory split planned (`pipeline.host.memory`)
+      make.stages = dataset.build(spec)
+      return iter(dataset.chain(make.stages))
+
+    return make
   from bench import peers
 
   return peers.make_loader(name, args)
@@ -115,6 +123,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--threads", type=int, default=None, help="decode threads (default: cores)")
   p.add_argument("--prefetch", type=int, default=2, help="batches in flight")
   p.add_argument("--workers", type=int, default=0, help="worker processes (0: threads only)")
+  p.add_argument("--order", choices=("global", "blocks"), default="global")
+  p.add_argument("--memory-mb", type=float, default=None, help="performance.memory_mb")
   p.add_argument("--no-stages", action="store_true", help="skip the per-stage breakdown")
   p.add_argument(
     "--no-reference",
@@ -129,9 +139,18 @@ def main(argv: list[str]) -> dict:
   args = p.parse_args(argv)
   meta = manifest_lib.load(args.data_dir)
   num_images = int(args.epochs * meta.splits[args.split].num_records)
-  result = measure.run(args.loader, make_loader(args.loader, args), args.batch_size, num_images)
+  loader, before = make_loader(args.loader, args), measure.tree_pss()
+  with measure.RssSampler(pss=True) as pss:
+    result = measure.run(args.loader, loader, args.batch_size, num_images)
   out = {**result.__dict__}
   print(result.row())
+  if args.loader == "pipeline":  # the loader's memory: planned, and its peak PSS above before
+    split = loader.stages.read.memory
+    out["memory"] = dict(
+      planned_mb=round(split.total / 2**20), budget_mb=round(split.budget / 2**20)
+    )
+    out["memory"].update(measured_mb=round((pss.peak - before) / 2**20), plan=split.describe())
+    print(f"{'':28s} {split.describe()}; measured: peak PSS {out['memory']['measured_mb']:,} MB")
   if not args.no_reference and args.loader == "pipeline":
     limit = crop_ceiling(args.data_dir, args.split, args.image_size)
     limit["pipeline_share"] = round(result.images_per_sec / limit["images_per_sec"], 3)

@@ -87,7 +87,9 @@ def build(spec: Spec) -> Stages:
   if features:
     features = features_lib.parse_specs(features, sample=source.read([0])[0])
   chosen = handoff.workers(spec, head.image_size, sampler.blocks is not None)
-  read = read_lib.stage(spec, meta, source, pins, sampler, chosen)
+  batch_bytes = spec.batch_size * head.image_size**2 * 3
+  held = handoff.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
+  read = read_lib.stage(spec, meta, source, pins, sampler, chosen, batch_bytes, held)
   keys = spec.keys or meta.keys
   return Stages(
     plan=PlanBatches(sampler, spec.batch_size),

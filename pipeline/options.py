@@ -127,6 +127,9 @@ class Performance:
   as gs:// reads, `pipeline.storage.remote`: 60 s), so that storage that stops answering (a stalled
   gcsfuse mount) is an error, never a hang. stats_every_s: print `iterator.stats()`'s table (a row
   per stage and process, storage requests) to stderr every so many seconds (None: never).
+  memory_mb: the most the loader holds on this host, read-ahead, blocks kept for later rounds,
+  record cache, batches and worker processes together (None: half the available memory); the
+  record cache, then the read-ahead shrink to fit it (`pipeline.host.memory`).
   """
 
   num_threads: int | None = None
@@ -139,6 +142,7 @@ class Performance:
   max_requests_per_s: float | None = None
   stats_every_s: float | None = None
   read_deadline_s: float | None = None
+  memory_mb: float | None = None
 
   def __new__(cls, *args, **fields):
     _refuse_moved(cls, fields)
@@ -165,6 +169,8 @@ class Performance:
         f"performance.record_cache_mb must be None or >= 0, got {self.record_cache_mb}"
       )
     budget.check_rate(self.max_requests_per_s)
+    if self.memory_mb is not None and not self.memory_mb > 0:
+      raise ValueError(f"performance.memory_mb must be None or > 0, got {self.memory_mb}")
     if self.read_deadline_s is not None and not self.read_deadline_s > 0:
       raise ValueError(
         f"performance.read_deadline_s must be None or > 0, got {self.read_deadline_s}"

@@ -20,7 +20,8 @@ on cloud hosts (a TPU VM's 224 vCPUs are 112 cores x 2): the second thread of a 
 `project` is the smallest, `plan` the fewest processes (then threads) within 3% of the best
 plan for the host, and `python -m bench scaling` measures the costs below. Memory:
 a worker takes ~300 MB (imports) plus its batches (prefetch + 4; ~115 MB at batch 128 of
-224 px images), and the workers together at most half the available memory.
+224 px images), and the workers together at most half the loader's memory budget
+(`pipeline.host.memory`).
 """
 
 from __future__ import annotations
@@ -217,16 +218,18 @@ def plan(
   return Plan(w, t, why)
 
 
-_announced: set[tuple[Plan, str]] = set()
+_announced: set[tuple[Plan, str, str]] = set()
 
 
-def announce(chosen: Plan, reads_note: str = "") -> None:
-  """Prints the plan (and the read stage's `reads_note`) once per process; make_dataset
-  calls this for every dataset."""
-  if (chosen, reads_note) not in _announced:
-    _announced.add((chosen, reads_note))
+def announce(chosen: Plan, reads_note: str = "", memory_note: str = "") -> None:
+  """Prints the plan with the memory split (`pipeline.host.memory`), and the read stage's
+  `reads_note`, once per process; make_dataset calls this for every dataset."""
+  if (chosen, reads_note, memory_note) not in _announced:
+    _announced.add((chosen, reads_note, memory_note))
+    memory_note = f"; {memory_note}" if memory_note else ""
     print(
-      f"pipeline: {chosen.describe()}; override with performance.num_workers / num_threads",
+      f"pipeline: {chosen.describe()}; override with performance.num_workers / num_threads"
+      f"{memory_note}",
       file=sys.stderr,
       flush=True,
     )

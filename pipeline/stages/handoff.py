@@ -42,7 +42,7 @@ from typing import Any
 import grain
 import numpy as np
 
-from pipeline.host import parallelism
+from pipeline.host import memory, parallelism
 from pipeline.order.blocks import WINDOW_BATCHES
 from pipeline.storage import blockstore
 
@@ -68,6 +68,14 @@ def shm_needed(workers: int, batch_bytes: int, prefetch: int, held: int) -> int:
   batches more (parallelism.WORKER_BATCHES), in blocks of whole MiB."""
   block = HEADER + max(ROUND, -(-batch_bytes // ROUND) * ROUND)
   return workers * (prefetch + held) * block
+
+
+def held_bytes(workers: int, batch_bytes: int, prefetch: int) -> int:
+  """Bytes of the batches the host's processes hold: the workers' rings, else this process's
+  batches being decoded, waiting and taken (prefetch + 2)."""
+  if workers:
+    return shm_needed(workers, batch_bytes, prefetch, parallelism.WORKER_BATCHES)
+  return (prefetch + 2) * batch_bytes
 
 
 def shm_check(workers: int, needed: int) -> str | None:
@@ -458,6 +466,7 @@ def workers(spec, image_size: int, blocks: bool) -> parallelism.Plan:
     batch_size=batch_size,
     image_bytes=image_size**2 * 3,
     prefetch=perf.prefetch,
+    memory_bytes=memory.budget(perf.memory_mb),
     divide=WINDOW_BATCHES if blocks and not blockstore.available() else None,
   )
   if chosen.workers and available():

@@ -26,7 +26,7 @@ import time
 
 import numpy as np
 
-from pipeline.host import parallelism
+from pipeline.host import memory, parallelism
 from pipeline.stages.ahead import Threads
 from pipeline.stages.plan import Batch
 from pipeline.storage import blockstore, remote
@@ -45,11 +45,12 @@ MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait,
 class ReadRecords:
   """The read stage (an `AheadIterDataset` stage): fills `batch.records`, the reads of a batch
   started at once (one `fetcher.fetch` per shard of the batch, on the I/O threads) and
-  finished in order, `ahead.depth()` batches ahead. Picklable: threads, counters and the
-  cache's RAM are made anew in each process."""
+  finished in order, `ahead.depth()` batches ahead; `memory`: the host's memory split it was
+  planned within (`pipeline.host.memory`). Picklable: threads, counters and the cache's RAM
+  are made anew in each process."""
 
-  def __init__(self, fetcher: Fetcher, ahead: ReadAhead):
-    self.fetcher, self.ahead = fetcher, ahead
+  def __init__(self, fetcher: Fetcher, ahead: ReadAhead, memory: memory.Split | None = None):
+    self.fetcher, self.ahead, self.memory = fetcher, ahead, memory
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
 
   source = property(lambda self: self.fetcher.source)
@@ -105,14 +106,30 @@ class ReadRecords:
     return batch
 
 
-def stage(spec, meta, source, pins, sampler, chosen) -> ReadRecords:
-  """`spec`'s read stage: read-ahead for the latency measured now, the record cache first; the
-  choices printed once."""
+def stage(
+  spec, meta, source, pins, sampler, chosen, batch_bytes: int = 0, held_bytes: int = 0
+) -> ReadRecords:
+  """`spec`'s read stage: read-ahead for the latency measured now, the record cache first, both
+  within the memory budget (`pipeline.host.memory`; `batch_bytes`: a batch's images,
+  `held_bytes`: the batches the host's processes hold); the choices printed once."""
   perf = spec.performance
   latency_s, record_bytes = probe(source, deadline_s=perf.read_deadline_s)
   cache = record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
-  ahead_bytes = int(perf.read_ahead_mb * 2**20)
   window_bytes = sampler.window_bytes(record_bytes)
+  split = memory.fit(
+    memory.budget(perf.memory_mb),
+    workers=chosen.workers,
+    read_ahead=int(perf.read_ahead_mb * 2**20),
+    least_read_ahead=int(spec.batch_size * record_bytes),
+    record_cache=cache.ram_bytes if cache is not None else 0,
+    blocks=2 * window_bytes,
+    batches=held_bytes,
+    working=memory.WORKING_BATCHES * batch_bytes,
+  )
+  if cache is not None and cache.ram_bytes > split.per_process("record_cache"):
+    cache.ram_bytes = split.per_process("record_cache")
+    cache = cache if cache.ram_bytes or cache.directory else None
+  ahead_bytes = split.per_process("read_ahead")
   store = None
   if sampler.shares_blocks(chosen.workers) and blockstore.available():
     # each worker publishes about 1/workers of the blocks: its share of two windows
@@ -136,8 +153,8 @@ def stage(spec, meta, source, pins, sampler, chosen) -> ReadRecords:
     ahead_bytes=ahead_bytes,
     max_depth=perf.read_ahead,
   )
-  read = ReadRecords(fetcher, ahead)
-  parallelism.announce(chosen, describe(read, cache))
+  read = ReadRecords(fetcher, ahead, split)
+  parallelism.announce(chosen, describe(read, cache), split.describe())
   return read
 
 

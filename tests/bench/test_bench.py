@@ -14,7 +14,7 @@ import grain
 import pytest
 
 from bench import all as bench_all
-from bench import ceiling, gets, layout, peers, storage, throughput
+from bench import ceiling, gets, host, layout, peers, storage, throughput
 from pipeline.catalog import manifest, records
 from pipeline.convert import tfrecord
 
@@ -112,6 +112,21 @@ def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
   assert (pathlib.Path(data["dir"]) / "manifest.json").stat().st_mtime_ns == stamp  # reused
 
 
+def test_host_runs_both_orders_locally_and_through_the_rig_beside_the_model(
+  storage_rig, photos_dir, tmp_path
+):
+  argv = [str(photos_dir), "--batch-size", "8", "--image-size", "64", "--batches", "3"]
+  argv += ["--latency-ms", "2", "--requests-per-s", "2000", "--json", str(tmp_path / "h.json")]
+  out = host.main(argv)
+  where = [(row["storage"].split()[0], row["order"]) for row in out["rows"]]
+  assert where == [(s, o) for s in ("local", "rig") for o in ("blocks", "global")]
+  for row in out["rows"]:
+    assert row["images_per_sec"] > 0 and row["planned_memory_mb"] > 0
+    assert row["model"]["projected_img_s"] > 0 and row["model"]["threads"] >= 1
+  saved = json.loads((tmp_path / "h.json").read_text())
+  assert saved["command"].startswith("python -m bench host") and saved["cores"] >= 1
+
+
 def test_page_cache_share_follows_reads_and_eviction(tmp_path):
   path = tmp_path / "blob"
   path.write_bytes(os.urandom(1 << 20))  # dirty pages: evict() writes them back first
@@ -137,6 +152,10 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
     ]
   )
   assert {"images_per_sec", "first_batch_s", "peak_rss_mb"} <= out.keys()
+  memory = out["memory"]  # planned (pipeline.host.memory) and measured (peak PSS of the tree)
+  # PSS shares a library's pages among every process mapping it: others' runs move it by a few MB
+  assert 0 < memory["planned_mb"] <= memory["budget_mb"] and isinstance(memory["measured_mb"], int)
+  assert memory["plan"].startswith(f"memory: {memory['planned_mb']:,} of")
   assert out["images"] >= 24
   stages = out["stages_ms_per_image"]
   assert {"read", "parse", "decode", "resize_flip", "batch"} <= stages.keys()
@@ -336,7 +355,7 @@ def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_pyth
   assert not loaded & tools, loaded & tools
 
 
-@pytest.mark.parametrize("module", [layout, storage, gets, ceiling, bench_all])
+@pytest.mark.parametrize("module", [layout, storage, gets, ceiling, host, bench_all])
 def test_cli_help(module, capsys):
   with pytest.raises(SystemExit) as exit_:
     module.main(["--help"])

@@ -1,0 +1,118 @@
+"""One memory budget for what the loader holds on a host: `performance.memory_mb`.
+
+The parts, for all the processes of one dataset on the host (W worker processes, or the
+main process alone; P = max(W, 1) processes read and decode):
+
+    read-ahead     P x the record bytes of batches read ahead (performance.read_ahead_mb each)
+    blocks         two windows of the block order's blocks, kept for later rounds
+                   (`Sampler.window_bytes`; shared in /dev/shm, or dealt to the workers)
+    record cache   P x the record cache's RAM (each process keeps its own, `storage.cache`)
+    worker rings   the workers' rings of shared memory for their batches
+                   (`stages.handoff.shm_needed`); without workers, the batches in flight
+    working        P x WORKING_BATCHES batches' bytes: what a process holds beyond the parts
+                   above (its threads' malloc arenas, decode temporaries, records being
+                   decoded): 110-170 MB measured at batch 128 of 224 px (`bench throughput
+                   --order blocks|global` on data/photos, peak PSS less the parts' use)
+    workers        W x `parallelism.COSTS.worker_mb` (300 MB: a worker's RSS before its
+                   batches, its imports incl. JAX and Grain, measured under `python -m train`)
+
+The main process's own imports are the trainer's, not counted. When the parts exceed the
+budget, what can shrink shrinks, in this order: the record cache (it saves a later epoch's
+reads; down to none), then the read-ahead (down to one batch of records, which the read
+stage always holds). If even that does not fit, one line refuses, naming the settings.
+Default budget: half the memory available at open, as tf.data's default RAM budget. None of
+this changes a batch: a smaller cache or read-ahead reads the same records again, later.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from pipeline.host import parallelism
+
+MB = 2**20
+DEFAULT_SHARE = 0.5  # of the available memory, when performance.memory_mb is None
+FLAG = "performance.memory_mb"
+WORKING_BATCHES = 8  # a process's working memory, in batches' bytes (measured: see above)
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """Bytes of each part, for the whole host (`processes` share read-ahead and cache)."""
+
+  budget: int
+  processes: int
+  read_ahead: int
+  blocks: int
+  record_cache: int
+  batches: int
+  working: int
+  workers: int
+  worker_bytes: int
+
+  @property
+  def total(self) -> int:
+    fixed = self.blocks + self.batches + self.working + self.workers * self.worker_bytes
+    return self.read_ahead + self.record_cache + fixed
+
+  def per_process(self, part: str) -> int:
+    """One process's share of `part` ("read_ahead" or "record_cache")."""
+    return getattr(self, part) // self.processes
+
+  def describe(self) -> str:
+    """The split in one line, as make_dataset prints it."""
+    rings = "worker rings" if self.workers else "batches"
+    workers = _workers(self.workers, self.worker_bytes)
+    return (
+      f"memory: {mb(self.total)} of {mb(self.budget)} MB (read-ahead {mb(self.read_ahead)}, "
+      f"blocks {mb(self.blocks)}, record cache {mb(self.record_cache)}, {rings} "
+      f"{mb(self.batches)}, working {mb(self.working)}, workers {workers}); {FLAG} sets the "
+      "budget"
+    )
+
+
+def mb(nbytes: float) -> str:
+  """`nbytes` in MB: whole above 10, else to a tenth."""
+  return f"{nbytes / MB:,.0f}" if nbytes >= 10 * MB or not nbytes else f"{nbytes / MB:.1f}"
+
+
+def _workers(count: int, each: int) -> str:
+  return f"{count}x{mb(each)}" if count else "0"
+
+
+def budget(memory_mb: float | None) -> int:
+  """Bytes the loader may hold: `memory_mb`, or DEFAULT_SHARE of the available memory."""
+  if memory_mb is not None:
+    return round(memory_mb * MB)
+  return int(DEFAULT_SHARE * parallelism.available_memory())
+
+
+def fit(
+  budget_bytes: int,
+  *,
+  workers: int,
+  read_ahead: int,
+  least_read_ahead: int,
+  record_cache: int,
+  blocks: int,
+  batches: int,
+  working: int,
+  worker_bytes: int = int(parallelism.COSTS.worker_mb * MB),
+) -> Split:
+  """The parts within `budget_bytes`: `read_ahead`, `record_cache` and `working` are bytes
+  per process; the first two shrink, the cache first, the read-ahead down to
+  `least_read_ahead`; the rest is fixed. Raises one line when even the least does not fit."""
+  p = max(1, workers)
+  fixed = blocks + batches + p * working + workers * worker_bytes
+  least = min(read_ahead, least_read_ahead)
+  room = budget_bytes - fixed
+  if room < p * least:
+    raise ValueError(
+      f"{FLAG}={budget_bytes / MB:,.4g} is below the least this loader holds, "
+      f"{mb(fixed + p * least)} MB (blocks {mb(blocks)}, worker rings or batches "
+      f"{mb(batches)}, working {mb(p * working)}, workers {_workers(workers, worker_bytes)}, "
+      f"read-ahead {mb(p * least)}): raise it, or lower performance.num_workers or batch_size"
+    )
+  cache = max(0, min(p * record_cache, room - p * read_ahead))
+  ahead = min(p * read_ahead, room - cache)
+  return Split(budget_bytes, p, ahead, blocks, cache, batches, p * working, workers, worker_bytes)
