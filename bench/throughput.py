@@ -16,6 +16,7 @@ process and quotes img/s, first batch and peak RSS beside its.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import subprocess
@@ -127,6 +128,11 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--memory-mb", type=float, default=None, help="performance.memory_mb")
   p.add_argument("--no-stages", action="store_true", help="skip the per-stage breakdown")
   p.add_argument(
+    "--pss",
+    action="store_true",
+    help="the peak PSS beside the planned memory (reading smaps costs CPU: off for speed)",
+  )
+  p.add_argument(
     "--no-reference",
     action="store_true",
     help="skip the crop-window decode ceiling and tf.data beside ours",
@@ -139,12 +145,12 @@ def main(argv: list[str]) -> dict:
   args = p.parse_args(argv)
   meta = manifest_lib.load(args.data_dir)
   num_images = int(args.epochs * meta.splits[args.split].num_records)
-  loader, before = make_loader(args.loader, args), measure.tree_pss()
-  with measure.RssSampler(pss=True) as pss:
+  loader, before = make_loader(args.loader, args), measure.tree_pss() if args.pss else 0
+  with measure.RssSampler(pss=True) if args.pss else contextlib.nullcontext() as pss:
     result = measure.run(args.loader, loader, args.batch_size, num_images)
   out = {**result.__dict__}
   print(result.row())
-  if args.loader == "pipeline":  # the loader's memory: planned, and its peak PSS above before
+  if args.pss and args.loader == "pipeline":  # the loader's memory: planned, and its peak PSS
     split = loader.stages.read.memory
     out["memory"] = dict(
       planned_mb=round(split.total / 2**20), budget_mb=round(split.budget / 2**20)

@@ -147,6 +147,7 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
       "8",
       "--image-size",
       "64",
+      "--pss",
       "--json",
       str(tmp_path / "t.json"),
     ]
