@@ -4,7 +4,7 @@
      "keys": {"image": ..., "label": ..., "filename": ...},
      "splits": {"train": {"num_records": 10, "shards": [
          {"file": "train.array_record-00000-of-00001", "num_records": 10, "sha256": "...",
-          "bytes": 123456, "crc32c": "1a2b3c4d"}]}},
+          "bytes": 123456, "crc32c": "1a2b3c4d", "generation": "1700000000000000"}]}},
      "skipped": [{"path": "cat/bad.jpg", "reason": "truncated JPEG"}],
      "created_by": {"tool": "pipeline.convert images", "version": "0.1.0",
                     "args": {...}, "source": "/data/imagenet", "splits": ["train"]}}
@@ -40,6 +40,7 @@ class Shard:
   sha256: str
   bytes: int | None = None  # file size; manifests written before it existed lack it
   crc32c: str | None = None  # of the whole file, 8 hex digits (GCS keeps it per object)
+  generation: str | None = None  # of the gs:// object written by the conversion (decimal)
 
 
 @dataclasses.dataclass
@@ -76,7 +77,7 @@ class Manifest:
     del d["read_from"]
     for split in d["splits"].values():
       for shard in split["shards"]:
-        for key in ("bytes", "crc32c"):
+        for key in ("bytes", "crc32c", "generation"):
           if shard[key] is None:
             del shard[key]
     return d
@@ -126,8 +127,11 @@ def _shard(d: Any, where: str) -> Shard:
   crc = d.get("crc32c")
   if crc is not None and not (isinstance(crc, str) and len(crc) == 8 and _is_hex(crc)):
     raise ManifestError(f"{where}: field 'crc32c' is {_show(crc)}, not 8 hex digits")
+  gen = d.get("generation")
+  if gen is not None and not (isinstance(gen, str) and gen.isdecimal() and gen.isascii()):
+    raise ManifestError(f"{where}: field 'generation' is {_show(gen)}, not a decimal string")
   sha256 = _field(d, "sha256", str, where)
-  return Shard(file, _count(d, "num_records", where), sha256, size, crc)
+  return Shard(file, _count(d, "num_records", where), sha256, size, crc, gen)
 
 
 def _is_hex(text: str) -> bool:

@@ -513,6 +513,8 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
       assert fs.cat_file(f"bkt/conv/out/{name}") == open(f"{local}/{name}", "rb").read(), name
     got = json.loads(fs.cat_file("bkt/conv/out/manifest.json"))
     want = json.load(open(f"{local}/manifest.json"))
+    for sh in (sh for s in got["splits"].values() for sh in s["shards"]):  # the object's own
+      assert sh.pop("generation") == str(fs.info(f"bkt/conv/out/{sh['file']}")["generation"])
     assert got["splits"] == want["splits"] and got["skipped"] == want["skipped"]
     assert got["created_by"]["source"] == "gs://bkt/conv/raw"
 
@@ -589,7 +591,27 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
     0,
     "gs://bkt/resume/out: train: 240, validation: 60 records; OK\n",
   )
+  # The same bytes written again (a new generation, the same CRC32C): refused by name.
   shard = "bkt/resume/out/train.array_record-00003-of-00013"
+  rewrite = "import gcsfs, sys; fs = gcsfs.GCSFileSystem(token='anon')\n"
+  rewrite += "fs.pipe_file(sys.argv[1], fs.cat_file(sys.argv[1]))"
+  assert run(rewrite, env=gcs, args=[shard]).returncode == 0
+  opened = run(
+    "from pipeline.catalog import split; split.open('gs://bkt/resume/out', 'train')", env=gcs
+  )
+  assert re.fullmatch(
+    f"pipeline.catalog.schema.ManifestError: shard gs://{shard} is generation \\d+, "
+    "gs://bkt/resume/out/manifest.json says \\d+: the object was replaced after conversion",
+    opened.stderr.strip().splitlines()[-1],
+  ), opened.stderr[-2000:]
+  replaced = run("", env=gcs, args=verify)
+  assert replaced.returncode == 1, replaced.stderr[-2000:]
+  assert re.fullmatch(
+    r"gs://bkt/resume/out: train: 240, validation: 60 records; 1 problems:\n"
+    r"  train.array_record-00003-of-00013: generation \d+ != manifest.json \d+ "
+    r"\(the object was replaced after conversion\)\n",
+    replaced.stdout,
+  ), replaced.stdout
   flip = (
     "import gcsfs, sys; fs, name = gcsfs.GCSFileSystem(token='anon'), sys.argv[1]\n"
     "b = bytearray(fs.cat_file(name)); b[500] ^= 1; fs.pipe_file(name, bytes(b))"
@@ -598,9 +620,10 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
   bad = run("", env=gcs, args=verify)
   assert bad.returncode == 1, bad.stderr[-2000:]
   lines = bad.stdout.splitlines()
-  assert lines[0] == "gs://bkt/resume/out: train: 239, validation: 60 records; 3 problems:"
-  assert lines[1].startswith("  train.array_record-00003-of-00013: sha256 ")
-  assert lines[2].startswith("  train.array_record-00003-of-00013: crc32c ")
+  assert lines[0] == "gs://bkt/resume/out: train: 239, validation: 60 records; 4 problems:"
+  assert lines[1].startswith("  train.array_record-00003-of-00013: generation ")
+  assert lines[2].startswith("  train.array_record-00003-of-00013: sha256 ")
+  assert lines[3].startswith("  train.array_record-00003-of-00013: crc32c ")
 
 
 @needs_emulator
