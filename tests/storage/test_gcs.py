@@ -626,6 +626,50 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
   assert lines[3].startswith("  train.array_record-00003-of-00013: crc32c ")
 
 
+def _tree_bytes(root: str) -> int:
+  """Bytes of the files under `root` now (files that vanish while it looks count as 0)."""
+  total = 0
+  for folder, _, files in os.walk(root):
+    for name in files:
+      try:
+        total += os.lstat(os.path.join(folder, name)).st_size
+      except FileNotFoundError:
+        pass
+  return total
+
+
+@needs_emulator
+def test_a_conversion_between_buckets_holds_under_3_shards_per_worker_on_local_disk(
+  gcs, photos_raw, tmp_path
+):
+  """Issue 39: local disk used stays under 3 shards per worker, sampled from another process
+  while `convert images gs:// gs:// --workers 2` runs with its temporary folder in TMPDIR."""
+  put = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
+  assert run(put, env=gcs, args=[str(photos_raw), "bkt/disk/raw"]).returncode == 0
+  tmp, workers = tmp_path / "tmp", 2
+  tmp.mkdir()
+  flags = ["--val-fraction", "0.25", "--shard-size-mb", "0.5", "--no-progress"]
+  command = [sys.executable, "-m", "pipeline.convert", "images", "gs://bkt/disk/raw"]
+  command += ["gs://bkt/disk/out", *flags, "--workers", str(workers)]
+  env = {**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp), **gcs}
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  peak = 0
+  while proc.poll() is None:
+    peak = max(peak, _tree_bytes(str(tmp)))
+    time.sleep(0.001)
+  out, err = proc.communicate()
+  assert proc.returncode == 0, err.decode()[-2000:]
+  code = "from pipeline.catalog import manifest; import json\n"
+  code += "m = manifest.load('gs://bkt/disk/out')\n"
+  code += "print(json.dumps([sh.bytes for s in m.splits.values() for sh in s.shards]))"
+  listed = run(code, env=gcs)
+  sizes = json.loads(listed.stdout)
+  assert len(sizes) >= 4 * workers  # several shards per worker
+  print(f"peak local disk {peak} bytes; shards up to {max(sizes)} bytes, {workers} workers")
+  assert 0 < peak <= 3 * max(sizes) * workers
+  assert _tree_bytes(str(tmp)) == 0  # its temporary folder is gone
+
+
 @needs_emulator
 def test_tfrecords_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits_dir, tmp_path):
   from array_record.python.array_record_module import ArrayRecordReader
