@@ -487,6 +487,28 @@ KILLED_AFTER = textwrap.dedent(
 )
 
 
+# `convert images ARGS...` killed (exit 9) as it copies its second shard into OUT: the old
+# manifest is gone, some shards are new and some old.
+KILLED_IN_SWAP = textwrap.dedent(
+  """
+  import os, sys
+  from pipeline.convert import __main__ as cli, bucket
+
+  writing, copied = bucket._writing, []
+
+  def counted(fn, what):
+    if "/.convert-build/" not in what and ".array_record-" in what:
+      copied.append(what)
+      if len(copied) > 1:
+        os._exit(9)
+    return writing(fn, what)
+
+  bucket._writing = counted
+  sys.exit(cli.main(["images", *sys.argv[1:]]))
+  """
+)
+
+
 @needs_emulator
 def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits_raw, tmp_path):
   code = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
@@ -545,9 +567,19 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
   killed = run(KILLED_AFTER, env=gcs, args=["3", *overwrite, *BUCKET_CONVERT])
   assert killed.returncode == 9, killed.stderr[-2000:]
   assert run(code, env=gcs, args=[str(tmp_path / "local")]).stdout == check.stdout
+  # Killed as it swaps the new shards in: no dataset (not a mix of the two) until it is re-run.
+  swapping = run(KILLED_IN_SWAP, env=gcs, args=[*overwrite, *flags])
+  assert swapping.returncode == 9, swapping.stderr[-2000:]
+  load = "from pipeline.catalog import manifest; manifest.load('gs://bkt/conv/out')"
+  assert "FileNotFoundError: gs://bkt/conv/out/manifest.json not found" in run(load, env=gcs).stderr
   replaced = convert(*overwrite, *flags, env=gcs)
   assert replaced.returncode == 0, replaced.stderr[-2000:]
   assert run(code, env=gcs, args=[str(tmp_path / "local")]).returncode != 0  # other bytes
+  verify = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/conv/out"])
+  assert verify.returncode == 0 and verify.stdout.endswith("; OK\n"), verify.stdout  # the new one
+  seed = "from pipeline.catalog import manifest; "
+  seed += "print(manifest.load('gs://bkt/conv/out').created_by['args']['seed'])"
+  assert run(seed, env=gcs).stdout == "1\n"
 
 
 @needs_emulator
