@@ -164,8 +164,9 @@ def test_convert_to_gs_refuses_in_one_line_and_writes_nothing(tmp_path, command)
   p = run("", cwd=str(tmp_path), args=["-m", "pipeline.convert", *argv])
   assert p.returncode == 2, p.stderr
   assert p.stderr == (
-    "error: cannot write to gs://bkt/ds: shards are written as local files; convert into a "
-    "local folder, then upload it: gcloud storage rsync -r DIR gs://bkt/ds\n"
+    "error: cannot write to gs://bkt/ds: builtin builds a local folder (images, tfrecord and "
+    "tfds convert into a bucket); build it locally, then upload it: gcloud storage rsync -r "
+    "DIR gs://bkt/ds\n"
   )
   assert not (tmp_path / "gs:").exists()
 
@@ -739,6 +740,39 @@ def test_tfrecords_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, dig
   check = run(same, env=gcs, args=[str(tmp_path / "local")])
   assert check.returncode == 0, check.stderr[-2000:]
   verify = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/tfr/out"])
+  assert verify.returncode == 0 and verify.stdout.endswith("; OK\n"), verify.stdout
+
+
+@needs_emulator
+def test_a_tfds_build_converts_into_a_bucket_as_into_a_folder(gcs, tmp_path):
+  from tests.convert.test_tfds import TinyShapes, prepared
+
+  version = str(prepared(TinyShapes, tmp_path / "tfds"))
+  command = ["-m", "pipeline.convert", "tfds", "tiny_shapes"]
+  flags = ["--data-dir", version, "--shard-size-mb", "0.004", "--no-progress", "--workers", "2"]
+  out = str(tmp_path / "local")
+  local = run("", env=gcs, args=[*command, out, *flags])
+  assert local.returncode == 0, local.stderr[-2000:]
+  p = run("", env=gcs, args=[*command, "gs://bkt/tfds/out", *flags])
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout == local.stdout.replace(out, "gs://bkt/tfds/out")
+  same = textwrap.dedent(
+    """
+    import json, os, sys
+    import gcsfs
+    fs, local = gcsfs.GCSFileSystem(token="anon"), sys.argv[1]
+    names = sorted(os.listdir(local))
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/tfds/out")) == names
+    assert len(names) > 3, names
+    assert all(fs.cat_file(f"bkt/tfds/out/{n}") == open(f"{local}/{n}", "rb").read()
+               for n in names if n != "manifest.json")
+    got = json.loads(fs.cat_file("bkt/tfds/out/manifest.json"))
+    assert all(sh["generation"] for s in got["splits"].values() for sh in s["shards"])
+    """
+  )
+  check = run(same, env=gcs, args=[out])
+  assert check.returncode == 0, check.stderr[-2000:]
+  verify = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/tfds/out"])
   assert verify.returncode == 0 and verify.stdout.endswith("; OK\n"), verify.stdout
 
 
