@@ -7,7 +7,8 @@
           "bytes": 123456, "crc32c": "1a2b3c4d", "generation": "1700000000000000"}]}},
      "skipped": [{"path": "cat/bad.jpg", "reason": "truncated JPEG"}],
      "created_by": {"tool": "pipeline.convert images", "version": "0.1.0",
-                    "args": {...}, "source": "/data/imagenet", "splits": ["train"]}}
+                    "args": {...}, "source": "/data/imagenet", "splits": ["train"]},
+     "written_to": "gs://bucket/imagenet"}  # converted into a bucket: where "generation"s hold
 
 `from_json` checks every field and names the bad one (`ManifestError`, one line naming the file);
 `pipeline.catalog.manifest` reads and writes the file, `pipeline.catalog.tfds_folder` makes a
@@ -56,6 +57,9 @@ class Manifest:
   skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
   keys: Keys = Keys()
   created_by: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # the gs:// folder a conversion wrote it into: its shards' generations are of objects there
+  # (a copy elsewhere has others), so they are checked only there
+  written_to: str | None = None
   # the file it was read from, for messages; a TFDS build's is dataset_info.json. Not saved.
   read_from: str = dataclasses.field(default=FILENAME, compare=False)
 
@@ -75,6 +79,8 @@ class Manifest:
   def to_json(self) -> dict[str, Any]:
     d = {"format": FORMAT, **dataclasses.asdict(self)}
     del d["read_from"]
+    if d["written_to"] is None:
+      del d["written_to"]
     for split in d["splits"].values():
       for shard in split["shards"]:
         for key in ("bytes", "crc32c", "generation"):
@@ -220,10 +226,14 @@ def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
   ):
     raise ManifestError(f"{where}: skipped must be a list of {{path, reason}} objects")
   _provenance(created_by, where)
+  written_to = d.get("written_to")
+  if written_to is not None and not (isinstance(written_to, str) and _name(written_to)):
+    raise ManifestError(f"{where}: field 'written_to' is {_show(written_to)}, not a URL")
   return Manifest(
     classes=list(classes),
     splits=splits,
     skipped=list(skipped),
     keys=keys,
     created_by=dict(created_by),
+    written_to=written_to,
   )

@@ -13,9 +13,9 @@ manifest: the commit point) is written to the build folder, the shards are copie
 inside the bucket (no download), and manifest.json is written last, in one request; should
 a new shard take the name of an object in OUT, the old manifest.json is removed first. So a
 reader sees the old dataset, no dataset, or the new one. The manifest records each shard's
-CRC32C and its object's generation in OUT, which readers check (`manifest.checked_shards`);
-they pin the generation at open. A lock object (`locked`, created only if absent) refuses a
-second conversion into OUT.
+CRC32C and its object's generation in OUT, which readers check (`manifest.checked_shards`;
+the generations in OUT only, not in a copy of the dataset); they pin the generation at open.
+A lock object (`locked`, created only if absent) refuses a second conversion into OUT.
 """
 
 from __future__ import annotations
@@ -307,6 +307,7 @@ def swap_in(out: str) -> None:
   generations = _generations(out)
   for s in m.splits.values():
     s.shards = [dataclasses.replace(sh, generation=generations.get(sh.file)) for sh in s.shards]
+  m.written_to = out.rstrip("/")
   text = manifest_lib.dumps(m).encode()
   _writing(lambda: fs.pipe_file(join(out, manifest_lib.FILENAME), text), join(out, "manifest"))
   for f in swap["remove"]:

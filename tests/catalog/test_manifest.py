@@ -147,7 +147,9 @@ def test_a_generation_is_kept_and_a_local_copy_of_a_bucket_dataset_still_opens(d
   """A conversion into a bucket records each shard object's generation (checked there:
   tests/storage/test_gcs.py); files downloaded from it have none, so it is not looked at."""
   edit(dataset, lambda d: d["splits"]["train"]["shards"][0].update(generation="1700000000000001"))
+  edit(dataset, lambda d: d.update(written_to="gs://bkt/photos"))
   m = manifest.load(dataset)
+  assert m.written_to == "gs://bkt/photos" and not manifest.written_here(dataset, m)
   assert m.splits["train"].shards[0].generation == "1700000000000001"
   assert m.to_json()["splits"]["train"]["shards"][0]["generation"] == "1700000000000001"
   assert "generation" not in m.to_json()["splits"]["validation"]["shards"][0]
@@ -176,6 +178,7 @@ def test_a_truncated_manifest_is_a_manifest_error_naming_the_file(dataset):
       lambda d: d["splits"]["train"]["shards"][0].update(generation=17),
       "field 'generation' is 17, not a decimal string",
     ),
+    (lambda d: d.update(written_to=5), "field 'written_to' is 5, not a URL"),
   ],
 )
 def test_an_invalid_manifest_is_a_manifest_error_naming_the_file(dataset, change, message):

@@ -540,6 +540,7 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
       assert sh.pop("generation") == str(fs.info(f"bkt/conv/out/{sh['file']}")["generation"])
     assert got["splits"] == want["splits"] and got["skipped"] == want["skipped"]
     assert got["created_by"]["source"] == "gs://bkt/conv/raw"
+    assert got["written_to"] == url and "written_to" not in want
 
     def batches(data_dir):
       ds = make_dataset(data_dir, "validation", batch_size=16, train=False, image_size=32)
@@ -624,7 +625,15 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
     0,
     "gs://bkt/resume/out: train: 240, validation: 60 records; OK\n",
   )
-  # The same bytes written again (a new generation, the same CRC32C): refused by name.
+  # A copy elsewhere (other generations) reads; in OUT, the same bytes written again (a new
+  # generation, the same CRC32C) are refused by name.
+  copy = "import gcsfs; gcsfs.GCSFileSystem(token='anon').copy('bkt/resume/out', "
+  copy += "'bkt/resume/copy', recursive=True)\n"
+  copy += "from pipeline.catalog import split; split.open('gs://bkt/resume/copy', 'train')"
+  copied = run(copy, env=gcs)
+  assert copied.returncode == 0, copied.stderr[-2000:]
+  copied = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/resume/copy"])
+  assert copied.stdout == "gs://bkt/resume/copy: train: 240, validation: 60 records; OK\n"
   shard = "bkt/resume/out/train.array_record-00003-of-00013"
   rewrite = "import gcsfs, sys; fs = gcsfs.GCSFileSystem(token='anon')\n"
   rewrite += "fs.pipe_file(sys.argv[1], fs.cat_file(sys.argv[1]))"
