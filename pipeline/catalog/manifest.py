@@ -4,7 +4,8 @@ makes of the files it lists.
 `checked_shards` is what a reader calls at open: it refuses a dataset whose files do not
 match the manifest (missing, not regular files, another size, counts that do not add up, and
 for gs:// objects another CRC32C than the shard's: GCS keeps every object's CRC32C, so one
-metadata request per shard checks its content). `pin` and `check_pinned` keep a reader on the
+metadata request per shard checks its content; and, in the folder a conversion into a bucket
+wrote, another generation than the one recorded). `pin` and `check_pinned` keep a reader on the
 files it checked (local: device, inode, size, mtime; gs://: the object's generation): a shard
 replaced later (a `convert --overwrite`, an object overwritten) is refused when the reader
 opens it. Manifests written before shards had a "crc32c" still open, with the size check.
@@ -169,6 +170,7 @@ def _checked(data_dir, meta: Manifest, split: str, verify: str) -> tuple[list[ep
       f"{where}: split {split!r} says {s.num_records} records but its shards hold {total}"
     )
   paths = [epath.Path(data_dir) / sh.file for sh in s.shards]
+  here = written_here(data_dir, meta)
   pins = []
   if verify == "none":  # but never a FIFO or device a reader would block on (local: one stat)
     for path in paths:
@@ -186,6 +188,11 @@ def _checked(data_dir, meta: Manifest, split: str, verify: str) -> tuple[list[ep
       raise ManifestError(f"shard {path} is missing") from None
     if size is None:
       raise ManifestError(f"shard {path} is not a regular file")
+    if sh.generation is not None and here and pinned and pinned[1] != sh.generation:
+      raise ManifestError(
+        f"shard {path} is generation {pinned[1]}, {where} says {sh.generation}: the object was "
+        "replaced after conversion"
+      )
     if sh.bytes is not None and size != sh.bytes:
       raise ManifestError(
         f"shard {path} has {size} bytes, {where} says {sh.bytes}: it changed after conversion"
@@ -205,15 +212,22 @@ def _checked(data_dir, meta: Manifest, split: str, verify: str) -> tuple[list[ep
   return paths, pins
 
 
+def written_here(data_dir, meta: Manifest) -> bool:
+  """Whether `data_dir` is the gs:// folder a conversion wrote `meta` into, whose objects' its
+  shard generations are (not a copy of the dataset elsewhere)."""
+  here = os.fspath(data_dir).rstrip("/")
+  return here.startswith("gs://") and meta.written_to == here
+
+
 def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -> list[epath.Path]:
   """The split's shard paths after checking them against the manifest, for a reader to open.
 
   Always: the split exists and its `num_records` is the sum of its shards' counts.
   verify="size" (cheap: one stat, or for gs:// one metadata request, per shard): each shard is
   a regular file of the recorded size (manifests without sizes skip the size check), and a
-  gs:// object has the recorded CRC32C; "sha256": also its full digest; "none": no per-file
-  checks but, where local, that each is a regular file (a reader would block forever on a
-  FIFO). Raises `ManifestError` naming the file.
+  gs:// object has the recorded CRC32C and generation (`written_here`); "sha256": also its
+  full digest; "none": no per-file checks but, where local, that each is a regular file (a
+  reader would block forever on a FIFO). Raises `ManifestError` naming the file.
   """
   return _checked(data_dir, meta, split, verify)[0]
 

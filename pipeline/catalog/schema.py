@@ -4,10 +4,11 @@
      "keys": {"image": ..., "label": ..., "filename": ...},
      "splits": {"train": {"num_records": 10, "shards": [
          {"file": "train.array_record-00000-of-00001", "num_records": 10, "sha256": "...",
-          "bytes": 123456, "crc32c": "1a2b3c4d"}]}},
+          "bytes": 123456, "crc32c": "1a2b3c4d", "generation": "1700000000000000"}]}},
      "skipped": [{"path": "cat/bad.jpg", "reason": "truncated JPEG"}],
      "created_by": {"tool": "pipeline.convert images", "version": "0.1.0",
-                    "args": {...}, "source": "/data/imagenet", "splits": ["train"]}}
+                    "args": {...}, "source": "/data/imagenet", "splits": ["train"]},
+     "written_to": "gs://bucket/imagenet"}  # converted into a bucket: where "generation"s hold
 
 `from_json` checks every field and names the bad one (`ManifestError`, one line naming the file);
 `pipeline.catalog.manifest` reads and writes the file, `pipeline.catalog.tfds_folder` makes a
@@ -40,6 +41,7 @@ class Shard:
   sha256: str
   bytes: int | None = None  # file size; manifests written before it existed lack it
   crc32c: str | None = None  # of the whole file, 8 hex digits (GCS keeps it per object)
+  generation: str | None = None  # of the gs:// object written by the conversion (decimal)
 
 
 @dataclasses.dataclass
@@ -55,6 +57,9 @@ class Manifest:
   skipped: list[dict[str, str]] = dataclasses.field(default_factory=list)
   keys: Keys = Keys()
   created_by: dict[str, Any] = dataclasses.field(default_factory=dict)
+  # the gs:// folder a conversion wrote it into: its shards' generations are of objects there
+  # (a copy elsewhere has others), so they are checked only there
+  written_to: str | None = None
   # the file it was read from, for messages; a TFDS build's is dataset_info.json. Not saved.
   read_from: str = dataclasses.field(default=FILENAME, compare=False)
 
@@ -74,9 +79,11 @@ class Manifest:
   def to_json(self) -> dict[str, Any]:
     d = {"format": FORMAT, **dataclasses.asdict(self)}
     del d["read_from"]
+    if d["written_to"] is None:
+      del d["written_to"]
     for split in d["splits"].values():
       for shard in split["shards"]:
-        for key in ("bytes", "crc32c"):
+        for key in ("bytes", "crc32c", "generation"):
           if shard[key] is None:
             del shard[key]
     return d
@@ -126,8 +133,11 @@ def _shard(d: Any, where: str) -> Shard:
   crc = d.get("crc32c")
   if crc is not None and not (isinstance(crc, str) and len(crc) == 8 and _is_hex(crc)):
     raise ManifestError(f"{where}: field 'crc32c' is {_show(crc)}, not 8 hex digits")
+  gen = d.get("generation")
+  if gen is not None and not (isinstance(gen, str) and gen.isdecimal() and gen.isascii()):
+    raise ManifestError(f"{where}: field 'generation' is {_show(gen)}, not a decimal string")
   sha256 = _field(d, "sha256", str, where)
-  return Shard(file, _count(d, "num_records", where), sha256, size, crc)
+  return Shard(file, _count(d, "num_records", where), sha256, size, crc, gen)
 
 
 def _is_hex(text: str) -> bool:
@@ -216,10 +226,14 @@ def from_json(d: dict[str, Any], where: str = FILENAME) -> Manifest:
   ):
     raise ManifestError(f"{where}: skipped must be a list of {{path, reason}} objects")
   _provenance(created_by, where)
+  written_to = d.get("written_to")
+  if written_to is not None and not (isinstance(written_to, str) and _name(written_to)):
+    raise ManifestError(f"{where}: field 'written_to' is {_show(written_to)}, not a URL")
   return Manifest(
     classes=list(classes),
     splits=splits,
     skipped=list(skipped),
     keys=keys,
     created_by=dict(created_by),
+    written_to=written_to,
   )

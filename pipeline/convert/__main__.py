@@ -7,7 +7,7 @@
   python -m pipeline.convert tfrecord 'train-*.tfrecord' OUT --num-classes 1000
   python -m pipeline.convert tfds imagenet2012 OUT --data-dir ~/tensorflow_datasets
   python -m pipeline.convert tfds imagenet2012 OUT --split train --split validation
-  python -m pipeline.convert images gs://BUCKET/raw gs://BUCKET/ds   # in a bucket (also tfrecord)
+  python -m pipeline.convert images gs://BUCKET/raw gs://BUCKET/ds   # also tfrecord, tfds
   python -m pipeline.convert verify OUT
   python -m pipeline.convert builtin data
   python -m pipeline.convert images SRC OUT --runner DirectRunner   # Apache Beam
@@ -217,8 +217,9 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _into_bucket(args: argparse.Namespace) -> bool:
-  """Whether this command reads or writes OUT in a bucket itself (not yet: tfds, builtin)."""
-  return args.command in ("verify", "images", "tfrecord")
+  """Whether this command reads or writes OUT in a bucket itself (builtin does not: its DATA
+  folder holds the raw files it makes beside their datasets)."""
+  return args.command in ("verify", "images", "tfrecord", "tfds")
 
 
 def _quiet_engine(runner: str) -> None:
@@ -234,8 +235,9 @@ def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
   out = args.data_dir if args.command == "builtin" else args.out
   if remote.scheme(out) and not _into_bucket(args):
     raise remote.RemoteStorageError(
-      f"cannot write to {out}: shards are written as local files; convert into a local "
-      f"folder, then upload it: gcloud storage rsync -r DIR {out}"
+      f"cannot write to {out}: builtin builds a local folder (images, tfrecord and tfds "
+      f"convert into a bucket); build it locally, then upload it: gcloud storage rsync -r "
+      f"DIR {out}"
     )
   from pipeline.convert import beam, builtin, images, tfds, tfrecord  # fast --help
 

@@ -13,7 +13,8 @@ manifest: the commit point) is written to the build folder, the shards are copie
 inside the bucket (no download), and manifest.json is written last, in one request; should
 a new shard take the name of an object in OUT, the old manifest.json is removed first. So a
 reader sees the old dataset, no dataset, or the new one. The manifest records each shard's
-CRC32C, which readers check (`manifest.checked_shards`); they pin the generation at open.
+CRC32C and its object's generation in OUT, which readers check (`manifest.checked_shards`;
+the generations in OUT only, not in a copy of the dataset); they pin the generation at open.
 A lock object (`locked`, created only if absent) refuses a second conversion into OUT.
 """
 
@@ -176,6 +177,18 @@ def _names(url: str) -> set[str]:
   return {p.rstrip("/").rsplit("/", 1)[-1] for p in listed}
 
 
+def _generations(url: str) -> dict[str, str]:
+  """{name: generation} of the objects directly in the folder `url` (one listing, fresh)."""
+  fs = _fs(url)
+  fs.invalidate_cache()
+  listed = remote.call(lambda: fs.ls(url.split("://", 1)[1], detail=True), url)
+  return {
+    i["name"].rstrip("/").rsplit("/", 1)[-1]: str(i["generation"])
+    for i in listed
+    if i.get("type") == "file" and i.get("generation")
+  }
+
+
 def _objects(url: str) -> dict[str, dict[str, Any]]:
   """{name: metadata} of every object under the folder `url` (one listing, fresh)."""
   fs = _fs(url)
@@ -291,6 +304,10 @@ def swap_in(out: str) -> None:
     _remove(join(out, manifest_lib.FILENAME))
   for f in moving:
     _writing(lambda f=f: fs.copy(join(build, f), join(out, f)), join(out, f))
+  generations = _generations(out)
+  for s in m.splits.values():
+    s.shards = [dataclasses.replace(sh, generation=generations.get(sh.file)) for sh in s.shards]
+  m.written_to = out.rstrip("/")
   text = manifest_lib.dumps(m).encode()
   _writing(lambda: fs.pipe_file(join(out, manifest_lib.FILENAME), text), join(out, "manifest"))
   for f in swap["remove"]:

@@ -1,4 +1,5 @@
-"""A TFDS dataset already prepared in a local data dir to our shards, record bytes copied.
+"""A TFDS dataset already prepared in a local data dir to our shards, record bytes copied
+(into a local folder, or a gs:// one through `pipeline.convert.bucket`).
 
 TFDS stores each example as a `tf.train.Example` (TFRecord or ArrayRecord files); its
 first `Image` and `ClassLabel` features become the image and label keys, and the
@@ -16,7 +17,7 @@ from collections.abc import Sequence
 from pipeline import __version__
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import records, tfds_folder
-from pipeline.convert import checks, shards, tfrecord
+from pipeline.convert import bucket, checks, shards, tfrecord
 
 
 def convert(
@@ -40,6 +41,8 @@ def convert(
   """
   shards.check_workers(workers)
   shards.shard_bytes(shard_size_mb)
+  if bucket.is_url(out):
+    bucket.check(os.fspath(out))  # no gcsfs, credentials or network: one line, at once
   if max_pixels < 1:
     raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
   import tensorflow_datasets as tfds
@@ -94,9 +97,8 @@ def convert(
     shard_size_mb=shard_size_mb,
     max_pixels=max_pixels,
   )
-  return shards.run(
-    job, workers=workers, progress=progress, desc=f"convert {name}", overwrite=overwrite
-  )
+  run = bucket.run if bucket.is_url(out) else shards.run
+  return run(job, workers=workers, progress=progress, desc=f"convert {name}", overwrite=overwrite)
 
 
 def _builder(name: str, data_dir: str):

@@ -1,9 +1,10 @@
 """`verify OUT`: re-reads every shard and checks it against manifest.json (or a TFDS build's
 dataset_info.json).
 
-Checks each shard's existence, size, sha256 (and crc32c) where recorded and record count,
-parses every record, checks every label against the class count and fully decodes every
-image. Problems name the shard and record index; the CLI exits non-zero if there is any.
+Checks each shard's existence, size, sha256 (and crc32c, and a gs:// object's generation)
+where recorded and record count, parses every record, checks every label against the class
+count and fully decodes every image. Problems name the shard and record index; the CLI exits
+non-zero if there is any.
 """
 
 from __future__ import annotations
@@ -51,12 +52,14 @@ class Report:
     return "\n".join(lines + [f"  {p}" for p in self.problems])
 
 
-def _size(path: str) -> int | None:
-  """The size of a regular file or object, None for anything else."""
+def _size(path: str) -> tuple[int | None, str | None]:
+  """(size, generation) of a regular file or object: size None for anything else, generation
+  a gs:// object's (else None)."""
   if bucket.is_url(path):
-    return manifest_lib._look(path)[0]
+    size, pinned, _ = manifest_lib._look(path)
+    return size, pinned[1] if pinned and pinned[0] == "gs" else None
   st = os.stat(path)
-  return st.st_size if stat.S_ISREG(st.st_mode) else None
+  return (st.st_size if stat.S_ISREG(st.st_mode) else None), None
 
 
 def _digests(path: str) -> tuple[str, str]:
@@ -77,12 +80,17 @@ def _check_file(path: str, shard: manifest_lib.Shard, source: str) -> tuple[bool
   The file is stat'ed before it is opened: opening a FIFO would wait forever. A gs:// object
   is looked up (one metadata request) and read once for its digests."""
   try:
-    size = _size(path)
+    size, generation = _size(path)
   except FileNotFoundError:
     return False, [f"{shard.file}: missing"]
   if size is None:
     return False, [f"{shard.file}: not a regular file"]
   problems = []
+  if None not in (generation, shard.generation) and generation != shard.generation:
+    problems.append(
+      f"{shard.file}: generation {generation} != {source} {shard.generation} (the object was "
+      "replaced after conversion)"
+    )
   if shard.bytes is not None and size != shard.bytes:
     problems.append(f"{shard.file}: {size} bytes, {source} says {shard.bytes}")
   if shard.sha256 or shard.crc32c is not None:
@@ -167,6 +175,8 @@ def verify(out: str | os.PathLike, *, workers: int | None = None, progress: bool
   except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
     return Report(out, {}, [f"manifest: {e}"])
   info = {s.file: s for split in m.splits.values() for s in split.shards}
+  if not manifest_lib.written_here(out, m):  # a copy: its objects have other generations
+    info = {f: dataclasses.replace(s, generation=None) for f, s in info.items()}
   tasks = [
     (s.file, a, a + _RANGE)
     for split in m.splits.values()

@@ -143,6 +143,19 @@ def test_convert_records_each_shards_crc32c_and_older_manifests_still_open(datas
     assert manifest.checked_shards(dataset, older, split)
 
 
+def test_a_generation_is_kept_and_a_local_copy_of_a_bucket_dataset_still_opens(dataset):
+  """A conversion into a bucket records each shard object's generation (checked there:
+  tests/storage/test_gcs.py); files downloaded from it have none, so it is not looked at."""
+  edit(dataset, lambda d: d["splits"]["train"]["shards"][0].update(generation="1700000000000001"))
+  edit(dataset, lambda d: d.update(written_to="gs://bkt/photos"))
+  m = manifest.load(dataset)
+  assert m.written_to == "gs://bkt/photos" and not manifest.written_here(dataset, m)
+  assert m.splits["train"].shards[0].generation == "1700000000000001"
+  assert m.to_json()["splits"]["train"]["shards"][0]["generation"] == "1700000000000001"
+  assert "generation" not in m.to_json()["splits"]["validation"]["shards"][0]
+  assert manifest.checked_shards(dataset, m, "train")
+
+
 def test_a_truncated_manifest_is_a_manifest_error_naming_the_file(dataset):
   path = dataset / manifest.FILENAME
   path.write_text(path.read_text()[:200])
@@ -161,6 +174,11 @@ def test_a_truncated_manifest_is_a_manifest_error_naming_the_file(dataset):
     ),
     (lambda d: d.update(keys={"picture": "x"}), "keys .* are not image/label/filename"),
     (lambda d: d.update(format="grain-pipeline/9"), "format 'grain-pipeline/9' is not"),
+    (
+      lambda d: d["splits"]["train"]["shards"][0].update(generation=17),
+      "field 'generation' is 17, not a decimal string",
+    ),
+    (lambda d: d.update(written_to=5), "field 'written_to' is 5, not a URL"),
   ],
 )
 def test_an_invalid_manifest_is_a_manifest_error_naming_the_file(dataset, change, message):

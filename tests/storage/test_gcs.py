@@ -164,8 +164,9 @@ def test_convert_to_gs_refuses_in_one_line_and_writes_nothing(tmp_path, command)
   p = run("", cwd=str(tmp_path), args=["-m", "pipeline.convert", *argv])
   assert p.returncode == 2, p.stderr
   assert p.stderr == (
-    "error: cannot write to gs://bkt/ds: shards are written as local files; convert into a "
-    "local folder, then upload it: gcloud storage rsync -r DIR gs://bkt/ds\n"
+    "error: cannot write to gs://bkt/ds: builtin builds a local folder (images, tfrecord and "
+    "tfds convert into a bucket); build it locally, then upload it: gcloud storage rsync -r "
+    "DIR gs://bkt/ds\n"
   )
   assert not (tmp_path / "gs:").exists()
 
@@ -487,6 +488,28 @@ KILLED_AFTER = textwrap.dedent(
 )
 
 
+# `convert images ARGS...` killed (exit 9) as it copies its second shard into OUT: the old
+# manifest is gone, some shards are new and some old.
+KILLED_IN_SWAP = textwrap.dedent(
+  """
+  import os, sys
+  from pipeline.convert import __main__ as cli, bucket
+
+  writing, copied = bucket._writing, []
+
+  def counted(fn, what):
+    if "/.convert-build/" not in what and ".array_record-" in what:
+      copied.append(what)
+      if len(copied) > 1:
+        os._exit(9)
+    return writing(fn, what)
+
+  bucket._writing = counted
+  sys.exit(cli.main(["images", *sys.argv[1:]]))
+  """
+)
+
+
 @needs_emulator
 def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits_raw, tmp_path):
   code = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
@@ -513,8 +536,11 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
       assert fs.cat_file(f"bkt/conv/out/{name}") == open(f"{local}/{name}", "rb").read(), name
     got = json.loads(fs.cat_file("bkt/conv/out/manifest.json"))
     want = json.load(open(f"{local}/manifest.json"))
+    for sh in (sh for s in got["splits"].values() for sh in s["shards"]):  # the object's own
+      assert sh.pop("generation") == str(fs.info(f"bkt/conv/out/{sh['file']}")["generation"])
     assert got["splits"] == want["splits"] and got["skipped"] == want["skipped"]
     assert got["created_by"]["source"] == "gs://bkt/conv/raw"
+    assert got["written_to"] == url and "written_to" not in want
 
     def batches(data_dir):
       ds = make_dataset(data_dir, "validation", batch_size=16, train=False, image_size=32)
@@ -543,9 +569,19 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
   killed = run(KILLED_AFTER, env=gcs, args=["3", *overwrite, *BUCKET_CONVERT])
   assert killed.returncode == 9, killed.stderr[-2000:]
   assert run(code, env=gcs, args=[str(tmp_path / "local")]).stdout == check.stdout
+  # Killed as it swaps the new shards in: no dataset (not a mix of the two) until it is re-run.
+  swapping = run(KILLED_IN_SWAP, env=gcs, args=[*overwrite, *flags])
+  assert swapping.returncode == 9, swapping.stderr[-2000:]
+  load = "from pipeline.catalog import manifest; manifest.load('gs://bkt/conv/out')"
+  assert "FileNotFoundError: gs://bkt/conv/out/manifest.json not found" in run(load, env=gcs).stderr
   replaced = convert(*overwrite, *flags, env=gcs)
   assert replaced.returncode == 0, replaced.stderr[-2000:]
   assert run(code, env=gcs, args=[str(tmp_path / "local")]).returncode != 0  # other bytes
+  verify = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/conv/out"])
+  assert verify.returncode == 0 and verify.stdout.endswith("; OK\n"), verify.stdout  # the new one
+  seed = "from pipeline.catalog import manifest; "
+  seed += "print(manifest.load('gs://bkt/conv/out').created_by['args']['seed'])"
+  assert run(seed, env=gcs).stdout == "1\n"
 
 
 @needs_emulator
@@ -589,7 +625,35 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
     0,
     "gs://bkt/resume/out: train: 240, validation: 60 records; OK\n",
   )
+  # A copy elsewhere (other generations) reads; in OUT, the same bytes written again (a new
+  # generation, the same CRC32C) are refused by name.
+  copy = "import gcsfs; gcsfs.GCSFileSystem(token='anon').copy('bkt/resume/out', "
+  copy += "'bkt/resume/copy', recursive=True)\n"
+  copy += "from pipeline.catalog import split; split.open('gs://bkt/resume/copy', 'train')"
+  copied = run(copy, env=gcs)
+  assert copied.returncode == 0, copied.stderr[-2000:]
+  copied = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/resume/copy"])
+  assert copied.stdout == "gs://bkt/resume/copy: train: 240, validation: 60 records; OK\n"
   shard = "bkt/resume/out/train.array_record-00003-of-00013"
+  rewrite = "import gcsfs, sys; fs = gcsfs.GCSFileSystem(token='anon')\n"
+  rewrite += "fs.pipe_file(sys.argv[1], fs.cat_file(sys.argv[1]))"
+  assert run(rewrite, env=gcs, args=[shard]).returncode == 0
+  opened = run(
+    "from pipeline.catalog import split; split.open('gs://bkt/resume/out', 'train')", env=gcs
+  )
+  assert re.fullmatch(
+    f"pipeline.catalog.schema.ManifestError: shard gs://{shard} is generation \\d+, "
+    "gs://bkt/resume/out/manifest.json says \\d+: the object was replaced after conversion",
+    opened.stderr.strip().splitlines()[-1],
+  ), opened.stderr[-2000:]
+  replaced = run("", env=gcs, args=verify)
+  assert replaced.returncode == 1, replaced.stderr[-2000:]
+  assert re.fullmatch(
+    r"gs://bkt/resume/out: train: 240, validation: 60 records; 1 problems:\n"
+    r"  train.array_record-00003-of-00013: generation \d+ != manifest.json \d+ "
+    r"\(the object was replaced after conversion\)\n",
+    replaced.stdout,
+  ), replaced.stdout
   flip = (
     "import gcsfs, sys; fs, name = gcsfs.GCSFileSystem(token='anon'), sys.argv[1]\n"
     "b = bytearray(fs.cat_file(name)); b[500] ^= 1; fs.pipe_file(name, bytes(b))"
@@ -598,9 +662,54 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
   bad = run("", env=gcs, args=verify)
   assert bad.returncode == 1, bad.stderr[-2000:]
   lines = bad.stdout.splitlines()
-  assert lines[0] == "gs://bkt/resume/out: train: 239, validation: 60 records; 3 problems:"
-  assert lines[1].startswith("  train.array_record-00003-of-00013: sha256 ")
-  assert lines[2].startswith("  train.array_record-00003-of-00013: crc32c ")
+  assert lines[0] == "gs://bkt/resume/out: train: 239, validation: 60 records; 4 problems:"
+  assert lines[1].startswith("  train.array_record-00003-of-00013: generation ")
+  assert lines[2].startswith("  train.array_record-00003-of-00013: sha256 ")
+  assert lines[3].startswith("  train.array_record-00003-of-00013: crc32c ")
+
+
+def _tree_bytes(root: str) -> int:
+  """Bytes of the files under `root` now (files that vanish while it looks count as 0)."""
+  total = 0
+  for folder, _, files in os.walk(root):
+    for name in files:
+      try:
+        total += os.lstat(os.path.join(folder, name)).st_size
+      except FileNotFoundError:
+        pass
+  return total
+
+
+@needs_emulator
+def test_a_conversion_between_buckets_holds_under_3_shards_per_worker_on_local_disk(
+  gcs, photos_raw, tmp_path
+):
+  """Issue 39: local disk used stays under 3 shards per worker, sampled from another process
+  while `convert images gs:// gs:// --workers 2` runs with its temporary folder in TMPDIR."""
+  put = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
+  assert run(put, env=gcs, args=[str(photos_raw), "bkt/disk/raw"]).returncode == 0
+  tmp, workers = tmp_path / "tmp", 2
+  tmp.mkdir()
+  flags = ["--val-fraction", "0.25", "--shard-size-mb", "0.5", "--no-progress"]
+  command = [sys.executable, "-m", "pipeline.convert", "images", "gs://bkt/disk/raw"]
+  command += ["gs://bkt/disk/out", *flags, "--workers", str(workers)]
+  env = {**os.environ, "PYTHONPATH": REPO, "TMPDIR": str(tmp), **gcs}
+  proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+  peak = 0
+  while proc.poll() is None:
+    peak = max(peak, _tree_bytes(str(tmp)))
+    time.sleep(0.001)
+  out, err = proc.communicate()
+  assert proc.returncode == 0, err.decode()[-2000:]
+  code = "from pipeline.catalog import manifest; import json\n"
+  code += "m = manifest.load('gs://bkt/disk/out')\n"
+  code += "print(json.dumps([sh.bytes for s in m.splits.values() for sh in s.shards]))"
+  listed = run(code, env=gcs)
+  sizes = json.loads(listed.stdout)
+  assert len(sizes) >= 4 * workers  # several shards per worker
+  print(f"peak local disk {peak} bytes; shards up to {max(sizes)} bytes, {workers} workers")
+  assert 0 < peak <= 3 * max(sizes) * workers
+  assert _tree_bytes(str(tmp)) == 0  # its temporary folder is gone
 
 
 @needs_emulator
@@ -640,6 +749,39 @@ def test_tfrecords_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, dig
   check = run(same, env=gcs, args=[str(tmp_path / "local")])
   assert check.returncode == 0, check.stderr[-2000:]
   verify = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/tfr/out"])
+  assert verify.returncode == 0 and verify.stdout.endswith("; OK\n"), verify.stdout
+
+
+@needs_emulator
+def test_a_tfds_build_converts_into_a_bucket_as_into_a_folder(gcs, tmp_path):
+  from tests.convert.test_tfds import TinyShapes, prepared
+
+  version = str(prepared(TinyShapes, tmp_path / "tfds"))
+  command = ["-m", "pipeline.convert", "tfds", "tiny_shapes"]
+  flags = ["--data-dir", version, "--shard-size-mb", "0.004", "--no-progress", "--workers", "2"]
+  out = str(tmp_path / "local")
+  local = run("", env=gcs, args=[*command, out, *flags])
+  assert local.returncode == 0, local.stderr[-2000:]
+  p = run("", env=gcs, args=[*command, "gs://bkt/tfds/out", *flags])
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout == local.stdout.replace(out, "gs://bkt/tfds/out")
+  same = textwrap.dedent(
+    """
+    import json, os, sys
+    import gcsfs
+    fs, local = gcsfs.GCSFileSystem(token="anon"), sys.argv[1]
+    names = sorted(os.listdir(local))
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/tfds/out")) == names
+    assert len(names) > 3, names
+    assert all(fs.cat_file(f"bkt/tfds/out/{n}") == open(f"{local}/{n}", "rb").read()
+               for n in names if n != "manifest.json")
+    got = json.loads(fs.cat_file("bkt/tfds/out/manifest.json"))
+    assert all(sh["generation"] for s in got["splits"].values() for sh in s["shards"])
+    """
+  )
+  check = run(same, env=gcs, args=[out])
+  assert check.returncode == 0, check.stderr[-2000:]
+  verify = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/tfds/out"])
   assert verify.returncode == 0 and verify.stdout.endswith("; OK\n"), verify.stdout
 
 
