@@ -95,11 +95,13 @@ def test_bad_input_is_one_line_with_exit_status_2(classes20_dir, tmp_path, args,
 
 
 def test_a_batch_too_large_for_memory_is_one_line(classes20_dir, tmp_path):
+  """The loader's memory budget (`performance.memory_mb`) refuses it before anything is read."""
   pp = "decode_jpeg_and_inception_crop(10000000)"  # the size comes from the pp string
   p = run_show(classes20_dir, "--pp", pp, "--out", tmp_path / "g.png")
   assert p.returncode == 2 and "Traceback" not in p.stderr
-  assert p.stderr.splitlines()[-1].startswith("error: out of memory for the sheet (Unable to")
-  assert p.stderr.endswith("lower --batch or the image size\n")
+  assert p.stderr.count("\n") == 1, p.stderr
+  assert p.stderr.startswith("error: performance.memory_mb="), p.stderr
+  assert "is below the least this loader holds" in p.stderr and "batch_size" in p.stderr
   assert not (tmp_path / "g.png").exists()
 
 

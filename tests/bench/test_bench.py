@@ -308,7 +308,7 @@ def test_committed_pictures_are_pngs_under_docs_and_every_shown_one_exists():
   pages = [ROOT / "README.md", ROOT / "bench" / "REPORT.md", *(ROOT / "docs").rglob("*.md")]
   shown = [p for page in pages for p in pictures(page)]
   assert shown and all(p.is_file() for p in shown), [p for p in shown if not p.is_file()]
-  generated = {".git", ".venv", "data", "runs", "build"}  # not in the repository
+  generated = {".git", ".venv", ".venv-beam", "data", "runs", "build"}  # not in the repository
   kept = [
     p
     for top in ROOT.iterdir()
