@@ -108,7 +108,7 @@ def fit(
   room = budget_bytes - fixed
   if room < p * least:
     raise ValueError(
-      f"{FLAG}={budget_bytes / MB:,.0f} is below the least this loader holds, "
+      f"{FLAG}={budget_bytes / MB:,.10g} is below the least this loader holds, "
       f"{mb(fixed + p * least)} MB (blocks {mb(blocks)}, worker rings or batches "
       f"{mb(batches)}, working {mb(p * working)}, workers {_workers(workers, worker_bytes)}, "
       f"read-ahead {mb(p * least)}): raise it, or lower performance.num_workers or batch_size"
