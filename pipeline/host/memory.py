@@ -71,6 +71,11 @@ class Split:
     )
 
 
+def _given(value_mb: float) -> str:
+  """A `memory_mb` as a user writes it: whole above 10 MB, else 3 significant digits."""
+  return f"{value_mb:,.0f}" if value_mb >= 10 else f"{value_mb:.3g}"
+
+
 def mb(nbytes: float) -> str:
   """`nbytes` in MB: whole above 10, else to a tenth."""
   return f"{nbytes / MB:,.0f}" if nbytes >= 10 * MB or not nbytes else f"{nbytes / MB:.1f}"
@@ -108,7 +113,7 @@ def fit(
   room = budget_bytes - fixed
   if room < p * least:
     raise ValueError(
-      f"{FLAG}={budget_bytes / MB:,.10g} is below the least this loader holds, "
+      f"{FLAG}={_given(budget_bytes / MB)} is below the least this loader holds, "
       f"{mb(fixed + p * least)} MB (blocks {mb(blocks)}, worker rings or batches "
       f"{mb(batches)}, working {mb(p * working)}, workers {_workers(workers, worker_bytes)}, "
       f"read-ahead {mb(p * least)}): raise it, or lower performance.num_workers or batch_size"
