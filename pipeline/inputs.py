@@ -8,7 +8,7 @@ It divides the global batch over the processes (`pipeline.stages.plan.process_ba
 (checkpoint it with `grain.checkpoint.CheckpointSave(train)`) that knows `num_examples`,
 `steps_per_epoch` (the stages' `plan.Sizes`), `num_classes`, `classes`, the `manifest`, and
 what the spec made of the images: `image_size` and the `batch_ops` each batch goes through
-last. A finite stream (eval) starts a new pass after each one ends.
+last, and the `memory` it planned. A finite stream (eval) starts a new pass after each one ends.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import jax
 
 from pipeline import dataset, device
 from pipeline.catalog.manifest import Manifest
+from pipeline.host.memory import Split
 from pipeline.spec import Spec
 from pipeline.stages import plan, stats
 from pipeline.stages.stream import stats_of
@@ -86,6 +87,7 @@ def input(
     manifest=stages.manifest,
     image_size=stages.decode.head.image_size,
     batch_ops=stages.finish.batch_ops,
+    memory=stages.read.memory,
     global_batch_size=global_batch_size,
     batch_size=batch_size,
     train=train,
@@ -100,7 +102,8 @@ class Input(grain.DatasetIterator):
   a finite pass ends (StopIteration), the next `next()` or `for` loop starts a new pass;
   `reset()` starts one at once. `dataset` is the underlying `grain.IterDataset`.
   `image_size` is the side of its square images (the spec's, a pp string's head's, or the
-  default); `batch_ops` the ops run on each whole batch (pp's or `batch_ops=`), in order.
+  default); `batch_ops` the ops run on each whole batch (pp's or `batch_ops=`), in order;
+  `memory` the loader's share of `performance.memory_mb` as planned (`pipeline.host.memory`).
   """
 
   def __init__(
@@ -112,6 +115,7 @@ class Input(grain.DatasetIterator):
     manifest: Manifest,
     image_size: int,
     batch_ops: tuple,
+    memory: Split,
     global_batch_size: int,
     batch_size: int,
     train: bool,
@@ -124,6 +128,7 @@ class Input(grain.DatasetIterator):
     self.classes = list(manifest.classes)
     self.image_size = image_size
     self.batch_ops = tuple(batch_ops)
+    self.memory = memory
     self.global_batch_size = global_batch_size
     self.batch_size = batch_size
     self.train = train

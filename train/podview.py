@@ -1,6 +1,7 @@
-"""Every host in process 0's log: at each log line every process's img/s, input wait and
-storage requests/s (`pipeline.stats_of`, its worker processes' included), gathered with one
-small collective (all processes log at the same steps).
+"""Every host in process 0's log: at each log line every process's img/s, input wait,
+storage requests/s (`pipeline.stats_of`, its worker processes' included) and peak RSS (the
+process tree's: `rss_mb`), gathered with one small collective (all processes log at the
+same steps).
 
 Process 0 prints a row per host when they differ by more than `WAIT_POINTS` or
 `SPEED_SHARE`, and the run's verdict is the worst host's (the highest input wait), named.
@@ -9,6 +10,8 @@ Process 0 prints a row per host when they differ by more than `WAIT_POINTS` or
 from __future__ import annotations
 
 import dataclasses
+import os
+import resource
 
 import numpy as np
 from jax.experimental import multihost_utils
@@ -19,18 +22,49 @@ SPEED_SHARE = 0.10  # or img/s by more than 10%
 
 @dataclasses.dataclass(frozen=True)
 class Host:
-  """One process's window: the images it fed per second, its share of input wait and the
-  storage requests it made per second."""
+  """One process's window: the images it fed per second, its share of input wait, the
+  storage requests it made per second and its process tree's peak RSS so far (MB)."""
 
   process: int
   images_per_sec: float
   input_wait_share: float
   requests_per_sec: float = 0.0
+  peak_rss_mb: float = 0.0
 
 
-def gather(images_per_sec: float, input_wait_share: float, requests_per_sec: float) -> list[Host]:
+def rss_mb() -> float:
+  """MB this process tree holds: this process's peak resident memory (the kernel's), plus
+  its worker processes' resident memory now (Linux's /proc; sampled at each log line)."""
+  kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  for pid in _descendants(os.getpid()):
+    try:
+      with open(f"/proc/{pid}/status") as f:
+        kb += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):  # exited meanwhile, or a zombie without memory
+      continue
+  return kb / 1024
+
+
+def _descendants(pid: int) -> list[int]:
+  try:
+    tasks = os.listdir(f"/proc/{pid}/task")
+  except OSError:
+    return []
+  children = []
+  for task in tasks:
+    try:
+      with open(f"/proc/{pid}/task/{task}/children") as f:
+        children += map(int, f.read().split())
+    except OSError:
+      continue
+  return children + [d for c in children for d in _descendants(c)]
+
+
+def gather(
+  images_per_sec: float, input_wait_share: float, requests_per_sec: float, peak_rss_mb: float = 0.0
+) -> list[Host]:
   """Every process's numbers, in process order; a collective, so every process calls it."""
-  mine = np.array([images_per_sec, input_wait_share, requests_per_sec])
+  mine = np.array([images_per_sec, input_wait_share, requests_per_sec, peak_rss_mb])
   rows = multihost_utils.process_allgather(mine)
   return [Host(i, *map(float, row)) for i, row in enumerate(rows)]
 
@@ -55,21 +89,22 @@ def rows(hosts: list[Host], verdict) -> str:
   return "\n".join(
     f"  process {h.process}: {h.images_per_sec:7.0f} img/s  input wait "
     f"{100 * h.input_wait_share:4.1f}% ({verdict(h.input_wait_share)})  "
-    f"{h.requests_per_sec:,.0f} requests/s"
+    f"{h.requests_per_sec:,.0f} requests/s  peak RSS {h.peak_rss_mb:,.0f} MB"
     for h in hosts
   )
 
 
 def mean(windows: list[list[Host]]) -> list[Host]:
   """Each process's mean over `windows` (the first left out when there are others: it
-  holds the steps right after compilation); [] for none."""
-  windows = windows[1:] or windows
+  holds the steps right after compilation), and its peak RSS over all; [] for none."""
+  timed = windows[1:] or windows
   return [
     Host(
       i,
-      float(np.mean([w[i].images_per_sec for w in windows])),
-      float(np.mean([w[i].input_wait_share for w in windows])),
-      float(np.mean([w[i].requests_per_sec for w in windows])),
+      float(np.mean([w[i].images_per_sec for w in timed])),
+      float(np.mean([w[i].input_wait_share for w in timed])),
+      float(np.mean([w[i].requests_per_sec for w in timed])),
+      max(w[i].peak_rss_mb for w in windows),
     )
     for i in range(len(windows[0]) if windows else 0)
   ]

@@ -27,6 +27,7 @@ import jax
 import numpy as np
 from etils import epath
 
+from pipeline.host.memory import Split
 from pipeline.stages.stats import Stats
 from train import podview
 from train.checkpoints import one_line
@@ -96,8 +97,8 @@ class Reporter:
   every host's (`train.podview`); process 0 (`chief`) prints them and writes the `Log` (made
   with the Reporter: after a refused restore, nothing is written)."""
 
-  def __init__(self, workdir: epath.Path, plan: Plan, chief: bool):
-    self.workdir, self.plan, self.chief = workdir, plan, chief
+  def __init__(self, workdir: epath.Path, plan: Plan, chief: bool, memory: Split):
+    self.workdir, self.plan, self.chief, self.memory = workdir, plan, chief, memory
     self.log = Log(workdir) if chief else None
     self.images_per_sec: list[float] = []  # per window, all processes together
     self.hosts: list[list[podview.Host]] = []  # per window, each process's
@@ -123,7 +124,7 @@ class Reporter:
     made, self.requests = self.requests, stages.storage.requests
     # The gather comes last: the next window starts on every host together.
     mine = window.steps * self.plan.local_batch_size / elapsed
-    hosts = podview.gather(mine, wait, (self.requests - made) / elapsed)
+    hosts = podview.gather(mine, wait, (self.requests - made) / elapsed, podview.rss_mb())
     self.images_per_sec.append(ips)
     self.hosts.append(hosts)
     if not self.chief:
@@ -141,6 +142,7 @@ class Reporter:
     scalars = {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "lr": lr}
     self.log.scalars(step, "train", {**scalars, "images_per_sec": ips, "input_wait_share": worst})
     self.log.scalars(step, "pipeline", stage_scalars(stages))
+    self.log.scalars(step, "memory", {"peak_rss_mb": max(h.peak_rss_mb for h in hosts)})
     if len(hosts) > 1:
       for h in hosts:
         self.log.scalars(
@@ -150,6 +152,7 @@ class Reporter:
             "images_per_sec": h.images_per_sec,
             "input_wait_share": h.input_wait_share,
             "requests_per_sec": h.requests_per_sec,
+            "peak_rss_mb": h.peak_rss_mb,
           },
         )
 
@@ -178,6 +181,8 @@ class Reporter:
       "input_wait_share": wait,  # the worst host's
       "verdict": verdict(wait) if hosts else None,
       "verdict_process": podview.worst(hosts).process if hosts else None,
+      "peak_rss_mb": max(h.peak_rss_mb for h in hosts) if hosts else None,  # the largest host's
+      "loader_memory": self.memory.describe(),  # the train stream's plan, on each host
       "hosts": [{**dataclasses.asdict(h), "verdict": verdict(h.input_wait_share)} for h in hosts],
       "params_sha256": params_sha256,
       "devices": jax.device_count(),
@@ -191,6 +196,12 @@ class Reporter:
         f"{summary['verdict'] + podview.which(hosts) if hosts else 'no steps timed'}",
         flush=True,
       )
+      if hosts:
+        print(
+          f"peak RSS {summary['peak_rss_mb']:,.0f} MB on the largest host (its process tree: "
+          f"the model, XLA and the loader); the train loader's {self.memory.describe()}",
+          flush=True,
+        )
       self.log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
       self.log.close()
       text = json.dumps(summary, indent=2) + "\n"

@@ -296,7 +296,9 @@ def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup,
   train_step, eval_step = make_steps(graphdef, num_classes, config)
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, setup.train)
-  reporter = report.Reporter(workdir, setup.plan, chief=jax.process_index() == 0)
+  reporter = report.Reporter(
+    workdir, setup.plan, chief=jax.process_index() == 0, memory=setup.train.memory
+  )
   if step:
     reporter.say(ckpt.resumed(step))
   return Run(

@@ -112,6 +112,11 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path
   assert metrics.count("\n") == 6  # log_every=2
   # each log line also holds process 0's pipeline stages (`pipeline.stats_of`)
   assert '"pipeline/decode_busy": ' in metrics and '"pipeline/handoff_wait_share": ' in metrics
+  # peak RSS beside img/s, and the loader's planned share of performance.memory_mb
+  assert '"memory/peak_rss_mb": ' in metrics
+  done = summary(tmp_path / "whole")
+  assert done["peak_rss_mb"] > 100 and done["loader_memory"].startswith("memory: ")
+  assert f"peak RSS {done['peak_rss_mb']:,.0f} MB on the largest host" in whole.stdout
 
   killed = tmp_path / "killed"
   proc = subprocess.Popen(

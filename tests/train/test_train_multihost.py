@@ -101,6 +101,9 @@ def test_two_processes_train_and_evaluate_every_validation_record_once(digits_di
   assert result["processes"] == 2 and result["devices"] == 2
   assert result["steps"] == 14
   assert result["eval_examples"] == VALIDATION
+  # each host's process tree measured itself (a JAX process alone holds well over 100 MB)
+  assert [h["process"] for h in result["hosts"]] == [0, 1]
+  assert all(h["peak_rss_mb"] > 100 for h in result["hosts"]), result["hosts"]
   assert sorted(p.name for p in (tmp_path / "w" / "checkpoints").iterdir()) == ["14", "7"]
 
 

@@ -165,22 +165,41 @@ def test_process_0_shows_a_row_per_host_when_hosts_differ_and_names_the_worst():
   assert podview.which(slow_input) == ": process 1, the worst of 2"
   assert podview.which(slow_input[:1]) == ""  # one process: nobody to name
   assert podview.rows(slow_input, report.verdict).splitlines() == [
-    "  process 0:     100 img/s  input wait  1.0% (not input-bound)  0 requests/s",
-    "  process 1:     100 img/s  input wait 30.0% (input-bound)  12 requests/s",
+    "  process 0:     100 img/s  input wait  1.0% (not input-bound)  0 requests/s  peak RSS 0 MB",
+    "  process 1:     100 img/s  input wait 30.0% (input-bound)  12 requests/s  peak RSS 0 MB",
   ]
+
+
+def test_a_hosts_memory_counts_its_worker_processes():
+  alone = podview.rss_mb()
+  child = subprocess.Popen(  # a worker holding 200 MB of touched pages
+    [sys.executable, "-c", "import sys; b = bytearray(200 << 20); print(1, flush=True); input()"],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    text=True,
+  )
+  try:
+    assert child.stdout.readline() == "1\n"
+    assert podview.rss_mb() >= alone + 200
+  finally:
+    child.kill()
+    child.wait()
 
 
 def test_one_process_gathers_its_own_row():
   assert podview.gather(120.0, 0.25, 40.0) == [Host(0, 120.0, 0.25, 40.0)]
 
 
-def test_a_runs_per_host_figures_leave_out_the_first_window():
+def test_a_runs_per_host_figures_leave_out_the_first_window_but_not_its_peak_memory():
   windows = [
-    [Host(0, 10.0, 0.9), Host(1, 10.0, 0.9)],  # right after compilation
-    [Host(0, 100.0, 0.0), Host(1, 50.0, 0.25)],
-    [Host(0, 100.0, 0.125), Host(1, 70.0, 0.5)],
+    [Host(0, 10.0, 0.9, 0, 900.0), Host(1, 10.0, 0.9)],  # right after compilation
+    [Host(0, 100.0, 0.0, 0, 500.0), Host(1, 50.0, 0.25, 0, 300.0)],
+    [Host(0, 100.0, 0.125), Host(1, 70.0, 0.5, 0, 400.0)],
   ]
-  assert podview.mean(windows) == [Host(0, 100.0, 0.0625), Host(1, 60.0, 0.375)]
+  assert podview.mean(windows) == [
+    Host(0, 100.0, 0.0625, 0, 900.0),
+    Host(1, 60.0, 0.375, 0, 400.0),
+  ]
   assert podview.mean(windows[:1]) == windows[0]
   assert podview.mean([]) == []
 
