@@ -1,5 +1,6 @@
-"""The scaling benchmark at tiny sizes: it runs end to end and reports well-formed, sane
-figures and projections. No speed is asserted (the machines are shared)."""
+"""The scaling benchmark at tiny sizes: it runs end to end and reports well-formed figures
+and projections. No speed is asserted, nor any order between two measured costs (the
+machines are shared: either may be inflated); relations the arithmetic makes are."""
 
 import json
 
@@ -48,10 +49,9 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   ):
     assert result[key] > 0, key
   assert 0 < result["resize_share"] < 1
-  assert result["gil_held_us_per_image"] < result["cpu_us_per_image"]
   # the GIL-held time is measured: the rest's CPU less the read's GIL-free CPU
   assert 0 <= result["gil_held_us_per_image"] <= result["rest_cpu_us_per_image"]
-  assert result["read_cpu_us_per_image"] > result["read_copy_us_per_image"] > 0
+  assert result["read_cpu_us_per_image"] > 0 and result["read_copy_us_per_image"] > 0
   # relations that rounding each figure keeps (the arithmetic itself: gil_terms' test below)
   assert 0 <= result["read_gil_free_us_per_image"] <= result["read_cpu_us_per_image"]
   assert result["gil_fitted_us_per_image"] > 0
@@ -95,7 +95,8 @@ def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
     assert h["reads_in_flight"] == read_lib.reads_in_flight(h["at_latency_img_s"], 0.005)
     assert h["gets_per_s"] == round(h["at_latency_img_s"] * storage["reads_per_image"])
   store = result["store"]  # the block order: its workers share each block's read
-  assert store["us_per_image"] > store["gil_us_per_image"] > 0 and store["block_records"] >= 16
+  assert store["us_per_image"] > 0 and store["gil_us_per_image"] > 0
+  assert store["block_records"] >= 16
   for h in hosts:
     b = h["blocks"]
     assert b["images_per_request"] == store["block_records"] and b["reads_per_block_per_host"] == 1
