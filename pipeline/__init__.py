@@ -12,6 +12,7 @@ import importlib
 import importlib.abc
 import importlib.util
 import sys
+import warnings
 
 from pipeline import pp
 from pipeline.catalog.manifest import Manifest
@@ -73,7 +74,8 @@ def __getattr__(name: str):
 
 
 # Modules that moved into the role folders (round of 2026-11-27): `import pipeline.sampling`
-# and `from pipeline import sampling` keep working, as the same module object.
+# and `from pipeline import sampling` keep working, as the same module object, with a
+# FutureWarning naming the new path, until version 0.2 removes them.
 _MOVED = {
   "ahead": "stages.ahead",
   "augment": "image.augment",
@@ -121,7 +123,9 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
     return importlib.util.spec_from_loader(fullname, self)
 
   def create_module(self, spec):
-    module = importlib.import_module(f"pipeline.{_MOVED[spec.name.rpartition('.')[2]]}")
+    new = f"pipeline.{_MOVED[spec.name.rpartition('.')[2]]}"
+    warnings.warn(f"{spec.name} is now {new}; the old path goes in 0.2", FutureWarning)
+    module = importlib.import_module(new)
     spec.loader_state = module.__spec__
     return module
 

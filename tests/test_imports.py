@@ -180,7 +180,7 @@ def test_the_library_is_folders_of_at_most_ten_modules():
   assert len(folders) >= 8 and max(sizes.values()) <= 10, sizes
 
 
-def test_a_module_that_moved_into_a_folder_still_imports_by_its_old_path():
+def test_a_module_that_moved_into_a_folder_still_imports_by_its_old_path_with_a_warning():
   code = (
     "import pipeline.sampling as a, pipeline.order.sampling as b; from pipeline import reads;"
     "import pipeline.stages.read as r; assert a is b and reads is r, (a, b);"
@@ -191,3 +191,7 @@ def test_a_module_that_moved_into_a_folder_still_imports_by_its_old_path():
   assert proc.stderr.strip().splitlines()[-1] == (
     "ModuleNotFoundError: No module named 'pipeline.nothing'"
   ), proc.stderr
+  assert (
+    "FutureWarning: pipeline.sampling is now pipeline.order.sampling; the old path goes in 0.2"
+  ) in proc.stderr
+  assert "FutureWarning: pipeline.reads is now pipeline.stages.read" in proc.stderr

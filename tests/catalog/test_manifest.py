@@ -74,7 +74,7 @@ def test_a_fifo_in_place_of_a_shard_is_refused_without_opening_it(dataset):
   shard.unlink()
   os.mkfifo(shard)
   result = in_a_process(
-    "from pipeline import manifest\n"
+    "from pipeline.catalog import manifest\n"
     f"m = manifest.load({str(dataset)!r})\n"
     "try:\n"
     f"  manifest.checked_shards({str(dataset)!r}, m, 'train', verify='sha256')\n"
@@ -203,7 +203,7 @@ def test_a_fifo_in_place_of_the_manifest_is_refused(dataset):
   (dataset / manifest.FILENAME).unlink()
   os.mkfifo(dataset / manifest.FILENAME)
   result = in_a_process(
-    "from pipeline import manifest\n"
+    "from pipeline.catalog import manifest\n"
     "try:\n"
     f"  manifest.load({str(dataset)!r})\n"
     "except manifest.ManifestError as e:\n"
