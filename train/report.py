@@ -57,24 +57,34 @@ class Window:
   """The steps since the last log line, timed without checkpoint saves, evals and logging."""
 
   start: float = dataclasses.field(default_factory=time.perf_counter)
+  cpu_start: float = dataclasses.field(default_factory=time.thread_time)  # the loop's thread
   steps: int = 0
   blocked: float = 0.0  # in next(train) with the devices idle (previous step finished)
+  receiving_cpu: float = 0.0  # the loop thread's CPU in next(train): the loader's, not the step's
   paused: float = 0.0  # saving, evaluating: not step time
+  paused_cpu: float = 0.0
   settling: int = 0  # steps still to leave out of `blocked` after a pause
 
   def elapsed(self) -> float:
     return time.perf_counter() - self.start - self.paused
+
+  def host_us_per_step(self) -> float:
+    """The training step's host work: the loop thread's CPU per step outside next(train)
+    (dispatching the step, its bookkeeping), as `python -m bench scaling --step-us` takes it."""
+    cpu = time.thread_time() - self.cpu_start - self.receiving_cpu - self.paused_cpu
+    return 1e6 * cpu / max(self.steps, 1)
 
   def wait(self) -> float:
     return min(1.0, self.blocked / max(self.elapsed(), 1e-9))
 
   @contextlib.contextmanager
   def pause(self):
-    t = time.perf_counter()
+    t, c = time.perf_counter(), time.thread_time()
     try:
       yield
     finally:
       self.paused += time.perf_counter() - t
+      self.paused_cpu += time.thread_time() - c
       self.settling = 1
 
 
@@ -103,6 +113,7 @@ class Reporter:
     self.images_per_sec: list[float] = []  # per window, all processes together
     self.hosts: list[list[podview.Host]] = []  # per window, each process's
     self.synthetic: float | None = None  # seconds per step on a batch already on the devices
+    self.host_us: list[float] = []  # per window, this process's host work per step
     self.requests = 0  # storage requests of this host's pipeline at the last log line
 
   def say(self, line: str) -> None:
@@ -118,8 +129,9 @@ class Reporter:
   ) -> None:
     """The window's loss, speed and input wait: into the history, and printed and logged by
     process 0."""
-    elapsed = window.elapsed()
+    elapsed, host_us = window.elapsed(), window.host_us_per_step()
     wait = min(1.0, window.blocked / elapsed)
+    self.host_us.append(host_us)
     ips = window.steps * self.plan.batch_size / elapsed
     made, self.requests = self.requests, stages.storage.requests
     # The gather comes last: the next window starts on every host together.
@@ -140,7 +152,8 @@ class Reporter:
     if podview.differ(hosts):
       print(podview.rows(hosts, verdict), flush=True)
     scalars = {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "lr": lr}
-    self.log.scalars(step, "train", {**scalars, "images_per_sec": ips, "input_wait_share": worst})
+    scalars.update(images_per_sec=ips, input_wait_share=worst, host_us_per_step=host_us)
+    self.log.scalars(step, "train", scalars)
     self.log.scalars(step, "pipeline", stage_scalars(stages))
     self.log.scalars(step, "memory", {"peak_rss_mb": max(h.peak_rss_mb for h in hosts)})
     if len(hosts) > 1:
@@ -178,6 +191,10 @@ class Reporter:
       "steps": step,
       "images_per_sec": float(np.mean(self.images_per_sec)) if self.images_per_sec else None,
       "synthetic_step_s": self.synthetic,
+      # process 0's, the median over the windows after the first (`Window.host_us_per_step`)
+      "host_us_per_step": float(np.median(self.host_us[1:] or self.host_us))
+      if self.host_us
+      else None,
       "input_wait_share": wait,  # the worst host's
       "verdict": verdict(wait) if hosts else None,
       "verdict_process": podview.worst(hosts).process if hosts else None,
@@ -199,7 +216,9 @@ class Reporter:
       if hosts:
         print(
           f"peak RSS {summary['peak_rss_mb']:,.0f} MB on the largest host (its process tree: "
-          f"the model, XLA and the loader); the train loader's {self.memory.describe()}",
+          f"the model, XLA and the loader); the train loader's {self.memory.describe()}; "
+          f"the step's host work {summary['host_us_per_step']:,.0f} us per step (bench "
+          "scaling --step-us)",
           flush=True,
         )
       self.log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})

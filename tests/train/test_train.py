@@ -116,6 +116,7 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path
   assert '"memory/peak_rss_mb": ' in metrics
   done = summary(tmp_path / "whole")
   assert done["peak_rss_mb"] > 100 and done["loader_memory"].startswith("memory: ")
+  assert done["host_us_per_step"] > 0 and '"train/host_us_per_step": ' in metrics
   assert f"peak RSS {done['peak_rss_mb']:,.0f} MB on the largest host" in whole.stdout
 
   killed = tmp_path / "killed"
