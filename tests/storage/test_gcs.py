@@ -834,3 +834,85 @@ def test_a_second_conversion_into_a_bucket_is_refused_by_the_lock_object(gcs, di
   assert p.returncode == 0, p.stderr[-2000:]
   listed = "import gcsfs; print(sorted(gcsfs.GCSFileSystem(token='anon').ls('bkt/locked/out')))"
   assert ".convert.lock" not in run(listed, env=gcs).stdout
+
+
+def docs_commands(heading: str) -> list[str]:
+  """The command lines of the first code block under `## heading` in docs/DATA.md (lines
+  ending in a backslash joined)."""
+  with open(os.path.join(REPO, "docs", "DATA.md")) as f:
+    section = f.read().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+  block = re.search(r"```\n(.*?)```", section, re.S)[1]
+  return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+@needs_emulator
+def test_the_tpu_vm_commands_of_docs_data_md_run_as_written(gcs, photos_raw, tmp_path):
+  """docs/DATA.md's ImageNet commands, BUCKET replaced, from gs:// into gs:// (64 photos in
+  class folders for train/, 16 in one folder and a labels CSV for val/): the local
+  conversion's shards, one GET per source file, and `verify` passes."""
+  import shlex
+
+  from pipeline.convert import __main__ as cli
+
+  commands = docs_commands("Converting ImageNet from a bucket into a bucket on one TPU VM")
+  assert [c.split()[:4] for c in commands] == [
+    ["python", "-m", "pipeline.convert", "images"]
+  ] * 2 + [["python", "-m", "pipeline.convert", "verify"]]
+  val, rows = tmp_path / "val", ["ImageId,PredictionString"]
+  val.mkdir()
+  for i, f in enumerate(sorted(photos_raw.rglob("*.jpg"))[::4], 1):
+    (val / f"ILSVRC2012_val_{i:08d}.JPEG").write_bytes(f.read_bytes())
+    rows.append(f"ILSVRC2012_val_{i:08d},{f.parent.name} 10 20 30 40")
+  (tmp_path / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+  put = "import gcsfs, sys; fs = gcsfs.GCSFileSystem(token='anon')\n"
+  put += "fs.put(sys.argv[1], 'bkt/imagenet/train', recursive=True)\n"
+  put += "fs.put(sys.argv[2], 'bkt/imagenet/val', recursive=True)"
+  assert run(put, env=gcs, args=[str(photos_raw), str(val)]).returncode == 0
+  local = {
+    "gs://BUCKET/imagenet/train": str(photos_raw),
+    "gs://BUCKET/imagenet/val": str(val),
+    "gs://BUCKET/imagenet_ar": str(tmp_path / "local"),
+  }
+  cwd = os.getcwd()
+  os.chdir(tmp_path)  # where the labels CSV is
+  try:
+    for command in commands[:2]:
+      for url, path in local.items():
+        command = command.replace(url, path)
+      assert cli.main([*shlex.split(command)[3:], "--no-progress"]) == 0
+  finally:
+    os.chdir(cwd)
+
+  def gets() -> int:
+    try:
+      with open(gcs["GCS_EMULATOR_COUNT"]) as f:
+        return int(f.read())
+    except FileNotFoundError:  # none yet
+      return 0
+
+  for command, files in zip(commands, (64, 16, None)):
+    before = gets()
+    argv = shlex.split(command.replace("BUCKET", "bkt"))
+    p = run("", env=gcs, cwd=str(tmp_path), args=argv[1:])
+    assert p.returncode == 0, p.stderr[-2000:]
+    if files:
+      assert files <= gets() - before <= files + 4  # one per source file, a few of OUT's
+  assert p.stdout == "gs://bkt/imagenet_ar: train: 64, validation: 16 records; OK\n"
+  same = textwrap.dedent(
+    """
+    import json, os, sys
+    import gcsfs
+    fs, local = gcsfs.GCSFileSystem(token="anon"), sys.argv[1]
+    names = sorted(os.listdir(local))
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/imagenet_ar")) == names
+    assert all(fs.cat_file(f"bkt/imagenet_ar/{n}") == open(f"{local}/{n}", "rb").read()
+               for n in names if n != "manifest.json")
+    got = json.loads(fs.cat_file("bkt/imagenet_ar/manifest.json"))
+    want = json.load(open(f"{local}/manifest.json"))
+    for sh in (sh for s in got["splits"].values() for sh in s["shards"]):
+      sh.pop("generation")
+    assert (got["splits"], got["classes"]) == (want["splits"], want["classes"])
+    """
+  )
+  check = run(same, env=gcs, args=[str(tmp_path / "local")])
+  assert check.returncode == 0, check.stderr[-2000:]
