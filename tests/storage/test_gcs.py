@@ -154,21 +154,21 @@ def test_an_emulator_without_the_gcsfs_setting_it_needs_is_refused():
   )
 
 
-@pytest.mark.parametrize("command", ["builtin"])
-def test_convert_to_gs_refuses_in_one_line_and_writes_nothing(tmp_path, command):
-  argv = command.replace("SRC", str(tmp_path)).replace("'", "").split()
-  if command == "builtin":
-    argv.append("gs://bkt/ds")
-  else:
-    argv.insert(2, "gs://bkt/ds")
-  p = run("", cwd=str(tmp_path), args=["-m", "pipeline.convert", *argv])
+def test_convert_builtin_into_a_scheme_array_record_cannot_open_is_one_line_making_nothing(
+  tmp_path,
+):
+  p = run(
+    "",
+    cwd=str(tmp_path),
+    env={"XDG_CACHE_HOME": str(tmp_path / "cache")},
+    args=["-m", "pipeline.convert", "builtin", "s3://bkt/ds"],
+  )
   assert p.returncode == 2, p.stderr
   assert p.stderr == (
-    "error: cannot write to gs://bkt/ds: builtin builds a local folder (images, tfrecord and "
-    "tfds convert into a bucket); build it locally, then upload it: gcloud storage rsync -r "
-    "DIR gs://bkt/ds\n"
+    "error: cannot read s3://bkt/ds: shards are read by array_record, which opens local paths "
+    "and gs:// only; mount the s3:// storage and pass the mount path\n"
   )
-  assert not (tmp_path / "gs:").exists()
+  assert os.listdir(tmp_path) == []  # no raw images made, no folder named s3:
 
 
 def test_convert_verify_of_a_scheme_array_record_cannot_open_refuses_in_one_line():
@@ -916,3 +916,44 @@ def test_the_tpu_vm_commands_of_docs_data_md_run_as_written(gcs, photos_raw, tmp
   )
   check = run(same, env=gcs, args=[str(tmp_path / "local")])
   assert check.returncode == 0, check.stderr[-2000:]
+
+
+@needs_emulator
+@pytest.mark.slow
+def test_convert_builtin_into_a_bucket_writes_the_local_builds_shards(gcs, tmp_path):
+  """`convert builtin gs://...` makes the raw images in a local cache folder and converts
+  them into the bucket: the shards of `convert builtin LOCAL`, byte for byte; run again, its
+  work is found done."""
+  builtin = ["-m", "pipeline.convert", "builtin", "--no-progress"]
+  local = run("", env=gcs, args=[*builtin, str(tmp_path / "local")])
+  assert local.returncode == 0, local.stderr[-2000:]
+  env = {**gcs, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+  p = run("", env=env, args=[*builtin, "gs://bkt/builtin"])
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout == local.stdout.replace(str(tmp_path / "local"), "gs://bkt/builtin")
+  raw = tmp_path / "cache" / "pipeline" / "builtin-raw"
+  assert sorted(os.listdir(raw)) == [".builtin.lock", "digits", "photos"]
+  same = textwrap.dedent(
+    """
+    import json, os, sys
+    import gcsfs
+    fs, local, raw = gcsfs.GCSFileSystem(token="anon"), sys.argv[1], sys.argv[2]
+    for name in ("digits", "photos"):
+      names = sorted(os.listdir(f"{local}/{name}"))
+      assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"bkt/builtin/{name}")) == names
+      assert all(
+        fs.cat_file(f"bkt/builtin/{name}/{n}") == open(f"{local}/{name}/{n}", "rb").read()
+        for n in names if n != "manifest.json"
+      )
+      got = json.loads(fs.cat_file(f"bkt/builtin/{name}/manifest.json"))
+      want = json.load(open(f"{local}/{name}/manifest.json"))
+      for sh in (sh for s in got["splits"].values() for sh in s["shards"]):
+        sh.pop("generation")
+      assert (got["splits"], got["classes"]) == (want["splits"], want["classes"])
+      assert got["created_by"]["source"] == f"{raw}/{name}"
+    """
+  )
+  check = run(same, env=gcs, args=[str(tmp_path / "local"), str(raw)])
+  assert check.returncode == 0, check.stderr[-2000:]
+  again = run("", env=env, args=[*builtin, "gs://bkt/builtin"])
+  assert (again.returncode, again.stdout) == (0, p.stdout)
