@@ -92,7 +92,8 @@ def _timed(run, exclude: int | None = None) -> tuple[float, float, int]:
 @contextlib.contextmanager
 def _emulator(src: str):
   """A local Cloud Storage holding `src` at gs://bkt/src; yields the emulator's process.
-  Sets the environment that points gcsfs and array_record at it (for workers too)."""
+  Points gcsfs and array_record at it for the rest of this process and its workers (gcsfs
+  reads the setting once, at import): a command's own process, not a library call."""
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
