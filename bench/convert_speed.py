@@ -1,20 +1,32 @@
 """`python -m bench convert SRC`: conversion images/s and MB/s vs a sequential converter.
 
     python -m bench convert data/raw/photos --workers 2 --repeats 3 --json out.json
+    python -m bench convert data/raw/photos --workers 2 --emulator --dask   # in .venv-beam
 
 The baseline is the straightforward converter: one process reads each file, checks it by a
 full Pillow decode to RGB, writes the record and hashes the shard. Ours is
 `pipeline.convert.images.convert` (strict entropy-complete check at 1/8 DCT scale; with more
 shards than workers each worker writes whole shards), timed with one worker and with
 `--workers`, process start included. Files are read once first, so all find them cached.
+`--emulator` adds SRC copied into a local Cloud Storage emulator (`tests/gcs_emulator.py`,
+in memory, on this machine) converted from gs:// into gs:// with `--workers`; its CPU
+seconds leave out the emulator's. `--dask` adds Beam's DaskRunner on a warm LocalCluster of
+`--workers` processes (started once, before the timed runs; extra `beam`). The contenders
+take turns: round 1 runs each once, then round 2...; each row's best round is shown.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import io
 import os
+import socket
+import subprocess
+import sys
 import tempfile
 import time
+import urllib.request
 
 import psutil
 from PIL import Image
@@ -54,26 +66,74 @@ def sequential_convert(src: str, out: str, shard_size_mb: float) -> int:
   return written
 
 
-def _cpu_seconds() -> float:
-  """CPU time of this process and its descendants so far, reaped workers included (these
-  are children of the forkserver, which outlives them)."""
+def _cpu_seconds(exclude: int | None = None) -> float:
+  """CPU time of this process and its descendants so far (but the process `exclude`), reaped
+  workers included (these are children of the forkserver, which outlives them)."""
   me = psutil.Process()
   total = sum(me.cpu_times()[:4])
   for child in me.children(recursive=True):
     try:
-      total += sum(child.cpu_times()[:4])
+      if child.pid != exclude:
+        total += sum(child.cpu_times()[:4])
     except psutil.NoSuchProcess:
       pass
   return total
 
 
-def _timed(run) -> tuple[float, float, int]:
+def _timed(run, exclude: int | None = None) -> tuple[float, float, int]:
   """(wall seconds, CPU seconds, images converted) of one run."""
-  cpu, start = _cpu_seconds(), time.perf_counter()
+  cpu, start = _cpu_seconds(exclude), time.perf_counter()
   count = run()
   wall = time.perf_counter() - start
   time.sleep(0.2)  # lets the forkserver reap the workers, adding their CPU time to its own
-  return wall, _cpu_seconds() - cpu, count
+  return wall, _cpu_seconds(exclude) - cpu, count
+
+
+@contextlib.contextmanager
+def _emulator(src: str):
+  """A local Cloud Storage holding `src` at gs://bkt/src; yields the emulator's process.
+  Points gcsfs and array_record at it for the rest of this process and its workers (gcsfs
+  reads the setting once, at import): a command's own process, not a library call."""
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  url = f"http://127.0.0.1:{port}"
+  os.environ.update(
+    STORAGE_EMULATOR_HOST=url,
+    CLOUD_STORAGE_EMULATOR_ENDPOINT=url,
+    GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
+    EPATH_USE_TF="false",
+  )
+  script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests", "gcs_emulator.py")
+  proc = subprocess.Popen([sys.executable, script, str(port), "bkt"], stderr=subprocess.DEVNULL)
+  try:
+    deadline = time.monotonic() + 30
+    while True:
+      try:
+        urllib.request.urlopen(f"{url}/storage/v1/b/bkt", timeout=1).read()
+        break
+      except OSError:
+        if time.monotonic() > deadline or proc.poll() is not None:
+          raise
+        time.sleep(0.1)
+    import gcsfs
+
+    gcsfs.GCSFileSystem(token="anon").put(src, "bkt/src", recursive=True)
+    yield proc
+  finally:
+    proc.kill()
+    proc.wait()
+
+
+@contextlib.contextmanager
+def _dask(workers: int):
+  """A warm dask.distributed LocalCluster of `workers` processes; yields Beam's arguments."""
+  import distributed
+
+  with distributed.LocalCluster(
+    n_workers=workers, threads_per_worker=1, processes=True, dashboard_address=None
+  ) as cluster:
+    yield ["--dask_client_address", cluster.scheduler_address]
 
 
 def main(argv: list[str]) -> dict:
@@ -91,6 +151,10 @@ def main(argv: list[str]) -> dict:
     default=8,
     help="default 8 (as `make data`): more shards than workers, as for ImageNet",
   )
+  p.add_argument(
+    "--emulator", action="store_true", help="add gs:// to gs:// through a local GCS emulator"
+  )
+  p.add_argument("--dask", action="store_true", help="add Beam's DaskRunner (extra beam)")
   args = p.parse_args(argv)
   src = _source(args.src)
   by_class, _ = images.scan(src)
@@ -113,14 +177,47 @@ def main(argv: list[str]) -> dict:
       )
     ),
   }
-  rows = {}
-  load = os.getloadavg()[0]
-  for name, run in contenders.items():
-    runs = []
-    for _ in range(args.repeats):
+  with contextlib.ExitStack() as stack:
+    emulator = None
+    if args.emulator:
+      emulator = stack.enter_context(_emulator(src)).pid
+      contenders[f"pipeline.convert gs:// to gs:// (emulator), {args.workers} workers"] = (
+        lambda out: _count(
+          images.convert(
+            "gs://bkt/src",
+            f"gs://bkt/{os.path.basename(out)}",
+            shard_size_mb=args.shard_size_mb,
+            workers=args.workers,
+            progress=False,
+          )
+        )
+      )
+    if args.dask:
+      from pipeline.convert import beam
+
+      dask_args = stack.enter_context(_dask(args.workers))
+      dask = functools.partial(
+        beam.convert_images,
+        src,
+        shard_size_mb=args.shard_size_mb,
+        runner="DaskRunner",
+        pipeline_args=dask_args,
+        progress=False,
+      )
       with tempfile.TemporaryDirectory(prefix="bench-convert-") as out:
-        runs.append(_timed(lambda: run(out)))  # noqa: B023 (called at once)
-    wall, cpu, count = min(runs)
+        dask(out)  # warms the workers: Beam and the converters imported
+      contenders[f"Beam DaskRunner, warm cluster of {args.workers} workers"] = lambda out: _count(
+        dask(out)
+      )
+    load = os.getloadavg()[0]
+    runs = {name: [] for name in contenders}
+    for _ in range(args.repeats):
+      for name, run in contenders.items():
+        with tempfile.TemporaryDirectory(prefix="bench-convert-") as out:
+          runs[name].append(_timed(lambda: run(out), emulator))  # noqa: B023 (called at once)
+  rows = {}
+  for name, found in runs.items():
+    wall, cpu, count = min(found)
     rows[name] = {
       "seconds": wall,
       "cpu_seconds": cpu,
@@ -128,11 +225,13 @@ def main(argv: list[str]) -> dict:
       "images_per_s": count / wall,
       "mb_per_s": total_bytes / wall / 1e6,
       "images_per_cpu_s": count / cpu,
+      "rounds_images_per_s": [c / w for w, _, c in found],
     }
   base = next(iter(rows.values()))
   print(
     f"Conversion of {len(paths)} images ({total_bytes / 1e6:.0f} MB) from `{src}`, "
-    f"best of {args.repeats}; {measure.machine()}; load average {load:.1f} at the start."
+    f"best of {args.repeats} interleaved rounds; {measure.machine()}; load average "
+    f"{load:.1f} at the start."
     "\nCPU seconds count every process (workers included): on a busy machine they show "
     "the work done where wall time shows the share of the cores it got.\n"
   )

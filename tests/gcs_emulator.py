@@ -11,13 +11,16 @@ array_record's parallel reads (54 s for 1,438 records); here each gets a thread 
 An upload with the precondition ifGenerationMatch=0 (create only if absent, what a lock
 object needs) is refused with 412 where the object exists, as GCS does; the emulator would
 overwrite it. With GCS_EMULATOR_COUNT=FILE set, FILE holds the number of object downloads
-(GETs) so far.
+(GETs) so far; with GCS_EMULATOR_REQUESTS=FILE, FILE holds the JSON API's requests so far by
+handler ({"download": N, "ls": N, "insert": N, ...}; a batch's parts as "batch DELETE"...).
 """
 
 from __future__ import annotations
 
+import functools
 import http
 import http.server
+import json
 import os
 import re
 import sys
@@ -75,6 +78,30 @@ def _insert_if_absent(request, response, storage, *args, **kwargs):
 
 objects.download = _download_with_suffix_ranges  # before `server` builds its routes
 objects.insert = _insert_if_absent
+_REQUESTS, _requests = os.environ.get("GCS_EMULATOR_REQUESTS"), {}
+
+
+def _counted(name: str, handler):
+  @functools.wraps(handler)
+  def counted(*args, **kwargs):
+    with _lock:
+      _requests[name] = _requests.get(name, 0) + 1
+      with open(f"{_REQUESTS}.tmp", "w") as f:
+        json.dump(_requests, f)
+      os.replace(f"{_REQUESTS}.tmp", _REQUESTS)
+    return handler(*args, **kwargs)
+
+  return counted
+
+
+if _REQUESTS:
+  for _name in ("download", "get", "ls", "insert", "upload_partial", "copy", "rewrite", "compose"):
+    setattr(objects, _name, _counted(_name, getattr(objects, _name)))
+  for _name in ("delete", "patch", "batch", "xml_upload"):
+    setattr(objects, _name, _counted(_name, getattr(objects, _name)))
+  objects._BATCH_METHOD_HANDLERS = {
+    k: _counted(f"batch {k}", v) for k, v in objects._BATCH_METHOD_HANDLERS.items()
+  }
 
 from gcp_storage_emulator import server  # noqa: E402 - must follow the patch above
 

@@ -7,7 +7,7 @@
   python -m pipeline.convert tfrecord 'train-*.tfrecord' OUT --num-classes 1000
   python -m pipeline.convert tfds imagenet2012 OUT --data-dir ~/tensorflow_datasets
   python -m pipeline.convert tfds imagenet2012 OUT --split train --split validation
-  python -m pipeline.convert images gs://BUCKET/raw gs://BUCKET/ds   # also tfrecord, tfds
+  python -m pipeline.convert images gs://BUCKET/raw gs://BUCKET/ds   # also tfrecord, tfds, builtin
   python -m pipeline.convert verify OUT
   python -m pipeline.convert builtin data
   python -m pipeline.convert images SRC OUT --runner DirectRunner   # Apache Beam
@@ -29,7 +29,6 @@ from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import records
 from pipeline.convert import checks, shards
 from pipeline.host import extras
-from pipeline.storage import remote
 
 
 class _Parser(argparse.ArgumentParser):
@@ -190,7 +189,9 @@ def _parser() -> argparse.ArgumentParser:
   p = sub.add_parser(
     "builtin", help="build the built-in digits and photos datasets", parents=options
   )
-  p.add_argument("data_dir", nargs="?", default="data", help="default: data")
+  p.add_argument(
+    "data_dir", nargs="?", default="data", help="a folder or a gs:// URL (default: data)"
+  )
   return parser
 
 
@@ -216,12 +217,6 @@ def _verify(args: argparse.Namespace) -> int:
   return 0 if report.ok else 1
 
 
-def _into_bucket(args: argparse.Namespace) -> bool:
-  """Whether this command reads or writes OUT in a bucket itself (builtin does not: its DATA
-  folder holds the raw files it makes beside their datasets)."""
-  return args.command in ("verify", "images", "tfrecord", "tfds")
-
-
 def _quiet_engine(runner: str) -> None:
   """A local Dask cluster logs every worker's start and stop: its warnings only."""
   if runner.endswith("DaskRunner"):
@@ -232,13 +227,6 @@ def _quiet_engine(runner: str) -> None:
 
 def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
   """Runs one command; returns the exit status."""
-  out = args.data_dir if args.command == "builtin" else args.out
-  if remote.scheme(out) and not _into_bucket(args):
-    raise remote.RemoteStorageError(
-      f"cannot write to {out}: builtin builds a local folder (images, tfrecord and tfds "
-      f"convert into a bucket); build it locally, then upload it: gcloud storage rsync -r "
-      f"DIR {out}"
-    )
   from pipeline.convert import beam, builtin, images, tfds, tfrecord  # fast --help
 
   if args.command == "verify":

@@ -4,6 +4,8 @@
 small enough for MobileNet to learn on a CPU in minutes. `photos`: ImageNet-like JPEGs
 (about 470x390 px, ~100 KB, quality 90) cut from the sample photos of scikit-learn and
 scikit-image by random crops, scales, flips and colour jitter; one class per source photo.
+DATA may be a gs:// URL: the raw images are then made in a local cache folder and only the
+datasets are written into the bucket, as `convert images` writes them.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import numpy as np
 from PIL import Image, ImageEnhance, ImageFilter
 
 from pipeline.catalog import manifest as manifest_lib
-from pipeline.convert import images, shards
+from pipeline.convert import bucket, images, shards
 from pipeline.convert.shards import Progress
 
 DIGITS_SIZE = 32
@@ -162,17 +164,30 @@ def build(
   """Creates DATA/raw/{digits,photos} and converts them to DATA/digits and DATA/photos
   (splits train and validation); work already done is skipped, and datasets made from the
   same raw folders by an earlier version are rebuilt. A second build of the same DATA at
-  once (two `make train` in a fresh clone) waits for the first, then finds its work done."""
+  once (two `make train` in a fresh clone) waits for the first, then finds its work done.
+  For DATA in a bucket the raw folders are `raw_folder(DATA)`, on this machine."""
   data_dir = os.fspath(data_dir)
-  with _exclusive(data_dir):
-    return _build(data_dir, workers=workers, progress=progress)
+  if bucket.is_url(data_dir):
+    bucket.check(data_dir)
+  raw = raw_folder(data_dir)
+  with _exclusive(data_dir, raw if bucket.is_url(data_dir) else data_dir):
+    return _build(data_dir, raw, workers=workers, progress=progress)
+
+
+def raw_folder(data_dir: str) -> str:
+  """Where the raw images of DATA are made: DATA/raw, or for DATA in a bucket the local
+  cache folder $XDG_CACHE_HOME/pipeline/builtin-raw (default ~/.cache)."""
+  if not bucket.is_url(data_dir):
+    return os.path.join(data_dir, "raw")
+  cache = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+  return os.path.join(cache, "pipeline", "builtin-raw")
 
 
 @contextlib.contextmanager
-def _exclusive(data_dir: str):
-  """Holds DATA/.builtin.lock (flock: released if the process dies) for one build."""
-  os.makedirs(data_dir, exist_ok=True)
-  with open(os.path.join(data_dir, ".builtin.lock"), "a") as lock:
+def _exclusive(data_dir: str, folder: str):
+  """Holds FOLDER/.builtin.lock (flock: released if the process dies) for one build."""
+  os.makedirs(folder, exist_ok=True)
+  with open(os.path.join(folder, ".builtin.lock"), "a") as lock:
     try:
       fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
@@ -189,12 +204,12 @@ def _exclusive(data_dir: str):
 
 
 def _build(
-  data_dir: str, *, workers: int | None, progress: bool
+  data_dir: str, raw_dir: str, *, workers: int | None, progress: bool
 ) -> dict[str, manifest_lib.Manifest]:
   makers = {"digits": make_digits, "photos": functools.partial(make_photos, workers=workers)}
   manifests = {}
   for name, make in makers.items():
-    raw, out = os.path.join(data_dir, "raw", name), os.path.join(data_dir, name)
+    raw, out = os.path.join(raw_dir, name), os.path.join(data_dir, name)
     _make_once(raw, functools.partial(make, progress=progress))
     manifests[name] = images.convert(
       raw,

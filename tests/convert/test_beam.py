@@ -93,6 +93,21 @@ def test_two_dask_workers_write_the_local_converters_bytes_and_report_progress(
   )
 
 
+def test_two_dask_workers_convert_tfrecords_to_the_local_converters_bytes(
+  dask_cluster, photos_dir, tmp_path
+):
+  from tests.convert.test_tfrecord import photos_tfrecord
+
+  source = photos_tfrecord(photos_dir, tmp_path)
+  kwargs = dict(num_classes=4, shard_size_mb=0.5)
+  local = tfrecord.convert(source, tmp_path / "local", workers=1, progress=False, **kwargs)
+  on_dask = convert_beam.convert_tfrecord(
+    source, tmp_path / "dask", progress=False, **dask_runner(dask_cluster), **kwargs
+  )
+  assert on_dask == local and len(local.splits["train"].shards) >= 4
+  same_files(tmp_path / "local", tmp_path / "dask")
+
+
 def test_skipped_and_reencoded_files_reach_the_manifest_from_the_workers(
   dask_cluster,
   messy,  # noqa: F811 - the fixture imported above

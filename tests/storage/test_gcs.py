@@ -154,21 +154,21 @@ def test_an_emulator_without_the_gcsfs_setting_it_needs_is_refused():
   )
 
 
-@pytest.mark.parametrize("command", ["builtin"])
-def test_convert_to_gs_refuses_in_one_line_and_writes_nothing(tmp_path, command):
-  argv = command.replace("SRC", str(tmp_path)).replace("'", "").split()
-  if command == "builtin":
-    argv.append("gs://bkt/ds")
-  else:
-    argv.insert(2, "gs://bkt/ds")
-  p = run("", cwd=str(tmp_path), args=["-m", "pipeline.convert", *argv])
+def test_convert_builtin_into_a_scheme_array_record_cannot_open_is_one_line_making_nothing(
+  tmp_path,
+):
+  p = run(
+    "",
+    cwd=str(tmp_path),
+    env={"XDG_CACHE_HOME": str(tmp_path / "cache")},
+    args=["-m", "pipeline.convert", "builtin", "s3://bkt/ds"],
+  )
   assert p.returncode == 2, p.stderr
   assert p.stderr == (
-    "error: cannot write to gs://bkt/ds: builtin builds a local folder (images, tfrecord and "
-    "tfds convert into a bucket); build it locally, then upload it: gcloud storage rsync -r "
-    "DIR gs://bkt/ds\n"
+    "error: cannot read s3://bkt/ds: shards are read by array_record, which opens local paths "
+    "and gs:// only; mount the s3:// storage and pass the mount path\n"
   )
-  assert not (tmp_path / "gs:").exists()
+  assert os.listdir(tmp_path) == []  # no raw images made, no folder named s3:
 
 
 def test_convert_verify_of_a_scheme_array_record_cannot_open_refuses_in_one_line():
@@ -834,3 +834,126 @@ def test_a_second_conversion_into_a_bucket_is_refused_by_the_lock_object(gcs, di
   assert p.returncode == 0, p.stderr[-2000:]
   listed = "import gcsfs; print(sorted(gcsfs.GCSFileSystem(token='anon').ls('bkt/locked/out')))"
   assert ".convert.lock" not in run(listed, env=gcs).stdout
+
+
+def docs_commands(heading: str) -> list[str]:
+  """The command lines of the first code block under `## heading` in docs/DATA.md (lines
+  ending in a backslash joined)."""
+  with open(os.path.join(REPO, "docs", "DATA.md")) as f:
+    section = f.read().split(f"\n## {heading}\n", 1)[1].split("\n## ", 1)[0]
+  block = re.search(r"```\n(.*?)```", section, re.S)[1]
+  return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
+
+
+@needs_emulator
+def test_the_tpu_vm_commands_of_docs_data_md_run_as_written(gcs, photos_raw, tmp_path):
+  """docs/DATA.md's ImageNet commands, BUCKET replaced, from gs:// into gs:// (64 photos in
+  class folders for train/, 16 in one folder and a labels CSV for val/): the local
+  conversion's shards, one GET per source file, and `verify` passes."""
+  import shlex
+
+  from pipeline.convert import __main__ as cli
+
+  commands = docs_commands("Converting ImageNet from a bucket into a bucket on one TPU VM")
+  assert [c.split()[:4] for c in commands] == [
+    ["python", "-m", "pipeline.convert", "images"]
+  ] * 2 + [["python", "-m", "pipeline.convert", "verify"]]
+  val, rows = tmp_path / "val", ["ImageId,PredictionString"]
+  val.mkdir()
+  for i, f in enumerate(sorted(photos_raw.rglob("*.jpg"))[::4], 1):
+    (val / f"ILSVRC2012_val_{i:08d}.JPEG").write_bytes(f.read_bytes())
+    rows.append(f"ILSVRC2012_val_{i:08d},{f.parent.name} 10 20 30 40")
+  (tmp_path / "LOC_val_solution.csv").write_text("\n".join(rows) + "\n")
+  put = "import gcsfs, sys; fs = gcsfs.GCSFileSystem(token='anon')\n"
+  put += "fs.put(sys.argv[1], 'bkt/imagenet/train', recursive=True)\n"
+  put += "fs.put(sys.argv[2], 'bkt/imagenet/val', recursive=True)"
+  assert run(put, env=gcs, args=[str(photos_raw), str(val)]).returncode == 0
+  local = {
+    "gs://BUCKET/imagenet/train": str(photos_raw),
+    "gs://BUCKET/imagenet/val": str(val),
+    "gs://BUCKET/imagenet_ar": str(tmp_path / "local"),
+  }
+  cwd = os.getcwd()
+  os.chdir(tmp_path)  # where the labels CSV is
+  try:
+    for command in commands[:2]:
+      for url, path in local.items():
+        command = command.replace(url, path)
+      assert cli.main([*shlex.split(command)[3:], "--no-progress"]) == 0
+  finally:
+    os.chdir(cwd)
+
+  def gets() -> int:
+    try:
+      with open(gcs["GCS_EMULATOR_COUNT"]) as f:
+        return int(f.read())
+    except FileNotFoundError:  # none yet
+      return 0
+
+  for command, files in zip(commands, (64, 16, None)):
+    before = gets()
+    argv = shlex.split(command.replace("BUCKET", "bkt"))
+    p = run("", env=gcs, cwd=str(tmp_path), args=argv[1:])
+    assert p.returncode == 0, p.stderr[-2000:]
+    if files:
+      assert files <= gets() - before <= files + 4  # one per source file, a few of OUT's
+  assert p.stdout == "gs://bkt/imagenet_ar: train: 64, validation: 16 records; OK\n"
+  same = textwrap.dedent(
+    """
+    import json, os, sys
+    import gcsfs
+    fs, local = gcsfs.GCSFileSystem(token="anon"), sys.argv[1]
+    names = sorted(os.listdir(local))
+    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/imagenet_ar")) == names
+    assert all(fs.cat_file(f"bkt/imagenet_ar/{n}") == open(f"{local}/{n}", "rb").read()
+               for n in names if n != "manifest.json")
+    got = json.loads(fs.cat_file("bkt/imagenet_ar/manifest.json"))
+    want = json.load(open(f"{local}/manifest.json"))
+    for sh in (sh for s in got["splits"].values() for sh in s["shards"]):
+      sh.pop("generation")
+    assert (got["splits"], got["classes"]) == (want["splits"], want["classes"])
+    """
+  )
+  check = run(same, env=gcs, args=[str(tmp_path / "local")])
+  assert check.returncode == 0, check.stderr[-2000:]
+
+
+@needs_emulator
+@pytest.mark.slow
+def test_convert_builtin_into_a_bucket_writes_the_local_builds_shards(gcs, tmp_path):
+  """`convert builtin gs://...` makes the raw images in a local cache folder and converts
+  them into the bucket: the shards of `convert builtin LOCAL`, byte for byte; run again, its
+  work is found done."""
+  builtin = ["-m", "pipeline.convert", "builtin", "--no-progress"]
+  local = run("", env=gcs, args=[*builtin, str(tmp_path / "local")])
+  assert local.returncode == 0, local.stderr[-2000:]
+  env = {**gcs, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+  p = run("", env=env, args=[*builtin, "gs://bkt/builtin"])
+  assert p.returncode == 0, p.stderr[-2000:]
+  assert p.stdout == local.stdout.replace(str(tmp_path / "local"), "gs://bkt/builtin")
+  raw = tmp_path / "cache" / "pipeline" / "builtin-raw"
+  assert sorted(os.listdir(raw)) == [".builtin.lock", "digits", "photos"]
+  same = textwrap.dedent(
+    """
+    import json, os, sys
+    import gcsfs
+    fs, local, raw = gcsfs.GCSFileSystem(token="anon"), sys.argv[1], sys.argv[2]
+    for name in ("digits", "photos"):
+      names = sorted(os.listdir(f"{local}/{name}"))
+      assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"bkt/builtin/{name}")) == names
+      assert all(
+        fs.cat_file(f"bkt/builtin/{name}/{n}") == open(f"{local}/{name}/{n}", "rb").read()
+        for n in names if n != "manifest.json"
+      )
+      got = json.loads(fs.cat_file(f"bkt/builtin/{name}/manifest.json"))
+      want = json.load(open(f"{local}/{name}/manifest.json"))
+      for sh in (sh for s in got["splits"].values() for sh in s["shards"]):
+        sh.pop("generation")
+      assert (got["splits"], got["classes"]) == (want["splits"], want["classes"])
+      assert got["created_by"]["source"] == f"{raw}/{name}"
+    """
+  )
+  check = run(same, env=gcs, args=[str(tmp_path / "local"), str(raw)])
+  assert check.returncode == 0, check.stderr[-2000:]
+  again = run("", env=env, args=[*builtin, "gs://bkt/builtin"])
+  assert (again.returncode, again.stdout) == (0, p.stdout)
