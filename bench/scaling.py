@@ -766,7 +766,8 @@ def parser() -> argparse.ArgumentParser:
     type=float,
     default=STEP_US,
     help="the training step's host work per step in the main process (dispatch, metrics), "
-    "microseconds (default %(default)s)",
+    "microseconds: a run's summary.json `host_us_per_step` (`python -m train` measures it); "
+    "0 projects the loader alone (default %(default)s)",
   )
   p.add_argument("--child", help=argparse.SUPPRESS)
   return p

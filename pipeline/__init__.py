@@ -124,7 +124,9 @@ class _MovedModules(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 
   def create_module(self, spec):
     new = f"pipeline.{_MOVED[spec.name.rpartition('.')[2]]}"
-    warnings.warn(f"{spec.name} is now {new}; the old path goes in 0.2", FutureWarning)
+    warnings.warn(
+      f"{spec.name} is now {new}; the old path goes in 0.2", FutureWarning, stacklevel=2
+    )
     module = importlib.import_module(new)
     spec.loader_state = module.__spec__
     return module
