@@ -10,7 +10,7 @@ For ours, the same run also measures the physical limit: the cores' raw decode o
 windows the pipeline decodes (its train crops, DCT-scaled as it scales them; decode alone, a
 thread per core, `bench.ceiling`'s timing) after the pipeline's run, and quotes img/s as a
 share of it; and, where tensorflow is installed, runs tf.data (`bench.peers`) in its own
-process and quotes img/s, first batch and peak RSS beside its.
+process and quotes img/s, first batch and peak RSS (with --pss, PSS too) beside its.
 """
 
 from __future__ import annotations
@@ -77,7 +77,7 @@ def beside_tfdata(argv: list[str], ours: dict) -> dict:
     if proc.returncode:
       return {"skipped": f"tf.data failed: {proc.stderr.strip().splitlines()[-1:]}"}
     tf = json.load(open(f.name))
-  return {
+  out = {
     "images_per_sec": tf["images_per_sec"],
     "first_batch_s": tf["first_batch_s"],
     "peak_rss_mb": tf["peak_rss_mb"],
@@ -85,6 +85,10 @@ def beside_tfdata(argv: list[str], ours: dict) -> dict:
     "ours_x_first_batch": round(ours["first_batch_s"] / tf["first_batch_s"], 3),
     "ours_x_peak_rss": round(ours["peak_rss_mb"] / tf["peak_rss_mb"], 3),
   }
+  for k in ("peak_pss_mb", "loader_pss_mb"):  # with --pss
+    if k in tf:
+      out[k], out[f"ours_x_{k[:-3]}"] = tf[k], round(ours[k] / tf[k], 3)
+  return out
 
 
 def make_loader(name: str, args) -> callable:
@@ -150,12 +154,15 @@ def main(argv: list[str]) -> dict:
     result = measure.run(args.loader, loader, args.batch_size, num_images)
   out = {**result.__dict__}
   print(result.row())
+  if args.pss:  # the tree's peak PSS: whole, and above its PSS once the loader's imports are done
+    out["peak_pss_mb"] = round(pss.peak / 2**20)
+    out["loader_pss_mb"] = round((pss.peak - before) / 2**20)
   if args.pss and args.loader == "pipeline":  # the loader's memory: planned, and its peak PSS
     split = loader.stages.read.memory
     out["memory"] = dict(
       planned_mb=round(split.total / 2**20), budget_mb=round(split.budget / 2**20)
     )
-    out["memory"].update(measured_mb=round((pss.peak - before) / 2**20), plan=split.describe())
+    out["memory"].update(measured_mb=out["loader_pss_mb"], plan=split.describe())
     print(f"{'':28s} {split.describe()}; measured: peak PSS {out['memory']['measured_mb']:,} MB")
   if not args.no_reference and args.loader == "pipeline":
     limit = crop_ceiling(args.data_dir, args.split, args.image_size)
@@ -172,6 +179,11 @@ def main(argv: list[str]) -> dict:
       print(
         f"{'':28s} x tf.data: img/s x{tf['ours_x_images_per_sec']:.2f}, first batch "
         f"x{tf['ours_x_first_batch']:.2f}, peak RSS x{tf['ours_x_peak_rss']:.2f}"
+        + (
+          f", peak PSS x{tf['ours_x_peak_pss']:.2f} (above imports x{tf['ours_x_loader_pss']:.2f})"
+          if "ours_x_peak_pss" in tf
+          else ""
+        )
       )
   if not args.no_stages and args.loader == "pipeline":
     out["stages_ms_per_image"] = stage_breakdown(args.data_dir, args.split, args.image_size)

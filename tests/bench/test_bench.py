@@ -157,6 +157,7 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
   # PSS shares a library's pages among every process mapping it: others' runs move it by a few MB
   assert 0 < memory["planned_mb"] <= memory["budget_mb"] and isinstance(memory["measured_mb"], int)
   assert memory["plan"].startswith(f"memory: {memory['planned_mb']:,} of")
+  assert memory["measured_mb"] == out["loader_pss_mb"] <= out["peak_pss_mb"]
   assert out["images"] >= 24
   stages = out["stages_ms_per_image"]
   assert {"read", "parse", "decode", "resize_flip", "batch"} <= stages.keys()
@@ -167,7 +168,7 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
   if importlib.util.find_spec("tensorflow") is None:
     assert "tensorflow not installed" in out["tfdata"]["skipped"]
   else:
-    assert out["tfdata"]["ours_x_peak_rss"] > 0
+    assert out["tfdata"]["ours_x_peak_rss"] > 0 and out["tfdata"]["ours_x_peak_pss"] > 0
 
 
 def test_peers_runs_each_contender_in_its_own_process(photos_dir, tmp_path):
