@@ -90,6 +90,7 @@ def test_training_logs_are_quiet(finished):
     "step",
     "step",
     "eval:",
+    "peak",  # RSS, the loader's planned memory and the step's host work, once
   ]
 
 
