@@ -13,7 +13,10 @@ import functools
 import io
 import os
 import signal
+import subprocess
+import sys
 import textwrap
+import traceback
 
 import numpy as np
 import psutil
@@ -35,15 +38,31 @@ def same_files(a, b) -> None:
     assert (a / name).read_bytes() == (b / name).read_bytes(), name
 
 
+def local_cluster(env: dict):
+  """A dask.distributed cluster of two worker processes (one thread each) on this machine,
+  whose `gs://` is the local Cloud Storage of `env` (the `gcs` fixture's)."""
+  distributed = pytest.importorskip("distributed", reason="optional extra: apache-beam[dask]")
+  return distributed.LocalCluster(
+    n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, env=env
+  )
+
+
 @pytest.fixture(scope="module")
 def dask_cluster(gcs):  # noqa: F811 - the fixture imported above
-  """A dask.distributed cluster of two worker processes (one thread each) on this machine,
-  whose `gs://` is the local Cloud Storage of `gcs`."""
-  distributed = pytest.importorskip("distributed", reason="optional extra: apache-beam[dask]")
-  with distributed.LocalCluster(
-    n_workers=2, threads_per_worker=1, processes=True, dashboard_address=None, env=gcs
-  ) as cluster:
+  with local_cluster(gcs) as cluster:
     yield cluster
+
+
+def worker_stacks(cluster) -> str:
+  """Where each worker's threads are: what a hung task waits on."""
+
+  def stacks() -> str:
+    frames = sys._current_frames().items()
+    return "\n".join(f"thread {t}:\n" + "".join(traceback.format_stack(f)) for t, f in frames)
+
+  distributed = pytest.importorskip("distributed")
+  with distributed.Client(cluster.scheduler_address, timeout=30) as client:
+    return "\n".join(f"== {w}\n{s}" for w, s in client.run(stacks).items())
 
 
 def dask_runner(cluster) -> dict:
@@ -173,22 +192,27 @@ def test_a_worker_killed_in_the_middle_of_a_shard_is_retried_with_the_same_bytes
 
 
 def test_from_a_bucket_into_a_bucket_through_beams_filesystems(
-  dask_cluster,
   gcs,  # noqa: F811 - the fixture imported above
   photos_raw,
   tmp_path,
 ):
   """The CLI on two Dask workers that read gs:// and write gs:// through Beam's FileSystems
-  (no mount); gcsfs reads its emulator's address at import, so it runs in subprocesses."""
+  (no mount); gcsfs reads its emulator's address at import, so it runs in subprocesses. Its
+  own cluster: not one whose worker a test killed (a run here once hung 300 s, a task in one
+  worker; on a hang the test prints every worker's threads)."""
   put = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
   assert run(put, env=gcs, args=[str(photos_raw), "bkt/beam/raw"]).returncode == 0
   flags = ["--val-fraction", "0.25", "--shard-size-mb", "0.5"]
   images.convert(
     photos_raw, tmp_path / "local", val_fraction=0.25, shard_size_mb=0.5, workers=1, progress=False
   )
-  engine = ["--runner", "DaskRunner", "--dask_client_address", dask_cluster.scheduler_address]
   cli = ["-m", "pipeline.convert", "images", "gs://bkt/beam/raw", "gs://bkt/beam/out"]
-  p = run("", env=gcs, args=[*cli, *flags, *engine])
+  with local_cluster(gcs) as cluster:
+    engine = ["--runner", "DaskRunner", "--dask_client_address", cluster.scheduler_address]
+    try:
+      p = run("", env=gcs, args=[*cli, *flags, *engine], timeout=120)
+    except subprocess.TimeoutExpired:
+      pytest.fail(f"no end after 120 s (a run takes ~7 s); the workers:\n{worker_stacks(cluster)}")
   assert p.returncode == 0, p.stderr[-2000:]
   assert "shards, 64/64 files" in p.stderr  # progress, from the done markers in the bucket
   check = textwrap.dedent(

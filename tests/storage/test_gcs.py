@@ -40,7 +40,7 @@ WITHOUT_GCSFS = "import sys; sys.modules['gcsfs'] = None; sys.modules['tensorflo
 
 
 def run(
-  code: str, env: dict | None = None, cwd: str = REPO, args=()
+  code: str, env: dict | None = None, cwd: str = REPO, args=(), timeout: float = 300
 ) -> subprocess.CompletedProcess:
   """Runs `python -c CODE ARGS...` (or `python ARGS...` when CODE is empty) from `cwd` with
   this checkout first on the path."""
@@ -50,7 +50,7 @@ def run(
     cwd=cwd,
     capture_output=True,
     text=True,
-    timeout=300,
+    timeout=timeout,
     env={**os.environ, "PYTHONPATH": REPO, "TQDM_DISABLE": "1", **(env or {})},
   )
 
