@@ -202,7 +202,7 @@ def test_cli_mounts_until_interrupted_then_unmounts(storage_rig, blob, tmp_path,
   )
   try:
     line = proc.stdout.readline()
-    assert "2 ms per read" in line and str(mnt) in line
+    assert "2 ms per read, no request cap and no bandwidth cap" in line and str(mnt) in line
     assert (mnt / "blob.bin").read_bytes() == data
   finally:
     proc.send_signal(signal.SIGINT)
