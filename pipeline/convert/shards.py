@@ -302,8 +302,8 @@ def ordered_map(process: Callable[[Any], Any], tasks: list, workers: int) -> Ite
     return
   ctx = _context()
   # Ctrl-C reaches the whole process group: the server the workers fork from starts with
-  # SIGINT ignored, as they do, and this process answers it once the pool is whole (a
-  # traceback from each half-started worker otherwise).
+  # SIGINT ignored, as they do (ignored here too for the few ms that takes), and this process
+  # answers it once the pool is whole (a traceback from each half-started worker otherwise).
   main, interrupted = threading.current_thread() is threading.main_thread(), []
   if main:
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)

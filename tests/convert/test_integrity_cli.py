@@ -69,7 +69,9 @@ def damaged(photos_dir, tmp_path) -> pathlib.Path:
     (["tfds", "mnist", "{tmp}/out", "--data-dir", "{tmp}/nope"], "TFDS data dir {tmp}/nope"),
     (["verify", "{tmp}/nope"], "{tmp}/nope/manifest.json not found"),
     (["verify", "{photos}", "--workers", "-1"], "--workers: -1 is outside"),
-    (["builtin", "{tmp}/a_file"], "a_file"),
+    (["builtin", "{tmp}/a_file"], "{tmp}/a_file is a file, not a folder"),
+    (["images", "{tmp}/a_file", "{tmp}/out"], "{tmp}/a_file is a file, not an image folder"),
+    (["verify", "{tmp}/a_file"], "{tmp}/a_file is a file, not a dataset folder"),
   ],
 )
 def test_usage_errors_are_one_line_with_exit_status_2(photos_raw, tmp_path, capsys, args, message):
@@ -129,8 +131,13 @@ def test_progress_is_a_bar_on_a_terminal(photos_raw, tmp_path):
   assert b"(64/64 files)" not in shown  # no log lines on a terminal
 
 
-def _forkserver_of(pid: int) -> bool:
-  """Whether process `pid` has started the server its workers fork from."""
+def _forkserver_started(pid: int) -> bool:
+  """Whether process `pid` has started the server its workers fork from and answers SIGINT
+  again (it ignores it while the server starts: a few ms)."""
+  status = pathlib.Path(f"/proc/{pid}/status").read_text()
+  ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+  if ignored & (1 << (signal.SIGINT - 1)):
+    return False
   for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
     try:
       if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
@@ -147,7 +154,7 @@ def test_ctrl_c_while_workers_start_is_one_line_and_the_same_command_resumes(pho
     args, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True
   )
   deadline = time.monotonic() + 120
-  while not _forkserver_of(child.pid) and child.poll() is None and time.monotonic() < deadline:
+  while not _forkserver_started(child.pid) and child.poll() is None and time.monotonic() < deadline:
     time.sleep(0.01)
   os.killpg(child.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
   _, err = child.communicate(timeout=120)
