@@ -1064,9 +1064,8 @@ def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | N
   else:
     raise UsageError("give DATA_DIR or --config")
   if args.apply and not base_module:
-    raise UsageError(
-      f"--apply needs a --config inside a package (like configs/); {args.config or 'none'} is not"
-    )
+    given = f"{args.config} is not" if args.config else "none was given"
+    raise UsageError(f"--apply needs a --config inside a package (like configs/); {given}")
   for field in ("data_dir", "split", "batch_size", "image_size"):
     if getattr(args, field) is not None:
       setattr(s, field, getattr(args, field))
