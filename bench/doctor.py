@@ -1143,7 +1143,7 @@ def _main(args, argv: list[str]) -> Diagnosis:
     processes = max(1, d.plan.get("workers") or 0)
     rate = min(v for k, v in d.limits.items() if k in ("cores", "gil", "main"))
     advice = storage_check.advise(check, rate / processes, d.cores, rate, args.get_price, processes)
-    print("\n" + storage_check.report(check, advice))
+    print("\n" + storage_check.report(check, advice, s.other.get("block_records")))
     storage = {"check": dataclasses.asdict(check), "advice": dataclasses.asdict(advice)}
   if timeline_path:
     os.makedirs(os.path.dirname(os.path.abspath(timeline_path)), exist_ok=True)

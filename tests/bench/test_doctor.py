@@ -21,6 +21,7 @@ import pipeline.host.parallelism as parallelism
 import pipeline.storage.source
 from bench import doctor, storage_check
 from bench.doctor import Cost, Measurements, Run, Settings
+from pipeline.order import blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -352,7 +353,9 @@ def test_storage_check_times_reads_through_the_rig_and_applies_littles_law(stora
   assert advice.cost_per_epoch == pytest.approx(advice.gets_per_epoch * 0.0004 / 1000)
   text = storage_check.report(check, advice)
   assert "Little's law" in text and "40,000 GET/s" in text and "$0.0004 per 1,000" in text
-  assert "~2,500 GET/s for the host" in text and "request budget" not in text
+  k = blocks.block_records(check.record_kb * 1e3)  # the pipeline's, for these records
+  assert f"{k} records a request) about 1/{k}" in text and "request budget" not in text
+  assert f"~{40_000 / k:,.0f} GET/s for the host" in text
 
 
 def test_storage_check_names_the_request_budget_when_requests_queue(storage_rig, photos_dir):
