@@ -998,7 +998,7 @@ def write_config(path: str, d: Diagnosis, base_module: str, base, command: str) 
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = measure.Parser(
     prog="python -m bench.doctor",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
