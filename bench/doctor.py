@@ -1066,6 +1066,8 @@ def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | N
   if args.apply and not base_module:
     given = f"{args.config} is not" if args.config else "none was given"
     raise UsageError(f"--apply needs a --config inside a package (like configs/); {given}")
+  if args.apply and os.path.realpath(args.apply) == os.path.realpath(args.config):
+    raise UsageError(f"--apply {args.apply} is the recipe itself: name a new file")
   for field in ("data_dir", "split", "batch_size", "image_size"):
     if getattr(args, field) is not None:
       setattr(s, field, getattr(args, field))

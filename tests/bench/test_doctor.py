@@ -276,6 +276,10 @@ def test_cli_files_go_to_a_folder_under_runs_never_the_current_one(
     (["--config", "{missing}/x.py"], "no config file"),
     (["--config", "{flat}"], "has no `input` block"),
     (["{photos}", "--apply", "x.py"], "--apply needs a --config inside a package"),
+    (
+      ["--config", "{root}/configs/default.py", "--apply", "{root}/configs/../configs/default.py"],
+      "configs/../configs/default.py is the recipe itself: name a new file",
+    ),
     (["{photos}", "--storage-levels", "1,x"], "--storage-levels takes integers"),
     (["{photos}", "--get-price", "-1"], "--get-price >= 0"),
   ],
@@ -286,7 +290,7 @@ def test_user_errors_are_one_line_with_exit_2(argv, message, photos_dir, tmp_pat
     "import ml_collections\n\ndef get_config():\n"
     "  return ml_collections.ConfigDict(dict(data_dir='x'))\n"
   )
-  paths = {"missing": tmp_path / "missing", "photos": photos_dir, "flat": flat}
+  paths = {"missing": tmp_path / "missing", "photos": photos_dir, "flat": flat, "root": ROOT}
   with pytest.raises(SystemExit) as exit_:
     doctor.main([a.format(**paths) for a in argv])
   err = capsys.readouterr().err.strip()
