@@ -465,7 +465,7 @@ def _summary(out: pathlib.Path) -> str:
 
 
 def main(argv: list[str]) -> pathlib.Path:
-  p = argparse.ArgumentParser(
+  p = measure.Parser(
     prog="python -m bench all",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -998,7 +998,7 @@ def write_config(path: str, d: Diagnosis, base_module: str, base, command: str) 
 
 
 def parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(
+  p = measure.Parser(
     prog="python -m bench.doctor",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -1064,9 +1064,10 @@ def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | N
   else:
     raise UsageError("give DATA_DIR or --config")
   if args.apply and not base_module:
-    raise UsageError(
-      f"--apply needs a --config inside a package (like configs/); {args.config or 'none'} is not"
-    )
+    given = f"{args.config} is not" if args.config else "none was given"
+    raise UsageError(f"--apply needs a --config inside a package (like configs/); {given}")
+  if args.apply and os.path.realpath(args.apply) == os.path.realpath(args.config):
+    raise UsageError(f"--apply {args.apply} is the recipe itself: name a new file")
   for field in ("data_dir", "split", "batch_size", "image_size"):
     if getattr(args, field) is not None:
       setattr(s, field, getattr(args, field))
@@ -1144,7 +1145,7 @@ def _main(args, argv: list[str]) -> Diagnosis:
     processes = max(1, d.plan.get("workers") or 0)
     rate = min(v for k, v in d.limits.items() if k in ("cores", "gil", "main"))
     advice = storage_check.advise(check, rate / processes, d.cores, rate, args.get_price, processes)
-    print("\n" + storage_check.report(check, advice))
+    print("\n" + storage_check.report(check, advice, s.other.get("block_records")))
     storage = {"check": dataclasses.asdict(check), "advice": dataclasses.asdict(advice)}
   if timeline_path:
     os.makedirs(os.path.dirname(os.path.abspath(timeline_path)), exist_ok=True)

@@ -23,6 +23,7 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import psutil
 
@@ -161,17 +162,43 @@ def write_json(path, payload) -> None:
     json.dump(payload, f, indent=2)
 
 
+class Parser(argparse.ArgumentParser):
+  """A tool's command line whose usage errors are one line (argparse prints the usage first)."""
+
+  def error(self, message: str):
+    self.exit(2, f"{self.prog}: error: {message} (see --help)\n")
+
+
+def positive(kind: type) -> Callable[[str], Any]:
+  """An argparse type: a `kind` number above 0."""
+
+  def parse(text: str):
+    try:
+      value = kind(text)
+    except ValueError:
+      value = None
+    if value is None or not value > 0:
+      raise argparse.ArgumentTypeError(f"takes a positive {kind.__name__}: {text!r}")
+    return value
+
+  return parse
+
+
 DATA_DIR = "a converted dataset (manifest.json + shards)"
 FLAGS = {  # the flags the tools share; a tool may give another default
   "split": dict(default="train", help="the split to read (default: train)"),
-  "batch_size": dict(type=int, default=128, help="images per batch (default: %(default)s)"),
-  "image_size": dict(type=int, default=224, help="output side in pixels (default: %(default)s)"),
-  "seconds": dict(type=float, default=3.0, help="steady-state seconds per run"),
+  "batch_size": dict(
+    type=positive(int), default=128, help="images per batch (default: %(default)s)"
+  ),
+  "image_size": dict(
+    type=positive(int), default=224, help="output side in pixels (default: %(default)s)"
+  ),
+  "seconds": dict(type=positive(float), default=3.0, help="steady-state seconds per run"),
   "threads": dict(type=int, default=None, help="threads (default: one per core)"),
-  "repeats": dict(type=int, default=2, help="runs per row; the best counts"),
-  "rounds": dict(type=int, default=3, help="interleaved rounds (default: %(default)s)"),
-  "batches": dict(type=int, default=20, help="batches per run (default: %(default)s)"),
-  "epochs": dict(type=float, default=3, help="images timed = epochs x split size"),
+  "repeats": dict(type=positive(int), default=2, help="runs per row; the best counts"),
+  "rounds": dict(type=positive(int), default=3, help="interleaved rounds (default: %(default)s)"),
+  "batches": dict(type=positive(int), default=20, help="batches per run (default: %(default)s)"),
+  "epochs": dict(type=positive(float), default=3, help="images timed = epochs x split size"),
   "json": dict(help="write the figures to this file"),
 }
 
@@ -198,7 +225,7 @@ def parser(
   """A tool's command line: `python -m bench COMMAND` (a dotted COMMAND: `python -m
   COMMAND`), its docstring, a DATA_DIR argument (None: none) and the shared FLAGS named in
   `flags`, with `defaults` (by flag name) replacing theirs."""
-  p = argparse.ArgumentParser(
+  p = Parser(
     prog=f"python -m {command}" if "." in command else f"python -m bench {command}",
     description=doc,
     formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -184,7 +184,7 @@ def mount(
 
 
 def main(argv: list[str]) -> None:
-  p = argparse.ArgumentParser(
+  p = measure.Parser(
     prog="python -m bench.rig",
     description=__doc__,
     formatter_class=argparse.RawDescriptionHelpFormatter,

@@ -24,7 +24,7 @@ import numpy as np
 from array_record.python.array_record_module import ArrayRecordReader
 
 from pipeline.catalog import manifest as manifest_lib
-from pipeline.order.blocks import BLOCK_RECORDS
+from pipeline.order import blocks
 from pipeline.stages.read import reads_in_flight
 from pipeline.storage.source import READER_OPTIONS
 
@@ -212,8 +212,12 @@ def advise(
   )
 
 
-def report(check: StorageCheck, advice: Advice | None = None) -> str:
-  """The check as a table and, with advice, what it means, in a few lines."""
+def report(
+  check: StorageCheck, advice: Advice | None = None, block_records: int | None = None
+) -> str:
+  """The check as a table and, with advice, what it means, in a few lines; the block order's
+  figures at `block_records` (default: the pipeline's for records of this size)."""
+  k = block_records or blocks.block_records(check.record_kb * 1e3)
   lines = [
     f"Storage: {check.records} records in {check.shards} shards ({check.record_kb:.0f} KB "
     f"per record read); opening a shard's reader takes {check.open_ms:.1f} ms (median)",
@@ -244,8 +248,8 @@ def report(check: StorageCheck, advice: Advice | None = None) -> str:
       f"The request budget binds: storage answers ~{budget:,.0f} reads/s however many are in "
       f"flight (latency grows to {check.levels[-1].median_ms:,.0f} ms instead). One request "
       f"per image caps a run near {budget:,.0f} images/s; the block order (order='blocks', "
-      f"the default for a bucket) reads {BLOCK_RECORDS} records a request: up to "
-      f"~{budget * BLOCK_RECORDS:,.0f} images/s. Set performance.max_requests_per_s="
+      f"the default for a bucket) reads {k} records a request: up to "
+      f"~{budget * k:,.0f} images/s. Set performance.max_requests_per_s="
       f"{math.floor(UNDER * budget)} so reads ahead wait their turn in the pipeline, not at "
       "storage."
     )
@@ -260,7 +264,7 @@ def report(check: StorageCheck, advice: Advice | None = None) -> str:
       f"bucket that is {a.gets_per_s:,.0f} GET/s.",
       f"An epoch is {a.gets_per_epoch:,} GETs: ${a.cost_per_epoch:,.4f} at "
       f"${a.price_per_1000:g} per 1,000 (--get-price; GCS class B). In the block order "
-      f"(order='blocks', {BLOCK_RECORDS} records a request) about 1/{BLOCK_RECORDS} of "
-      f"that: ~{a.gets_per_s / BLOCK_RECORDS:,.0f} GET/s for the host.",
+      f"(order='blocks', {k} records a request) about 1/{k} of that: "
+      f"~{a.gets_per_s / k:,.0f} GET/s for the host.",
     ]
   return "\n".join(lines)

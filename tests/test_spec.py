@@ -58,6 +58,8 @@ def test_the_defaults_that_follow_from_train_are_filled_in(
   "keywords, error",
   [
     (dict(batch_size=0), "batch_size must be positive, got 0"),
+    (dict(batch_size="8"), r"batch_size must be an int, got '8' \(str\)"),
+    (dict(batch_size=8, image_size=224.0), r"image_size must be an int, got 224.0 \(float\)"),
     (dict(batch_size=8, on_error="ignore"), "on_error must be 'raise' or 'skip', not 'ignore'"),
     (dict(batch_size=8, sharding="files"), "sharding must be 'records' or 'shards'"),
     (dict(batch_size=8, image_size=0), "image_size must be positive, got 0"),

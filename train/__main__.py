@@ -42,10 +42,10 @@ from train import TrainError, UsageError
 from train import config as config_lib
 
 WORKDIR = flags.DEFINE_string("workdir", None, "checkpoints, TensorBoard logs, summary.json")
-config_flags.DEFINE_config_file(
-  "config",
-  str(config_lib.CONFIGS / "default.py"),
-  "a recipe: a name in the repo's configs/ or a path",
+config_flags.DEFINE_config_file(  # default set by config_path: one given here is read at
+  "config",  # import with the --config.* overrides, a misspelt one a traceback
+  None,
+  "a recipe: a name in the repo's configs/ or a path (default: default)",
 )
 MULTIHOST = flags.DEFINE_bool(
   "multihost",
@@ -112,8 +112,11 @@ def fail_here(message: str):
 
 
 def config_path(argv: list[str]) -> list[str]:
-  """`--config NAME` (or a path relative to configs/) replaced by the recipe's path."""
+  """`--config NAME` (or a path relative to configs/) replaced by the recipe's path; none
+  given: configs/default.py."""
   out = list(argv)
+  if not any(a == "--config" or a.startswith("--config=") for a in out):
+    out[1:1] = [f"--config={config_lib.CONFIGS / 'default.py'}"]
   for i, arg in enumerate(out):
     if arg == "--config" and i + 1 < len(out):
       out[i + 1] = str(config_lib.find(out[i + 1]))

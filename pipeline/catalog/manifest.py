@@ -74,6 +74,8 @@ def load(data_dir) -> Manifest:
     size = _regular_size(path)
   except FileNotFoundError:
     missing = True
+  except NotADirectoryError:
+    raise NotADirectoryError(f"{data_dir} is a file, not a dataset folder") from None
   if missing and tfds_folder.is_build(data_dir):
     return tfds_folder.load(data_dir)
   if missing:

@@ -169,6 +169,8 @@ def build(
   data_dir = os.fspath(data_dir)
   if bucket.is_url(data_dir):
     bucket.check(data_dir)
+  elif os.path.exists(data_dir) and not os.path.isdir(data_dir):
+    raise NotADirectoryError(f"{data_dir} is a file, not a folder for the built-in datasets")
   raw = raw_folder(data_dir)
   with _exclusive(data_dir, raw if bucket.is_url(data_dir) else data_dir):
     return _build(data_dir, raw, workers=workers, progress=progress)

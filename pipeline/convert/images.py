@@ -420,6 +420,8 @@ def plan(
   same = out.rstrip("/") == src.rstrip("/")
   if in_bucket:
     bucket.check(src)
+  elif os.path.exists(src) and not os.path.isdir(src):
+    raise NotADirectoryError(f"{src} is a file, not an image folder")
   elif not os.path.isdir(src):
     raise FileNotFoundError(f"image folder {src} not found")
   if same or (not in_bucket and os.path.realpath(out) == os.path.realpath(src)):

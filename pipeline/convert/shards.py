@@ -26,10 +26,13 @@ import itertools
 import json
 import math
 import multiprocessing
+import multiprocessing.forkserver
 import os
 import re
 import shutil
+import signal
 import sys
+import threading
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any
@@ -298,7 +301,24 @@ def ordered_map(process: Callable[[Any], Any], tasks: list, workers: int) -> Ite
     yield from map(process, tasks)
     return
   ctx = _context()
-  with ctx.Pool(workers) as pool:
+  # Ctrl-C reaches the whole process group: the server the workers fork from starts with
+  # SIGINT ignored, as they do (ignored here too for the few ms that takes), and this process
+  # answers it once the pool is whole (a traceback from each half-started worker otherwise).
+  main, interrupted = threading.current_thread() is threading.main_thread(), []
+  if main:
+    old = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+      multiprocessing.forkserver.ensure_running()
+    finally:
+      signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+  try:
+    pool = ctx.Pool(workers)
+  finally:
+    if main:
+      signal.signal(signal.SIGINT, old)
+  with pool:
+    if interrupted:
+      raise KeyboardInterrupt
     pending = collections.deque()
     for task in tasks:
       pending.append(pool.apply_async(process, (task,)))

@@ -156,8 +156,11 @@ class Stats:
   rows: tuple[Row, ...]
   storage: Storage
 
+  def __str__(self) -> str:
+    return self.table()
+
   def table(self) -> str:
-    """The rows as a fixed-width table, storage on the last line."""
+    """The rows as a fixed-width table, storage on the last line (also `print(stats)`)."""
     lines = [
       f"{'process':<20}{'stage':<9}{'items':>8}{'items/s':>9}{'busy':>6}{'wait':>7}"
       f"{'queued':>7}{'p50 ms':>8}{'p99 ms':>8}"

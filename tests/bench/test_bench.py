@@ -333,7 +333,11 @@ def test_a_failing_tool_prints_one_line_and_the_traceback_only_when_asked(run_py
   verbose = run_python("-m", "bench.ceiling", missing, "--verbose")
   assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
   usage = run_python("-m", "bench.ceiling", missing, "--no-such-flag")
-  assert usage.returncode == 2 and "usage: " in usage.stderr
+  assert usage.returncode == 2 and usage.stderr.count("\n") == 1
+  assert "unrecognized arguments: --no-such-flag (see --help)" in usage.stderr
+  zero = run_python("-m", "bench.ceiling", missing, "--repeats", "0")
+  assert zero.returncode == 2 and zero.stderr.count("\n") == 1
+  assert "argument --repeats: takes a positive int: '0'" in zero.stderr
   entry = run_python("-m", "bench", "ceiling", missing)  # the commands' entry point
   assert entry.returncode == 1 and entry.stderr.count("\n") == 1 and missing in entry.stderr
 

@@ -8,15 +8,18 @@ import os
 import pathlib
 import pty
 import shutil
+import signal
 import struct
 import subprocess
 import sys
 import termios
+import time
 
 import pytest
 
 from pipeline.catalog import manifest
 from pipeline.convert import __main__ as cli
+from pipeline.convert import verify
 from tests.conftest import REPO, run_command
 
 CONVERT = [sys.executable, "-m", "pipeline.convert"]
@@ -66,7 +69,9 @@ def damaged(photos_dir, tmp_path) -> pathlib.Path:
     (["tfds", "mnist", "{tmp}/out", "--data-dir", "{tmp}/nope"], "TFDS data dir {tmp}/nope"),
     (["verify", "{tmp}/nope"], "{tmp}/nope/manifest.json not found"),
     (["verify", "{photos}", "--workers", "-1"], "--workers: -1 is outside"),
-    (["builtin", "{tmp}/a_file"], "a_file"),
+    (["builtin", "{tmp}/a_file"], "{tmp}/a_file is a file, not a folder"),
+    (["images", "{tmp}/a_file", "{tmp}/out"], "{tmp}/a_file is a file, not an image folder"),
+    (["verify", "{tmp}/a_file"], "{tmp}/a_file is a file, not a dataset folder"),
   ],
 )
 def test_usage_errors_are_one_line_with_exit_status_2(photos_raw, tmp_path, capsys, args, message):
@@ -124,3 +129,37 @@ def test_progress_is_a_bar_on_a_terminal(photos_raw, tmp_path):
   assert child.wait(timeout=300) == 0
   assert b"\r" in shown and b"64/64" in shown and b"100%|" in shown
   assert b"(64/64 files)" not in shown  # no log lines on a terminal
+
+
+def _forkserver_started(pid: int) -> bool:
+  """Whether process `pid` has started the server its workers fork from and answers SIGINT
+  again (it ignores it while the server starts: a few ms)."""
+  status = pathlib.Path(f"/proc/{pid}/status").read_text()
+  ignored = int(status.split("SigIgn:")[1].split()[0], 16)
+  if ignored & (1 << (signal.SIGINT - 1)):
+    return False
+  for stat in pathlib.Path("/proc").glob("[0-9]*/stat"):
+    try:
+      if int(stat.read_text().rsplit(")", 1)[1].split()[1]) == pid:
+        if b"forkserver" in (stat.parent / "cmdline").read_bytes():
+          return True
+    except (OSError, ValueError, IndexError):
+      continue
+  return False
+
+
+def test_ctrl_c_while_workers_start_is_one_line_and_the_same_command_resumes(photos_raw, tmp_path):
+  args = convert_photos(photos_raw, tmp_path)[:-1] + ["2"]
+  child = subprocess.Popen(
+    args, cwd=REPO, stderr=subprocess.PIPE, text=True, start_new_session=True
+  )
+  deadline = time.monotonic() + 120
+  while not _forkserver_started(child.pid) and child.poll() is None and time.monotonic() < deadline:
+    time.sleep(0.01)
+  os.killpg(child.pid, signal.SIGINT)  # a terminal's Ctrl-C: the whole process group
+  _, err = child.communicate(timeout=120)
+  lines = [line for line in err.splitlines() if not line.startswith("convert raw: ")]
+  assert child.returncode == 130, err
+  assert lines == ["interrupted: finished shards are kept; re-run the same command to resume"]
+  assert run_command(args).returncode == 0
+  assert verify.verify(tmp_path / "out", progress=False).ok

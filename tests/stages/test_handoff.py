@@ -201,15 +201,16 @@ def main():
   print(json.dumps({"same": bool(same), "blocks": len(receiver._blocks),
                     "tokens": sorted(handoff._TOKENS)}))
   # exits with batches unsent and the iterator open: the exit path must clean up
+  return kept
 
 if __name__ == "__main__":
-  main()
+  held = main()  # a module global: released as the interpreter tears its modules down
 """
 
 
 def test_workers_leave_nothing_behind_and_print_no_warning(digits_dir, tmp_path):
   """46 batches from 2 worker processes; 6 kept to the end stay intact; the process exits
-  with batches unsent and its iterator open."""
+  with batches unsent, its iterator open and batches held in a module global."""
   script = tmp_path / "child.py"
   script.write_text(CHILD)
   grain_blocks = set(glob.glob("/dev/shm/psm_*"))

@@ -53,7 +53,7 @@ def test_one_process_counts_every_stage_and_each_storage_read(digits_dir):
   # the global order reads one record per request; a digits record is ~1 KB
   assert s.storage.requests == s.storage.reads >= 80
   assert s.storage.images_per_request == 1.0 and 0.3 < s.storage.kb_per_request < 3
-  assert "storage: " in s.table().splitlines()[-1]
+  assert "storage: " in s.table().splitlines()[-1] and str(s) == s.table()
 
 
 def test_worker_processes_report_their_own_rows_through_the_batches(digits_dir):

@@ -141,6 +141,15 @@ def test_a_user_error_is_one_line_exit_2_and_nothing_is_written(
   assert not workdir.exists()
 
 
+def test_a_misspelt_field_of_the_default_recipe_is_one_line_too(tmp_path):
+  out = run_train("--workdir", str(tmp_path / "run"), "--config.batch_sise=4", cwd=tmp_path)
+  assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr[-3000:]
+  assert out.stderr.strip() == (
+    "python -m train: unknown config field --config.batch_sise (did you mean batch_size?)"
+  )
+  assert not (tmp_path / "run").exists()
+
+
 def test_verbose_shows_the_traceback(digits_dir, tmp_path):
   out = run_train(
     "--config",
