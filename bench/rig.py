@@ -198,10 +198,10 @@ def main(argv: list[str]) -> None:
   args = p.parse_args(argv)
   caps = (args.requests_per_s, args.mb_per_s)
   with mount(args.source, args.latency_ms, args.mountpoint, args.threads, *caps) as m:
-    caps = [f"at most {m.requests_per_s:g} requests/s" if m.requests_per_s else "no request cap"]
-    caps.append(f"at most {m.mb_per_s:g} MB/s" if m.mb_per_s else "no bandwidth cap")
+    limits = [f"at most {m.requests_per_s:g} requests/s" if m.requests_per_s else "no request cap"]
+    limits.append(f"at most {m.mb_per_s:g} MB/s" if m.mb_per_s else "no bandwidth cap")
     print(
-      f"{m.source} -> {m.path}: {m.latency_ms:g} ms per read, {' and '.join(caps)}, no page "
+      f"{m.source} -> {m.path}: {m.latency_ms:g} ms per read, {' and '.join(limits)}, no page "
       f"cache; counters: cat {m.path}/.rig-stats; Ctrl-C unmounts",
       flush=True,
     )
