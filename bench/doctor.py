@@ -11,11 +11,20 @@ resize and flip into the batch; wall and CPU ms per image), then runs the whole
 step to measure the input wait), then once more on 16 threads with decode and resize
 replaced by GIL-free waits of their length: the rate where the GIL binds gives the time
 each image holds it ("python"). These costs feed `pipeline.host.parallelism`'s host model
-(threads, GIL, cores, worker processes' transfer; see there) plus one limit of the
-loader's own:
+(threads, GIL, cores, worker processes' transfer; see there) plus the loader's own limits
+(P = max(W, 1) processes of W worker processes):
 
-    prefetch: P / (R + W / T)   each of P prefetch threads reads its batch (R per image),
-                                then waits for its T decode threads (W per image)
+    reads:    P x N / L         Little's law on the read stage (`pipeline.stages.read`): each
+                                process keeps N records in flight at storage, the batches its
+                                read-ahead share holds (performance.read_ahead_mb, at least
+                                one batch, at most performance.read_ahead batches), within
+                                MAX_READ_THREADS requests of K images; L: a request's latency
+                                as the run measured it (counted when the run made requests)
+    prefetch: P x D / S         the decode side: prefetch batches being decoded, each cut
+                                into tasks (`pipeline.stages.decode.task_size`), give D =
+                                min(T, prefetch x tasks) of the T decode threads work of S
+                                per image (parse, decode, augment); it binds only with
+                                fewer tasks than threads (small batches)
     requests: C x K             storage answers C requests/s however many are in flight (the
                                 storage check), K images per request; counted when the run's
                                 read stage makes most of C or its reads queue at storage
@@ -54,11 +63,20 @@ from pipeline.catalog import manifest as manifest_lib
 from pipeline.host import parallelism
 from pipeline.image import decode
 from pipeline.order.blocks import BLOCK_RECORDS
+from pipeline.stages import decode as decode_stage
 from pipeline.stages import read as read_lib
 from pipeline.stages.stats import Stats
 
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
-LIMITS = ("requests", "cores", "gil", "threads", "prefetch", "main")  # ties: hardware first
+LIMITS = (
+  "requests",
+  "cores",
+  "gil",
+  "threads",
+  "reads",
+  "prefetch",
+  "main",
+)  # ties: hardware first
 MAX_PREFETCH = 16
 REFERENCE_PIXELS = 224 * 224  # the image size parallelism.COSTS were measured at
 CEILING_THREADS = 16  # threads of the emulated run that measures the GIL-held time
@@ -373,6 +391,10 @@ class _State:
   prefetch: int
   cached: bool
   dct: bool
+  read_s: float  # a storage request's latency
+  record_bytes: float  # a stored record
+  ahead_mb: float  # performance.read_ahead_mb: each process's record bytes read ahead
+  max_depth: int | None = None  # performance.read_ahead: batches read ahead at most
   budget_per_s: float | None = None  # storage's request ceiling, when the run presses it
   per_request: float = 1.0  # images per storage request
 
@@ -436,19 +458,29 @@ def host_costs(costs: dict[str, Cost], state: _State, s: Settings) -> parallelis
   )
 
 
+def read_ahead(state: _State, batch_size: int) -> int:
+  """Records one process keeps in flight at storage: the batches its read-ahead share holds
+  (at least one, at most performance.read_ahead; `ReadAhead.bounds`' ceiling), within
+  MAX_READ_THREADS requests of `state.per_request` records."""
+  batches = max(1, int(state.ahead_mb * 2**20 // max(1.0, state.record_bytes * batch_size)))
+  records = min(batches, state.max_depth or batches) * batch_size
+  return min(records, math.floor(read_lib.MAX_READ_THREADS * state.per_request))
+
+
 def model(costs: dict[str, Cost], state: _State, cores: int, s: Settings) -> dict[str, float]:
   """Images/s each resource allows (the module docstring and pipeline.host.parallelism)."""
   hc = parallelism.at_batch(host_costs(costs, state, s), s.batch_size)
   lim = parallelism.limits(cores, hc, parallelism.Plan(state.workers, state.threads))
-  free = _free_stages(costs, state)
-  work_wall = sum(costs[s].active_ms for s in ("parse", *free)) / 1e3
-  read_wall = costs["read"].active_ms / 1e3
+  processes = max(state.workers, 1)
   if state.budget_per_s:  # requests: storage answers so many a second, however many wait
     lim["requests"] = state.budget_per_s * state.per_request
-    read_wall = min(read_wall, 1 / lim["requests"])  # a read's share of the ceiling
-  lim["prefetch"] = (
-    max(state.workers, 1) * state.prefetch / max(read_wall + work_wall / state.threads, 1e-9)
-  )
+  if state.read_s:  # Little's law on the records in flight; none without storage requests
+    lim["reads"] = processes * read_ahead(state, s.batch_size) / state.read_s
+  free = _free_stages(costs, state)
+  work_wall = sum(costs[s].active_ms for s in ("parse", *free)) / 1e3
+  tasks = -(-s.batch_size // decode_stage.task_size(s.batch_size, state.threads))
+  decoding = min(state.threads, state.prefetch * tasks)  # tasks the decode threads can run
+  lim["prefetch"] = processes * decoding / max(work_wall, 1e-9)
   return lim
 
 
@@ -469,11 +501,9 @@ def _stage_of(limit: str, costs: dict[str, Cost], state: _State) -> str:
     return max(_gil_stages(costs, state), key=lambda s: costs[s].cpu_ms)
   if limit == "cores":
     return max((*GIL_STAGES, *free), key=lambda s: costs[s].cpu_ms)
-  heaviest = max(("parse", *free), key=lambda s: costs[s].active_ms)
-  work = sum(costs[s].active_ms for s in ("parse", *free))
-  if limit == "prefetch" and costs["read"].active_ms >= work / state.threads:
+  if limit == "reads":
     return "read"
-  return heaviest
+  return max(("parse", *free), key=lambda s: costs[s].active_ms)
 
 
 def _smallest(values: range, rate: Callable[[int], float], share: float = 0.95) -> int:
@@ -499,15 +529,20 @@ def diagnose(
   if m.python_us is not None and budget is None:  # else the emulated run waited on storage
     costs["python"] = Cost(m.python_us / 1e3, m.python_us / 1e3)
   cache_mb = m.cache_bytes_per_image * m.num_records / 2**20
-  perf = s.perf
+  perf, q = s.perf, m.run.requests
   state = _State(
     chosen.workers,
     chosen.threads,
     perf.prefetch,
     0 < cache_mb <= s.dec.cache_mb,
     s.dec.dct_scaling,
-    budget and min(budget, m.run.requests.max_per_s or budget),  # a lower max_requests_per_s
-    max(m.run.requests.images_per_request, 1.0) if budget else 1.0,
+    # storage's own latency: under a request budget the one at the end queued at storage
+    (q.latency_open_ms if budget else q.latency_ms) / 1e3 if q.made else 0.0,
+    q.kb_per_request * 1e3 / max(q.images_per_request, 1.0),
+    perf.read_ahead_mb,
+    perf.read_ahead,
+    budget and min(budget, q.max_per_s or budget),  # a lower max_requests_per_s
+    max(q.images_per_request, 1.0) if q.made else 1.0,
   )
   limits = model(costs, state, cores, s)
   predicted = min(limits.values())
@@ -529,7 +564,7 @@ def diagnose(
     step_ms=step_ms,
     bottleneck=bottleneck,
     input_stage=input_stage,
-    limit=_words(limit, limits, state, costs, cores, m),
+    limit=_words(limit, limits, state, costs, cores, m, s),
     recommendations=[],
     notes=[],
     cache_estimate_mb=round(cache_mb, 1),
@@ -569,6 +604,7 @@ def _words(
   costs: dict[str, Cost],
   cores: int,
   m: Measurements,
+  s: Settings,
 ) -> str:
   rate = f"{limits[limit]:.0f} img/s at most"
   procs = f"{state.workers} worker processes" if state.workers else "one process"
@@ -590,8 +626,15 @@ def _words(
       f"~{gil_us:.0f} us (read, Python per image and batch, Grain): {rate}"
     ),
     "threads": f"num_threads={state.threads} decode threads per process: {rate}",
+    "reads": (
+      f"reads: {procs} x {read_ahead(state, s.batch_size):,} records in flight "
+      f"(read_ahead_mb={state.ahead_mb:g}"
+      + (f", read_ahead={state.max_depth}" if state.max_depth else "")
+      + f"), {state.read_s * 1e3:.1f} ms a request of {state.per_request:.1f} images: {rate}"
+    ),
     "prefetch": (
-      f"prefetch={state.prefetch} batches in flight, each read then decoded in turn: {rate}"
+      f"prefetch={state.prefetch} batches being decoded, too few tasks for "
+      f"{state.threads} decode threads: {rate}"
     ),
     "main": f"the main process receiving every worker's batches: {rate}",
   }[limit]
@@ -648,18 +691,21 @@ def _recommend(d: Diagnosis, start: _State, need: float | None) -> None:
         {"decoding.dct_scaling": True},
         dct=True,
       )
+    if state.read_s:
+      state = _recommend_reads(d, state, propose, rate)
     _recommend_processes(d, state, propose)
     prefetch = max(
       state.prefetch,
       _smallest(range(1, MAX_PREFETCH + 1), lambda p: rate(dataclasses.replace(state, prefetch=p))),
     )
     batch_mb = s.batch_size * s.image_size**2 * 3 / 2**20
+    task = decode_stage.task_size(s.batch_size, state.threads)
     propose(
       "prefetch",
       state.prefetch,
       prefetch,
-      f"each prefetch thread reads a batch ({costs['read'].active_ms * s.batch_size:.0f} "
-      f"ms) and then waits for its decode; {prefetch} in flight overlap the reads "
+      f"each batch of {s.batch_size} images is {-(-s.batch_size // task)} decode tasks: "
+      f"{prefetch} batches being decoded keep the {state.threads} decode threads busy "
       f"(+{(prefetch - state.prefetch) * batch_mb:.0f} MB of batches held per process)",
       {"performance.prefetch": prefetch},
       prefetch=prefetch,
@@ -744,6 +790,42 @@ def _recommend_requests(d: Diagnosis, state: _State, propose, rate) -> None:
       )
 
 
+def _recommend_reads(d: Diagnosis, state: _State, propose, rate) -> _State:
+  """Records read ahead for the reads in flight the rest of the host needs (Little's law):
+  performance.read_ahead (batches) when it caps them, then performance.read_ahead_mb."""
+  s = d.settings
+  batch_mb = s.batch_size * state.record_bytes / 2**20
+  most = max(1, math.ceil(read_lib.MAX_READ_THREADS * state.per_request / s.batch_size))
+  unset = dataclasses.replace(state, max_depth=None)
+  batches = _smallest(
+    range(1, most + 1), lambda b: rate(dataclasses.replace(unset, ahead_mb=b * batch_mb))
+  )
+  latency = f"{state.read_s * 1e3:.1f} ms a request of {state.per_request:.1f} images"
+  if state.max_depth and state.max_depth < batches:
+    state = propose(
+      "read_ahead",
+      state.max_depth,
+      None,
+      f"at {latency}, {batches} batches read ahead keep the decode threads fed; None lets "
+      "the read stage size them by Little's law, within read_ahead_mb",
+      {"performance.read_ahead": None},
+      max_depth=None,
+    )
+  need = float(math.ceil(batches * batch_mb))
+  if need > state.ahead_mb:
+    state = propose(
+      "read_ahead_mb",
+      state.ahead_mb,
+      need,
+      f"at {latency}, the reads in flight the host needs (Little's law) are {batches} "
+      f"batches of {state.record_bytes / 1e3:.0f} KB records a process "
+      f"(x{max(state.workers, 1)} processes: within performance.memory_mb)",
+      {"performance.read_ahead_mb": need},
+      ahead_mb=need,
+    )
+  return state
+
+
 def _recommend_processes(d: Diagnosis, state: _State, propose) -> None:
   """Worker processes x decode threads: `parallelism.plan` with the measured costs; when
   the decode threads' work mostly waits (slow storage), threads beyond the cores."""
@@ -800,9 +882,10 @@ def _notes(d: Diagnosis) -> None:
   )
   if d.input_stage == "read":
     d.notes.append(
-      "reading is slow: each batch is one batched read per shard it touches, "
-      "on its prefetch thread; more batches in flight overlap the reads, and "
-      "a local disk or the page cache reads faster than network storage"
+      f"reading is slow: each process keeps the records of the batches its read-ahead holds "
+      f"in flight, up to {read_lib.MAX_READ_THREADS} requests at once (pipeline.stages.read); "
+      "the record cache (record_cache_mb) reads storage once, the block order (order='blocks') "
+      "reads more images a request, and a local disk reads faster than network storage"
     )
   if d.input_stage == REQUEST_BUDGET:
     d.notes.append(

@@ -31,6 +31,11 @@ MAX_TASK = 32  # images per decode-thread task (native calls in turn): fewer tas
 _ARENAS = threading.local()  # each decode thread's windows, kept: no page faults per batch
 
 
+def task_size(batch_size: int, threads: int) -> int:
+  """Images per decode-thread task of a batch: two runs a thread, balanced, at most MAX_TASK."""
+  return max(1, min(MAX_TASK, -(-batch_size // (2 * threads))))
+
+
 def batch_decoder(head: augment.Head, keys: records.Keys, seed: int):
   """The native decoder of a decode stage (`_jpeg.BatchDecoder`: `head`'s windows, `keys`'
   features, `seed`'s draws), or None where the extension was not built."""
@@ -70,7 +75,7 @@ class DecodeImages:
     n, size = len(batch.indices), self.head.image_size
     batch.images = self.allocate((n, size, size, 3), np.uint8)
     batch.labels, batch.bad = np.zeros(n, np.int64), np.zeros(n, bool)
-    step = max(1, min(MAX_TASK, -(-n // (2 * self.num_threads))))  # 2 runs a thread, balanced
+    step = task_size(n, self.num_threads)
     native = [r if isinstance(r, bytes) else None for r in batch.records]
     return batch, [
       self.threads.submit(self.load, batch, native, k, min(k + step, n)) for k in range(0, n, step)

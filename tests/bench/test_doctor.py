@@ -20,10 +20,11 @@ import pipeline.catalog.manifest
 import pipeline.host.parallelism as parallelism
 import pipeline.storage.source
 from bench import doctor, storage_check
-from bench.doctor import Cost, Measurements, Run, Settings
+from bench.doctor import Cost, Measurements, Requests, Run, Settings
 from pipeline.order import blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
+RECORD_KB = 110.0  # a stored photo
 
 
 def stage_costs(
@@ -44,7 +45,10 @@ def stage_costs(
 def measured(
   costs: dict[str, Cost], rate=500.0, other_ms=0.1, cores=2, consumer=None
 ) -> Measurements:
+  """Measurements of a run whose storage requests, one a record, take the read's wall time."""
   cpu = sum(costs[s].cpu_ms for s in doctor.STAGES) + other_ms
+  latency = costs["read"].wall_ms
+  q = Requests(2000, rate, RECORD_KB, 1.0, "global", None, None, latency, latency)
   return Measurements(
     cores=cores,
     load_average=0.5,
@@ -53,7 +57,7 @@ def measured(
     costs=costs,
     cache_bytes_per_image=1e6,
     dct_share=0.4,
-    run=Run(rate, 0.5, 2000, 4.0, cpu),
+    run=Run(rate, 0.5, 2000, 4.0, cpu, requests=q),
     consumer_run=consumer,
   )
 
@@ -72,16 +76,45 @@ def proposal(d: doctor.Diagnosis, field: str):
   return next((r for r in d.recommendations if r.field == field), None)
 
 
-def test_slow_reads_are_named_and_more_prefetch_recommended():
-  costs = stage_costs(read=(10.0, 0.05))  # storage with 10 ms of latency per record
-  d = doctor.diagnose(settings(prefetch=2), measured(costs, rate=180))
-  assert d.bottleneck == "read" and "prefetch=2" in d.limit, doctor.report(d)
-  more = proposal(d, "prefetch")
-  assert more.proposed > 2 and more.gain > 1.05
-  assert more.writes == {"performance.prefetch": more.proposed}
-  assert more.expected_images_per_sec > 180  # scaled from the measured rate
+SLOW = stage_costs(read=(50.0, 0.05))  # storage with 50 ms of latency per request
+
+
+def test_slow_reads_with_a_small_read_ahead_are_named_and_more_read_ahead_recommended():
+  # 2 MB holds one batch of 16 records of 110 KB: 16 in flight at 50 ms, 320 img/s
+  d = doctor.diagnose(settings(read_ahead_mb=2.0), measured(SLOW, rate=300))
+  assert d.bottleneck == "read" and d.limits["reads"] == 320.0, doctor.report(d)
+  assert "16 records in flight (read_ahead_mb=2)" in d.limit and "50.0 ms" in d.limit
+  more = proposal(d, "read_ahead_mb")
+  assert more.current == 2.0 and more.proposed > 2.0 and more.gain > 1.05, doctor.report(d)
+  assert more.writes == {"performance.read_ahead_mb": more.proposed}
+  assert more.expected_images_per_sec > 300  # scaled from the measured rate
+  assert proposal(d, "prefetch") is None  # the batches being decoded are not the reads
   assert any("reading is slow" in n for n in d.notes)
-  assert not any("thread per shard" in n for n in d.notes)  # our source has no such threads
+
+
+def test_slow_reads_with_the_default_read_ahead_are_not_the_bottleneck():
+  # 256 MB holds 148 batches: 512 requests in flight (the I/O threads) at 50 ms
+  d = doctor.diagnose(settings(), measured(SLOW, rate=1500))
+  assert d.bottleneck != "read" and d.limits["reads"] == 512 / 0.05, doctor.report(d)
+  assert not {"read_ahead_mb", "prefetch"} & {r.field for r in d.recommendations}
+
+
+def test_a_read_ahead_in_batches_that_caps_the_reads_is_lifted():
+  d = doctor.diagnose(settings(read_ahead=1), measured(SLOW, rate=300))
+  assert d.bottleneck == "read" and "read_ahead=1" in d.limit, doctor.report(d)
+  lifted = proposal(d, "read_ahead")
+  assert (lifted.current, lifted.proposed) == (1, None), doctor.report(d)
+  assert lifted.writes == {"performance.read_ahead": None}
+  assert proposal(d, "read_ahead_mb") is None  # 256 MB hold enough
+
+
+def test_small_batches_on_many_threads_need_more_batches_being_decoded():
+  # a batch of 4 is 4 decode tasks: prefetch=2 gives 8 of 16 threads work
+  costs = stage_costs(decode=(4.0, 4.0))
+  d = doctor.diagnose(settings(4, num_threads=16, prefetch=2), measured(costs, cores=16))
+  assert d.limit.startswith("prefetch=2 batches being decoded"), doctor.report(d)
+  more = proposal(d, "prefetch")
+  assert more.proposed == 4 and more.writes == {"performance.prefetch": 4}, doctor.report(d)
 
 
 def test_decode_heavy_work_on_one_thread_gets_a_thread_per_core():
@@ -133,7 +166,7 @@ def test_the_main_process_receiving_batches_can_bind_and_is_named():
 def test_every_limit_the_model_names_can_bind():
   costs = parallelism.COSTS
   names = set(parallelism.limits(224, costs, parallelism.Plan(8, 2), batch_size=128))
-  for name in names | {"requests", "prefetch"}:
+  for name in names | {"requests", "reads", "prefetch"}:
     assert doctor.binding({n: 2.0 if n == name else 3.0 for n in names | {name}}) == name
 
 
@@ -197,14 +230,14 @@ def test_apply_writes_the_recommendations_into_the_input_block(tmp_path):
     16,
     False,
   )
-  s.data_dir = "/elsewhere"
-  d = doctor.diagnose(s, measured(stage_costs(read=(10.0, 0.05)), rate=180))
+  s.data_dir, s.performance["read_ahead_mb"] = "/elsewhere", 2.0
+  d = doctor.diagnose(s, measured(SLOW, rate=180))
   tuned = base.parent / "tuned.py"
   doctor.write_config(str(tuned), d, "recipes_apply.base", doctor.load_config(str(base)), "")
   assert "from recipes_apply import base as base" in tuned.read_text()
   config = doctor.load_config(str(tuned))
   assert config.input.data_dir == "/elsewhere"
-  assert config.input.performance.prefetch == proposal(d, "prefetch").proposed
+  assert config.input.performance.read_ahead_mb == proposal(d, "read_ahead_mb").proposed
   assert config.input.augment.area_range == (0.5, 1.0) and config.model == "mobilenet_v1"
 
 
