@@ -68,15 +68,8 @@ from pipeline.stages import read as read_lib
 from pipeline.stages.stats import Stats
 
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
-LIMITS = (
-  "requests",
-  "cores",
-  "gil",
-  "threads",
-  "reads",
-  "prefetch",
-  "main",
-)  # ties: hardware first
+# ties: hardware first
+LIMITS = ("requests", "cores", "gil", "threads", "reads", "prefetch", "main")
 MAX_PREFETCH = 16
 REFERENCE_PIXELS = 224 * 224  # the image size parallelism.COSTS were measured at
 CEILING_THREADS = 16  # threads of the emulated run that measures the GIL-held time
@@ -823,6 +816,16 @@ def _recommend_reads(d: Diagnosis, state: _State, propose, rate) -> _State:
       {"performance.read_ahead_mb": need},
       ahead_mb=need,
     )
+  threads = math.floor(read_lib.MAX_READ_THREADS * state.per_request)
+  if (
+    read_ahead(state, s.batch_size) >= threads
+    and binding(model(d.costs, state, d.cores, s)) == "reads"
+  ):
+    d.notes.append(
+      f"the read stage's {read_lib.MAX_READ_THREADS} I/O threads a process are all waiting: "
+      "more images a request (order='blocks', block_records) or more worker processes "
+      "read more at once"
+    )
   return state
 
 
@@ -1093,7 +1096,8 @@ def parser() -> argparse.ArgumentParser:
   p.add_argument("--image-size", type=int)
   p.add_argument("--num-threads", type=int, help="decode threads per process (default: auto)")
   p.add_argument("--num-workers", type=int, help="worker processes (default: auto)")
-  p.add_argument("--prefetch", type=int, help="batches in flight")
+  p.add_argument("--prefetch", type=int, help="batches being decoded per process")
+  p.add_argument("--read-ahead-mb", type=float, help="record bytes read ahead per process")
   p.add_argument("--cache-mb", type=float, help="decoded-image cache budget")
   p.add_argument("--record-cache-mb", type=float, help="record cache budget (0: off)")
   p.add_argument(
@@ -1154,7 +1158,14 @@ def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | N
   for field in ("data_dir", "split", "batch_size", "image_size"):
     if getattr(args, field) is not None:
       setattr(s, field, getattr(args, field))
-  performance = ("num_threads", "num_workers", "prefetch", "record_cache_mb", "max_requests_per_s")
+  performance = (
+    "num_threads",
+    "num_workers",
+    "prefetch",
+    "read_ahead_mb",
+    "record_cache_mb",
+    "max_requests_per_s",
+  )
   for field in performance:
     if getattr(args, field) is not None:
       s.performance = {**s.performance, field: getattr(args, field)}

@@ -11,14 +11,12 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
 import pipeline.catalog.manifest
 import pipeline.host.parallelism as parallelism
-import pipeline.storage.source
 from bench import doctor, storage_check
 from bench.doctor import Cost, Measurements, Requests, Run, Settings
 from pipeline.order import blocks
@@ -97,6 +95,14 @@ def test_slow_reads_with_the_default_read_ahead_are_not_the_bottleneck():
   d = doctor.diagnose(settings(), measured(SLOW, rate=1500))
   assert d.bottleneck != "read" and d.limits["reads"] == 512 / 0.05, doctor.report(d)
   assert not {"read_ahead_mb", "prefetch"} & {r.field for r in d.recommendations}
+
+
+def test_reads_past_the_io_threads_name_more_images_a_request():
+  # 512 requests of one image in flight at 500 ms: 1,024 img/s whatever the read-ahead
+  d = doctor.diagnose(settings(), measured(stage_costs(read=(500.0, 0.05)), rate=1000))
+  assert d.bottleneck == "read" and d.limits["reads"] == 1024.0, doctor.report(d)
+  assert proposal(d, "read_ahead_mb") is None
+  assert any("512 I/O threads" in n and "order='blocks'" in n for n in d.notes), d.notes
 
 
 def test_a_read_ahead_in_batches_that_caps_the_reads_is_lifted():
@@ -344,20 +350,16 @@ def test_cli_help():
 
 
 @pytest.mark.slow
-def test_a_slow_source_is_named_read_in_a_real_run(photos_dir, monkeypatch):
-  read = pipeline.storage.source.ShardedSource.read
-
-  def slow_read(self, indices):  # storage with 10 ms of latency per record
-    time.sleep(0.01 * len(indices))
-    return read(self, indices)
-
-  monkeypatch.setattr(pipeline.storage.source.ShardedSource, "read", slow_read)
-  s = Settings(
-    str(photos_dir), batch_size=8, image_size=64, performance={"num_threads": 2, "prefetch": 2}
-  )
-  d = doctor.diagnose(s, doctor.measure_all(s, seconds=1.0, sample=24))
-  assert d.bottleneck == "read", doctor.report(d)
-  assert proposal(d, "prefetch").proposed > 2
+def test_slow_storage_behind_a_small_read_ahead_is_named_read_in_a_real_run(
+  storage_rig, photos_dir
+):
+  perf = {"num_threads": 2, "read_ahead_mb": 0.1, "record_cache_mb": 0}  # one batch ahead
+  with storage_rig.mount(photos_dir, latency_ms=50) as rig:
+    s = Settings(str(rig.path), batch_size=8, image_size=64, performance=perf)
+    d = doctor.diagnose(s, doctor.measure_all(s, seconds=1.0, sample=24))
+  assert d.bottleneck == "read" and "8 records in flight" in d.limit, doctor.report(d)
+  assert proposal(d, "read_ahead_mb").proposed > 0.1, doctor.report(d)
+  assert proposal(d, "prefetch") is None
 
 
 @pytest.mark.slow
