@@ -56,7 +56,8 @@ def test_with_the_record_cache_a_second_epoch_reads_nothing_from_storage(storage
   assert sum(int(b["mask"].sum()) for b in rest) > 0
 
 
-@pytest.mark.parametrize("workers", [0, 1])
+# with a worker process: 38 s on a loaded machine, in `make test-slow`
+@pytest.mark.parametrize("workers", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_a_mount_that_stops_answering_is_one_line_naming_the_shard(
   storage_rig, photos_dir, workers
 ):
