@@ -73,8 +73,11 @@ class _Handler(http.server.BaseHTTPRequestHandler):
         server.released.wait()
         return
     elif server.fault and "manifest.json" in self.path:
-      if server.fault in ("stall", "stall once"):
-        server.fault = None if server.fault == "stall once" else server.fault
+      # gcsfs' stat asks for the object and lists `manifest.json/` at once, and waits for the
+      # object only: a single stall must meet the object, not whichever request comes first
+      once = server.fault == "stall once"
+      if server.fault == "stall" or (once and "prefix=" not in self.path):
+        server.fault = None if once else server.fault
         server.released.wait()
         return
       if server.fault == "503":
