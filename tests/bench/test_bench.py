@@ -122,6 +122,7 @@ def test_host_runs_both_orders_locally_and_through_the_rig_beside_the_model(
   assert where == [(s, o) for s in ("local", "rig") for o in ("blocks", "global")]
   for row in out["rows"]:
     assert row["images_per_sec"] > 0 and row["planned_memory_mb"] > 0
+    assert row["loader_pss_mb"] < row["peak_rss_mb"]  # the loader above its imports, not the tree
     assert row["model"]["projected_img_s"] > 0 and row["model"]["threads"] >= 1
   saved = json.loads((tmp_path / "h.json").read_text())
   assert saved["command"].startswith("python -m bench host") and saved["cores"] >= 1
