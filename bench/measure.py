@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import platform
-import resource
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import psutil
+
+from pipeline.host import memory
 
 
 @dataclasses.dataclass
@@ -58,14 +59,7 @@ class RssSampler:
   def _sample(self) -> int:
     if self.pss:
       return tree_pss()
-    me = psutil.Process()
-    total = max(me.memory_info().rss, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    for child in me.children(recursive=True):
-      try:
-        total += child.memory_info().rss
-      except psutil.Error:
-        pass
-    return total
+    return memory.tree_rss()
 
   def _run(self):
     while not self._stop.is_set():

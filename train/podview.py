@@ -10,11 +10,11 @@ Process 0 prints a row per host when they differ by more than `WAIT_POINTS` or
 from __future__ import annotations
 
 import dataclasses
-import os
-import resource
 
 import numpy as np
 from jax.experimental import multihost_utils
+
+from pipeline.host import memory
 
 WAIT_POINTS = 0.05  # rows when input waits differ by more than 5 points of step time
 SPEED_SHARE = 0.10  # or img/s by more than 10%
@@ -33,31 +33,8 @@ class Host:
 
 
 def rss_mb() -> float:
-  """MB this process tree holds: this process's peak resident memory (the kernel's), plus
-  its worker processes' resident memory now (Linux's /proc; sampled at each log line)."""
-  kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-  for pid in _descendants(os.getpid()):
-    try:
-      with open(f"/proc/{pid}/status") as f:
-        kb += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
-    except (OSError, StopIteration):  # exited meanwhile, or a zombie without memory
-      continue
-  return kb / 1024
-
-
-def _descendants(pid: int) -> list[int]:
-  try:
-    tasks = os.listdir(f"/proc/{pid}/task")
-  except OSError:
-    return []
-  children = []
-  for task in tasks:
-    try:
-      with open(f"/proc/{pid}/task/{task}/children") as f:
-        children += map(int, f.read().split())
-    except OSError:
-      continue
-  return children + [d for c in children for d in _descendants(c)]
+  """MB this process tree holds (`pipeline.host.memory.tree_rss`; sampled at each log line)."""
+  return memory.tree_rss() / memory.MB
 
 
 def gather(

@@ -27,6 +27,8 @@ this changes a batch: a smaller cache or read-ahead reads the same records again
 from __future__ import annotations
 
 import dataclasses
+import os
+import resource
 
 from pipeline.host import parallelism
 
@@ -121,3 +123,31 @@ def fit(
   cache = max(0, min(p * record_cache, room - p * read_ahead))
   ahead = min(p * read_ahead, room - cache)
   return Split(budget_bytes, p, ahead, blocks, cache, batches, p * working, workers, worker_bytes)
+
+
+def tree_rss() -> int:
+  """Bytes this process tree holds: this process's peak resident memory (the kernel's), plus
+  its child processes' (worker processes') resident memory now, read from Linux's /proc."""
+  kb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+  for pid in _descendants(os.getpid()):
+    try:
+      with open(f"/proc/{pid}/status") as f:
+        kb += next(int(line.split()[1]) for line in f if line.startswith("VmRSS:"))
+    except (OSError, StopIteration):  # exited meanwhile, or a zombie without memory
+      continue
+  return kb * 1024
+
+
+def _descendants(pid: int) -> list[int]:
+  try:
+    tasks = os.listdir(f"/proc/{pid}/task")
+  except OSError:
+    return []
+  children = []
+  for task in tasks:
+    try:
+      with open(f"/proc/{pid}/task/{task}/children") as f:
+        children += map(int, f.read().split())
+    except OSError:
+      continue
+  return children + [d for c in children for d in _descendants(c)]
