@@ -21,12 +21,8 @@ import contextlib
 import functools
 import io
 import os
-import socket
-import subprocess
-import sys
 import tempfile
 import time
-import urllib.request
 
 import psutil
 from PIL import Image
@@ -35,6 +31,7 @@ from bench import measure
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import records
 from pipeline.convert import images, shards
+from tests import gcs_emulator
 
 
 def _source(path: str) -> str:
@@ -91,38 +88,15 @@ def _timed(run, exclude: int | None = None) -> tuple[float, float, int]:
 
 @contextlib.contextmanager
 def _emulator(src: str):
-  """A local Cloud Storage holding `src` at gs://bkt/src; yields the emulator's process.
-  Points gcsfs and array_record at it for the rest of this process and its workers (gcsfs
-  reads the setting once, at import): a command's own process, not a library call."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  url = f"http://127.0.0.1:{port}"
-  os.environ.update(
-    STORAGE_EMULATOR_HOST=url,
-    CLOUD_STORAGE_EMULATOR_ENDPOINT=url,
-    GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT="false",
-    EPATH_USE_TF="false",
-  )
-  script = os.path.join(os.path.dirname(os.path.dirname(__file__)), "tests", "gcs_emulator.py")
-  proc = subprocess.Popen([sys.executable, script, str(port), "bkt"], stderr=subprocess.DEVNULL)
-  try:
-    deadline = time.monotonic() + 30
-    while True:
-      try:
-        urllib.request.urlopen(f"{url}/storage/v1/b/bkt", timeout=1).read()
-        break
-      except OSError:
-        if time.monotonic() > deadline or proc.poll() is not None:
-          raise
-        time.sleep(0.1)
+  """A local Cloud Storage holding `src` at gs://bkt/src (`tests/gcs_emulator.py`); yields its
+  process id. Points gcsfs and array_record at it for the rest of this process and its workers
+  (gcsfs reads the setting once, at import): a command's own process, not a library call."""
+  with gcs_emulator.serving("bkt") as (env, pid):
+    os.environ.update(env)
     import gcsfs
 
     gcsfs.GCSFileSystem(token="anon").put(src, "bkt/src", recursive=True)
-    yield proc
-  finally:
-    proc.kill()
-    proc.wait()
+    yield pid
 
 
 @contextlib.contextmanager
@@ -180,7 +154,7 @@ def main(argv: list[str]) -> dict:
   with contextlib.ExitStack() as stack:
     emulator = None
     if args.emulator:
-      emulator = stack.enter_context(_emulator(src)).pid
+      emulator = stack.enter_context(_emulator(src))
       contenders[f"pipeline.convert gs:// to gs:// (emulator), {args.workers} workers"] = (
         lambda out: _count(
           images.convert(

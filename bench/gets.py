@@ -15,16 +15,11 @@ from __future__ import annotations
 import json
 import os
 import pathlib
-import socket
-import subprocess
 import sys
 import tempfile
-import time
-import urllib.request
 
 from bench import measure
-
-EMULATOR = measure.ROOT / "tests" / "gcs_emulator.py"
+from tests import gcs_emulator
 
 
 def count(orders: list[str], data_dir: str, batches: int, batch_size: int) -> list[dict]:
@@ -48,9 +43,8 @@ def count(orders: list[str], data_dir: str, batches: int, batch_size: int) -> li
       next(it)
     gets, records = int(counter.read_text()) - gets, st.read.stats.request_records - records
     it.close()
-    out.append(
-      dict(order=order, gets=gets, records=records, records_per_get=round(records / gets, 2))
-    )
+    per_get = round(records / gets, 2) if gets else None  # the reads ahead covered them all
+    out.append(dict(order=order, gets=gets, records=records, records_per_get=per_get))
   return out
 
 
@@ -58,41 +52,18 @@ def main(argv: list[str]) -> list[dict]:
   p = measure.parser("gets", __doc__, "batches", "batch_size")
   p.add_argument("--orders", default="global,blocks", help="comma-separated (default both)")
   args = p.parse_args(argv)
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  url = f"http://127.0.0.1:{port}"
-  env = {
-    **os.environ,
-    "STORAGE_EMULATOR_HOST": url,
-    "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,
-    "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-    "EPATH_USE_TF": "false",
-    "GCS_EMULATOR_COUNT": os.path.join(tempfile.mkdtemp(), "gets"),
-  }
-  server = subprocess.Popen(
-    [sys.executable, str(EMULATOR), str(port), "bkt"],
-    env=env,
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.DEVNULL,
-  )
-  try:
-    for _ in range(300):
-      try:
-        urllib.request.urlopen(f"{url}/storage/v1/b/bkt", timeout=1).read()
-        break
-      except OSError:
-        time.sleep(0.1)
+  counter = {"GCS_EMULATOR_COUNT": os.path.join(tempfile.mkdtemp(), "gets")}
+  with gcs_emulator.serving("bkt", counter) as (emulator, _):
+    env = {**os.environ, **emulator, **counter}
     spec = [args.orders.split(","), args.data_dir, args.batches, args.batch_size]
     rows = measure.child("bench.gets", spec, env=env)  # epath keeps its gs:// backend per process
-  finally:
-    server.kill()
-    server.wait()
   for r in rows:
-    print(
-      f"{r['order']:7s} {r['gets']:6,} GETs for {r['records']:6,} records read: "
+    per_get = (
       f"{r['records_per_get']:.2f} records per GET"
+      if r["gets"]
+      else "the batches before them had read these ahead: raise --batches"
     )
+    print(f"{r['order']:7s} {r['gets']:6,} GETs for {r['records']:6,} records read: {per_get}")
   return rows
 
 

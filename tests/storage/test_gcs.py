@@ -19,12 +19,11 @@ import subprocess
 import sys
 import textwrap
 import time
-import urllib.request
 
 import pytest
 
 from pipeline.storage import remote
-from tests.cluster import free_port
+from tests import gcs_emulator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 EMULATOR_MISSING = [
@@ -198,35 +197,9 @@ def gcs(tmp_path_factory):
   """A local Cloud Storage with bucket "bkt"; yields the environment that points gcsfs, epath
   and array_record at it, and GCS_EMULATOR_COUNT: the file counting its GETs."""
   assert not EMULATOR_MISSING, f"CI=true but not installed: {EMULATOR_MISSING}"
-  port = free_port()
-  url = f"http://127.0.0.1:{port}"
   count = os.path.join(tmp_path_factory.mktemp("gcs"), "gets")  # the GETs served so far
-  proc = subprocess.Popen(
-    [sys.executable, os.path.join(REPO, "tests", "gcs_emulator.py"), str(port), "bkt"],
-    stdout=subprocess.DEVNULL,
-    stderr=subprocess.DEVNULL,
-    env={**os.environ, "GCS_EMULATOR_COUNT": count},
-  )
-  try:
-    deadline = time.monotonic() + 30
-    while True:
-      try:
-        urllib.request.urlopen(f"{url}/storage/v1/b/bkt", timeout=1).read()
-        break
-      except OSError:
-        if time.monotonic() > deadline or proc.poll() is not None:
-          raise
-        time.sleep(0.1)
-    yield {
-      "STORAGE_EMULATOR_HOST": url,
-      "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,
-      "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
-      "EPATH_USE_TF": "false",
-      "GCS_EMULATOR_COUNT": count,
-    }
-  finally:
-    proc.kill()
-    proc.wait()
+  with gcs_emulator.serving("bkt", {"GCS_EMULATOR_COUNT": count}) as (env, _):
+    yield {**env, "GCS_EMULATOR_COUNT": count}
 
 
 @needs_emulator
