@@ -247,13 +247,17 @@ def finish(p: argparse.ArgumentParser, args, argv: list[str], result: dict) -> d
 
 
 def run_cli(main: Callable[[list[str]], object], argv: list[str]) -> None:
-  """Runs a tool's `main(argv)`. A failure prints one line and exits 1; `--verbose`
-  (anywhere in argv) lets the traceback through instead. Usage errors keep argparse's exit 2."""
+  """Runs a tool's `main(argv)`. A failure prints one line: bad input or arguments (a missing
+  dataset, a value refused) exit 2, as `python -m pipeline.convert`'s, anything else 1;
+  `--verbose` (anywhere in argv) lets the traceback through instead."""
   if "--verbose" in argv:
     main([a for a in argv if a != "--verbose"])
     return
   try:
     main(argv)
+  except (ValueError, KeyError, OSError) as e:
+    print(f"error: {' '.join(str(e).split())}", file=sys.stderr)
+    sys.exit(2)
   except Exception as e:  # noqa: BLE001 - any failure: one line, the traceback on request
     sys.exit(f"error: {type(e).__name__}: {e} (--verbose shows the traceback)")
 

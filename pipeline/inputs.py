@@ -13,6 +13,7 @@ last, and the `memory` it planned. A finite stream (eval) starts a new pass afte
 
 from __future__ import annotations
 
+import difflib
 from typing import Any, Literal
 
 import grain
@@ -30,7 +31,7 @@ def input(
   data_dir,
   split: str = "train",
   *,
-  global_batch_size: int,
+  global_batch_size: int | None = None,
   mesh: jax.sharding.Mesh | None = None,
   train: bool | None = None,
   layout: Literal["global", "pmap"] = "global",
@@ -59,6 +60,12 @@ def input(
   if "batch_size" in make_dataset_keywords:
     raise TypeError(
       "pipeline.input takes global_batch_size=; the per-process batch_size is derived from it"
+    )
+  if global_batch_size is None:  # a required keyword; a misspelt one would land in the rest
+    near = difflib.get_close_matches("global_batch_size", list(make_dataset_keywords), 1)
+    raise TypeError(
+      "pipeline.input needs global_batch_size= (examples per step over all processes)"
+      + (f"; got {near[0]}=" if near else "")
     )
   train = split.startswith("train") if train is None else train
   where = device.make_layout(mesh, data_axis, layout)

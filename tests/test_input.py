@@ -98,6 +98,8 @@ def test_a_batch_that_cannot_split_is_refused_before_reading(digits_dir):
     pipeline.input(digits_dir, "train", global_batch_size=12, **FAST)
   with pytest.raises(TypeError, match="takes global_batch_size="):
     pipeline.input(digits_dir, "train", global_batch_size=16, batch_size=2)
+  with pytest.raises(TypeError, match="needs global_batch_size= .*; got global_batch_sise=$"):
+    pipeline.input(digits_dir, "train", global_batch_sise=16)
 
 
 def test_orbax_saves_the_iterator_beside_the_model_state_and_resumes_it(digits_dir, tmp_path):

@@ -679,7 +679,8 @@ def swap_in(out: str) -> None:
 def summary(m: manifest_lib.Manifest) -> str:
   """One line: records per split, shards, skipped files by reason, re-encoded images."""
   parts = [
-    f"{name}: {s.num_records} records in {len(s.shards)} shards" for name, s in m.splits.items()
+    f"{name}: {s.num_records} records in {len(s.shards)} shard{'s' * (len(s.shards) != 1)}"
+    for name, s in m.splits.items()
   ]
   reasons = _reasons(m.skipped)
   line = f"{'; '.join(parts)}; {len(m.classes)} classes; skipped {len(m.skipped)}"

@@ -49,7 +49,10 @@ def convert(
 
   data_dir = os.fspath(data_dir or tfds.core.constants.get_default_data_dir())
   if "://" not in data_dir and not os.path.isdir(data_dir):
-    raise FileNotFoundError(f"TFDS data dir {data_dir} not found")
+    raise FileNotFoundError(
+      f"{name}: TFDS data dir {data_dir} not found: run `tfds build {name} "
+      "--file_format=array_record`, or pass --data-dir"
+    )
   builder = _builder(name, data_dir)
   info = builder.info
   keys, classes = tfds_folder.keys_and_classes(info, builder.data_dir)

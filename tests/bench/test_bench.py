@@ -327,10 +327,10 @@ def test_committed_pictures_are_pngs_under_docs_and_every_shown_one_exists():
 
 def test_a_failing_tool_prints_one_line_and_the_traceback_only_when_asked(run_python, tmp_path):
   missing = str(tmp_path / "missing")
-  proc = run_python("-m", "bench.ceiling", missing)
-  assert proc.returncode == 1 and proc.stdout == ""
+  proc = run_python("-m", "bench.ceiling", missing)  # bad input: exit 2, as a usage error
+  assert proc.returncode == 2 and proc.stdout == ""
   assert proc.stderr.count("\n") == 1 and "Traceback" not in proc.stderr
-  assert proc.stderr.startswith("error: FileNotFoundError: ") and missing in proc.stderr
+  assert proc.stderr.startswith(f"error: {missing}/manifest.json not found"), proc.stderr
   verbose = run_python("-m", "bench.ceiling", missing, "--verbose")
   assert verbose.returncode == 1 and "Traceback (most recent call last)" in verbose.stderr
   usage = run_python("-m", "bench.ceiling", missing, "--no-such-flag")
@@ -340,7 +340,7 @@ def test_a_failing_tool_prints_one_line_and_the_traceback_only_when_asked(run_py
   assert zero.returncode == 2 and zero.stderr.count("\n") == 1
   assert "argument --repeats: takes a positive int: '0'" in zero.stderr
   entry = run_python("-m", "bench", "ceiling", missing)  # the commands' entry point
-  assert entry.returncode == 1 and entry.stderr.count("\n") == 1 and missing in entry.stderr
+  assert entry.returncode == 2 and entry.stderr.count("\n") == 1 and missing in entry.stderr
 
 
 def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_python):

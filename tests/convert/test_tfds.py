@@ -193,3 +193,14 @@ def test_a_missing_version_names_the_versions_there_are(tmp_path, capsys):
     f"error: tiny_shapes:9.9.9: no TFDS build of 'tiny_shapes:9.9.9' in {tmp_path / 'tfds'}: "
     "it holds tiny_shapes 1.0.0\n"
   )
+
+
+def test_a_missing_data_dir_names_the_dataset_and_how_to_build_it(tmp_path, capsys):
+  missing = tmp_path / "no_tfds"
+  args = ["tfds", "no_such_ds", str(tmp_path / "out"), "--data-dir", str(missing)]
+  assert cli.main(args) == 2
+  assert capsys.readouterr().err == (
+    f"error: no_such_ds: TFDS data dir {missing} not found: run `tfds build no_such_ds "
+    "--file_format=array_record`, or pass --data-dir\n"
+  )
+  assert not (tmp_path / "out").exists()

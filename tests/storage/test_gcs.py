@@ -483,6 +483,33 @@ KILLED_IN_SWAP = textwrap.dedent(
 )
 
 
+SAME_AS_LOCAL = textwrap.dedent(
+  """
+  import json, os, sys
+  import gcsfs
+  fs, prefix, local, least = gcsfs.GCSFileSystem(token="anon"), *sys.argv[1:3], int(sys.argv[3])
+  names = sorted(os.listdir(local))
+  assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(prefix)) == names
+  assert len(names) > least, names
+  assert all(fs.cat_file(f"{prefix}/{n}") == open(f"{local}/{n}", "rb").read()
+             for n in names if n != "manifest.json")
+  got = json.loads(fs.cat_file(f"{prefix}/manifest.json"))
+  want = json.load(open(f"{local}/manifest.json"))
+  for sh in (sh for s in got["splits"].values() for sh in s["shards"]):
+    assert sh.pop("generation")  # the object's, in the bucket's manifest only
+  assert (got["splits"], got["classes"]) == (want["splits"], want["classes"])
+  """
+)
+
+
+def same_as_local(gcs: dict, prefix: str, local, shards: int = 1) -> None:
+  """gs://`prefix` holds what local folder `local` holds (at least `shards` shards): the same
+  files, shards byte for byte, and a manifest of the same splits and classes (plus each
+  shard's generation)."""
+  check = run(SAME_AS_LOCAL, env=gcs, args=[prefix, str(local), str(shards)])
+  assert check.returncode == 0, check.stderr[-2000:]
+
+
 @needs_emulator
 def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits_raw, tmp_path):
   code = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
@@ -580,18 +607,7 @@ def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
   assert not os.path.exists(stage)  # the killed run's local temporary folder is removed
   local = tmp_path / "local"
   assert convert(str(digits_raw), str(local), *flags, env=gcs).returncode == 0
-  same = textwrap.dedent(
-    """
-    import os, sys
-    import gcsfs
-    fs, local = gcsfs.GCSFileSystem(token="anon"), sys.argv[1]
-    names = sorted(os.listdir(local))
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/resume/out")) == names
-    assert all(fs.cat_file(f"bkt/resume/out/{n}") == open(f"{local}/{n}", "rb").read()
-               for n in names if n != "manifest.json")
-    """
-  )
-  assert run(same, env=gcs, args=[str(local)]).returncode == 0
+  same_as_local(gcs, "bkt/resume/out", local)
   verify = ["-m", "pipeline.convert", "verify", "gs://bkt/resume/out", "--no-progress"]
   ok = run("", env=gcs, args=verify)
   assert (ok.returncode, ok.stdout) == (
@@ -707,20 +723,7 @@ def test_tfrecords_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, dig
   p = run("", env=gcs, args=[*command, "gs://bkt/tfr/src/*.tfrecord", "gs://bkt/tfr/out", *flags])
   assert p.returncode == 0, p.stderr[-2000:]
   assert p.stdout == local.stdout.replace(out, "gs://bkt/tfr/out")
-  same = textwrap.dedent(
-    """
-    import os, sys
-    import gcsfs
-    fs, local = gcsfs.GCSFileSystem(token="anon"), sys.argv[1]
-    names = sorted(os.listdir(local))
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/tfr/out")) == names
-    assert len(names) > 3
-    assert all(fs.cat_file(f"bkt/tfr/out/{n}") == open(f"{local}/{n}", "rb").read()
-               for n in names if n != "manifest.json")
-    """
-  )
-  check = run(same, env=gcs, args=[str(tmp_path / "local")])
-  assert check.returncode == 0, check.stderr[-2000:]
+  same_as_local(gcs, "bkt/tfr/out", tmp_path / "local", shards=3)
   verify = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/tfr/out"])
   assert verify.returncode == 0 and verify.stdout.endswith("; OK\n"), verify.stdout
 
@@ -738,22 +741,7 @@ def test_a_tfds_build_converts_into_a_bucket_as_into_a_folder(gcs, tmp_path):
   p = run("", env=gcs, args=[*command, "gs://bkt/tfds/out", *flags])
   assert p.returncode == 0, p.stderr[-2000:]
   assert p.stdout == local.stdout.replace(out, "gs://bkt/tfds/out")
-  same = textwrap.dedent(
-    """
-    import json, os, sys
-    import gcsfs
-    fs, local = gcsfs.GCSFileSystem(token="anon"), sys.argv[1]
-    names = sorted(os.listdir(local))
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/tfds/out")) == names
-    assert len(names) > 3, names
-    assert all(fs.cat_file(f"bkt/tfds/out/{n}") == open(f"{local}/{n}", "rb").read()
-               for n in names if n != "manifest.json")
-    got = json.loads(fs.cat_file("bkt/tfds/out/manifest.json"))
-    assert all(sh["generation"] for s in got["splits"].values() for sh in s["shards"])
-    """
-  )
-  check = run(same, env=gcs, args=[out])
-  assert check.returncode == 0, check.stderr[-2000:]
+  same_as_local(gcs, "bkt/tfds/out", out, shards=3)
   verify = run("", env=gcs, args=["-m", "pipeline.convert", "verify", "gs://bkt/tfds/out"])
   assert verify.returncode == 0 and verify.stdout.endswith("; OK\n"), verify.stdout
 
@@ -871,24 +859,7 @@ def test_the_tpu_vm_commands_of_docs_data_md_run_as_written(gcs, photos_raw, tmp
     if files:
       assert files <= gets() - before <= files + 4  # one per source file, a few of OUT's
   assert p.stdout == "gs://bkt/imagenet_ar: train: 64, validation: 16 records; OK\n"
-  same = textwrap.dedent(
-    """
-    import json, os, sys
-    import gcsfs
-    fs, local = gcsfs.GCSFileSystem(token="anon"), sys.argv[1]
-    names = sorted(os.listdir(local))
-    assert sorted(p.rsplit("/", 1)[1] for p in fs.ls("bkt/imagenet_ar")) == names
-    assert all(fs.cat_file(f"bkt/imagenet_ar/{n}") == open(f"{local}/{n}", "rb").read()
-               for n in names if n != "manifest.json")
-    got = json.loads(fs.cat_file("bkt/imagenet_ar/manifest.json"))
-    want = json.load(open(f"{local}/manifest.json"))
-    for sh in (sh for s in got["splits"].values() for sh in s["shards"]):
-      sh.pop("generation")
-    assert (got["splits"], got["classes"]) == (want["splits"], want["classes"])
-    """
-  )
-  check = run(same, env=gcs, args=[str(tmp_path / "local")])
-  assert check.returncode == 0, check.stderr[-2000:]
+  same_as_local(gcs, "bkt/imagenet_ar", tmp_path / "local")
 
 
 @needs_emulator
@@ -906,27 +877,14 @@ def test_convert_builtin_into_a_bucket_writes_the_local_builds_shards(gcs, tmp_p
   assert p.stdout == local.stdout.replace(str(tmp_path / "local"), "gs://bkt/builtin")
   raw = tmp_path / "cache" / "pipeline" / "builtin-raw"
   assert sorted(os.listdir(raw)) == [".builtin.lock", "digits", "photos"]
-  same = textwrap.dedent(
-    """
-    import json, os, sys
-    import gcsfs
-    fs, local, raw = gcsfs.GCSFileSystem(token="anon"), sys.argv[1], sys.argv[2]
-    for name in ("digits", "photos"):
-      names = sorted(os.listdir(f"{local}/{name}"))
-      assert sorted(p.rsplit("/", 1)[1] for p in fs.ls(f"bkt/builtin/{name}")) == names
-      assert all(
-        fs.cat_file(f"bkt/builtin/{name}/{n}") == open(f"{local}/{name}/{n}", "rb").read()
-        for n in names if n != "manifest.json"
-      )
-      got = json.loads(fs.cat_file(f"bkt/builtin/{name}/manifest.json"))
-      want = json.load(open(f"{local}/{name}/manifest.json"))
-      for sh in (sh for s in got["splits"].values() for sh in s["shards"]):
-        sh.pop("generation")
-      assert (got["splits"], got["classes"]) == (want["splits"], want["classes"])
-      assert got["created_by"]["source"] == f"{raw}/{name}"
-    """
+  for name in ("digits", "photos"):
+    same_as_local(gcs, f"bkt/builtin/{name}", tmp_path / "local" / name)
+  source = (
+    "import json, gcsfs, sys; fs = gcsfs.GCSFileSystem(token='anon'); "
+    "print(json.loads(fs.cat_file(sys.argv[1] + '/manifest.json'))['created_by']['source'])"
   )
-  check = run(same, env=gcs, args=[str(tmp_path / "local"), str(raw)])
-  assert check.returncode == 0, check.stderr[-2000:]
+  for name in ("digits", "photos"):
+    made = run(source, env=gcs, args=[f"bkt/builtin/{name}"])
+    assert made.stdout == f"{raw}/{name}\n", made.stderr[-2000:]
   again = run("", env=env, args=[*builtin, "gs://bkt/builtin"])
   assert (again.returncode, again.stdout) == (0, p.stdout)
