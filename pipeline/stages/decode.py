@@ -23,6 +23,7 @@ from pipeline.image import augment, decode
 from pipeline.stages import errors
 from pipeline.stages.ahead import Threads
 from pipeline.stages.plan import Batch
+from pipeline.stages.pool import BatchPool
 from pipeline.storage.cache import DecodedCache
 from pipeline.storage.source import CorruptRecordsError
 
@@ -48,8 +49,8 @@ def batch_decoder(head: augment.Head, keys: records.Keys, seed: int):
 
 @dataclasses.dataclass(eq=False)
 class DecodeImages:
-  """Fills `batch.images` (made by `allocate`: np.empty, or a `handoff.Writer`'s in shared
-  memory), `batch.labels`, `batch.bad`. `decoder`: `batch_decoder`'s or a stand-in; None:
+  """Fills `batch.images` (made by `allocate`: a `BatchPool`'s (None), or a `handoff.Writer`'s
+  in shared memory), `batch.labels`, `batch.bad`. `decoder`: `batch_decoder`'s or a stand-in; None:
   the Python path alone. Picklable: pool and cache are made on first use in each process."""
 
   head: augment.Head
@@ -61,9 +62,10 @@ class DecodeImages:
   on_error: str
   cache_mb: float
   decoder: Callable | None
-  allocate: Callable = np.empty
+  allocate: Callable | None = None
 
   def __post_init__(self):
+    self.allocate = self.allocate or BatchPool().empty
     self.threads = Threads(self.num_threads, "pipeline-decode")
     self.cache = DecodedCache(int(self.cache_mb * 2**20)) if self.cache_mb else None
     self.slot_bytes = self.head.slot_bytes()
