@@ -262,7 +262,9 @@ def report(
       f"A host of {a.host_cores} cores at {a.host_rate_per_s:,.0f} images/s needs "
       f"{a.host_needs_in_flight:,} reads in flight (Little's law: rate x latency); from a "
       f"bucket that is {a.gets_per_s:,.0f} GET/s.",
-      f"An epoch is {a.gets_per_epoch:,} GETs: ${a.cost_per_epoch:,.4f} at "
+      f"An epoch is {a.gets_per_epoch:,} GETs ({check.records:,} records, "
+      f"{a.gets_per_epoch - check.records:,} for opening shards: {READS_PER_OPEN} per shard "
+      f"and process): ${a.cost_per_epoch:,.4f} at "
       f"${a.price_per_1000:g} per 1,000 (--get-price; GCS class B). In the block order "
       f"(order='blocks', {k} records a request) about 1/{k} of that: "
       f"~{a.gets_per_s / k:,.0f} GET/s for the host.",

@@ -392,6 +392,9 @@ def test_storage_check_times_reads_through_the_rig_and_applies_littles_law(stora
   assert advice.cost_per_epoch == pytest.approx(advice.gets_per_epoch * 0.0004 / 1000)
   text = storage_check.report(check, advice)
   assert "Little's law" in text and "40,000 GET/s" in text and "$0.0004 per 1,000" in text
+  assert (
+    f"({48:,} records, {advice.gets_per_epoch - 48} for opening shards: 2 per shard and " in text
+  )
   k = blocks.block_records(check.record_kb * 1e3)  # the pipeline's, for these records
   assert f"{k} records a request) about 1/{k}" in text and "request budget" not in text
   assert f"~{40_000 / k:,.0f} GET/s for the host" in text
