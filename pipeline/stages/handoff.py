@@ -44,6 +44,7 @@ import numpy as np
 
 from pipeline.host import memory, parallelism
 from pipeline.order.blocks import WINDOW_BATCHES
+from pipeline.stages import pool
 from pipeline.storage import blockstore
 
 SHM_DIR = "/dev/shm"
@@ -72,10 +73,10 @@ def shm_needed(workers: int, batch_bytes: int, prefetch: int, held: int) -> int:
 
 def held_bytes(workers: int, batch_bytes: int, prefetch: int) -> int:
   """Bytes of the batches the host's processes hold: the workers' rings, else this process's
-  batches being decoded, waiting and taken (prefetch + 2)."""
+  batches being decoded, waiting and taken (prefetch + 2) and the spare ones of its pool."""
   if workers:
     return shm_needed(workers, batch_bytes, prefetch, parallelism.WORKER_BATCHES)
-  return (prefetch + 2) * batch_bytes
+  return (prefetch + 2 + pool.SPARE) * batch_bytes
 
 
 def shm_check(workers: int, needed: int) -> str | None:

@@ -17,6 +17,8 @@ import weakref
 
 import numpy as np
 
+SPARE = 2  # dropped batches' buffers kept for the next ones (1 kept little: measured in REPORT)
+
 
 class BatchPool:
   """`empty(shape, dtype)` as np.empty, from buffers that come back when their batch, and every
@@ -26,7 +28,7 @@ class BatchPool:
   over a foreign buffer (`whole`), which so outlives the batch and all its views, and its
   finalizer runs only once none is left."""
 
-  def __init__(self, keep: int = 2):
+  def __init__(self, keep: int = SPARE):
     self.keep = keep
     self._spare: list[mmap.mmap] = []
     self._lock = threading.Lock()

@@ -8,11 +8,12 @@ import gc
 import numpy as np
 
 import pipeline
+from pipeline.stages import pool
 from pipeline.stages.pool import BatchPool
 
 
 def test_a_buffer_comes_back_only_when_the_batch_and_every_view_of_it_are_gone():
-  pool = BatchPool(keep=2)
+  pool = BatchPool(pool.SPARE)
   batch = pool.empty((4, 8, 8, 3), np.uint8)
   batch[:] = 7
   row, tail, exported = batch[1], np.asarray(batch)[2:], memoryview(batch)
@@ -43,5 +44,5 @@ def test_a_held_batch_is_never_overwritten_and_dropped_ones_are_reused(photos_di
     addresses.add(next(it)["image"].ctypes.data)  # each dropped at once
   np.testing.assert_array_equal(held, want)
   assert held.ctypes.data - 3 * 64 * 64 * 3 not in addresses
-  # batches in flight (prefetch + 2) and the spare ones (keep=2), not one buffer per batch
-  assert len(addresses) <= 2 + 2 + 2, len(addresses)
+  # batches in flight (prefetch + 2) and the spare ones (pool.SPARE), not one buffer per batch
+  assert len(addresses) <= 2 + 2 + pool.SPARE, len(addresses)
