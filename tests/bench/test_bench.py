@@ -280,7 +280,7 @@ def test_all_reports_a_failing_benchmark_and_goes_on(tmp_path):
   report = bench_all.main(
     [str(tmp_path / "missing"), "--out", str(out), "--only", "ceiling"]
   ).read_text()
-  assert "Not reported: ceiling failed (exit 1): " in report
+  assert "Not reported: ceiling failed (exit 2): " in report
   assert "manifest.json not found" in report.split("Not reported: ")[1].split("\n")[0]
   assert "manifest.json not found" in (out / "ceiling.log").read_text()
 
