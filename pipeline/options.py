@@ -128,9 +128,8 @@ class Performance:
   gcsfuse mount) is an error, never a hang. stats_every_s: print `iterator.stats()`'s table (a row
   per stage and process, storage requests) to stderr every so many seconds (None: never).
   memory_mb: the most the loader holds on this host, read-ahead, blocks kept for later rounds,
-  record cache, batches and worker processes together (None: half the available memory;
-  `python -m train` gives its train stream 3/4 of that, its eval stream 1/4); the record
-  cache, then the read-ahead shrink to fit it (`pipeline.host.memory`).
+  record cache, batches and worker processes together (None: half the available memory); the
+  record cache, then the read-ahead shrink to fit it (`pipeline.host.memory`).
   """
 
   num_threads: int | None = None

@@ -30,7 +30,6 @@ from etils import epath
 from flax import nnx
 
 import pipeline
-from pipeline.host import memory
 from train import UsageError, agreement, checkpoints, fit, hosts, models, preemption, report
 from train import config as config_lib
 
@@ -169,24 +168,13 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   return Setup(mesh, plan, train, val, notes.getvalue())
 
 
-EVAL_MEMORY_SHARE = 0.25  # eval's part of the default budget; train has the rest
-
-
 def open_input(
   config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, evaluation: bool
 ) -> pipeline.Input:
   """The train or eval stream (`pipeline.input` of `config.input` or `config.eval_input`);
-  batches the steps cannot take are refused (`check_batches`). A stream that sets no
-  `performance.memory_mb` gets its share of the default budget (half the available memory),
-  so that the two streams together hold no more than one would."""
+  batches the steps cannot take are refused (`check_batches`)."""
   where = "config.eval_input" if evaluation else "config.input"
   kwargs = config_lib.dataset_kwargs(config, evaluation)
-  performance = dict(kwargs.get("performance") or {})
-  shared = performance.get("memory_mb") is None
-  if shared:
-    share = EVAL_MEMORY_SHARE if evaluation else 1 - EVAL_MEMORY_SHARE
-    performance["memory_mb"] = share * memory.budget(None) / memory.MB
-    kwargs["performance"] = performance
   if "pp" in kwargs and not re.search(r"\bimage_size\b", kwargs["pp"]):
     kwargs.pop("image_size", None)  # it only fills `image_size` where a pp string names it
   try:
@@ -200,10 +188,7 @@ def open_input(
       **kwargs,
     )
   except (ValueError, TypeError, OSError) as e:
-    why = str(e)
-    if shared and why.startswith(memory.FLAG):
-      why += f" ({memory.FLAG} was this stream's share of half the available memory; set it)"
-    raise UsageError(f"{where}: {why}") from e
+    raise UsageError(f"{where}: {e}") from e
   except KeyError as e:
     raise UsageError(f"{where}: {e.args[0]}") from e
   config_lib.check_batches(data, where, "pp" if "pp" in kwargs else "batch_ops")

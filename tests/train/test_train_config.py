@@ -14,7 +14,6 @@ from flax import nnx
 
 import pipeline
 from configs import default, imagenet_mobilenet_v1, imagenet_mobilenet_v2
-from pipeline.host import memory
 from tests.train.test_train import ROOT
 from train import UsageError, fit, models, train
 from train import config as config_lib
@@ -307,24 +306,6 @@ def test_the_image_size_is_the_pp_strings_where_it_sets_one(digits_dir, tmp_path
     cwd=tmp_path,
   )
   plan_line(out)
-
-
-def test_the_train_and_eval_streams_share_one_default_memory_budget(digits_dir):
-  config = default.get_config()
-  config.input.data_dir = str(digits_dir)
-  config.eval_input.performance = {"memory_mb": 900.0}
-  setups = [train.prepare(config)]
-  config.eval_input.performance = {}
-  setups.append(train.prepare(config))
-  whole = memory.budget(None)
-  for setup in setups:
-    setup.train.close()
-    setup.eval.close()
-  (set_by_user, shared) = setups
-  assert set_by_user.eval.memory.budget == 900 * memory.MB  # a budget the user set is kept
-  # neither set: eval a quarter, train the rest, of what one stream would get alone
-  assert shared.train.memory.budget == pytest.approx(3 * shared.eval.memory.budget, rel=0.05)
-  assert shared.train.memory.budget + shared.eval.memory.budget == pytest.approx(whole, rel=0.05)
 
 
 def test_eval_input_overrides_only_what_it_names():
