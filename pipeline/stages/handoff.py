@@ -76,7 +76,7 @@ def held_bytes(workers: int, batch_bytes: int, prefetch: int) -> int:
   batches being decoded, waiting and taken (prefetch + 2) and the spare ones of its pool."""
   if workers:
     return shm_needed(workers, batch_bytes, prefetch, parallelism.WORKER_BATCHES)
-  return (prefetch + 2 + pool.SPARE) * batch_bytes
+  return (prefetch + 2 + pool.spare(batch_bytes)) * batch_bytes
 
 
 def shm_check(workers: int, needed: int) -> str | None:

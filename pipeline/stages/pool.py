@@ -18,11 +18,17 @@ import weakref
 import numpy as np
 
 SPARE = 2  # dropped batches' buffers kept for the next ones (1 kept little: measured in REPORT)
+SPARE_BYTES = 64 * 2**20  # and no more bytes than this: glibc unmaps a batch over 32 MiB at once
+
+
+def spare(batch_bytes: int, keep: int = SPARE) -> int:
+  """How many dropped buffers of `batch_bytes` wait for the next batches."""
+  return min(keep, SPARE_BYTES // max(1, batch_bytes))
 
 
 class BatchPool:
   """`empty(shape, dtype)` as np.empty, from buffers that come back when their batch, and every
-  view of it, is garbage; at most `keep` of them wait spare, the rest are unmapped.
+  view of it, is garbage; at most `spare(size, keep)` of them wait, the rest are unmapped.
 
   A buffer is an anonymous mmap, not an ndarray: numpy points every view at the first array
   over a foreign buffer (`whole`), which so outlives the batch and all its views, and its
@@ -53,5 +59,5 @@ class BatchPool:
 
   def _give_back(self, buffer: mmap.mmap) -> None:
     with self._lock:
-      if len(self._spare) < self.keep:
+      if len(self._spare) < spare(len(buffer), self.keep):
         self._spare.append(buffer)

@@ -8,7 +8,7 @@ import gc
 import numpy as np
 
 import pipeline
-from pipeline.stages import pool
+from pipeline.stages import handoff, pool
 from pipeline.stages.pool import BatchPool
 
 
@@ -48,3 +48,11 @@ def test_a_held_batch_is_never_overwritten_and_dropped_ones_are_reused(photos_di
   assert held.ctypes.data - 3 * 64 * 64 * 3 not in addresses
   # batches in flight (prefetch + 2) and the spare ones (pool.SPARE), not one buffer per batch
   assert len(addresses) <= 2 + 2 + pool.SPARE, len(addresses)
+
+
+def test_only_batches_under_32_mib_wait_spare_and_the_plan_counts_them():
+  mib = 2**20
+  assert [pool.spare(n * mib) for n in (19, 40, 600)] == [2, 1, 0]  # 600: glibc's way, unmapped
+  # the batches one process holds without workers: prefetch + 2, and the spare ones
+  assert handoff.held_bytes(0, 19 * mib, prefetch=2) == (2 + 2 + 2) * 19 * mib
+  assert handoff.held_bytes(0, 600 * mib, prefetch=2) == (2 + 2) * 600 * mib
