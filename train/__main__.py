@@ -222,6 +222,7 @@ def main(argv):
   except UsageError as e:  # the same on every process (`hosts.agree`)
     if VERBOSE.value:
       raise
+    hosts.leave_together()
     fail(str(e), 2)
   except TrainError as e:
     if VERBOSE.value:
