@@ -53,8 +53,9 @@ def projection(args, cores: int) -> dict:
 
 
 def run_one(args, data_dir: str, order: str) -> dict:
-  """The pipeline alone at its own plan: img/s, first batch, the tree's peak RSS, and what the
-  loader holds (the tree's peak PSS above its PSS once the imports are done) beside its plan."""
+  """The pipeline alone at its own plan: img/s, first batch, the tree's peak RSS, its planned
+  memory and, with --pss, what the loader holds (the tree's peak PSS above its PSS once the
+  imports are done; sampled from smaps inside the timed run, hence asked for)."""
   spec = dataset.Spec.of(
     data_dir, args.split, batch_size=args.batch_size, image_size=args.image_size,
     order=order, shard_index=0, shard_count=1,
@@ -64,8 +65,8 @@ def run_one(args, data_dir: str, order: str) -> dict:
     make.stages = dataset.build(spec)
     return iter(dataset.chain(make.stages))
 
-  before = measure.tree_pss()
-  with measure.RssSampler(pss=True) as pss:
+  before = measure.tree_pss() if args.pss else 0
+  with measure.RssSampler(pss=True) if args.pss else contextlib.nullcontext() as pss:
     got = measure.run(order, make, args.batch_size, args.batches * args.batch_size)
   stages = make.stages
   return {
@@ -74,8 +75,8 @@ def run_one(args, data_dir: str, order: str) -> dict:
     "images_per_sec": round(got.images_per_sec),
     "first_batch_s": round(got.first_batch_s, 2),
     "peak_rss_mb": round(got.peak_rss_mb),
-    "loader_pss_mb": round((pss.peak - before) / 2**20),
     "planned_memory_mb": round(stages.read.memory.total / 2**20),
+    **({"loader_pss_mb": round((pss.peak - before) / 2**20)} if args.pss else {}),
   }
 
 
@@ -84,6 +85,7 @@ def main(argv: list[str]) -> dict:
   p.add_argument("--costs", help="a `bench scaling --json` file (default: parallelism.COSTS)")
   p.add_argument("--latency-ms", type=float, default=20.0, help="the rig's latency per read")
   p.add_argument("--requests-per-s", type=float, default=250.0, help="the rig's request cap")
+  p.add_argument("--pss", action="store_true", help="also the loader's peak PSS above imports")
   args = p.parse_args(argv)
   start, cores = time.perf_counter(), parallelism.available_cores()
   projected = projection(args, cores)
@@ -107,8 +109,9 @@ def main(argv: list[str]) -> dict:
           f"{where:24s} {order:7s} {row['workers']}x{row['threads']:<3d} "
           f"{row['images_per_sec']:7,d} img/s (model at {cores} cores: {model['workers']}x"
           f"{model['threads']}, {model['projected_img_s']:,} img/s)  first batch "
-          f"{row['first_batch_s']:.2f} s  peak RSS {row['peak_rss_mb']:,} MB, the loader's "
-          f"PSS {row['loader_pss_mb']:,} MB (planned {row['planned_memory_mb']:,})"
+          f"{row['first_batch_s']:.2f} s  peak RSS {row['peak_rss_mb']:,} MB"
+          + (f", the loader's PSS {row['loader_pss_mb']:,} MB" if args.pss else "")
+          + f" (planned {row['planned_memory_mb']:,})"
         )
   result = {"cores": cores, "rows": rows, "seconds": round(time.perf_counter() - start)}
   return measure.finish(p, args, argv, result)

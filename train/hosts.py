@@ -87,9 +87,9 @@ def initialize(
 
 def leave_together() -> None:
   """Ends the distributed service now, with every process (they all just refused the same
-  usage error): its shutdown barrier then meets them at the same point. Left to exit, a
-  process that tore its pipeline down more than the heartbeat slower than process 0 found
-  the service gone and was aborted (SIGABRT, 1 run in a loaded CI)."""
+  usage error): its shutdown barrier then meets them at the same point, before any tears its
+  pipeline down. Left to exit, one was aborted after its line in a loaded CI run (SIGABRT;
+  read as the service gone with process 0 first, not confirmed)."""
   if distributed.global_state.client is not None:
     try:
       jax.distributed.shutdown()

@@ -116,7 +116,15 @@ def test_host_runs_both_orders_locally_and_through_the_rig_beside_the_model(
   storage_rig, photos_dir, tmp_path
 ):
   argv = [str(photos_dir), "--batch-size", "8", "--image-size", "64", "--batches", "3"]
-  argv += ["--latency-ms", "2", "--requests-per-s", "2000", "--json", str(tmp_path / "h.json")]
+  argv += [
+    "--latency-ms",
+    "2",
+    "--requests-per-s",
+    "2000",
+    "--pss",
+    "--json",
+    str(tmp_path / "h.json"),
+  ]
   out = host.main(argv)
   where = [(row["storage"].split()[0], row["order"]) for row in out["rows"]]
   assert where == [(s, o) for s in ("local", "rig") for o in ("blocks", "global")]
