@@ -36,7 +36,7 @@ from pipeline.stages import plan as plan_lib
 from pipeline.stages import read as read_lib
 from pipeline.stages import stream as stream_lib
 from pipeline.stages.ahead import AheadIterDataset
-from pipeline.stages.decode import DecodeImages, batch_decoder
+from pipeline.stages.decode import DecodeImages, arena_bytes, batch_decoder
 from pipeline.stages.errors import BadRecordError
 from pipeline.stages.finish import FinishBatch
 from pipeline.stages.plan import PlanBatches, Sizes
@@ -89,7 +89,7 @@ def build(spec: Spec) -> Stages:
   chosen = handoff.workers(spec, head.image_size, sampler.blocks is not None)
   batch_bytes = spec.batch_size * head.image_size**2 * 3
   held = handoff.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
-  read = read_lib.stage(spec, meta, source, pins, sampler, chosen, batch_bytes, held)
+  read = read_lib.stage(spec, meta, source, pins, sampler, chosen, arena_bytes(head), held)
   keys = spec.keys or meta.keys
   return Stages(
     plan=PlanBatches(sampler, spec.batch_size),

@@ -9,10 +9,13 @@ main process alone; P = max(W, 1) processes read and decode):
     record cache   P x the record cache's RAM (each process keeps its own, `storage.cache`)
     worker rings   the workers' rings of shared memory for their batches
                    (`stages.handoff.shm_needed`); without workers, the batches in flight
-    working        P x WORKING_BATCHES batches' bytes: what a process holds beyond the parts
-                   above (its threads' malloc arenas, decode temporaries, records being
-                   decoded): 110-170 MB measured at batch 128 of 224 px (`bench throughput
-                   --order blocks|global` on data/photos, peak PSS less the parts' use)
+    working        P x what a process holds beyond the parts above (`working`): a fixed
+                   64 MB (its malloc arenas, decoder state), each decode thread's arena of
+                   windows, and the records of the batch being decoded and the next. Measured
+                   at 224 px (`bench throughput --pss`, peak PSS above the imports less the
+                   other parts): within it from batch 8 to 2048 (bench/REPORT.md, "The
+                   working memory ..."); 8 batches' bytes, the rule it replaced, was 2.2x
+                   what batch 2048 held and 1/20 of what batch 8 did
     workers        W x `parallelism.COSTS.worker_mb` (300 MB: a worker's RSS before its
                    batches, its imports incl. JAX and Grain, measured under `python -m train`)
 
@@ -35,7 +38,8 @@ from pipeline.host import parallelism
 MB = 2**20
 DEFAULT_SHARE = 0.5  # of the available memory, when performance.memory_mb is None
 FLAG = "performance.memory_mb"
-WORKING_BATCHES = 8  # a process's working memory, in batches' bytes (measured: see above)
+WORKING_FIXED = 64 * MB  # a process's malloc arenas and decoder state (measured: see above)
+RECORD_BATCHES = 2  # batches' records a process holds: the one being decoded and the next
 
 
 @dataclasses.dataclass(frozen=True)
@@ -123,6 +127,12 @@ def fit(
   cache = max(0, min(p * record_cache, room - p * read_ahead))
   ahead = min(p * read_ahead, room - cache)
   return Split(budget_bytes, p, ahead, blocks, cache, batches, p * working, workers, worker_bytes)
+
+
+def working(threads: int, arena_bytes: int, batch_records: int) -> int:
+  """A process's working memory: WORKING_FIXED, `threads` decode arenas of `arena_bytes`, and
+  RECORD_BATCHES batches' records of `batch_records` bytes each."""
+  return WORKING_FIXED + threads * arena_bytes + RECORD_BATCHES * batch_records
 
 
 def tree_rss() -> int:

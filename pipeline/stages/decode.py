@@ -37,6 +37,11 @@ def task_size(batch_size: int, threads: int) -> int:
   return max(1, min(MAX_TASK, -(-batch_size // (2 * threads))))
 
 
+def arena_bytes(head: augment.Head) -> int:
+  """A decode thread's arena of windows at its largest: MAX_CHUNK of `head`'s slots."""
+  return MAX_CHUNK * head.slot_bytes()
+
+
 def batch_decoder(head: augment.Head, keys: records.Keys, seed: int):
   """The native decoder of a decode stage (`_jpeg.BatchDecoder`: `head`'s windows, `keys`'
   features, `seed`'s draws), or None where the extension was not built."""

@@ -107,10 +107,10 @@ class ReadRecords:
 
 
 def stage(
-  spec, meta, source, pins, sampler, chosen, batch_bytes: int = 0, held_bytes: int = 0
+  spec, meta, source, pins, sampler, chosen, arena_bytes: int = 0, held_bytes: int = 0
 ) -> ReadRecords:
   """`spec`'s read stage: read-ahead for the latency measured now, the record cache first, both
-  within the memory budget (`pipeline.host.memory`; `batch_bytes`: a batch's images,
+  within the memory budget (`pipeline.host.memory`; `arena_bytes`: a decode thread's arena,
   `held_bytes`: the batches the host's processes hold); the choices printed once."""
   perf = spec.performance
   latency_s, record_bytes = probe(source, deadline_s=perf.read_deadline_s)
@@ -124,7 +124,7 @@ def stage(
     record_cache=cache.ram_bytes if cache is not None else 0,
     blocks=2 * window_bytes,
     batches=held_bytes,
-    working=memory.WORKING_BATCHES * batch_bytes,
+    working=memory.working(chosen.threads, arena_bytes, spec.batch_size * record_bytes),
   )
   if cache is not None and cache.ram_bytes > split.per_process("record_cache"):
     cache.ram_bytes = split.per_process("record_cache")
