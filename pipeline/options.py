@@ -128,7 +128,8 @@ class Performance:
   gcsfuse mount) is an error, never a hang. stats_every_s: print `iterator.stats()`'s table (a row
   per stage and process, storage requests) to stderr every so many seconds (None: never).
   memory_mb: the most the loader holds on this host, read-ahead, blocks kept for later rounds,
-  record cache, batches and worker processes together (None: half the available memory); the
+  record cache, batches and worker processes together (None: half the available memory;
+  `python -m train`'s eval stream then plans within what its train stream left of it); the
   record cache, then the read-ahead shrink to fit it (`pipeline.host.memory`).
   """
 

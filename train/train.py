@@ -30,6 +30,7 @@ from etils import epath
 from flax import nnx
 
 import pipeline
+from pipeline.host import memory
 from train import UsageError, agreement, checkpoints, fit, hosts, models, preemption, report
 from train import config as config_lib
 
@@ -160,7 +161,7 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   notes = io.StringIO()
   with contextlib.redirect_stderr(notes):  # the pipeline's notes: shown with the plan
     train = open_input(config, mesh, evaluation=False)
-    val = open_input(config, mesh, evaluation=True)
+    val = open_input(config, mesh, evaluation=True, after=train.memory)
   abstract = nnx.eval_shape(lambda: create_model(config, train.num_classes))
   fit.check(abstract, train.image_size, config.compute_dtype, train.batch_size, data_devices)
   plan = config_lib.resolve(config, train.num_examples, jax.process_count(), data_devices)
@@ -169,30 +170,53 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
 
 
 def open_input(
-  config: ml_collections.ConfigDict, mesh: jax.sharding.Mesh, evaluation: bool
+  config: ml_collections.ConfigDict,
+  mesh: jax.sharding.Mesh,
+  evaluation: bool,
+  after: memory.Split | None = None,
 ) -> pipeline.Input:
   """The train or eval stream (`pipeline.input` of `config.input` or `config.eval_input`);
-  batches the steps cannot take are refused (`check_batches`)."""
+  batches the steps cannot take are refused (`check_batches`). Where neither stream sets
+  `performance.memory_mb`, eval plans within what the train stream's plan (`after`) left of
+  the one default budget; if even its least does not fit there, within a budget of its own."""
   where = "config.eval_input" if evaluation else "config.input"
   kwargs = config_lib.dataset_kwargs(config, evaluation)
   if "pp" in kwargs and not re.search(r"\bimage_size\b", kwargs["pp"]):
     kwargs.pop("image_size", None)  # it only fills `image_size` where a pp string names it
+  open_ = functools.partial(
+    pipeline.input,
+    kwargs.pop("data_dir"),
+    kwargs.pop("split", "train"),
+    global_batch_size=config.batch_size,
+    mesh=mesh,
+    train=not evaluation,
+    depth=config.device_depth,
+  )
   try:
-    data = pipeline.input(
-      kwargs.pop("data_dir"),
-      kwargs.pop("split", "train"),
-      global_batch_size=config.batch_size,
-      mesh=mesh,
-      train=not evaluation,
-      depth=config.device_depth,
-      **kwargs,
-    )
+    rest = after and _rest_of_one_budget(config, kwargs, after)
+    try:
+      data = open_(**(rest or kwargs))
+    except ValueError as e:
+      if not (rest and str(e).startswith(memory.FLAG)):
+        raise
+      data = open_(**kwargs)
   except (ValueError, TypeError, OSError) as e:
     raise UsageError(f"{where}: {e}") from e
   except KeyError as e:
     raise UsageError(f"{where}: {e.args[0]}") from e
   config_lib.check_batches(data, where, "pp" if "pp" in kwargs else "batch_ops")
   return data
+
+
+def _rest_of_one_budget(config, kwargs: dict, train: memory.Split) -> dict | None:
+  """`kwargs` with `performance.memory_mb` set to what the train stream's plan left of the
+  default budget; None where either stream sets its own."""
+  performance = dict(kwargs.get("performance") or {})
+  own = config_lib.dataset_kwargs(config, False).get("performance") or {}
+  if performance.get("memory_mb") is not None or own.get("memory_mb") is not None:
+    return None
+  performance["memory_mb"] = (train.budget - train.total) / memory.MB
+  return {**kwargs, "performance": performance}
 
 
 def evaluate(eval_step, state, eval_ds) -> dict[str, float]:

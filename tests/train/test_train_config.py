@@ -308,6 +308,30 @@ def test_the_image_size_is_the_pp_strings_where_it_sets_one(digits_dir, tmp_path
   plan_line(out)
 
 
+def test_the_train_and_eval_streams_plan_within_one_default_budget(digits_dir):
+  config = default.get_config()
+  config.input.data_dir = str(digits_dir)
+  setup = train.prepare(config)
+  first, then = setup.train.memory, setup.eval.memory
+  setup.train.close()
+  setup.eval.close()
+  assert then.budget == first.budget - first.total  # eval plans within what train left
+  assert first.total + then.total <= first.budget
+
+
+def test_eval_whose_least_exceeds_what_train_left_plans_within_its_own_budget(digits_dir):
+  config = default.get_config()
+  config.input.data_dir = str(digits_dir)
+  config.input.performance.record_cache_mb = 10**7  # train's cache takes what the budget has
+  setup = train.prepare(config)
+  first, then = setup.train.memory, setup.eval.memory
+  setup.train.close()
+  setup.eval.close()
+  assert first.total == first.budget  # nothing left: eval was refused there, then planned alone
+  assert then.budget == pytest.approx(first.budget, rel=0.1)  # half the memory available then
+  assert 0 < then.total <= then.budget
+
+
 def test_eval_input_overrides_only_what_it_names():
   config = default.get_config()
   config.eval_input.decoding = {"cache_mb": 0.0}
