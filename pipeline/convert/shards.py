@@ -566,8 +566,17 @@ def run(
 
 
 def _reasons(skipped: list[dict[str, str]]) -> str:
-  counts = collections.Counter(s["reason"].split(":")[0] for s in skipped)
-  return ", ".join(f"{n} {r}" for r, n in sorted(counts.items()))
+  """Skipped files counted by kind (a reason up to its ':' or ' ('); a kind's detail in
+  parentheses (a hint) is shown once, from its first file."""
+  kinds = collections.defaultdict(list)
+  for s in skipped:
+    kinds[re.split(r":| \(", s["reason"], maxsplit=1)[0]].append(s["reason"])
+  parts = []
+  for kind, reasons in sorted(kinds.items()):
+    hint = reasons[0][len(kind) :].strip()
+    hint = f" (first: {hint[1:-1]})" if hint.startswith("(") and hint.endswith(")") else ""
+    parts.append(f"{len(reasons)} {kind}{hint}")
+  return ", ".join(parts)
 
 
 def _merge(

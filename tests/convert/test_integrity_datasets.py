@@ -324,6 +324,22 @@ def test_files_that_are_not_a_dataset_are_not_replaced_without_overwrite(
   assert "holds a damaged dataset" in one_line(refused.stderr)
 
 
+def test_files_skipped_for_one_reason_are_counted_once_with_the_first_ones_hint(tmp_path):
+  outside = tmp_path / "elsewhere"
+  outside.mkdir()
+  (tmp_path / "src" / "a").mkdir(parents=True)
+  for i in range(50):
+    (outside / f"{i}.jpg").write_bytes(b"\xff\xd8\xff")
+    (tmp_path / "src" / "a" / f"{i}.jpg").symlink_to(outside / f"{i}.jpg")
+  with pytest.raises(shards.ConversionError) as refused:
+    images.convert(tmp_path / "src", tmp_path / "out", workers=1, progress=False)
+  assert str(refused.value) == (
+    "split 'train' would hold no records (skipped 51: 1 empty class folder, "
+    "50 symlink outside the source folder "
+    f"(first: to {outside / '0.jpg'}; see --follow-symlinks))"
+  )
+
+
 def test_zero_records_is_an_error_and_writes_no_dataset(tmp_path, capsys):
   src = tmp_path / "src"
   for name in ("a", "b"):
