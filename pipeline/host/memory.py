@@ -11,11 +11,12 @@ main process alone; P = max(W, 1) processes read and decode):
                    (`stages.handoff.shm_needed`); without workers, the batches in flight
     working        P x what a process holds beyond the parts above (`working`): a fixed
                    64 MB (its malloc arenas, decoder state), each decode thread's arena of
-                   windows, and the records of the batch being decoded and the next. Measured
-                   at 224 px (`bench throughput --pss`, peak PSS above the imports less the
-                   other parts): within it from batch 8 to 2048 (bench/REPORT.md, "The
-                   working memory ..."); 8 batches' bytes, the rule it replaced, was 2.2x
-                   what batch 2048 held and 1/20 of what batch 8 did
+                   windows, and three batches' records (being decoded, read, and freed but
+                   kept by malloc). Measured at 224 px (`bench throughput --pss`: peak PSS
+                   above the imports) from batch 8 to 2048, every run held 89% of its plan
+                   or less (bench/REPORT.md, "The working memory at batch 8 to 2048"); the
+                   rule it replaced, 8 batches' images, planned 1/20 of batch 8's and 2.2x
+                   batch 2048's
     workers        W x `parallelism.COSTS.worker_mb` (300 MB: a worker's RSS before its
                    batches, its imports incl. JAX and Grain, measured under `python -m train`)
 
@@ -39,7 +40,7 @@ MB = 2**20
 DEFAULT_SHARE = 0.5  # of the available memory, when performance.memory_mb is None
 FLAG = "performance.memory_mb"
 WORKING_FIXED = 64 * MB  # a process's malloc arenas and decoder state (measured: see above)
-RECORD_BATCHES = 2  # batches' records a process holds: the one being decoded and the next
+RECORD_BATCHES = 3  # batches' records a process holds beyond the read-ahead (measured)
 
 
 @dataclasses.dataclass(frozen=True)
