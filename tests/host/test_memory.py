@@ -53,7 +53,7 @@ def test_a_small_budget_shrinks_the_cache_then_the_read_ahead_and_no_batch(photo
   roomy, want = split_of(photos_dir, capfd, record_cache_mb=64)
   fixed = roomy["blocks"] + roomy["batches"] + roomy["working"]
   small, got = split_of(photos_dir, capfd, record_cache_mb=64, memory_mb=fixed + 1.5)
-  assert small["record_cache"] == 0 and 0 < small["read_ahead"] < 1.7
+  assert small["record_cache"] == 0 and 0 < small["read_ahead"] < 3  # parts printed to 1 MB
   assert small["total"] <= small["budget"] + 1  # both printed to the nearest MB above 10
   assert_same_batches(got, want)
 
@@ -64,7 +64,7 @@ def test_a_budget_below_the_least_the_loader_holds_is_refused_in_one_line(photos
   assert "\n" not in str(e.value) and "performance.num_workers" in str(e.value)
 
 
-def test_a_process_working_memory_is_its_fixed_part_its_threads_arenas_and_two_batches_records(
+def test_a_process_working_memory_is_a_fixed_part_its_threads_arenas_and_batches_of_records(
   photos_dir, capfd
 ):
   split, _ = split_of(photos_dir, capfd, num_threads=3)
@@ -72,7 +72,7 @@ def test_a_process_working_memory_is_its_fixed_part_its_threads_arenas_and_two_b
   record_bytes = sum(s["bytes"] for s in train["shards"]) / train["num_records"]
   arenas = 3 * decode.arena_bytes(augment.Head(image_size=64))
   want = memory.WORKING_FIXED + arenas + memory.RECORD_BATCHES * 8 * record_bytes
-  assert split["working"] == pytest.approx(want / MB, abs=0.3)
+  assert split["working"] == pytest.approx(want / MB, abs=0.6)  # printed to the nearest MB
 
 
 def test_the_cache_shrinks_first_then_the_read_ahead_for_every_process():
