@@ -183,16 +183,16 @@ def open_input(
   kwargs = config_lib.dataset_kwargs(config, evaluation)
   if "pp" in kwargs and not re.search(r"\bimage_size\b", kwargs["pp"]):
     kwargs.pop("image_size", None)  # it only fills `image_size` where a pp string names it
-  open_ = functools.partial(
-    pipeline.input,
-    kwargs.pop("data_dir"),
-    kwargs.pop("split", "train"),
-    global_batch_size=config.batch_size,
-    mesh=mesh,
-    train=not evaluation,
-    depth=config.device_depth,
-  )
   try:
+    open_ = functools.partial(
+      pipeline.input,
+      kwargs.pop("data_dir"),
+      kwargs.pop("split", "train"),
+      global_batch_size=config.batch_size,
+      mesh=mesh,
+      train=not evaluation,
+      depth=config.device_depth,
+    )
     rest = after and _rest_of_one_budget(config, kwargs, after)
     try:
       data = open_(**(rest or kwargs))
