@@ -9,6 +9,7 @@ import pytest
 import pipeline
 from pipeline import dataset
 from pipeline.catalog import manifest, records
+from pipeline.convert import images
 from pipeline.dataset import BadRecordError
 from pipeline.image import augment, decode
 from pipeline.stages.stream import StateError
@@ -177,18 +178,41 @@ def test_native_and_python_paths_give_identical_images(photos_dir, train, augmen
         augment=augment,
       )
     )
-    python_slots, python_slot = [], stages.decode._python_slot
-    stages.decode._python_slot = lambda b, s, seen=python_slots, f=python_slot: (
-      seen.append(s) or f(b, s)
-    )
-    batch = next(iter(dataset.chain(stages)))
-    assert python_slots == []  # every window fitted its arena slot: the native path made them
-    epochs, indices = stages.plan.sampler.records(np.arange(8))
-    for slot in range(8):
-      data = records.parse(stages.read.source.read([indices[slot]])[0])[0]
-      out = np.empty((image_size, image_size, 3), np.uint8)
-      stages.decode.python_image(data, int(epochs[slot]), int(indices[slot]), out)
-      np.testing.assert_array_equal(batch["image"][slot], out)
+    assert_native_batch_is_the_python_paths(stages, 8)
+
+
+@pytest.mark.usefixtures("native")
+def test_narrow_windows_are_mirrored_alike_on_both_paths(tmp_path):
+  raw = tmp_path / "raw" / "narrow"
+  raw.mkdir(parents=True)
+  for width in range(1, 33):  # mirrored rows of every width, SIMD's 5 pixels at a time and not
+    (raw / f"{width:02d}.jpg").write_bytes(jpeg(width, size=(9, width)))
+  images.convert(tmp_path / "raw", tmp_path / "data", workers=1, progress=False)
+  spec = dataset.Spec.of(tmp_path / "data", batch_size=32, image_size=12, seed=5)
+  stages = dataset.build(spec)
+  flipped = assert_native_batch_is_the_python_paths(stages, 32)
+  assert 8 <= flipped <= 24
+
+
+def assert_native_batch_is_the_python_paths(stages: dataset.Stages, n: int) -> int:
+  """The first batch of `stages` (all n images by the native path) is bitwise what the Python
+  path makes of each record; returns how many of them were flipped."""
+  python_slots, python_slot = [], stages.decode._python_slot
+  stages.decode._python_slot = lambda b, s, seen=python_slots, f=python_slot: (
+    seen.append(s) or f(b, s)
+  )
+  batch = next(iter(dataset.chain(stages)))
+  assert python_slots == []  # every window fitted its arena slot: the native path made them
+  epochs, indices = stages.plan.sampler.records(np.arange(n))
+  decode_stage, flipped = stages.decode, 0
+  for slot in range(n):
+    data = records.parse(stages.read.source.read([indices[slot]])[0])[0]
+    out = np.empty(batch["image"].shape[1:], np.uint8)
+    decode_stage.python_image(data, int(epochs[slot]), int(indices[slot]), out)
+    np.testing.assert_array_equal(batch["image"][slot], out)
+    key = augment.example_key(decode_stage.seed, int(epochs[slot]), int(indices[slot]))
+    flipped += decode_stage.head.flips(key)
+  return flipped
 
 
 def test_the_host_normalizes_one_way_value_range_and_normalize_is_refused_naming_it(photos_dir):

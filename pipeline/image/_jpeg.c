@@ -440,6 +440,32 @@ static uint8_t *reserve(scratch_t *s, size_t n) {
   return s->p;
 }
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <tmmintrin.h>
+/* mirror_row's first pixels, 5 per SSSE3 shuffle; returns how many it wrote. Each load starts a
+ * byte before its 5 source pixels and each store writes a byte past its 5, so neither leaves
+ * the row: the loop stops with at least one pixel left to the caller. */
+__attribute__((target("ssse3"))) static long mirror_ssse3(uint8_t *to, const uint8_t *from,
+                                                           long w) {
+  const __m128i reverse5 = _mm_setr_epi8(13, 14, 15, 10, 11, 12, 7, 8, 9, 4, 5, 6, 1, 2, 3, -128);
+  long i = 0;
+  for (; i + 6 <= w; i += 5) {
+    __m128i v = _mm_loadu_si128((const __m128i *)(from + 3 * (w - 5 - i) - 1));
+    _mm_storeu_si128((__m128i *)(to + 3 * i), _mm_shuffle_epi8(v, reverse5));
+  }
+  return i;
+}
+#endif
+
+/* to = `from`'s w RGB pixels in reverse order (the buffers must not overlap). */
+static void mirror_row(uint8_t *to, const uint8_t *from, long w) {
+  long i = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (__builtin_cpu_supports("ssse3")) i = mirror_ssse3(to, from, w);
+#endif
+  for (; i < w; i++) memcpy(to + 3 * i, from + 3 * (w - 1 - i), 3);
+}
+
 /* Decodes window (y, x, h, w) at 1/denom into `buf` (RGB, rows of `*out_w`), mirrored if
  * `flip`. 0 on success; else an error with `message`: -1 in the image data, -4 in the header
  * (libjpeg's jpeg_read_header refused it), -5 the window outside the frame libjpeg reads or that
@@ -522,7 +548,8 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
    * (mirrored if `flip`). */
   size_t full = (size_t)cw * 3, n = (size_t)ow * 3, shift = (size_t)(sx - xoff) * 3;
   uint8_t *result = reserve(buf, (size_t)oh * full);
-  JSAMPROW *rowp = (JSAMPROW *)reserve(rows, sizeof(JSAMPROW) * (size_t)oh);
+  /* the row pointers, then room for one mirrored row */
+  JSAMPROW *rowp = (JSAMPROW *)reserve(rows, sizeof(JSAMPROW) * (size_t)oh + n);
   if (result == NULL || rowp == NULL) {
     status = -3;
     snprintf(err.message, sizeof(err.message), "out of memory, or the window exceeds its slot");
@@ -531,14 +558,15 @@ static int decode_window(const uint8_t *data, size_t len, long y, long x, long h
   for (long r = 0; r < oh; r++) rowp[r] = result + (size_t)r * full;
   if (sy > 0) jpeg_skip_scanlines(&cinfo, (JDIMENSION)sy);
   for (long r = 0; r < oh;) r += jpeg_read_scanlines(&cinfo, rowp + r, (JDIMENSION)(oh - r));
+  uint8_t *mirrored = (uint8_t *)(rowp + oh);
   for (long r = 0; r < oh; r++) {
     uint8_t *to = result + (size_t)r * n;
-    memmove(to, rowp[r] + shift, n);
-    for (long a = 0, b = ow - 1; flip && a < b; a++, b--)
-      for (int c = 0; c < 3; c++) {
-        uint8_t t = to[3 * a + c];
-        to[3 * a + c] = to[3 * b + c], to[3 * b + c] = t;
-      }
+    if (flip) {  /* rows overlap their compacted place: mirror into the spare row, copy back */
+      mirror_row(mirrored, rowp[r] + shift, ow);
+      memcpy(to, mirrored, n);
+    } else {
+      memmove(to, rowp[r] + shift, n);
+    }
   }
   if (err.pub.num_warnings > 0) longjmp(err.jump, 1); /* with the first warning's text */
   jpeg_abort_decompress(&cinfo);
