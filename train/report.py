@@ -27,7 +27,7 @@ import jax
 import numpy as np
 from etils import epath
 
-from pipeline.host.memory import Split
+from pipeline.host.memory import Split, mb
 from pipeline.stages.stats import Stats
 from train import podview
 from train.checkpoints import one_line
@@ -102,13 +102,24 @@ def begin(plan: Plan, notes: str) -> None:
     )
 
 
+def loaders(train: Split, evaluation: Split) -> str:
+  """What the train and eval loaders plan to hold, in one phrase (their splits: summary.json)."""
+  return (
+    f"train {mb(train.total)} of {mb(train.budget)} MB, eval {mb(evaluation.total)} of "
+    f"{mb(evaluation.budget)} MB"
+  )
+
+
 class Reporter:
   """A run's speed record and what it says: every process measures its windows and gathers
   every host's (`train.podview`); process 0 (`chief`) prints them and writes the `Log` (made
   with the Reporter: after a refused restore, nothing is written)."""
 
-  def __init__(self, workdir: epath.Path, plan: Plan, chief: bool, memory: Split):
-    self.workdir, self.plan, self.chief, self.memory = workdir, plan, chief, memory
+  def __init__(
+    self, workdir: epath.Path, plan: Plan, chief: bool, memory: Split, eval_memory: Split
+  ):
+    self.workdir, self.plan, self.chief = workdir, plan, chief
+    self.memory, self.eval_memory = memory, eval_memory
     self.log = Log(workdir) if chief else None
     self.images_per_sec: list[float] = []  # per window, all processes together
     self.hosts: list[list[podview.Host]] = []  # per window, each process's
@@ -200,6 +211,7 @@ class Reporter:
       "verdict_process": podview.worst(hosts).process if hosts else None,
       "peak_rss_mb": max(h.peak_rss_mb for h in hosts) if hosts else None,  # the largest host's
       "loader_memory": self.memory.describe(),  # the train stream's plan, on each host
+      "eval_loader_memory": self.eval_memory.describe(),
       "hosts": [{**dataclasses.asdict(h), "verdict": verdict(h.input_wait_share)} for h in hosts],
       "params_sha256": params_sha256,
       "devices": jax.device_count(),
@@ -216,9 +228,9 @@ class Reporter:
       if hosts:
         print(
           f"peak RSS {summary['peak_rss_mb']:,.0f} MB on the largest host (its process tree: "
-          f"the model, XLA and the loader); the train loader's {self.memory.describe()}; "
-          f"the step's host work {summary['host_us_per_step']:,.0f} us per step (bench "
-          "scaling --step-us)",
+          f"the model, XLA and the loaders); the loaders plan "
+          f"{loaders(self.memory, self.eval_memory)}; the step's host work "
+          f"{summary['host_us_per_step']:,.0f} us per step (bench scaling --step-us)",
           flush=True,
         )
       self.log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})

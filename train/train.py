@@ -325,7 +325,11 @@ def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup,
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, setup.train)
   reporter = report.Reporter(
-    workdir, setup.plan, chief=jax.process_index() == 0, memory=setup.train.memory
+    workdir,
+    setup.plan,
+    chief=jax.process_index() == 0,
+    memory=setup.train.memory,
+    eval_memory=setup.eval.memory,
   )
   if step:
     reporter.say(ckpt.resumed(step))

@@ -11,6 +11,7 @@ import sys
 import time
 
 import jax
+import pytest
 
 from train import agreement, report, train
 
@@ -44,6 +45,12 @@ def env():
 
 def summary(workdir):
   return json.loads((pathlib.Path(workdir) / "summary.json").read_text())
+
+
+def plan_mb(describe: str) -> tuple[int, int]:
+  """(planned, budget) MB of a loader's `memory: P of B MB (...)`."""
+  planned, budget = re.match(r"memory: ([\d,]+) of ([\d,]+) MB", describe).groups()
+  return int(planned.replace(",", "")), int(budget.replace(",", ""))
 
 
 def damage_train_records(data_dir: pathlib.Path, first: int) -> None:
@@ -116,6 +123,11 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path
   assert '"memory/peak_rss_mb": ' in metrics
   done = summary(tmp_path / "whole")
   assert done["peak_rss_mb"] > 100 and done["loader_memory"].startswith("memory: ")
+  # both loaders' plans: eval's within what train's left of the one default budget
+  train_mb, eval_mb = (plan_mb(done[k]) for k in ("loader_memory", "eval_loader_memory"))
+  assert eval_mb[1] == pytest.approx(train_mb[1] - train_mb[0], abs=1)
+  line = f"the loaders plan train {train_mb[0]:,} of {train_mb[1]:,} MB, eval {eval_mb[0]:,} of"
+  assert line in whole.stdout
   assert done["host_us_per_step"] > 0 and '"train/host_us_per_step": ' in metrics
   assert f"peak RSS {done['peak_rss_mb']:,.0f} MB on the largest host" in whole.stdout
 
