@@ -5,7 +5,9 @@ blocks, each block's records spread over the window. `BlockReads` reads a block 
 first time one of its records is wanted (one range read: one request, the block's bytes),
 hands each record out once, and keeps the rest for the batches that want them, within a
 byte budget (the oldest blocks go first; a record asked for after its block went is read
-again, with its block). Two batches read at once that want one block wait for one read.
+again, with its block). Two batches read at once that want one block wait for one read, and
+share its failure: a block storage did not answer fails them all at once, not one deadline
+after another.
 Each range read runs through the caller's `request` (`pipeline.storage.fetch.Fetcher`'s: the
 request budget's turn, a deadline, retries after "slow down"). With a `BlockStore`
 (`pipeline.storage.blockstore`), the worker processes of a host share each block's read
@@ -15,6 +17,8 @@ through shared memory instead, and none keeps blocks of its own.
 from __future__ import annotations
 
 import collections
+import copy
+import dataclasses
 import threading
 from collections.abc import Callable
 
@@ -25,6 +29,14 @@ Request = Callable[[int, Callable[[], list]], list]  # (shard, read) -> read()'s
 
 def _direct(shard: int, read: Callable[[], list]) -> list:
   return read()
+
+
+@dataclasses.dataclass
+class _Reading:
+  """A block's read in flight: `done` is set when it ends, with `error` if it failed."""
+
+  done: threading.Event = dataclasses.field(default_factory=threading.Event)
+  error: BaseException | None = None
 
 
 class BlockReads:
@@ -52,7 +64,7 @@ class BlockReads:
     # block -> {index in shard: [record, copies]}: a block read again at an epoch's turn
     # while records of its last read still wait holds two copies of them
     self._kept: collections.OrderedDict = collections.OrderedDict()
-    self._reading: dict = {}  # block -> Event set when its read ends
+    self._reading: dict[tuple[int, int], _Reading] = {}  # block -> its read in flight
     self.kept_bytes = 0
     self.requests = self.bytes = self.taken = 0  # range reads, their bytes, records handed out
 
@@ -97,9 +109,11 @@ class BlockReads:
           return [self._pop(block, kept, i) for i in local]
         waiting = self._reading.get(block)
         if waiting is None:
-          self._reading[block] = threading.Event()
+          reading = self._reading[block] = _Reading()
           break
-      waiting.wait()
+      waiting.done.wait()
+      if waiting.error is not None:
+        raise copy.copy(waiting.error)  # each waiter its own (tracebacks differ)
     try:
       records = self._read_block(block, request)
       first = block[1] * self.block_records
@@ -115,9 +129,12 @@ class BlockReads:
         while self.kept_bytes > self.budget_bytes and len(self._kept) > 1:
           self._drop(next(iter(self._kept)))
       return taken
+    except Exception as e:
+      reading.error = e
+      raise
     finally:
       with self._lock:
-        self._reading.pop(block).set()
+        self._reading.pop(block).done.set()
 
   def _read_block(self, block: tuple[int, int], request: Request) -> list:
     shard, b = block

@@ -4,6 +4,8 @@ shuffle's on shards in class order (as an ImageNet folder converts)."""
 
 import concurrent.futures
 import pathlib
+import threading
+import time
 
 import numpy as np
 import pytest
@@ -202,6 +204,35 @@ def test_block_reads_in_many_threads_and_within_a_small_budget_give_the_same_rec
       got = list(pool.map(lambda w, r=block_reads: r.read(w[0], [w[1]])[0], wanted))
     assert got == [source.read_shard(shard, [i])[0] for shard, i in wanted]
     assert block_reads.kept_bytes <= max(budget, 8 * max(map(len, got)))
+
+
+def test_batches_waiting_on_one_block_share_its_failed_read_and_a_later_batch_reads_again(
+  digits_dir,
+):
+  """A block storage did not answer fails every batch that waited on its read at once (the
+  first to start asked; exit came 18 s after the error line when each asked in turn)."""
+  source, counts = shard_reads(digits_dir)
+  answering, calls = threading.Event(), []
+
+  def read_range(*args):
+    calls.append(args)
+    if len(calls) == 1:
+      assert answering.wait(30)
+      raise remote.RemoteStorageError("cannot read shard 0: no answer within 6 s")
+    return source.read_range(*args)
+
+  block_reads = BlockReads(read_range, counts, 16, 2**30)
+  with concurrent.futures.ThreadPoolExecutor(4) as pool:
+    waiting = [pool.submit(block_reads.read, 0, [i]) for i in range(4)]
+    while len(block_reads._reading) != 1 or len(calls) != 1:
+      time.sleep(0.01)
+    time.sleep(0.2)  # the other three wait on the first's read
+    answering.set()
+    for future in waiting:
+      with pytest.raises(remote.RemoteStorageError, match="no answer within 6 s"):
+        future.result()
+  assert len(calls) == 1
+  assert block_reads.read(0, [3]) == source.read_shard(0, [3]) and len(calls) == 2
 
 
 def test_through_the_rig_a_block_is_one_request_and_8_images_or_more_come_per_request(

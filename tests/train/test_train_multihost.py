@@ -155,7 +155,8 @@ def test_a_host_behind_slow_storage_is_named_input_bound_in_process_0s_log(
   answers at once, host 1's after 50 ms, 5 reads a second. A request per record, small buffers
   and no record cache (the same on both), so the second log window waits for storage (at 20
   reads a second it did not on a loaded machine: the batches read during a 13 s compilation
-  fed the window)."""
+  fed the window). Both evaluate from the digits on local disk: the verdict is the train
+  stream's, and the final eval through 5 reads a second took half the test's time."""
   cwds = [tmp_path / f"host{i}" for i in range(2)]
   small = (
     "--config.input.order=global",
@@ -169,7 +170,8 @@ def test_a_host_behind_slow_storage_is_named_input_bound_in_process_0s_log(
     storage_rig.mount(digits_dir, latency_ms=0, mountpoint=cwds[0] / "data"),
     storage_rig.mount(digits_dir, latency_ms=50, mountpoint=cwds[1] / "data", requests_per_s=5),
   ):
-    run = Run(tmp_path, tmp_path / "w", "data", *small, steps=8, cwd=cwds)
+    local_eval = f"--config.eval_input.data_dir={digits_dir}"
+    run = Run(tmp_path, tmp_path / "w", "data", *small, local_eval, steps=8, cwd=cwds)
     codes = run.wait(timeout=400)
   assert codes == [0, 0], run.output(0)[-3000:] + run.output(1)[-3000:]
   log_lines = [line for line in run.output(0).splitlines() if line.startswith("step ")]
