@@ -39,6 +39,14 @@ class _Reading:
   error: BaseException | None = None
 
 
+def _again(error: BaseException) -> BaseException:
+  """A copy of `error` for another thread to raise (its own traceback), else `error`."""
+  try:
+    return copy.copy(error)
+  except Exception:  # noqa: BLE001 - an exception its own args cannot rebuild
+    return error
+
+
 class BlockReads:
   """Records of one source by (shard, index within the shard), read block by block.
 
@@ -113,7 +121,7 @@ class BlockReads:
           break
       waiting.done.wait()
       if waiting.error is not None:
-        raise copy.copy(waiting.error)  # each waiter its own (tracebacks differ)
+        raise _again(waiting.error)
     try:
       records = self._read_block(block, request)
       first = block[1] * self.block_records
