@@ -9,8 +9,10 @@ crop window, crop-aware decode), resize+flip and batch.
 For ours, the same run also measures the physical limit: the cores' raw decode of the crop
 windows the pipeline decodes (its train crops, DCT-scaled as it scales them; decode alone, a
 thread per core, `bench.ceiling`'s timing) after the pipeline's run, and quotes img/s as a
-share of it; and, where tensorflow is installed, runs tf.data (`bench.peers`) in its own
-process and quotes img/s, first batch and peak RSS (with --pss, PSS too) beside its.
+share of it, and of its own decode stage run alone on the same records in memory (windows
+decoded, flipped and resized into batches: no reading, no hand-off); and, where tensorflow
+is installed, runs tf.data (`bench.peers`) in its own process and quotes img/s, first batch
+and peak RSS (with --pss, PSS too) beside its.
 """
 
 from __future__ import annotations
@@ -19,11 +21,13 @@ import argparse
 import contextlib
 import importlib.util
 import json
+import os
 import subprocess
 import sys
 import tempfile
 import time
 
+import grain
 import numpy as np
 
 from bench import ceiling, measure
@@ -31,6 +35,8 @@ from bench import costs as costs_lib
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.host import parallelism
 from pipeline.image import augment, decode
+from pipeline.stages import decode as decode_stage
+from pipeline.stages import plan
 
 LOADERS = ("pipeline", "grain-baseline", "tfdata", "torch")
 
@@ -51,19 +57,67 @@ def stage_breakdown(data_dir: str, split: str, image_size: int, sample: int = 25
 
 
 def crop_ceiling(
-  data_dir: str, split: str, image_size: int, images: int = 400, threads: int | None = None
+  data_dir: str,
+  split: str,
+  image_size: int,
+  batch_size: int = 128,
+  images: int = 400,
+  threads: int | None = None,
 ) -> dict:
   """Images/s decoding the crop windows of the pipeline's train augmentation (its crop box of
-  each image, at its DCT scale) with one thread per core, best of 2: decode alone."""
+  each image, at its DCT scale) with one thread per core, best of 2: decode alone; and the
+  pipeline's decode stage alone on the same records (`decode_stage_rate`)."""
   jpegs = ceiling.load_jpegs(data_dir, split, images)
   head = augment.Head(image_size=image_size)
-  boxes = [
-    head.box(*decode.image_size(d), augment.example_key(0, 0, i)) for i, d in enumerate(jpegs)
-  ]
+  keys = [augment.example_key(0, 0, i) for i in range(len(jpegs))]
+  boxes = [head.box(*decode.image_size(d), key) for d, key in zip(jpegs, keys)]
   threads = threads or parallelism.available_cores()
   crop = lambda data, box, _: decode.decode_crop(data, box, head.dct_scale(box))
   rate = max(ceiling.decode_rate(crop, jpegs, boxes, 1, threads) for _ in range(2))
-  return {"images_per_sec": round(rate, 1), "threads": threads, "images": len(jpegs)}
+  stage = decode_stage_rate(data_dir, split, head, len(jpegs), threads, batch_size)
+  return {
+    "images_per_sec": round(rate, 1),
+    "decode_stage_images_per_sec": round(stage, 1),
+    "threads": threads,
+    "images": len(jpegs),
+  }
+
+
+def decode_stage_rate(
+  data_dir: str, split: str, head: augment.Head, images: int, threads: int, batch_size: int
+) -> float:
+  """Images/s of the pipeline's decode stage alone (`stages.decode.DecodeImages`: the native
+  decoder's windows, flipped, resized into batches) on `threads` threads, over the split's first
+  `images` records already in memory, best of 2 passes after one to warm it: no reading, no
+  hand-off."""
+  meta = manifest_lib.load(data_dir)
+  source = grain.sources.ArrayRecordDataSource(
+    [os.fspath(p) for p in meta.shard_paths(data_dir, split)]
+  )
+  raw = source.__getitems__(list(range(min(images, len(source)))))
+  stage = decode_stage.DecodeImages(
+    head,
+    keys=meta.keys,
+    seed=0,
+    num_threads=threads,
+    prefetch=2,
+    on_error="raise",
+    cache_mb=0,
+    decoder=decode_stage.batch_decoder(head, meta.keys, 0),
+  )
+
+  def batch(i: int, first: int) -> plan.Batch:
+    indices = np.arange(first, min(first + batch_size, len(raw)))
+    return plan.Batch(i, np.zeros(len(indices), np.int64), indices, raw[first : indices[-1] + 1])
+
+  seconds = []
+  for _ in range(3):  # the first pass warms the threads and their arenas
+    todo = [batch(i, first) for i, first in enumerate(range(0, len(raw), batch_size))]
+    start = time.perf_counter()
+    for started in [stage.start(b) for b in todo]:
+      stage.finish(started)
+    seconds.append(time.perf_counter() - start)
+  return len(raw) / min(seconds[1:])
 
 
 def beside_tfdata(argv: list[str], ours: dict) -> dict:
@@ -165,12 +219,16 @@ def main(argv: list[str]) -> dict:
     out["memory"].update(measured_mb=out["loader_pss_mb"], plan=split.describe())
     print(f"{'':28s} {split.describe()}; measured: peak PSS {out['memory']['measured_mb']:,} MB")
   if not args.no_reference and args.loader == "pipeline":
-    limit = crop_ceiling(args.data_dir, args.split, args.image_size)
+    limit = crop_ceiling(args.data_dir, args.split, args.image_size, args.batch_size)
     limit["pipeline_share"] = round(result.images_per_sec / limit["images_per_sec"], 3)
+    stage = result.images_per_sec / limit["decode_stage_images_per_sec"]
+    limit["pipeline_share_of_decode_stage"] = round(stage, 3)
     out["crop_ceiling"] = limit
     print(
       f"{'':28s} {limit['pipeline_share']:.0%} of the cores' raw crop-window decode "
-      f"({limit['images_per_sec']:.0f} img/s, {limit['threads']} threads, decode alone)"
+      f"({limit['images_per_sec']:.0f} img/s, {limit['threads']} threads, decode alone); "
+      f"{stage:.0%} of its decode stage alone ({limit['decode_stage_images_per_sec']:.0f} "
+      "img/s: the same windows flipped and resized into batches, records in memory)"
     )
     out["tfdata"] = tf = beside_tfdata(argv, out)
     if "skipped" in tf:

@@ -174,6 +174,9 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
   limit = out["crop_ceiling"]  # the cores' raw decode of the same crop windows, this run
   assert limit["images_per_sec"] > 0 and limit["threads"] >= 1
   assert limit["pipeline_share"] == round(out["images_per_sec"] / limit["images_per_sec"], 3)
+  # and of its decode stage alone on the same records in memory (no reading, no hand-off)
+  stage = out["images_per_sec"] / limit["decode_stage_images_per_sec"]
+  assert limit["pipeline_share_of_decode_stage"] == round(stage, 3)
   if importlib.util.find_spec("tensorflow") is None:
     assert "tensorflow not installed" in out["tfdata"]["skipped"]
   else:
