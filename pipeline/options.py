@@ -75,9 +75,6 @@ class Augment:
 INTERPOLATIONS = ("bilinear", "bicubic")
 CROPS = ("torchvision", "tf")
 EVAL_ORDERS = ("crop_then_resize", "resize_then_crop")
-# Fields that moved to another group (issue 38): the old spelling is refused in one line that
-# gives the new one.
-MOVED = {"Performance": {name: "decoding" for name in ("cache_mb", "dct_scaling", "fast_dct")}}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,10 +142,6 @@ class Performance:
   read_deadline_s: float | None = None
   memory_mb: float | None = None
 
-  def __new__(cls, *args, **fields):
-    _refuse_moved(cls, fields)
-    return super().__new__(cls)
-
   def __post_init__(self):
     for name in ("num_threads", "num_workers"):
       value = getattr(self, name)
@@ -188,7 +181,6 @@ def coerce(cls, value: Any):
     return value
   if isinstance(value, Mapping) or hasattr(value, "to_dict"):
     fields = dict(value.to_dict() if hasattr(value, "to_dict") else value)
-    _refuse_moved(cls, fields)
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = sorted(set(fields) - known)
     if unknown:
@@ -196,14 +188,3 @@ def coerce(cls, value: Any):
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
     return cls(**fields)
   raise TypeError(f"expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
-
-
-def _refuse_moved(cls, fields: Mapping) -> None:
-  """A field of `cls` that moved to another group (`MOVED`): one line naming its new place."""
-  moved = MOVED.get(cls.__name__, {})
-  for name in (n for n in fields if n in moved):
-    old, new = cls.__name__.lower(), moved[name]
-    raise ValueError(
-      f"{old}.{name} is now {new}.{name} (it changes pixels; {old} never does): pass "
-      f"{new}={{{name!r}: ...}} or pipeline.{new.title()}({name}=...)"
-    )

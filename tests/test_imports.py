@@ -79,8 +79,8 @@ def _module(path: pathlib.Path) -> str:
   return ".".join(path.relative_to(ROOT).with_suffix("").parts).removesuffix(".__init__")
 
 
-# The package's lazy names (those that need Grain or JAX) and its moved modules' old paths.
-PACKAGE_LAZY = {("pipeline", "__getattr__"), ("pipeline", "create_module")}
+# The package's lazy names (those that need Grain or JAX).
+PACKAGE_LAZY = {("pipeline", "__getattr__")}
 
 
 def test_pipeline_modules_import_each_other_at_the_top_and_in_no_circle():
@@ -180,18 +180,10 @@ def test_the_library_is_folders_of_at_most_ten_modules():
   assert len(folders) >= 8 and max(sizes.values()) <= 10, sizes
 
 
-def test_a_module_that_moved_into_a_folder_still_imports_by_its_old_path_with_a_warning():
-  code = (
-    "import pipeline.sampling as a, pipeline.order.sampling as b; from pipeline import reads;"
-    "import pipeline.stages.read as r; assert a is b and reads is r, (a, b);"
-    "assert a.__spec__.name == 'pipeline.order.sampling', a.__spec__;"
-    "import pipeline.nothing"
-  )
+def test_old_module_paths_are_gone():
+  """0.1.0 retired the paths from before the role folders (docs/ARCHITECTURE.md, "Moved")."""
+  code = "import pipeline.order.sampling; import pipeline.sampling"
   proc = run_command([sys.executable, "-c", code])
   assert proc.stderr.strip().splitlines()[-1] == (
-    "ModuleNotFoundError: No module named 'pipeline.nothing'"
+    "ModuleNotFoundError: No module named 'pipeline.sampling'"
   ), proc.stderr
-  assert (
-    "FutureWarning: pipeline.sampling is now pipeline.order.sampling; the old path goes in 0.2"
-  ) in proc.stderr
-  assert "FutureWarning: pipeline.reads is now pipeline.stages.read" in proc.stderr

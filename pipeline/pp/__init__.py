@@ -292,13 +292,3 @@ def _eval(resize: Call, crop_call: Call) -> tuple[bool, int, dict]:
     crop,
     {"crop_fraction": crop / small, "eval_order": "resize_then_crop", "flip": False},
   )
-
-
-_MOVED = {"names": "pipeline.pp.registry.names", "HEAD_OPS": "pipeline.pp.registry.HEAD"}
-
-
-def __getattr__(name: str):
-  """Names issue 27 moved: one line saying the new spelling."""
-  if name in _MOVED:
-    raise AttributeError(f"pipeline.pp.{name} is now {_MOVED[name]}")
-  raise AttributeError(f"module 'pipeline.pp' has no attribute {name!r}")

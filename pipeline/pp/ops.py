@@ -37,16 +37,3 @@ __all__ = [
   "reused_example_rng",
   "takes_example",
 ]
-
-_MOVED = {
-  "Mixup": "pipeline.pp.ops.PermutedMixup, named 'permuted_mixup' ('mixup' is big_vision's)",
-  "register": "pipeline.pp.registry.register",
-  "build": "pipeline.pp.build",
-}
-
-
-def __getattr__(name: str):
-  """Names issue 27 moved: one line saying the new spelling."""
-  if name in _MOVED:
-    raise AttributeError(f"pipeline.pp.ops.{name} is now {_MOVED[name]}")
-  raise AttributeError(f"module 'pipeline.pp.ops' has no attribute {name!r}")

@@ -28,10 +28,6 @@ HEAD = (
   "central_crop",
   "flip_lr",
 )
-# Names that meant something else before issue 27: a string using one is told the new one.
-RENAMED = {
-  "bv_mixup": "'mixup' (big_vision's mixup)",
-}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -83,8 +79,6 @@ def lookup(name: str) -> Op:
   op = _OPS.get(name)
   if op is not None:
     return op
-  if name in RENAMED:
-    raise ValueError(f"op {name!r} is now spelled {RENAMED[name]}")
   raise ValueError(f"unknown op {name!r}; registered: {names()}")
 
 

@@ -317,21 +317,7 @@ def test_a_pp_string_and_batch_ops_read_the_same_language():
   assert [type(op) for op in compiled.batch_ops] == [ops.OneHot, ops.ValueRange, ops.BigVisionMixup]
 
 
-def test_an_old_spelling_is_one_line_naming_the_new_one():
-  import pipeline
-
-  with pytest.raises(ValueError, match=r"^op 'bv_mixup' is now spelled 'mixup'"):
-    pp.build("bv_mixup(p=0.2)", "batch")
-  for module, name, new in [
-    (ops, "Mixup", "pipeline.pp.ops.PermutedMixup"),
-    (ops, "register", "pipeline.pp.registry.register"),
-    (ops, "build", "pipeline.pp.build"),
-    (pipeline, "Mixup", "pipeline.PermutedMixup"),
-    (pp, "names", "pipeline.pp.registry.names"),
-  ]:
-    with pytest.raises(AttributeError, match=f"is now {new}"):
-      getattr(module, name)
-  # "mixup" now names big_vision's op: on int labels it says which op mixes those.
+def test_mixup_names_big_vision_op_which_says_which_op_mixes_int_labels():
   (bv,) = pp.build("mixup(0.2)", "batch", num_classes=8)
   with pytest.raises(ops.OpError, match=r"no \['labels'\] entries.*permuted_mixup\(alpha\)"):
     ops.apply_batch([bv], batch_of(8, 8), ops.batch_rng(0, 0))
