@@ -1,16 +1,19 @@
 """Joining the other processes, saying whom this one waits for: JAX's join
 (`jax.distributed.initialize`) is silent until its timeout, then aborts naming no process.
 
-Process 0 holds a roll call on the coordinator's port + 1 (plain TCP: it works across
-machines): every process reports there about once a second ("here", or that a signal
+Process 0 holds a roll call on the coordinator's address, port + 1 (plain TCP: it works
+across machines): every process reports there about once a second ("here", or that a signal
 stopped it) and hears back who else reported. So each process says whom it still waits for
-(`wait`), and names those that never came.
+(`wait`), and names those that never came. The roll call reads at most a short line, keeps
+only well-formed reports of this run's processes, and each exchange ends within its deadline
+whatever the other side does; another service on the port is one line, not a failure.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import socketserver
@@ -23,6 +26,9 @@ POLL_S = 1.0  # how often a joining process reports to the roll call
 FIRST_WAIT_S, WAIT_EVERY_S = 5, 15  # when a joining process says whom it waits for
 PRESENT_S = 5.0  # a process that reported within this is here
 ANSWER_S = 2.0  # for the roll call's answer
+LINE_BYTES = 64  # a report: "<process> here" or "<process> stopped by SIGTERM"
+ANSWER_BYTES = 64 * 1024  # process 0's answer: a status per process
+STATUS = re.compile(r"here|stopped by SIG[A-Z0-9]{2,8}")
 
 
 def wait(connect: Callable[[], None], roll: RollCall, timeout_s: int) -> None:
@@ -44,7 +50,7 @@ def wait(connect: Callable[[], None], roll: RollCall, timeout_s: int) -> None:
     joining.join(POLL_S)
     if not joining.is_alive():
       break
-    roll.call()
+    roll.call(deadline_s=min(ANSWER_S, max(0.1, timeout_s - (time.monotonic() - start))))
     waited = time.monotonic() - start
     if waited >= timeout_s:
       _say(
@@ -78,6 +84,7 @@ class RollCall:
     self.heard: dict[int, str] | None = None  # process -> status, as last heard
     self.lock = threading.Lock()
     self.server = None
+    self.warned = False
     if me == 0:
       self._serve()
 
@@ -88,19 +95,34 @@ class RollCall:
       def handle(self):
         self.request.settimeout(ANSWER_S)
         try:
-          process, status = self.rfile.readline().decode().split(maxsplit=1)
-          self.wfile.write(json.dumps(roll.report(int(process), status.strip())).encode())
-        except (OSError, ValueError):
+          report = roll.parse(self.rfile.readline(LINE_BYTES + 1))
+          if report is not None:
+            self.wfile.write(json.dumps(roll.report(*report)).encode())
+        except OSError:
           pass
 
     class Server(socketserver.ThreadingTCPServer):
       daemon_threads = allow_reuse_address = True
 
     try:
-      self.server = Server(("", self.address[1]), Handler)
-    except OSError:  # the port is taken: who is missing stays unknown
+      self.server = Server(self.address, Handler)
+    except OSError as e:  # who is missing stays unknown; the join itself goes on
+      _say(
+        f"python -m train: the roll call cannot listen on {self.address[0]}:{self.address[1]} "
+        f"(the coordinator's port + 1: {e.strerror or e}); joining without saying whom it waits for"
+      )
       return
     threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+  def parse(self, line: bytes) -> tuple[int, str] | None:
+    """A report `line` as (process, status), or None unless it is one of this run's processes
+    saying one of the statuses a process sends."""
+    if len(line) > LINE_BYTES or not line.endswith(b"\n"):
+      return None
+    process, _, status = line.decode("ascii", "replace").strip().partition(" ")
+    if not (process.isdigit() and int(process) < self.count and STATUS.fullmatch(status)):
+      return None
+    return int(process), status
 
   def report(self, process: int, status: str) -> dict[int, str]:
     """Records `process`'s report (in process 0); returns who is here or stopped."""
@@ -109,18 +131,58 @@ class RollCall:
       self.reports[process] = (status, now)
       return {p: s for p, (s, t) in self.reports.items() if s != "here" or now - t < PRESENT_S}
 
-  def call(self, status: str = "here") -> None:
-    """Reports this process's `status` and hears who else has come."""
+  def call(self, status: str = "here", deadline_s: float = ANSWER_S) -> None:
+    """Reports this process's `status` and hears who else has come, within `deadline_s`."""
     if self.me == 0:
-      heard = self.report(0, status) if self.server else None
-    else:
-      try:
-        with socket.create_connection(self.address, timeout=ANSWER_S) as s:
-          s.sendall(f"{self.me} {status}\n".encode())
-          heard = json.loads(s.makefile().read())
-      except (OSError, ValueError):
-        heard = {}  # process 0 is not there (yet)
-    self.heard = None if heard is None else {int(p): s for p, s in heard.items()}
+      self.heard = self.report(0, status) if self.server else None
+      return
+    try:
+      answer = self._exchange(f"{self.me} {status}\n".encode(), deadline_s)
+    except OSError:
+      self.heard = {}  # process 0 is not there (yet)
+      return
+    heard = self._heard(answer)
+    if heard is None and not self.warned:
+      self.warned = True
+      _say(
+        f"python -m train: {self.address[0]}:{self.address[1]} (the coordinator's port + 1) "
+        "answered something other than the roll call: another service on that port?"
+      )
+    self.heard = heard or {}
+
+  def _exchange(self, report: bytes, deadline_s: float) -> bytes:
+    """Sends `report` to the roll call; its answer, read whole within `deadline_s`."""
+    end = time.monotonic() + deadline_s
+    with socket.create_connection(self.address, timeout=deadline_s) as s:
+      s.sendall(report)
+      answer = b""
+      while len(answer) <= ANSWER_BYTES:
+        left = end - time.monotonic()
+        if left <= 0:
+          raise TimeoutError("no whole answer in time")
+        s.settimeout(left)
+        chunk = s.recv(ANSWER_BYTES + 1 - len(answer))
+        if not chunk:
+          return answer
+        answer += chunk
+    return b""  # longer than any roll call's answer
+
+  def _heard(self, answer: bytes) -> dict[int, str] | None:
+    """The roll call's `answer` as process -> status, or None if it is not one."""
+    try:
+      heard = json.loads(answer)
+    except ValueError:
+      return None
+    if not isinstance(heard, dict):
+      return None
+    out = {}
+    for process, status in heard.items():
+      if not (process.isdigit() and int(process) < self.count and isinstance(status, str)):
+        return None
+      if not STATUS.fullmatch(status):
+        return None
+      out[int(process)] = status
+    return out
 
   def missing(self) -> str:
     """'process 1', 'processes 0, 2' or 'the other processes' (when unknown): who has not
