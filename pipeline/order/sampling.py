@@ -114,6 +114,17 @@ class Sampler:
     lanes = blocks_lib.lanes_per_host(self.blocks, self.dealt_to)
     return int(min(lanes * self.blocks.largest, self.num_records) * record_bytes)
 
+  @property
+  def kept_fraction(self) -> float:
+    """The part of the split this process reads over all its epochs, what its record cache
+    need hold: 1 / shard_count of it when it owns shards, its share of the blocks when that
+    is the same every epoch, else all of it."""
+    if self.shard_records is not None:
+      return 1 / self.shard_count
+    if self.blocks is not None and self.blocks.fixed_shares(self.shard_count, self.shuffle):
+      return int(self.blocks.loads(self.shard_count, self.shuffle).max()) / self.num_records
+    return 1.0
+
   def _owned(self, process: int) -> np.ndarray:
     """The shard numbers process `process` owns (sharding by shards)."""
     return np.arange(process, len(self.shard_records), self.shard_count)

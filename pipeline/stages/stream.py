@@ -51,9 +51,10 @@ def describe(spec: Spec, sampler: Sampler, shards: list) -> dict:
     stream["remainder"] = "pad"
   if sampler.blocks is not None:
     b = sampler.blocks
+    fixed = sampler.shard_records is None and b.fixed_shares(sampler.shard_count, sampler.shuffle)
     stream["order"] = (
-      f"blocks of {b.block_records}, each process its own, in rounds over windows of "
-      f"{b.window_blocks}"
+      f"blocks of {b.block_records}, each process its own{' share every epoch' * fixed}, in "
+      f"rounds over windows of {b.window_blocks}"
     )
   return stream
 

@@ -239,16 +239,15 @@ def record_cache(
 ) -> RecordCache | None:
   """The record cache `perf` (`pipeline.Performance`) asks for; by default the whole split in
   RAM when storage is slow (>= SLOW_READ_S a read) and every process's copy (`chosen.workers`)
-  fits CACHE_MEMORY_SHARE of memory, `sampler`'s share when it owns shards. Its entries are
-  tied to the shards as opened (`pins`)."""
+  fits CACHE_MEMORY_SHARE of memory, `sampler`'s share when it reads one (owned shards, fixed
+  shares of the blocks). Its entries are tied to the shards as opened (`pins`)."""
   shards = meta.splits[split].shards
   ram_mb = perf.record_cache_mb
   if ram_mb is None:
     split_bytes = sum(s.bytes or 0 for s in shards)
     if any(s.bytes is None for s in shards):  # sizes not recorded (a TFDS build): estimated
       split_bytes = int(record_bytes * meta.splits[split].num_records)
-    if sampler.shard_records is not None:
-      split_bytes //= sampler.shard_count
+    split_bytes = int(split_bytes * sampler.kept_fraction)
     copies = max(1, chosen.workers)
     fits = copies * split_bytes <= CACHE_MEMORY_SHARE * parallelism.available_memory()
     ram_mb = split_bytes * 1.05 / 2**20 if latency_s >= SLOW_READ_S and fits else 0.0

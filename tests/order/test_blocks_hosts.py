@@ -20,7 +20,7 @@ import pytest
 import pipeline
 from pipeline import dataset
 from pipeline.catalog import manifest
-from pipeline.order.blocks import WINDOW_BATCHES, Blocks
+from pipeline.order.blocks import WINDOW_BATCHES, Blocks, label_distance
 from pipeline.order.sampling import PAD, Sampler
 from pipeline.stages import read
 from pipeline.stages.stream import StateError
@@ -142,16 +142,26 @@ def test_a_state_saved_in_the_previous_block_order_is_refused_in_one_line(digits
   assert "\n" not in str(e.value)
 
 
-def pod_reads(storage_rig, data, tmp_path, hosts: int) -> dict[str, float]:
-  """{split: the storage reads of `hosts` processes, summed, per (epoch, block) they took}:
-  the worker's `spec` of each split, each host behind its own rig mount."""
+def pod_run(storage_rig, data, tmp_path, hosts: int, **flags) -> list[dict]:
+  """Each of `hosts` processes' results (tests/multihost_blocks_worker.py, with `flags`),
+  each host behind its own rig mount."""
   with contextlib.ExitStack() as mounts:
     for i in range(hosts):
       mounts.enter_context(storage_rig.mount(data, latency_ms=1, mountpoint=tmp_path / f"m{i}"))
     run_processes(
-      "multihost_blocks_worker.py", hosts, data=tmp_path / "m{i}", out=tmp_path / "{i}.json"
+      "multihost_blocks_worker.py",
+      hosts,
+      data=tmp_path / "m{i}",
+      out=tmp_path / "{i}.json",
+      **flags,
     )
-  results = [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(hosts)]
+  return [json.loads((tmp_path / f"{i}.json").read_text()) for i in range(hosts)]
+
+
+def pod_reads(storage_rig, data, tmp_path, hosts: int) -> dict[str, float]:
+  """{split: the storage reads of `hosts` processes, summed, per (epoch, block) they took}:
+  the worker's `spec` of each split, each host behind its own rig mount."""
+  results = pod_run(storage_rig, data, tmp_path, hosts)
   splits = manifest.load(data).splits
   per_block = {}
   for split in ("train", "validation"):
@@ -171,3 +181,42 @@ def test_processes_behind_the_rig_read_each_block_once_from_storage(
     "train": pytest.approx(1, abs=0.01),
     "validation": pytest.approx(1, abs=0.01),
   }
+
+
+def test_each_process_keeps_its_share_of_the_blocks_every_epoch_and_batches_still_mix():
+  """Shares alike (about 20 blocks a process or more): the same blocks every epoch, in a new
+  order, the processes' shares apart and together the split; a global batch's label mix stays
+  within 1.25x a global shuffle's. Shares too unlike (a few blocks each) rotate as before."""
+  shards = shards_of(300)
+  blocks = Blocks(shards, RECORDS, WINDOW_BATCHES * BATCH * 2)
+  assert blocks.fixed_shares(2) and not Blocks(shards_of(5), RECORDS, 256).fixed_shares(2)
+  parts = streams(shards, 2)
+  sets = []
+  for epochs, records in parts:
+    mine = [set(block_ids(records[epochs == e], shards, RECORDS)) for e in range(EPOCHS - 1)]
+    assert mine[0] == mine[1]
+    assert not np.array_equal(records[epochs == 0][:64], records[epochs == 1][:64])
+    sets.append(mine[0])
+  assert not sets[0] & sets[1] and len(sets[0] | sets[1]) == blocks.count
+  labels = np.random.default_rng(0).integers(0, 10, sum(shards))  # a label for each record
+  steps = min(len(r) for _, r in parts) // BATCH
+  global_batches = np.stack([r[: steps * BATCH].reshape(steps, BATCH) for _, r in parts], 1)
+  shuffled = np.random.default_rng(1).permutation(sum(shards))
+  ours = label_distance(labels[global_batches.reshape(-1)], 2 * BATCH)
+  assert ours <= 1.25 * label_distance(labels[shuffled], 2 * BATCH)
+
+
+def test_with_a_record_cache_a_pod_reads_the_split_as_often_as_one_host(
+  storage_rig, digits_dir, tmp_path
+):
+  """3 epochs and 3 evaluations, a record cache on each host: one host reads the split once;
+  two hosts, each behind its own mount, read it once between them (bytes per mount). Blocks
+  of 2 records: shares of 60 and 15 blocks, alike enough to be fixed."""
+  flags = dict(cache_mb=64, epochs=3, block_records=2)
+  alone = pod_run(storage_rig, digits_dir, tmp_path / "one", 1, **flags)
+  pod = pod_run(storage_rig, digits_dir, tmp_path / "two", 2, **flags)
+  for split in ("train", "validation"):
+    one = alone[0][split]["bytes"]
+    both = [host[split]["bytes"] for host in pod]
+    assert sum(both) <= 1.15 * one, (split, one, both)
+    assert min(both) > 0, both  # each host reads its own share
