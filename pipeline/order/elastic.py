@@ -7,8 +7,9 @@ m processes with batch b' it is batch k' = k*G / (m*b') of each of them: the sam
 batches from there on, whatever m is (the state of any process of the saving run will do).
 Owned shards (`sharding="shards"`), padded eval streams and the block order (each process
 its own blocks) order records per process count: their states resume on the same count only.
-A position means the same records only over the same shard list (names, record counts, order):
-a state names it (`shard_list`), and one of another list is refused; a state saved before
+A position means the same records only over the same shard list (names, record counts, order)
+and contents: a state names it (`shard_list`, with the manifest's digests), and one of another
+list, or of shards converted again under the same names, is refused; a state saved before
 states named it resumes with a warning.
 """
 
@@ -38,15 +39,20 @@ class StateError(ValueError):
     self.passes = passes or {}
 
 
-def shard_list(shards: list[tuple[str, int]]) -> dict:
-  """The stream tag of a split's (shard file name, records) list: its length and digests of
-  it in order and as a set (a reordered list keeps the set's)."""
+def shard_list(shards: list[tuple[str, int, str | None]]) -> dict:
+  """The stream tag of a split's (shard file name, records, contents digest or None) list:
+  its length and digests of it in order and as a set (a reordered list keeps the set's), and
+  of the shards' contents where every shard has a digest (the manifest's sha256)."""
 
   def digest(items) -> str:
     return hashlib.sha256(json.dumps(items).encode()).hexdigest()[:16]
 
-  listed = [[name, count] for name, count in shards]
-  return {"count": len(listed), "order": digest(listed), "set": digest(sorted(listed))}
+  listed = [[name, count] for name, count, _ in shards]
+  tag = {"count": len(listed), "order": digest(listed), "set": digest(sorted(listed))}
+  contents = [sha for _, _, sha in shards]
+  if all(contents):
+    tag["contents"] = digest(contents)
+  return tag
 
 
 def global_batch(stream: dict) -> int:
@@ -130,10 +136,17 @@ def _check_shards(saved: dict, stream: dict) -> None:
       "repeats and skips records unless the split's shards are the ones it was saved with"
     )
     return
-  if was == now:
-    return
-  if not isinstance(was, dict) or set(was) != set(now):
+  listed = {"count", "order", "set"}
+  if not isinstance(was, dict) or not listed <= set(was) <= listed | {"contents"}:
     raise StateError(f"iterator state: 'shards' is no shard list, got {was!r:.80}")
+  if all(was[k] == now[k] for k in listed):
+    if "contents" not in was or "contents" not in now or was["contents"] == now["contents"]:
+      return  # the same list, and the same contents where both name them
+    raise StateError(
+      f"iterator state of other shard contents (the same {now['count']} names and record "
+      "counts, other bytes: converted again?): its positions are records of the shards it "
+      "was saved with; resume over those or start without the state"
+    )
   if was["count"] != now["count"]:
     what = f"{was['count']} shard(s) in the state, {now['count']} here"
   elif was["set"] == now["set"]:

@@ -43,7 +43,7 @@ def describe(spec: Spec, sampler: Sampler, shards: list) -> dict:
     "seed": spec.seed,
     "batch_size": spec.batch_size,
     "num_records": sampler.num_records,
-    "shards": elastic.shard_list([(s.file, s.num_records) for s in shards]),
+    "shards": elastic.shard_list([(s.file, s.num_records, s.sha256) for s in shards]),
   }
   if spec.sharding != "records":
     stream["sharding"] = spec.sharding
