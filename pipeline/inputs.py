@@ -98,6 +98,7 @@ def input(
     global_batch_size=global_batch_size,
     batch_size=batch_size,
     train=train,
+    stream=stages.stream,
   )
 
 
@@ -110,7 +111,8 @@ class Input(grain.DatasetIterator):
   `reset()` starts one at once. `dataset` is the underlying `grain.IterDataset`.
   `image_size` is the side of its square images (the spec's, a pp string's head's, or the
   default); `batch_ops` the ops run on each whole batch (pp's or `batch_ops=`), in order;
-  `memory` the loader's share of `performance.memory_mb` as planned (`pipeline.host.memory`).
+  `memory` the loader's share of `performance.memory_mb` as planned (`pipeline.host.memory`);
+  `stream` what decides its order (seed, order, sharding, shards: the tag its states carry).
   """
 
   def __init__(
@@ -126,6 +128,7 @@ class Input(grain.DatasetIterator):
     global_batch_size: int,
     batch_size: int,
     train: bool,
+    stream: dict,
   ):
     super().__init__()
     self.dataset = dataset
@@ -139,6 +142,7 @@ class Input(grain.DatasetIterator):
     self.global_batch_size = global_batch_size
     self.batch_size = batch_size
     self.train = train
+    self.stream = stream
     self._it: grain.DatasetIterator | None = None
 
   @property

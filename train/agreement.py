@@ -3,7 +3,8 @@ checks it), and the settings each host may choose for itself.
 
 Every config field but those `per_host` (`pipeline.Performance` fields that change no batch),
 the code (`code_version`: JAX, the sources of the trainer and the pipeline, the JPEG decoder),
-each dataset's manifest, the plan, the mesh, the workdir and whether it holds a checkpoint.
+each dataset's manifest, each stream's input order (chosen per host from its storage), the
+plan, the mesh, the workdir and whether it holds a checkpoint.
 """
 
 from __future__ import annotations
@@ -57,12 +58,21 @@ def start_fields(
     meta = json.dumps(stream.manifest.to_json(), sort_keys=True).encode()
     digest = hashlib.sha256(meta).hexdigest()
     fields["eval data" if evaluation else "data"] = f"{data_dir} (manifest {digest[:12]})"
+    fields["eval order" if evaluation else "order"] = input_order(stream)
   fields["plan"] = plan.describe()
   fields["mesh"] = repr(dict(mesh.shape))
   fields["workdir"] = token
   fields["resume from"] = str(checkpoints.saved_steps(workdir)[-1:] or "no checkpoint")
   fields["summary.json"] = str((workdir / "summary.json").exists())
   return fields
+
+
+def input_order(stream: pipeline.Input) -> str:
+  """What decides the stream's batches beside the config (the order each host chose from its
+  storage: global or blocks, and their sizes), as every process must have it."""
+  tag = {k: v for k, v in stream.stream.items() if k not in ("shard_index", "shards")}
+  order = tag.pop("order", "global")
+  return "; ".join([order, *(f"{k}={v}" for k, v in sorted(tag.items()))])
 
 
 def flatten(d: dict, prefix: str = "") -> Iterator[tuple[str, object]]:

@@ -378,3 +378,24 @@ def test_the_activation_estimate_is_near_what_xla_allocates():
   model = nnx.eval_shape(lambda: models.create_model("mobilenet_v1", 1000, rngs=nnx.Rngs(0)))
   per_example = fit.activation_bytes_per_example(model, 224, "float32")
   assert 50 * 2**20 < per_example < 100 * 2**20
+
+
+def test_the_input_order_each_host_chose_from_its_storage_is_agreed_before_step_one(digits_dir):
+  """The same command picks the block order where the data is a mount or a bucket and the
+  global order on local disk: hosts that chose differently would train on mismatched global
+  batches, so the order is one of the fields every process must agree on."""
+  from train import agreement
+
+  def order(**keywords):
+    stream = pipeline.input(
+      digits_dir, "train", global_batch_size=8, seed=0, performance={"num_workers": 0}, **keywords
+    )
+    try:
+      return agreement.input_order(stream)
+    finally:
+      stream.close()
+
+  local, mount = order(order="global"), order(order="blocks", block_records=16)
+  assert local.startswith("global; ") and mount.startswith("blocks of 16, ")
+  assert local.partition("; ")[2] == mount.partition("; ")[2]  # the rest alike
+  assert order(order="global") == local  # the same choice, the same field
