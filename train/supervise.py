@@ -5,7 +5,9 @@ its own threads (a fatal log line and exit: nothing the trainer can catch). So w
 processes `python -m train` runs the trainer as its child: it passes the output and the
 signals through, and when the service ends the child it prints one line instead of JAX's:
 which process was lost, the last saved step and how to resume; unless the child said first,
-in its own line, why it ends: that line is then the last. Imports nothing heavy.
+in its own line, why it ends: that line is then the last. A process that was itself stopped
+(SIGSTOP, a paused VM) past the heartbeat timeout names itself: the others lost it, and the
+service's words would blame whoever it reaches first. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -17,11 +19,14 @@ import signal
 import subprocess
 import sys
 import threading
+import time
 
 ENV = "TRAIN_SUPERVISED"  # set in the child
 FATAL = "JAX distributed service detected fatal errors"
 OWN = "python -m train: "  # how the trainer's own one-line errors begin
 EXIT_GRACE_S = 15  # after the service's verdict, for the child to exit before it is killed
+TICK_S = 1.0  # how often `Stops` looks
+HEARTBEAT_S = 60  # --heartbeat_timeout's default (train/__main__.py)
 
 
 def lost_process(text: str) -> str:
@@ -63,6 +68,41 @@ def last_saved_step(workdir: str | None) -> str:
   return f"the last checkpoint is step {max(steps)}" if steps else "no checkpoint was saved yet"
 
 
+class Stops:
+  """The longest time this process or its child `pid` was stopped (SIGSTOP, a paused VM): a
+  tick that comes late, or that finds the child stopped, counts."""
+
+  def __init__(self, pid: int):
+    self.pid, self._longest, self._last = pid, 0.0, time.monotonic()
+    threading.Thread(target=self._watch, daemon=True, name="train-stops").start()
+
+  @property
+  def longest(self) -> float:
+    """Seconds; a stop this process just woke from counts before the next tick."""
+    return max(self._longest, time.monotonic() - self._last)
+
+  def _watch(self) -> None:
+    begun = None  # when the child's current stop began
+    while True:
+      time.sleep(TICK_S)
+      now = time.monotonic()
+      if now - self._last > 2 * TICK_S:  # this process was stopped between the ticks
+        self._longest = max(self._longest, now - self._last)
+      self._last = now
+      if self._child_stopped():
+        begun = begun or now - TICK_S
+        self._longest = max(self._longest, now - begun)
+      else:
+        begun = None
+
+  def _child_stopped(self) -> bool:
+    try:
+      with open(f"/proc/{self.pid}/stat") as f:
+        return f.read().rpartition(")")[2].split()[0] in ("T", "t")
+    except (OSError, IndexError):
+      return False
+
+
 def _die_with_parent() -> None:
   """In the child: SIGKILL when the parent dies (Linux), as its host going down would."""
   try:
@@ -99,6 +139,7 @@ def run(argv: list[str]) -> int:
   )
   for s in (signal.SIGTERM, signal.SIGINT):
     signal.signal(s, lambda signum, _: child.send_signal(signum))
+  stops = Stops(child.pid)
   verdict, said = [], False  # said: the trainer's own last line was passed through
   for raw in child.stderr:
     line = raw.decode(errors="replace")
@@ -118,6 +159,16 @@ def run(argv: list[str]) -> int:
   where = last_saved_step(flag(argv, "workdir"))
   if verdict and said:  # the child named the cause, and then the service its end
     return code if code > 0 else 1
+  heartbeat = int(flag(argv, "heartbeat_timeout") or HEARTBEAT_S)
+  if verdict and stops.longest >= heartbeat:
+    print(
+      f"python -m train: this process ({flag(argv, 'process_id')}) was stopped for "
+      f"{stops.longest:.0f} s, past --heartbeat_timeout={heartbeat}, so the run lost it; "
+      f"{where}; re-run the same command on every host to resume from it",
+      file=sys.stderr,
+      flush=True,
+    )
+    return 1
   if verdict:
     print(
       f"python -m train: lost {lost_process(''.join(verdict))} of the run; {where}; "

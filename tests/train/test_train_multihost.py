@@ -10,6 +10,7 @@ is one that fails, with its cause.
 """
 
 import json
+import os
 import pathlib
 import re
 import shutil
@@ -260,6 +261,29 @@ def test_a_killed_process_is_named_by_the_survivor_and_the_run_resumes(
   again = Run(tmp_path, workdir, digits_dir, *flags, steps=saved + 2)
   assert again.wait(timeout=400) == [0, 0], again.output(0)[-3000:]
   assert f"resumed from step {saved}" in again.output(0)
+
+
+@pytest.mark.slow  # waits out the 30 s heartbeat, as the killed worker's case
+def test_a_host_frozen_past_the_heartbeat_names_itself_and_the_others_name_it(digits_dir, tmp_path):
+  """Process 1 and its trainer SIGSTOPped (as a paused VM) for longer than the heartbeat
+  timeout, then continued: process 0 says it lost process 1; process 1 says it was stopped,
+  not that it lost the coordinator (gone by the time it wakes)."""
+  import psutil
+
+  run = Run(tmp_path, tmp_path / "w", digits_dir, "--config.checkpoint_every_steps=1000", steps=400)
+  run.wait_for("step      4")
+  frozen = [run.procs[1].pid, *(c.pid for c in psutil.Process(run.procs[1].pid).children())]
+  for pid in frozen:
+    os.kill(pid, signal.SIGSTOP)
+  run.procs[0].wait(timeout=120)
+  for pid in frozen:
+    os.kill(pid, signal.SIGCONT)
+  assert run.wait(timeout=60) == [1, 1], run.output(1)[-3000:]
+  (line,) = own_lines(run.output(0))
+  assert line.startswith("python -m train: lost process 1 of the run"), line
+  (line,) = own_lines(run.output(1))
+  assert line.startswith("python -m train: this process (1) was stopped for "), line
+  assert "past --heartbeat_timeout=30, so the run lost it" in line
 
 
 def last_line(out: str) -> str:
