@@ -126,6 +126,7 @@ def stage(
     batches=held_bytes,
     working=memory.working(chosen.threads, arena_bytes, spec.batch_size * record_bytes),
   )
+  wanted = cache.ram_bytes if cache is not None else 0
   if cache is not None and cache.ram_bytes > split.per_process("record_cache"):
     cache.ram_bytes = split.per_process("record_cache")
     cache = cache if cache.ram_bytes or cache.directory else None
@@ -154,7 +155,7 @@ def stage(
     max_depth=perf.read_ahead,
   )
   read = ReadRecords(fetcher, ahead, split)
-  parallelism.announce(chosen, describe(read, cache), split.describe())
+  parallelism.announce(chosen, describe(read, cache, wanted), split.describe())
   return read
 
 
@@ -178,17 +179,22 @@ def probe(
   return min(times), float(np.mean(sizes))
 
 
-def describe(read: ReadRecords, cache: RecordCache | None) -> str:
-  """The read plan in one line, as make_dataset prints it."""
+def describe(read: ReadRecords, cache: RecordCache | None, wanted: int = 0) -> str:
+  """The read plan in one line, as make_dataset prints it; `wanted`: the record cache's RAM
+  before the memory budget cut it."""
   s, depth = read.stats, read.depth()
   held = depth * read.batch_size * s.record_bytes / 2**20
   ceiling = read.bounds()[1]
-  if cache is None:
+  ram = cache.ram_bytes if cache is not None else 0
+  cut = f" of the {wanted / 2**20:,.0f} MB it wanted: performance.memory_mb" if wanted > ram else ""
+  if cache is None and cut:
+    kept = f"record cache off: the memory budget left none{cut}"
+  elif cache is None:
     kept = "record cache off (performance.record_cache_mb / record_cache_dir)"
   else:
     where = [f"{cache.ram_bytes / 2**20:,.0f} MB RAM"] if cache.ram_bytes else []
     where += [cache.directory] if cache.directory else []
-    kept = "record cache " + " + ".join(where)
+    kept = "record cache " + " + ".join(where) + (f" ({cut.lstrip()})" if cut else "")
   return (
     f"reads: {s.latency_s * 1e3:.1f} ms per read at open -> {depth} batches read ahead "
     f"(up to {depth * read.batch_size} reads in flight, ~{held:.0f} MB; up to {ceiling} "

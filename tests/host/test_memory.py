@@ -22,8 +22,12 @@ SPLIT = re.compile(
 )
 
 
+PLAN = [""]
+
+
 def split_of(data_dir, capfd, **performance) -> tuple[dict[str, float], list[dict]]:
-  """The memory split make_dataset prints (MB) and the first 12 train batches (two epochs)."""
+  """The memory split make_dataset prints (MB) and the first 12 train batches (two epochs);
+  the whole plan line is left in `PLAN[0]`."""
   ds = pipeline.make_dataset(
     data_dir,
     batch_size=8,
@@ -34,7 +38,8 @@ def split_of(data_dir, capfd, **performance) -> tuple[dict[str, float], list[dic
     performance={"num_workers": 0, **performance},
   )
   got = list(itertools.islice(iter(ds), 12))
-  found = SPLIT.search(capfd.readouterr().err)
+  PLAN[:] = [capfd.readouterr().err]
+  found = SPLIT.search(PLAN[0])
   assert found, "no memory split in the plan line"
   names = ("total", "budget", "read_ahead", "blocks", "record_cache", "batches", "working")
   return {n: float(v.replace(",", "")) for n, v in zip(names, found.groups())}, got
@@ -54,6 +59,7 @@ def test_a_small_budget_shrinks_the_cache_then_the_read_ahead_and_no_batch(photo
   fixed = roomy["blocks"] + roomy["batches"] + roomy["working"]
   small, got = split_of(photos_dir, capfd, record_cache_mb=64, memory_mb=fixed + 1.5)
   assert small["record_cache"] == 0 and 0 < small["read_ahead"] < 3  # parts printed to 1 MB
+  assert "record cache off: the memory budget left none of the 64 MB it wanted" in PLAN[0]
   assert small["total"] <= small["budget"] + 1  # both printed to the nearest MB above 10
   assert_same_batches(got, want)
 
