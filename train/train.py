@@ -176,9 +176,10 @@ def open_input(
   after: memory.Split | None = None,
 ) -> pipeline.Input:
   """The train or eval stream (`pipeline.input` of `config.input` or `config.eval_input`);
-  batches the steps cannot take are refused (`check_batches`). Where neither stream sets
-  `performance.memory_mb`, eval plans within what the train stream's plan (`after`) left of
-  the one default budget; if even its least does not fit there, within a budget of its own."""
+  batches the steps cannot take are refused (`check_batches`). Unless eval sets its own
+  `performance.memory_mb`, it plans within what the train stream's plan (`after`) left of the
+  one budget (config.input's, or the default); if even its least does not fit in what is left
+  of the default, within a budget of its own."""
   where = "config.eval_input" if evaluation else "config.input"
   kwargs = config_lib.dataset_kwargs(config, evaluation)
   if "pp" in kwargs and not re.search(r"\bimage_size\b", kwargs["pp"]):
@@ -197,8 +198,9 @@ def open_input(
     try:
       data = open_(**(rest or kwargs))
     except ValueError as e:
-      if not (rest and str(e).startswith(memory.FLAG)):
-        raise
+      chosen = (config.input.get("performance") or {}).get("memory_mb") is not None
+      if not (rest and str(e).startswith(memory.FLAG)) or chosen:
+        raise  # a budget the user chose holds both streams, or says it cannot
       data = open_(**kwargs)
   except (ValueError, TypeError, OSError) as e:
     raise UsageError(f"{where}: {e}") from e
@@ -209,12 +211,11 @@ def open_input(
 
 
 def _rest_of_one_budget(config, kwargs: dict, train: memory.Split) -> dict | None:
-  """`kwargs` with `performance.memory_mb` set to what the train stream's plan left of the
-  default budget; None where either stream sets its own."""
-  performance = dict(kwargs.get("performance") or {})
-  own = config_lib.dataset_kwargs(config, False).get("performance") or {}
-  if performance.get("memory_mb") is not None or own.get("memory_mb") is not None:
+  """`kwargs` with `performance.memory_mb` set to what the train stream's plan left of its
+  budget; None where config.eval_input sets its own."""
+  if (config.get("eval_input", {}).get("performance") or {}).get("memory_mb") is not None:
     return None
+  performance = dict(kwargs.get("performance") or {})
   performance["memory_mb"] = (train.budget - train.total) / memory.MB
   return {**kwargs, "performance": performance}
 

@@ -332,6 +332,22 @@ def test_eval_whose_least_exceeds_what_train_left_plans_within_its_own_budget(di
   assert 0 < then.total <= then.budget
 
 
+def test_a_budget_the_user_sets_holds_both_streams_or_is_refused_in_one_line(digits_dir):
+  config = default.get_config()
+  config.input.data_dir = str(digits_dir)
+  config.input.performance.memory_mb = 500
+  setup = train.prepare(config)
+  first, then = setup.train.memory, setup.eval.memory
+  setup.train.close()
+  setup.eval.close()
+  assert first.budget == 500 * 2**20 and then.budget == first.budget - first.total
+  assert first.total + then.total <= 500 * 2**20
+  config.input.performance.record_cache_mb = 10**7  # train takes the whole budget: none left
+  with pytest.raises(UsageError) as e:
+    train.prepare(config)
+  assert str(e.value).startswith("config.eval_input: ") and "\n" not in str(e.value)
+
+
 def test_eval_input_overrides_only_what_it_names():
   config = default.get_config()
   config.eval_input.decoding = {"cache_mb": 0.0}
