@@ -9,6 +9,9 @@ All are frozen dataclasses; `make_dataset` also takes them as plain dicts (e.g. 
 from __future__ import annotations
 
 import dataclasses
+import numbers
+import os
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -49,6 +52,7 @@ class Augment:
     return image_size / (image_size + self.crop_padding)
 
   def __post_init__(self):
+    check_types(self, "augment.")
     lo, hi = self.area_range
     if not 0 < lo <= hi <= 1:
       raise ValueError(
@@ -99,6 +103,7 @@ class Decoding:
   fast_dct: bool = False
 
   def __post_init__(self):
+    check_types(self, "decoding.")
     if self.cache_mb < 0:
       raise ValueError(f"decoding.cache_mb must be >= 0, got {self.cache_mb}")
 
@@ -143,6 +148,7 @@ class Performance:
   memory_mb: float | None = None
 
   def __post_init__(self):
+    check_types(self, "performance.")
     for name in ("num_threads", "num_workers"):
       value = getattr(self, name)
       if value is not None and (not isinstance(value, int) or value < (name == "num_threads")):
@@ -188,3 +194,43 @@ def coerce(cls, value: Any):
     fields = {k: tuple(v) if isinstance(v, list) else v for k, v in fields.items()}
     return cls(**fields)
   raise TypeError(f"expected a {cls.__name__} or a dict of its fields, got {type(value).__name__}")
+
+
+_KINDS = {  # what each annotation a field may have accepts
+  "int": lambda v: isinstance(v, numbers.Integral) and not isinstance(v, bool),
+  "float": lambda v: isinstance(v, numbers.Real) and not isinstance(v, bool),
+  "bool": lambda v: isinstance(v, numbers.Integral) and v in (0, 1),
+  "str": lambda v: isinstance(v, (str, os.PathLike)),
+  "None": lambda v: v is None,
+}
+_WORDS = {"int": "an int", "float": "a number", "bool": "True or False", "str": "a str"}
+_WORDS["None"] = "None"
+_PAIR = re.compile(r"tuple\[(\w+), (\w+)\]")
+
+
+def _fits(value: Any, kind: str) -> bool:
+  pair = _PAIR.fullmatch(kind)
+  if pair:
+    kinds = pair.groups()
+    return (
+      isinstance(value, (tuple, list))
+      and len(value) == 2
+      and all(_KINDS[k](v) for k, v in zip(kinds, value))
+    )
+  return _KINDS[kind](value)
+
+
+def check_types(obj: Any, group: str, values: Mapping | None = None) -> None:
+  """One ValueError naming the field (`group` + its name) whose value is not of the type its
+  annotation names (a str where a number goes, say); fields of other annotations pass.
+  `values`: the fields' values, where `obj` is the dataclass only (not yet built)."""
+  for field in dataclasses.fields(obj):
+    kinds = [k.strip() for k in str(field.type).split("|")]
+    if not all(k in _KINDS or _PAIR.fullmatch(k) for k in kinds):
+      continue
+    value = values[field.name] if values is not None else getattr(obj, field.name)
+    if not any(_fits(value, k) for k in kinds):
+      wanted = " or ".join(_WORDS.get(k, "a pair of numbers") for k in kinds)
+      raise ValueError(
+        f"{group}{field.name} must be {wanted}, got {value!r} ({type(value).__name__})"
+      )

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import numbers
 import os
 import typing
 from collections.abc import Mapping, Sequence
 
 from pipeline.catalog import records
-from pipeline.options import Augment, Decoding, Performance, coerce
+from pipeline.options import Augment, Decoding, Performance, check_types, coerce
 from pipeline.order import blocks
 
 
@@ -149,10 +148,7 @@ class Spec:
     group = {f.name: values.pop(f.name) for f in dataclasses.fields(Transforms)}
     if values["on_error"] not in ("raise", "skip"):
       raise ValueError(f"on_error must be 'raise' or 'skip', not {values['on_error']!r}")
-    for key in ("batch_size", "image_size"):
-      value = values[key]
-      if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral)):
-        raise ValueError(f"{key} must be an int, got {value!r} ({type(value).__name__})")
+    check_types(cls, "", values)
     if values["batch_size"] < 1:
       raise ValueError(f"batch_size must be positive, got {values['batch_size']}")
     if values["sharding"] not in ("records", "shards"):

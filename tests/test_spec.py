@@ -52,7 +52,23 @@ def test_the_defaults_that_follow_from_train_are_filled_in(
   [
     (dict(batch_size=0), "batch_size must be positive, got 0"),
     (dict(batch_size="8"), r"batch_size must be an int, got '8' \(str\)"),
-    (dict(batch_size=8, image_size=224.0), r"image_size must be an int, got 224.0 \(float\)"),
+    (
+      dict(batch_size=8, image_size=224.0),
+      r"image_size must be an int or None, got 224.0 \(float\)",
+    ),
+    (dict(batch_size=8, seed="0"), r"^seed must be an int, got '0' \(str\)$"),
+    (
+      dict(batch_size=8, performance={"memory_mb": "500"}),
+      r"^performance.memory_mb must be a number or None, got '500' \(str\)$",
+    ),
+    (
+      dict(batch_size=8, augment={"area_range": "0.08"}),
+      r"^augment.area_range must be a pair of numbers, got '0.08' \(str\)$",
+    ),
+    (
+      dict(batch_size=8, decoding={"fast_dct": "yes"}),
+      r"^decoding.fast_dct must be True or False, got 'yes' \(str\)$",
+    ),
     (dict(batch_size=8, on_error="ignore"), "on_error must be 'raise' or 'skip', not 'ignore'"),
     (dict(batch_size=8, sharding="files"), "sharding must be 'records' or 'shards'"),
     (dict(batch_size=8, image_size=0), "image_size must be positive, got 0"),
