@@ -60,6 +60,7 @@ class Stages:
   prefetch: int
   stream: dict
   stats_every_s: float | None = None
+  worker_jax: bool = False
 
 
 def make_dataset(data_dir, split: str = "train", **keywords) -> grain.IterDataset:
@@ -120,6 +121,7 @@ def build(spec: Spec) -> Stages:
     prefetch=perf.prefetch,
     stream=stream_lib.describe(spec, sampler, meta.splits[spec.split].shards),
     stats_every_s=perf.stats_every_s,
+    worker_jax=perf.worker_jax,
   )
 
 
@@ -147,6 +149,8 @@ def chain(stages: Stages) -> grain.IterDataset:
     it = it.mp_prefetch(
       grain.MultiprocessingOptions(num_workers=stages.workers), worker_init_fn=lifecycle.worker_init
     )
+    if not stages.worker_jax:
+      lifecycle.start_light(it)
     if writer is not None:
       it = handoff.ReceiveIterDataset(it)
   else:

@@ -133,6 +133,9 @@ class Performance:
   record cache, batches and worker processes together (None: half the available memory;
   `python -m train`'s eval stream then plans within what its train stream left of it); the
   record cache, then the read-ahead shrink to fit it (`pipeline.host.memory`).
+  worker_jax: let worker processes import JAX, for ops that need it (they then start as
+  Grain starts them: JAX and your main script imported again, ~140 MB more each). Off, they
+  never load JAX (`pipeline.host.light`), and an op that imports it fails in one line saying so.
   """
 
   num_threads: int | None = None
@@ -146,6 +149,7 @@ class Performance:
   stats_every_s: float | None = None
   read_deadline_s: float | None = None
   memory_mb: float | None = None
+  worker_jax: bool = False
 
   def __post_init__(self):
     check_types(self, "performance.")
@@ -175,6 +179,8 @@ class Performance:
       raise ValueError(
         f"performance.read_deadline_s must be None or > 0, got {self.read_deadline_s}"
       )
+    if not isinstance(self.worker_jax, bool):
+      raise ValueError(f"performance.worker_jax must be True or False, got {self.worker_jax!r}")
     if self.stats_every_s is not None and not self.stats_every_s > 0:
       raise ValueError(f"performance.stats_every_s must be None or > 0, got {self.stats_every_s}")
 

@@ -31,6 +31,7 @@ NEUTRAL = [
   ("max_requests_per_s", 500.0),
   ("stats_every_s", 0.001),
   ("read_deadline_s", 300.0),
+  ("worker_jax", True),
   ("memory_mb", 80.0),  # the read-ahead shrunk from 256 MB to ~10 (pipeline.host.memory)
 ]
 # Each Decoding option: (value away from its default, bound on the mean absolute difference per

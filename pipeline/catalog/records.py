@@ -1,14 +1,15 @@
 """Record schema: serialized `tf.train.Example` protos, written and parsed without TensorFlow.
 
 The proto is the TF-free copy that tensorflow-datasets ships, so TFRecord shards and
-TFDS-prepared data read as they are. Feature keys are configurable through `Keys`.
+TFDS-prepared data read as they are; imported on first use (`example_class`): importing
+tensorflow_datasets takes ~50 MB and ~1 s, which a worker process decoding records with the C
+decoder (it parses them itself) never needs. Feature keys are configurable through `Keys`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-from tensorflow_datasets.proto import tf_example_pb2
+import functools
 
 
 class RecordError(ValueError):
@@ -30,9 +31,17 @@ KNOWN_KEYS = (DEFAULT_KEYS, TFDS_KEYS, Keys(image="data", label="category", file
 UNLABELED = -1  # TFDS's label of an example without one (ImageNet's test split)
 
 
+@functools.cache
+def example_class() -> type:
+  """`tf.train.Example`, as tensorflow-datasets ships it (imported here on first use)."""
+  from tensorflow_datasets.proto import tf_example_pb2
+
+  return tf_example_pb2.Example
+
+
 def encode(image: bytes, label: int, filename: str = "", keys: Keys = DEFAULT_KEYS) -> bytes:
   """Serializes one image record as a `tf.train.Example`."""
-  example = tf_example_pb2.Example()
+  example = example_class()()
   feature = example.features.feature
   feature[keys.image].bytes_list.value.append(image)
   feature[keys.label].int64_list.value.append(int(label))
@@ -44,7 +53,7 @@ def encode(image: bytes, label: int, filename: str = "", keys: Keys = DEFAULT_KE
 def parse(record: bytes, keys: Keys = DEFAULT_KEYS) -> tuple[bytes, int, str]:
   """Returns (image bytes, label, filename) of a serialized Example; raises `RecordError`."""
   try:
-    feature = tf_example_pb2.Example.FromString(record).features.feature
+    feature = example_class().FromString(record).features.feature
   except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
     raise RecordError(f"not a tf.train.Example ({type(e).__name__}: {e})") from None
   if keys.image not in feature or not feature[keys.image].bytes_list.value:
@@ -64,7 +73,7 @@ def parse(record: bytes, keys: Keys = DEFAULT_KEYS) -> tuple[bytes, int, str]:
 def detect_keys(record: bytes) -> Keys:
   """Guesses which known schema a record uses (ours, TFDS's or data/category/name)."""
   try:
-    feature = tf_example_pb2.Example.FromString(record).features.feature
+    feature = example_class().FromString(record).features.feature
   except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
     raise RecordError(f"not a tf.train.Example ({type(e).__name__}: {e})") from None
   for keys in KNOWN_KEYS:

@@ -44,6 +44,7 @@ from array_record.python import array_record_module
 
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import records
+from pipeline.host import light
 
 OPTIONS = "group_size:1,uncompressed"  # random access; JPEG payloads are not compressed again
 DEFAULT_SHARD_SIZE_MB = 128
@@ -289,8 +290,9 @@ def _tasks(plan: ShardPlan) -> Iterator[tuple[Any, ...]]:
 
 def _context() -> multiprocessing.context.BaseContext:
   """Workers fork from a server that imported the converters once: fast to start, and safe
-  in processes that run JAX (forking those directly can deadlock)."""
-  ctx = multiprocessing.get_context("forkserver")
+  in processes that run JAX (forking those directly can deadlock); light (`host.light`):
+  JAX never loads in them, nor does the main script that called the converter."""
+  ctx = light.context("forkserver")
   ctx.set_forkserver_preload(_WORKER_MODULES)
   return ctx
 

@@ -2,11 +2,12 @@
 
 `check_batch_fits`: a batch larger than this process's share of a split that drops partial
 batches gives zero batches per epoch, and repeated records after that.
-`check_main_guard`: Grain starts worker processes with `spawn`, and every worker re-imports
-the main script; a script that builds the pipeline at module level, without
-`if __name__ == "__main__":`, would build it again inside each worker and die there with a
-long multiprocessing traceback. `make_dataset` checks it whatever the worker count chosen
-here (a script that runs on 2 cores must not break on 32), unless num_workers is set to 0.
+`check_main_guard`: processes started with `spawn` re-import the main script (Grain's
+workers with `performance.worker_jax`; light ones do not, `pipeline.host.light`); a script
+that builds the pipeline at module level, without `if __name__ == "__main__":`, would build
+it again inside each such worker and die there with a long multiprocessing traceback.
+`make_dataset` checks it whatever the worker count chosen here (a script that runs on 2
+cores must not break on 32), unless num_workers is set to 0.
 Both raise a one-line `ValueError` saying what to change.
 `check_address_space`: array_record starts a pool of 64 threads on a process's first open;
 under an address-space limit (RLIMIT_AS, `ulimit -v`) too small for it, that open hangs

@@ -1,5 +1,6 @@
 """Iterators closed at interpreter exit, so users never see Grain's shutdown noise; worker
-processes that ignore Ctrl-C and end with the process that started them.
+processes that start light (no JAX: `pipeline.host.light`), ignore Ctrl-C and end with the
+process that started them.
 
 Grain iterators still alive when Python exits print errors from `__del__` (their modules
 are already torn down; grain #1031) and leak shared-memory warnings. Datasets returned by
@@ -18,7 +19,9 @@ import weakref
 
 import grain
 from absl import flags
+from grain._src.python.dataset.transformations import process_prefetch
 
+from pipeline.host import light
 from pipeline.stages import handoff
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
@@ -99,6 +102,34 @@ def worker_init(worker_index: int, worker_count: int) -> None:
   del worker_index, worker_count
   signal.signal(signal.SIGINT, signal.SIG_IGN)
   die_with_parent()
+
+
+class _LightStart(grain.IterDataset):
+  """A worker of `mp_prefetch` (Grain's `ProcessPrefetchIterDataset`), started light."""
+
+  def __iter__(self) -> grain.DatasetIterator:
+    it = self._parent.__iter__()
+    it._process_ctx = light.context("spawn")  # its process starts on first use, after this
+    return it
+
+  def __str__(self) -> str:
+    return "LightStart"
+
+
+def start_light(ds: grain.IterDataset) -> None:
+  """Makes the worker processes of `ds` (what `mp_prefetch` returned) start light
+  (`pipeline.host.light`: JAX never loads in them). tests/host/test_light.py checks that
+  this Grain's `mp_prefetch` is still one interleave of a `ProcessPrefetchIterDataset` each."""
+  todo = [ds]
+  while todo:
+    node = todo.pop()
+    shards = getattr(node, "_datasets", None)  # InterleaveIterDataset's, one per worker
+    if isinstance(shards, list):
+      for i, shard in enumerate(shards):
+        if isinstance(shard, process_prefetch.ProcessPrefetchIterDataset):
+          shards[i] = _LightStart(shard)
+      return
+    todo += node.parents
 
 
 def ensure_absl_flags_parsed() -> None:

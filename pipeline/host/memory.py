@@ -17,8 +17,8 @@ main process alone; P = max(W, 1) processes read and decode):
                    or less (bench/REPORT.md, "The working memory at batch 8 to 2048"); the
                    rule it replaced, 8 batches' images, planned 1/20 of batch 8's and 1.9-2.2x
                    batch 2048's
-    workers        W x `parallelism.COSTS.worker_mb` (300 MB: a worker's RSS before its
-                   batches, its imports incl. JAX and Grain, measured under `python -m train`)
+    workers        W x `parallelism.worker_mb` (110 MB: a worker's RSS before its batches,
+                   its imports: Grain, not JAX; 250 with `performance.worker_jax`)
 
 The main process's own imports are the trainer's, not counted. When the parts exceed the
 budget, what can shrink shrinks, in this order: the record cache (it saves a later epoch's

@@ -19,8 +19,9 @@ on cloud hosts (a TPU VM's 224 vCPUs are 112 cores x 2): the second thread of a 
 
 `project` is the smallest, `plan` the fewest processes (then threads) within 3% of the best
 plan for the host, and `python -m bench scaling` measures the costs below. Memory:
-a worker takes ~300 MB (imports) plus its batches (prefetch + 4; ~115 MB at batch 128 of
-224 px images), and the workers together at most half the loader's memory budget
+a worker takes ~110 MB (imports: Grain, never JAX, `pipeline.host.light`; `light.JAX_MB` more
+with `performance.worker_jax`) plus its batches (prefetch + 4; ~115 MB at batch 128 of 224 px
+images), and the workers together at most half the loader's memory budget
 (`pipeline.host.memory`).
 """
 
@@ -29,6 +30,8 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+
+from pipeline.host import light
 
 SMT_YIELD = 0.25  # stated: a hyperthread sibling adds ~15-30% on integer SIMD decode work
 
@@ -43,7 +46,7 @@ class Costs:
   send_us: float  # a worker's extra CPU per image (handing the batch over)
   receive_us: float  # the main process's user CPU per image receiving it (all its threads)
   receive_free_us: float  # and its system CPU (mapping pages, queues)
-  worker_mb: float  # a worker's RSS before its batches (imports incl. jax, Grain)
+  worker_mb: float  # a worker's RSS before its batches (its imports: Grain, not JAX)
   wait_us: float = 0.0  # off-CPU time of a thread per image (slow storage); 0 on local disk
   step_us: float = 0.0  # the training step's host work per step (dispatch, metrics), main process
   threads_per_core: int = 1  # hardware threads per core (2 on cloud hosts' vCPUs)
@@ -55,7 +58,8 @@ class Costs:
 # with the spread of each figure: bench/REPORT.md, "Scaling"): CPU per image on one thread, GIL-held
 # CPU per image (bench.gil's shim, real decode on 2 threads), the hand-off per thread, a
 # worker's extra CPU per image (send), the main process's user/system CPU per image at batch
-# 128 (receive), and a worker's RSS (under `python -m train`; ~780 MB at batch 128 of 224 px).
+# 128 (receive), and a worker's RSS before its batches (2026-11-28: 108-110 MB, 8-image batches
+# of 32 px; light workers, `pipeline.host.light`, were 300 MB with JAX before).
 COSTS = Costs(
   cpu_us=1064.0,
   gil_us=61.0,
@@ -63,7 +67,7 @@ COSTS = Costs(
   send_us=5.0,
   receive_us=3.4,
   receive_free_us=3.4,
-  worker_mb=300.0,
+  worker_mb=110.0,
 )
 COSTS_BATCH = 128  # the batch size COSTS were measured at
 WORKER_BATCHES = 4  # batches a worker holds beyond its prefetch (measured: 5.7 at prefetch 2)
@@ -235,6 +239,11 @@ def announce(chosen: Plan, reads_note: str = "", memory_note: str = "") -> None:
     )
     if reads_note:
       print(f"pipeline: {reads_note}", file=sys.stderr, flush=True)
+
+
+def worker_mb(worker_jax: bool) -> float:
+  """A worker's RSS before its batches: light, or with JAX (`performance.worker_jax`)."""
+  return COSTS.worker_mb + (light.JAX_MB if worker_jax else 0)
 
 
 def process_shard(shard_index: int | None, shard_count: int | None) -> tuple[int, int]:

@@ -15,12 +15,14 @@ from __future__ import annotations
 import dataclasses
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-from tensorflow_datasets.proto import tf_example_pb2
 
-from pipeline.catalog.records import RecordError
+from pipeline.catalog.records import RecordError, example_class
+
+if TYPE_CHECKING:
+  from tensorflow_datasets.proto import tf_example_pb2
 
 BYTES = "bytes"
 RESERVED = ("image", "label", "mask")
@@ -199,9 +201,7 @@ def fill(
   `record` is serialized or an already parsed Example (parse once, fill and read the image).
   Raises `RecordError` naming the key of a missing, mistyped or oversized feature.
   """
-  feature = (
-    record.features.feature if isinstance(record, tf_example_pb2.Example) else _feature_map(record)
-  )
+  feature = record.features.feature if isinstance(record, example_class()) else _feature_map(record)
   for name, spec in specs.items():
     values = _values(spec, feature)
     if spec.max_length is None:
@@ -240,7 +240,7 @@ def fill(
 
 def _feature_map(record: bytes):
   try:
-    return tf_example_pb2.Example.FromString(record).features.feature
+    return example_class().FromString(record).features.feature
   except Exception as e:  # noqa: BLE001 - protobuf raises its own DecodeError
     raise RecordError(f"not a tf.train.Example ({type(e).__name__}: {e})") from None
 

@@ -468,6 +468,7 @@ def workers(spec, image_size: int, blocks: bool) -> parallelism.Plan:
     image_bytes=image_size**2 * 3,
     prefetch=perf.prefetch,
     memory_bytes=memory.budget(perf.memory_mb),
+    costs=dataclasses.replace(parallelism.COSTS, worker_mb=parallelism.worker_mb(perf.worker_jax)),
     divide=WINDOW_BATCHES if blocks and not blockstore.available() else None,
   )
   if chosen.workers and available():

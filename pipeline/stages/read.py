@@ -125,6 +125,7 @@ def stage(
     blocks=2 * window_bytes,
     batches=held_bytes,
     working=memory.working(chosen.threads, arena_bytes, spec.batch_size * record_bytes),
+    worker_bytes=int(parallelism.worker_mb(perf.worker_jax) * memory.MB),
   )
   wanted = cache.ram_bytes if cache is not None else 0
   if cache is not None and cache.ram_bytes > split.per_process("record_cache"):

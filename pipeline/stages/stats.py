@@ -7,7 +7,9 @@ histogram, for p50/p99), the seconds its consumer waited for it and how many ele
 started then (queue occupancy). Storage counters come from the read stage's `ReadStats`. A
 process's counters ride on every batch it makes (STATS_KEY, a small float64 array, as the skip
 count does), so the main process sees every worker's latest figures without a channel of its
-own; `Stats` turns them into rows and a table. In a process that has imported jax, each task
+own; `Stats` turns them into rows and a table, with each process's memory (RSS), how long it
+took to start (a worker: interpreter, imports, its stages unpickled) and whether it loaded JAX
+(`pipeline.host.light`: workers do not). In a process that has imported jax, each task
 is also a profiler trace annotation named `pipeline.STAGE`, with the `_ipl_stage_*` metadata
 Grain gives its own stages, so a `jax.profiler` trace shows the stages beside the steps.
 """
@@ -31,7 +33,8 @@ _CATEGORIES = {"read": "read", "handoff": "prefetch"}  # Grain's; the rest "prep
 BINS = 40  # task durations in log2 bins of microseconds: 1 us .. ~6 days
 _COUNTS = ("items", "busy_s", "tasks", "wait_s", "waits", "started", "queues")  # then BINS
 STORAGE = ("requests", "request_bytes", "request_records", "retries", "reads", "cached")
-_HEAD = 2  # the array's first row: pid, seconds since the recorder's start, storage counters
+_HEAD = 2  # the first row: pid, seconds since the recorder's start, RSS, start-up, JAX loaded;
+# the second: the storage counters
 
 
 class Recorder:
@@ -45,6 +48,7 @@ class Recorder:
     self._lock = threading.Lock()
     self._counts = [[0.0] * (len(_COUNTS) + BINS) for _ in STAGES]
     self._start = time.perf_counter()
+    self._started_s = process_age()
 
   def __getstate__(self):
     return {}
@@ -78,13 +82,39 @@ class Recorder:
     """This process's counters as one array (STATS_KEY's value), with the storage counters
     of `read` (the read stage, `pipeline.stages.read.ReadRecords`) when given."""
     out = np.zeros((_HEAD + len(STAGES), len(_COUNTS) + BINS))
-    out[0, :2] = os.getpid(), time.perf_counter() - self._start
+    out[0, :5] = (
+      os.getpid(),
+      time.perf_counter() - self._start,
+      rss_bytes(),
+      self._started_s,
+      "jax" in sys.modules,
+    )
     if read is not None:
       s = read.stats
       out[1, : len(STORAGE)] = [getattr(s, name) for name in STORAGE]
     with self._lock:
       out[_HEAD:] = self._counts
     return out
+
+
+def process_age() -> float:
+  """Seconds since this process started (from /proc; NaN where there is none)."""
+  try:
+    with open("/proc/self/stat") as f:
+      ticks = int(f.read().rsplit(")", 1)[1].split()[19])  # field 22, starttime
+    with open("/proc/uptime") as f:
+      return float(f.read().split()[0]) - ticks / os.sysconf("SC_CLK_TCK")
+  except (OSError, ValueError, IndexError):
+    return math.nan
+
+
+def rss_bytes() -> int:
+  """This process's resident memory (from /proc; 0 where there is none)."""
+  try:
+    with open("/proc/self/statm") as f:
+      return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+  except (OSError, ValueError, IndexError):
+    return 0
 
 
 def annotation(stage: str):
@@ -135,6 +165,17 @@ class Row:
 
 
 @dataclasses.dataclass(frozen=True)
+class Process:
+  """One process of the stream: its resident memory at its latest batch, the seconds from
+  its start to its stages being ready (a worker's start-up), and whether it loaded JAX."""
+
+  process: str
+  rss_mb: float
+  started_s: float
+  jax: bool
+
+
+@dataclasses.dataclass(frozen=True)
 class Storage:
   """Storage requests of every process together."""
 
@@ -151,10 +192,12 @@ class Storage:
 
 @dataclasses.dataclass(frozen=True)
 class Stats:
-  """`iterator.stats()`: a row per stage and process (the main process first), and storage."""
+  """`iterator.stats()`: a row per stage and process (the main process first), storage, and
+  each process's memory and start-up."""
 
   rows: tuple[Row, ...]
   storage: Storage
+  processes: tuple[Process, ...] = ()
 
   def __str__(self) -> str:
     return self.table()
@@ -171,6 +214,12 @@ class Stats:
         f"{r.wait_share:>6.0%} {'-' if r.queued is None else f'{r.queued:.1f}':>6}"
         f"{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}"
       )
+    lines += [
+      f"{p.process}: {p.rss_mb:,.0f} MB resident, "
+      + ("" if p.process.startswith("main") else f"started in {p.started_s:.1f} s, ")
+      + ("JAX loaded" if p.jax else "no JAX")
+      for p in self.processes
+    ]
     s = self.storage
     lines.append(
       f"storage: {s.requests} requests ({s.requests_per_s:.0f}/s), {s.kb_per_request:.0f} KB "
@@ -182,7 +231,7 @@ class Stats:
 
 def collect(snapshots: dict[int, np.ndarray], main_pid: int) -> Stats:
   """`Stats` of the latest snapshot of each process (keyed by pid)."""
-  rows, storage = [], np.zeros(len(STORAGE))
+  rows, processes, storage = [], [], np.zeros(len(STORAGE))
   seconds = 0.0
   order = sorted(snapshots, key=lambda pid: (pid != main_pid, pid))
   for n, pid in enumerate(order):
@@ -191,6 +240,8 @@ def collect(snapshots: dict[int, np.ndarray], main_pid: int) -> Stats:
     seconds = max(seconds, elapsed)
     storage += snap[1, : len(STORAGE)]
     name = "main" if pid == main_pid else f"worker {n - (main_pid in snapshots)}"
+    rss, started_s, jax = snap[0, 2:5]
+    processes.append(Process(f"{name} ({pid})", rss / 2**20, float(started_s), bool(jax)))
     for stage, c in zip(STAGES, snap[_HEAD:]):
       if c[0] or c[2] or c[4]:
         rows.append(_row(f"{name} ({pid})", stage, c, elapsed))
@@ -208,6 +259,7 @@ def collect(snapshots: dict[int, np.ndarray], main_pid: int) -> Stats:
       reads=int(reads),
       cached=int(cached),
     ),
+    tuple(processes),
   )
 
 

@@ -126,13 +126,13 @@ def test_a_dev_shm_too_small_for_the_workers_falls_back_to_threads_in_one_line(
 
 LIMITED = """
 import resource, sys
-import pipeline
+import pipeline, pipeline.dataset
 
 def virtual() -> int:
   with open("/proc/self/status") as f:
     return next(int(x.split()[1]) * 1024 for x in f if x.startswith("VmSize:"))
 
-limit = virtual() + 300 * 2**20  # what this process has, and 300 MiB more
+limit = virtual() + 300 * 2**20  # what this process has, the library loaded, and 300 MiB more
 resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
 ds = pipeline.make_dataset(sys.argv[1], batch_size=8, image_size=64, shard_index=0,
                            shard_count=1)

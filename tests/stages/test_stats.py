@@ -70,6 +70,11 @@ def test_worker_processes_report_their_own_rows_through_the_batches(digits_dir):
   for w in workers:
     assert set(processes[w]) == STAGES and processes[w]["finish"].items >= 6, s.table()
   assert s.storage.reads >= 12 * 8  # every worker's reads, summed
+  # each process's memory and start-up: the workers never loaded JAX (pipeline.host.light)
+  assert [p.process for p in s.processes] == [main, *workers]
+  for p in s.processes[1:]:
+    assert 20 < p.rss_mb < 1000 and p.started_s > 0 and not p.jax, s.table()
+    assert f"{p.process}: {p.rss_mb:,.0f} MB resident, started in " in s.table()
 
 
 def test_the_table_is_printed_every_stats_every_s(digits_dir, capfd):
