@@ -359,7 +359,8 @@ def _leading_dim(batch: dict[str, np.ndarray]) -> int:
 
 
 def _pad(batch: dict[str, np.ndarray], full: int) -> dict[str, np.ndarray]:
-  """Zero-pads every entry to `full` rows and marks the real rows in `MASK_KEY`."""
+  """Zero-pads every entry to `full` rows (an integer "label": -1, as make_dataset's padding) and
+  marks the real rows in `MASK_KEY`."""
   rows = _leading_dim(batch)
   batch = dict(batch)
   mask = batch.get(MASK_KEY, np.ones(rows, bool))
@@ -371,6 +372,8 @@ def _pad(batch: dict[str, np.ndarray], full: int) -> dict[str, np.ndarray]:
     p = np.zeros((full,) + v.shape[1:], v.dtype)
     if v.dtype.hasobject:
       p.fill(b"")  # bytes features: padding rows hold empty values, not 0
+    if k == "label" and v.dtype.kind == "i":
+      p.fill(-1)
     p[:rows] = v
     padded[k] = p
   return padded

@@ -8,7 +8,8 @@ It divides the global batch over the processes (`pipeline.stages.plan.process_ba
 (checkpoint it with `grain.checkpoint.CheckpointSave(train)`) that knows `num_examples`,
 `steps_per_epoch` (the stages' `plan.Sizes`), `num_classes`, `classes`, the `manifest`, and
 what the spec made of the images: `image_size` and the `batch_ops` each batch goes through
-last, and the `memory` it planned. A finite stream (eval) starts a new pass after each one ends.
+last, and the `memory` it planned. A finite stream (eval) starts a new pass after each one ends:
+each `for` loop is one pass; `repeat=True` runs pass after pass for loops of `next()` calls.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ def input(
   dtype: Any = None,
   data_axis: str = "data",
   depth: int = 2,
+  repeat: bool = False,
   **make_dataset_keywords,
 ) -> Input:
   """`split` of the dataset in `data_dir` (converted, or a TFDS ArrayRecord build: see
@@ -50,7 +52,11 @@ def input(
       every device on one "data" axis. layout="pmap": [devices, rows per device, ...].
     train: default: the split's name starts with "train". Train streams shuffle, augment
       and repeat, in full batches of "image" and "label"; eval streams are one ordered pass,
-      the last batch padded, with a "mask" (1 real, 0 pad) in every batch.
+      the last batch padded, with a "mask" (1 real, 0 pad) in every batch and label -1 on
+      padded rows (a one-hot of zeros, never a correct prediction).
+    repeat: an eval stream starts its next pass where one ends instead of raising
+      StopIteration (tf.data's `ds.repeat()`, as the Flax ImageNet example's eval): a loop of
+      `steps_per_epoch` next() calls per evaluation then sees every example once.
     normalize, dtype: on the device, `image` becomes (pixels - mean) / std as `dtype`
       ("minus_one_one", "zero_one", "imagenet" or (mean, std) in pixel units); default:
       uint8 as stored.
@@ -99,7 +105,16 @@ def input(
     batch_size=batch_size,
     train=train,
     stream=stages.stream,
+    repeat=repeat,
   )
+
+
+ENDED = (
+  "end of the eval pass ({steps} batches of {batch}, {examples} examples, padded rows masked "
+  "with label -1): loop over it with `for batch in ...:` (each loop one pass), or pass "
+  "pipeline.input(..., repeat=True) and call next() steps_per_eval = .steps_per_epoch = {steps} "
+  "times per evaluation"
+)
 
 
 class Input(grain.DatasetIterator):
@@ -107,7 +122,8 @@ class Input(grain.DatasetIterator):
 
   A Grain `DatasetIterator`: `get_state`/`set_state` (and Orbax through
   `grain.checkpoint.CheckpointSave/CheckpointRestore`) save and resume the position. When
-  a finite pass ends (StopIteration), the next `next()` or `for` loop starts a new pass;
+  a finite pass ends (StopIteration, whose line says how to loop), the next `next()` or `for`
+  loop starts a new pass (with `repeat`, that next batch comes instead of the StopIteration);
   `reset()` starts one at once. `dataset` is the underlying `grain.IterDataset`.
   `image_size` is the side of its square images (the spec's, a pp string's head's, or the
   default); `batch_ops` the ops run on each whole batch (pp's or `batch_ops=`), in order;
@@ -129,6 +145,7 @@ class Input(grain.DatasetIterator):
     batch_size: int,
     train: bool,
     stream: dict,
+    repeat: bool = False,
   ):
     super().__init__()
     self.dataset = dataset
@@ -143,6 +160,7 @@ class Input(grain.DatasetIterator):
     self.batch_size = batch_size
     self.train = train
     self.stream = stream
+    self.repeat = repeat
     self._it: grain.DatasetIterator | None = None
 
   @property
@@ -161,7 +179,13 @@ class Input(grain.DatasetIterator):
       return next(it)
     except StopIteration:
       self.reset()
-      raise
+      if self.repeat:
+        return next(self._live())
+      raise StopIteration(
+        ENDED.format(
+          steps=self.steps_per_epoch, batch=self.global_batch_size, examples=self.num_examples
+        )
+      ) from None
 
   def reset(self) -> None:
     """Drops the current pass; the next batch is the first of a new one."""

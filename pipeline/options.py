@@ -27,12 +27,14 @@ class Augment:
   torchvision's RandomResizedCrop (area uniform, aspect log-uniform, 10 tries, else the
   largest centred crop); "tf" is TF's `sample_distorted_bounding_box` as big_vision's
   `inception_crop` calls it (aspect uniform, height uniform between the area bounds, 100
-  tries, else the whole image): more small crops for the same ranges. Resized to
-  `image_size` with `interpolation`.
+  tries, else the whole image): more small crops for the same ranges. `min_object_covered`
+  ("tf" only): a crop must cover at least this share of the image, as the Flax ImageNet
+  example asks TF's sampler (0.1). Resized to `image_size` with `interpolation`.
 
   Eval, with crop_fraction f (or, with `crop_padding`, image_size / (image_size +
-  crop_padding), as Flax's ImageNet example): `eval_order` "crop_then_resize" resizes the
-  centre square of f x the shorter side to `image_size` (`interpolation`);
+  crop_padding) and the Flax ImageNet example's box: side truncated, offset rounded up):
+  `eval_order` "crop_then_resize" resizes the centre square of f x the shorter side to
+  `image_size` (`interpolation`);
   "resize_then_crop" is big_vision's `resize_small(image_size / f)|central_crop(image_size)`:
   the shorter side resized (area filter), then the centre image_size square.
   """
@@ -45,6 +47,7 @@ class Augment:
   interpolation: str = "bilinear"
   crop: str = "torchvision"  # or "tf": see above
   eval_order: str = "crop_then_resize"  # or "resize_then_crop"
+  min_object_covered: float = 0.0  # "tf" crop: the least share of the image a crop covers
 
   def eval_fraction(self, image_size: int) -> float:
     if self.crop_padding is None:
@@ -67,6 +70,15 @@ class Augment:
       raise ValueError(f"augment.crop_fraction must be in (0, 1], got {self.crop_fraction}")
     if self.crop_padding is not None and self.crop_padding < 0:
       raise ValueError(f"augment.crop_padding must be >= 0, got {self.crop_padding}")
+    if not 0 <= self.min_object_covered <= 1:
+      raise ValueError(
+        f"augment.min_object_covered must be in [0, 1], got {self.min_object_covered}"
+      )
+    if self.min_object_covered and self.crop != "tf":
+      raise ValueError(
+        "augment.min_object_covered is TF's sampler's (sample_distorted_bounding_box): "
+        "set crop='tf' with it"
+      )
     for name, allowed in (
       ("interpolation", INTERPOLATIONS),
       ("crop", CROPS),

@@ -51,8 +51,9 @@ class Spec:
     split: the manifest split to read.
     batch_size: examples per batch *of this process*.
     train: random-resized-crop + flip, shuffled, repeated forever, drops the remainder;
-      otherwise centre crop, in order, one epoch, padded with mask=False examples so every
-      process yields the same number of batches and every record counts exactly once.
+      otherwise centre crop, in order, one epoch, padded with mask=False examples (label -1,
+      zero pixels) so every process yields the same number of batches and every record counts
+      exactly once.
     seed: seeds the shuffle (a new order per epoch) and the augmentation.
     image_size: S, the side of the square output images (default 224, or pp's size).
     num_epochs: None repeats forever (train default); eval default is 1.

@@ -161,6 +161,8 @@ def test_cache_decodes_each_record_once_over_epochs(photos_dir, monkeypatch):
     (False, dict()),
     (True, dict(crop="tf", area_range=(0.05, 1.0))),
     (False, dict(eval_order="resize_then_crop")),
+    (True, dict(crop="tf", min_object_covered=0.1, interpolation="bicubic")),  # Flax's
+    (False, dict(crop_padding=32, interpolation="bicubic")),
   ],
 )
 @pytest.mark.usefixtures("native")

@@ -124,7 +124,7 @@ def test_pad_fills_the_last_batch_and_masks_the_padding():
   masks = np.stack([np.asarray(b["mask"]) for b in batches])
   assert masks.dtype == bool and masks.sum() == 20
   last = batches[-1]
-  assert np.asarray(last["label"]).tolist() == [16, 17, 18, 19, 0, 0, 0, 0]
+  assert np.asarray(last["label"]).tolist() == [16, 17, 18, 19, -1, -1, -1, -1]  # no class
   assert not np.asarray(last["image"])[4:].any()
   real = np.concatenate([np.asarray(b["label"])[np.asarray(b["mask"])] for b in batches])
   assert real.tolist() == list(range(20))

@@ -52,3 +52,15 @@ def test_the_example_says_what_is_missing_without_data(tmp_path):
   )
   assert out.returncode == 2
   assert out.stderr.strip().endswith("convert a dataset there first, or pass --make-digits N")
+
+
+def test_the_flax_imagenet_port_evaluates_every_image_once_per_epoch(tmp_path):
+  """Its eval loop calls next() steps_per_eval times per evaluation (repeat=True), and its
+  metrics count the rows of the mask: each evaluation is one whole pass of the 60 images."""
+  port = ROOT / "examples" / "flax_imagenet.py"
+  flags = ["--make-digits", "300", "--epochs", "2", "--batch-size", "32", "--image-size", "16"]
+  out = run([str(port), str(tmp_path / "digits"), *flags], cwd=tmp_path)
+  epochs = re.findall(
+    r"epoch (\d): train loss \S+, eval loss \S+, accuracy \S+ over (\d+) images", out
+  )
+  assert epochs == [("0", "60"), ("1", "60")], out

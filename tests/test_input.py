@@ -4,7 +4,9 @@ import pathlib
 
 import grain
 import jax
+import jax.numpy as jnp
 import numpy as np
+import optax
 import orbax.checkpoint as ocp
 import pytest
 
@@ -53,6 +55,46 @@ def test_each_eval_pass_counts_every_example_once_and_the_next_loop_starts_anoth
   next(val)
   val.reset()  # a pass abandoned half-way: reset starts over
   assert len(list(val)) == 4
+  val.close()
+
+
+def test_a_next_loop_past_the_eval_pass_is_told_how_to_loop_in_one_line(digits_dir):
+  """The Flax ImageNet example calls next() steps_per_eval times per evaluation."""
+  val = pipeline.input(digits_dir, "validation", global_batch_size=16, **FAST)
+  for _ in range(val.steps_per_epoch):  # the first evaluation: the whole pass
+    next(val)
+  with pytest.raises(StopIteration) as ended:  # the second one's first call
+    next(val)
+  line = str(ended.value)
+  assert "\n" not in line and "end of the eval pass (4 batches of 16, 60 examples" in line
+  assert "`for batch in ...:`" in line and "repeat=True" in line and "steps_per_eval" in line
+  assert len(list(val)) == 4  # and a for loop still runs one pass
+  val.close()
+
+
+def test_repeat_serves_a_fixed_count_next_loop_one_whole_pass_per_evaluation(digits_dir):
+  val = pipeline.input(digits_dir, "validation", global_batch_size=16, repeat=True, **FAST)
+  passes = []
+  for _ in range(3):
+    batches = [next(val) for _ in range(val.steps_per_epoch)]
+    passes.append(np.concatenate([np.asarray(b["label"])[np.asarray(b["mask"])] for b in batches]))
+  assert len(passes[0]) == 60 and all(p.tolist() == passes[0].tolist() for p in passes)
+  val.close()
+
+
+def test_padded_rows_count_as_nothing_for_a_client_that_ignores_the_mask(digits_dir):
+  """Label -1: jax.nn.one_hot gives zeros, so the cross-entropy is 0, and no prediction
+  equals it; the mask stays for the denominators."""
+  val = pipeline.input(digits_dir, "validation", global_batch_size=16, **FAST)
+  last = list(val)[-1]
+  label, mask = np.asarray(last["label"]), np.asarray(last["mask"])
+  assert mask.sum() == 12 and (label[~mask] == -1).all() and (label[mask] >= 0).all()
+  onehot = jax.nn.one_hot(last["label"], val.num_classes)
+  assert not np.asarray(onehot)[~mask].any()
+  loss = optax.softmax_cross_entropy(jnp.zeros((16, val.num_classes)), onehot)
+  assert not np.asarray(loss)[~mask].any() and np.asarray(loss)[mask].all()
+  for guess in range(val.num_classes):  # a model that always answers `guess`
+    assert not (np.full(16, guess) == label)[~mask].any()
   val.close()
 
 

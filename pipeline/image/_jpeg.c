@@ -51,8 +51,9 @@ static double uniform(uint64_t key, uint64_t k) {
 /* ------------------------------------------------------------------ crop geometry */
 
 typedef struct {
-  int train, flip, dct_scaling, fast_dct, size, tf_crop, resize_first;
+  int train, flip, dct_scaling, fast_dct, size, tf_crop, resize_first, flax_center;
   double area_lo, area_hi, ratio_lo, ratio_hi, log_ratio_lo, log_ratio_hi, crop_fraction;
+  double min_covered; /* the "tf" crop's min_object_covered, the whole image its object */
 } params_t;
 
 #define ATTEMPTS 10 /* torchvision's RandomResizedCrop */
@@ -60,10 +61,12 @@ typedef struct {
 #define TF_ATTEMPTS 100 /* sample_distorted_bounding_box's max_attempts default */
 #define TF_DRAW 64      /* the "tf" crop's draws: TF_DRAW + 4 * attempt + (aspect, height, y, x) */
 
-/* TF's sample_distorted_bounding_box (no boxes, min_object_covered 0: GenerateRandomCrop in
+/* TF's sample_distorted_bounding_box (GenerateRandomCrop in
  * tensorflow/core/kernels/image/sample_distorted_bounding_box_op.cc, float32 as there): aspect
- * uniform, height uniform between the area bounds, offset in [0, h - ch); after TF_ATTEMPTS
- * misses, the whole image. `augment.tf_inception_crop_box` is the same in Python. */
+ * uniform, height uniform between the area bounds, offset in [0, h - ch); a crop covering less
+ * than min_covered of the image (the whole image as the one box, as the Flax ImageNet example
+ * passes it: SatisfiesOverlapConstraints) is another miss; after TF_ATTEMPTS misses, the whole
+ * image. `augment.tf_inception_crop_box` is the same in Python. */
 static void tf_crop_box(const params_t *p, long h, long w, uint64_t key, long box[4]) {
   const float lo = (float)p->ratio_lo, hi = (float)p->ratio_hi;
   const float min_area = (float)p->area_lo * (float)w * (float)h;
@@ -92,7 +95,8 @@ static void tf_crop_box(const params_t *p, long h, long w, uint64_t key, long bo
       cw = lrintf((float)ch * aspect);
       area = (float)(cw * ch);
     }
-    if (area >= min_area && area <= max_area && cw > 0 && cw <= w && ch > 0 && ch <= h) {
+    if (area >= min_area && area <= max_area && cw > 0 && cw <= w && ch > 0 && ch <= h &&
+        (float)(cw * ch) / (float)(h * w) >= (float)p->min_covered) {
       box[0] = ch < h ? (long)(uniform(key, k + 2) * (double)(h - ch)) : 0;
       box[1] = cw < w ? (long)(uniform(key, k + 3) * (double)(w - cw)) : 0;
       box[2] = ch, box[3] = cw;
@@ -112,6 +116,12 @@ static void crop_box(const params_t *p, long h, long w, uint64_t key, long box[4
   }
   if (!p->train && p->resize_first) {
     box[0] = box[1] = 0, box[2] = h, box[3] = w;
+    return;
+  }
+  if (!p->train && p->flax_center) { /* the Flax example's _decode_and_center_crop, float32 */
+    long side = (long)((float)p->crop_fraction * (float)(h < w ? h : w));
+    if (side < 1) side = 1;
+    box[0] = (h - side + 1) / 2, box[1] = (w - side + 1) / 2, box[2] = side, box[3] = side;
     return;
   }
   if (!p->train) {
@@ -638,9 +648,9 @@ static void load_one(item_t *it, const decoder_t *d, scratch_t *slot, int32_t *d
 
 static int get_params(PyObject *t, params_t *p) {
   double area_lo, area_hi, ratio_lo, ratio_hi;
-  if (!PyArg_ParseTuple(t, "pppp(dd)(dd)dpp", &p->train, &p->flip, &p->dct_scaling,
+  if (!PyArg_ParseTuple(t, "pppp(dd)(dd)dppdp", &p->train, &p->flip, &p->dct_scaling,
                         &p->fast_dct, &area_lo, &area_hi, &ratio_lo, &ratio_hi, &p->crop_fraction,
-                        &p->tf_crop, &p->resize_first))
+                        &p->tf_crop, &p->resize_first, &p->min_covered, &p->flax_center))
     return -1;
   p->area_lo = area_lo, p->area_hi = area_hi, p->ratio_lo = ratio_lo, p->ratio_hi = ratio_hi;
   p->log_ratio_lo = log(ratio_lo), p->log_ratio_hi = log(ratio_hi);
@@ -935,8 +945,8 @@ static PyObject *tf_inception_crop_box_py(PyObject *Py_UNUSED(self), PyObject *a
   params_t p = {.train = 1, .tf_crop = 1};
   long h, w;
   unsigned long long key;
-  if (!PyArg_ParseTuple(args, "llK(dd)(dd)", &h, &w, &key, &p.area_lo, &p.area_hi, &p.ratio_lo,
-                        &p.ratio_hi))
+  if (!PyArg_ParseTuple(args, "llK(dd)(dd)|d", &h, &w, &key, &p.area_lo, &p.area_hi, &p.ratio_lo,
+                        &p.ratio_hi, &p.min_covered))
     return NULL;
   return box_of(&p, h, w, key);
 }
@@ -944,7 +954,7 @@ static PyObject *tf_inception_crop_box_py(PyObject *Py_UNUSED(self), PyObject *a
 static PyObject *center_crop_box_py(PyObject *Py_UNUSED(self), PyObject *args) {
   params_t p = {.ratio_lo = 1, .ratio_hi = 1};
   long h, w;
-  if (!PyArg_ParseTuple(args, "lld", &h, &w, &p.crop_fraction)) return NULL;
+  if (!PyArg_ParseTuple(args, "lld|p", &h, &w, &p.crop_fraction, &p.flax_center)) return NULL;
   return box_of(&p, h, w, 0);
 }
 
@@ -969,9 +979,9 @@ static PyMethodDef methods[] = {
     {"random_resized_crop_box", random_resized_crop_box_py, METH_VARARGS,
      "random_resized_crop_box(h, w, key, area, ratio) -> (y, x, h, w): torchvision's crop"},
     {"tf_inception_crop_box", tf_inception_crop_box_py, METH_VARARGS,
-     "tf_inception_crop_box(h, w, key, area, ratio) -> (y, x, h, w): TF's crop"},
+     "tf_inception_crop_box(h, w, key, area, ratio, min_covered=0) -> (y, x, h, w): TF's crop"},
     {"center_crop_box", center_crop_box_py, METH_VARARGS,
-     "center_crop_box(h, w, crop_fraction) -> (y, x, h, w): the eval crop"},
+     "center_crop_box(h, w, crop_fraction, flax=False) -> (y, x, h, w): the eval crop"},
     {"dct_scale", dct_scale_py, METH_VARARGS,
      "dct_scale(box, size) -> the DCT scale denominator (1, 2, 4, 8) of a window"},
     {NULL, NULL, 0, NULL}};

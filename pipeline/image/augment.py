@@ -4,8 +4,9 @@ Train crops (`Head.crop`): "torchvision" is torchvision's RandomResizedCrop (are
 uniform, aspect log-uniform, 10 tries, centred fallback); "tf" is TF's
 `sample_distorted_bounding_box` as big_vision's `inception_crop` calls it (aspect uniform,
 height uniform between the area bounds, 100 tries, whole-image fallback, TF's float32
-rounding). Eval (`Head.eval_order`): "crop_then_resize" resizes the centre crop;
-"resize_then_crop" is big_vision's `resize_small(R)|central_crop(S)` (area filter).
+rounding; `min_object_covered` as the Flax ImageNet example passes it). Eval
+(`Head.eval_order`): "crop_then_resize" resizes the centre crop (`flax_center`: the Flax
+example's box); "resize_then_crop" is big_vision's `resize_small(R)|central_crop(S)`.
 
 Crop windows are chosen from the header's size *before* decoding, so the decoder only
 touches the pixels the crop needs. Every random draw of an example comes from a counter-based
@@ -61,17 +62,22 @@ def tf_inception_crop_box(
   key: int,
   area: tuple[float, float] = (0.05, 1.0),
   ratio: tuple[float, float] = (0.75, 1.33),
+  min_covered: float = 0.0,
 ) -> Box:
-  """TF's `sample_distorted_bounding_box` (no boxes, min_object_covered=0), as big_vision's
-  `inception_crop` calls it: aspect (w/h) uniform in `ratio`, then the height uniform among
+  """TF's `sample_distorted_bounding_box` as big_vision's `inception_crop` calls it (no boxes,
+  min_object_covered=0): aspect (w/h) uniform in `ratio`, then the height uniform among
   the integers between the area bounds (`GenerateRandomCrop`, float32 like the kernel), the
-  offset uniform in [0, h - ch) (sic); after 100 misses, the whole image."""
-  return decode.geometry().tf_inception_crop_box(h, w, key, area, ratio)
+  offset uniform in [0, h - ch) (sic); after 100 misses, the whole image. `min_covered`: as
+  the Flax example calls it (the whole image as its one box, `min_object_covered=0.1`), a
+  crop covering less of the image is a miss (`SatisfiesOverlapConstraints`)."""
+  return decode.geometry().tf_inception_crop_box(h, w, key, area, ratio, min_covered)
 
 
-def center_crop_box(h: int, w: int, crop_fraction: float = 0.875) -> Box:
-  """The eval crop: the centre square of `crop_fraction` of the shorter side."""
-  return decode.geometry().center_crop_box(h, w, crop_fraction)
+def center_crop_box(h: int, w: int, crop_fraction: float = 0.875, flax: bool = False) -> Box:
+  """The eval crop: the centre square of `crop_fraction` of the shorter side, its side rounded
+  to nearest and its offset down; `flax`: as the Flax example's `_decode_and_center_crop`
+  (side truncated from float32, offset rounded up)."""
+  return decode.geometry().center_crop_box(h, w, crop_fraction, flax)
 
 
 def dct_scale(box: Box, size: int) -> int:
@@ -95,6 +101,8 @@ class Head:
   fast_dct: bool = False
   crop: str = "torchvision"
   eval_order: str = "crop_then_resize"
+  min_object_covered: float = 0.0
+  flax_center: bool = False
 
   @property
   def resize_first(self) -> bool:
@@ -118,6 +126,8 @@ class Head:
       self.crop_fraction,
       self.crop == "tf",
       self.resize_first,
+      self.min_object_covered,
+      self.flax_center,
     )
 
   def slot_bytes(self) -> int:
@@ -135,12 +145,14 @@ class Head:
   def box(self, h: int, w: int, key: int) -> Box:
     """The window to decode: the random crop, the centre crop, or (resize_then_crop) all."""
     if self.train and self.crop == "tf":
-      return tf_inception_crop_box(h, w, key, self.area_range, self.aspect_range)
+      return tf_inception_crop_box(
+        h, w, key, self.area_range, self.aspect_range, self.min_object_covered
+      )
     if self.train:
       return random_resized_crop_box(h, w, key, self.area_range, self.aspect_range)
     if self.resize_first:
       return 0, 0, h, w
-    return center_crop_box(h, w, self.crop_fraction)
+    return center_crop_box(h, w, self.crop_fraction, self.flax_center)
 
   def flips(self, key: int) -> bool:
     return self.train and self.flip and uniform(key, fallback.FLIP_DRAW) < 0.5

@@ -75,6 +75,7 @@ def tf_inception_crop_box(
   key: int,
   area: tuple[float, float] = (0.05, 1.0),
   ratio: tuple[float, float] = (0.75, 1.33),
+  min_covered: float = 0.0,
 ) -> Box:
   """`augment.tf_inception_crop_box` in Python (TF_ATTEMPTS tries, float32 as the kernel)."""
   f32 = np.float32
@@ -104,7 +105,8 @@ def tf_inception_crop_box(
       ch -= 1
       cw = int(np.rint(f32(ch) * aspect))
       crop_area = f32(cw * ch)
-    if min_area <= crop_area <= max_area and 0 < cw <= w and 0 < ch <= h:
+    covered = f32(cw * ch) / f32(h * w) >= f32(min_covered)
+    if min_area <= crop_area <= max_area and 0 < cw <= w and 0 < ch <= h and covered:
       y = int(uniform(key, k + 2) * (h - ch)) if ch < h else 0
       x = int(uniform(key, k + 3) * (w - cw)) if cw < w else 0
       return y, x, ch, cw
@@ -121,8 +123,11 @@ def lround(x: float) -> int:
   return int(math.floor(x + 0.5))
 
 
-def center_crop_box(h: int, w: int, crop_fraction: float = 0.875) -> Box:
-  """The eval crop: the centre square of `crop_fraction` of the shorter side."""
+def center_crop_box(h: int, w: int, crop_fraction: float = 0.875, flax: bool = False) -> Box:
+  """`augment.center_crop_box` in Python."""
+  if flax:
+    side = max(1, int(np.float32(crop_fraction) * np.float32(min(h, w))))
+    return (h - side + 1) // 2, (w - side + 1) // 2, side, side
   side = max(1, lround(min(h, w) * crop_fraction))
   return (h - side) // 2, (w - side) // 2, side, side
 

@@ -43,7 +43,7 @@ class PermutedMixup:
 
   def __call__(self, batch: dict[str, np.ndarray], rng: np.random.Generator) -> dict:
     key = _label_key("permuted_mixup", self.key, batch)
-    labels = self._soft(np.asarray(batch[key]))
+    labels = self._soft(np.asarray(batch[key]), batch.get(MASK_KEY))
     rows = len(labels)
     real = np.flatnonzero(batch[MASK_KEY]) if MASK_KEY in batch else np.arange(rows)
     lam = np.float32(rng.beta(self.alpha, self.alpha))
@@ -58,16 +58,21 @@ class PermutedMixup:
       mixed = (lam * image + (1 - lam) * image[partner]).astype(image.dtype)
     return {**batch, "image": mixed, key: lam * labels + (1 - lam) * labels[partner]}
 
-  def _soft(self, labels: np.ndarray) -> np.ndarray:
+  def _soft(self, labels: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """One-hot rows of class indices; rows the mask leaves out (label -1) all zeros."""
     if labels.ndim == 2:
       return labels.astype(np.float32)
     if self.num_classes is None:
       raise OpError("permuted_mixup needs num_classes to make soft labels from class indices")
-    if labels.size and not 0 <= labels.min() <= labels.max() < self.num_classes:
+    real = np.ones(len(labels), bool) if mask is None else np.asarray(mask, bool)
+    kept = labels[real]
+    if kept.size and not 0 <= kept.min() <= kept.max() < self.num_classes:
       raise OpError(
-        f"permuted_mixup: labels outside [0, {self.num_classes}): {labels.min()}..{labels.max()}"
+        f"permuted_mixup: labels outside [0, {self.num_classes}): {kept.min()}..{kept.max()}"
       )
-    return np.eye(self.num_classes, dtype=np.float32)[labels]
+    out = np.zeros((len(labels), self.num_classes), np.float32)
+    out[np.flatnonzero(real), kept] = 1
+    return out
 
 
 def _label_key(op: str, key: str | None, batch: Mapping[str, np.ndarray]) -> str:
@@ -105,7 +110,8 @@ def _looks_like_soft_labels(v: np.ndarray) -> bool:
 class OneHot:
   """big_vision's onehot on a host batch: int labels in `key` -> float32[B, depth] in
   `key_result` (default: `key` itself), `on` for the class and `off` elsewhere.
-  Labels outside [0, depth) are refused, never an all-`off` row."""
+  Labels outside [0, depth) are refused, never an all-`off` row, except on rows an eval
+  batch's "mask" leaves out (padding, label -1): those are all `off`."""
 
   depth: int
   key: str = "label"
@@ -125,10 +131,12 @@ class OneHot:
       raise OpError(
         f"onehot: {self.key!r} must hold int class indices, got {labels.dtype}{list(labels.shape)}"
       )
-    if labels.size and not 0 <= labels.min() <= labels.max() < self.depth:
-      raise OpError(f"onehot: labels outside [0, {self.depth}): {labels.min()}..{labels.max()}")
+    real = np.asarray(batch.get(MASK_KEY, np.ones(len(labels), bool)), bool)
+    kept = labels[real]
+    if kept.size and not 0 <= kept.min() <= kept.max() < self.depth:
+      raise OpError(f"onehot: labels outside [0, {self.depth}): {kept.min()}..{kept.max()}")
     out = np.full((len(labels), self.depth), self.off, np.float32)
-    out[np.arange(len(labels)), labels] = self.on
+    out[np.flatnonzero(real), kept] = self.on
     return {**batch, self.key_result or self.key: out}
 
 

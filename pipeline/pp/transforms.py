@@ -35,6 +35,8 @@ def transforms(spec: Spec, num_classes: int) -> tuple[augment_lib.Head, tuple, t
     bicubic=aug.interpolation == "bicubic",
     crop=aug.crop,
     eval_order=aug.eval_order,
+    min_object_covered=aug.min_object_covered,
+    flax_center=aug.crop_padding is not None,
     dct_scaling=spec.decoding.dct_scaling,
     fast_dct=spec.decoding.fast_dct,
   )

@@ -6,7 +6,9 @@ example if it asks), failed slots are handled by the error policy, then your bat
 An image op's output that has the batch's shape and dtype is written back into the decoded
 batch array (no second array, no stacking copy); only ops that change them pay for one.
 The output is {"image", "label"[, features][, "mask"]} plus the batch's skip count under
-SKIPPED_KEY, which `pipeline.stages.stream` sums and removes.
+SKIPPED_KEY, which `pipeline.stages.stream` sums and removes. Rows the mask leaves out have
+label PAD_LABEL (-1): a one-hot of zeros and never a correct prediction, so a client that does
+not read the mask cannot count them as real.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from pipeline.stages.ahead import Threads
 from pipeline.stages.plan import Batch
 
 SKIPPED_KEY = "_skipped"
+PAD_LABEL = -1  # the label of a row the mask leaves out (padding, a skipped record)
 _UNLABELED = "; -1 is TFDS's 'no label': this split is unlabeled, read a labeled one"
 
 
@@ -70,6 +73,7 @@ class FinishBatch:
     if arrays is not None:
       out.update(arrays)
     if self.with_mask:
+      out["label"][~ok] = PAD_LABEL
       out["mask"] = ok
     else:
       _fill_skipped(out, ok)

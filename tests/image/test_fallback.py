@@ -54,8 +54,14 @@ def test_crop_boxes_and_dct_scales_agree_on_many_shapes(native):
       assert got == getattr(fallback, name)(h, w, key, area, ratio), (name, h, w, key, area, ratio)
       y, x, ch, cw = got
       assert 0 <= y and 0 <= x and 0 < ch and 0 < cw and y + ch <= h and x + cw <= w
+    covered = float(rng.choice([0.1, rng.uniform(0, 1)]))
+    got = native.tf_inception_crop_box(h, w, key, area, ratio, covered)
+    assert got == fallback.tf_inception_crop_box(h, w, key, area, ratio, covered), (h, w, covered)
+    assert got == (0, 0, h, w) or got[2] * got[3] >= covered * h * w * (1 - 1e-6)
     fraction = float(rng.uniform(0.01, 1.0))
-    assert native.center_crop_box(h, w, fraction) == fallback.center_crop_box(h, w, fraction)
+    for flax in (False, True):
+      got = native.center_crop_box(h, w, fraction, flax)
+      assert got == fallback.center_crop_box(h, w, fraction, flax), (h, w, fraction, flax)
     box, size = (0, 0, h, w), int(rng.integers(1, 600))
     assert native.dct_scale(box, size) == fallback.dct_scale(box, size), (box, size)
 
