@@ -278,7 +278,7 @@ def start(config: ml_collections.ConfigDict, workdir: epath.Path) -> tuple[Setup
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains `config` in `workdir` (resuming from its last checkpoint) and evaluates; returns
   the run's summary (also WORKDIR/summary.json)."""
-  workdir = epath.Path(workdir).absolute()
+  workdir = epath.Path(workdir) if "://" in workdir else epath.Path(workdir).absolute()
   setup, lock = start(config, workdir)
   done = checkpoints.already_done(workdir, setup.plan.num_steps)
   if done is not None:
