@@ -4,7 +4,8 @@
 Process 0 holds a roll call on the coordinator's port + 1 (plain TCP: it works across
 machines): every process reports there about once a second ("here", or that a signal
 stopped it) and hears back who else reported. So each process says whom it still waits for
-(`wait`), and names those that never came.
+(`wait`), and names those that never came; process 0 that cannot start the join tells them
+why (`refuse`), so that each says it at once instead of waiting out --join_timeout.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ POLL_S = 1.0  # how often a joining process reports to the roll call
 FIRST_WAIT_S, WAIT_EVERY_S = 5, 15  # when a joining process says whom it waits for
 PRESENT_S = 5.0  # a process that reported within this is here
 ANSWER_S = 2.0  # for the roll call's answer
+FAILED = "failed: "  # process 0's status when it cannot start the join, then its cause
+HOLD_S = 30  # how long process 0 holds the roll call to tell the others that cause
 
 
 def wait(connect: Callable[[], None], roll: RollCall, timeout_s: int) -> None:
@@ -45,6 +48,9 @@ def wait(connect: Callable[[], None], roll: RollCall, timeout_s: int) -> None:
     if not joining.is_alive():
       break
     roll.call()
+    if (cause := roll.failed()) is not None:
+      _say(f"python -m train: process 0 failed: {cause}")
+      os._exit(2)  # as process 0 exits: `joining` waits inside JAX
     waited = time.monotonic() - start
     if waited >= timeout_s:
       _say(
@@ -60,6 +66,16 @@ def wait(connect: Callable[[], None], roll: RollCall, timeout_s: int) -> None:
       say_at += WAIT_EVERY_S
   if failed:
     raise failed[0]
+
+
+def refuse(roll: RollCall, cause: str, timeout_s: int) -> None:
+  """Process 0, which cannot start the join: holds the roll call until every other process
+  has heard `cause` (they say it and exit: `wait`), or for at most HOLD_S (and `timeout_s`)."""
+  roll.report(0, FAILED + cause)
+  end = time.monotonic() + min(HOLD_S, timeout_s)
+  while roll.server and time.monotonic() < end and len(roll.reports) < roll.count:
+    time.sleep(POLL_S / 4)
+  time.sleep(POLL_S / 4 if roll.server else 0)  # the last answer on its way
 
 
 def _say(line: str) -> None:
@@ -121,6 +137,11 @@ class RollCall:
       except (OSError, ValueError):
         heard = {}  # process 0 is not there (yet)
     self.heard = None if heard is None else {int(p): s for p, s in heard.items()}
+
+  def failed(self) -> str | None:
+    """Why process 0 could not start the join, as this process last heard it, or None."""
+    status = (self.heard or {}).get(0, "")
+    return status.removeprefix(FAILED) if self.me and status.startswith(FAILED) else None
 
   def missing(self) -> str:
     """'process 1', 'processes 0, 2' or 'the other processes' (when unknown): who has not
