@@ -173,7 +173,7 @@ class Plan:
     ]
     if past:
       lines.append(
-        f"plan: the run's {self.num_steps} steps end before its first {' and '.join(past)}: "
+        f"note: the run's {self.num_steps} steps end before its first {' and '.join(past)}: "
         f"it {'evaluates and saves' if len(past) == 2 else 'does so'} at its end only"
       )
     if self.warmup_steps > MAX_WARMUP * self.num_steps:

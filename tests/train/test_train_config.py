@@ -343,7 +343,7 @@ def test_a_run_shorter_than_the_recipes_intervals_and_warmup_says_so_with_the_pl
   assert (setup.plan.eval_every, setup.plan.checkpoint_every) == (150, 75)
   notes = setup.notes.splitlines()  # shown under the plan line, and by --dry_run
   assert notes[-2] == (
-    "plan: the run's 60 steps end before its first eval (every 150) and checkpoint (every "
+    "note: the run's 60 steps end before its first eval (every 150) and checkpoint (every "
     "75): it evaluates and saves at its end only"
   )
   assert notes[-1] == (
@@ -353,7 +353,7 @@ def test_a_run_shorter_than_the_recipes_intervals_and_warmup_says_so_with_the_pl
   config.num_steps, config.warmup_steps = 150, 30  # an eval at its end only; 20% warmup
   notes = config_lib.resolve(config, 240, processes=1, data_devices=1).notes()
   assert notes == (
-    "plan: the run's 150 steps end before its first eval (every 150): it does so at its end only\n"
+    "note: the run's 150 steps end before its first eval (every 150): it does so at its end only\n"
   )
   config.num_steps = None  # the recipe's 40 epochs: nothing to say
   assert config_lib.resolve(config, 240, processes=1, data_devices=1).notes() == ""
