@@ -2,6 +2,7 @@
 
     python -m bench.doctor data/photos --batch-size 128 --step-ms 100
     python -m bench.doctor --config configs/default.py --apply configs/default_tuned.py
+    python -m bench.doctor --config default --config.input.image_size=64   # the run's config
     python -m bench.doctor data/photos --cores 224        # for a host you are not on
 
 Times each stage alone on one thread through the library's functions (read: batched reads
@@ -38,6 +39,7 @@ block (`make_dataset`'s keywords).
 from __future__ import annotations
 
 import argparse
+import ast
 import dataclasses
 import importlib
 import importlib.util
@@ -66,6 +68,7 @@ from pipeline.order.blocks import BLOCK_RECORDS
 from pipeline.stages import decode as decode_stage
 from pipeline.stages import read as read_lib
 from pipeline.stages.stats import Stats
+from train import config as train_config
 
 GIL_STAGES = ("read", "parse", "other")  # "other": crop box, RNG, Python layers, Grain
 # ties: hardware first
@@ -95,6 +98,7 @@ class Settings:
   performance: dict = dataclasses.field(default_factory=dict)  # pipeline.Performance fields
   decoding: dict = dataclasses.field(default_factory=dict)  # pipeline.Decoding fields
   other: dict = dataclasses.field(default_factory=dict)  # any other make_dataset keyword
+  recipe: str | None = None  # the config file they came from (None: the doctor's defaults)
 
   @property
   def aug(self) -> pipeline.Augment:
@@ -928,10 +932,11 @@ def requests_line(q: Requests) -> str:
 def report(d: Diagnosis) -> str:
   s, r, m = d.settings, d.run, d.measured
   plan = parallelism.Plan(d.plan["workers"], d.plan["threads"])
+  source = f"from {s.recipe}" if s.recipe else "defaults: --config RECIPE takes the run's"
   lines = [
     (
       f"pipeline doctor: {s.data_dir} ({s.split}, {m.num_records} records, {m.num_shards} "
-      f"shards), batch {s.batch_size}, image {s.image_size}, performance "
+      f"shards), batch {s.batch_size}, image {s.image_size} ({source}), performance "
       f"{dataclasses.asdict(s.perf)}, decoding {dataclasses.asdict(s.dec)}"
     ),
     f"machine: {measure.machine()}, load average {m.load_average}",
@@ -997,6 +1002,14 @@ def report(d: Diagnosis) -> str:
   return "\n".join(lines)
 
 
+def find_config(name_or_path: str) -> str:
+  """A recipe's path, as the trainer finds it: a file, or a name in the repo's configs/."""
+  try:
+    return os.fspath(train_config.find(name_or_path))
+  except ValueError as e:
+    raise UsageError(f"no config file {name_or_path} ({e})") from None
+
+
 def load_config(path: str) -> ml_collections.ConfigDict:
   """`get_config()` of a config file; one inside a package imports as that package."""
   if not pathlib.Path(path).is_file():
@@ -1030,6 +1043,31 @@ def _plain(value):
   return tuple(value) if isinstance(value, list) else value
 
 
+def override(config: ml_collections.ConfigDict, flags: list[str]) -> None:
+  """Applies the trainer's `--config.FIELD=VALUE` overrides to `config` (values as Python
+  literals, else strings; each field keeps its type)."""
+  for flag in flags:
+    key, sep, text = flag.removeprefix("--config.").partition("=")
+    if not flag.startswith("--config.") or not sep:
+      raise UsageError(f"unrecognized argument {flag}: overrides are --config.FIELD=VALUE")
+    try:
+      value = ast.literal_eval(text)
+    except (ValueError, SyntaxError):
+      value = {"true": True, "false": False}.get(text.lower(), text)
+    *parents, leaf = key.split(".")
+    node = config
+    try:
+      for name in parents:
+        node = node[name]
+      if leaf not in node:
+        raise KeyError(leaf)
+      node[leaf] = value
+    except (KeyError, AttributeError):
+      raise UsageError(f"unknown config field {key} (in --config.{key}={text})") from None
+    except TypeError as e:
+      raise UsageError(f"--config.{key}={text}: {' '.join(str(e).split())}") from None
+
+
 def settings_from_config(config, path: str = "the config") -> Settings:
   """Settings from a config's `input` block (make_dataset's keywords), its global
   batch_size (one process) and seed (unless the input names its own)."""
@@ -1044,7 +1082,7 @@ def settings_from_config(config, path: str = "the config") -> Settings:
   known["augment"] = known.get("augment") or {}
   known["performance"] = known.get("performance") or {}
   known["decoding"] = known.get("decoding") or {}
-  return Settings(batch_size=config.get("batch_size", 128), other=kwargs, **known)
+  return Settings(batch_size=config.get("batch_size", 128), other=kwargs, recipe=path, **known)
 
 
 def write_config(path: str, d: Diagnosis, base_module: str, base, command: str) -> None:
@@ -1090,7 +1128,12 @@ def parser() -> argparse.ArgumentParser:
     formatter_class=argparse.RawDescriptionHelpFormatter,
   )
   p.add_argument("data_dir", nargs="?", help="converted dataset (default: the config's)")
-  p.add_argument("--config", help="an ml_collections config file; its `input` block is used")
+  p.add_argument(
+    "--config",
+    help="the run's recipe, as the trainer takes it (a name in configs/ or a file): its "
+    "`input` block and batch_size are used, with any --config.FIELD=VALUE overrides (these "
+    "alone: the default recipe)",
+  )
   p.add_argument("--split", help="split to read (default: train)")
   p.add_argument("--batch-size", type=int, help="per-process batch size")
   p.add_argument("--image-size", type=int)
@@ -1139,13 +1182,21 @@ def parser() -> argparse.ArgumentParser:
   return p
 
 
-def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | None]:
-  """The settings to diagnose, the config's module name (for --apply) and the config."""
+def _settings(
+  args, overrides: list[str] = ()
+) -> tuple[Settings, str | None, ml_collections.ConfigDict | None]:
+  """The settings to diagnose, the config's module name (for --apply) and the config, with
+  the trainer's `--config.FIELD=VALUE` `overrides` (which alone take its default recipe)."""
   base_module, base = None, None
+  if overrides and not args.config:
+    args.config = "default"
   if args.config:
+    args.config = find_config(args.config)
     base_module = _module_name(args.config)[0]
     base = load_config(args.config)
-    s = settings_from_config(base, args.config)
+    config = base.copy_and_resolve_references()  # `base` stays the recipe --apply imports
+    override(config, list(overrides))
+    s = settings_from_config(config, args.config)
   elif args.data_dir:
     s = Settings(args.data_dir)
   else:
@@ -1203,9 +1254,12 @@ def _settings(args) -> tuple[Settings, str | None, ml_collections.ConfigDict | N
 
 def main(argv: list[str] | None = None) -> Diagnosis:
   argv = sys.argv[1:] if argv is None else argv
-  args = parser().parse_args(argv)
+  p = parser()
+  args, overrides = p.parse_known_args(argv)
+  if unknown := [a for a in overrides if not (a.startswith("--config.") and "=" in a)]:
+    p.error(f"unrecognized arguments: {' '.join(unknown)} (overrides are --config.FIELD=VALUE)")
   try:
-    return _main(args, argv)
+    return _main(args, argv, overrides)
   except (UsageError, FileNotFoundError, ValueError, TypeError, KeyError, OSError) as e:
     if args.verbose:
       traceback.print_exc()
@@ -1223,8 +1277,8 @@ def _outputs(args) -> tuple[str, str]:
   return timeline_path, json_path
 
 
-def _main(args, argv: list[str]) -> Diagnosis:
-  s, base_module, base = _settings(args)
+def _main(args, argv: list[str], overrides: list[str] = ()) -> Diagnosis:
+  s, base_module, base = _settings(args, overrides)
   timeline_path, json_path = _outputs(args)
   recorder = timeline.Recorder()
   m = measure_all(

@@ -140,7 +140,8 @@ class Performance:
   first records read at open) waits for its reads before one line naming the shard is raised (None:
   as gs:// reads, `pipeline.storage.remote`: 60 s), so that storage that stops answering (a stalled
   gcsfuse mount) is an error, never a hang. stats_every_s: print `iterator.stats()`'s table (a row
-  per stage and process, storage requests) to stderr every so many seconds (None: never).
+  per stage and process over the last interval, in images/s, the slowest stage, storage
+  requests) to stderr every so many seconds (None: never).
   memory_mb: the most the loader holds on this host, read-ahead, blocks kept for later rounds,
   record cache, batches and worker processes together (None: half the available memory;
   `python -m train`'s eval stream then plans within what its train stream left of it); the

@@ -1,15 +1,17 @@
 """A local GCS for tests: `python tests/gcs_emulator.py PORT BUCKET` serves the JSON API of
 `gcp-storage-emulator` (in memory) on 127.0.0.1:PORT with BUCKET created, until killed;
-`serving()` starts one on a free port and yields the environment that points gcsfs, epath and
-array_record at it (the tests' `gcs` fixture, `bench convert --emulator`).
+`serving()` starts one on a free port and yields the environment that points gcsfs, epath,
+array_record and TensorStore (Orbax) at it (the tests' `gcs` fixture, `bench convert --emulator`).
 
-Two gaps of the emulator are filled here. It ignores suffix ranges (`Range: bytes=-N`, the
+The emulator's gaps are filled here. It ignores suffix ranges (`Range: bytes=-N`, the
 last N bytes, which real GCS serves and array_record's reader asks for first to find a
 shard's footer) and answers them with the whole object from byte 0, which the reader then
 takes for the file's tail ("Invalid Riegeli/records file: chunk boundary is ..."). The
 wrapper turns `bytes=-N` into the equivalent `bytes=SIZE-N-` before the emulator sees it.
 And it serves one connection at a time with a backlog of 5, which drops the connections of
 array_record's parallel reads (54 s for 1,438 records); here each gets a thread (1.8 s).
+Downloads name the object's generation (`x-goog-generation`), as from GCS: TensorStore's
+conditional writes (Orbax's checkpoints) fail on "Malformed StorageGeneration" without it.
 An upload with the precondition ifGenerationMatch=0 (create only if absent, what a lock
 object needs) is refused with 412 where the object exists, as GCS does; the emulator would
 overwrite it. With GCS_EMULATOR_COUNT=FILE set, FILE holds the number of object downloads
@@ -70,6 +72,8 @@ def serving(bucket: str = "bkt", counters: dict | None = None):
       "CLOUD_STORAGE_EMULATOR_ENDPOINT": url,
       "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
       "EPATH_USE_TF": "false",
+      "TENSORSTORE_GCS_HTTP_URL": url,  # Orbax's checkpoints, written by TensorStore
+      "GOOGLE_AUTH_TOKEN_FOR_TESTING": "emulator",
     }
     yield env, proc.pid
   finally:
@@ -117,6 +121,11 @@ def _patch():
       if size is not None:
         del headers["range"]
         headers["Range"] = f"bytes={max(0, size - int(match['n']))}-"
+    try:  # GCS names the generation of what it serves; TensorStore's writes depend on it
+      obj = storage.get_file_obj(request.params["bucket_name"], request.params["object_id"])
+      response["x-goog-generation"] = obj["generation"]
+    except Exception:  # noqa: BLE001 - a missing object: the emulator's own 404 follows
+      pass
     return download(request, response, storage, *args, **kwargs)
 
   def insert_if_absent(request, response, storage, *args, **kwargs):

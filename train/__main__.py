@@ -199,6 +199,8 @@ def main(argv):
   if multihost:
     try:
       hosts.initialize(*named, HEARTBEAT.value, JOIN_TIMEOUT.value)
+    except UsageError as e:  # the coordinator's port taken: every process says it
+      fail(str(e))
     except (ValueError, RuntimeError) as e:
       if VERBOSE.value:
         raise

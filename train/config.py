@@ -134,6 +134,9 @@ def dataset_kwargs(config: ml_collections.ConfigDict, evaluation: bool = False) 
   return {"seed": config.seed, **kwargs}
 
 
+MAX_WARMUP = 0.25  # of the run's steps; more is warned about
+
+
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The numbers a run uses, resolved from the final config and the dataset's size."""
@@ -158,6 +161,33 @@ class Plan:
       f"{self.warmup_steps} steps, eval every {self.eval_every}, checkpoint every "
       f"{self.checkpoint_every}"
     )
+
+  def notes(self) -> str:
+    """Lines on what the numbers imply that a short run makes easy to miss: an eval or
+    checkpoint interval past the run (then only at its end), warmup past 25% of it."""
+    lines = []
+    past = [
+      f"{what} (every {every})"
+      for what, every in (("eval", self.eval_every), ("checkpoint", self.checkpoint_every))
+      if every >= self.num_steps
+    ]
+    if past:
+      lines.append(
+        f"note: the run's {self.num_steps} steps end before its first {' and '.join(past)}: "
+        f"it {'evaluates and saves' if len(past) == 2 else 'does so'} at its end only"
+      )
+    if self.warmup_steps > MAX_WARMUP * self.num_steps:
+      lines.append(
+        f"warning: warmup takes {self.warmup_steps} of the run's {self.num_steps} steps "
+        f"({self.warmup_steps / self.num_steps:.0%}), so the learning rate peaks late: set "
+        f"config.warmup_steps (or warmup_epochs) to at most {int(MAX_WARMUP * self.num_steps)}"
+      )
+    return "".join(f"{line}\n" for line in lines)
+
+
+def length_field(config: ml_collections.ConfigDict) -> str:
+  """The field that sets the run's length: num_steps when given, else num_epochs."""
+  return "config.num_steps" if config.num_steps is not None else "config.num_epochs"
 
 
 def steps(config: ml_collections.ConfigDict, name: str, steps_per_epoch: float) -> int:

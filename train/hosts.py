@@ -12,10 +12,12 @@ all. A lost process is reported by `train.supervise`.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import secrets
 import signal
+import socket
 import sys
 import threading
 import time
@@ -59,7 +61,14 @@ def initialize(
     )
   if None in (coordinator, num_processes, process_id):
     raise ValueError("JAX detected no cluster here")
+  busy = port_in_use(coordinator) if process_id == 0 else None
   roll = join.RollCall(coordinator, num_processes, process_id)
+  if busy is not None:  # told to the others through the roll call, then refused here
+    try:
+      join.refuse(roll, busy, join_timeout_s)
+    finally:
+      roll.close()
+    raise UsageError(busy)
   preemption = distributed._ENABLE_PREEMPTION_SERVICE.value
   jax.config.update("jax_enable_preemption_service", False)  # it takes SIGTERM: once joined
   previous = signal.signal(signal.SIGTERM, lambda signum, _: roll.stopped(signum))
@@ -83,6 +92,32 @@ def initialize(
     jax.config.update("jax_enable_preemption_service", preemption)
   distributed.global_state.initialize_preemption_sync_manager()
   threading.Thread(target=_watch_failures, daemon=True, name="train-failures").start()
+
+
+def port_in_use(coordinator: str) -> str | None:
+  """Why process 0 cannot serve at `coordinator` (HOST:PORT), or None: a port something
+  already listens on, where JAX's service would fail to bind and crash the process (SIGSEGV).
+  Tried as JAX binds it, on every address ([::], else 0.0.0.0)."""
+  host, _, port = coordinator.rpartition(":")
+  for family, address in ((socket.AF_INET6, "::"), (socket.AF_INET, "0.0.0.0")):
+    try:
+      probe = socket.socket(family, socket.SOCK_STREAM)
+    except OSError:  # no IPv6 here
+      continue
+    with probe:
+      probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # not fooled by TIME_WAIT
+      try:
+        probe.bind((address, int(port)))
+      except OSError as e:
+        if e.errno != errno.EADDRINUSE:
+          continue
+        return (
+          f"the coordinator's port {port} is in use on process 0's host ({host}), so JAX's "
+          "service cannot listen there: stop what holds it, or give every host another port "
+          "in --coordinator_address"
+        )
+      return None
+  return None
 
 
 def leave_together() -> None:

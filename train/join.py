@@ -4,9 +4,11 @@
 Process 0 holds a roll call on the coordinator's address, port + 1 (plain TCP: it works
 across machines): every process reports there about once a second ("here", or that a signal
 stopped it) and hears back who else reported. So each process says whom it still waits for
-(`wait`), and names those that never came. The roll call reads at most a short line, keeps
-only well-formed reports of this run's processes, and each exchange ends within its deadline
-whatever the other side does; another service on the port is one line, not a failure.
+(`wait`), and names those that never came; process 0 that cannot start the join tells them
+why (`refuse`), so that each says it at once instead of waiting out --join_timeout. The roll
+call reads at most a short line, keeps only well-formed reports of this run's processes, and
+each exchange ends within its deadline whatever the other side does; another service on the
+port is one line, not a failure.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ ANSWER_S = 2.0  # for the roll call's answer
 LINE_BYTES = 64  # a report: "<process> here" or "<process> stopped by SIGTERM"
 ANSWER_BYTES = 64 * 1024  # process 0's answer: a status per process
 STATUS = re.compile(r"here|stopped by SIG[A-Z0-9]{2,8}")
+FAILED = "failed: "  # process 0's status when it cannot start the join, then its cause
+HOLD_S = 30  # how long process 0 holds the roll call to tell the others that cause
 
 
 def wait(connect: Callable[[], None], roll: RollCall, timeout_s: int) -> None:
@@ -51,6 +55,9 @@ def wait(connect: Callable[[], None], roll: RollCall, timeout_s: int) -> None:
     if not joining.is_alive():
       break
     roll.call(deadline_s=min(ANSWER_S, max(0.1, timeout_s - (time.monotonic() - start))))
+    if (cause := roll.failed()) is not None:
+      _say(f"python -m train: process 0 failed: {cause}")
+      os._exit(2)  # as process 0 exits: `joining` waits inside JAX
     waited = time.monotonic() - start
     if waited >= timeout_s:
       _say(
@@ -66,6 +73,16 @@ def wait(connect: Callable[[], None], roll: RollCall, timeout_s: int) -> None:
       say_at += WAIT_EVERY_S
   if failed:
     raise failed[0]
+
+
+def refuse(roll: RollCall, cause: str, timeout_s: int) -> None:
+  """Process 0, which cannot start the join: holds the roll call until every other process
+  has heard `cause` (they say it and exit: `wait`), or for at most HOLD_S (and `timeout_s`)."""
+  roll.report(0, FAILED + cause)
+  end = time.monotonic() + min(HOLD_S, timeout_s)
+  while roll.server and time.monotonic() < end and len(roll.reports) < roll.count:
+    time.sleep(POLL_S / 4)
+  time.sleep(POLL_S / 4 if roll.server else 0)  # the last answer on its way
 
 
 def _say(line: str) -> None:
@@ -179,10 +196,16 @@ class RollCall:
     for process, status in heard.items():
       if not (process.isdigit() and int(process) < self.count and isinstance(status, str)):
         return None
-      if not STATUS.fullmatch(status):
+      said = process == "0" and status.startswith(FAILED) and status.isprintable()
+      if not (STATUS.fullmatch(status) or said):
         return None
       out[int(process)] = status
     return out
+
+  def failed(self) -> str | None:
+    """Why process 0 could not start the join, as this process last heard it, or None."""
+    status = (self.heard or {}).get(0, "")
+    return status.removeprefix(FAILED) if self.me and status.startswith(FAILED) else None
 
   def missing(self) -> str:
     """'process 1', 'processes 0, 2' or 'the other processes' (when unknown): who has not

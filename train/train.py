@@ -166,7 +166,7 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   fit.check(abstract, train.image_size, config.compute_dtype, train.batch_size, data_devices)
   plan = config_lib.resolve(config, train.num_examples, jax.process_count(), data_devices)
   make_optimizer(config, plan)  # an unknown optimizer is refused here
-  return Setup(mesh, plan, train, val, notes.getvalue())
+  return Setup(mesh, plan, train, val, notes.getvalue() + plan.notes())
 
 
 def open_input(
@@ -279,14 +279,14 @@ def start(config: ml_collections.ConfigDict, workdir: epath.Path) -> tuple[Setup
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains `config` in `workdir` (resuming from its last checkpoint) and evaluates; returns
   the run's summary (also WORKDIR/summary.json)."""
-  workdir = epath.Path(workdir).absolute()
+  workdir = epath.Path(workdir) if "://" in os.fspath(workdir) else epath.Path(workdir).absolute()
   setup, lock = start(config, workdir)
   done = checkpoints.already_done(workdir, setup.plan.num_steps)
   if done is not None:
     if jax.process_index() == 0:
       print(
         f"already done: {done['steps']} steps, eval top-1 {done['eval_top1']:.4f} "
-        f"({workdir / 'summary.json'}); raise config.num_epochs to train further",
+        f"({workdir / 'summary.json'}); raise {config_lib.length_field(config)} to train further",
         flush=True,
       )
     return done

@@ -218,7 +218,11 @@ def _verify(args: argparse.Namespace) -> int:
 
 
 def _quiet_engine(runner: str) -> None:
-  """A local Dask cluster logs every worker's start and stop: its warnings only."""
+  """A local Dask cluster logs every worker's start and stop: its warnings only. Checks
+  first that the engine is installed."""
+  from pipeline.convert import beam
+
+  beam.require(runner)
   if runner.endswith("DaskRunner"):
     import distributed  # noqa: F401 - its import sets its loggers' levels: set them after
 
@@ -331,8 +335,10 @@ def main(argv: list[str] | None = None) -> int:
         file=sys.stderr,
       )
       return 1
-    if isinstance(e, ModuleNotFoundError) and extras.hint(e.name, f"convert {args.command}"):
-      print(f"error: {extras.hint(e.name, f'convert {args.command}')}", file=sys.stderr)
+    runner = getattr(args, "runner", None)
+    what = " ".join(["convert", args.command, *(["--runner", runner] if runner else [])])
+    if isinstance(e, ModuleNotFoundError) and extras.hint(e.name, what):
+      print(f"error: {extras.hint(e.name, what)}", file=sys.stderr)
       return 2
     if isinstance(e, (ValueError, KeyError, OSError)):  # bad input or arguments
       print(f"error: {_one_line(e)}", file=sys.stderr)

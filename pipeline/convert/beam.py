@@ -29,6 +29,7 @@ import concurrent.futures
 import dataclasses
 import errno
 import functools
+import importlib.util
 import json
 import os
 import shutil
@@ -181,6 +182,15 @@ class _Progress:
       self._thread.join()
 
 
+def require(runner: str) -> None:
+  """Raises `ModuleNotFoundError` (naming the module) when Apache Beam, or Dask for the
+  DaskRunner, is not installed: checked before anything is planned or written."""
+  modules = (["distributed", "dask"] if runner.endswith("DaskRunner") else []) + ["apache_beam"]
+  for name in modules:
+    if importlib.util.find_spec(name) is None:
+      raise ModuleNotFoundError(f"No module named {name!r}", name=name)
+
+
 def _write(
   job: shards.Job,
   todo: list[shards.ShardPlan],
@@ -256,6 +266,7 @@ def convert_images(
   **kwargs: Any,
 ) -> manifest_lib.Manifest:
   """`images.convert` on Beam; `kwargs` are `images.plan`'s (split, val_fraction, ...)."""
+  require(runner)
   job = images.plan(src, out, **kwargs)
   job = dataclasses.replace(job, process=functools.partial(job.process, read_many=read_many))
   name = os.path.basename(os.path.normpath(os.fspath(src)))
@@ -280,6 +291,7 @@ def convert_tfrecord(
   **kwargs: Any,
 ) -> manifest_lib.Manifest:
   """`tfrecord.convert` on Beam; `kwargs` are `tfrecord.plan`'s (split, num_classes, ...)."""
+  require(runner)
   job = tfrecord.plan(pattern, out, **kwargs)
   job = dataclasses.replace(job, process=functools.partial(job.process, open_file=open_file))
   return run(

@@ -107,24 +107,46 @@ def _main_file(module: types.ModuleType | None) -> str | None:
 
 
 def _inside_guard(path: str, line: int) -> bool:
-  """Whether `line` of the script at `path` lies in a module-level `if __name__ ==
-  "__main__":` block (or the file cannot be read: then it is not ours to refuse)."""
+  """Whether `line` of the script at `path` lies in a block that runs only when `__name__ ==
+  "__main__"` (any `if`, `elif` or `else` whose test requires it), or the file cannot be read:
+  then it is not ours to refuse."""
   try:
     with open(path, encoding="utf-8") as f:
       tree = ast.parse(f.read(), path)
   except (OSError, SyntaxError, ValueError):
     return True
-  for node in tree.body:
-    if isinstance(node, ast.If) and _is_main_test(node.test):
-      if node.body[0].lineno <= line <= (node.body[-1].end_lineno or line):
+  for node in ast.walk(tree):
+    if not isinstance(node, ast.If):
+      continue
+    guarded = [node.body] if _requires_main(node.test) else []
+    if node.orelse and _excludes_main(node.test):
+      guarded.append(node.orelse)
+    for body in guarded:
+      if body[0].lineno <= line <= (body[-1].end_lineno or line):
         return True
   return False
 
 
-def _is_main_test(test: ast.expr) -> bool:
-  if not (isinstance(test, ast.Compare) and len(test.ops) == 1):
-    return False
-  if not isinstance(test.ops[0], ast.Eq):
+def _requires_main(test: ast.expr) -> bool:
+  """Whether `test` can be true only when `__name__ == "__main__"`."""
+  if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.And):
+    return any(_requires_main(value) for value in test.values)
+  if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+    return _excludes_main(test.operand)
+  return _compares_name(test, ast.Eq)
+
+
+def _excludes_main(test: ast.expr) -> bool:
+  """Whether `test` is true whenever `__name__ != "__main__"` (its `else` requires main)."""
+  if isinstance(test, ast.BoolOp) and isinstance(test.op, ast.Or):
+    return any(_excludes_main(value) for value in test.values)
+  if isinstance(test, ast.UnaryOp) and isinstance(test.op, ast.Not):
+    return _requires_main(test.operand)
+  return _compares_name(test, ast.NotEq)
+
+
+def _compares_name(test: ast.expr, op: type) -> bool:
+  if not (isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], op)):
     return False
   sides = [test.left, test.comparators[0]]
   names = [s for s in sides if isinstance(s, ast.Name) and s.id == "__name__"]

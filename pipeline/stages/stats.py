@@ -7,11 +7,13 @@ histogram, for p50/p99), the seconds its consumer waited for it and how many ele
 started then (queue occupancy). Storage counters come from the read stage's `ReadStats`. A
 process's counters ride on every batch it makes (STATS_KEY, a small float64 array, as the skip
 count does), so the main process sees every worker's latest figures without a channel of its
-own; `Stats` turns them into rows and a table, with each process's memory (RSS), how long it
-took to start (a worker: interpreter, imports, its stages unpickled) and whether it loaded JAX
-(`pipeline.host.light`: workers do not). In a process that has imported jax, each task
-is also a profiler trace annotation named `pipeline.STAGE`, with the `_ipl_stage_*` metadata
-Grain gives its own stages, so a `jax.profiler` trace shows the stages beside the steps.
+own; `Stats` turns them into rows over the interval since the previous `stats()` call, in
+images per second, names the slowest stage and makes a table, with each process's memory
+(RSS), how long it took to start (a worker: interpreter, imports, its stages unpickled) and
+whether it loaded JAX (`pipeline.host.light`: workers do not). In a process that has
+imported jax, each task is also a profiler trace annotation named `pipeline.STAGE`, with the
+`_ipl_stage_*` metadata Grain gives its own stages, so a `jax.profiler` trace shows the
+stages beside the steps.
 """
 
 from __future__ import annotations
@@ -149,14 +151,15 @@ class Timed:
 
 @dataclasses.dataclass(frozen=True)
 class Row:
-  """One stage in one process. `busy`: its threads' busy seconds per second (threads kept
-  busy); `wait_share`: of the seconds since the start, those its consumer waited for it;
-  `queued`: elements it had started, on average, when one was asked for (None: not seen)."""
+  """One stage in one process over the interval (`collect`). `items`: batches it handed on;
+  `busy`: its threads' busy seconds per second (threads kept busy); `wait_share`: of the
+  interval's seconds, those its consumer waited for it; `queued`: elements it had started, on
+  average, when one was asked for (None: not seen)."""
 
   process: str
   stage: str
   items: int
-  items_per_s: float
+  images_per_s: float
   busy: float
   wait_share: float
   queued: float | None
@@ -192,25 +195,32 @@ class Storage:
 
 @dataclasses.dataclass(frozen=True)
 class Stats:
-  """`iterator.stats()`: a row per stage and process (the main process first), storage, and
-  each process's memory and start-up."""
+  """`iterator.stats()`: a row per stage and process (the main process first) over the last
+  interval, storage, each process's memory and start-up, and the slowest stage: the one that
+  held the batches up longest (its consumer waited for it, or it ran in its consumer's
+  thread), with the share of the interval it did (of each process that runs the stages), and
+  all the stages together did."""
 
   rows: tuple[Row, ...]
   storage: Storage
   processes: tuple[Process, ...] = ()
+  seconds: float = 0.0  # the interval's
+  slowest: str | None = None
+  slowest_share: float = 0.0
+  stages_share: float = 0.0
 
   def __str__(self) -> str:
     return self.table()
 
   def table(self) -> str:
-    """The rows as a fixed-width table, storage on the last line (also `print(stats)`)."""
+    """The rows as a fixed-width table, then the slowest stage and storage (`print(stats)`)."""
     lines = [
-      f"{'process':<20}{'stage':<9}{'items':>8}{'items/s':>9}{'busy':>6}{'wait':>7}"
+      f"{'process':<20}{'stage':<9}{'batches':>8}{'images/s':>9}{'busy':>6}{'wait':>7}"
       f"{'queued':>7}{'p50 ms':>8}{'p99 ms':>8}"
     ]
     for r in self.rows:
       lines.append(
-        f"{r.process:<20}{r.stage:<9}{r.items:>8}{r.items_per_s:>9.1f}{r.busy:>6.2f}"
+        f"{r.process:<20}{r.stage:<9}{r.items:>8}{r.images_per_s:>9.1f}{r.busy:>6.2f}"
         f"{r.wait_share:>6.0%} {'-' if r.queued is None else f'{r.queued:.1f}':>6}"
         f"{r.p50_ms:>8.2f}{r.p99_ms:>8.2f}"
       )
@@ -220,6 +230,12 @@ class Stats:
       + ("JAX loaded" if p.jax else "no JAX")
       for p in self.processes
     ]
+    if self.slowest is not None:
+      lines.append(
+        f"slowest stage: {self.slowest}, holding the batches up {self.slowest_share:.0%} of the "
+        f"last {self.seconds:.1f} s (all stages {self.stages_share:.0%}; the rest: hand-off "
+        "and consumer)"
+      )
     s = self.storage
     lines.append(
       f"storage: {s.requests} requests ({s.requests_per_s:.0f}/s), {s.kb_per_request:.0f} KB "
@@ -229,13 +245,25 @@ class Stats:
     return "\n".join(lines)
 
 
-def collect(snapshots: dict[int, np.ndarray], main_pid: int) -> Stats:
-  """`Stats` of the latest snapshot of each process (keyed by pid)."""
+def collect(
+  snapshots: dict[int, np.ndarray],
+  main_pid: int,
+  batch_size: int = 1,
+  since: dict[int, np.ndarray] | None = None,
+) -> Stats:
+  """`Stats` of the latest snapshot of each process (keyed by pid) over the interval since
+  `since` (the snapshots of the previous call; None: since the start), in images of batches
+  of `batch_size`."""
   rows, processes, storage = [], [], np.zeros(len(STORAGE))
-  seconds = 0.0
+  seconds = staged = 0.0  # the interval; its seconds in each process that runs the stages
+  held = dict.fromkeys(STAGES[:-1], 0.0)  # seconds each stage held its consumer up
   order = sorted(snapshots, key=lambda pid: (pid != main_pid, pid))
   for n, pid in enumerate(order):
     snap = snapshots[pid]
+    before = (since or {}).get(pid)
+    if before is not None:
+      snap = np.concatenate([snap[:1], snap[1:] - before[1:]])
+      snap[0, 1] -= before[0, 1]
     elapsed = max(float(snap[0, 1]), 1e-9)
     seconds = max(seconds, elapsed)
     storage += snap[1, : len(STORAGE)]
@@ -244,8 +272,12 @@ def collect(snapshots: dict[int, np.ndarray], main_pid: int) -> Stats:
     processes.append(Process(f"{name} ({pid})", rss / 2**20, float(started_s), bool(jax)))
     for stage, c in zip(STAGES, snap[_HEAD:]):
       if c[0] or c[2] or c[4]:
-        rows.append(_row(f"{name} ({pid})", stage, c, elapsed))
+        rows.append(_row(f"{name} ({pid})", stage, c, elapsed, batch_size))
+      if stage in held:
+        held[stage] += c[3] if c[4] else c[1]  # waited for, or ran in the consumer's thread
+    staged += elapsed if snap[_HEAD : _HEAD + len(held), 0].any() else 0.0
   requests, request_bytes, request_records, retries, reads, cached = storage.tolist()
+  slowest = max(held, key=held.get)
   return Stats(
     tuple(rows),
     Storage(
@@ -260,16 +292,20 @@ def collect(snapshots: dict[int, np.ndarray], main_pid: int) -> Stats:
       cached=int(cached),
     ),
     tuple(processes),
+    seconds=seconds,
+    slowest=slowest if held[slowest] > 0 else None,
+    slowest_share=float(held[slowest] / max(staged, 1e-9)),
+    stages_share=float(sum(held.values()) / max(staged, 1e-9)),
   )
 
 
-def _row(process: str, stage: str, c: np.ndarray, elapsed: float) -> Row:
+def _row(process: str, stage: str, c: np.ndarray, elapsed: float, batch_size: int) -> Row:
   hist = c[len(_COUNTS) :]
   return Row(
     process=process,
     stage=stage,
     items=int(c[0]),
-    items_per_s=float(c[0] / elapsed),
+    images_per_s=float(c[0] * batch_size / elapsed),
     busy=float(c[1] / elapsed),
     wait_share=float(c[3] / elapsed),
     queued=float(c[5] / c[6]) if c[6] else None,

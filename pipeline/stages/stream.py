@@ -89,6 +89,7 @@ class StreamIterator(grain.DatasetIterator):
     super().__init__(parent)
     self._stream, self._recorder, self._every, self._read = stream, recorder, every_s, read
     self._snapshots: dict[int, np.ndarray] = {}  # pid -> the latest counters of that process
+    self._since: dict[int, np.ndarray] | None = None  # the snapshots of the last `stats()`
     self._printed = time.monotonic()
     self.skipped = 0
 
@@ -107,9 +108,13 @@ class StreamIterator(grain.DatasetIterator):
     return batch
 
   def stats(self) -> stats.Stats:
-    """Each stage's figures in this process and in every worker process, and storage's."""
+    """Each stage's figures in this process and in every worker process, and storage's, over
+    the interval since the previous call (the first: since the start)."""
     main = os.getpid()
-    return stats.collect({**self._snapshots, main: self._recorder.snapshot(self._read)}, main)
+    now = {**self._snapshots, main: self._recorder.snapshot(self._read)}
+    out = stats.collect(now, main, self._stream["batch_size"], since=self._since)
+    self._since = now
+    return out
 
   def get_state(self) -> dict:
     inner = self._parent.get_state()

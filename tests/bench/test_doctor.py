@@ -304,6 +304,33 @@ def test_cli_files_go_to_a_folder_under_runs_never_the_current_one(
   assert (tmp_path / "mine" / "today" / "diagnosis.json").exists()
 
 
+def test_the_runs_recipe_and_its_config_overrides_are_what_is_diagnosed(digits_dir):
+  def settings(*argv):
+    args, overrides = doctor.parser().parse_known_args([str(a) for a in argv])
+    return doctor._settings(args, overrides)
+
+  s, module, base = settings(
+    "--config",
+    "default",  # by name, as the trainer takes it
+    f"--config.input.data_dir={digits_dir}",
+    "--config.input.image_size=48",
+    "--config.batch_size=16",
+    "--config.input.augment.flip=True",
+  )
+  assert (s.data_dir, s.image_size, s.batch_size, s.augment["flip"]) == (
+    str(digits_dir),
+    48,
+    16,
+    True,
+  )
+  assert s.recipe == str(ROOT / "configs" / "default.py") and module == "configs.default"
+  assert base.input.image_size == 32 and base.batch_size == 128  # the recipe --apply imports
+  s, _, _ = settings(f"--config.input.data_dir={digits_dir}")  # alone: the default recipe
+  assert (s.image_size, s.batch_size, s.recipe) == (32, 128, str(ROOT / "configs/default.py"))
+  s, _, _ = settings(digits_dir)  # a dataset alone: the doctor's defaults, said so
+  assert (s.image_size, s.batch_size, s.recipe) == (224, 128, None)
+
+
 @pytest.mark.parametrize(
   "argv, message",
   [
@@ -321,6 +348,10 @@ def test_cli_files_go_to_a_folder_under_runs_never_the_current_one(
     ),
     (["{photos}", "--storage-levels", "1,x"], "--storage-levels takes integers"),
     (["{photos}", "--get-price", "-1"], "--get-price >= 0"),
+    (["--config", "nosuch"], "no config file nosuch"),
+    (["--config.input.nope=1"], "unknown config field input.nope"),
+    (["--config.batch_size=big"], "--config.batch_size=big: "),
+    (["{photos}", "--frobnicate"], "unrecognized arguments: --frobnicate"),
   ],
 )
 def test_user_errors_are_one_line_with_exit_2(argv, message, photos_dir, tmp_path, capsys):

@@ -28,7 +28,7 @@ from pipeline.convert import images, shards, tfrecord
 from tests.convert.test_images import messy  # noqa: F401 - a fixture
 from tests.storage.test_gcs import gcs, run  # noqa: F401 - gcs: a fixture, a local Cloud Storage
 
-pytest.importorskip("apache_beam", reason="optional extra: pip install '.[beam]'")
+pytest.importorskip("apache_beam", reason="in .venv-beam: make test-beam")
 
 
 def same_files(a, b) -> None:

@@ -84,6 +84,32 @@ def test_usage_errors_are_one_line_with_exit_status_2(photos_raw, tmp_path, caps
   assert message.format(**fill) in one_line(err)
 
 
+@pytest.mark.parametrize(
+  "runner, missing, dist",
+  [
+    ("DaskRunner", "distributed", "apache-beam[dask]"),
+    ("DirectRunner", "apache_beam", "apache-beam"),
+    ("DataflowRunner", "apache_beam", "apache-beam"),
+  ],
+)
+def test_a_missing_engine_is_one_line_naming_its_environment_and_leaves_nothing(
+  photos_raw, tmp_path, capsys, monkeypatch, runner, missing, dist
+):
+  # As in the main .venv, which has no Beam: its extra caps versions the main one exceeds.
+  monkeypatch.setitem(sys.modules, missing, None)
+  for command in (["images", photos_raw], ["tfrecord", photos_raw / "*", "--num-classes", "4"]):
+    out = tmp_path / "out"
+    code, _, err = main(capsys, *command[:2], out, *command[2:], "--runner", runner)
+    assert code == 2
+    assert one_line(err) == (
+      f"error: convert {command[0]} --runner {runner} needs {dist} (No module named "
+      f"{missing!r}), which caps pillow, protobuf and pyarrow below this environment's "
+      "versions, so it has its own: `make test-beam` creates .venv-beam (and runs the Beam "
+      "tests); then run .venv-beam/bin/python -m pipeline.convert"
+    )
+    assert not out.exists()  # no .convert-build left behind
+
+
 def test_verify_of_a_damaged_manifest_is_one_line_with_exit_status_1(damaged, capsys):
   code, out, err = main(capsys, "verify", damaged, "--no-progress")
   assert code == 1

@@ -4,6 +4,7 @@ worker processes would build the pipeline again (no `if __name__ == "__main__":`
 import subprocess
 import sys
 import textwrap
+import types
 
 import pytest
 
@@ -163,3 +164,44 @@ def test_a_missing_c_decoder_is_reported_once_with_its_cost(digits_dir):
   assert len(lines) == 1, out.stderr
   assert "not available" in lines[0] and "half the throughput" in lines[0]
   assert "install libjpeg-dev" in lines[0] and out.stdout.strip() == "batches"
+
+
+def run_as_main(monkeypatch, tmp_path, source: str) -> None:
+  """Runs `source` in-process as the module-level code of a script `experiment.py` that is
+  `__main__`, where `pipeline.host.guards.check_main_guard` judges it as in a real script."""
+  script = tmp_path / "experiment.py"
+  script.write_text(source)
+  main = types.ModuleType("__main__")
+  main.__file__ = str(script)
+  monkeypatch.setitem(sys.modules, "__main__", main)
+  exec(compile(source, str(script), "exec"), vars(main))
+
+
+CHECK = "from pipeline.host import guards\n{test}\n  guards.check_main_guard()\n"
+
+
+@pytest.mark.parametrize(
+  "test",
+  [
+    'if __name__ == "__main__" and len(sys.argv) >= 1:',
+    'if "__main__" == __name__ and True:',
+    'if False:\n  pass\nelif __name__ == "__main__":',
+    'if __name__ != "__main__":\n  pass\nelse:',
+    'if not (__name__ != "__main__" or False):',
+  ],
+)
+def test_any_if_whose_test_requires_the_main_name_is_a_guard(monkeypatch, tmp_path, test):
+  run_as_main(monkeypatch, tmp_path, "import sys\n" + CHECK.format(test=test))
+
+
+@pytest.mark.parametrize(
+  "test",
+  [
+    'if __name__ == "__main__" or True:',
+    'if len(sys.argv) >= 1:',
+    'if __name__ != "__main__" and False:\n  pass\nelse:',
+  ],
+)
+def test_an_if_that_also_runs_in_a_worker_is_not_a_guard(monkeypatch, tmp_path, test):
+  with pytest.raises(ValueError, match=r"experiment.py:\d+ builds the pipeline at module level"):
+    run_as_main(monkeypatch, tmp_path, "import sys\n" + CHECK.format(test=test))

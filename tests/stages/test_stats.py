@@ -2,6 +2,7 @@
 and the periodic table (`performance.stats_every_s`). Batches hold none of it."""
 
 import gc
+import re
 import time
 import weakref
 
@@ -109,6 +110,49 @@ def test_latency_quantiles_come_from_log2_bins_within_a_factor_of_two():
   row = next(x for x in stats.collect({1: snapshot}, 1).rows if x.stage == "decode")
   assert 0.5 <= row.p50_ms <= 2 and 50 <= row.p99_ms <= 200
   assert row.items == 0 and np.isclose(row.busy * snapshot[0, 1], 0.298)
+
+
+def test_each_call_covers_the_interval_since_the_last_in_images_per_second(digits_dir):
+  it = stream(digits_dir)
+  next(it)  # the first batch: the stream's start, the slowest of all
+  first = it.stats()
+  for _ in range(3):
+    next(it)
+  s = it.stats()
+  it.close()
+  (main,) = by_process(s).values()
+  assert by_process(first)[next(iter(by_process(first)))]["handoff"].items == 1
+  assert main["handoff"].items == 3  # this interval's batches only, not the 4 since the start
+  assert 0 < s.seconds and main["handoff"].images_per_s == pytest.approx(3 * 8 / s.seconds)
+  table = s.table().splitlines()
+  assert table[0].split()[2:4] == ["batches", "images/s"]
+  assert s.slowest in STAGES and table[-2].startswith(f"slowest stage: {s.slowest}, holding")
+  assert 0 < s.slowest_share <= s.stages_share <= 1.0
+
+
+def test_the_slowest_stage_is_the_one_that_held_the_batches_up_longest():
+  r = stats.Recorder()
+  r.task("read", 5.0)  # busy on its own threads, ahead of need: held nothing up
+  r.handed("read", 0.01, 3)
+  r.task("finish", 0.04, 1)  # runs in its consumer's thread: all of it holds the batch up
+  before = r.snapshot()
+  r.handed("decode", 0.3, 1)  # its consumer waited for it
+  r.task("finish", 0.06, 1)
+  r.handed("read", 0.04, 3)
+  s = stats.collect({1: r.snapshot()}, 1, batch_size=8, since={1: before})
+  assert s.slowest == "decode"  # of the interval's seconds: 0.3 s decode of 0.4 s all stages
+  assert s.slowest_share * s.seconds == pytest.approx(0.3)
+  assert s.stages_share * s.seconds == pytest.approx(0.4)
+  line = s.table().splitlines()[-2]
+  assert re.fullmatch(
+    r"slowest stage: decode, holding the batches up \d+% of the last \d+\.\d s \(all stages "
+    r"\d+%; the rest: hand-off and consumer\)",
+    line,
+  ), line
+  read = next(row for row in s.rows if row.stage == "read")
+  assert read.items == 1 and read.busy == 0  # the interval's: the 5 s of busy came before it
+  whole = stats.collect({1: r.snapshot()}, 1, batch_size=8)  # since the start
+  assert whole.slowest == "decode" and next(x for x in whole.rows if x.stage == "read").items == 2
 
 
 def test_pipeline_input_gives_its_streams_stats(digits_dir):

@@ -19,6 +19,7 @@ import subprocess
 import sys
 import textwrap
 import time
+import urllib.request
 
 import pytest
 
@@ -361,6 +362,37 @@ def test_a_missing_dataset_in_a_bucket_says_convert_first(gcs):
     "FileNotFoundError: gs://bkt/none/manifest.json not found: convert the dataset first "
     "(python -m pipeline.convert --help)"
   )
+
+
+def bucket_names(gcs: dict, prefix: str) -> list[str]:
+  """The names of the objects under gs://bkt/`prefix`, listed through the JSON API."""
+  url = f"{gcs['STORAGE_EMULATOR_HOST']}/storage/v1/b/bkt/o?prefix={prefix}"
+  with urllib.request.urlopen(url, timeout=30) as r:
+    return sorted(item["name"] for item in json.load(r).get("items", []))
+
+
+@needs_emulator
+def test_a_run_with_its_workdir_in_a_bucket_writes_everything_there_and_nothing_here(
+  gcs, digits_dir, tmp_path
+):
+  argv = ["-m", "train", "--workdir", "gs://bkt/run", f"--config.input.data_dir={digits_dir}"]
+  argv += ["--config.batch_size=32", "--config.num_steps=2", "--config.synthetic_steps=2"]
+  argv += [
+    "--config.log_every=1",
+    "--config.eval_every_steps=2",
+    "--config.checkpoint_every_steps=2",
+  ]
+  env = {**gcs, "XLA_FLAGS": "--xla_force_host_platform_device_count=1"}
+  p = run("", env=env, cwd=str(tmp_path), args=argv)
+  assert p.returncode == 0, p.stderr[-3000:]
+  assert list(tmp_path.iterdir()) == []  # no ./gs:/bkt/run folder
+  names = bucket_names(gcs, "run/")
+  for name in ("summary.json", "metrics.jsonl", "curves.png", "checkpoints/2/commit_success.txt"):
+    assert f"run/{name}" in names, names
+  assert any(n.startswith("run/tensorboard/events.out.tfevents.") for n in names), names
+  again = run("", env=env, cwd=str(tmp_path), args=argv)  # reads its summary back from there
+  assert again.returncode == 0, again.stderr[-3000:]
+  assert "already done: 2 steps" in again.stdout and "gs://bkt/run/summary.json" in again.stdout
 
 
 # --- what retrying cannot mend: one line at once ---------------------------------------------

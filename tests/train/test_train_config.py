@@ -348,6 +348,49 @@ def test_a_budget_the_user_sets_holds_both_streams_or_is_refused_in_one_line(dig
   assert str(e.value).startswith("config.eval_input: ") and "\n" not in str(e.value)
 
 
+def test_a_run_shorter_than_the_recipes_intervals_and_warmup_says_so_with_the_plan(digits_dir):
+  config = default.get_config()  # digits: 240 examples; eval every 20, save every 10 epochs
+  config.input.data_dir = str(digits_dir)
+  config.batch_size = 32
+  config.num_steps = 60  # 8 epochs: warmup 4.5 epochs is 34 steps, 57% of the run
+  setup = train.prepare(config)
+  setup.train.close()
+  setup.eval.close()
+  assert (setup.plan.eval_every, setup.plan.checkpoint_every) == (150, 75)
+  notes = setup.notes.splitlines()  # shown under the plan line, and by --dry_run
+  assert notes[-2] == (
+    "note: the run's 60 steps end before its first eval (every 150) and checkpoint (every "
+    "75): it evaluates and saves at its end only"
+  )
+  assert notes[-1] == (
+    "warning: warmup takes 34 of the run's 60 steps (57%), so the learning rate peaks late: "
+    "set config.warmup_steps (or warmup_epochs) to at most 15"
+  )
+  config.num_steps, config.warmup_steps = 150, 30  # an eval at its end only; 20% warmup
+  notes = config_lib.resolve(config, 240, processes=1, data_devices=1).notes()
+  assert notes == (
+    "note: the run's 150 steps end before its first eval (every 150): it does so at its end only\n"
+  )
+  config.num_steps = None  # the recipe's 40 epochs: nothing to say
+  assert config_lib.resolve(config, 240, processes=1, data_devices=1).notes() == ""
+
+
+@pytest.mark.parametrize("num_steps, field", [(6, "config.num_steps"), (None, "config.num_epochs")])
+def test_already_done_names_the_field_that_sets_the_runs_length(
+  digits_dir, tmp_path, capsys, num_steps, field
+):
+  config = default.get_config()
+  config.input.data_dir = str(digits_dir)
+  config.batch_size = 32
+  config.num_steps = num_steps
+  steps = num_steps or round(config.num_epochs * 240 / 32)
+  (tmp_path / "summary.json").write_text(f'{{"steps": {steps}, "eval_top1": 0.5}}')
+  assert train.train_and_evaluate(config, tmp_path)["steps"] == steps
+  out = capsys.readouterr().out
+  assert out.startswith(f"already done: {steps} steps, eval top-1 0.5000 (")
+  assert out.endswith(f"); raise {field} to train further\n")  # not num_epochs when steps set
+
+
 def test_eval_input_overrides_only_what_it_names():
   config = default.get_config()
   config.eval_input.decoding = {"cache_mb": 0.0}

@@ -15,6 +15,7 @@ import pathlib
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import time
 
@@ -22,6 +23,7 @@ import pytest
 
 from tests.conftest import free_port
 from tests.train.test_train import damage_train_records, env, train_cmd
+from train import hosts
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VALIDATION = 60  # records in digits_dir's validation split
@@ -29,7 +31,8 @@ VALIDATION = 60  # records in digits_dir's validation split
 
 class Run:
   """Trainer processes of a run of `count`; `extra[i]` are process i's own extra arguments,
-  `cwd[i]` its working folder; only the processes in `started` are started."""
+  `cwd[i]` its working folder; only the processes in `started` are started; `port`: the
+  coordinator's (default: a free one)."""
 
   def __init__(
     self,
@@ -42,8 +45,9 @@ class Run:
     count=2,
     started=None,
     cwd=None,
+    port=None,
   ):
-    port = free_port()
+    port = port or free_port()
     self.logs = [tmp_path / f"process{i}-{port}.log" for i in range(count)]
     self.procs = {}  # process id -> its process
     for i in range(count) if started is None else started:
@@ -296,6 +300,44 @@ def test_a_process_that_never_starts_is_named_after_the_join_timeout(digits_dir,
   assert run.wait(timeout=130) == [1], run.output(0)[-3000:]
   assert "Traceback" not in run.output(0)
   assert last_line(run.output(0)).startswith("python -m train: process 1 never joined")
+
+
+def busy_port() -> socket.socket:
+  """A socket listening on a free port, as another service holding it."""
+  held = socket.socket()
+  held.bind(("127.0.0.1", free_port()))
+  held.listen()
+  return held
+
+
+def test_a_taken_coordinator_port_is_found_before_jax_would_crash_on_it():
+  with busy_port() as held:
+    port = held.getsockname()[1]
+    assert hosts.port_in_use(f"127.0.0.1:{port}") == (
+      f"the coordinator's port {port} is in use on process 0's host (127.0.0.1), so JAX's "
+      "service cannot listen there: stop what holds it, or give every host another port in "
+      "--coordinator_address"
+    )
+  assert hosts.port_in_use(f"127.0.0.1:{port}") is None  # free again
+
+
+def test_a_taken_coordinator_port_is_one_line_on_every_host_without_the_join_timeout(
+  digits_dir, tmp_path
+):
+  with busy_port() as held:
+    port = held.getsockname()[1]
+    run = Run(tmp_path, tmp_path / "w", digits_dir, "--join_timeout=600", port=port)
+    codes = run.wait(timeout=300)  # well within --join_timeout: process 0 told process 1
+  assert codes == [2, 2], run.output(0)[-3000:] + run.output(1)[-3000:]
+  line = (
+    f"the coordinator's port {port} is in use on process 0's host (127.0.0.1), so JAX's service "
+    "cannot listen there: stop what holds it, or give every host another port in "
+    "--coordinator_address"
+  )
+  assert own_lines(run.output(0)) == [f"python -m train: {line}"]
+  assert own_lines(run.output(1)) == [f"python -m train: process 0 failed: {line}"]
+  for i in range(2):
+    assert "Traceback" not in run.output(i) and "SIGSEGV" not in run.output(i)
 
 
 @pytest.mark.slow  # 31 s under load; a SIGTERM after joining is in the fast suite
