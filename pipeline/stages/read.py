@@ -15,13 +15,16 @@ policy, `pipeline.storage.budget.ReadAhead`. Each read is a `pipeline.storage.fe
 the record cache (`pipeline.storage.cache`) answers before storage; a read that storage
 answers with "slow down" (429, 503, ...) is read again after a backoff
 (`pipeline.storage.remote.retry`) and halves the depth. Read errors stay with their slot; the
-decode stage applies the error policy. A batch waits for its reads at most a deadline
-(`performance.read_deadline_s`), then raises one line naming the shard: a read blocked in its
-syscall on a stalled FUSE mount cannot be interrupted, but the iterator need not wait for it.
+decode stage applies the error policy. A batch waits for its reads as long as storage answers
+this process's requests; once storage has answered none in flight for a deadline
+(`performance.read_deadline_s`; time queued behind the request cap or other requests is not
+counted) it raises one line naming the shard: a read blocked in its syscall on a stalled FUSE
+mount cannot be interrupted, but the iterator need not wait for it.
 """
 
 from __future__ import annotations
 
+import math
 import time
 
 import numpy as np
@@ -40,6 +43,7 @@ __all__ = ["ReadRecords", "ReadStats", "describe", "probe", "reads_in_flight", "
 
 DEADLINE = "performance.read_deadline_s"
 MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait, not compute)
+POLL_S = 1.0  # how often a batch waiting for its reads looks at storage's silence
 
 
 class ReadRecords:
@@ -89,21 +93,31 @@ class ReadRecords:
 
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, futures = started
-    end = time.monotonic() + self.fetcher.wait_s(len(batch.indices))
     for shard, slots, future in futures:
-      try:
-        got, read, seconds = future.result(max(0.0, end - time.monotonic()))
-      except TimeoutError as e:  # a gs:// read's `remote.NoAnswer`, or no result in time
-        if future.done() and not isinstance(e, remote.NoAnswer):  # the read's own error
-          raise
-        path = self.source.paths[shard]
-        raise remote.no_answer(path, self.fetcher.wait_s(), DEADLINE) from None
+      got, read, seconds = self._result(future, shard)
       for slot, rec in zip(slots, got):
         batch.records[slot] = rec
       self.fetcher.count(got, read, seconds)
     self.fetcher.counted()
     self.ahead.finished(time.perf_counter(), len(batch.indices))
     return batch
+
+  def _result(self, future, shard: int) -> tuple:
+    """`future`'s (records, read, seconds), waiting as long as storage answers this process's
+    requests; `remote.no_answer` once it has answered none in flight for the deadline."""
+    while True:
+      try:
+        return future.result(POLL_S)
+      except TimeoutError as e:  # a gs:// read's `remote.NoAnswer`, or no result yet
+        if future.done():
+          if not isinstance(e, remote.NoAnswer):  # the read's own error
+            raise
+          silent = (math.inf, shard)  # a gs:// read past its deadline
+        else:
+          silent = self.fetcher.silence() or (0.0, shard)
+        if silent[0] >= self.fetcher.wait_s():
+          path = self.source.paths[silent[1]]
+          raise remote.no_answer(path, self.fetcher.wait_s(), DEADLINE) from None
 
 
 def stage(

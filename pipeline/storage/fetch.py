@@ -6,13 +6,16 @@ block order block by block (`pipeline.storage.ranges`). Each storage request wai
 request budget's turn (`pipeline.storage.budget.RequestBudget`); from a bucket it runs within
 a deadline, as array_record's own client may wait on a stalled connection for many minutes,
 and a request that storage answers with "slow down" (429, 503, ...) is read again after a
-backoff (`pipeline.storage.remote.retry`). A corrupt batched or block read is read again
+backoff (`pipeline.storage.remote.retry`). A batch waits for its reads while storage answers
+requests (`silence`): time queued behind the budget or the requests in flight is no
+deadline's. A corrupt batched or block read is read again
 record by record, so each bad record is named and the good ones kept; errors stay with their
 slot. `Fetcher.count` adds a finished task to `ReadStats`, in batch order.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import threading
@@ -84,9 +87,12 @@ class Fetcher:
   def _init_runtime(self):
     self.stats = ReadStats(*self.opened)
     self._lock = threading.Lock()
+    self._flight: dict[int, tuple[float, int]] = {}  # request -> (when it began, shard)
+    self._answered = 0.0  # when storage last answered a request (time.monotonic)
 
   def __getstate__(self):
-    return {k: v for k, v in self.__dict__.items() if k not in ("stats", "_lock")}
+    runtime = ("stats", "_lock", "_flight", "_answered")
+    return {k: v for k, v in self.__dict__.items() if k not in runtime}
 
   def __setstate__(self, state):
     self.__dict__.update(state)
@@ -166,11 +172,36 @@ class Fetcher:
     def attempt():
       if self.budget is not None:
         self.budget.take(requests)
-      if remote.scheme(self.source.paths[shard]) is None:
-        return read()
-      return remote.within(read, self.wait_s())
+      with self._in_flight(shard):
+        if remote.scheme(self.source.paths[shard]) is None:
+          return read()
+        return remote.within(read, self.wait_s())
 
     return remote.retry(attempt, self.source.paths[shard], self._retried)
+
+  @contextlib.contextmanager
+  def _in_flight(self, shard: int):
+    """A storage request of `shard` while it runs (`silence` watches it)."""
+    key = object()
+    with self._lock:
+      self._flight[id(key)] = (time.monotonic(), shard)
+    try:
+      yield
+    finally:
+      with self._lock:
+        del self._flight[id(key)]
+        self._answered = time.monotonic()
+
+  def silence(self) -> tuple[float, int] | None:
+    """(seconds, shard): how long storage has answered none of this process's requests in
+    flight (since the last answer, or since the oldest began) and that request's shard; None
+    with none in flight. Time a request waits for the budget's turn, or in the read pool's
+    queue, is not silence."""
+    with self._lock:
+      if not self._flight:
+        return None
+      began, shard = min(self._flight.values())
+      return time.monotonic() - max(began, self._answered), shard
 
   def _retried(self) -> None:
     with self._lock:

@@ -88,6 +88,23 @@ def test_a_mount_that_stops_answering_is_one_line_naming_the_shard(
   )
 
 
+def test_a_mount_that_answers_slowly_but_steadily_is_waited_for_past_the_deadline(
+  storage_rig, photos_dir
+):
+  """The mount answers 4 requests a second, a block of 4 records each: the first batch of 16
+  waits for 12 blocks' requests, 3 s, past the 2 s deadline, with more read ahead queued
+  behind them. Storage is never silent for 2 s, so no batch is refused; the batches are the
+  local ones. (The deadline measured each batch's wait, and refused it.)"""
+  kwargs = dict(batch_size=16, order="blocks", block_records=4, seed=1)
+  local = take(iter(dataset.chain(make(photos_dir, **kwargs))), 3)
+  with storage_rig.mount(photos_dir, latency_ms=1, requests_per_s=4) as m:
+    perf = dict(record_cache_mb=0, read_deadline_s=2, read_ahead=4)
+    it = iter(dataset.chain(make(m.path, performance=perf, **kwargs)))
+    got = take(it, 3)
+    it.close()
+  assert_same_batches(local, got)
+
+
 def test_opening_a_dataset_on_a_stalled_mount_is_one_line_naming_the_manifest(
   storage_rig, photos_dir, monkeypatch
 ):
