@@ -136,12 +136,12 @@ class Performance:
   record_cache_dir: a local-disk folder for them too, shared by the host's processes and kept
   across runs. max_requests_per_s: the most storage requests a second this process's reads
   make, shared by its worker processes (None or inf: no cap; at least one a minute), to stay
-  within a bucket's budget (`pipeline.storage.budget`). read_deadline_s: how long storage may answer none of this
-  process's reads in flight (or the first records read at open) before one line naming the shard
-  is raised (None: as gs:// reads, `pipeline.storage.remote`: 60 s), so that storage that stops
-  answering (a stalled gcsfuse mount) is an error, never a hang; time queued behind the request
-  cap or other reads does not count. In the global order a shard's records of a batch are one
-  read. stats_every_s: print `iterator.stats()`'s table (a row
+  within a bucket's budget (`pipeline.storage.budget`). read_deadline_s: how long storage may
+  answer none of this process's reads in flight (or the first records read at open) before one
+  line naming the shard is raised (None: as gs:// reads, `pipeline.storage.remote`: 60 s), so
+  that storage that stops answering (a stalled gcsfuse mount) is an error, never a hang; time
+  queued behind the request cap or other reads does not count. In the global order a shard's
+  records of a batch are one read. stats_every_s: print `iterator.stats()`'s table (a row
   per stage and process over the last interval, in images/s, the slowest stage, storage
   requests) to stderr every so many seconds (None: never).
   memory_mb: the most the loader holds on this host, read-ahead, blocks kept for later rounds,
