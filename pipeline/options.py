@@ -75,6 +75,7 @@ class Augment:
 INTERPOLATIONS = ("bilinear", "bicubic")
 CROPS = ("torchvision", "tf")
 EVAL_ORDERS = ("crop_then_resize", "resize_then_crop")
+DECODE_ON = ("host", "device")
 # Fields that moved to another group (issue 38): the old spelling is refused in one line that
 # gives the new one.
 MOVED = {"Performance": {name: "decoding" for name in ("cache_mb", "dct_scaling", "fast_dct")}}
@@ -95,13 +96,21 @@ class Decoding:
   and shrunk by the resize instead (7-9 levels at 64 px; none at 224, where no window was that
   large). fast_dct: libjpeg's fast integer IDCT (tf.data's default; 0.4-1 level, 2.2 on the
   32 px digits; none on DCT-scaled windows).
+  on: where windows are decoded. "host": the C decoder on decode threads. "device": nvImageCodec
+  on this process's GPUs (its CPU backend without one; the `gpu` extra), the same windows and
+  flips, decoded at full resolution (no DCT scaling), resized on the host; no worker processes,
+  cache_mb or fast_dct (`pipeline.stages.device_decode`). On the CPU backend its pixels are those
+  of dct_scaling=False; DCT scaling's differences above apply, and a GPU's IDCT adds its own.
   """
 
   cache_mb: float = 0.0
   dct_scaling: bool = True
   fast_dct: bool = False
+  on: str = "host"
 
   def __post_init__(self):
+    if self.on not in DECODE_ON:
+      raise ValueError(f"decoding.on must be one of {DECODE_ON}, got {self.on!r}")
     if self.cache_mb < 0:
       raise ValueError(f"decoding.cache_mb must be >= 0, got {self.cache_mb}")
 
