@@ -1,4 +1,4 @@
-"""Crop windows of JPEGs decoded by nvImageCodec: on this process's local GPUs, else its CPU backend.
+"""Crop windows of JPEGs decoded by nvImageCodec: on the process's local GPUs, else its CPU backend.
 
 The optional `gpu` extra installs nvImageCodec and nvJPEG (`pip install 'grain-pipeline[gpu]'`).
 Each thread that asks gets its own `nvimgcodec.Decoder` (GPUs taken in turn by threads); a window

@@ -1,4 +1,4 @@
-"""Stage 3 with `decoding.on="device"`: crop windows decoded by nvImageCodec (`pipeline.image.nvdecode`)
+"""Stage 3 with `decoding.on="device"`: windows decoded by nvImageCodec (`pipeline.image.nvdecode`)
 on this process's GPUs (its CPU backend without one), in place of the C decoder.
 
 The host parses each record and reads its header, draws the window and flip from (seed, epoch,
