@@ -2,7 +2,7 @@
 # first command on a fresh machine.
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
-EXTRAS  := train,tensorboard,data,bench,dev
+EXTRAS  := train,tensorboard,data,bench,dev,gpu
 # The Beam tests run in their own environment: apache-beam caps pillow, protobuf and pyarrow
 # below the main environment's versions (docs/ARCHITECTURE.md).
 BEAM_PY    := .venv-beam/bin/python
