@@ -1,0 +1,17 @@
+#!/usr/bin/env bash
+# The device check on a fresh GPU host (docs/PERFORMANCE.md, "On a GPU host"): installs the wheels
+# that scripts/device_wheels.sh put in .whl/, builds the C decoder against the headers there, and
+# writes $OUT/device_check.json (default runs/device_check) with `python -m bench.device_check`.
+#   bench/device_check.sh [--images 6000 --seconds 60 --batch 256]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+OUT=${OUT:-runs/device_check}
+SITE=${SITE:-/tmp/device-check-site}
+ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: run scripts/device_wheels.sh first"; exit 2; }
+"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
+CFLAGS="-I$PWD/.whl/include" "$PY" setup.py -q build_ext --inplace
+"$PY" -c "from pipeline.image import decode; assert decode.native(), 'C decoder not built'"
+mkdir -p "$OUT"
+"$PY" -m bench.device_check --out "$OUT" "$@" 2>&1 | tee "$OUT/log.txt"
