@@ -11,12 +11,10 @@ PYVER=${PYVER:-3.12}
 PRESENT=${PRESENT:-bench/device_host_packages.txt}
 OUT=.whl
 NEEDED=(
-  "grain==0.2.18" "array-record==0.8.6" "simplejpeg==1.9.0" "google-crc32c==1.9.0"
-  "ml-collections==1.1.0" "tensorboardX==2.6.5" "nvidia-nvimgcodec-cu13==0.9.0.20" "nvidia-nvjpeg"
+  "grain==0.2.18" "array-record==0.8.6" "tensorflow-datasets==4.9.10" "simplejpeg==1.9.0"
+  "google-crc32c==1.9.0" "ml-collections==1.1.0" "tensorboardX==2.6.5"
+  "nvidia-nvimgcodec-cu13==0.9.0.20" "nvidia-nvjpeg"
 )
-# tensorflow-datasets without its dependencies: the pipeline imports only its tf.train.Example
-# proto, and one of them (promise) has no wheel.
-ALONE=("tensorflow-datasets==4.9.10" "toml")
 platforms=()
 for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 \
   manylinux1_x86_64 manylinux_2_24_x86_64 manylinux_2_31_x86_64 manylinux_2_34_x86_64; do
@@ -24,10 +22,10 @@ for p in manylinux_2_28_x86_64 manylinux_2_27_x86_64 manylinux_2_17_x86_64 manyl
 done
 all=$(mktemp -d)
 trap 'rm -rf "$all"' EXIT
+# promise (tensorflow-datasets imports it) is published as source only: a wheel of it, made here
+python3 -m pip wheel --quiet --no-deps -w "$all" "promise==2.3"
 python3 -m pip download --quiet --only-binary=:all: --python-version "$PYVER" --implementation cp \
-  "${platforms[@]}" -d "$all" "${NEEDED[@]}"
-python3 -m pip download --quiet --only-binary=:all: --python-version "$PYVER" --implementation cp \
-  "${platforms[@]}" --no-deps -d "$all" "${ALONE[@]}"
+  "${platforms[@]}" --find-links "$all" -d "$all" "${NEEDED[@]}"
 norm() { tr 'A-Z_.' 'a-z--' <<<"$1"; }
 declare -A have=()
 while read -r name; do [ -n "$name" ] && have[$(norm "$name")]=1; done <"$PRESENT"
