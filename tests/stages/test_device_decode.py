@@ -160,3 +160,22 @@ def test_region_decode_is_not_dct_scaled(windows, photos_dir):
   far = np.abs(ours["image"].astype(int) - scaled["image"].astype(int)).mean()
   near = np.abs(ours["image"].astype(int) - exact["image"].astype(int)).mean()
   assert near < 0.05 and far > 1.0, (near, far)
+
+
+def test_pipeline_input_takes_it_as_one_setting(windows, photos_dir):
+  """`pipeline.input` feeds the devices from it: jax.Arrays of the host path's shapes and labels."""
+  import jax
+
+  import pipeline
+
+  fed = {
+    on: pipeline.input(
+      photos_dir, "train", global_batch_size=8, image_size=32, decoding=dict(on=on)
+    )
+    for on in ("device", "host")
+  }
+  ours, host = next(fed["device"]), next(fed["host"])
+  assert isinstance(ours["image"], jax.Array) and ours["image"].shape == host["image"].shape
+  np.testing.assert_array_equal(np.asarray(ours["label"]), np.asarray(host["label"]))
+  for it in fed.values():
+    it.close()
