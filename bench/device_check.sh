@@ -2,7 +2,7 @@
 # The device check on a fresh GPU host (docs/PERFORMANCE.md, "On a GPU host"): installs the wheels
 # that scripts/device_wheels.sh put in .whl/, builds the C decoder against the headers there, and
 # writes $OUT/device_check.json (default runs/device_check) with `python -m bench.device_check`.
-#   bench/device_check.sh [--images 6000 --seconds 60 --batch 256]
+#   bench/device_check.sh [--images 4000 --seconds 30 --train-seconds 60 --batch 256]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}
