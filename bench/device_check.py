@@ -22,7 +22,7 @@ import threading
 import time
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-LOG_LINE = re.compile(r"(\d+) img/s\s+input wait\s+([\d.]+)%")
+LOG_LINE = re.compile(r"\bloss .*?(\d+) img/s\s+input wait\s+([\d.]+)%")  # a window's line
 
 
 def make_data(out: pathlib.Path, images: int, workers: int) -> pathlib.Path:
