@@ -158,10 +158,16 @@ def main(argv: list[str] | None = None) -> dict:
   args = p.parse_args(argv)
   out = pathlib.Path(args.out).resolve()
   out.mkdir(parents=True, exist_ok=True)
+  import jax
+
   from pipeline.host import parallelism
   from pipeline.image import nvdecode
 
-  result = {"started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime())}
+  result = {
+    "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+    "jax": jax.__version__,
+    "devices": [str(d) for d in jax.devices()],
+  }
   t = time.perf_counter()
   data = make_data(out, args.images, parallelism.available_cores())
   result["data"] = {

@@ -9,7 +9,11 @@ PY=${PYTHON:-python3}
 OUT=${OUT:-runs/device_check}
 SITE=${SITE:-/tmp/device-check-site}
 ls .whl/*.whl >/dev/null 2>&1 || { echo "no wheels in .whl/: run scripts/device_wheels.sh first"; exit 2; }
-"$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$SITE" .whl/*.whl
+install=("$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade)
+"${install[@]}" --target "$SITE" $(ls .whl/*.whl | grep -v '/nvidia_')
+# nvImageCodec and nvJPEG beside the interpreter's other nvidia/ packages: a second nvidia/cu13
+# folder earlier on the path could hide the CUDA libraries JAX loads from the first
+"${install[@]}" .whl/nvidia_*.whl
 export PYTHONPATH="$SITE:$PWD" PYTHONUNBUFFERED=1
 # the C decoder, compiled as setup.py does but without setuptools (whose version there is unknown)
 ext=$("$PY" -c 'import sysconfig; print(sysconfig.get_config_var("EXT_SUFFIX"))')
