@@ -12,10 +12,12 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import pathlib
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -121,9 +123,15 @@ def train_rate(
   ]
   lines = []
   with subprocess.Popen(
-    command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+    command,
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.STDOUT,
+    text=True,
+    start_new_session=True,  # its worker processes are stopped with it
   ) as proc:
-    deadline = threading.Timer(seconds + compile_s, proc.terminate)  # a compile that never ends
+    stop = lambda: os.killpg(proc.pid, signal.SIGKILL)  # no checkpoint on the way out: scratch
+    deadline = threading.Timer(seconds + compile_s, stop)  # a compile that never ends
     deadline.start()
     first = None
     for line in proc.stdout:
@@ -133,11 +141,9 @@ def train_rate(
       if first is not None and time.perf_counter() - first > seconds:
         break
     deadline.cancel()
-    proc.terminate()
-    try:
-      proc.wait(30)
-    except subprocess.TimeoutExpired:
-      proc.kill()
+    with contextlib.suppress(ProcessLookupError):
+      stop()
+    proc.wait()
   windows = [tuple(map(float, m.groups())) for m in map(LOG_LINE.search, lines) if m][1:]
   result = {"decoding": on, "windows": len(windows), "log_tail": lines[-8:]}
   if windows:
