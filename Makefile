@@ -2,7 +2,7 @@
 # first command on a fresh machine.
 PY      := .venv/bin/python
 STAMP   := .venv/.installed
-EXTRAS  := train,tensorboard,data,bench,dev
+EXTRAS  := train,tensorboard,data,bench,dev,gpu
 # The Beam tests run in their own environment: apache-beam caps pillow, protobuf and pyarrow
 # below the main environment's versions (docs/ARCHITECTURE.md).
 BEAM_PY    := .venv-beam/bin/python
@@ -14,7 +14,7 @@ CONFIG  ?= configs/default.py
 WORKDIR ?= runs/$(basename $(notdir $(CONFIG)))
 SOURCES := pipeline bench train configs tests examples setup.py
 
-.PHONY: _venv setup data convert train tensorboard bench bench-report test test-beam test-slow format lint clean
+.PHONY: _venv setup data convert train tensorboard bench bench-report device-wheels device-check test test-beam test-slow format lint clean
 
 # Two targets started at once in a fresh clone (two `make train`): the second waits on the
 # lock (flock, util-linux), then finds the environment installed instead of running pip
@@ -55,6 +55,12 @@ bench: data  ## benchmarks on the built-in photos; report, figures and logs in r
 
 bench-report: data  ## the same, rewriting the committed bench/REPORT.md, docs/bench and docs/study
 	$(PY) -m bench all $(DATA)/photos --out runs/bench --refresh $(ARGS)
+
+device-wheels:  ## download into .whl/ the wheels bench/device_check.sh installs on a GPU host (PYVER=3.12)
+	bench/device_wheels.sh
+
+device-check:  ## on a GPU host: install .whl/, build the C decoder, write runs/device_check/device_check.json
+	bench/device_check.sh $(ARGS)
 
 test: $(STAMP) $(BEAM_STAMP)  ## the test suite (fast tests; `make test-slow` for the slow ones too)
 	$(PY) -m pytest $(ARGS); main=$$?; \

@@ -28,10 +28,11 @@ import grain
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import split as split_lib
 from pipeline.host import guards, lifecycle
+from pipeline.image import nvdecode
 from pipeline.pp import features as features_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import SIGNATURE, Spec
-from pipeline.stages import handoff, stats
+from pipeline.stages import device_decode, handoff, stats
 from pipeline.stages import plan as plan_lib
 from pipeline.stages import read as read_lib
 from pipeline.stages import stream as stream_lib
@@ -88,11 +89,16 @@ def build(spec: Spec) -> Stages:
   if features:
     features = features_lib.parse_specs(features, sample=source.read([0])[0])
   chosen = handoff.workers(spec, head.image_size, sampler.blocks is not None)
+  gpus = None  # decoding.on="device": nvImageCodec on these local GPUs ([]: its CPU backend)
+  if spec.decoding.on == "device":
+    device_decode.check(spec.decoding)
+    gpus = nvdecode.local_gpus()
+    chosen = device_decode.plan(chosen, perf.num_workers, gpus)
   batch_bytes = spec.batch_size * head.image_size**2 * 3
   held = handoff.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
   read = read_lib.stage(spec, meta, source, pins, sampler, chosen, arena_bytes(head), held)
   keys = spec.keys or meta.keys
-  return Stages(
+  stages = Stages(
     plan=PlanBatches(sampler, spec.batch_size),
     sizes=Sizes.of(sampler, spec.batch_size, spec.drop_remainder, repr(spec.split)),
     manifest=meta,
@@ -123,6 +129,9 @@ def build(spec: Spec) -> Stages:
     stats_every_s=perf.stats_every_s,
     worker_jax=perf.worker_jax,
   )
+  if gpus is not None:
+    stages.decode = device_decode.stage(stages.decode, gpus)
+  return stages
 
 
 def chain(stages: Stages) -> grain.IterDataset:

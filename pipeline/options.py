@@ -91,6 +91,7 @@ class Augment:
 INTERPOLATIONS = ("bilinear", "bicubic")
 CROPS = ("torchvision", "tf")
 EVAL_ORDERS = ("crop_then_resize", "resize_then_crop")
+DECODE_ON = ("host", "device")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -108,14 +109,23 @@ class Decoding:
   and shrunk by the resize instead (7-9 levels at 64 px; none at 224, where no window was that
   large). fast_dct: libjpeg's fast integer IDCT (tf.data's default; 0.4-1 level, 2.2 on the
   32 px digits; none on DCT-scaled windows).
+  on: where windows are decoded. "host": the C decoder on decode threads. "device": nvImageCodec
+  on this process's GPUs (its CPU backend without one; the `gpu` extra), the same windows and
+  flips, decoded at full resolution (no DCT scaling), resized on the host; no worker processes,
+  cache_mb or fast_dct (`pipeline.stages.device_decode`). On the CPU backend each image is within
+  0.05 levels on average of dct_scaling=False's (the C decoder's window edges, see there); DCT
+  scaling's differences above apply; a GPU's IDCT adds its own (not measured yet).
   """
 
   cache_mb: float = 0.0
   dct_scaling: bool = True
   fast_dct: bool = False
+  on: str = "host"
 
   def __post_init__(self):
     check_types(self, "decoding.")
+    if self.on not in DECODE_ON:
+      raise ValueError(f"decoding.on must be one of {DECODE_ON}, got {self.on!r}")
     if self.cache_mb < 0:
       raise ValueError(f"decoding.cache_mb must be >= 0, got {self.cache_mb}")
 

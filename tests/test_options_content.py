@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import pipeline
-from tests.conftest import assert_same_batches
+from pipeline.stages import device_decode
+from tests.conftest import assert_same_batches, build_or_skip
 
 SIZE = 64  # DCT scaling applies to the photos' larger windows at this size
 STREAMS = {"train": 12, "validation": None}  # train: two epochs (caches filled, then hit)
@@ -36,7 +37,12 @@ NEUTRAL = [
 ]
 # Each Decoding option: (value away from its default, bound on the mean absolute difference per
 # pixel value)
-PIXELS = [("cache_mb", 64.0, 16), ("dct_scaling", False, 16), ("fast_dct", True, 3)]
+PIXELS = [
+  ("cache_mb", 64.0, 16),
+  ("dct_scaling", False, 16),
+  ("fast_dct", True, 3),
+  ("on", "device", 16),  # full-resolution windows: dct_scaling=False's pixels (device_decode)
+]
 
 
 def batches(data_dir, split: str, decoding=None, **performance) -> list[dict]:
@@ -85,6 +91,9 @@ def test_the_disk_record_cache_filled_and_read_leaves_every_batch_bitwise_equal(
 def test_a_pixel_option_changes_pixels_only_and_within_its_bound(
   photos_dir, defaults, name, value, bound
 ):
+  if name == "on":
+    check = lambda: device_decode.check(pipeline.Decoding(on=value))
+    build_or_skip("nvImageCodec (the gpu extra)", check, ValueError)
   changed = batches(photos_dir, "train", decoding={name: value})
   assert len(changed) == len(defaults["train"])
   for got, want in zip(changed, defaults["train"]):
