@@ -40,6 +40,7 @@ __all__ = [
   "OneHot",
   "Performance",
   "PermutedMixup",
+  "Source",
   "Spec",
   "device_prefetch",
   "features",
@@ -61,6 +62,7 @@ _LAZY = {
   "input": "inputs",
   "Input": "inputs",
   "stats_of": "stages.stream",
+  "Source": "mixture",
 }
 
 

@@ -1,0 +1,496 @@
+"""Mixtures: several datasets in one training stream, with weights, through one loader.
+
+    ds = pipeline.make_dataset({"in1k": A, "extra": B}, "train", weights={"in1k": 0.3,
+                               "extra": 0.7}, batch_size=64)
+    ds = pipeline.make_dataset({"in1k": pipeline.Source(A, pp="..."), "extra": B}, ...)
+
+The sources' shards are one merged index space (each source's records after the previous
+sources') read by ONE read stage, decoded by ONE pool of threads, in ONE set of worker
+processes, within ONE `performance.memory_mb`: nothing is per source but its order, its
+decode head and its ops. Which source fills each slot is `pipeline.order.mixture.Schedule`
+(a pure function of the position: a source's count over any prefix within one slot of its
+weight's); each source has its own order, epochs and shuffle (`plan.sampler`, global order).
+
+Labels (`labels=`): "own" (default) each source's own label indices; "offset" source k's
+after the classes of sources 0..k-1 (classes "name/class"); "joined" one class per distinct
+class name. Every batch holds "source" (int32, the index into the mixture's names).
+
+A state names each source's uses so far: restored into a mixture with other weights, or with
+sources added or removed, each source continues from its own position (one line says so); a
+state of a mixture with no source in common, or of a single dataset, is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from collections.abc import Mapping
+
+import numpy as np
+
+from pipeline.catalog import split as split_lib
+from pipeline.catalog.schema import Manifest, Split
+from pipeline.host import guards
+from pipeline.options import Augment
+from pipeline.order import elastic
+from pipeline.order.elastic import StateError
+from pipeline.order.mixture import MixSampler, Schedule
+from pipeline.pp.transforms import transforms
+from pipeline.spec import Spec
+from pipeline.stages import handoff, stats
+from pipeline.stages import plan as plan_lib
+from pipeline.stages import read as read_lib
+from pipeline.stages import stream as stream_lib
+from pipeline.stages.ahead import Threads
+from pipeline.stages.decode import DecodeImages, arena_bytes, batch_decoder
+from pipeline.stages.finish import FinishBatch
+from pipeline.stages.plan import Batch, PlanBatches, Sizes
+from pipeline.stages.pool import BatchPool
+from pipeline.storage.source import ShardedSource
+
+LABELS = ("own", "offset", "joined")
+MIXTURE_KEYWORDS = ("weights", "labels")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One source of a mixture: its dataset, split (default: the mixture's), weight (or in
+  `weights=`), and its own pp string or `Augment` (default: the mixture's)."""
+
+  data_dir: str | os.PathLike
+  split: str | None = None
+  weight: float | None = None
+  pp: str | None = None
+  augment: Augment | Mapping | None = None
+
+
+def is_mixture(data_dir) -> bool:
+  return isinstance(data_dir, Mapping)
+
+
+def sources_of(data_dir: Mapping, weights: Mapping | None) -> tuple[list[str], list, Schedule]:
+  """(names, `Source`s, schedule) of a `{name: dir or Source}` mapping and its weights."""
+  if not data_dir:
+    raise ValueError("a mixture needs at least one source: {name: data_dir or Source}")
+  names = [str(n) for n in data_dir]
+  sources = [s if isinstance(s, Source) else Source(s) for s in data_dir.values()]
+  weights = dict(weights or {})
+  unknown = sorted(set(map(str, weights)) - set(names))
+  if unknown:
+    raise ValueError(f"weights name {unknown[0]!r}, not a source of the mixture {names}")
+  given = []
+  for name, source in zip(names, sources):
+    w = weights.get(name, source.weight)
+    if w is None:
+      raise ValueError(f"source {name!r} has no weight: give weights={{{name!r}: ...}}")
+    given.append(float(w))
+  return names, sources, Schedule(tuple(given))
+
+
+@dataclasses.dataclass
+class Mixture:
+  """What the stream of a mixture needs at run time: its names, schedule and sampler."""
+
+  names: list[str]
+  schedule: Schedule
+  sampler: MixSampler
+  batch_size: int
+  workers: int
+  digests: dict  # name -> the source's shard list tag (`elastic.shard_list`)
+
+
+def build(data_dir: Mapping, split: str = "train", **keywords):
+  """The `dataset.Stages` of the mixture `data_dir` ({name: dir or `Source`})."""
+  from pipeline.dataset import Stages  # dataset imports this module
+
+  weights, labels = keywords.pop("weights", None), keywords.pop("labels", "own")
+  if labels not in LABELS:
+    raise ValueError(f"labels must be one of {LABELS}, not {labels!r}")
+  names, sources, schedule = sources_of(data_dir, weights)
+  base = Spec.of(os.fspath(sources[0].data_dir), split, **keywords)
+  _check_mixable(base, keywords)
+  perf = base.performance
+  if perf.num_workers is None:
+    guards.check_main_guard("worker processes, which make_dataset starts on many-core hosts,")
+  elif perf.num_workers:
+    guards.check_main_guard()
+  specs, opened, samplers = [], [], []
+  for name, source in zip(names, sources):
+    spec = _source_spec(source, split, keywords)
+    meta, src, pins = split_lib.open(spec.data_dir, spec.split, spec.verify)
+    specs.append(spec)
+    opened.append((meta, src, pins))
+    samplers.append(plan_lib.sampler(spec, meta, src))
+  classes, tables = _classes(names, [m for m, _, _ in opened], labels)
+  offsets = np.cumsum([0] + [len(src) for _, src, _ in opened])[:-1]
+  sampler = MixSampler(schedule, samplers, offsets.tolist())
+  heads = []
+  for name, spec, (meta, _, _) in zip(names, specs, opened):
+    head, image_ops, batch_ops = transforms(spec, meta.num_classes)
+    if batch_ops and spec.transforms.pp is not None and spec.transforms.pp != base.transforms.pp:
+      raise ValueError(
+        f"source {name!r}: its pp's batch ops run on the whole mixed batch: give them in the "
+        "mixture's pp= or batch_ops="
+      )
+    heads.append((head, image_ops))
+  _check_sizes(names, [h for h, _ in heads])
+  _, _, batch_ops = transforms(base, len(classes))  # the mixture's own: on the mixed batch
+  image_size = heads[0][0].image_size
+  chosen = handoff.workers(base, image_size, False)
+  batch_bytes = base.batch_size * image_size**2 * 3
+  held = handoff.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
+  merged, meta = _merged(names, opened, classes, base.split)
+  arena = max(arena_bytes(h) for h, _ in heads)
+  read = read_lib.stage(base, meta, merged, merged.pins, sampler, chosen, arena, held)
+  decode = MixDecode(
+    parts=[
+      DecodeImages(
+        head,
+        keys=spec.keys or m.keys,
+        seed=base.seed,
+        num_threads=chosen.threads,
+        prefetch=perf.prefetch,
+        on_error=base.on_error,
+        cache_mb=spec.decoding.cache_mb / len(names),  # one cache's bytes over all sources
+        decoder=None
+        if spec.decoding.cache_mb
+        else batch_decoder(head, spec.keys or m.keys, base.seed),
+      )
+      for (head, _), spec, (m, _, _) in zip(heads, specs, opened)
+    ],
+    checks=[
+      FinishBatch(
+        num_classes=m.num_classes,
+        seed=base.seed,
+        num_threads=chosen.threads,
+        on_error=base.on_error,
+        with_mask=True,
+        image_ops=image_ops,
+      )
+      for (_, image_ops), (m, _, _) in zip(heads, opened)
+    ],
+    tables=tables,
+    names=names,
+    prefetch=perf.prefetch,
+  )
+  features = base.transforms.features
+  if features:
+    from pipeline.pp import features as features_lib
+
+    features = features_lib.parse_specs(features, sample=merged.read([0])[0])
+  finish = FinishBatch(
+    num_classes=len(classes),
+    seed=base.seed,
+    num_threads=chosen.threads,
+    on_error=base.on_error,
+    with_mask=False,
+    batch_ops=batch_ops,
+    features=features or None,
+  )
+  for check in decode.checks:  # the sources' ops run on the mixture's one ops pool
+    check.threads = finish.threads
+  stream = stream_lib.describe(base, sampler, [])
+  digests = {
+    n: elastic.shard_list([(s.file, s.num_records) for s in m.splits[spec.split].shards])
+    for n, spec, (m, _, _) in zip(names, specs, opened)
+  }
+  stream.update(
+    shards=elastic.shard_list([(s.file, s.num_records) for s in meta.splits[base.split].shards])
+  )
+  stream["mixture"] = sorted(names)
+  mixture = Mixture(names, schedule, sampler, base.batch_size, chosen.workers, digests)
+  _announce(mixture, [len(src) for _, src, _ in opened], chosen, read)
+  return Stages(
+    plan=MixPlan(sampler, base.batch_size),
+    sizes=Sizes.of(sampler, base.batch_size, True, repr(split)),
+    manifest=meta,
+    read=read,
+    decode=decode,
+    finish=finish,
+    workers=chosen.workers,
+    prefetch=perf.prefetch,
+    stream=stream,
+    stats_every_s=perf.stats_every_s,
+    stream_type=lambda parent, *a: MixStreamIterDataset(parent, *a, mixture=mixture),
+  )
+
+
+def _check_mixable(base: Spec, keywords: dict) -> None:
+  """A mixture is a training stream in the global order over every process's records."""
+  if not base.train:
+    raise ValueError(
+      "a mixture is a training stream (train=True): evaluate each source with its own make_dataset"
+    )
+  if keywords.get("num_epochs") is not None:
+    raise ValueError("a mixture repeats each source on its own: leave num_epochs unset")
+  if base.order == "blocks" or base.sharding != "records":
+    raise ValueError(
+      "a mixture reads in order='global' with sharding='records' (the block order is per "
+      "source): leave order and sharding unset"
+    )
+
+
+def _source_spec(source: Source, split: str, keywords: dict) -> Spec:
+  """A source's spec: the mixture's keywords, its own split, pp and augment over them."""
+  own = dict(keywords, order="global")
+  if source.pp is not None:
+    for k in ("pp", "ops", "batch_ops", "image_size"):
+      own.pop(k, None)
+    own["pp"] = source.pp
+  if source.augment is not None:
+    own["augment"] = source.augment
+  own.pop("features", None)
+  return Spec.of(os.fspath(source.data_dir), source.split or split, **own)
+
+
+def _check_sizes(names: list[str], heads: list) -> None:
+  sizes = [h.image_size for h in heads]
+  for name, size in zip(names, sizes):
+    if size != sizes[0]:
+      raise ValueError(
+        f"source {name!r} makes {size}x{size} images, {names[0]!r} {sizes[0]}x{sizes[0]}: "
+        "give every source the same image size (image_size= or its pp's)"
+      )
+
+
+def _classes(names: list[str], metas: list, labels: str) -> tuple[list[str], list[np.ndarray]]:
+  """The mixture's classes and, per source, its label -> the mixture's label."""
+  if labels == "own":
+    longest = max(metas, key=lambda m: m.num_classes)
+    return list(longest.classes), [np.arange(m.num_classes) for m in metas]
+  if labels == "offset":
+    classes = [f"{n}/{c}" for n, m in zip(names, metas) for c in m.classes]
+    starts = np.cumsum([0] + [m.num_classes for m in metas])
+    return classes, [np.arange(m.num_classes) + s for m, s in zip(metas, starts)]
+  classes = list(dict.fromkeys(c for m in metas for c in m.classes))
+  at = {c: k for k, c in enumerate(classes)}
+  return classes, [np.array([at[c] for c in m.classes], np.int64) for m in metas]
+
+
+def _merged(names, opened, classes, split) -> tuple[ShardedSource, Manifest]:
+  """One source over every source's shards (named "name: shard") and its manifest."""
+  paths, pins, shards = [], [], []
+  for name, (meta, src, p) in zip(names, opened):
+    paths += src.paths
+    pins += p
+    shards += [dataclasses.replace(s, file=f"{name}: {s.file}") for s in _shards_of(meta, src)]
+  merged = ShardedSource(paths, [s.num_records for s in shards], pins)
+  merged.names = [s.file for s in shards]
+  total = sum(s.num_records for s in shards)
+  return merged, Manifest(list(classes), {split: Split(total, shards)})
+
+
+def _shards_of(meta: Manifest, src: ShardedSource) -> list:
+  """The manifest's shards of the split `src` opened (matched by file name)."""
+  names = [os.path.basename(p) for p in src.paths]
+  for split in meta.splits.values():
+    if [s.file for s in split.shards] == names:
+      return split.shards
+  raise ValueError(f"no split of the manifest holds the shards {names[:2]}...")
+
+
+def _announce(mixture: Mixture, records: list[int], chosen, read) -> None:
+  shares = ", ".join(
+    f"{n} {w:.0%} of {r:,} records"
+    for n, w, r in zip(mixture.names, mixture.schedule.weights, records)
+  )
+  print(
+    f"pipeline: mixture of {len(mixture.names)} sources ({shares}) in one read stage, one "
+    f"decode pool of {chosen.threads} threads, {chosen.workers} worker processes and one "
+    f"memory budget ({read.memory.describe() if read.memory else 'none'})",
+    file=sys.stderr,
+    flush=True,
+  )
+
+
+@dataclasses.dataclass(frozen=True)
+class MixPlan(PlanBatches):
+  """`PlanBatches` that also says each slot's source."""
+
+  def __call__(self, batch_index: int) -> Batch:
+    batch = super().__call__(batch_index)
+    first = batch_index * self.batch_size
+    batch.sources = self.sampler.sources(np.arange(first, first + len(batch.indices)))
+    return batch
+
+
+@dataclasses.dataclass(eq=False)
+class MixDecode:
+  """The decode stage of a mixture: each source's slots decoded by its own head (`parts`)
+  on the one pool of threads, its labels checked and its ops run (`checks`), its labels
+  mapped to the mixture's (`tables`), all into one batch."""
+
+  parts: list
+  checks: list
+  tables: list
+  names: list
+  prefetch: int
+  allocate: object = None
+
+  def __post_init__(self):
+    self.allocate = self.allocate or BatchPool().empty
+    self.threads = self.parts[0].threads
+    self._pool = BatchPool(keep=len(self.parts))
+    for part in self.parts:  # one pool of threads; each source's slots in a pooled buffer
+      part.threads, part.allocate = self.threads, self._pool.empty
+
+  @property
+  def head(self):
+    return self.parts[0].head
+
+  def depth(self) -> int:
+    return self.prefetch
+
+  def start(self, batch: Batch) -> tuple[Batch, list]:
+    n, size = len(batch.indices), self.head.image_size
+    batch.images = self.allocate((n, size, size, 3), np.uint8)
+    batch.labels, batch.bad = np.zeros(n, np.int64), np.zeros(n, bool)
+    started = []
+    for s in np.unique(batch.sources).tolist():
+      slots = np.flatnonzero(batch.sources == s)
+      sub = Batch(
+        batch.index,
+        batch.epochs[slots],
+        batch.indices[slots],
+        records=[batch.records[k] for k in slots],
+        where=batch.where,
+      )
+      started.append((s, slots, self.parts[s].start(sub)))
+    return batch, started
+
+  def finish(self, started: tuple[Batch, list]) -> Batch:
+    batch, parts = started
+    for s, slots, part in parts:
+      sub = self.parts[s].finish(part)
+      out = self.checks[s](sub)
+      image = out["image"]
+      if image.shape[1:] != batch.images.shape[1:] or image.dtype != batch.images.dtype:
+        raise ValueError(
+          f"source {self.names[s]!r}'s ops give {image.dtype}{list(image.shape[1:])}, the "
+          f"mixture's images are uint8{list(batch.images.shape[1:])}: a source's ops must keep "
+          "the image's shape (give shape-changing ops to the whole mixture: ops=)"
+        )
+      batch.images[slots] = image
+      batch.bad[slots] = ~out["mask"]
+      batch.labels[slots] = self.tables[s][np.where(out["mask"], sub.labels, 0)]
+    return batch
+
+
+class MixStreamIterDataset(stream_lib.StreamIterDataset):
+  """The outermost iterator of a mixture: states by source name, per-source counts."""
+
+  def __init__(self, parent, *args, mixture: Mixture):
+    super().__init__(parent, *args)
+    self._mixture = mixture
+
+  def __iter__(self):
+    recorder = self._recorder or stats.Recorder()
+    return MixStreamIterator(
+      self._parent, self._stream, recorder, self._every, self._read, self._mixture
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MixStats(stats.Stats):
+  """`stats.Stats` with each source's images and realized share."""
+
+  sources: tuple = ()
+
+  def table(self) -> str:
+    total = max(1, sum(n for _, n, _ in self.sources))
+    lines = [
+      f"source {name}: {n} images ({n / total:.1%}, weight {w:.1%})" for name, n, w in self.sources
+    ]
+    return "\n".join([super().table(), *lines])
+
+
+class MixStreamIterator(stream_lib.StreamIterator):
+  def __init__(self, dataset, stream, recorder, every_s, read, mixture: Mixture):
+    super().__init__(dataset.__iter__(), stream, recorder, every_s, read)
+    self._dataset, self._mixture = dataset, mixture
+    self.images = np.zeros(len(mixture.names), np.int64)  # per source, since this iterator began
+
+  def __next__(self) -> dict:
+    batch = super().__next__()
+    self.images += np.bincount(batch["source"], minlength=len(self.images))
+    return batch
+
+  def stats(self) -> MixStats:
+    base = super().stats()
+    weights = self._mixture.schedule.weights
+    rows = tuple(zip(self._mixture.names, self.images.tolist(), weights))
+    return MixStats(
+      **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, sources=rows
+    )
+
+  def get_state(self) -> dict:
+    state = super().get_state()
+    m = self._mixture
+    used = m.sampler.used(elastic.batches_done(self._parent.get_state()) * m.batch_size)
+    weights = dict(zip(m.names, m.schedule.weights))
+    state["mixture"] = {
+      "used": dict(zip(m.names, used.tolist())),
+      "weights": weights,
+      "sources": m.digests,
+    }
+    return state
+
+  def set_state(self, state: dict) -> None:
+    state = stream_lib.plain(state)
+    m = self._mixture
+    saved = state.get("mixture") if isinstance(state, dict) else None
+    if not isinstance(saved, dict) or not isinstance(saved.get("used"), dict):
+      raise StateError(
+        f"iterator state of a single dataset, not of a mixture: this mixture ({', '.join(m.names)}) "
+        "resumes only a mixture's state"
+      )
+    digests = saved.get("sources", {})
+    common = [n for n in m.names if n in digests]
+    if not common:
+      raise StateError(
+        f"iterator state of another mixture (sources {', '.join(digests)}; this one: "
+        f"{', '.join(m.names)}): no source in common to continue"
+      )
+    for n in common:
+      if digests[n] != m.digests[n]:
+        raise StateError(f"iterator state: source {n!r} holds other shards than when it was saved")
+    was = state.get("stream") or {}
+    for key in ("shard_count", "batch_size", "seed"):
+      if was.get(key) != self._stream[key]:
+        raise StateError(
+          f"iterator state of a mixture with {key} {was.get(key)}, this one {self._stream[key]}: "
+          f"resume a mixture with the same {key}"
+        )
+    inner = {
+      k: v for k, v in state.items() if k not in ("stream", "skipped", "position", "mixture")
+    }
+    position = elastic.batches_done(inner) * m.batch_size
+    used = [int(saved["used"].get(n, 0)) for n in m.names]
+    weights = dict(zip(m.names, m.schedule.weights))
+    if saved.get("weights") != weights:
+      added = [n for n in m.names if n not in digests]
+      removed = [n for n in digests if n not in m.names]
+      print(
+        f"pipeline: mixture resumed at batch {position // m.batch_size} with weights "
+        f"{_shares(weights)} (the state's: {_shares(saved.get('weights', {}))})"
+        + (f", sources added: {', '.join(added)}" if added else "")
+        + (f", removed: {', '.join(removed)}" if removed else "")
+        + "; each source continues from its own position",
+        file=sys.stderr,
+        flush=True,
+      )
+    m.sampler.resume(position, used)
+    if m.workers:  # worker processes hold the plan they started with: start them anew
+      old, self._parents = self._parent, (self._dataset.__iter__(),)
+      old.close()
+    super().set_state(
+      {**{k: v for k, v in state.items() if k != "mixture"}, "stream": self._stream}
+    )
+
+
+def _shares(weights: dict) -> str:
+  return "{" + ", ".join(f"{n}: {w:.3g}" for n, w in weights.items()) + "}"
+
+
+__all__ = ["LABELS", "MixDecode", "MixPlan", "Source", "build", "is_mixture"]
