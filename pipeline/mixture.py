@@ -42,7 +42,6 @@ from pipeline.stages import handoff, stats
 from pipeline.stages import plan as plan_lib
 from pipeline.stages import read as read_lib
 from pipeline.stages import stream as stream_lib
-from pipeline.stages.ahead import Threads
 from pipeline.stages.decode import DecodeImages, arena_bytes, batch_decoder
 from pipeline.stages.finish import FinishBatch
 from pipeline.stages.plan import Batch, PlanBatches, Sizes
@@ -116,7 +115,7 @@ def build(data_dir: Mapping, split: str = "train", **keywords):
   elif perf.num_workers:
     guards.check_main_guard()
   specs, opened, samplers = [], [], []
-  for name, source in zip(names, sources):
+  for source in sources:
     spec = _source_spec(source, split, keywords)
     meta, src, pins = split_lib.open(spec.data_dir, spec.split, spec.verify)
     specs.append(spec)
@@ -291,10 +290,9 @@ def _shards_of(meta: Manifest, src: ShardedSource) -> list:
 
 
 def _announce(mixture: Mixture, records: list[int], chosen, read) -> None:
-  shares = ", ".join(
-    f"{n} {w:.0%} of {r:,} records"
-    for n, w, r in zip(mixture.names, mixture.schedule.weights, records)
-  )
+  listed = list(zip(mixture.names, mixture.schedule.weights, records))
+  shares = ", ".join(f"{n} {w:.1%} of {r:,} records" for n, w, r in listed[:4])
+  shares += f" and {len(listed) - 4} more" if len(listed) > 4 else ""
   print(
     f"pipeline: mixture of {len(mixture.names)} sources ({shares}) in one read stage, one "
     f"decode pool of {chosen.threads} threads, {chosen.workers} worker processes and one "
@@ -442,8 +440,8 @@ class MixStreamIterator(stream_lib.StreamIterator):
     saved = state.get("mixture") if isinstance(state, dict) else None
     if not isinstance(saved, dict) or not isinstance(saved.get("used"), dict):
       raise StateError(
-        f"iterator state of a single dataset, not of a mixture: this mixture ({', '.join(m.names)}) "
-        "resumes only a mixture's state"
+        "iterator state of a single dataset, not of a mixture: this mixture "
+        f"({', '.join(m.names)}) resumes only a mixture's state"
       )
     digests = saved.get("sources", {})
     common = [n for n in m.names if n in digests]
