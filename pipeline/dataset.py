@@ -72,7 +72,7 @@ def make_dataset(data_dir, split: str = "train", **keywords) -> grain.IterDatase
   `labels=`): `pipeline.mixture`.
   """
   if mixture.is_mixture(data_dir):
-    return chain(mixture.build(data_dir, split, **keywords))
+    return chain(Stages(**mixture.stages(data_dir, split, **keywords)))
   return chain(build(Spec.of(data_dir, split, **keywords)))
 
 

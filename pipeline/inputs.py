@@ -74,7 +74,8 @@ def input(
   where.check(batch_size)
   keywords = {"shard_index": shard_index, "shard_count": shard_count, **make_dataset_keywords}
   if mixture.is_mixture(data_dir):  # `pipeline.mixture`: a training stream, no remainder
-    stages = mixture.build(data_dir, split, batch_size=batch_size, train=train, **keywords)
+    fields = mixture.stages(data_dir, split, batch_size=batch_size, train=train, **keywords)
+    stages = dataset.Stages(**fields)
     drop_remainder = True
   else:
     spec = Spec.of(data_dir, split, batch_size=batch_size, train=train, **keywords)

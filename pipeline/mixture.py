@@ -36,6 +36,7 @@ from pipeline.options import Augment
 from pipeline.order import elastic
 from pipeline.order.elastic import StateError
 from pipeline.order.mixture import MixSampler, Schedule
+from pipeline.pp import features as features_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import Spec
 from pipeline.stages import handoff, stats
@@ -99,10 +100,8 @@ class Mixture:
   digests: dict  # name -> the source's shard list tag (`elastic.shard_list`)
 
 
-def build(data_dir: Mapping, split: str = "train", **keywords):
-  """The `dataset.Stages` of the mixture `data_dir` ({name: dir or `Source`})."""
-  from pipeline.dataset import Stages  # dataset imports this module
-
+def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
+  """The fields of the `dataset.Stages` of the mixture `data_dir` ({name: dir or `Source`})."""
   weights, labels = keywords.pop("weights", None), keywords.pop("labels", "own")
   if labels not in LABELS:
     raise ValueError(f"labels must be one of {LABELS}, not {labels!r}")
@@ -175,8 +174,6 @@ def build(data_dir: Mapping, split: str = "train", **keywords):
   )
   features = base.transforms.features
   if features:
-    from pipeline.pp import features as features_lib
-
     features = features_lib.parse_specs(features, sample=merged.read([0])[0])
   finish = FinishBatch(
     num_classes=len(classes),
@@ -200,7 +197,7 @@ def build(data_dir: Mapping, split: str = "train", **keywords):
   stream["mixture"] = sorted(names)
   mixture = Mixture(names, schedule, sampler, base.batch_size, chosen.workers, digests)
   _announce(mixture, [len(src) for _, src, _ in opened], chosen, read)
-  return Stages(
+  return dict(
     plan=MixPlan(sampler, base.batch_size),
     sizes=Sizes.of(sampler, base.batch_size, True, repr(split)),
     manifest=meta,
@@ -491,4 +488,4 @@ def _shares(weights: dict) -> str:
   return "{" + ", ".join(f"{n}: {w:.3g}" for n, w in weights.items()) + "}"
 
 
-__all__ = ["LABELS", "MixDecode", "MixPlan", "Source", "build", "is_mixture"]
+__all__ = ["LABELS", "MixDecode", "MixPlan", "Source", "is_mixture", "stages"]

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import mixture
+from pipeline import dataset, mixture
 from pipeline.catalog import manifest
 from pipeline.order.elastic import StateError
 from pipeline.pp import registry
@@ -151,17 +151,17 @@ def test_labels_offset_or_joined_by_class_name(digits_dir, photos_dir, labels):
 def test_35_sources_plan_within_one_budget_and_one_pool_of_threads(digits_dir, photos_dir):
   keywords = dict(batch_size=32, image_size=64, seed=0, shard_index=0, shard_count=1)
   keywords["performance"] = {"memory_mb": 1000}
-  one = pipeline.dataset.build(pipeline.Spec.of(digits_dir, "train", **keywords))
+  one = dataset.build(pipeline.Spec.of(digits_dir, "train", **keywords))
   sources = {f"s{k:02d}": (digits_dir, photos_dir)[k % 2] for k in range(35)}
   weights = {name: 1 + k % 3 for k, name in enumerate(sources)}
-  stages = mixture.build(sources, "train", weights=weights, **keywords)
+  stages = dataset.Stages(**mixture.stages(sources, "train", weights=weights, **keywords))
   assert stages.decode.threads.size == one.decode.threads.size
   assert all(p.threads is stages.decode.threads for p in stages.decode.parts)
   assert all(c.threads is stages.finish.threads for c in stages.decode.checks)
   assert stages.read.memory == one.read.memory  # the same plan, within the same budget
   assert stages.workers == one.workers
   before = {t.name for t in threading.enumerate()}
-  it = iter(pipeline.dataset.chain(stages))
+  it = iter(dataset.chain(stages))
   batches = take(it, 4)
   assert set(np.concatenate([b["source"] for b in batches]).tolist()) == set(range(35))
   started = [t for t in threading.enumerate() if t.name not in before]
