@@ -25,6 +25,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import sys
+import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -388,14 +389,16 @@ class MixStreamIterDataset(stream_lib.StreamIterDataset):
 
 @dataclasses.dataclass(frozen=True)
 class MixStats(stats.Stats):
-  """`stats.Stats` with each source's images and realized share."""
+  """`stats.Stats` with each source's images, their rate and realized share (`sources`:
+  (name, images, images/s, weight) rows, since the iterator began or was restored)."""
 
   sources: tuple = ()
 
   def table(self) -> str:
-    total = max(1, sum(n for _, n, _ in self.sources))
+    total = max(1, sum(row[1] for row in self.sources))
     lines = [
-      f"source {name}: {n} images ({n / total:.1%}, weight {w:.1%})" for name, n, w in self.sources
+      f"source {name}: {n} images, {rate:.1f}/s ({n / total:.1%} of the images, weight {w:.1%})"
+      for name, n, rate, w in self.sources
     ]
     return "\n".join([super().table(), *lines])
 
@@ -405,16 +408,19 @@ class MixStreamIterator(stream_lib.StreamIterator):
     super().__init__(dataset.__iter__(), stream, recorder, every_s, read)
     self._dataset, self._mixture = dataset, mixture
     self.images = np.zeros(len(mixture.names), np.int64)  # per source, since this iterator began
+    self._began = None
 
   def __next__(self) -> dict:
+    self._began = self._began or time.perf_counter()
     batch = super().__next__()
     self.images += np.bincount(batch["source"], minlength=len(self.images))
     return batch
 
   def stats(self) -> MixStats:
     base = super().stats()
-    weights = self._mixture.schedule.weights
-    rows = tuple(zip(self._mixture.names, self.images.tolist(), weights))
+    m, seconds = self._mixture, time.perf_counter() - (self._began or time.perf_counter())
+    rates = (self.images / max(seconds, 1e-9)).tolist()
+    rows = tuple(zip(m.names, self.images.tolist(), rates, m.schedule.weights))
     return MixStats(
       **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, sources=rows
     )
@@ -476,6 +482,7 @@ class MixStreamIterator(stream_lib.StreamIterator):
         flush=True,
       )
     m.sampler.resume(position, used)
+    self.images[:], self._began = 0, None
     if m.workers:  # worker processes hold the plan they started with: start them anew
       old, self._parents = self._parent, (self._dataset.__iter__(),)
       old.close()

@@ -1,5 +1,6 @@
 """Mixtures: several datasets in one stream with weights, one loader, states by source name."""
 
+import re
 import threading
 
 import numpy as np
@@ -71,6 +72,8 @@ def test_a_state_restored_with_other_weights_continues_each_source(digits_dir, p
   used = state["mixture"]["used"]
   now = halves.get_state()["mixture"]["used"]
   assert now["in1k"] - used["in1k"] == sum(int((b["source"] == 0).sum()) for b in batches)
+  table = halves.stats().table()  # per source: images, rate and realized share since restored
+  assert re.search(r"source extra: 1504 images, [\d.]+/s \(50\.0% of the images, weight 50", table)
 
 
 def test_states_of_another_mixture_or_of_one_dataset_are_refused(digits_dir, photos_dir):

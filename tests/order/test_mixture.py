@@ -88,3 +88,26 @@ def test_a_segment_with_other_weights_continues_each_source_from_its_uses():
   # source 0 continues its own order where the old mixture left it
   expected = old.samplers[0].records(np.arange(used[0], used[0] + 5))[1]
   np.testing.assert_array_equal(indices[sources == 0][:5], expected)
+
+
+def test_each_process_reads_its_own_share_of_every_source():
+  sizes, b = (64, 96), 8
+  per = [
+    MixSampler(
+      Schedule((0.25, 0.75)),
+      [
+        Sampler(num_records=n, seed=k, shard_index=p, shard_count=2, block=b)
+        for k, n in enumerate(sizes)
+      ],
+      [0, sizes[0]],
+    )
+    for p in range(2)
+  ]
+  positions = np.arange(32 * b)  # 32 batches of each process: 512 slots, 2 epochs of source 1
+  taken = [p.records(positions)[1] for p in per]
+  sources = per[0].sources(positions)
+  np.testing.assert_array_equal(sources, per[1].sources(positions))  # same slots, same sources
+  first = [t[sources == 0][: sizes[0] // 2] for t in taken]  # one epoch of source 0 between them
+  assert sorted(np.concatenate(first).tolist()) == list(range(sizes[0]))
+  second = [t[sources == 1][: sizes[1] // 2] for t in taken]
+  assert sorted(np.concatenate(second).tolist()) == list(range(sizes[0], sum(sizes)))
