@@ -9,15 +9,17 @@ sources') read by ONE read stage, decoded by ONE pool of threads, in ONE set of 
 processes, within ONE `performance.memory_mb`: nothing is per source but its order, its
 decode head and its ops. Which source fills each slot is `pipeline.order.mixture.Schedule`
 (a pure function of the position: a source's count over any prefix within one slot of its
-weight's); each source has its own order, epochs and shuffle (`plan.sampler`, global order).
+weight's); each source has its own order, epochs and shuffle (`plan.sampler`, global order),
+all over the global stream, dealt out to the processes as one dataset's global order.
 
 Labels (`labels=`): "own" (default) each source's own label indices; "offset" source k's
 after the classes of sources 0..k-1 (classes "name/class"); "joined" one class per distinct
 class name. Every batch holds "source" (int32, the index into the mixture's names).
 
 A state names each source's uses so far: restored into a mixture with other weights, or with
-sources added or removed, each source continues from its own position (one line says so); a
-state of a mixture with no source in common, or of a single dataset, is refused.
+sources added or removed, each source continues from its own position (one line says so),
+on any process count (`pipeline.order.elastic`); a state of a mixture with no source in
+common, or of a single dataset, is refused.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ import numpy as np
 from pipeline.catalog import split as split_lib
 from pipeline.catalog.schema import Manifest, Split
 from pipeline.host import guards
+from pipeline.host.parallelism import process_shard
 from pipeline.options import Augment
 from pipeline.order import elastic
 from pipeline.order.elastic import StateError
@@ -96,7 +99,6 @@ class Mixture:
   names: list[str]
   schedule: Schedule
   sampler: MixSampler
-  batch_size: int
   workers: int
   digests: dict  # name -> the source's shard list tag (`elastic.shard_list`)
 
@@ -123,7 +125,8 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     samplers.append(plan_lib.sampler(spec, meta, src))
   classes, tables = _classes(names, [m for m, _, _ in opened], labels)
   offsets = np.cumsum([0] + [len(src) for _, src, _ in opened])[:-1]
-  sampler = MixSampler(schedule, samplers, offsets.tolist())
+  shard = process_shard(base.shard_index, base.shard_count)
+  sampler = MixSampler(schedule, samplers, offsets.tolist(), *shard, block=base.batch_size)
   heads = []
   for name, spec, (meta, _, _) in zip(names, specs, opened):
     head, image_ops, batch_ops = transforms(spec, meta.num_classes)
@@ -196,7 +199,7 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     shards=elastic.shard_list([(s.file, s.num_records) for s in meta.splits[base.split].shards])
   )
   stream["mixture"] = sorted(names)
-  mixture = Mixture(names, schedule, sampler, base.batch_size, chosen.workers, digests)
+  mixture = Mixture(names, schedule, sampler, chosen.workers, digests)
   _announce(mixture, [len(src) for _, src, _ in opened], chosen, read)
   return dict(
     plan=MixPlan(sampler, base.batch_size),
@@ -230,7 +233,7 @@ def _check_mixable(base: Spec, keywords: dict) -> None:
 
 def _source_spec(source: Source, split: str, keywords: dict) -> Spec:
   """A source's spec: the mixture's keywords, its own split, pp and augment over them."""
-  own = dict(keywords, order="global")
+  own = dict(keywords, order="global", shard_index=0, shard_count=1)  # the global stream
   if source.pp is not None:
     for k in ("pp", "ops", "batch_ops", "image_size"):
       own.pop(k, None)
@@ -428,7 +431,7 @@ class MixStreamIterator(stream_lib.StreamIterator):
   def get_state(self) -> dict:
     state = super().get_state()
     m = self._mixture
-    used = m.sampler.used(elastic.batches_done(self._parent.get_state()) * m.batch_size)
+    used = m.sampler.used(state["position"])
     weights = dict(zip(m.names, m.schedule.weights))
     state["mixture"] = {
       "used": dict(zip(m.names, used.tolist())),
@@ -457,23 +460,21 @@ class MixStreamIterator(stream_lib.StreamIterator):
       if digests[n] != m.digests[n]:
         raise StateError(f"iterator state: source {n!r} holds other shards than when it was saved")
     was = state.get("stream") or {}
-    for key in ("shard_count", "batch_size", "seed"):
-      if was.get(key) != self._stream[key]:
-        raise StateError(
-          f"iterator state of a mixture with {key} {was.get(key)}, this one {self._stream[key]}: "
-          f"resume a mixture with the same {key}"
-        )
-    inner = {
-      k: v for k, v in state.items() if k not in ("stream", "skipped", "position", "mixture")
-    }
-    position = elastic.batches_done(inner) * m.batch_size
+    if was.get("seed") != self._stream["seed"]:
+      raise StateError(
+        f"iterator state of a mixture with seed {was.get('seed')}, this one "
+        f"{self._stream['seed']}: resume with the same seed"
+      )
+    position = state.get("position")
+    if not isinstance(position, int) or position < 0:
+      raise StateError(f"iterator state: 'position' must be a count, got {position!r}")
     used = [int(saved["used"].get(n, 0)) for n in m.names]
     weights = dict(zip(m.names, m.schedule.weights))
     if saved.get("weights") != weights:
       added = [n for n in m.names if n not in digests]
       removed = [n for n in digests if n not in m.names]
       print(
-        f"pipeline: mixture resumed at batch {position // m.batch_size} with weights "
+        f"pipeline: mixture resumed at global position {position:,} with weights "
         f"{_shares(weights)} (the state's: {_shares(saved.get('weights', {}))})"
         + (f", sources added: {', '.join(added)}" if added else "")
         + (f", removed: {', '.join(removed)}" if removed else "")
@@ -486,8 +487,10 @@ class MixStreamIterator(stream_lib.StreamIterator):
     if m.workers:  # worker processes hold the plan they started with: start them anew
       old, self._parents = self._parent, (self._dataset.__iter__(),)
       old.close()
+    # the sources checked: the rest as any stream's, from the saved layout (`elastic.resize`)
+    layout = {k: was[k] for k in elastic.LAYOUT if k in was}
     super().set_state(
-      {**{k: v for k, v in state.items() if k != "mixture"}, "stream": self._stream}
+      {**{k: v for k, v in state.items() if k != "mixture"}, "stream": {**self._stream, **layout}}
     )
 
 

@@ -65,7 +65,7 @@ def test_a_state_restored_with_other_weights_continues_each_source(digits_dir, p
   halves = iter(mixed(digits_dir, photos_dir, weights={"in1k": 0.5, "extra": 0.5}))
   halves.set_state(state)
   said = [line for line in capfd.readouterr().err.splitlines() if "mixture resumed" in line]
-  assert len(said) == 1 and "batch 10" in said[0] and "in1k: 0.3" in said[0]
+  assert len(said) == 1 and "global position 640" in said[0] and "in1k: 0.3" in said[0]
   batches = take(halves, 47)
   assert abs(np.mean(np.concatenate([b["source"] for b in batches])) - 0.5) <= 0.02
   # each source continues from its own uses at the state: its records come on in order
@@ -200,3 +200,18 @@ def test_mixture_mistakes_are_one_line(digits_dir, photos_dir):
     pipeline.make_dataset(
       sources, "train", weights={"in1k": 1, "extra": 1}, batch_size=8, train=False
     )
+
+
+def test_a_state_continues_on_another_process_count(digits_dir, photos_dir):
+  one = iter(mixed(digits_dir, photos_dir, shard_index=0, shard_count=1))
+  take(one, 10)
+  state = one.get_state()
+  after = take(one, 2)
+  halves = []
+  for p in range(2):
+    it = iter(mixed(digits_dir, photos_dir, batch_size=32, shard_index=p, shard_count=2))
+    it.set_state(state)
+    halves.append(take(it, 2))
+  for k, whole in enumerate(after):
+    for key in ("image", "label", "source"):
+      np.testing.assert_array_equal(np.concatenate([h[k][key] for h in halves]), whole[key])

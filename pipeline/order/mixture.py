@@ -89,19 +89,31 @@ def _before(weight: float, t: float) -> int:
 class MixSampler:
   """A process's stream over several sources: `records` and `sources` of its positions.
 
-  `samplers`: each source's own order (its records indexed from 0); `offsets`: where each
-  source's records start in the merged index space. Holds a segment (`resume`): from
-  position `start` on, source s's uses continue from `base[s]`."""
+  The schedule and each source's uses run over the GLOBAL stream, dealt out to the processes
+  as the global order deals one dataset (`pipeline.order.sampling`: process p of n takes
+  global positions (i // block * n + p) * block + i % block): the global batches, and a
+  state's uses, are the same on any process count. `samplers`: each source's own order over
+  the whole stream (one process's, of one); `offsets`: where each source's records start in
+  the merged index space. Holds a segment (`resume`): from global position `start` on,
+  source s's uses continue from `base[s]`."""
 
   blocks = None  # the block order is per source: not in a mixture (pipeline.mixture)
   shard_records = None
   num_epochs = None  # each source repeats on its own
 
-  def __init__(self, schedule: Schedule, samplers: Sequence[Sampler], offsets: Sequence[int]):
+  def __init__(
+    self,
+    schedule: Schedule,
+    samplers: Sequence[Sampler],
+    offsets: Sequence[int],
+    shard_index: int = 0,
+    shard_count: int = 1,
+    block: int = 1,
+  ):
     self.schedule, self.samplers = schedule, list(samplers)
     self.offsets = np.asarray(offsets, np.int64)
-    first = self.samplers[0]
-    self.shard_index, self.shard_count, self.seed = first.shard_index, first.shard_count, first.seed
+    self.shard_index, self.shard_count, self.block = shard_index, shard_count, block
+    self.seed = self.samplers[0].seed
     self.num_records = sum(s.num_records for s in self.samplers)
     self.resume(0, np.zeros(len(self.samplers), np.int64))
 
@@ -122,12 +134,18 @@ class MixSampler:
   def __len__(self) -> int:
     return sys.maxsize
 
+  def global_positions(self, positions: np.ndarray) -> np.ndarray:
+    """This process's positions as positions of the global stream."""
+    block, rest = np.divmod(np.asarray(positions, np.int64), self.block)
+    return (block * self.shard_count + self.shard_index) * self.block + rest
+
   def sources(self, positions: np.ndarray) -> np.ndarray:
-    return self.schedule.at(positions)[0]
+    return self.schedule.at(self.global_positions(positions))[0]
 
   def records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(epoch of its source, merged record index) of each position (at or after `start`)."""
-    source, uses = self.schedule.at(positions)
+    """(epoch of its source, merged record index) of each of this process's positions (at or
+    after the segment's start)."""
+    source, uses = self.schedule.at(self.global_positions(positions))
     uses = uses + self._shift[source]
     epochs, indices = np.zeros_like(uses), np.zeros_like(uses)
     for s in np.unique(source).tolist():

@@ -90,24 +90,21 @@ def test_a_segment_with_other_weights_continues_each_source_from_its_uses():
   np.testing.assert_array_equal(indices[sources == 0][:5], expected)
 
 
-def test_each_process_reads_its_own_share_of_every_source():
-  sizes, b = (64, 96), 8
-  per = [
-    MixSampler(
-      Schedule((0.25, 0.75)),
-      [
-        Sampler(num_records=n, seed=k, shard_index=p, shard_count=2, block=b)
-        for k, n in enumerate(sizes)
-      ],
-      [0, sizes[0]],
-    )
-    for p in range(2)
-  ]
-  positions = np.arange(32 * b)  # 32 batches of each process: 512 slots, 2 epochs of source 1
-  taken = [p.records(positions)[1] for p in per]
-  sources = per[0].sources(positions)
-  np.testing.assert_array_equal(sources, per[1].sources(positions))  # same slots, same sources
-  first = [t[sources == 0][: sizes[0] // 2] for t in taken]  # one epoch of source 0 between them
-  assert sorted(np.concatenate(first).tolist()) == list(range(sizes[0]))
-  second = [t[sources == 1][: sizes[1] // 2] for t in taken]
-  assert sorted(np.concatenate(second).tolist()) == list(range(sizes[0], sum(sizes)))
+def test_each_process_reads_its_own_share_of_the_global_stream_on_any_count():
+  sizes, schedule = (64, 96), Schedule((0.25, 0.75))
+  samplers = [Sampler(num_records=n, seed=k) for k, n in enumerate(sizes)]
+
+  def stream(processes: int, block: int, batches: int):
+    """The global batches of `processes` processes of batch `block`, in process order."""
+    per = [MixSampler(schedule, samplers, [0, 64], p, processes, block) for p in range(processes)]
+    out = []
+    for k in range(batches):
+      positions = np.arange(k * block, (k + 1) * block)
+      out += [np.stack([p.sources(positions), p.records(positions)[1]]) for p in per]
+    return np.concatenate(out, axis=1)
+
+  one = stream(1, 64, 8)
+  np.testing.assert_array_equal(stream(2, 32, 8), one)  # the same global batches
+  np.testing.assert_array_equal(stream(4, 8, 16), one[:, :512])
+  first = one[1][one[0] == 0][: sizes[0]]  # one epoch of each source between the processes
+  assert sorted(first.tolist()) == list(range(sizes[0]))
