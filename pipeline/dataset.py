@@ -76,7 +76,9 @@ def make_dataset(data_dir, split: str = "train", **keywords) -> grain.IterDatase
   return chain(build(Spec.of(data_dir, split, **keywords)))
 
 
-make_dataset.__signature__ = SIGNATURE.replace(return_annotation=grain.IterDataset)
+make_dataset.__signature__ = mixture.signature(SIGNATURE).replace(
+  return_annotation=grain.IterDataset
+)
 
 
 def build(spec: Spec) -> Stages:

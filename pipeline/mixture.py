@@ -25,6 +25,7 @@ common, or of a single dataset, is refused.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import os
 import sys
 import time
@@ -73,6 +74,18 @@ def is_mixture(data_dir) -> bool:
   return isinstance(data_dir, Mapping)
 
 
+def signature(single: inspect.Signature) -> inspect.Signature:
+  """make_dataset's: a single dataset's keywords (`single`), then the mixture's own."""
+  keyword = inspect.Parameter.KEYWORD_ONLY
+  return single.replace(
+    parameters=[
+      *single.parameters.values(),
+      inspect.Parameter("weights", keyword, default=None, annotation=Mapping | None),
+      inspect.Parameter("labels", keyword, default=None, annotation=str | None),
+    ]
+  )
+
+
 def sources_of(data_dir: Mapping, weights: Mapping | None) -> tuple[list[str], list, Schedule]:
   """(names, `Source`s, schedule) of a `{name: dir or Source}` mapping and its weights."""
   if not data_dir:
@@ -105,7 +118,7 @@ class Mixture:
 
 def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   """The fields of the `dataset.Stages` of the mixture `data_dir` ({name: dir or `Source`})."""
-  weights, labels = keywords.pop("weights", None), keywords.pop("labels", "own")
+  weights, labels = keywords.pop("weights", None), keywords.pop("labels", None) or "own"
   if labels not in LABELS:
     raise ValueError(f"labels must be one of {LABELS}, not {labels!r}")
   names, sources, schedule = sources_of(data_dir, weights)
