@@ -155,7 +155,7 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   chosen = handoff.workers(base, image_size, False)
   batch_bytes = base.batch_size * image_size**2 * 3
   held = handoff.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
-  merged, meta = _merged(names, opened, classes, base.split)
+  merged, meta = _merged(names, specs, opened, classes, base.split)
   arena = max(arena_bytes(h) for h, _ in heads)
   read = read_lib.stage(base, meta, merged, merged.pins, sampler, chosen, arena, held)
   decode = MixDecode(
@@ -281,26 +281,18 @@ def _classes(names: list[str], metas: list, labels: str) -> tuple[list[str], lis
   return classes, [np.array([at[c] for c in m.classes], np.int64) for m in metas]
 
 
-def _merged(names, opened, classes, split) -> tuple[ShardedSource, Manifest]:
+def _merged(names, specs, opened, classes, split) -> tuple[ShardedSource, Manifest]:
   """One source over every source's shards (named "name: shard") and its manifest."""
   paths, pins, shards = [], [], []
-  for name, (meta, src, p) in zip(names, opened):
+  for name, spec, (meta, src, p) in zip(names, specs, opened):
     paths += src.paths
     pins += p
-    shards += [dataclasses.replace(s, file=f"{name}: {s.file}") for s in _shards_of(meta, src)]
+    own = meta.splits[spec.split].shards
+    shards += [dataclasses.replace(s, file=f"{name}: {s.file}") for s in own]
   merged = ShardedSource(paths, [s.num_records for s in shards], pins)
   merged.names = [s.file for s in shards]
   total = sum(s.num_records for s in shards)
   return merged, Manifest(list(classes), {split: Split(total, shards)})
-
-
-def _shards_of(meta: Manifest, src: ShardedSource) -> list:
-  """The manifest's shards of the split `src` opened (matched by file name)."""
-  names = [os.path.basename(p) for p in src.paths]
-  for split in meta.splits.values():
-    if [s.file for s in split.shards] == names:
-      return split.shards
-  raise ValueError(f"no split of the manifest holds the shards {names[:2]}...")
 
 
 def _announce(mixture: Mixture, records: list[int], chosen, read) -> None:
