@@ -28,7 +28,6 @@ import dataclasses
 import inspect
 import os
 import sys
-import time
 from collections.abc import Mapping
 
 import numpy as np
@@ -37,21 +36,21 @@ from pipeline.catalog import split as split_lib
 from pipeline.catalog.schema import Manifest, Split
 from pipeline.host import guards
 from pipeline.host.parallelism import process_shard
+from pipeline.mixing.stages import MixDecode, MixPlan
+from pipeline.mixing.stream import MixStreamIterDataset, Mixture
 from pipeline.options import Augment
 from pipeline.order import elastic
-from pipeline.order.elastic import StateError
 from pipeline.order.mixture import MixSampler, Schedule
 from pipeline.pp import features as features_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import Spec
-from pipeline.stages import handoff, stats
+from pipeline.stages import handoff
 from pipeline.stages import plan as plan_lib
 from pipeline.stages import read as read_lib
 from pipeline.stages import stream as stream_lib
 from pipeline.stages.decode import DecodeImages, arena_bytes, batch_decoder
 from pipeline.stages.finish import FinishBatch
-from pipeline.stages.plan import Batch, PlanBatches, Sizes
-from pipeline.stages.pool import BatchPool
+from pipeline.stages.plan import Sizes
 from pipeline.storage.source import ShardedSource
 
 LABELS = ("own", "offset", "joined")
@@ -103,17 +102,6 @@ def sources_of(data_dir: Mapping, weights: Mapping | None) -> tuple[list[str], l
       raise ValueError(f"source {name!r} has no weight: give weights={{{name!r}: ...}}")
     given.append(float(w))
   return names, sources, Schedule(tuple(given))
-
-
-@dataclasses.dataclass
-class Mixture:
-  """What the stream of a mixture needs at run time: its names, schedule and sampler."""
-
-  names: list[str]
-  schedule: Schedule
-  sampler: MixSampler
-  workers: int
-  digests: dict  # name -> the source's shard list tag (`elastic.shard_list`)
 
 
 def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
@@ -308,199 +296,4 @@ def _announce(mixture: Mixture, records: list[int], chosen, read) -> None:
   )
 
 
-@dataclasses.dataclass(frozen=True)
-class MixPlan(PlanBatches):
-  """`PlanBatches` that also says each slot's source."""
-
-  def __call__(self, batch_index: int) -> Batch:
-    batch = super().__call__(batch_index)
-    first = batch_index * self.batch_size
-    batch.sources = self.sampler.sources(np.arange(first, first + len(batch.indices)))
-    return batch
-
-
-@dataclasses.dataclass(eq=False)
-class MixDecode:
-  """The decode stage of a mixture: each source's slots decoded by its own head (`parts`)
-  on the one pool of threads, its labels checked and its ops run (`checks`), its labels
-  mapped to the mixture's (`tables`), all into one batch."""
-
-  parts: list
-  checks: list
-  tables: list
-  names: list
-  prefetch: int
-  allocate: object = None
-
-  def __post_init__(self):
-    self.allocate = self.allocate or BatchPool().empty
-    self.threads = self.parts[0].threads
-    self._pool = BatchPool(keep=len(self.parts))
-    for part in self.parts:  # one pool of threads; each source's slots in a pooled buffer
-      part.threads, part.allocate = self.threads, self._pool.empty
-
-  @property
-  def head(self):
-    return self.parts[0].head
-
-  def depth(self) -> int:
-    return self.prefetch
-
-  def start(self, batch: Batch) -> tuple[Batch, list]:
-    n, size = len(batch.indices), self.head.image_size
-    batch.images = self.allocate((n, size, size, 3), np.uint8)
-    batch.labels, batch.bad = np.zeros(n, np.int64), np.zeros(n, bool)
-    started = []
-    for s in np.unique(batch.sources).tolist():
-      slots = np.flatnonzero(batch.sources == s)
-      sub = Batch(
-        batch.index,
-        batch.epochs[slots],
-        batch.indices[slots],
-        records=[batch.records[k] for k in slots],
-        where=batch.where,
-      )
-      started.append((s, slots, self.parts[s].start(sub)))
-    return batch, started
-
-  def finish(self, started: tuple[Batch, list]) -> Batch:
-    batch, parts = started
-    for s, slots, part in parts:
-      sub = self.parts[s].finish(part)
-      out = self.checks[s](sub)
-      image = out["image"]
-      if image.shape[1:] != batch.images.shape[1:] or image.dtype != batch.images.dtype:
-        raise ValueError(
-          f"source {self.names[s]!r}'s ops give {image.dtype}{list(image.shape[1:])}, the "
-          f"mixture's images are uint8{list(batch.images.shape[1:])}: a source's ops must keep "
-          "the image's shape (give shape-changing ops to the whole mixture: ops=)"
-        )
-      batch.images[slots] = image
-      batch.bad[slots] = ~out["mask"]
-      batch.labels[slots] = self.tables[s][np.where(out["mask"], sub.labels, 0)]
-    return batch
-
-
-class MixStreamIterDataset(stream_lib.StreamIterDataset):
-  """The outermost iterator of a mixture: states by source name, per-source counts."""
-
-  def __init__(self, parent, *args, mixture: Mixture):
-    super().__init__(parent, *args)
-    self._mixture = mixture
-
-  def __iter__(self):
-    recorder = self._recorder or stats.Recorder()
-    return MixStreamIterator(
-      self._parent, self._stream, recorder, self._every, self._read, self._mixture
-    )
-
-
-@dataclasses.dataclass(frozen=True)
-class MixStats(stats.Stats):
-  """`stats.Stats` with each source's images, their rate and realized share (`sources`:
-  (name, images, images/s, weight) rows, since the iterator began or was restored)."""
-
-  sources: tuple = ()
-
-  def table(self) -> str:
-    total = max(1, sum(row[1] for row in self.sources))
-    lines = [
-      f"source {name}: {n} images, {rate:.1f}/s ({n / total:.1%} of the images, weight {w:.1%})"
-      for name, n, rate, w in self.sources
-    ]
-    return "\n".join([super().table(), *lines])
-
-
-class MixStreamIterator(stream_lib.StreamIterator):
-  def __init__(self, dataset, stream, recorder, every_s, read, mixture: Mixture):
-    super().__init__(dataset.__iter__(), stream, recorder, every_s, read)
-    self._dataset, self._mixture = dataset, mixture
-    self.images = np.zeros(len(mixture.names), np.int64)  # per source, since this iterator began
-    self._began = None
-
-  def __next__(self) -> dict:
-    self._began = self._began or time.perf_counter()
-    batch = super().__next__()
-    self.images += np.bincount(batch["source"], minlength=len(self.images))
-    return batch
-
-  def stats(self) -> MixStats:
-    base = super().stats()
-    m, seconds = self._mixture, time.perf_counter() - (self._began or time.perf_counter())
-    rates = (self.images / max(seconds, 1e-9)).tolist()
-    rows = tuple(zip(m.names, self.images.tolist(), rates, m.schedule.weights))
-    return MixStats(
-      **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, sources=rows
-    )
-
-  def get_state(self) -> dict:
-    state = super().get_state()
-    m = self._mixture
-    used = m.sampler.used(state["position"])
-    weights = dict(zip(m.names, m.schedule.weights))
-    state["mixture"] = {
-      "used": dict(zip(m.names, used.tolist())),
-      "weights": weights,
-      "sources": m.digests,
-    }
-    return state
-
-  def set_state(self, state: dict) -> None:
-    state = stream_lib.plain(state)
-    m = self._mixture
-    saved = state.get("mixture") if isinstance(state, dict) else None
-    if not isinstance(saved, dict) or not isinstance(saved.get("used"), dict):
-      raise StateError(
-        "iterator state of a single dataset, not of a mixture: this mixture "
-        f"({', '.join(m.names)}) resumes only a mixture's state"
-      )
-    digests = saved.get("sources", {})
-    common = [n for n in m.names if n in digests]
-    if not common:
-      raise StateError(
-        f"iterator state of another mixture (sources {', '.join(digests)}; this one: "
-        f"{', '.join(m.names)}): no source in common to continue"
-      )
-    for n in common:
-      if digests[n] != m.digests[n]:
-        raise StateError(f"iterator state: source {n!r} holds other shards than when it was saved")
-    was = state.get("stream") or {}
-    if was.get("seed") != self._stream["seed"]:
-      raise StateError(
-        f"iterator state of a mixture with seed {was.get('seed')}, this one "
-        f"{self._stream['seed']}: resume with the same seed"
-      )
-    position = state.get("position")
-    if not isinstance(position, int) or position < 0:
-      raise StateError(f"iterator state: 'position' must be a count, got {position!r}")
-    used = [int(saved["used"].get(n, 0)) for n in m.names]
-    weights = dict(zip(m.names, m.schedule.weights))
-    if saved.get("weights") != weights:
-      added = [n for n in m.names if n not in digests]
-      removed = [n for n in digests if n not in m.names]
-      print(
-        f"pipeline: mixture resumed at global position {position:,} with weights "
-        f"{_shares(weights)} (the state's: {_shares(saved.get('weights', {}))})"
-        + (f", sources added: {', '.join(added)}" if added else "")
-        + (f", removed: {', '.join(removed)}" if removed else "")
-        + "; each source continues from its own position",
-        file=sys.stderr,
-        flush=True,
-      )
-    m.sampler.resume(position, used)
-    self.images[:], self._began = 0, None
-    if m.workers:  # worker processes hold the plan they started with: start them anew
-      old, self._parents = self._parent, (self._dataset.__iter__(),)
-      old.close()
-    # the sources checked: the rest as any stream's, from the saved layout (`elastic.resize`)
-    layout = {k: was[k] for k in elastic.LAYOUT if k in was}
-    super().set_state(
-      {**{k: v for k, v in state.items() if k != "mixture"}, "stream": {**self._stream, **layout}}
-    )
-
-
-def _shares(weights: dict) -> str:
-  return "{" + ", ".join(f"{n}: {w:.3g}" for n, w in weights.items()) + "}"
-
-
-__all__ = ["LABELS", "MixDecode", "MixPlan", "Source", "is_mixture", "stages"]
+__all__ = ["LABELS", "Source", "is_mixture", "signature", "stages"]
