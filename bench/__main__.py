@@ -23,6 +23,7 @@ COMMANDS = {
   "convert": "conversion images/s and MB/s vs a sequential converter",
   "study": "the tf.data guide's artificial study, rebuilt on Grain, with timelines",
   "scaling": "one process's ceiling (GIL), worker costs, projected img/s on many-core hosts",
+  "mixture": "a 2-source mixture's images/s beside one source of the same images",
   "host": "this host's pipeline (local, rig; block, global order) beside the model's figure",
   "all": "everything above on one dataset; writes REPORT.md",
 }

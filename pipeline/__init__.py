@@ -36,6 +36,7 @@ __all__ = [
   "OneHot",
   "Performance",
   "PermutedMixup",
+  "Source",
   "Spec",
   "device_prefetch",
   "features",
@@ -57,6 +58,7 @@ _LAZY = {
   "input": "inputs",
   "Input": "inputs",
   "stats_of": "stages.stream",
+  "Source": "mixture",
 }
 
 

@@ -25,6 +25,7 @@ import dataclasses
 
 import grain
 
+from pipeline import mixture
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import split as split_lib
 from pipeline.host import guards, lifecycle
@@ -62,17 +63,24 @@ class Stages:
   stream: dict
   stats_every_s: float | None = None
   worker_jax: bool = False
+  stream_type: type = StreamIterDataset  # a mixture's keeps its sources' positions
 
 
 def make_dataset(data_dir, split: str = "train", **keywords) -> grain.IterDataset:
   """Batches {"image": uint8[B, S, S, 3], "label": int32[B]} (+ "mask": bool[B] in eval).
 
   The keywords (batch_size is required) are `pipeline.Spec`'s fields, documented there.
+  `data_dir` may be a mixture, {name: data_dir or `pipeline.Source`} with `weights=` (and
+  `labels=`): `pipeline.mixture`.
   """
+  if mixture.is_mixture(data_dir):
+    return chain(Stages(**mixture.stages(data_dir, split, **keywords)))
   return chain(build(Spec.of(data_dir, split, **keywords)))
 
 
-make_dataset.__signature__ = SIGNATURE.replace(return_annotation=grain.IterDataset)
+make_dataset.__signature__ = mixture.signature(SIGNATURE).replace(
+  return_annotation=grain.IterDataset
+)
 
 
 def build(spec: Spec) -> Stages:
@@ -165,5 +173,5 @@ def chain(stages: Stages) -> grain.IterDataset:
   else:
     it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=1)
   return lifecycle.ClosedAtExit(
-    StreamIterDataset(it, stages.stream, recorder, stages.stats_every_s, stages.read)
+    stages.stream_type(it, stages.stream, recorder, stages.stats_every_s, stages.read)
   )

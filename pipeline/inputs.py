@@ -20,7 +20,7 @@ from typing import Any, Literal
 import grain
 import jax
 
-from pipeline import dataset, device
+from pipeline import dataset, device, mixture
 from pipeline.catalog.manifest import Manifest
 from pipeline.host.memory import Split
 from pipeline.spec import Spec
@@ -79,15 +79,20 @@ def input(
   batch_size = plan.process_batch_size(global_batch_size, shard_count)
   where.check(batch_size)
   keywords = {"shard_index": shard_index, "shard_count": shard_count, **make_dataset_keywords}
-  spec = Spec.of(data_dir, split, batch_size=batch_size, train=train, **keywords)
-  stages = dataset.build(spec)
+  if mixture.is_mixture(data_dir):  # `pipeline.mixture`: a training stream, no remainder
+    fields = mixture.stages(data_dir, split, batch_size=batch_size, train=train, **keywords)
+    stages = dataset.Stages(**fields)
+    drop_remainder = True
+  else:
+    spec = Spec.of(data_dir, split, batch_size=batch_size, train=train, **keywords)
+    stages, drop_remainder = dataset.build(spec), spec.drop_remainder
   # Streams that drop their remainder only ever hold full batches: no mask to add.
   fed = device.device_prefetch(
     dataset.chain(stages),
     mesh,
     data_axis=data_axis,
     depth=depth,
-    remainder="drop" if spec.drop_remainder else "pad",
+    remainder="drop" if drop_remainder else "pad",
     normalize=normalize,
     dtype=dtype,
     batch_size=batch_size,

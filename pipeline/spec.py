@@ -137,6 +137,10 @@ class Spec:
     """The spec of `make_dataset(data_dir, split, **keywords)`, checked and completed."""
     for name in (n for n in keywords if n in REMOVED):
       raise TypeError(REMOVED[name])
+    for name in (n for n in keywords if n in ("weights", "labels")):
+      raise TypeError(
+        f"{name}= is a mixture's: give data_dir as {{name: data_dir}} (`pipeline.mixture`)"
+      )
     unknown = sorted(set(keywords) - set(SIGNATURE.parameters))
     if unknown:
       raise TypeError(f"make_dataset() got an unexpected keyword argument {unknown[0]!r}")

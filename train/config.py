@@ -111,6 +111,9 @@ def dataset_kwargs(config: ml_collections.ConfigDict, evaluation: bool = False) 
         value = {**kwargs.get(key, {}), **value}
       if value is not None:
         kwargs[key] = value
+    if not isinstance(kwargs.get("data_dir"), Mapping):  # a mixture's eval reads one source
+      kwargs.pop("weights", None)
+      kwargs.pop("labels", None)
     if "pp" in kwargs and config.get("eval_input", {}).get("pp") is None:
       raise UsageError(
         "config.input.pp is set but config.eval_input.pp is not: a pp string holds the train "

@@ -162,6 +162,15 @@ class Reporter:
     )
     if podview.differ(hosts):
       print(podview.rows(hosts, verdict), flush=True)
+    sources = getattr(stages, "sources", ())  # a mixture's (`pipeline.mixture`)
+    if sources:
+      total = max(1, sum(images for _, images, _, _ in sources))
+      shares = {name: images / total for name, images, _, _ in sources}
+      said = (
+        f"{n} {shares[n]:.1%} (weight {w:.1%}, {shares[n] * ips:.0f} img/s)" for n, *_, w in sources
+      )
+      print(f"sources: {', '.join(said)}", flush=True)
+      self.log.scalars(step, "sources", {f"{n}_share": s for n, s in shares.items()})
     scalars = {"loss": metrics["loss"], "accuracy": metrics["accuracy"], "lr": lr}
     scalars.update(images_per_sec=ips, input_wait_share=worst, host_us_per_step=host_us)
     self.log.scalars(step, "train", scalars)

@@ -72,6 +72,8 @@ class FinishBatch:
     out = {"image": images, "label": batch.labels.astype(np.int32)}
     if arrays is not None:
       out.update(arrays)
+    if batch.sources is not None:  # a mixture's (`pipeline.mixture`)
+      out["source"] = batch.sources.astype(np.int32)
     if self.with_mask:
       out["label"][~ok] = PAD_LABEL
       out["mask"] = ok

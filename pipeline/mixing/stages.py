@@ -1,0 +1,86 @@
+"""A mixture's plan and decode stages (`pipeline.mixture`): each slot's source, and each
+source's slots decoded by its own head on the one decode pool, checked and mapped into one
+batch (a source's slots gathered into a pooled buffer, decoded, then copied into place).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from pipeline.stages.plan import Batch, PlanBatches
+from pipeline.stages.pool import BatchPool
+
+
+@dataclasses.dataclass(frozen=True)
+class MixPlan(PlanBatches):
+  """`PlanBatches` that also says each slot's source."""
+
+  def __call__(self, batch_index: int) -> Batch:
+    batch = super().__call__(batch_index)
+    first = batch_index * self.batch_size
+    batch.sources = self.sampler.sources(np.arange(first, first + len(batch.indices)))
+    return batch
+
+
+@dataclasses.dataclass(eq=False)
+class MixDecode:
+  """The decode stage of a mixture: each source's slots decoded by its own head (`parts`)
+  on the one pool of threads, its labels checked and its ops run (`checks`), its labels
+  mapped to the mixture's (`tables`), all into one batch."""
+
+  parts: list
+  checks: list
+  tables: list
+  names: list
+  prefetch: int
+  allocate: object = None
+
+  def __post_init__(self):
+    self.allocate = self.allocate or BatchPool().empty
+    self.threads = self.parts[0].threads
+    self._pool = BatchPool(keep=len(self.parts))
+    for part in self.parts:  # one pool of threads; each source's slots in a pooled buffer
+      part.threads, part.allocate = self.threads, self._pool.empty
+
+  @property
+  def head(self):
+    return self.parts[0].head
+
+  def depth(self) -> int:
+    return self.prefetch
+
+  def start(self, batch: Batch) -> tuple[Batch, list]:
+    n, size = len(batch.indices), self.head.image_size
+    batch.images = self.allocate((n, size, size, 3), np.uint8)
+    batch.labels, batch.bad = np.zeros(n, np.int64), np.zeros(n, bool)
+    started = []
+    for s in np.unique(batch.sources).tolist():
+      slots = np.flatnonzero(batch.sources == s)
+      sub = Batch(
+        batch.index,
+        batch.epochs[slots],
+        batch.indices[slots],
+        records=[batch.records[k] for k in slots],
+        where=batch.where,
+      )
+      started.append((s, slots, self.parts[s].start(sub)))
+    return batch, started
+
+  def finish(self, started: tuple[Batch, list]) -> Batch:
+    batch, parts = started
+    for s, slots, part in parts:
+      sub = self.parts[s].finish(part)
+      out = self.checks[s](sub)
+      image = out["image"]
+      if image.shape[1:] != batch.images.shape[1:] or image.dtype != batch.images.dtype:
+        raise ValueError(
+          f"source {self.names[s]!r}'s ops give {image.dtype}{list(image.shape[1:])}, the "
+          f"mixture's images are uint8{list(batch.images.shape[1:])}: a source's ops must keep "
+          "the image's shape (give shape-changing ops to the whole mixture: ops=)"
+        )
+      batch.images[slots] = image
+      batch.bad[slots] = ~out["mask"]
+      batch.labels[slots] = self.tables[s][np.where(out["mask"], sub.labels, 0)]
+    return batch

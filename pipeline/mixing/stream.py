@@ -1,0 +1,150 @@
+"""A mixture's outermost iterator (`pipeline.mixture`): states that name each source's uses,
+restored by name (also with other weights or sources), and per-source counts in `stats()`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+import time
+
+import numpy as np
+
+from pipeline.order import elastic
+from pipeline.order.elastic import StateError
+from pipeline.order.mixture import MixSampler, Schedule
+from pipeline.stages import stats
+from pipeline.stages import stream as stream_lib
+
+
+@dataclasses.dataclass
+class Mixture:
+  """What the stream of a mixture needs at run time: its names, schedule and sampler."""
+
+  names: list[str]
+  schedule: Schedule
+  sampler: MixSampler
+  workers: int
+  digests: dict  # name -> the source's shard list tag (`elastic.shard_list`)
+
+
+class MixStreamIterDataset(stream_lib.StreamIterDataset):
+  """The outermost iterator of a mixture: states by source name, per-source counts."""
+
+  def __init__(self, parent, *args, mixture: Mixture):
+    super().__init__(parent, *args)
+    self._mixture = mixture
+
+  def __iter__(self):
+    recorder = self._recorder or stats.Recorder()
+    return MixStreamIterator(
+      self._parent, self._stream, recorder, self._every, self._read, self._mixture
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class MixStats(stats.Stats):
+  """`stats.Stats` with each source's images, their rate and realized share (`sources`:
+  (name, images, images/s, weight) rows, since the iterator began or was restored)."""
+
+  sources: tuple = ()
+
+  def table(self) -> str:
+    total = max(1, sum(row[1] for row in self.sources))
+    lines = [
+      f"source {name}: {n} images, {rate:.1f}/s ({n / total:.1%} of the images, weight {w:.1%})"
+      for name, n, rate, w in self.sources
+    ]
+    return "\n".join([super().table(), *lines])
+
+
+class MixStreamIterator(stream_lib.StreamIterator):
+  def __init__(self, dataset, stream, recorder, every_s, read, mixture: Mixture):
+    super().__init__(dataset.__iter__(), stream, recorder, every_s, read)
+    self._dataset, self._mixture = dataset, mixture
+    self.images = np.zeros(len(mixture.names), np.int64)  # per source, since this iterator began
+    self._began = None
+
+  def __next__(self) -> dict:
+    self._began = self._began or time.perf_counter()
+    batch = super().__next__()
+    self.images += np.bincount(batch["source"], minlength=len(self.images))
+    return batch
+
+  def stats(self) -> MixStats:
+    base = super().stats()
+    m, seconds = self._mixture, time.perf_counter() - (self._began or time.perf_counter())
+    rates = (self.images / max(seconds, 1e-9)).tolist()
+    rows = tuple(zip(m.names, self.images.tolist(), rates, m.schedule.weights))
+    return MixStats(
+      **{f.name: getattr(base, f.name) for f in dataclasses.fields(base)}, sources=rows
+    )
+
+  def get_state(self) -> dict:
+    state = super().get_state()
+    m = self._mixture
+    used = m.sampler.used(state["position"])
+    weights = dict(zip(m.names, m.schedule.weights))
+    state["mixture"] = {
+      "used": dict(zip(m.names, used.tolist())),
+      "weights": weights,
+      "sources": m.digests,
+    }
+    return state
+
+  def set_state(self, state: dict) -> None:
+    state = stream_lib.plain(state)
+    m = self._mixture
+    saved = state.get("mixture") if isinstance(state, dict) else None
+    if not isinstance(saved, dict) or not isinstance(saved.get("used"), dict):
+      raise StateError(
+        "iterator state of a single dataset, not of a mixture: this mixture "
+        f"({', '.join(m.names)}) resumes only a mixture's state"
+      )
+    digests = saved.get("sources", {})
+    common = [n for n in m.names if n in digests]
+    if not common:
+      raise StateError(
+        f"iterator state of another mixture (sources {', '.join(digests)}; this one: "
+        f"{', '.join(m.names)}): no source in common to continue"
+      )
+    for n in common:
+      if digests[n] != m.digests[n]:
+        raise StateError(f"iterator state: source {n!r} holds other shards than when it was saved")
+    was = state.get("stream") or {}
+    if was.get("seed") != self._stream["seed"]:
+      raise StateError(
+        f"iterator state of a mixture with seed {was.get('seed')}, this one "
+        f"{self._stream['seed']}: resume with the same seed"
+      )
+    position = state.get("position")
+    if not isinstance(position, int) or position < 0:
+      raise StateError(f"iterator state: 'position' must be a count, got {position!r}")
+    used = [int(saved["used"].get(n, 0)) for n in m.names]
+    weights = dict(zip(m.names, m.schedule.weights))
+    if saved.get("weights") != weights:
+      added = [n for n in m.names if n not in digests]
+      removed = [n for n in digests if n not in m.names]
+      print(
+        f"pipeline: mixture resumed at global position {position:,} with weights "
+        f"{_shares(weights)} (the state's: {_shares(saved.get('weights', {}))})"
+        + (f", sources added: {', '.join(added)}" if added else "")
+        + (f", removed: {', '.join(removed)}" if removed else "")
+        + "; each source continues from its own position",
+        file=sys.stderr,
+        flush=True,
+      )
+    m.sampler.resume(position, used)
+    self.images[:], self._began = 0, None
+    if m.workers:  # worker processes hold the plan they started with: start them anew
+      old, self._parents = self._parent, (self._dataset.__iter__(),)
+      old.close()
+    # the sources checked: the rest as any stream's, from the saved layout (`elastic.resize`)
+    layout = {k: was[k] for k in elastic.LAYOUT if k in was}
+    super().set_state(
+      {**{k: v for k, v in state.items() if k != "mixture"}, "stream": {**self._stream, **layout}}
+    )
+
+
+def _shares(weights: dict) -> str:
+  return "{" + ", ".join(f"{n}: {w:.3g}" for n, w in weights.items()) + "}"

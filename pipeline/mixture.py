@@ -1,0 +1,299 @@
+"""Mixtures: several datasets in one training stream, with weights, through one loader.
+
+    ds = pipeline.make_dataset({"in1k": A, "extra": B}, "train", weights={"in1k": 0.3,
+                               "extra": 0.7}, batch_size=64)
+    ds = pipeline.make_dataset({"in1k": pipeline.Source(A, pp="..."), "extra": B}, ...)
+
+The sources' shards are one merged index space (each source's records after the previous
+sources') read by ONE read stage, decoded by ONE pool of threads, in ONE set of worker
+processes, within ONE `performance.memory_mb`: nothing is per source but its order, its
+decode head and its ops. Which source fills each slot is `pipeline.order.mixture.Schedule`
+(a pure function of the position: a source's count over any prefix within one slot of its
+weight's); each source has its own order, epochs and shuffle (`plan.sampler`, global order),
+all over the global stream, dealt out to the processes as one dataset's global order.
+
+Labels (`labels=`): "own" (default) each source's own label indices; "offset" source k's
+after the classes of sources 0..k-1 (classes "name/class"); "joined" one class per distinct
+class name. Every batch holds "source" (int32, the index into the mixture's names).
+
+A state names each source's uses so far: restored into a mixture with other weights, or with
+sources added or removed, each source continues from its own position (one line says so),
+on any process count (`pipeline.order.elastic`); a state of a mixture with no source in
+common, or of a single dataset, is refused.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import os
+import sys
+from collections.abc import Mapping
+
+import numpy as np
+
+from pipeline.catalog import split as split_lib
+from pipeline.catalog.schema import Manifest, Split
+from pipeline.host import guards
+from pipeline.host.parallelism import process_shard
+from pipeline.mixing.stages import MixDecode, MixPlan
+from pipeline.mixing.stream import MixStreamIterDataset, Mixture
+from pipeline.options import Augment
+from pipeline.order import elastic
+from pipeline.order.mixture import MixSampler, Schedule
+from pipeline.pp import features as features_lib
+from pipeline.pp.transforms import transforms
+from pipeline.spec import Spec
+from pipeline.stages import handoff
+from pipeline.stages import plan as plan_lib
+from pipeline.stages import read as read_lib
+from pipeline.stages import stream as stream_lib
+from pipeline.stages.decode import DecodeImages, arena_bytes, batch_decoder
+from pipeline.stages.finish import FinishBatch
+from pipeline.stages.plan import Sizes
+from pipeline.storage.source import ShardedSource
+
+LABELS = ("own", "offset", "joined")
+MIXTURE_KEYWORDS = ("weights", "labels")
+
+
+@dataclasses.dataclass(frozen=True)
+class Source:
+  """One source of a mixture: its dataset, split (default: the mixture's), weight (or in
+  `weights=`), and its own pp string or `Augment` (default: the mixture's)."""
+
+  data_dir: str | os.PathLike
+  split: str | None = None
+  weight: float | None = None
+  pp: str | None = None
+  augment: Augment | Mapping | None = None
+
+
+def is_mixture(data_dir) -> bool:
+  return isinstance(data_dir, Mapping)
+
+
+def signature(single: inspect.Signature) -> inspect.Signature:
+  """make_dataset's: a single dataset's keywords (`single`), then the mixture's own."""
+  keyword = inspect.Parameter.KEYWORD_ONLY
+  return single.replace(
+    parameters=[
+      *single.parameters.values(),
+      inspect.Parameter("weights", keyword, default=None, annotation=Mapping | None),
+      inspect.Parameter("labels", keyword, default=None, annotation=str | None),
+    ]
+  )
+
+
+def sources_of(data_dir: Mapping, weights: Mapping | None) -> tuple[list[str], list, Schedule]:
+  """(names, `Source`s, schedule) of a `{name: dir or Source}` mapping and its weights."""
+  if not data_dir:
+    raise ValueError("a mixture needs at least one source: {name: data_dir or Source}")
+  names = [str(n) for n in data_dir]
+  sources = [s if isinstance(s, Source) else Source(s) for s in data_dir.values()]
+  weights = dict(weights or {})
+  unknown = sorted(set(map(str, weights)) - set(names))
+  if unknown:
+    raise ValueError(f"weights name {unknown[0]!r}, not a source of the mixture {names}")
+  given = []
+  for name, source in zip(names, sources):
+    w = weights.get(name, source.weight)
+    if w is None:
+      raise ValueError(f"source {name!r} has no weight: give weights={{{name!r}: ...}}")
+    given.append(float(w))
+  return names, sources, Schedule(tuple(given))
+
+
+def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
+  """The fields of the `dataset.Stages` of the mixture `data_dir` ({name: dir or `Source`})."""
+  weights, labels = keywords.pop("weights", None), keywords.pop("labels", None) or "own"
+  if labels not in LABELS:
+    raise ValueError(f"labels must be one of {LABELS}, not {labels!r}")
+  names, sources, schedule = sources_of(data_dir, weights)
+  base = Spec.of(os.fspath(sources[0].data_dir), split, **keywords)
+  _check_mixable(base, keywords)
+  perf = base.performance
+  if perf.num_workers is None:
+    guards.check_main_guard("worker processes, which make_dataset starts on many-core hosts,")
+  elif perf.num_workers:
+    guards.check_main_guard()
+  specs, opened, samplers = [], [], []
+  for source in sources:
+    spec = _source_spec(source, split, keywords)
+    meta, src, pins = split_lib.open(spec.data_dir, spec.split, spec.verify)
+    specs.append(spec)
+    opened.append((meta, src, pins))
+    samplers.append(plan_lib.sampler(spec, meta, src))
+  classes, tables = _classes(names, [m for m, _, _ in opened], labels)
+  offsets = np.cumsum([0] + [len(src) for _, src, _ in opened])[:-1]
+  shard = process_shard(base.shard_index, base.shard_count)
+  sampler = MixSampler(schedule, samplers, offsets.tolist(), *shard, block=base.batch_size)
+  heads = []
+  for name, spec, (meta, _, _) in zip(names, specs, opened):
+    head, image_ops, batch_ops = transforms(spec, meta.num_classes)
+    if batch_ops and spec.transforms.pp is not None and spec.transforms.pp != base.transforms.pp:
+      raise ValueError(
+        f"source {name!r}: its pp's batch ops run on the whole mixed batch: give them in the "
+        "mixture's pp= or batch_ops="
+      )
+    heads.append((head, image_ops))
+  _check_sizes(names, [h for h, _ in heads])
+  _, _, batch_ops = transforms(base, len(classes))  # the mixture's own: on the mixed batch
+  image_size = heads[0][0].image_size
+  chosen = handoff.workers(base, image_size, False)
+  batch_bytes = base.batch_size * image_size**2 * 3
+  held = handoff.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
+  merged, meta = _merged(names, specs, opened, classes, base.split)
+  arena = max(arena_bytes(h) for h, _ in heads)
+  read = read_lib.stage(base, meta, merged, merged.pins, sampler, chosen, arena, held)
+  decode = MixDecode(
+    parts=[
+      DecodeImages(
+        head,
+        keys=spec.keys or m.keys,
+        seed=base.seed,
+        num_threads=chosen.threads,
+        prefetch=perf.prefetch,
+        on_error=base.on_error,
+        cache_mb=spec.decoding.cache_mb / len(names),  # one cache's bytes over all sources
+        decoder=None
+        if spec.decoding.cache_mb
+        else batch_decoder(head, spec.keys or m.keys, base.seed),
+      )
+      for (head, _), spec, (m, _, _) in zip(heads, specs, opened)
+    ],
+    checks=[
+      FinishBatch(
+        num_classes=m.num_classes,
+        seed=base.seed,
+        num_threads=chosen.threads,
+        on_error=base.on_error,
+        with_mask=True,
+        image_ops=image_ops,
+      )
+      for (_, image_ops), (m, _, _) in zip(heads, opened)
+    ],
+    tables=tables,
+    names=names,
+    prefetch=perf.prefetch,
+  )
+  features = base.transforms.features
+  if features:
+    features = features_lib.parse_specs(features, sample=merged.read([0])[0])
+  finish = FinishBatch(
+    num_classes=len(classes),
+    seed=base.seed,
+    num_threads=chosen.threads,
+    on_error=base.on_error,
+    with_mask=False,
+    batch_ops=batch_ops,
+    features=features or None,
+  )
+  for check in decode.checks:  # the sources' ops run on the mixture's one ops pool
+    check.threads = finish.threads
+  stream = stream_lib.describe(base, sampler, [])
+  digests = {
+    n: elastic.shard_list([(s.file, s.num_records) for s in m.splits[spec.split].shards])
+    for n, spec, (m, _, _) in zip(names, specs, opened)
+  }
+  stream.update(
+    shards=elastic.shard_list([(s.file, s.num_records) for s in meta.splits[base.split].shards])
+  )
+  stream["mixture"] = sorted(names)
+  mixture = Mixture(names, schedule, sampler, chosen.workers, digests)
+  _announce(mixture, [len(src) for _, src, _ in opened], chosen, read)
+  return dict(
+    plan=MixPlan(sampler, base.batch_size),
+    sizes=Sizes.of(sampler, base.batch_size, True, repr(split)),
+    manifest=meta,
+    read=read,
+    decode=decode,
+    finish=finish,
+    workers=chosen.workers,
+    prefetch=perf.prefetch,
+    stream=stream,
+    stats_every_s=perf.stats_every_s,
+    stream_type=lambda parent, *a: MixStreamIterDataset(parent, *a, mixture=mixture),
+  )
+
+
+def _check_mixable(base: Spec, keywords: dict) -> None:
+  """A mixture is a training stream in the global order over every process's records."""
+  if not base.train:
+    raise ValueError(
+      "a mixture is a training stream (train=True): evaluate each source with its own make_dataset"
+    )
+  if keywords.get("num_epochs") is not None:
+    raise ValueError("a mixture repeats each source on its own: leave num_epochs unset")
+  if base.order == "blocks" or base.sharding != "records":
+    raise ValueError(
+      "a mixture reads in order='global' with sharding='records' (the block order is per "
+      "source): leave order and sharding unset"
+    )
+
+
+def _source_spec(source: Source, split: str, keywords: dict) -> Spec:
+  """A source's spec: the mixture's keywords, its own split, pp and augment over them."""
+  own = dict(keywords, order="global", shard_index=0, shard_count=1)  # the global stream
+  if source.pp is not None:
+    for k in ("pp", "ops", "batch_ops", "image_size"):
+      own.pop(k, None)
+    own["pp"] = source.pp
+  if source.augment is not None:
+    own["augment"] = source.augment
+  own.pop("features", None)
+  return Spec.of(os.fspath(source.data_dir), source.split or split, **own)
+
+
+def _check_sizes(names: list[str], heads: list) -> None:
+  sizes = [h.image_size for h in heads]
+  for name, size in zip(names, sizes):
+    if size != sizes[0]:
+      raise ValueError(
+        f"source {name!r} makes {size}x{size} images, {names[0]!r} {sizes[0]}x{sizes[0]}: "
+        "give every source the same image size (image_size= or its pp's)"
+      )
+
+
+def _classes(names: list[str], metas: list, labels: str) -> tuple[list[str], list[np.ndarray]]:
+  """The mixture's classes and, per source, its label -> the mixture's label."""
+  if labels == "own":
+    longest = max(metas, key=lambda m: m.num_classes)
+    return list(longest.classes), [np.arange(m.num_classes) for m in metas]
+  if labels == "offset":
+    classes = [f"{n}/{c}" for n, m in zip(names, metas) for c in m.classes]
+    starts = np.cumsum([0] + [m.num_classes for m in metas])
+    return classes, [np.arange(m.num_classes) + s for m, s in zip(metas, starts)]
+  classes = list(dict.fromkeys(c for m in metas for c in m.classes))
+  at = {c: k for k, c in enumerate(classes)}
+  return classes, [np.array([at[c] for c in m.classes], np.int64) for m in metas]
+
+
+def _merged(names, specs, opened, classes, split) -> tuple[ShardedSource, Manifest]:
+  """One source over every source's shards (named "name: shard") and its manifest."""
+  paths, pins, shards = [], [], []
+  for name, spec, (meta, src, p) in zip(names, specs, opened):
+    paths += src.paths
+    pins += p
+    own = meta.splits[spec.split].shards
+    shards += [dataclasses.replace(s, file=f"{name}: {s.file}") for s in own]
+  merged = ShardedSource(paths, [s.num_records for s in shards], pins)
+  merged.names = [s.file for s in shards]
+  total = sum(s.num_records for s in shards)
+  return merged, Manifest(list(classes), {split: Split(total, shards)})
+
+
+def _announce(mixture: Mixture, records: list[int], chosen, read) -> None:
+  listed = list(zip(mixture.names, mixture.schedule.weights, records))
+  shares = ", ".join(f"{n} {w:.1%} of {r:,} records" for n, w, r in listed[:4])
+  shares += f" and {len(listed) - 4} more" if len(listed) > 4 else ""
+  print(
+    f"pipeline: mixture of {len(mixture.names)} sources ({shares}) in one read stage, one "
+    f"decode pool of {chosen.threads} threads, {chosen.workers} worker processes and one "
+    f"memory budget ({read.memory.describe() if read.memory else 'none'})",
+    file=sys.stderr,
+    flush=True,
+  )
+
+
+__all__ = ["LABELS", "Source", "is_mixture", "signature", "stages"]

@@ -1,0 +1,217 @@
+"""Mixtures: several datasets in one stream with weights, one loader, states by source name."""
+
+import re
+import threading
+
+import numpy as np
+import pytest
+
+import pipeline
+from pipeline import dataset, mixture
+from pipeline.catalog import manifest
+from pipeline.order.elastic import StateError
+from pipeline.pp import registry
+from tests.conftest import assert_same_batches, take
+
+
+@registry.register("test_mix_blank", "image")
+def blank():
+  return lambda image, rng: np.zeros_like(image)
+
+
+def mixed(digits_dir, photos_dir, weights=None, **keywords):
+  """The issue's call: two sources, batches of 64 at 64 px, seed 0."""
+  keywords = {"batch_size": 64, "image_size": 64, "seed": 0, **keywords}
+  weights = weights or {"in1k": 0.3, "extra": 0.7}
+  sources = {"in1k": digits_dir, "extra": photos_dir}
+  return pipeline.make_dataset(sources, "train", weights=weights, **keywords)
+
+
+def shares(batches, source=1) -> list[float]:
+  return [float(np.mean(b["source"] == source)) for b in batches]
+
+
+def test_the_mixture_holds_the_weights_over_3000_images_and_every_window(digits_dir, photos_dir):
+  batches = take(iter(mixed(digits_dir, photos_dir)), 47)  # 3,008 images
+  sources = np.concatenate([b["source"] for b in batches])
+  assert abs(np.mean(sources == 1) - 0.7) <= 0.01
+  windows = [np.mean(sources[k : k + 4 * 64] == 1) for k in range(0, len(sources) - 255, 64)]
+  assert max(abs(w - 0.7) for w in windows) <= 0.05
+  assert max(abs(s - 0.7) for s in shares(batches)) < 1 / 64 + 1e-9  # within a slot a batch
+  classes = [manifest.load(d).num_classes for d in (digits_dir, photos_dir)]
+  for b in batches:
+    assert b["image"].shape == (64, 64, 64, 3) and b["source"].dtype == np.int32
+    for s, n in enumerate(classes):  # labels="own": each source's own classes
+      assert ((b["label"][b["source"] == s] >= 0) & (b["label"][b["source"] == s] < n)).all()
+
+
+def test_the_same_seed_gives_the_same_batches_and_a_state_resumes_exactly(digits_dir, photos_dir):
+  it = iter(mixed(digits_dir, photos_dir))
+  take(it, 10)
+  state = it.get_state()
+  after = take(it, 3)
+  again = iter(mixed(digits_dir, photos_dir))
+  again.set_state(state)
+  assert_same_batches(take(again, 3), after)
+  fresh = iter(mixed(digits_dir, photos_dir))
+  assert_same_batches(take(fresh, 13)[10:], after)
+
+
+def test_a_state_restored_with_other_weights_continues_each_source(digits_dir, photos_dir, capfd):
+  it = iter(mixed(digits_dir, photos_dir))
+  take(it, 10)
+  state = it.get_state()
+  capfd.readouterr()
+  halves = iter(mixed(digits_dir, photos_dir, weights={"in1k": 0.5, "extra": 0.5}))
+  halves.set_state(state)
+  said = [line for line in capfd.readouterr().err.splitlines() if "mixture resumed" in line]
+  assert len(said) == 1 and "global position 640" in said[0] and "in1k: 0.3" in said[0]
+  batches = take(halves, 47)
+  assert abs(np.mean(np.concatenate([b["source"] for b in batches])) - 0.5) <= 0.02
+  # each source continues from its own uses at the state: its records come on in order
+  used = state["mixture"]["used"]
+  now = halves.get_state()["mixture"]["used"]
+  assert now["in1k"] - used["in1k"] == sum(int((b["source"] == 0).sum()) for b in batches)
+  table = halves.stats().table()  # per source: images, rate and realized share since restored
+  assert re.search(r"source extra: 1504 images, [\d.]+/s \(50\.0% of the images, weight 50", table)
+
+
+def test_states_of_another_mixture_or_of_one_dataset_are_refused(digits_dir, photos_dir):
+  it = iter(mixed(digits_dir, photos_dir))
+  next(it)
+  other = pipeline.make_dataset(
+    {"a": digits_dir, "b": photos_dir},
+    "train",
+    weights={"a": 1, "b": 1},
+    batch_size=64,
+    image_size=64,
+    seed=0,
+  )
+  other_it = iter(other)
+  with pytest.raises(StateError, match="another mixture.*no source in common"):
+    other_it.set_state(it.get_state())
+  single = iter(pipeline.make_dataset(digits_dir, "train", batch_size=64, image_size=64))
+  with pytest.raises(StateError, match="single dataset, not of a mixture"):
+    iter(mixed(digits_dir, photos_dir)).set_state(single.get_state())
+
+
+def test_a_source_added_continues_the_others(digits_dir, photos_dir, capfd):
+  it = iter(mixed(digits_dir, photos_dir))
+  take(it, 2)
+  state = it.get_state()
+  sources = {"in1k": digits_dir, "extra": photos_dir, "more": digits_dir}
+  three = iter(
+    pipeline.make_dataset(
+      sources,
+      "train",
+      weights={"in1k": 1, "extra": 1, "more": 1},
+      batch_size=64,
+      image_size=64,
+      seed=0,
+    )
+  )
+  three.set_state(state)
+  assert "sources added: more" in capfd.readouterr().err
+  assert set(np.unique(next(three)["source"]).tolist()) == {0, 1, 2}
+
+
+def test_each_source_has_its_own_pp_and_the_sizes_must_agree(digits_dir, photos_dir):
+  blanked = mixture.Source(photos_dir, pp="decode_jpeg_and_inception_crop(64)|test_mix_blank")
+  ds = pipeline.make_dataset(
+    {"in1k": digits_dir, "extra": blanked},
+    "train",
+    weights={"in1k": 1, "extra": 1},
+    batch_size=32,
+    image_size=64,
+  )
+  b = next(iter(ds))
+  assert (b["image"][b["source"] == 1] == 0).all()
+  assert (b["image"][b["source"] == 0].reshape(-1, 64 * 64 * 3).max(axis=1) > 0).all()
+  small = pipeline.Source(photos_dir, pp="decode_jpeg_and_inception_crop(32)")
+  with pytest.raises(ValueError, match="source 'extra' makes 32x32 images, 'in1k' 64x64"):
+    pipeline.make_dataset(
+      {"in1k": digits_dir, "extra": small},
+      "train",
+      weights={"in1k": 1, "extra": 1},
+      batch_size=32,
+      image_size=64,
+    )
+
+
+@pytest.mark.parametrize("labels", ["offset", "joined"])
+def test_labels_offset_or_joined_by_class_name(digits_dir, photos_dir, labels):
+  ds = mixed(digits_dir, photos_dir, labels=labels, batch_size=32)
+  b = take(iter(ds), 3)
+  digits, photos = (manifest.load(d).classes for d in (digits_dir, photos_dir))
+  labels_of = lambda s: np.concatenate([x["label"][x["source"] == s] for x in b])
+  if labels == "offset":
+    assert (labels_of(1) >= len(digits)).all() and (labels_of(0) < len(digits)).all()
+  else:  # the two class lists share no name: joined is the offset numbering too
+    joined = list(dict.fromkeys(digits + photos))
+    assert (labels_of(1) >= joined.index(photos[0])).all()
+
+
+def test_35_sources_plan_within_one_budget_and_one_pool_of_threads(digits_dir, photos_dir):
+  keywords = dict(batch_size=32, image_size=64, seed=0, shard_index=0, shard_count=1)
+  keywords["performance"] = {"memory_mb": 1000}
+  one = dataset.build(pipeline.Spec.of(digits_dir, "train", **keywords))
+  sources = {f"s{k:02d}": (digits_dir, photos_dir)[k % 2] for k in range(35)}
+  weights = {name: 1 + k % 3 for k, name in enumerate(sources)}
+  stages = dataset.Stages(**mixture.stages(sources, "train", weights=weights, **keywords))
+  assert stages.decode.threads.size == one.decode.threads.size
+  assert all(p.threads is stages.decode.threads for p in stages.decode.parts)
+  assert all(c.threads is stages.finish.threads for c in stages.decode.checks)
+  assert stages.read.memory == one.read.memory  # the same plan, within the same budget
+  assert stages.workers == one.workers
+  before = {t.name for t in threading.enumerate()}
+  it = iter(dataset.chain(stages))
+  batches = take(it, 4)
+  assert set(np.concatenate([b["source"] for b in batches]).tolist()) == set(range(35))
+  started = [t for t in threading.enumerate() if t.name not in before]
+  decode = [t for t in started if "pipeline-decode" in t.name]
+  assert len(decode) <= one.decode.num_threads
+  table = it.stats().table()
+  assert "source s00:" in table and "source s34:" in table
+
+
+def test_pipeline_input_feeds_a_mixture(digits_dir, photos_dir):
+  train = pipeline.input(
+    {"in1k": digits_dir, "extra": photos_dir},
+    "train",
+    weights={"in1k": 0.3, "extra": 0.7},
+    global_batch_size=64,
+    image_size=64,
+    seed=0,
+  )
+  b = next(train)
+  assert b["image"].shape == (64, 64, 64, 3)
+  assert abs(float(np.mean(np.asarray(b["source"]) == 1)) - 0.7) < 1 / 64 + 1e-9
+  table = train.stats().table()
+  assert "source extra:" in table
+
+
+def test_mixture_mistakes_are_one_line(digits_dir, photos_dir):
+  sources = {"in1k": digits_dir, "extra": photos_dir}
+  with pytest.raises(ValueError, match="source 'extra' has no weight"):
+    pipeline.make_dataset(sources, "train", weights={"in1k": 1}, batch_size=8)
+  with pytest.raises(ValueError, match="weights name 'other', not a source"):
+    pipeline.make_dataset(sources, "train", weights={"other": 1}, batch_size=8)
+  with pytest.raises(ValueError, match="a mixture is a training stream"):
+    pipeline.make_dataset(
+      sources, "train", weights={"in1k": 1, "extra": 1}, batch_size=8, train=False
+    )
+
+
+def test_a_state_continues_on_another_process_count(digits_dir, photos_dir):
+  one = iter(mixed(digits_dir, photos_dir, shard_index=0, shard_count=1))
+  take(one, 10)
+  state = one.get_state()
+  after = take(one, 2)
+  halves = []
+  for p in range(2):
+    it = iter(mixed(digits_dir, photos_dir, batch_size=32, shard_index=p, shard_count=2))
+    it.set_state(state)
+    halves.append(take(it, 2))
+  for k, whole in enumerate(after):
+    for key in ("image", "label", "source"):
+      np.testing.assert_array_equal(np.concatenate([h[k][key] for h in halves]), whole[key])
