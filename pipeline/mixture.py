@@ -193,11 +193,13 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     check.threads = finish.threads
   stream = stream_lib.describe(base, sampler, [])
   digests = {
-    n: elastic.shard_list([(s.file, s.num_records) for s in m.splits[spec.split].shards])
+    n: elastic.shard_list([(s.file, s.num_records, s.sha256) for s in m.splits[spec.split].shards])
     for n, spec, (m, _, _) in zip(names, specs, opened)
   }
   stream.update(
-    shards=elastic.shard_list([(s.file, s.num_records) for s in meta.splits[base.split].shards])
+    shards=elastic.shard_list(
+      [(s.file, s.num_records, s.sha256) for s in meta.splits[base.split].shards]
+    )
   )
   stream["mixture"] = sorted(names)
   mixture = Mixture(names, schedule, sampler, chosen.workers, digests)
@@ -213,6 +215,7 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     prefetch=perf.prefetch,
     stream=stream,
     stats_every_s=perf.stats_every_s,
+    worker_jax=perf.worker_jax,
     stream_type=lambda parent, *a: MixStreamIterDataset(parent, *a, mixture=mixture),
   )
 

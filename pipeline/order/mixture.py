@@ -100,6 +100,7 @@ class MixSampler:
   blocks = None  # the block order is per source: not in a mixture (pipeline.mixture)
   shard_records = None
   num_epochs = None  # each source repeats on its own
+  kept_fraction = 1.0  # every process reads all of each source over its epochs
 
   def __init__(
     self,
