@@ -17,7 +17,6 @@ import dataclasses
 import functools
 import io
 import os
-import re
 import time
 import typing
 from collections.abc import Callable
@@ -30,8 +29,7 @@ from etils import epath
 from flax import nnx
 
 import pipeline
-from pipeline.host import memory
-from train import UsageError, agreement, checkpoints, fit, hosts, models, preemption, report
+from train import UsageError, agreement, checkpoints, fit, hosts, inputs, models, preemption, report
 from train import config as config_lib
 
 Batch = dict[str, jax.Array]
@@ -160,64 +158,13 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   config_lib.local_batch_size(config, jax.process_count(), data_devices)
   notes = io.StringIO()
   with contextlib.redirect_stderr(notes):  # the pipeline's notes: shown with the plan
-    train = open_input(config, mesh, evaluation=False)
-    val = open_input(config, mesh, evaluation=True, after=train.memory)
+    train = inputs.open_input(config, mesh, evaluation=False)
+    val = inputs.open_input(config, mesh, evaluation=True, after=train.memory)
   abstract = nnx.eval_shape(lambda: create_model(config, train.num_classes))
   fit.check(abstract, train.image_size, config.compute_dtype, train.batch_size, data_devices)
   plan = config_lib.resolve(config, train.num_examples, jax.process_count(), data_devices)
   make_optimizer(config, plan)  # an unknown optimizer is refused here
   return Setup(mesh, plan, train, val, notes.getvalue() + plan.notes())
-
-
-def open_input(
-  config: ml_collections.ConfigDict,
-  mesh: jax.sharding.Mesh,
-  evaluation: bool,
-  after: memory.Split | None = None,
-) -> pipeline.Input:
-  """The train or eval stream (`pipeline.input` of `config.input` or `config.eval_input`);
-  batches the steps cannot take are refused (`check_batches`). Unless eval sets its own
-  `performance.memory_mb`, it plans within what the train stream's plan (`after`) left of the
-  one budget (config.input's, or the default); if even its least does not fit in what is left
-  of the default, within a budget of its own."""
-  where = "config.eval_input" if evaluation else "config.input"
-  kwargs = config_lib.dataset_kwargs(config, evaluation)
-  if "pp" in kwargs and not re.search(r"\bimage_size\b", kwargs["pp"]):
-    kwargs.pop("image_size", None)  # it only fills `image_size` where a pp string names it
-  try:
-    open_ = functools.partial(
-      pipeline.input,
-      kwargs.pop("data_dir"),
-      kwargs.pop("split", "train"),
-      global_batch_size=config.batch_size,
-      mesh=mesh,
-      train=not evaluation,
-      depth=config.device_depth,
-    )
-    rest = after and _rest_of_one_budget(config, kwargs, after)
-    try:
-      data = open_(**(rest or kwargs))
-    except ValueError as e:
-      chosen = (config.input.get("performance") or {}).get("memory_mb") is not None
-      if not (rest and str(e).startswith(memory.FLAG)) or chosen:
-        raise  # a budget the user chose holds both streams, or says it cannot
-      data = open_(**kwargs)
-  except (ValueError, TypeError, OSError) as e:
-    raise UsageError(f"{where}: {e}") from e
-  except KeyError as e:
-    raise UsageError(f"{where}: {e.args[0]}") from e
-  config_lib.check_batches(data, where, "pp" if "pp" in kwargs else "batch_ops")
-  return data
-
-
-def _rest_of_one_budget(config, kwargs: dict, train: memory.Split) -> dict | None:
-  """`kwargs` with `performance.memory_mb` set to what the train stream's plan left of its
-  budget; None where config.eval_input sets its own."""
-  if (config.get("eval_input", {}).get("performance") or {}).get("memory_mb") is not None:
-    return None
-  performance = dict(kwargs.get("performance") or {})
-  performance["memory_mb"] = (train.budget - train.total) / memory.MB
-  return {**kwargs, "performance": performance}
 
 
 def evaluate(eval_step, state, eval_ds) -> dict[str, float]:
