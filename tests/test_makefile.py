@@ -49,7 +49,7 @@ def test_two_makes_at_once_in_a_fresh_clone_install_the_environment_once(tmp_pat
   installs = (clone / "pip.log").read_text().splitlines()
   assert installs == [
     "pip install --quiet --upgrade pip",
-    "pip install --quiet -e .[train,tensorboard,data,bench,dev]",
+    "pip install --quiet -e .[train,tensorboard,data,bench,dev,gpu]",
   ]
   assert sum("installed by another make meanwhile" in out for out in outs) == 1
   assert (clone / ".venv" / ".installed").exists()
