@@ -9,6 +9,7 @@ All are frozen dataclasses; `make_dataset` also takes them as plain dicts (e.g. 
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -170,14 +171,19 @@ class Performance:
         f"performance.record_cache_mb must be None or >= 0, got {self.record_cache_mb}"
       )
     budget.check_rate(self.max_requests_per_s)
-    if self.memory_mb is not None and not self.memory_mb > 0:
-      raise ValueError(f"performance.memory_mb must be None or > 0, got {self.memory_mb}")
-    if self.read_deadline_s is not None and not self.read_deadline_s > 0:
-      raise ValueError(
-        f"performance.read_deadline_s must be None or > 0, got {self.read_deadline_s}"
-      )
-    if self.stats_every_s is not None and not self.stats_every_s > 0:
-      raise ValueError(f"performance.stats_every_s must be None or > 0, got {self.stats_every_s}")
+    _positive("memory_mb", self.memory_mb, "half the available memory")
+    _positive("read_deadline_s", self.read_deadline_s, "60 s")
+    _positive("stats_every_s", self.stats_every_s, "never")
+
+
+def _positive(name: str, value, none: str) -> None:
+  """Refuses `performance.<name>` unless None (which gives `none`) or a finite number > 0, in
+  one line: no limit is not a setting (a deadline of inf would hang on a stalled mount)."""
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if value is not None and not (number and 0 < value < math.inf):
+    raise ValueError(
+      f"performance.{name} must be None ({none}) or a finite number > 0, got {value!r}"
+    )
 
 
 def coerce(cls, value: Any):

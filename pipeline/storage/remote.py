@@ -41,6 +41,7 @@ from absl import logging as absl_logging
 from etils import epath
 
 from pipeline.catalog.schema import FILENAME
+from pipeline.storage import stalled
 
 T = TypeVar("T")
 ATTEMPT_S = 20.0  # deadline of one attempt (gcsfs retries a 5xx by itself within it)
@@ -112,13 +113,18 @@ def in_bucket(path) -> bool:
       mounts = [line.split(" - ") for line in f]
   except OSError:
     return False
-  path, best, fstype = os.path.realpath(path), "", ""
-  for head, tail in (m for m in mounts if len(m) == 2):
-    point = head.split()[4].replace("\\040", " ")
-    inside = path == point or path.startswith(point.rstrip("/") + "/")
-    if inside and len(point) >= len(best):
-      best, fstype = point, tail.split()[0]
-  return fstype.startswith("fuse")
+
+  def fuse(path: str) -> bool:
+    best, fstype = "", ""
+    for head, tail in (m for m in mounts if len(m) == 2):
+      point = head.split()[4].replace("\\040", " ")
+      inside = path == point or path.startswith(point.rstrip("/") + "/")
+      if inside and len(point) >= len(best):
+        best, fstype = point, tail.split()[0]
+    return fstype.startswith("fuse")
+
+  # the path as written first: resolving links looks up each name, which a stalled mount holds
+  return fuse(os.path.abspath(path)) or fuse(os.path.realpath(path))
 
 
 def gs_reader() -> str | None:
@@ -341,7 +347,17 @@ class NoAnswer(TimeoutError):
   """A read of a bucket that got no answer in time."""
 
 
-def no_answer(path, deadline_s: float, setting: str | None = None) -> RemoteStorageError:
+class NoAnswerError(RemoteStorageError):
+  """Storage that gave no answer in time, in one line. Its reads may wait on in their threads
+  (or worker processes): this process's exit will not wait for them (`stalled.mark`), also
+  where the error is raised again after it crossed from a worker process."""
+
+  def __init__(self, *args):
+    super().__init__(*args)
+    stalled.mark()
+
+
+def no_answer(path, deadline_s: float, setting: str | None = None) -> NoAnswerError:
   """The one line for a read of `path` (gs:// or a mount) that got no answer in time; it
   names the `setting` of the deadline, if any."""
   fix = (
@@ -350,7 +366,7 @@ def no_answer(path, deadline_s: float, setting: str | None = None) -> RemoteStor
     else "check the mount (gcsfuse: its log and its connection)"
   )
   said = f" ({setting} sets the wait)" if setting else ""
-  return RemoteStorageError(f"cannot read {path}: no answer within {deadline_s:g} s: {fix}{said}")
+  return NoAnswerError(f"cannot read {path}: no answer within {deadline_s:g} s: {fix}{said}")
 
 
 def on_mount(
@@ -383,6 +399,7 @@ def within(fn: Callable[[], T], deadline_s: float) -> T:
   thread.start()
   thread.join(deadline_s)
   if thread.is_alive():
+    stalled.mark()
     raise NoAnswer(f"no answer within {deadline_s:g} s")
   if "error" in out:
     raise out["error"]
