@@ -123,10 +123,11 @@ class Performance:
   record_cache_dir: a local-disk folder for them too, shared by the host's processes and kept
   across runs. max_requests_per_s: the most storage requests a second this process's reads
   make, shared by its worker processes (None or inf: no cap; at least one a minute), to stay
-  within a bucket's budget (`pipeline.storage.budget`). read_deadline_s: how long a batch (or the
-  first records read at open) waits for its reads before one line naming the shard is raised (None:
+  within a bucket's budget (`pipeline.storage.budget`). read_deadline_s: how long a batch (or a
+  stat or read at open) waits for its reads before one line naming the shard is raised (None:
   as gs:// reads, `pipeline.storage.remote`: 60 s), so that storage that stops answering (a stalled
-  gcsfuse mount) is an error, never a hang. stats_every_s: print `iterator.stats()`'s table (a row
+  gcsfuse mount) is an error, never a hang (nor is the process's exit after it,
+  `pipeline.storage.stalled`). stats_every_s: print `iterator.stats()`'s table (a row
   per stage and process, storage requests) to stderr every so many seconds (None: never).
   memory_mb: the most the loader holds on this host, read-ahead, blocks kept for later rounds,
   record cache, batches and worker processes together (None: half the available memory;
