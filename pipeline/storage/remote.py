@@ -94,7 +94,24 @@ _SLOW_DOWN = re.compile(
 
 
 class RemoteStorageError(ValueError):
-  """A remote data_dir that cannot be read as it is set up; the message says what to do."""
+  """A remote data_dir that cannot be read as it is set up; the message says what to do.
+  `stalled`: storage gave no answer in time, and reads may wait on in their threads (or
+  worker processes), which the process's exit will not wait for (`stalled.mark`), also
+  where the error is raised again after it crossed from a worker process."""
+
+  stalled = False
+
+  def __setstate__(self, state):
+    super().__setstate__(state)
+    if self.stalled:
+      stalled.mark()
+
+
+def _no_answer(message: str) -> RemoteStorageError:
+  error = RemoteStorageError(message)
+  error.stalled = True
+  stalled.mark()
+  return error
 
 
 def scheme(path) -> str | None:
@@ -347,17 +364,7 @@ class NoAnswer(TimeoutError):
   """A read of a bucket that got no answer in time."""
 
 
-class NoAnswerError(RemoteStorageError):
-  """Storage that gave no answer in time, in one line. Its reads may wait on in their threads
-  (or worker processes): this process's exit will not wait for them (`stalled.mark`), also
-  where the error is raised again after it crossed from a worker process."""
-
-  def __init__(self, *args):
-    super().__init__(*args)
-    stalled.mark()
-
-
-def no_answer(path, deadline_s: float, setting: str | None = None) -> NoAnswerError:
+def no_answer(path, deadline_s: float, setting: str | None = None) -> RemoteStorageError:
   """The one line for a read of `path` (gs:// or a mount) that got no answer in time; it
   names the `setting` of the deadline, if any."""
   fix = (
@@ -366,7 +373,7 @@ def no_answer(path, deadline_s: float, setting: str | None = None) -> NoAnswerEr
     else "check the mount (gcsfuse: its log and its connection)"
   )
   said = f" ({setting} sets the wait)" if setting else ""
-  return NoAnswerError(f"cannot read {path}: no answer within {deadline_s:g} s: {fix}{said}")
+  return _no_answer(f"cannot read {path}: no answer within {deadline_s:g} s: {fix}{said}")
 
 
 def on_mount(
@@ -399,7 +406,6 @@ def within(fn: Callable[[], T], deadline_s: float) -> T:
   thread.start()
   thread.join(deadline_s)
   if thread.is_alive():
-    stalled.mark()
     raise NoAnswer(f"no answer within {deadline_s:g} s")
   if "error" in out:
     raise out["error"]
@@ -419,8 +425,8 @@ def call(fn: Callable[[], T], what) -> T:
     except FileNotFoundError:
       raise
     except Exception as e:
-      cause = explain(e)
-      if isinstance(e, NoAnswer):
+      cause, silent = explain(e), isinstance(e, NoAnswer)
+      if silent:
         cause = f"{e} (it answered {retried.error})" if retried.at >= start else str(e)
       if cause.startswith("no access"):
         raise RemoteStorageError(f"cannot read {what}: {cause}; {GCSFUSE}") from None
@@ -432,7 +438,7 @@ def call(fn: Callable[[], T], what) -> T:
         "reading %s: %s; attempt %d of %d in %.1f s", what, cause, attempt + 1, ATTEMPTS, wait
       )
       time.sleep(wait)
-  raise RemoteStorageError(
+  raise (_no_answer if silent else RemoteStorageError)(
     f"cannot read {what}: {cause} ({ATTEMPTS} attempts in {time.monotonic() - begin:.0f} s): "
     f"check the network and the bucket, {GCSFUSE}"
   )

@@ -82,7 +82,7 @@ def test_a_mount_that_stops_answering_is_one_line_naming_the_shard(
       assert not reader.is_alive(), "next() still waiting on a stalled mount after 60 s"
     it.close()
   shard = f"{m.path}/train.array_record-00000-of-00001"
-  assert [type(e) for e in raised] == [remote.NoAnswerError]
+  assert [type(e) for e in raised] == [remote.RemoteStorageError]
   assert str(raised[0]) == (
     f"cannot read {shard}: no answer within 2 s: check the mount (gcsfuse: its log and its "
     "connection) (performance.read_deadline_s sets the wait)"
