@@ -398,7 +398,8 @@ def within(fn: Callable[[], T], deadline_s: float) -> T:
 
   def run():
     try:
-      out["value"] = fn()
+      with stalled.reading():
+        out["value"] = fn()
     except BaseException as e:  # noqa: BLE001 - handed to the caller
       out["error"] = e
 

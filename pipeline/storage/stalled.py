@@ -3,23 +3,28 @@
 A read blocked in its syscall on a stalled mount (or a request to a stalled bucket) cannot be
 interrupted: an orderly exit would join the threads waiting in it (thread pools, worker
 processes) until storage answers, and C++ destructors abort (rc 134) under those still
-running. Once a read got no answer in time, `mark` arranges that the interpreter's exit ends
-the process at once (`leave`): output flushed, its worker processes killed, its shared memory
-unlinked; exit code 1 after an uncaught exception, else 0 (a `SystemExit`'s own code is gone
-by then: a caller that exits with one after a stall calls `leave` itself). A worker process
+running. Once a read got no answer in time, `mark` arranges that the interpreter's exit, if
+reads are still in progress then (`reading`), ends the process at once (`leave`): output
+flushed, its worker processes killed, its shared memory unlinked; exit code 1 after an
+uncaught exception, else 0 (a `SystemExit`'s own code is gone by then: a caller that exits
+with one after a stall calls `leave` itself). A worker process
 that reported the stall to the main process so leaves too, as the main process waits for it.
 """
 
 from __future__ import annotations
 
 import concurrent.futures.thread  # noqa: F401 - registers its exit hook (joins) before ours
+import contextlib
 import multiprocessing
 import multiprocessing.util
 import os
 import sys
 import threading
+from collections.abc import Iterator
 
 _marked = threading.Event()
+_lock = threading.Lock()
+_reading = 0  # reads in progress in this process (`reading`)
 WORKERS_S = 10.0  # the longest to wait for killed worker processes (one in a read goes at once)
 
 
@@ -33,13 +38,28 @@ def mark() -> None:
       pass
 
 
+@contextlib.contextmanager
+def reading() -> Iterator[None]:
+  """Counts a read of storage in progress for the `with` block: the exit leaves without
+  waiting only while some, blocked, remain."""
+  global _reading
+  with _lock:
+    _reading += 1
+  try:
+    yield
+  finally:
+    with _lock:
+      _reading -= 1
+
+
 def happened() -> bool:
   """Whether a read of this process got no answer in time."""
   return _marked.is_set()
 
 
 def _at_exit() -> None:
-  leave(1 if getattr(sys, "last_value", None) is not None else 0)
+  if _reading:  # else nothing would hold the exit: it goes on as usual, exit code and all
+    leave(1 if getattr(sys, "last_value", None) is not None else 0)
 
 
 def leave(code: int) -> None:
