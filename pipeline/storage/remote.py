@@ -108,6 +108,7 @@ class RemoteStorageError(ValueError):
 
 
 def _no_answer(message: str) -> RemoteStorageError:
+  """The error of storage that gave no answer in time (`stalled`); this process marked."""
   error = RemoteStorageError(message)
   error.stalled = True
   stalled.mark()
