@@ -21,7 +21,10 @@
      /.rig-stats   a snapshot
      /.rig-reset   a snapshot, then every counter back to zero (max_in_flight: to in_flight)
    Two more stand in for a mount that stops answering (gcsfuse on a dead connection):
-     /.rig-stall   a snapshot, then every read of a data file waits (blocked in its syscall)
+     /.rig-stall   a snapshot, then every read and open of a data file waits (blocked in its
+                   syscall; one the kernel interrupts, as when its process exits, ends with
+                   EINTR, as gcsfuse cancels it). Not lookups: one stalled would hold every
+                   lookup in its folder, /.rig-resume's too.
      /.rig-resume  a snapshot, then the waiting reads go on
 
    Built and mounted by bench/rig.py; `python -m bench.rig --help` runs it by hand. */
@@ -85,10 +88,16 @@ static int is_virtual(const char *path) {
          strcmp(path, STALL_PATH) == 0 || strcmp(path, RESUME_PATH) == 0;
 }
 
-/* Polls, holding no lock: libfuse cancels its workers at exit, stalled ones included. */
-static void wait_while_stalled(void) {
+/* Polls, holding no lock: libfuse cancels its workers at exit, stalled ones included. A
+   request the kernel interrupts (its process got a fatal signal, or is exiting) ends with
+   EINTR, as gcsfuse cancels an interrupted request: returns -EINTR then, else 0. */
+static int wait_while_stalled(void) {
   struct timespec tick = {.tv_sec = 0, .tv_nsec = 10000000};
-  while (atomic_load(&stalled)) nanosleep(&tick, NULL);
+  while (atomic_load(&stalled)) {
+    if (fuse_interrupted()) return -EINTR;
+    nanosleep(&tick, NULL);
+  }
+  return 0;
 }
 
 static char *snapshot(int reset) {
@@ -184,10 +193,11 @@ static int rig_open(const char *path, struct fuse_file_info *fi) {
     }
     h->size = strlen(h->text);
   } else {
-    char *full = source_path(path);
+    int stop = wait_while_stalled();
+    char *full = stop ? NULL : source_path(path);
     if (!full) {
       free(h);
-      return -ENOMEM;
+      return stop ? stop : -ENOMEM;
     }
     h->fd = open(full, O_RDONLY);
     int err = errno;
@@ -249,7 +259,8 @@ static int rig_read(const char *path, char *buf, size_t size, off_t offset,
     memcpy(buf, h->text + offset, n);
     return (int)n;
   }
-  wait_while_stalled();
+  int stop = wait_while_stalled();
+  if (stop) return stop;
   int64_t start = admit(now_ns());
   long long now = atomic_fetch_add(&in_flight, 1) + 1;
   long long peak = atomic_load(&max_in_flight);

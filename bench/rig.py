@@ -12,7 +12,8 @@ rations requests: `requests_per_s` starts requests no closer than 1/requests_per
 (the rest queue), `mb_per_s` lets their bytes out at that rate. It counts read requests,
 bytes, reads in flight (now and at most) and reads that waited for a cap: `Mount.stats()`,
 or `cat MOUNTPOINT/.rig-stats`; reading `.rig-reset` zeroes the counters. Reading `.rig-stall`
-makes every read wait until `.rig-resume` is read (`Mount.stall()`): a mount that stops answering.
+makes every read and open wait until `.rig-resume` is read (`Mount.stall()`): a mount
+that stops answering (a request interrupted by its process's exit ends, as in gcsfuse).
 
 `ensure_built()` compiles it once into ~/.cache/pipeline-rig (keyed by the source's hash),
 installing fuse3 and libfuse3-dev with apt-get first when they are missing and we are root;
@@ -100,7 +101,8 @@ class Mount:
 
   @contextlib.contextmanager
   def stall(self) -> Iterator[None]:
-    """Reads of data files wait (blocked in their syscall) until the `with` block ends."""
+    """Reads and opens of data files wait (blocked in their syscall) until the `with`
+    block ends, or the kernel interrupts them (their process exits)."""
     (self.path / ".rig-stall").read_text()
     try:
       yield

@@ -90,7 +90,7 @@ def build(spec: Spec) -> Stages:
     guards.check_main_guard("worker processes, which make_dataset starts on many-core hosts,")
   elif perf.num_workers:
     guards.check_main_guard()
-  meta, source, pins = split_lib.open(spec.data_dir, spec.split, spec.verify)
+  meta, source, pins = split_lib.open(spec.data_dir, spec.split, spec.verify, perf.read_deadline_s)
   sampler = plan_lib.sampler(spec, meta, source)
   head, image_ops, batch_ops = transforms(spec, meta.num_classes)
   features = spec.transforms.features

@@ -9,6 +9,7 @@ All are frozen dataclasses; `make_dataset` also takes them as plain dicts (e.g. 
 from __future__ import annotations
 
 import dataclasses
+import math
 import numbers
 import os
 import re
@@ -147,13 +148,14 @@ class Performance:
   across runs. max_requests_per_s: the most storage requests a second this process's reads
   make, shared by its worker processes (None or inf: no cap; at least one a minute), to stay
   within a bucket's budget (`pipeline.storage.budget`). read_deadline_s: how long storage may
-  answer none of this process's reads in flight (or the first records read at open) before one
-  line naming the shard is raised (None: as gs:// reads, `pipeline.storage.remote`: 60 s), so
-  that storage that stops answering (a stalled gcsfuse mount) is an error, never a hang; time
-  queued behind the request cap or other reads does not count. In the global order a shard's
-  records of a batch are one read. stats_every_s: print `iterator.stats()`'s table (a row
-  per stage and process over the last interval, in images/s, the slowest stage, storage
-  requests) to stderr every so many seconds (None: never).
+  answer none of this process's reads in flight (or a stat or read at open) before one line
+  naming the shard is raised (None: as gs:// reads, `pipeline.storage.remote`: 60 s), so that
+  storage that stops answering (a stalled gcsfuse mount) is an error, never a hang (nor is the
+  process's exit after it, `pipeline.storage.stalled`); time queued behind the request cap or
+  other reads does not count. In the global order a shard's records of a batch are one read.
+  stats_every_s: print `iterator.stats()`'s table (a row per stage and process over the last
+  interval, in images/s, the slowest stage, storage requests) to stderr every so many seconds
+  (None: never).
   memory_mb: the most the loader holds on this host, read-ahead, blocks kept for later rounds,
   record cache, batches and worker processes together (None: half the available memory;
   `python -m train`'s eval stream then plans within what its train stream left of it); the
@@ -198,16 +200,19 @@ class Performance:
         f"performance.record_cache_mb must be None or >= 0, got {self.record_cache_mb}"
       )
     budget.check_rate(self.max_requests_per_s)
-    if self.memory_mb is not None and not self.memory_mb > 0:
-      raise ValueError(f"performance.memory_mb must be None or > 0, got {self.memory_mb}")
-    if self.read_deadline_s is not None and not self.read_deadline_s > 0:
-      raise ValueError(
-        f"performance.read_deadline_s must be None or > 0, got {self.read_deadline_s}"
-      )
-    if not isinstance(self.worker_jax, bool):
-      raise ValueError(f"performance.worker_jax must be True or False, got {self.worker_jax!r}")
-    if self.stats_every_s is not None and not self.stats_every_s > 0:
-      raise ValueError(f"performance.stats_every_s must be None or > 0, got {self.stats_every_s}")
+    _positive("memory_mb", self.memory_mb, "half the available memory")
+    _positive("read_deadline_s", self.read_deadline_s, "60 s")
+    _positive("stats_every_s", self.stats_every_s, "never")
+
+
+def _positive(name: str, value, none: str) -> None:
+  """Refuses `performance.<name>` unless None (which gives `none`) or a finite number > 0, in
+  one line: no limit is not a setting (a deadline of inf would hang on a stalled mount)."""
+  number = isinstance(value, (int, float)) and not isinstance(value, bool)
+  if value is not None and not (number and 0 < value < math.inf):
+    raise ValueError(
+      f"performance.{name} must be None ({none}) or a finite number > 0, got {value!r}"
+    )
 
 
 def coerce(cls, value: Any):

@@ -74,7 +74,11 @@ VERBOSE = flags.DEFINE_bool("verbose", False, "tracebacks for errors; Orbax's an
 
 
 def fail(message: str, code: int = 2):
+  from pipeline.storage import stalled
+
   print(f"python -m train: {message}", file=sys.stderr, flush=True)
+  if stalled.happened():  # reads wait on in their threads: an orderly exit would wait for them
+    stalled.leave(code)
   raise SystemExit(code)
 
 
@@ -211,7 +215,7 @@ def main(argv):
   if CACHE.value:
     jax.config.update("jax_compilation_cache_dir", CACHE.value)
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.0)
-  from pipeline.storage import remote
+  from pipeline.storage import remote, stalled
   from train import train
 
   config = flags.FLAGS.config
@@ -241,8 +245,7 @@ def main(argv):
     if VERBOSE.value:
       traceback.print_exc()
     print(f"python -m train: {e}", file=sys.stderr, flush=True)
-    sys.stdout.flush()
-    os._exit(1)
+    stalled.leave(1)
   except Exception as e:
     if hosts.lost_peer(e):  # the distributed service will say which process
       hosts.await_verdict(e)

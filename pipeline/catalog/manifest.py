@@ -39,6 +39,7 @@ from pipeline.catalog.schema import (  # noqa: F401
 )
 from pipeline.storage import remote
 
+DEADLINE = "performance.read_deadline_s"  # the setting of a mount's wait at open
 BUILD_DIR = ".convert-build"  # where a conversion into the folder writes until it is done
 VERIFY_LEVELS = ("none", "size", "sha256")
 
@@ -51,27 +52,32 @@ def _is_local(path: epath.Path) -> bool:
   return "://" not in os.fspath(path)
 
 
-def _regular_size(path: epath.Path) -> int | None:
+def _stat(path, deadline_s: float | None) -> os.stat_result:
+  """os.stat of a local `path`; on a FUSE mount within `deadline_s` (`remote.on_mount`)."""
+  return remote.on_mount(lambda: os.stat(path), path, deadline_s, DEADLINE)
+
+
+def _regular_size(path: epath.Path, deadline_s: float | None) -> int | None:
   """The size of a regular file, None if `path` is something else; never opens it."""
   if _is_local(path):
-    st = os.stat(path)
+    st = _stat(path, deadline_s)
     return st.st_size if stat.S_ISREG(st.st_mode) else None
   st = remote.call(path.stat, path)
   return None if st.is_directory else st.length
 
 
-def load(data_dir) -> Manifest:
+def load(data_dir, deadline_s: float | None = None) -> Manifest:
   """Reads `data_dir/manifest.json`; a missing one is `FileNotFoundError`, a damaged one
   `ManifestError`, each naming the file; a bucket this host cannot read (no gcsfs, no
-  credentials) is one `RemoteStorageError` line (`pipeline.storage.remote.check`). A TFDS
-  ArrayRecord build (its version folder, or tfds://name[:version]) has none:
-  `pipeline.catalog.tfds_folder` makes its Manifest."""
+  credentials) is one `RemoteStorageError` line (`pipeline.storage.remote.check`), a mount
+  that does not answer within `deadline_s` too. A TFDS ArrayRecord build (its version folder,
+  or tfds://name[:version]) has none: `pipeline.catalog.tfds_folder` makes its Manifest."""
   if tfds_folder.is_uri(data_dir):
     return tfds_folder.load(data_dir)
   remote.check(data_dir)
   path, missing = epath.Path(data_dir) / FILENAME, False
   try:
-    size = _regular_size(path)
+    size = _regular_size(path, deadline_s)
   except FileNotFoundError:
     missing = True
   except NotADirectoryError:
@@ -90,8 +96,10 @@ def load(data_dir) -> Manifest:
     ) from None
   if size is None:
     raise ManifestError(f"{path} is not a regular file")
-  read = remote.on_mount if _is_local(path) else remote.call
-  text = read(path.read_bytes, path)
+  if _is_local(path):
+    text = remote.on_mount(path.read_bytes, path, deadline_s, DEADLINE)
+  else:
+    text = remote.call(path.read_bytes, path)
   try:
     data = json.loads(text)
   except (ValueError, UnicodeDecodeError) as e:
@@ -134,12 +142,12 @@ def _gcs_object(path) -> dict | None:
   return fs.info(os.fspath(path))
 
 
-def _look(path) -> tuple[int | None, tuple | None, str | None]:
+def _look(path, deadline_s: float | None = None) -> tuple[int | None, tuple | None, str | None]:
   """(size, pin, crc32c) of a shard from one stat or one object metadata request, never a read:
   size None if it is not a regular file (or object); pin (see `pin`) and crc32c (8 hex digits,
-  gs:// objects only) None where not known."""
+  gs:// objects only) None where not known. On a mount the stat waits at most `deadline_s`."""
   if _is_local(path):
-    st = os.stat(path)
+    st = _stat(path, deadline_s)
     if not stat.S_ISREG(st.st_mode):
       return None, None, None
     return st.st_size, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), None
@@ -158,7 +166,9 @@ def _look(path) -> tuple[int | None, tuple | None, str | None]:
   )
 
 
-def _checked(data_dir, meta: Manifest, split: str, verify: str) -> tuple[list[epath.Path], list]:
+def _checked(
+  data_dir, meta: Manifest, split: str, verify: str, deadline_s: float | None = None
+) -> tuple[list[epath.Path], list]:
   """`checked_shards`, plus the pin of each shard taken by the same stat or request."""
   if verify not in VERIFY_LEVELS:
     raise ValueError(f"verify must be one of {VERIFY_LEVELS}, not {verify!r}")
@@ -179,13 +189,13 @@ def _checked(data_dir, meta: Manifest, split: str, verify: str) -> tuple[list[ep
       pinned = None
       if _is_local(path):
         with contextlib.suppress(FileNotFoundError):  # missing: the reader says so at open
-          if not (pinned := _look(path)[1]):
+          if not (pinned := _look(path, deadline_s)[1]):
             raise ManifestError(f"shard {path} is not a regular file")
       pins.append(pinned)
     return paths, pins
   for path, sh in zip(paths, s.shards):
     try:
-      size, pinned, crc = _look(path)
+      size, pinned, crc = _look(path, deadline_s)
     except FileNotFoundError:
       raise ManifestError(f"shard {path} is missing") from None
     if size is None:
@@ -269,12 +279,15 @@ def check_pinned(path, pinned: tuple | None) -> None:
     )
 
 
-def pinned_shards(data_dir, meta: Manifest, split: str, verify: str = "size"):
+def pinned_shards(
+  data_dir, meta: Manifest, split: str, verify: str = "size", deadline_s: float | None = None
+):
   """`checked_shards`, plus each shard's `pin`, taken while `meta` is still the manifest in
-  `data_dir` (a conversion swaps shards in only after removing or replacing it)."""
-  paths, pins = _checked(data_dir, meta, split, verify)
+  `data_dir` (a conversion swaps shards in only after removing or replacing it); on a mount
+  each stat and read waits at most `deadline_s`."""
+  paths, pins = _checked(data_dir, meta, split, verify, deadline_s)
   try:
-    still = load(data_dir) == meta
+    still = load(data_dir, deadline_s) == meta
   except (FileNotFoundError, ManifestError):
     still = False
   if not still:

@@ -449,7 +449,8 @@ def close_rings() -> None:
 
 
 @atexit.register
-def _sweep_at_exit() -> None:
+def sweep_own() -> None:
+  """Unlinks the blocks of every writer this process made (its workers' rings): at exit."""
   for token in _TOKENS:
     for path in _names(token):
       _unlink(path)

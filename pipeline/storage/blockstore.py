@@ -33,6 +33,7 @@ HEAD = 4096  # bytes read first: the header of a block of up to 510 records
 IOV = 512  # records per write
 
 _STORES: weakref.WeakSet[BlockStore] = weakref.WeakSet()  # those that published blocks here
+_MADE: list[weakref.finalize] = []  # each removes a store this process made (`new`)
 
 
 def available() -> bool:
@@ -54,7 +55,8 @@ class BlockStore:
     sweep_orphaned()
     token = secrets.token_hex(16)
     store = cls(token, budget_bytes)
-    weakref.finalize(store, _release, token, _claim(_lock_path(token)))
+    _MADE[:] = [made for made in _MADE if made.alive]
+    _MADE.append(weakref.finalize(store, _release, token, _claim(_lock_path(token))))
     return store
 
   def _init_runtime(self):
@@ -219,6 +221,12 @@ def close_stores() -> None:
   """Unlinks the blocks this process published (a worker at its exit)."""
   for store in list(_STORES):
     store.close()
+
+
+def remove_own() -> None:
+  """Removes every store this process made (as when they are dropped, or at its exit)."""
+  for made in _MADE:
+    made()
 
 
 def _release(token: str, lock: int) -> None:

@@ -21,7 +21,7 @@ import math
 import threading
 import time
 
-from pipeline.storage import remote
+from pipeline.storage import remote, stalled
 from pipeline.storage.blockstore import BlockStore
 from pipeline.storage.budget import RequestBudget
 from pipeline.storage.cache import RecordCache
@@ -113,6 +113,10 @@ class Fetcher:
   def fetch(self, shard: int, indices: list, local: list) -> tuple[list, int, float]:
     """The records `local` of `shard` (`indices`: the same, in the whole source): the
     cache's, then one read of the rest. Returns (records, records read, seconds reading)."""
+    with stalled.reading():
+      return self._fetch(shard, indices, local)
+
+  def _fetch(self, shard: int, indices: list, local: list) -> tuple[list, int, float]:
     got: list = [None] * len(local)
     todo, waits = [], []
     for k, (index, i) in enumerate(zip(indices, local)):

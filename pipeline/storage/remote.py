@@ -41,6 +41,7 @@ from absl import logging as absl_logging
 from etils import epath
 
 from pipeline.catalog.schema import FILENAME
+from pipeline.storage import stalled
 
 T = TypeVar("T")
 ATTEMPT_S = 20.0  # deadline of one attempt (gcsfs retries a 5xx by itself within it)
@@ -93,7 +94,25 @@ _SLOW_DOWN = re.compile(
 
 
 class RemoteStorageError(ValueError):
-  """A remote data_dir that cannot be read as it is set up; the message says what to do."""
+  """A remote data_dir that cannot be read as it is set up; the message says what to do.
+  `stalled`: storage gave no answer in time, and reads may wait on in their threads (or
+  worker processes), which the process's exit will not wait for (`stalled.mark`), also
+  where the error is raised again after it crossed from a worker process."""
+
+  stalled = False
+
+  def __setstate__(self, state):
+    super().__setstate__(state)
+    if self.stalled:
+      stalled.mark()
+
+
+def _no_answer(message: str) -> RemoteStorageError:
+  """The error of storage that gave no answer in time (`stalled`); this process marked."""
+  error = RemoteStorageError(message)
+  error.stalled = True
+  stalled.mark()
+  return error
 
 
 def scheme(path) -> str | None:
@@ -112,13 +131,18 @@ def in_bucket(path) -> bool:
       mounts = [line.split(" - ") for line in f]
   except OSError:
     return False
-  path, best, fstype = os.path.realpath(path), "", ""
-  for head, tail in (m for m in mounts if len(m) == 2):
-    point = head.split()[4].replace("\\040", " ")
-    inside = path == point or path.startswith(point.rstrip("/") + "/")
-    if inside and len(point) >= len(best):
-      best, fstype = point, tail.split()[0]
-  return fstype.startswith("fuse")
+
+  def fuse(path: str) -> bool:
+    best, fstype = "", ""
+    for head, tail in (m for m in mounts if len(m) == 2):
+      point = head.split()[4].replace("\\040", " ")
+      inside = path == point or path.startswith(point.rstrip("/") + "/")
+      if inside and len(point) >= len(best):
+        best, fstype = point, tail.split()[0]
+    return fstype.startswith("fuse")
+
+  # the path as written first: resolving links looks up each name, which a stalled mount holds
+  return fuse(os.path.abspath(path)) or fuse(os.path.realpath(path))
 
 
 def gs_reader() -> str | None:
@@ -350,7 +374,7 @@ def no_answer(path, deadline_s: float, setting: str | None = None) -> RemoteStor
     else "check the mount (gcsfuse: its log and its connection)"
   )
   said = f" ({setting} sets the wait)" if setting else ""
-  return RemoteStorageError(f"cannot read {path}: no answer within {deadline_s:g} s: {fix}{said}")
+  return _no_answer(f"cannot read {path}: no answer within {deadline_s:g} s: {fix}{said}")
 
 
 def on_mount(
@@ -375,7 +399,8 @@ def within(fn: Callable[[], T], deadline_s: float) -> T:
 
   def run():
     try:
-      out["value"] = fn()
+      with stalled.reading():
+        out["value"] = fn()
     except BaseException as e:  # noqa: BLE001 - handed to the caller
       out["error"] = e
 
@@ -402,8 +427,8 @@ def call(fn: Callable[[], T], what) -> T:
     except FileNotFoundError:
       raise
     except Exception as e:
-      cause = explain(e)
-      if isinstance(e, NoAnswer):
+      cause, silent = explain(e), isinstance(e, NoAnswer)
+      if silent:
         cause = f"{e} (it answered {retried.error})" if retried.at >= start else str(e)
       if cause.startswith("no access"):
         raise RemoteStorageError(f"cannot read {what}: {cause}; {GCSFUSE}") from None
@@ -415,7 +440,7 @@ def call(fn: Callable[[], T], what) -> T:
         "reading %s: %s; attempt %d of %d in %.1f s", what, cause, attempt + 1, ATTEMPTS, wait
       )
       time.sleep(wait)
-  raise RemoteStorageError(
+  raise (_no_answer if silent else RemoteStorageError)(
     f"cannot read {what}: {cause} ({ATTEMPTS} attempts in {time.monotonic() - begin:.0f} s): "
     f"check the network and the bucket, {GCSFUSE}"
   )

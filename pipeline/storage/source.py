@@ -103,6 +103,13 @@ class ShardedSource:
         readers[shard] = reader
       return readers[shard]
 
+  def open_empty(self) -> None:
+    """Opens each shard listed with 0 records, which no read would open: one that holds
+    records is refused (an `OSError` naming it, as any shard that disagrees at open)."""
+    for shard, (begin, end) in enumerate(zip(self.starts, self.starts[1:])):
+      if begin == end:
+        self._reader(shard)
+
   def shards_of(self, indices: np.ndarray) -> np.ndarray:
     """The shard number of each global index."""
     indices = np.asarray(indices, np.int64)

@@ -16,6 +16,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import pipeline
 from pipeline.catalog import manifest
 from pipeline.convert import shards, verify
 
@@ -357,3 +358,17 @@ def test_any_mutation_of_a_manifest_opens_or_is_a_manifest_error(dataset, photos
   base = json.loads((photos_dir / manifest.FILENAME).read_text())
   (dataset / manifest.FILENAME).write_text(json.dumps(data.draw(mutated_manifests(base))))
   opens_or_refuses_in_one_line(dataset)
+
+
+def test_a_shard_listed_with_0_records_is_opened_and_refused_if_it_holds_any(dataset):
+  """No read asks a shard listed with 0 records for anything: make_dataset opens it to check."""
+  shard = dataset / "train.array_record-00001-of-00002"
+  shutil.copy(shard_of(dataset, "validation"), shard)  # 16 records
+
+  def list_it_with_0_records(d):
+    (validation,) = d["splits"]["validation"]["shards"]
+    d["splits"]["train"]["shards"].append({**validation, "file": shard.name, "num_records": 0})
+
+  edit(dataset, list_it_with_0_records)
+  with pytest.raises(OSError, match=f"^shard {shard} holds 16 records, the manifest 0: it changed"):
+    pipeline.make_dataset(dataset, batch_size=8, image_size=16, shard_index=0, shard_count=1)

@@ -203,6 +203,17 @@ def test_a_shard_that_is_not_what_tfds_recorded_is_refused(folder, tmp_path):
     first_batches(copy, "train", 1)
 
 
+def test_a_shard_tfds_lists_with_0_records_is_opened_and_refused_if_it_holds_any(folder, tmp_path):
+  copy = shutil.copytree(folder, tmp_path / "1.0.0")
+  info = json.loads((copy / "dataset_info.json").read_text())
+  (train,) = [s for s in info["splits"] if s["name"] == "train"]
+  held, train["shardLengths"][1] = train["shardLengths"][1], "0"
+  (copy / "dataset_info.json").write_text(json.dumps(info))
+  shard = copy / "tiny_pets-train.array_record-00001-of-00003"
+  with pytest.raises(OSError, match=f"^shard {shard} holds {held} records, the manifest 0"):
+    first_batches(copy, "train", 1)
+
+
 def test_the_record_cache_tells_versions_with_the_same_shard_names_apart(folder, tmp_path):
   other = build(TinyPets, tmp_path / "tfds", version="1.1.0", num_shards=3)
   assert sorted(os.listdir(other)) == sorted(os.listdir(folder))

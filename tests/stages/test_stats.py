@@ -96,7 +96,10 @@ def test_without_stats_every_s_nothing_is_printed(digits_dir, capfd):
 
 
 def test_stats_every_s_must_be_positive(digits_dir):
-  with pytest.raises(ValueError, match="performance.stats_every_s must be None or > 0, got 0"):
+  with pytest.raises(
+    ValueError,
+    match=r"performance.stats_every_s must be None \(never\) or a finite number > 0, got 0",
+  ):
     stream(digits_dir, stats_every_s=0)
 
 

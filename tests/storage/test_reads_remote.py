@@ -5,6 +5,7 @@ answering is one line naming the shard within the read deadline."""
 
 from __future__ import annotations
 
+import math
 import threading
 
 import pytest
@@ -124,10 +125,14 @@ def test_opening_a_dataset_on_a_stalled_mount_is_one_line_naming_the_manifest(
     assert not opener.is_alive(), "make_dataset still waiting on a stalled mount after 60 s"
   assert [str(e) for e in raised] == [
     f"cannot read {m.path}/manifest.json: no answer within 3 s: check the mount (gcsfuse: its "
-    "log and its connection)"
+    "log and its connection) (performance.read_deadline_s sets the wait)"
   ]
 
 
-def test_the_read_deadline_must_be_positive():
-  with pytest.raises(ValueError, match="performance.read_deadline_s must be None or > 0, got 0"):
-    options.Performance(read_deadline_s=0)
+@pytest.mark.parametrize("value", [0, -1.0, math.inf, math.nan, "10", True])
+@pytest.mark.parametrize("name, none", [("read_deadline_s", "60 s"), ("memory_mb", "half")])
+def test_a_deadline_or_memory_budget_is_a_finite_number_above_0_or_one_line(name, none, value):
+  with pytest.raises(ValueError) as raised:
+    options.Performance(**{name: value})
+  assert str(raised.value).startswith(f"performance.{name} must be None ({none}")
+  assert str(raised.value).endswith(f"or a finite number > 0, got {value!r}")

@@ -121,8 +121,8 @@ def test_a_stalled_mount_on_one_host_ends_it_in_one_line_naming_the_shard_and_th
   """Each host reads `data` through its own mount of the dataset, as every host of a pod
   mounts the bucket at the same path; host 1's stops answering mid-run. Host 1 says so in
   one line and leaves; host 0, waiting for it in a collective, names it lost after the
-  heartbeat timeout. Host 1's process may be gone only once the mount answers again: a
-  read in flight on a FUSE mount holds its process's exit in the kernel (gcsfuse's too)."""
+  heartbeat timeout. Host 1 leaves while its mount still stalls, its reads left blocked
+  (tests/faults/test_stalled_exit.py)."""
   hosts = [tmp_path / f"host{i}" for i in range(2)]
   with (
     storage_rig.mount(sharded, latency_ms=1, mountpoint=hosts[0] / "data"),
