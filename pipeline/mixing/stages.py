@@ -9,8 +9,8 @@ import dataclasses
 
 import numpy as np
 
+from pipeline.host.pool import BatchPool
 from pipeline.stages.plan import Batch, PlanBatches
-from pipeline.stages.pool import BatchPool
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,11 +19,11 @@ import cv2
 import numpy as np
 
 from pipeline.catalog import records
+from pipeline.host.pool import BatchPool
 from pipeline.image import augment, decode
 from pipeline.stages import errors
 from pipeline.stages.ahead import Threads
 from pipeline.stages.plan import Batch
-from pipeline.stages.pool import BatchPool
 from pipeline.storage.cache import DecodedCache
 from pipeline.storage.source import CorruptRecordsError
 

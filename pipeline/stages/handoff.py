@@ -42,10 +42,9 @@ from typing import Any
 import grain
 import numpy as np
 
-from pipeline.host import memory, parallelism
+from pipeline.host import memory, parallelism, pool
 from pipeline.order.blocks import WINDOW_BATCHES
-from pipeline.stages import pool
-from pipeline.storage import blockstore
+from pipeline.storage import blockstore, stalled
 
 SHM_DIR = "/dev/shm"
 PREFIX = "pipeline-ring"
@@ -454,6 +453,10 @@ def sweep_own() -> None:
   for token in _TOKENS:
     for path in _names(token):
       _unlink(path)
+
+
+stalled.on_leave(close_rings)  # a worker's own ring
+stalled.on_leave(sweep_own)  # its workers' rings
 
 
 def workers(spec, image_size: int, blocks: bool) -> parallelism.Plan:

@@ -27,6 +27,8 @@ import threading
 import weakref
 from collections.abc import Callable
 
+from pipeline.storage import stalled
+
 SHM_DIR = "/dev/shm"
 PREFIX = "pipeline-blocks"
 HEAD = 4096  # bytes read first: the header of a block of up to 510 records
@@ -235,6 +237,8 @@ def _release(token: str, lock: int) -> None:
 
 
 atexit.register(close_stores)
+stalled.on_leave(close_stores)  # the blocks a worker published
+stalled.on_leave(remove_own)  # the stores it made, all their blocks
 
 
 _finalized = []

@@ -20,9 +20,10 @@ import multiprocessing.util
 import os
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 _marked = threading.Event()
+_cleanups: list[Callable[[], None]] = []  # `on_leave`
 _lock = threading.Lock()
 _reading = 0  # reads in progress in this process (`reading`)
 WORKERS_S = 10.0  # the longest to wait for killed worker processes (one in a read goes at once)
@@ -62,12 +63,15 @@ def _at_exit() -> None:
     leave(1 if getattr(sys, "last_value", None) is not None else 0)
 
 
+def on_leave(cleanup: Callable[[], None]) -> None:
+  """`cleanup()` runs as `leave` ends the process, after its workers are gone (the modules that
+  keep shared memory register theirs: `pipeline.stages.handoff`, `pipeline.storage.blockstore`)."""
+  _cleanups.append(cleanup)
+
+
 def leave(code: int) -> None:
   """Ends the process with `code` now, without joining its threads: output flushed, its
   worker processes killed, the shared memory of its batches and blocks unlinked."""
-  from pipeline.stages import handoff
-  from pipeline.storage import blockstore
-
   for stream in (sys.stdout, sys.stderr):
     try:
       stream.flush()
@@ -82,8 +86,6 @@ def leave(code: int) -> None:
   # resource tracker warns of them); threads reading its queues, closed now, end silently
   threading.excepthook = lambda args: None
   multiprocessing.util._exit_function()
-  handoff.close_rings()  # a worker's own ring
-  handoff.sweep_own()  # its workers' rings
-  blockstore.close_stores()  # the blocks a worker published
-  blockstore.remove_own()  # the stores it made, all their blocks
+  for cleanup in _cleanups:
+    cleanup()
   os._exit(code)

@@ -1,4 +1,4 @@
-"""The batch pool (pipeline/stages/pool.py): a batch's memory goes to a later batch only once
+"""The batch pool (pipeline/host/pool.py): a batch's memory goes to a later batch only once
 nothing holds the first, its views included; a stream that drops its batches reuses a few."""
 
 from __future__ import annotations
@@ -8,8 +8,9 @@ import gc
 import numpy as np
 
 import pipeline
-from pipeline.stages import handoff, pool
-from pipeline.stages.pool import BatchPool
+from pipeline.host import pool
+from pipeline.host.pool import BatchPool
+from pipeline.stages import handoff
 
 
 def test_a_buffer_comes_back_only_when_the_batch_and_every_view_of_it_are_gone():
