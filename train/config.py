@@ -238,6 +238,8 @@ def resolve(
       raise UsageError(f"{field} resolves to {getattr(plan, field)} steps; it must be >= 1")
   if plan.warmup_steps < 0:
     raise UsageError(f"warmup resolves to {plan.warmup_steps} steps; it must be >= 0")
+  if config.get("synthetic_steps", 1) < 1:  # the no-input baseline the input wait is measured by
+    raise UsageError(f"config.synthetic_steps must be >= 1, got {config.synthetic_steps}")
   return plan
 
 

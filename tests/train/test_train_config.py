@@ -458,3 +458,10 @@ def test_the_input_order_each_host_chose_from_its_storage_is_agreed_before_step_
   assert local.startswith("global; ") and mount.startswith("blocks of 16, ")
   assert local.partition("; ")[2] == mount.partition("; ")[2]  # the rest alike
   assert order(order="global") == local  # the same choice, the same field
+
+
+def test_a_synthetic_baseline_of_no_steps_is_refused_in_one_line():
+  config = default.get_config()
+  config.synthetic_steps = 0
+  with pytest.raises(UsageError, match=r"^config.synthetic_steps must be >= 1, got 0$"):
+    config_lib.resolve(config, 240, processes=1, data_devices=1)
