@@ -1,15 +1,18 @@
 """Record schema: serialized `tf.train.Example` protos, written and parsed without TensorFlow.
 
 The proto is the TF-free copy that tensorflow-datasets ships, so TFRecord shards and
-TFDS-prepared data read as they are; imported on first use (`example_class`): importing
-tensorflow_datasets takes ~50 MB and ~1 s, which a worker process decoding records with the C
-decoder (it parses them itself) never needs. Feature keys are configurable through `Keys`.
+TFDS-prepared data read as they are. It is imported with this module, never on first use:
+tensorflow_datasets' import swaps the interpreter's `__import__` for etils' lazy one while it
+runs, which broke another thread's import at that moment (tensorboardX's, in the trainer,
+while the decode threads parsed the first records). Feature keys are configurable through
+`Keys`.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
+
+from tensorflow_datasets.proto import tf_example_pb2
 
 
 class RecordError(ValueError):
@@ -31,11 +34,8 @@ KNOWN_KEYS = (DEFAULT_KEYS, TFDS_KEYS, Keys(image="data", label="category", file
 UNLABELED = -1  # TFDS's label of an example without one (ImageNet's test split)
 
 
-@functools.cache
 def example_class() -> type:
-  """`tf.train.Example`, as tensorflow-datasets ships it (imported here on first use)."""
-  from tensorflow_datasets.proto import tf_example_pb2
-
+  """`tf.train.Example`, as tensorflow-datasets ships it."""
   return tf_example_pb2.Example
 
 
