@@ -125,7 +125,6 @@ class Reporter:
     self.hosts: list[list[podview.Host]] = []  # per window, each process's
     self.synthetic: float | None = None  # seconds per step on a batch already on the devices
     self.host_us: list[float] = []  # per window, this process's host work per step
-    self.requests = 0  # storage requests of this host's pipeline at the last log line
 
   def say(self, line: str) -> None:
     if self.chief:
@@ -144,10 +143,10 @@ class Reporter:
     wait = min(1.0, window.blocked / elapsed)
     self.host_us.append(host_us)
     ips = window.steps * self.plan.batch_size / elapsed
-    made, self.requests = self.requests, stages.storage.requests
+    requests = stages.storage.requests  # the window's: `stats()` counts since its last call
     # The gather comes last: the next window starts on every host together.
     mine = window.steps * self.plan.local_batch_size / elapsed
-    hosts = podview.gather(mine, wait, (self.requests - made) / elapsed, podview.rss_mb())
+    hosts = podview.gather(mine, wait, requests / elapsed, podview.rss_mb())
     self.images_per_sec.append(ips)
     self.hosts.append(hosts)
     if not self.chief:
