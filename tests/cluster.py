@@ -21,10 +21,17 @@ HEARTBEAT_S = 900
 
 
 def free_port() -> int:
-  """A localhost TCP port free now, for a server or a cluster's coordinator to bind."""
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    return s.getsockname()[1]
+  """A localhost TCP port free now, with the port after it (the trainer's roll call), for a
+  server or a cluster's coordinator to bind."""
+  while True:
+    with socket.socket() as s, socket.socket() as after:
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+      try:
+        after.bind(("127.0.0.1", port + 1))
+      except OSError:
+        continue
+      return port
 
 
 def run_processes(script: str, count: int, timeout: float = 300, **flags) -> None:

@@ -158,6 +158,8 @@ class RollCall:
     except OSError:
       self.heard = {}  # process 0 is not there (yet)
       return
+    if not answer:  # process 0 closed without answering: too busy to read in time
+      return
     heard = self._heard(answer)
     if heard is None and not self.warned:
       self.warned = True

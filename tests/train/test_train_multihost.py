@@ -95,6 +95,13 @@ def own_lines(out: str) -> list[str]:
   return [line for line in out.splitlines() if line.startswith("python -m train:")]
 
 
+def own_line(out: str) -> str:
+  """The trainer's one line of `out` (failing with `out` if there are more or none)."""
+  lines = own_lines(out)
+  assert len(lines) == 1, out[-3000:]
+  return lines[0]
+
+
 def summary(workdir) -> dict:
   return json.loads((pathlib.Path(workdir) / "summary.json").read_text())
 
@@ -198,7 +205,7 @@ def test_a_different_dataset_on_one_process_is_refused(digits_dir, photos_dir, t
   )
   codes = run.wait(timeout=60)
   for i in range(2):
-    (line,) = own_lines(run.output(i))
+    line = own_line(run.output(i))
     assert codes[i] == 2 and "processes disagree on config.input.data_dir" in line
 
 
@@ -211,7 +218,7 @@ def test_a_workdir_each_process_sees_alone_is_refused(digits_dir, tmp_path):
   )
   codes = run.wait(timeout=60)
   for i in range(2):
-    (line,) = own_lines(run.output(i))
+    line = own_line(run.output(i))
     assert codes[i] == 2 and "the workdir is not shared: process 1 cannot read" in line
 
 
@@ -219,7 +226,7 @@ def test_a_model_axis_across_processes_is_refused(digits_dir, tmp_path):
   run = Run(tmp_path, tmp_path / "w", digits_dir, "--config.model_parallel=2")
   codes = run.wait(timeout=60)
   for i in range(2):
-    (line,) = own_lines(run.output(i))
+    line = own_line(run.output(i))
     assert codes[i] == 2 and "config.model_parallel=2 spans processes" in line
 
 
@@ -283,9 +290,9 @@ def test_a_host_frozen_past_the_heartbeat_names_itself_and_the_others_name_it(di
   for pid in frozen:
     os.kill(pid, signal.SIGCONT)
   assert run.wait(timeout=60) == [1, 1], run.output(1)[-3000:]
-  (line,) = own_lines(run.output(0))
+  line = own_line(run.output(0))
   assert line.startswith("python -m train: lost process 1 of the run"), line
-  (line,) = own_lines(run.output(1))
+  line = own_line(run.output(1))
   assert line.startswith("python -m train: this process (1) was stopped for "), line
   assert "past --heartbeat_timeout=30, so the run lost it" in line
 
@@ -350,7 +357,7 @@ def test_sigterm_before_joining_exits_143_and_the_others_name_it(digits_dir, tmp
   assert own_lines(run.output(1)) == [
     "python -m train: stopped by SIGTERM before joining the other processes"
   ]
-  (line,) = own_lines(run.output(0))
+  line = own_line(run.output(0))
   assert line.startswith("python -m train: processes 1 (stopped by SIGTERM), 2 never joined")
 
 
