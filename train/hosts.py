@@ -189,6 +189,12 @@ def agree(fields: dict[str, str], error: str | None, own: dict[str, str]) -> lis
   everyone = [json.loads(s) for s in _gather("start", mine)]
   if error:
     raise UsageError(error)
+  return compare(everyone)
+
+
+def compare(everyone: list[dict]) -> list[str]:
+  """`agree` on what every process sent (process order): each a dict of "error", "fields"
+  (a list of name, value pairs) and "own"."""
   failed = [(i, p["error"]) for i, p in enumerate(everyone) if p["error"]]
   if failed:
     raise UsageError(f"process {failed[0][0]} cannot start: {failed[0][1]}")

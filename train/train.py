@@ -150,6 +150,7 @@ class Setup:
   notes: str  # what the pipeline chose for this host
 
 
+@models.quick_tracing()
 def prepare(config: ml_collections.ConfigDict) -> Setup:
   """Checks the config, opens the data and resolves the plan; refuses, with a UsageError
   naming the field, anything that would fail later (no model is built, nothing compiled)."""
@@ -223,6 +224,7 @@ def start(config: ml_collections.ConfigDict, workdir: epath.Path) -> tuple[Setup
   return dataclasses.replace(setup, notes=setup.notes + "".join(f"{d}\n" for d in differ)), lock
 
 
+@models.quick_tracing()
 def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
   """Trains `config` in `workdir` (resuming from its last checkpoint) and evaluates; returns
   the run's summary (also WORKDIR/summary.json)."""

@@ -21,9 +21,10 @@ import time
 
 import pytest
 
+from configs import default
 from tests.conftest import free_port
 from tests.train.test_train import damage_train_records, env, train_cmd
-from train import hosts
+from train import UsageError, agreement, hosts, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VALIDATION = 60  # records in digits_dir's validation split
@@ -119,27 +120,52 @@ def test_two_processes_train_and_evaluate_every_validation_record_once(digits_di
   assert sorted(p.name for p in (tmp_path / "w" / "checkpoints").iterdir()) == ["14", "7"]
 
 
+def start_fields(digits_dir, workdir, **changes) -> dict:
+  """What a process of a two-process run sends to the start check (`hosts.agree`), from
+  `train.prepare` in this process with `changes` ("input.data_dir": path) to the config."""
+  config = default.get_config()
+  config.input.data_dir, config.batch_size = str(digits_dir), 32
+  for name, value in changes.items():
+    group, _, field = name.rpartition(".")
+    setattr(config[group] if group else config, field, value)
+  setup = train.prepare(config)
+  fields = agreement.start_fields(
+    config, (setup.train, setup.eval), setup.plan, setup.mesh, workdir, token="t"
+  )
+  return {"error": None, "fields": list(fields.items()), "own": agreement.host_settings(config)}
+
+
 @pytest.mark.parametrize(
-  "extra, field",
+  "changes",
   [
-    ((), ("--config.seed=1",)),
-    ((), ("--config.batch_size=64",)),
-    ((), ("--config.input.image_size=24",)),
-    ((), ("--config.optimizer=sgd",)),
+    {"seed": 1},
+    {"batch_size": 64},
+    {"input.image_size": 24},
+    {"optimizer": "sgd"},
+    {"input.data_dir": "photos"},
   ],
-  ids=["seed", "batch_size", "image_size", "optimizer"],
+  ids=["seed", "batch_size", "image_size", "optimizer", "data_dir"],
 )
-def test_processes_that_disagree_refuse_in_one_line_before_saving(
-  digits_dir, tmp_path, extra, field
+def test_processes_that_disagree_are_refused_naming_the_field(
+  digits_dir, photos_dir, tmp_path, changes
 ):
-  run = Run(tmp_path, tmp_path / "w", digits_dir, extra=(extra, field))
+  """In this process (the start check's comparison of what each process sent); the two
+  processes' refusal, each in one line before saving, is the end-to-end case below."""
+  changes = {k: str(photos_dir) if v == "photos" else v for k, v in changes.items()}
+  sent = [start_fields(digits_dir, tmp_path), start_fields(digits_dir, tmp_path, **changes)]
+  (name,) = changes
+  with pytest.raises(UsageError) as refused:
+    hosts.compare(sent)
+  assert f"processes disagree on config.{name}: process 0 has" in str(refused.value)
+  assert "process 1 " in str(refused.value)
+
+
+def test_processes_that_disagree_refuse_in_one_line_before_saving(digits_dir, tmp_path):
+  run = Run(tmp_path, tmp_path / "w", digits_dir, extra=((), ("--config.seed=1",)))
   codes = run.wait(timeout=60)
-  name = field[0].split("=")[0].removeprefix("--")
   for i in range(2):
-    lines = own_lines(run.output(i))
-    assert codes[i] == 2 and len(lines) == 1, run.output(i)[-3000:]
-    assert f"processes disagree on {name}: process 0 has" in lines[0]
-    assert "process 1 " in lines[0]
+    line = own_line(run.output(i))
+    assert codes[i] == 2 and "processes disagree on config.seed: process 0 has" in line
   assert not (tmp_path / "w" / "checkpoints").exists()
 
 
@@ -197,16 +223,6 @@ def test_a_host_behind_slow_storage_is_named_input_bound_in_process_0s_log(
   assert result["hosts"][1]["verdict"] == "input-bound"
   assert result["hosts"][1]["input_wait_share"] > result["hosts"][0]["input_wait_share"]
   assert all(row["requests_per_sec"] > 0 for row in result["hosts"])  # each host's own reads
-
-
-def test_a_different_dataset_on_one_process_is_refused(digits_dir, photos_dir, tmp_path):
-  run = Run(
-    tmp_path, tmp_path / "w", digits_dir, extra=((), (f"--config.input.data_dir={photos_dir}",))
-  )
-  codes = run.wait(timeout=60)
-  for i in range(2):
-    line = own_line(run.output(i))
-    assert codes[i] == 2 and "processes disagree on config.input.data_dir" in line
 
 
 def test_a_workdir_each_process_sees_alone_is_refused(digits_dir, tmp_path):
