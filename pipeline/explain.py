@@ -117,6 +117,8 @@ class Measured:
 
 @dataclasses.dataclass
 class Recommendation:
+  """One change, its expected rate and its gain over the rate without it."""
+
   field: str
   current: object
   proposed: object
@@ -128,6 +130,8 @@ class Recommendation:
 
 @dataclasses.dataclass
 class Explanation:
+  """What bounds a pipeline on a host, and the changes proposed in turn (`explain`)."""
+
   cores: int  # the host explained, maybe not the measured one
   here: bool  # whether that host is the measured one
   plan: dict  # workers and threads make_dataset runs with there

@@ -47,13 +47,12 @@ def test_the_explained_host_runs_the_planners_plan_and_its_limits_are_the_planne
   chosen = planned(224)
   assert (e.plan["workers"], e.plan["threads"]) == (chosen.workers, chosen.threads)
   assert chosen.workers > 1 and not e.here
-  model = parallelism.limits(224, parallelism.at_batch(parallelism.COSTS, BATCH), chosen)
+  costs = parallelism.at_batch(parallelism.COSTS, BATCH)
+  model = parallelism.limits(224, costs, chosen)
   for name in ("threads", "gil", "cores", "main"):
     assert e.limits[name] == pytest.approx(model[name], rel=1e-3), (name, e.limits, model)
-  assert (
-    e.predicted
-    <= parallelism.project(224, parallelism.at_batch(parallelism.COSTS, BATCH), chosen) * 1.001
-  )
+  # the loader's own limits (reads, prefetch) come on top of the planner's projection
+  assert e.predicted <= parallelism.project(224, costs, chosen) * 1.001
   # the planner's own choice is not proposed again
   assert not [r for r in e.recommendations if r.field == "num_workers x num_threads"]
   assert f"on 224 cores make_dataset chooses {chosen.describe()}" in e.notes
