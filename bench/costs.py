@@ -14,28 +14,11 @@ import numpy as np
 
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import records
+from pipeline.explain import STAGES, Cost
 from pipeline.image import augment, decode
 from pipeline.storage.source import ShardedSource
 
-STAGES = ("read", "parse", "decode", "augment")
 CACHE_SAMPLE = 32  # images that price the decoded-image cache (a full decode each)
-
-
-@dataclasses.dataclass
-class Cost:
-  """Milliseconds per image of one stage run alone on one thread.
-
-  `queued_ms` is time spent runnable but waiting for a CPU (other work on the machine);
-  `active_ms` leaves it out, so a busy machine does not pass for a stage waiting on I/O.
-  """
-
-  wall_ms: float
-  cpu_ms: float
-  queued_ms: float = 0.0
-
-  @property
-  def active_ms(self) -> float:
-    return max(self.cpu_ms, self.wall_ms - self.queued_ms)
 
 
 def open_split(data_dir: str, split: str) -> tuple[manifest_lib.Manifest, ShardedSource]:

@@ -102,7 +102,7 @@ def test_readme_convert_and_doctor_commands_parse_as_written():
   none misspelled."""
   import shlex
 
-  from bench import doctor
+  from bench import doctor, recipe
   from pipeline.convert import __main__ as convert
 
   text = "\n".join(page.read_text() for page in pages())
@@ -120,7 +120,7 @@ def test_readme_convert_and_doctor_commands_parse_as_written():
     elif tool == "bench.doctor":
       parsed = doctor.parser().parse_args(args)
       if parsed.apply:  # --apply needs a --config inside a package (the doctor's rule)
-        assert parsed.config and doctor._module_name(parsed.config)[0], span
+        assert parsed.config and recipe.module_name(parsed.config)[0], span
     else:
       continue
     checked.add(args[0] if tool == "pipeline.convert" else tool)

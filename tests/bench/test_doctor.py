@@ -16,9 +16,10 @@ import pytest
 from array_record.python.array_record_module import ArrayRecordReader
 
 import pipeline.catalog.manifest
-import pipeline.host.parallelism as parallelism
 from bench import doctor, storage_check
-from bench.doctor import Cost, Measurements, Requests, Run, Settings
+from bench.doctor import Measurements, Settings
+from pipeline import explain
+from pipeline.explain import Cost, Requests, Run
 from pipeline.order import blocks
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
@@ -44,7 +45,7 @@ def measured(
   costs: dict[str, Cost], rate=500.0, other_ms=0.1, cores=2, consumer=None
 ) -> Measurements:
   """Measurements of a run whose storage requests, one a record, take the read's wall time."""
-  cpu = sum(costs[s].cpu_ms for s in doctor.STAGES) + other_ms
+  cpu = sum(costs[s].cpu_ms for s in explain.STAGES) + other_ms
   latency = costs["read"].wall_ms
   q = Requests(2000, rate, RECORD_KB, 1.0, "global", None, None, latency, latency)
   return Measurements(
@@ -167,13 +168,6 @@ def test_the_main_process_receiving_batches_can_bind_and_is_named():
   assert min(d.limits, key=d.limits.get) == "main", d.limits
   assert d.limit.startswith("the main process receiving every worker's batches"), d.limit
   assert d.input_stage == "transfer"
-
-
-def test_every_limit_the_model_names_can_bind():
-  costs = parallelism.COSTS
-  names = set(parallelism.limits(224, costs, parallelism.Plan(8, 2), batch_size=128))
-  for name in names | {"requests", "reads", "prefetch"}:
-    assert doctor.binding({n: 2.0 if n == name else 3.0 for n in names | {name}}) == name
 
 
 def test_auto_settings_are_named_and_not_re_proposed():

@@ -12,8 +12,9 @@ import dataclasses
 import pytest
 
 from bench import doctor
-from bench.doctor import Requests, Run
 from bench.storage_check import Level, StorageCheck
+from pipeline import explain
+from pipeline.explain import Requests, Run
 from tests.bench.test_doctor import measured, proposal, settings, stage_costs
 
 
@@ -53,7 +54,7 @@ def test_a_run_at_storages_request_ceiling_names_the_budget_not_the_gil():
   m = storage_bound(245.0, requests())
   d = doctor.diagnose(settings(128, num_workers=0, num_threads=None), m, cores=224)
   text = doctor.report(d)
-  assert d.bottleneck == doctor.REQUEST_BUDGET and "~250 requests/s" in d.limit, text
+  assert d.bottleneck == explain.REQUEST_BUDGET and "~250 requests/s" in d.limit, text
   assert "python" not in d.costs and "the GIL" not in d.limit
   assert d.limits["requests"] == 250.0
   under = proposal(d, "max_requests_per_s")
@@ -70,7 +71,7 @@ def test_in_the_block_order_larger_blocks_reach_the_rate_the_host_allows():
   q = requests(240.0, "blocks", 16)
   m = storage_bound(3700.0, q)
   d = doctor.diagnose(settings(128, num_workers=0, num_threads=None), m, cores=224)
-  assert d.bottleneck == doctor.REQUEST_BUDGET, doctor.report(d)
+  assert d.bottleneck == explain.REQUEST_BUDGET, doctor.report(d)
   assert proposal(d, "order") is None
   bigger = proposal(d, "block_records")
   assert bigger.current == 16 and bigger.proposed > 16, doctor.report(d)
@@ -96,7 +97,7 @@ def test_a_run_well_under_the_ceiling_keeps_the_verdict():
   m.python_us = None
   d = doctor.diagnose(settings(), m)
   plain = doctor.diagnose(settings(), measured(stage_costs(read=(4.0, 0.1)), rate=400.0))
-  assert d.bottleneck == plain.bottleneck != doctor.REQUEST_BUDGET
+  assert d.bottleneck == plain.bottleneck != explain.REQUEST_BUDGET
   assert "requests" not in d.limits and not proposal(d, "max_requests_per_s")
   assert [r.field for r in d.recommendations] == [r.field for r in plain.recommendations]
 
@@ -114,7 +115,7 @@ def test_through_a_request_capped_rig_the_verdict_is_the_request_budget(
     capped = rig.stats()["capped"]
   text = capsys.readouterr().out
   assert capped > 0
-  assert d.bottleneck == doctor.REQUEST_BUDGET, text
+  assert d.bottleneck == explain.REQUEST_BUDGET, text
   # 24 reads at 8 in flight take 23 turns of 1/40 s: never more than 40 x 24 / 23 a second
   ceiling = d.measured.storage.request_budget_per_s(d.cores)
   assert ceiling <= 40 * 24 / 23 and d.limits["requests"] == ceiling
@@ -135,7 +136,7 @@ def test_in_the_block_order_a_bucket_gets_by_default_the_budget_is_named_too(
     # make one block of a shard)
     d = doctor.main([str(rig.path), *QUICK, "--block-records", "16"])
   text = capsys.readouterr().out
-  assert d.bottleneck == doctor.REQUEST_BUDGET, text
+  assert d.bottleneck == explain.REQUEST_BUDGET, text
   q = d.run.requests
   assert q.order == "blocks" and q.block_records == 16 and q.images_per_request > 1
   assert d.limits["requests"] == pytest.approx(  # limits are rounded to 0.1
@@ -148,7 +149,7 @@ def test_in_the_block_order_a_bucket_gets_by_default_the_budget_is_named_too(
 def test_on_local_disk_the_verdict_does_not_name_the_request_budget(digits_dir, capsys):
   d = doctor.main([str(digits_dir), *QUICK, "--order", "global"])
   text = capsys.readouterr().out
-  assert d.bottleneck != doctor.REQUEST_BUDGET and "requests" not in d.limits, text
+  assert d.bottleneck != explain.REQUEST_BUDGET and "requests" not in d.limits, text
   assert "request budget" not in text and not proposal(d, "max_requests_per_s")
   q = d.run.requests
   assert q.made > 0 and q.images_per_request == 1.0  # global order: a request per image
@@ -163,13 +164,13 @@ def test_with_worker_processes_their_requests_are_counted_and_the_budget_named(
   text = capsys.readouterr().out
   q = d.run.requests
   assert q is not None and 0 < q.made <= served and q.images_per_request == 1.0, text
-  assert d.bottleneck == doctor.REQUEST_BUDGET, text
+  assert d.bottleneck == explain.REQUEST_BUDGET, text
   assert "requests/s" in text
 
 
 def test_a_max_requests_per_s_under_the_ceiling_is_the_budget_and_not_proposed_again():
   q = dataclasses.replace(requests(230.0, "blocks", 16), max_per_s=237.0)
   d = doctor.diagnose(settings(128), storage_bound(3500.0, q), cores=224)
-  assert d.bottleneck == doctor.REQUEST_BUDGET, doctor.report(d)
+  assert d.bottleneck == explain.REQUEST_BUDGET, doctor.report(d)
   assert d.limits["requests"] == pytest.approx(237 * 15.4, abs=0.1)
   assert "max_requests_per_s=237" in d.limit and not proposal(d, "max_requests_per_s")
