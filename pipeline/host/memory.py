@@ -26,6 +26,7 @@ reads; down to none), then the read-ahead (down to one batch of records, which t
 stage always holds). If even that does not fit, one line refuses, naming the settings.
 Default budget: half the memory available at open, as tf.data's default RAM budget. None of
 this changes a batch: a smaller cache or read-ahead reads the same records again, later.
+`workers` plans the worker processes within the budget and /dev/shm's room.
 """
 
 from __future__ import annotations
