@@ -10,8 +10,8 @@ random tokens, not process ids, and a block's worker holds a lock on it (flock) 
 so a sweep, even from another PID namespace sharing /dev/shm (containers), removes only blocks
 whose worker is gone. A block's memory is allocated when it is made (fallocate): a full
 /dev/shm is an error naming the fix, never a SIGBUS later; `check` says at start when /dev/shm
-is too small for the rings at all. Grain keeps its own (`grain._src.python.ipc.
-shared_memory_array`) apart from its prefetch node in the same way.
+is too small for the rings at all. Kept apart from the stage that uses it (`stages.handoff`),
+as Grain keeps its `shared_memory_array` apart from its prefetch node.
 """
 
 from __future__ import annotations
