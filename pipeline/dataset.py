@@ -28,8 +28,9 @@ import grain
 from pipeline import mixture
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import split as split_lib
-from pipeline.host import guards, lifecycle
+from pipeline.host import guards, lifecycle, memory, shm
 from pipeline.image import nvdecode
+from pipeline.order.blocks import WINDOW_BATCHES
 from pipeline.pp import features as features_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import SIGNATURE, Spec
@@ -96,14 +97,15 @@ def build(spec: Spec) -> Stages:
   features = spec.transforms.features
   if features:
     features = features_lib.parse_specs(features, sample=source.read([0])[0])
-  chosen = handoff.workers(spec, head.image_size, sampler.blocks is not None)
+  window = WINDOW_BATCHES if sampler.blocks is not None else None
+  chosen = memory.workers(spec, head.image_size, window)
   gpus = None  # decoding.on="device": nvImageCodec on these local GPUs ([]: its CPU backend)
   if spec.decoding.on == "device":
     device_decode.check(spec.decoding)
     gpus = nvdecode.local_gpus()
     chosen = device_decode.plan(chosen, perf.num_workers, gpus)
   batch_bytes = spec.batch_size * head.image_size**2 * 3
-  held = handoff.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
+  held = memory.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
   read = read_lib.stage(spec, meta, source, pins, sampler, chosen, arena_bytes(head), held)
   keys = spec.keys or meta.keys
   stages = Stages(
@@ -148,8 +150,8 @@ def chain(stages: Stages) -> grain.IterDataset:
   if stages.workers:
     guards.check_main_guard()
     lifecycle.ensure_absl_flags_parsed()
-    if handoff.available():  # images resized straight into shared memory (pipeline.stages.handoff)
-      writer = handoff.Writer.new()
+    if shm.available():  # images resized straight into shared memory (pipeline.host.shm)
+      writer = shm.Writer.new()
       decode_stage = dataclasses.replace(decode_stage, allocate=writer.empty)
   recorder = stats.Recorder()  # every stage's counters (`pipeline.stages.stats`), per process
   stages.read.threads.timed(recorder, "read")

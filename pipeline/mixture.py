@@ -34,7 +34,7 @@ import numpy as np
 
 from pipeline.catalog import split as split_lib
 from pipeline.catalog.schema import Manifest, Split
-from pipeline.host import guards
+from pipeline.host import guards, memory
 from pipeline.host.parallelism import process_shard
 from pipeline.mixing.stages import MixDecode, MixPlan
 from pipeline.mixing.stream import MixStreamIterDataset, Mixture
@@ -44,7 +44,6 @@ from pipeline.order.mixture import MixSampler, Schedule
 from pipeline.pp import features as features_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import Spec
-from pipeline.stages import handoff
 from pipeline.stages import plan as plan_lib
 from pipeline.stages import read as read_lib
 from pipeline.stages import stream as stream_lib
@@ -140,9 +139,9 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   _check_sizes(names, [h for h, _ in heads])
   _, _, batch_ops = transforms(base, len(classes))  # the mixture's own: on the mixed batch
   image_size = heads[0][0].image_size
-  chosen = handoff.workers(base, image_size, False)
+  chosen = memory.workers(base, image_size)
   batch_bytes = base.batch_size * image_size**2 * 3
-  held = handoff.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
+  held = memory.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
   merged, meta = _merged(names, specs, opened, classes, base.split)
   arena = max(arena_bytes(h) for h, _ in heads)
   read = read_lib.stage(base, meta, merged, merged.pins, sampler, chosen, arena, held)

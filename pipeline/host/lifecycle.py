@@ -21,8 +21,7 @@ import grain
 from absl import flags
 from grain._src.python.dataset.transformations import process_prefetch
 
-from pipeline.host import light
-from pipeline.stages import handoff
+from pipeline.host import light, shm
 
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 
@@ -85,11 +84,11 @@ def die_with_parent() -> None:
     return
   # A worker ending another way (its queue broken by the parent's death) exits through
   # multiprocessing, which runs its finalizers but not atexit: unlink the ring there too.
-  multiprocessing.util.Finalize(None, handoff.close_rings, exitpriority=100)
+  multiprocessing.util.Finalize(None, shm.close_rings, exitpriority=100)
 
   def watch():
     parent.join()
-    handoff.close_rings()
+    shm.close_rings()
     os._exit(1)
 
   threading.Thread(target=watch, name="pipeline-parent-watch", daemon=True).start()

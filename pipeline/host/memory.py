@@ -8,7 +8,7 @@ main process alone; P = max(W, 1) processes read and decode):
                    (`Sampler.window_bytes`; shared in /dev/shm, or dealt to the workers)
     record cache   P x the record cache's RAM (each process keeps its own, `storage.cache`)
     worker rings   the workers' rings of shared memory for their batches
-                   (`stages.handoff.shm_needed`); without workers, the batches in flight
+                   (`shm.needed`); without workers, the batches in flight (`held_bytes`)
     working        P x what a process holds beyond the parts above (`working`): a fixed
                    64 MB (its malloc arenas, decoder state), each decode thread's arena of
                    windows, and three batches' records (being decoded, read, and freed but
@@ -26,6 +26,7 @@ reads; down to none), then the read-ahead (down to one batch of records, which t
 stage always holds). If even that does not fit, one line refuses, naming the settings.
 Default budget: half the memory available at open, as tf.data's default RAM budget. None of
 this changes a batch: a smaller cache or read-ahead reads the same records again, later.
+`workers` plans the worker processes within the budget and /dev/shm's room.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import dataclasses
 import os
 import resource
 
-from pipeline.host import parallelism
+from pipeline.host import parallelism, pool, shm
 
 MB = 2**20
 DEFAULT_SHARE = 0.5  # of the available memory, when performance.memory_mb is None
@@ -128,6 +129,40 @@ def fit(
   cache = max(0, min(p * record_cache, room - p * read_ahead))
   ahead = min(p * read_ahead, room - cache)
   return Split(budget_bytes, p, ahead, blocks, cache, batches, p * working, workers, worker_bytes)
+
+
+def held_bytes(workers: int, batch_bytes: int, prefetch: int) -> int:
+  """Bytes of the batches the host's processes hold: the workers' rings, else this process's
+  batches being decoded, waiting and taken (prefetch + 2) and the spare ones of its pool."""
+  if workers:
+    return shm.needed(workers, batch_bytes, prefetch, parallelism.WORKER_BATCHES)
+  return (prefetch + 2 + pool.spare(batch_bytes)) * batch_bytes
+
+
+def workers(spec, image_size: int, window_batches: int | None = None) -> parallelism.Plan:
+  """`spec`'s worker processes and threads on this host (`parallelism.plan`) within its
+  budget: in the block order (`window_batches` a window's batches) without /dev/shm to share
+  blocks, a number of workers that divides `window_batches` (each then reads its blocks
+  whole); no workers when /dev/shm cannot hold their rings of batches (a SIGBUS later)."""
+  perf, batch_size = spec.performance, spec.batch_size
+  chosen = parallelism.plan(
+    num_workers=perf.num_workers,
+    num_threads=perf.num_threads,
+    batch_size=batch_size,
+    image_bytes=image_size**2 * 3,
+    prefetch=perf.prefetch,
+    memory_bytes=budget(perf.memory_mb),
+    costs=dataclasses.replace(parallelism.COSTS, worker_mb=parallelism.worker_mb(perf.worker_jax)),
+    divide=window_batches if not shm.available() else None,
+  )
+  if chosen.workers and shm.available():
+    batch_bytes = batch_size * image_size**2 * 3
+    needed = shm.needed(chosen.workers, batch_bytes, perf.prefetch, parallelism.WORKER_BATCHES)
+    short = shm.check(chosen.workers, needed)
+    if short:
+      chosen = parallelism.plan(num_workers=0, batch_size=batch_size, prefetch=perf.prefetch)
+      chosen = dataclasses.replace(chosen, why=short)
+  return chosen
 
 
 def working(threads: int, arena_bytes: int, batch_records: int) -> int:

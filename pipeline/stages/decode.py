@@ -54,7 +54,7 @@ def batch_decoder(head: augment.Head, keys: records.Keys, seed: int):
 
 @dataclasses.dataclass(eq=False)
 class DecodeImages:
-  """Fills `batch.images` (made by `allocate`: a `BatchPool`'s (None), or a `handoff.Writer`'s
+  """Fills `batch.images` (made by `allocate`: a `BatchPool`'s (None), or a `shm.Writer`'s
   in shared memory), `batch.labels`, `batch.bad`. `decoder`: `batch_decoder`'s or a stand-in; None:
   the Python path alone. Picklable: pool and cache are made on first use in each process."""
 

@@ -1,147 +1,33 @@
 """Stage 5 with worker processes: batches cross to the main process through a reused ring of
-shared-memory blocks, written once and never copied.
+shared-memory blocks (`pipeline.host.shm`), written once and never copied.
 
 Grain's own hand-off (`mp_prefetch` alone) copies every array of a batch into a fresh
 shared-memory block in the worker; the main process faults the new pages in, then unmaps and
 unlinks each block on ONE deletion thread: per-byte work in the one process that serves the
 whole host, which capped it near 25,000 img/s (../shared/PITFALLS.md). Here:
 
-- worker: the decode stage takes each batch's image array from this worker's `Ring`, so
-  resize writes the pixels straight into shared memory. `Send`, the worker's last step,
-  copies into a block only arrays made elsewhere (your ops' output), inlines arrays under
-  INLINE_BYTES, and gives Grain a small `Sent` descriptor: no ndarray, nothing to copy.
-- main process: `Receive` maps each block once (unlinking its name at once) and returns numpy
-  views of it. A block goes back to its worker's ring when the last view of it is dropped
-  (`_Lease`), so a batch you keep is never overwritten; the ring grows instead.
-
-A block's header holds its state (FREE -> TAKEN by the worker -> SENT -> FREE when the main
-process drops it) and a generation the main process checks against the descriptor's.
-Nothing is left in /dev/shm: a name is unlinked as soon as the main process maps it; blocks
-never received are unlinked by their worker at exit, by the main process when the iterator
-closes (for workers that are gone) and at exit, and after a crash by the next process that
-makes a ring. Names hold random tokens, not process ids, and a block's worker holds a lock
-on it (flock) while it lives: so a sweep, even from another PID namespace sharing /dev/shm
-(containers), removes only blocks whose worker is gone. A block's memory is allocated when
-it is made (fallocate): a full /dev/shm is an error naming the fix, never a SIGBUS later;
-`shm_check` says at start when /dev/shm is too small for the ring at all.
+- worker: the decode stage takes each batch's image array from this worker's ring
+  (`shm.Writer`), so resize writes the pixels straight into shared memory. `Send`, the
+  worker's last step, copies into a block only arrays made elsewhere (your ops' output),
+  inlines arrays under INLINE_BYTES, and gives Grain a small `Sent` descriptor: no ndarray,
+  nothing to copy.
+- main process: `Receive` maps each block once and returns numpy views of it. A block goes
+  back to its worker's ring when the last view of it is dropped, so a batch you keep is never
+  overwritten; the ring grows instead.
 """
 
 from __future__ import annotations
 
-import atexit
 import dataclasses
-import errno
-import fcntl
-import glob
-import mmap
-import os
-import secrets
-import threading
 from typing import Any
 
 import grain
 import numpy as np
 
-from pipeline.host import memory, parallelism, pool
-from pipeline.order.blocks import WINDOW_BATCHES
-from pipeline.storage import blockstore, stalled
+from pipeline.host import shm
+from pipeline.storage import stalled
 
-SHM_DIR = "/dev/shm"
-PREFIX = "pipeline-ring"
-HEADER = 64  # bytes before a block's data: state and generation (uint32 each)
 INLINE_BYTES = 64 * 1024  # arrays this small travel in the descriptor
-ROUND = 1 << 20  # block capacities are whole MiB, so a slightly larger batch reuses them
-FREE, TAKEN, SENT = 0, 1, 2
-
-
-class HandoffError(RuntimeError):
-  """A batch's shared memory was not what its descriptor said, or could not be had."""
-
-
-def available() -> bool:
-  """Whether this host has POSIX shared memory as files (Linux)."""
-  return os.path.isdir(SHM_DIR) and os.access(SHM_DIR, os.W_OK)
-
-
-def shm_needed(workers: int, batch_bytes: int, prefetch: int, held: int) -> int:
-  """Bytes of /dev/shm the rings of `workers` take: each holds its prefetch and `held`
-  batches more (parallelism.WORKER_BATCHES), in blocks of whole MiB."""
-  block = HEADER + max(ROUND, -(-batch_bytes // ROUND) * ROUND)
-  return workers * (prefetch + held) * block
-
-
-def held_bytes(workers: int, batch_bytes: int, prefetch: int) -> int:
-  """Bytes of the batches the host's processes hold: the workers' rings, else this process's
-  batches being decoded, waiting and taken (prefetch + 2) and the spare ones of its pool."""
-  if workers:
-    return shm_needed(workers, batch_bytes, prefetch, parallelism.WORKER_BATCHES)
-  return (prefetch + 2 + pool.spare(batch_bytes)) * batch_bytes
-
-
-def shm_check(workers: int, needed: int) -> str | None:
-  """Why /dev/shm cannot hold `needed` bytes for `workers` (words naming the fix), or None."""
-  st = os.statvfs(SHM_DIR)
-  free = st.f_bavail * st.f_frsize
-  if free >= needed:
-    return None
-  return (
-    f"{SHM_DIR} has {free / 2**20:,.0f} MiB free, {workers} worker processes' batches need "
-    f"~{needed / 2**20:,.0f} MiB; docker run --shm-size=1g to use them"
-  )
-
-
-class _Block:
-  """One shared-memory file, mapped once: a header and `capacity` bytes of data. The worker
-  that makes it holds a lock on it until it unlinks it or exits (see `sweep_crashed`)."""
-
-  def __init__(self, name: str, capacity: int = 0):
-    path = os.path.join(SHM_DIR, name)
-    create = capacity > 0
-    self.fd = None
-    try:
-      fd = os.open(path, os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0), 0o600)
-    except FileNotFoundError:
-      raise HandoffError(
-        f"shared-memory block {path} is gone before this process read it: something else "
-        f"deleted it (a cleanup of {SHM_DIR}, or an older version of this library in "
-        "another container sharing it); the batch is lost"
-      ) from None
-    try:
-      if create:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        try:
-          os.posix_fallocate(fd, 0, HEADER + capacity)
-        except OSError as e:
-          os.unlink(path)
-          if e.errno != errno.ENOSPC:
-            raise
-          raise HandoffError(
-            f"{SHM_DIR} is full: no room for a {capacity / 2**20:.0f} MiB batch of a worker "
-            "process; give it more (docker run --shm-size=1g) or use fewer workers "
-            "(performance.num_workers)"
-          ) from None
-      self.map = mmap.mmap(fd, os.fstat(fd).st_size)
-    except BaseException:
-      os.close(fd)
-      raise
-    if create:
-      self.fd = fd  # the lock lives as long as the fd
-    else:
-      os.close(fd)
-    self.name, self.path = name, path
-    self.words = np.frombuffer(self.map, np.uint32, 2)  # state, generation
-    self.data = np.frombuffer(self.map, np.uint8, offset=HEADER)
-    self.capacity = len(self.data)
-    self.address = self.data.ctypes.data
-
-  def unlink(self) -> None:
-    try:
-      os.unlink(self.path)
-    except FileNotFoundError:
-      pass
-    if self.fd is not None:
-      os.close(self.fd)
-      self.fd = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -152,123 +38,10 @@ class Sent:
   entries: dict
 
 
-# ---------------------------------------------------------------- worker side
-
-
-class _WorkerLease:
-  """Owns a TAKEN block's data in the worker; a block dropped before it was sent (work
-  discarded on set_state) goes back to the ring."""
-
-  def __init__(self, ring: Ring, block: _Block, nbytes: int):
-    self.ring, self.block = ring, block
-    self.__array_interface__ = {
-      "shape": (nbytes,),
-      "typestr": "|u1",
-      "data": (block.address, False),
-      "version": 3,
-    }
-
-  def __del__(self):
-    self.ring.release_unsent(self.block)
-
-
-class Ring:
-  """One worker process's blocks for one dataset (`Writer`); made on first use."""
-
-  def __init__(self, token: str):
-    self.prefix = f"{PREFIX}-{token}-{secrets.token_hex(8)}-"
-    self.blocks: list[_Block] = []
-    self.created = 0
-    self._lock = threading.Lock()
-    atexit.register(self.close)
-
-  def empty(self, shape: tuple, dtype) -> np.ndarray:
-    """An uninitialised array in a block of its own, taken from the ring."""
-    dtype = np.dtype(dtype)
-    nbytes = int(np.prod(shape)) * dtype.itemsize
-    block = self._take(nbytes)
-    base = np.asarray(_WorkerLease(self, block, nbytes))
-    return base.view(dtype).reshape(shape)
-
-  def _take(self, nbytes: int) -> _Block:
-    with self._lock:
-      for block in self.blocks:
-        if block.words[0] == FREE and block.capacity >= nbytes:
-          break
-      else:
-        capacity = max(ROUND, -(-nbytes // ROUND) * ROUND)
-        block = _Block(f"{self.prefix}{self.created}", capacity)
-        self.created += 1
-        self.blocks.append(block)
-      block.words[1] += 1
-      block.words[0] = TAKEN
-      return block
-
-  def release_unsent(self, block: _Block) -> None:
-    with self._lock:
-      if block.words[0] == TAKEN:
-        block.words[0] = FREE
-
-  def find(self, array: np.ndarray) -> _Block | None:
-    """The TAKEN block holding `array` whole, if any."""
-    base = array
-    while base is not None and not isinstance(base, _WorkerLease):
-      base = getattr(base, "base", None)
-    return base.block if base is not None and array.flags.c_contiguous else None
-
-  def abandon_sent(self) -> None:
-    """After set_state: batches sent but not received are discarded by Grain unread, so
-    their blocks would stay SENT forever; drop them from the ring (the main process keeps
-    its own mapping of any it did receive)."""
-    with self._lock:
-      sent = [b for b in self.blocks if b.words[0] == SENT]
-      self.blocks = [b for b in self.blocks if b.words[0] != SENT]
-    for block in sent:
-      block.unlink()
-
-  def close(self) -> None:
-    """Unlinks every block of the ring, one being made meanwhile included (the lock)."""
-    with self._lock:
-      for block in self.blocks:
-        block.unlink()
-      for path in glob.glob(os.path.join(SHM_DIR, glob.escape(self.prefix) + "*")):
-        _unlink(path)
-
-
-_RINGS: dict[str, Ring] = {}
-_RINGS_LOCK = threading.Lock()
-_TOKENS: set[str] = set()  # of the writers this process made (swept at its exit)
-
-
-@dataclasses.dataclass(frozen=True)
-class Writer:
-  """Picklable handle of the rings of one dataset: each worker process makes its own. The
-  token (128 random bits) names its blocks: no other process can guess or reuse them."""
-
-  token: str
-
-  @classmethod
-  def new(cls) -> Writer:
-    sweep_crashed()
-    writer = cls(secrets.token_hex(16))
-    _TOKENS.add(writer.token)
-    return writer
-
-  def ring(self) -> Ring:
-    ring = _RINGS.get(self.token)
-    if ring is None:
-      with _RINGS_LOCK:
-        ring = _RINGS.setdefault(self.token, Ring(self.token))
-    return ring
-
-  def empty(self, shape: tuple, dtype) -> np.ndarray:
-    return self.ring().empty(shape, dtype)
-
-
 class SendIterDataset(grain.IterDataset):
   """The worker's last step: each batch dict becomes a `Sent` descriptor."""
 
-  def __init__(self, parent: grain.IterDataset, writer: Writer):
+  def __init__(self, parent: grain.IterDataset, writer: shm.Writer):
     super().__init__(parent)
     self.writer = writer
 
@@ -280,7 +53,7 @@ class SendIterDataset(grain.IterDataset):
 
 
 class _SendIterator(grain.DatasetIterator):
-  def __init__(self, parent: grain.DatasetIterator, writer: Writer):
+  def __init__(self, parent: grain.DatasetIterator, writer: shm.Writer):
     super().__init__(parent)
     self.writer = writer
 
@@ -294,21 +67,7 @@ class _SendIterator(grain.DatasetIterator):
       elif value.nbytes <= INLINE_BYTES:
         entries[key] = ("inline", value.tobytes(), value.dtype.str, value.shape)
       else:
-        block = ring.find(value)
-        if block is None:  # made outside the ring (your ops): the one copy
-          copy = ring.empty(value.shape, value.dtype)
-          copy[...] = value
-          value, block = copy, ring.find(copy)
-        offset = value.ctypes.data - block.address
-        entries[key] = (
-          "ring",
-          block.name,
-          int(block.words[1]),
-          offset,
-          value.dtype.str,
-          value.shape,
-        )
-        block.words[0] = SENT
+        entries[key] = ("ring", *ring.send(value), value.dtype.str, value.shape)
     return Sent(entries)
 
   def get_state(self) -> dict:
@@ -317,26 +76,6 @@ class _SendIterator(grain.DatasetIterator):
   def set_state(self, state: dict) -> None:
     self.writer.ring().abandon_sent()
     self._parent.set_state(state)
-
-
-# ---------------------------------------------------------------- main process side
-
-
-class _Lease:
-  """Owns a received block's data in the main process: every array of the batch in that
-  block is a view of it, and the block is FREE for its worker once the last one is gone."""
-
-  def __init__(self, block: _Block):
-    self.block = block
-    self.__array_interface__ = {
-      "shape": (block.capacity,),
-      "typestr": "|u1",
-      "data": (block.address, False),
-      "version": 3,
-    }
-
-  def __del__(self, free=FREE):  # bound now: a batch held to exit outlives the module's globals
-    self.block.words[0] = free
 
 
 class ReceiveIterDataset(grain.IterDataset):
@@ -352,7 +91,7 @@ class ReceiveIterDataset(grain.IterDataset):
 class _ReceiveIterator(grain.DatasetIterator):
   def __init__(self, parent: grain.DatasetIterator):
     super().__init__(parent)
-    self._blocks: dict[str, _Block] = {}
+    self.reader = shm.Reader()
 
   def __next__(self) -> dict[str, Any]:
     sent = next(self._parent)
@@ -368,26 +107,12 @@ class _ReceiveIterator(grain.DatasetIterator):
         _, name, generation, offset, dtype, shape = entry
         lease = leases.get(name)
         if lease is None:
-          lease = leases[name] = self._lease(name, generation)
+          lease = leases[name] = self.reader.lease(name, generation)
         dtype = np.dtype(dtype)
         count = int(np.prod(shape))
         base = np.asarray(lease)[offset : offset + count * dtype.itemsize]
         out[key] = base.view(dtype).reshape(shape)
     return out
-
-  def _lease(self, name: str, generation: int) -> _Lease:
-    block = self._blocks.get(name)
-    if block is None:
-      block = self._blocks[name] = _Block(name)
-      block.unlink()  # mapped: the name is no longer needed, so it can never leak
-    state, current = (int(w) for w in block.words)
-    if state != SENT or current != generation:
-      raise HandoffError(
-        f"shared-memory block {name} holds generation {current} (state {state}), the batch "
-        f"expected generation {generation} sent: a batch's memory was reused before it was "
-        "read; please report this"
-      )
-    return _Lease(block)
 
   def get_state(self) -> dict:
     return self._parent.get_state()
@@ -397,89 +122,8 @@ class _ReceiveIterator(grain.DatasetIterator):
 
   def close(self) -> None:
     super().close()  # stops the workers first
-    for token in _TOKENS:
-      sweep(token)
+    shm.sweep_writers()
 
 
-def _names(token: str = "*") -> list[str]:
-  """Paths of the ring blocks of `token` (default: of every writer) in /dev/shm."""
-  return glob.glob(os.path.join(SHM_DIR, f"{PREFIX}-{token}-*"))
-
-
-def _orphaned(path: str) -> bool:
-  """Whether no process holds the block's lock: its worker is gone (whatever its PID
-  namespace). A block still being made (size 0, before its lock) is left alone."""
-  try:
-    fd = os.open(path, os.O_RDONLY)
-  except FileNotFoundError:
-    return False
-  try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
-    return False
-  else:
-    return os.fstat(fd).st_size > 0
-  finally:
-    os.close(fd)  # releases the lock taken, if any
-
-
-def sweep(token: str) -> int:
-  """Unlinks the blocks of `token`'s writer whose worker process is gone; returns how many."""
-  return sum(_unlink(path) for path in _names(token) if _orphaned(path))
-
-
-def sweep_crashed() -> int:
-  """Unlinks blocks whose worker process is gone (a crash left them)."""
-  return sum(_unlink(path) for path in _names() if _orphaned(path))
-
-
-def _unlink(path: str) -> int:
-  try:
-    os.unlink(path)
-    return 1
-  except FileNotFoundError:
-    return 0
-
-
-def close_rings() -> None:
-  """Unlinks this process's own blocks (a worker whose main process died)."""
-  for ring in list(_RINGS.values()):
-    ring.close()
-
-
-@atexit.register
-def sweep_own() -> None:
-  """Unlinks the blocks of every writer this process made (its workers' rings): at exit."""
-  for token in _TOKENS:
-    for path in _names(token):
-      _unlink(path)
-
-
-stalled.on_leave(close_rings)  # a worker's own ring
-stalled.on_leave(sweep_own)  # its workers' rings
-
-
-def workers(spec, image_size: int, blocks: bool) -> parallelism.Plan:
-  """`spec`'s worker processes and threads on this host (`pipeline.host.parallelism`): in the block
-  order without shared memory for the blocks (`pipeline.storage.blockstore`), a number of
-  workers that divides WINDOW_BATCHES (each then reads its blocks whole); no workers when
-  /dev/shm cannot hold their ring of batches (a SIGBUS later)."""
-  perf, batch_size = spec.performance, spec.batch_size
-  chosen = parallelism.plan(
-    num_workers=perf.num_workers,
-    num_threads=perf.num_threads,
-    batch_size=batch_size,
-    image_bytes=image_size**2 * 3,
-    prefetch=perf.prefetch,
-    memory_bytes=memory.budget(perf.memory_mb),
-    costs=dataclasses.replace(parallelism.COSTS, worker_mb=parallelism.worker_mb(perf.worker_jax)),
-    divide=WINDOW_BATCHES if blocks and not blockstore.available() else None,
-  )
-  if chosen.workers and available():
-    batch_bytes = batch_size * image_size**2 * 3
-    needed = shm_needed(chosen.workers, batch_bytes, perf.prefetch, parallelism.WORKER_BATCHES)
-    short = shm_check(chosen.workers, needed)
-    if short:
-      chosen = parallelism.plan(num_workers=0, batch_size=batch_size, prefetch=perf.prefetch)
-      chosen = dataclasses.replace(chosen, why=short)
-  return chosen
+stalled.on_leave(shm.close_rings)  # a worker's own ring
+stalled.on_leave(shm.sweep_own)  # its workers' rings

@@ -15,7 +15,7 @@ import time
 import psutil
 import pytest
 
-from pipeline.stages import handoff
+from pipeline.host import shm
 from tests.conftest import REPO, run_command
 
 ENV = {**os.environ, "PYTHONPATH": str(REPO), "TQDM_DISABLE": "1"}
@@ -47,7 +47,7 @@ def _gone(process: psutil.Process) -> bool:
 def test_workers_die_with_a_sigkilled_main_process(digits_dir, tmp_path):
   script = tmp_path / "main.py"
   script.write_text(WORKERS)
-  blocks = set(glob.glob(f"{handoff.SHM_DIR}/{handoff.PREFIX}-*"))
+  blocks = set(glob.glob(f"{shm.SHM_DIR}/{shm.PREFIX}-*"))
   main = subprocess.Popen(
     [sys.executable, str(script), str(digits_dir)],
     stdin=subprocess.PIPE,
@@ -72,8 +72,8 @@ def test_workers_die_with_a_sigkilled_main_process(digits_dir, tmp_path):
   for pid in alive:  # do not leave them to the next test
     os.kill(pid, 9)
   assert not alive, "worker processes outlived their SIGKILLed main process"
-  new = set(glob.glob(f"{handoff.SHM_DIR}/{handoff.PREFIX}-*")) - blocks
-  left = [path for path in new if handoff._orphaned(path)]  # not another test run's, held
+  new = set(glob.glob(f"{shm.SHM_DIR}/{shm.PREFIX}-*")) - blocks
+  left = [path for path in new if shm._orphaned(path)]  # not another test run's, held
   assert not left  # the workers unlinked their ring blocks on the way out
 
 
@@ -114,8 +114,7 @@ def test_a_dev_shm_too_small_for_the_workers_falls_back_to_threads_in_one_line(
   script = tmp_path / "small_shm.py"
   script.write_text(SMALL_SHM)
   shell = (
-    f"mount -t tmpfs -o size=8m tmpfs {handoff.SHM_DIR} && "
-    f"exec {sys.executable} {script} {digits_dir}"
+    f"mount -t tmpfs -o size=8m tmpfs {shm.SHM_DIR} && exec {sys.executable} {script} {digits_dir}"
   )
   p = run_command([*_private_mounts(), "sh", "-c", shell], cwd=tmp_path, env=ENV, timeout=120)
   assert p.returncode == 0, p.stderr[-2000:]

@@ -27,7 +27,7 @@ SCRIPT = textwrap.dedent(
   """
   import sys
   import pipeline
-  from pipeline.stages import handoff
+  from pipeline.host import shm
   from pipeline.storage import blockstore
 
   if __name__ == "__main__":
@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent(
     it = iter(ds)
     next(it), next(it)
     # what names its shared memory: its rings' tokens, its block stores'
-    tokens = [*handoff._TOKENS, *(made.peek()[2][0] for made in blockstore._MADE if made.alive)]
+    tokens = [*shm._TOKENS, *(made.peek()[2][0] for made in blockstore._MADE if made.alive)]
     print("read 2 batches:", *tokens, flush=True)
     sys.stdin.readline()  # the test stalls the mount, then says go on
     while True:  # the epochs of training, or evaluation after evaluation

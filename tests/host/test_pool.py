@@ -8,9 +8,8 @@ import gc
 import numpy as np
 
 import pipeline
-from pipeline.host import pool
+from pipeline.host import memory, pool
 from pipeline.host.pool import BatchPool
-from pipeline.stages import handoff
 
 
 def test_a_buffer_comes_back_only_when_the_batch_and_every_view_of_it_are_gone():
@@ -55,5 +54,5 @@ def test_only_batches_under_32_mib_wait_spare_and_the_plan_counts_them():
   mib = 2**20
   assert [pool.spare(n * mib) for n in (19, 40, 600)] == [2, 1, 0]  # 600: glibc's way, unmapped
   # the batches one process holds without workers: prefetch + 2, and the spare ones
-  assert handoff.held_bytes(0, 19 * mib, prefetch=2) == (2 + 2 + 2) * 19 * mib
-  assert handoff.held_bytes(0, 600 * mib, prefetch=2) == (2 + 2) * 600 * mib
+  assert memory.held_bytes(0, 19 * mib, prefetch=2) == (2 + 2 + 2) * 19 * mib
+  assert memory.held_bytes(0, 600 * mib, prefetch=2) == (2 + 2) * 600 * mib

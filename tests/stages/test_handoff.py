@@ -1,6 +1,6 @@
 """The worker hand-off (pipeline/stages/handoff.py): batches written once into a reused ring of
-shared-memory blocks, read in place, never overwritten while you hold them, nothing left behind.
-"""
+shared-memory blocks (pipeline/host/shm.py), read in place, never overwritten while you hold
+them, nothing left behind."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import gc
 import glob
 import json
 import os
-import shutil
 import subprocess
 import sys
 
@@ -16,6 +15,7 @@ import grain
 import numpy as np
 import pytest
 
+from pipeline.host import shm
 from pipeline.stages import handoff
 from tests.conftest import REPO
 
@@ -32,18 +32,18 @@ def _batches(n: int, rows: int = 4, side: int = 160) -> list[dict]:
   ]
 
 
-def _through_ring(batches: list[dict], writer: handoff.Writer):
+def _through_ring(batches: list[dict], writer: shm.Writer):
   """Send and Receive in one process: the two ends of the hand-off without Grain's queue."""
   ds = grain.MapDataset.source(batches).to_iter_dataset()
   return iter(handoff.ReceiveIterDataset(handoff.SendIterDataset(ds, writer)))
 
 
-def _mine(writer: handoff.Writer) -> list[str]:
-  return glob.glob(f"{handoff.SHM_DIR}/{handoff.PREFIX}-{writer.token}-*")
+def _mine(writer: shm.Writer) -> list[str]:
+  return glob.glob(f"{shm.SHM_DIR}/{shm.PREFIX}-{writer.token}-*")
 
 
 def test_batches_arrive_whole_and_the_ring_reuses_its_blocks():
-  writer = handoff.Writer.new()
+  writer = shm.Writer.new()
   batches = _batches(12)
   it = _through_ring(batches, writer)
   for want in batches:
@@ -51,14 +51,14 @@ def test_batches_arrive_whole_and_the_ring_reuses_its_blocks():
     assert got.keys() == want.keys()
     for key in want:
       np.testing.assert_array_equal(got[key], want[key])
-    assert isinstance(got["image"].base.base, handoff._Lease)  # a view: read in place
+    assert isinstance(got["image"].base.base, shm._Lease)  # a view: read in place
     del got
   assert len(writer.ring().blocks) <= 2  # each batch dropped before the next: reused
   assert not _mine(writer)  # names are unlinked once mapped
 
 
 def test_a_batch_you_keep_is_never_overwritten():
-  writer = handoff.Writer.new()
+  writer = shm.Writer.new()
   batches = _batches(10)
   it = _through_ring(batches, writer)
   kept = [next(it) for _ in range(10)]
@@ -67,43 +67,35 @@ def test_a_batch_you_keep_is_never_overwritten():
   assert len(writer.ring().blocks) == 10  # the ring grew instead
   del kept, got
   gc.collect()
-  assert all(b.words[0] == handoff.FREE for b in writer.ring().blocks)
+  assert all(b.words[0] == shm.FREE for b in writer.ring().blocks)
 
 
 def test_an_image_array_made_in_the_ring_is_sent_without_a_copy():
-  writer = handoff.Writer.new()
+  writer = shm.Writer.new()
   image = writer.empty((4, 160, 160, 3), np.uint8)
   image[...] = 7
   ring = writer.ring()
   block = ring.find(image)
-  assert block is not None and block.words[0] == handoff.TAKEN
+  assert block is not None and block.words[0] == shm.TAKEN
   it = _through_ring([{"image": image}], writer)
   got = next(it)
   assert len(ring.blocks) == 1 and (got["image"] == 7).all()
 
 
-def test_a_block_dropped_unsent_goes_back_to_the_ring():
-  writer = handoff.Writer.new()
-  image = writer.empty((4, 160, 160, 3), np.uint8)
-  block = writer.ring().find(image)
-  del image
-  assert block.words[0] == handoff.FREE
-
-
 def test_reused_memory_under_a_batch_is_an_error_not_a_silent_wrong_batch():
-  writer = handoff.Writer.new()
+  writer = shm.Writer.new()
   sent = handoff.SendIterDataset(grain.MapDataset.source(_batches(1)).to_iter_dataset(), writer)
   descriptor = next(iter(sent))
   writer.ring().blocks[0].words[1] += 1  # as if the worker had reused the block
   received = iter(
     handoff.ReceiveIterDataset(grain.MapDataset.source([descriptor]).to_iter_dataset())
   )
-  with pytest.raises(handoff.HandoffError, match="reused before it was read"):
+  with pytest.raises(shm.HandoffError, match="reused before it was read"):
     next(received)
 
 
 def test_a_missing_block_is_a_handoff_error_naming_it():
-  writer = handoff.Writer.new()
+  writer = shm.Writer.new()
   sent = handoff.SendIterDataset(grain.MapDataset.source(_batches(1)).to_iter_dataset(), writer)
   descriptor = next(iter(sent))
   path = writer.ring().blocks[0].path
@@ -111,82 +103,17 @@ def test_a_missing_block_is_a_handoff_error_naming_it():
   received = iter(
     handoff.ReceiveIterDataset(grain.MapDataset.source([descriptor]).to_iter_dataset())
   )
-  with pytest.raises(handoff.HandoffError, match=f"block {path} is gone") as e:
+  with pytest.raises(shm.HandoffError, match=f"block {path} is gone") as e:
     next(received)
   assert "\n" not in str(e.value)
-
-
-# A process that makes a ring block, prints its path, and waits (alive) or exits at once
-# without cleaning up (a crash).
-HOLDER = """
-import os, sys
-from pipeline.stages import handoff
-writer = handoff.Writer.new()
-image = writer.empty((1 << 20,), "uint8")
-print(writer.ring().blocks[0].path, flush=True)
-if sys.argv[1] == "crash":
-  os._exit(0)
-sys.stdin.read()
-"""
-
-
-def _holder(mode: str) -> tuple[subprocess.Popen, str]:
-  proc = subprocess.Popen(
-    [sys.executable, "-c", HOLDER, mode],
-    stdin=subprocess.PIPE,
-    stdout=subprocess.PIPE,
-    text=True,
-    cwd=REPO,
-    env={**os.environ, "PYTHONPATH": str(REPO)},
-  )
-  return proc, proc.stdout.readline().strip()
-
-
-def test_blocks_of_a_crashed_process_are_swept():
-  proc, path = _holder("crash")
-  proc.wait(timeout=60)
-  assert os.path.exists(path)
-  assert handoff.sweep_crashed() >= 1
-  assert not os.path.exists(path)
-
-
-def _unshare_pid() -> list[str]:
-  """The command prefix that runs a process in a new PID namespace, or skips (fails in CI)."""
-  ok = os.geteuid() == 0 and shutil.which("unshare")
-  if ok:
-    ok = subprocess.run(["unshare", "--pid", "--fork", "true"], capture_output=True).returncode == 0
-  if not ok:
-    if os.environ.get("CI") == "true":
-      pytest.fail("CI=true but cannot make a PID namespace (needs root and unshare)")
-    pytest.skip("needs root and util-linux unshare to make a PID namespace")
-  return ["unshare", "--pid", "--fork"]
-
-
-def test_a_sweep_from_another_pid_namespace_leaves_live_blocks_alone():
-  """A process in another container sharing /dev/shm sees none of our process ids."""
-  proc, path = _holder("live")
-  try:
-    sweeper = "from pipeline.stages import handoff; handoff.Writer.new(); handoff.sweep_crashed()"
-    subprocess.run(
-      [*_unshare_pid(), sys.executable, "-c", sweeper],
-      check=True,
-      cwd=REPO,
-      env={**os.environ, "PYTHONPATH": str(REPO)},
-      timeout=60,
-    )
-    assert os.path.exists(path)  # its worker lives: the block is not the sweeper's to take
-  finally:
-    proc.kill()
-    proc.wait()
-  assert handoff.sweep_crashed() >= 1 and not os.path.exists(path)  # now it is gone
 
 
 CHILD = """
 import glob, json, os, sys
 import numpy as np
 import pipeline
+from pipeline.host import lifecycle, shm
 from pipeline.stages import handoff
-from pipeline.host import lifecycle
 
 def main():
   ds = pipeline.make_dataset(sys.argv[1], batch_size=8, image_size=64, shard_index=0,
@@ -198,8 +125,8 @@ def main():
     next(it)
   same = all((b["image"] == c).all() for b, c in zip(kept, copies))
   receiver = next(n for n in lifecycle.iterators(it) if isinstance(n, handoff._ReceiveIterator))
-  print(json.dumps({"same": bool(same), "blocks": len(receiver._blocks),
-                    "tokens": sorted(handoff._TOKENS)}))
+  print(json.dumps({"same": bool(same), "blocks": len(receiver.reader.blocks),
+                    "tokens": sorted(shm._TOKENS)}))
   # exits with batches unsent and the iterator open: the exit path must clean up
   return kept
 
@@ -228,6 +155,6 @@ def test_workers_leave_nothing_behind_and_print_no_warning(digits_dir, tmp_path)
   for noise in ("leaked", "Traceback", "Exception ignored"):
     assert noise not in proc.stderr, proc.stderr
   assert out["tokens"] and not [
-    path for token in out["tokens"] for path in glob.glob(f"/dev/shm/{handoff.PREFIX}-{token}-*")
+    path for token in out["tokens"] for path in glob.glob(f"/dev/shm/{shm.PREFIX}-{token}-*")
   ]
   assert set(glob.glob("/dev/shm/psm_*")) <= grain_blocks  # nor any block of Grain's
