@@ -10,11 +10,17 @@ It divides the global batch over the processes (`pipeline.stages.plan.process_ba
 what the spec made of the images: `image_size` and the `batch_ops` each batch goes through
 last, and the `memory` it planned. A finite stream (eval) starts a new pass after each one ends:
 each `for` loop is one pass; `repeat=True` runs pass after pass for loops of `next()` calls.
+A train and an eval stream share one host's memory budget when the eval one is opened
+`beside` the train one:
+
+    val = pipeline.input("data/imagenet", "validation", global_batch_size=1024, beside=train)
 """
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
 from typing import Any, Literal
 
 import grain
@@ -22,7 +28,9 @@ import jax
 
 from pipeline import dataset, device, mixture
 from pipeline.catalog.manifest import Manifest
+from pipeline.host import memory
 from pipeline.host.memory import Split
+from pipeline.options import Performance, coerce
 from pipeline.spec import Spec
 from pipeline.stages import plan, stats
 from pipeline.stages.stream import stats_of
@@ -41,6 +49,7 @@ def input(
   data_axis: str = "data",
   depth: int = 2,
   repeat: bool = False,
+  beside: Input | None = None,
   **make_dataset_keywords,
 ) -> Input:
   """`split` of the dataset in `data_dir` (converted, or a TFDS ArrayRecord build: see
@@ -57,6 +66,11 @@ def input(
     repeat: an eval stream starts its next pass where one ends instead of raising
       StopIteration (tf.data's `ds.repeat()`, as the Flax ImageNet example's eval): a loop of
       `steps_per_epoch` next() calls per evaluation then sees every example once.
+    beside: the stream this one shares the host's memory with (the train stream, for an eval
+      stream): unless this one sets its own performance.memory_mb, it plans within what
+      `beside`'s plan left of its budget. Where even its least does not fit there, it plans
+      within a default budget of its own if `beside`'s was the default; if `beside`'s was
+      set, `pipeline.host.memory.BudgetError` refuses in one line.
     normalize, dtype: on the device, `image` becomes (pixels - mean) / std as `dtype`
       ("minus_one_one", "zero_one", "imagenet" or (mean, std) in pixel units); default:
       uint8 as stored.
@@ -79,13 +93,13 @@ def input(
   batch_size = plan.process_batch_size(global_batch_size, shard_count)
   where.check(batch_size)
   keywords = {"shard_index": shard_index, "shard_count": shard_count, **make_dataset_keywords}
-  if mixture.is_mixture(data_dir):  # `pipeline.mixture`: a training stream, no remainder
-    fields = mixture.stages(data_dir, split, batch_size=batch_size, train=train, **keywords)
-    stages = dataset.Stages(**fields)
-    drop_remainder = True
+  keywords.update(batch_size=batch_size, train=train)
+  memory_mb = coerce(Performance, keywords.get("performance")).memory_mb
+  open_ = functools.partial(_stages, data_dir, split)
+  if beside is not None and memory_mb is None:
+    stages, drop_remainder = _beside(open_, keywords, beside)
   else:
-    spec = Spec.of(data_dir, split, batch_size=batch_size, train=train, **keywords)
-    stages, drop_remainder = dataset.build(spec), spec.drop_remainder
+    stages, drop_remainder = open_(keywords)
   # Streams that drop their remainder only ever hold full batches: no mask to add.
   fed = device.device_prefetch(
     dataset.chain(stages),
@@ -106,12 +120,44 @@ def input(
     image_size=stages.decode.head.image_size,
     batch_ops=stages.finish.batch_ops,
     memory=stages.read.memory,
+    memory_mb=memory_mb,
     global_batch_size=global_batch_size,
     batch_size=batch_size,
     train=train,
     stream=stages.stream,
     repeat=repeat,
   )
+
+
+def _stages(data_dir, split: str, keywords: dict) -> tuple[dataset.Stages, bool]:
+  """(the stages of `split`, whether they drop the remainder); a mixture's (`pipeline.mixture`)
+  are a training stream's, without a remainder."""
+  if mixture.is_mixture(data_dir):
+    return dataset.Stages(**mixture.stages(data_dir, split, **keywords)), True
+  spec = Spec.of(data_dir, split, **keywords)
+  return dataset.build(spec), spec.drop_remainder
+
+
+def _beside(open_, keywords: dict, beside: Input) -> tuple[dataset.Stages, bool]:
+  """`open_(keywords)` within what `beside`'s plan left of its budget, or on the terms `input`
+  gives for `beside=` where even its least does not fit there."""
+  taken = beside.memory.total
+  left = max(1, beside.memory.budget - taken)  # a byte at least: the refusal names the least
+  perf = coerce(Performance, keywords.get("performance"))
+  rest = dataclasses.replace(perf, memory_mb=left / memory.MB)
+  try:
+    return open_({**keywords, "performance": rest})
+  except memory.BudgetError as e:
+    if beside.memory_mb is None:  # the default budget: this stream's own, half of what is free now
+      return open_(keywords)
+    raise memory.BudgetError(
+      f"{memory.FLAG}={memory.given(beside.memory_mb)} holds this stream and the one beside it, "
+      f"whose plan takes {memory.mb(taken)} MB; the {memory.mb(left)} MB left are below the "
+      f"least this stream holds, {memory.mb(e.least)} MB ({e.parts}): raise it, or give this "
+      f"stream a {memory.FLAG} of its own",
+      e.least,
+      e.parts,
+    ) from None
 
 
 ENDED = (
@@ -132,7 +178,8 @@ class Input(grain.DatasetIterator):
   `reset()` starts one at once. `dataset` is the underlying `grain.IterDataset`.
   `image_size` is the side of its square images (the spec's, a pp string's head's, or the
   default); `batch_ops` the ops run on each whole batch (pp's or `batch_ops=`), in order;
-  `memory` the loader's share of `performance.memory_mb` as planned (`pipeline.host.memory`);
+  `memory` the loader's share of `performance.memory_mb` as planned (`pipeline.host.memory`),
+  `memory_mb` that setting as given (None: the default budget);
   `stream` what decides its order (seed, order, sharding, shards: the tag its states carry).
   """
 
@@ -146,6 +193,7 @@ class Input(grain.DatasetIterator):
     image_size: int,
     batch_ops: tuple,
     memory: Split,
+    memory_mb: float | None,
     global_batch_size: int,
     batch_size: int,
     train: bool,
@@ -161,6 +209,7 @@ class Input(grain.DatasetIterator):
     self.image_size = image_size
     self.batch_ops = tuple(batch_ops)
     self.memory = memory
+    self.memory_mb = memory_mb
     self.global_batch_size = global_batch_size
     self.batch_size = batch_size
     self.train = train

@@ -158,8 +158,9 @@ class Performance:
   (None: never).
   memory_mb: the most the loader holds on this host, read-ahead, blocks kept for later rounds,
   record cache, batches and worker processes together (None: half the available memory;
-  `python -m train`'s eval stream then plans within what its train stream left of it); the
-  record cache, then the read-ahead shrink to fit it (`pipeline.host.memory`).
+  an eval stream opened `beside=` its train stream, `pipeline.input`, plans within what that
+  one left of it); the record cache, then the read-ahead shrink to fit it
+  (`pipeline.host.memory`).
   worker_jax: let worker processes import JAX, for ops that need it (they then start as
   Grain starts them: JAX and your main script imported again, ~140 MB more each). Off, they
   never load JAX (`pipeline.host.light`), and an op that imports it fails in one line saying so.

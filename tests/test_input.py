@@ -11,6 +11,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import pipeline
+from pipeline.host import memory
 from tests.cluster import run_processes
 
 try:  # Must precede the first JAX operation of the pytest process (see test_device.py).
@@ -109,6 +110,48 @@ def test_an_input_says_what_its_spec_made_of_the_images_before_the_first_batch(d
   assert plain.image_size == 224 and plain.batch_ops == ()  # the library's default size
   val.close()
   plain.close()
+
+
+def test_an_eval_stream_beside_the_train_stream_plans_within_what_its_budget_left(digits_dir):
+  budget = {"performance": {"memory_mb": 500, "num_threads": 2}}
+  train = pipeline.input(digits_dir, "train", global_batch_size=16, image_size=16, **budget)
+  val = pipeline.input(digits_dir, "validation", global_batch_size=16, beside=train, **FAST)
+  first, then = train.memory, val.memory
+  assert (train.memory_mb, val.memory_mb) == (500, None)
+  assert first.budget == 500 * memory.MB and then.budget == first.budget - first.total
+  assert first.total + then.total <= 500 * memory.MB
+  alone = pipeline.input(digits_dir, "validation", global_batch_size=16, **FAST)
+  assert [b["label"].tolist() for b in val] == [b["label"].tolist() for b in alone]
+  own = {"performance": {"memory_mb": 300, "num_threads": 2}}  # its own budget: not shared
+  apart = pipeline.input(digits_dir, "validation", global_batch_size=16, beside=train, **own)
+  assert apart.memory.budget == 300 * memory.MB
+  for stream in (train, val, alone, apart):
+    stream.close()
+
+
+def test_streams_that_cannot_share_the_budget_set_are_refused_in_one_line(digits_dir):
+  greedy = {"memory_mb": 500, "record_cache_mb": 10**7, "num_threads": 2}  # the cache takes all
+  train = pipeline.input(digits_dir, "train", global_batch_size=16, performance=greedy)
+  assert train.memory.total == train.memory.budget
+  with pytest.raises(memory.BudgetError) as refused:
+    pipeline.input(digits_dir, "validation", global_batch_size=16, beside=train, **FAST)
+  line = str(refused.value)
+  assert line.startswith("performance.memory_mb=500 holds this stream and the one beside it")
+  assert "\n" not in line and line.endswith("give this stream a performance.memory_mb of its own")
+  assert f"below the least this stream holds, {memory.mb(refused.value.least)} MB" in line
+  train.close()
+
+
+def test_beside_the_default_budget_a_stream_that_does_not_fit_plans_within_its_own(digits_dir):
+  greedy = {"record_cache_mb": 10**7, "num_threads": 2}  # the cache takes the default budget
+  train = pipeline.input(digits_dir, "train", global_batch_size=16, performance=greedy)
+  val = pipeline.input(digits_dir, "validation", global_batch_size=16, beside=train, **FAST)
+  first, then = train.memory, val.memory
+  assert first.total == first.budget  # nothing left: the eval stream's default budget instead
+  assert then.budget == pytest.approx(first.budget, rel=0.1)  # half the memory available now
+  assert 0 < then.total <= then.budget
+  train.close()
+  val.close()
 
 
 def test_normalization_and_dtype_happen_on_device(digits_dir):

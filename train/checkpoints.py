@@ -161,11 +161,12 @@ class Checkpoints:
     hosts = jax.process_count()
     moved = f" was saved by {self.saved_on} process(es) and" if self.saved_on != hosts else ""
     on = f" on {hosts}" if moved else ""
-    what, _, fix = str(error).rpartition(": ")  # the library's fix, in keywords: as flags
-    for key, value in error.passes.items():
-      fix = fix.replace(f"{key}={value!r}", f"--config.input.{key}={value}")
-    fix = re.sub(r"keep the global batch (\d+)", r"\g<0> (--config.batch_size=\1)", fix)
-    why = f"{what}: {fix}" if what else fix
+    fix = error.fix  # the library's, in keywords: as flags
+    if error.passes:
+      fix = "pass " + " and ".join(f"--config.input.{k}={v}" for k, v in error.passes.items())
+    if error.global_batch is not None:
+      fix += f" (--config.batch_size={error.global_batch})"
+    why = f"{error.what}: {fix}" if fix else error.what
     return (
       f"checkpoint {step} in {self.directory}{moved} is good, but this run{on} cannot "
       f"continue its data: {why}"

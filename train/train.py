@@ -160,7 +160,7 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   notes = io.StringIO()
   with contextlib.redirect_stderr(notes):  # the pipeline's notes: shown with the plan
     train = inputs.open_input(config, mesh, evaluation=False)
-    val = inputs.open_input(config, mesh, evaluation=True, after=train.memory)
+    val = inputs.open_input(config, mesh, evaluation=True, beside=train)
   abstract = nnx.eval_shape(lambda: create_model(config, train.num_classes))
   fit.check(abstract, train.image_size, config.compute_dtype, train.batch_size, data_devices)
   plan = config_lib.resolve(config, train.num_examples, jax.process_count(), data_devices)

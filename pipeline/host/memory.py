@@ -23,7 +23,8 @@ main process alone; P = max(W, 1) processes read and decode):
 The main process's own imports are the trainer's, not counted. When the parts exceed the
 budget, what can shrink shrinks, in this order: the record cache (it saves a later epoch's
 reads; down to none), then the read-ahead (down to one batch of records, which the read
-stage always holds). If even that does not fit, one line refuses, naming the settings.
+stage always holds). If even that does not fit, one line refuses, naming the settings
+(`BudgetError`, which says how much the least is).
 Default budget: half the memory available at open, as tf.data's default RAM budget. None of
 this changes a batch: a smaller cache or read-ahead reads the same records again, later.
 `workers` plans the worker processes within the budget and /dev/shm's room.
@@ -79,7 +80,16 @@ class Split:
     )
 
 
-def _given(value_mb: float) -> str:
+class BudgetError(ValueError):
+  """A budget below the `least` bytes a loader holds (its parts in words: `parts`); one line
+  naming performance.memory_mb."""
+
+  def __init__(self, line: str, least: int, parts: str):
+    super().__init__(line)
+    self.least, self.parts = least, parts
+
+
+def given(value_mb: float) -> str:
   """A `memory_mb` as a user writes it: whole above 10 MB, else 3 significant digits."""
   return f"{value_mb:,.0f}" if value_mb >= 10 else f"{value_mb:.3g}"
 
@@ -114,17 +124,22 @@ def fit(
 ) -> Split:
   """The parts within `budget_bytes`: `read_ahead`, `record_cache` and `working` are bytes
   per process; the first two shrink, the cache first, the read-ahead down to
-  `least_read_ahead`; the rest is fixed. Raises one line when even the least does not fit."""
+  `least_read_ahead`; the rest is fixed. Raises `BudgetError` when even the least does not fit."""
   p = max(1, workers)
   fixed = blocks + batches + p * working + workers * worker_bytes
   least = min(read_ahead, least_read_ahead)
   room = budget_bytes - fixed
   if room < p * least:
-    raise ValueError(
-      f"{FLAG}={_given(budget_bytes / MB)} is below the least this loader holds, "
-      f"{mb(fixed + p * least)} MB (blocks {mb(blocks)}, worker rings or batches "
-      f"{mb(batches)}, working {mb(p * working)}, workers {_workers(workers, worker_bytes)}, "
-      f"read-ahead {mb(p * least)}): raise it, or lower performance.num_workers or batch_size"
+    parts = (
+      f"blocks {mb(blocks)}, worker rings or batches {mb(batches)}, working {mb(p * working)}, "
+      f"workers {_workers(workers, worker_bytes)}, read-ahead {mb(p * least)}"
+    )
+    raise BudgetError(
+      f"{FLAG}={given(budget_bytes / MB)} is below the least this loader holds, "
+      f"{mb(fixed + p * least)} MB ({parts}): raise it, or lower performance.num_workers or "
+      "batch_size",
+      fixed + p * least,
+      parts,
     )
   cache = max(0, min(p * record_cache, room - p * read_ahead))
   ahead = min(p * read_ahead, room - cache)

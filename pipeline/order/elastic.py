@@ -31,12 +31,17 @@ OWN_CHECKS = ("shards", "order")  # checked apart from the rest, each refused wi
 
 
 class StateError(ValueError):
-  """An iterator state that does not belong to this dataset; `passes`: the make_dataset
-  keywords (and values) the message says to pass."""
+  """An iterator state that does not belong to this dataset, in one line: `what`, then the
+  `fix` where it is a setting: the make_dataset keywords to pass (`passes`) or the global
+  batch to keep (`global_batch`), so a caller can name them in its own terms."""
 
-  def __init__(self, message: str, passes: dict | None = None):
-    super().__init__(message)
+  def __init__(
+    self, what: str, fix: str = "", passes: dict | None = None, global_batch: int | None = None
+  ):
+    super().__init__(f"{what}: {fix}" if fix else what)
+    self.what, self.fix = what, fix
     self.passes = passes or {}
+    self.global_batch = global_batch
 
 
 def shard_list(shards: list[tuple[str, int, str | None]]) -> dict:
@@ -120,9 +125,10 @@ def resize(state: dict, stream: dict, template: dict) -> dict:
   position, size = state["position"], global_batch(stream)
   if position % size:
     raise StateError(
-      f"iterator state at global position {position} (saved on {was}) cannot continue on "
-      f"{now}: {position} is not a multiple of the global batch {size}; keep the global "
-      f"batch {global_batch(saved)}"
+      f"iterator state at global position {position} (saved on {was}) cannot continue on {now}",
+      f"{position} is not a multiple of the global batch {size}; keep the global batch "
+      f"{global_batch(saved)}",
+      global_batch=global_batch(saved),
     )
   return at_batch(template, position // size)
 
@@ -169,7 +175,8 @@ def _check_order(saved: dict, stream: dict) -> None:
   if was is None or now is None:
     name, other = ("blocks", "global") if was else ("global", "blocks")
     raise StateError(
-      f"iterator state of order={name!r} cannot continue in order={other!r}: pass order={name!r}",
+      f"iterator state of order={name!r} cannot continue in order={other!r}",
+      f"pass order={name!r}",
       {"order": name},
     )
   (records, window), (records_now, window_now) = _blocks_of(was), _blocks_of(now)
@@ -185,7 +192,8 @@ def _check_order(saved: dict, stream: dict) -> None:
   raise StateError(
     f"iterator state of order='blocks' in blocks of {records} records and windows of "
     f"{window} blocks (global batch {batch}) cannot continue in blocks of {records_now} and "
-    f"windows of {window_now} (global batch {batch_now}): {fix}",
+    f"windows of {window_now} (global batch {batch_now})",
+    fix,
     passes,
   )
 

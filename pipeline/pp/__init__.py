@@ -178,6 +178,17 @@ def compile(pp: str, *, num_classes: int, image_size: int | None = None) -> Comp
   return Compiled(train, size, augment, tuple(image_ops), tuple(batch_ops))
 
 
+def image_size(pp: str) -> int | None:
+  """The side of the square images `pp`'s head makes; None where the head writes it as
+  `image_size`, which the dataset's `image_size=` then fills. Errors name the op."""
+  written = object()  # `image_size` as written, the dataset's to fill
+  calls = parse(pp, {"image_size": written, "num_classes": 0})
+  head = [c for c in calls if registry.lookup(c.name).kind == "head"]
+  if any(v is written for c in head for v in (*c.args, *c.kwargs.values())):
+    return None
+  return _head(head, pp)[1]
+
+
 def _parse(text: str, context: dict) -> Call:
   """ "name" or "name(literal, key=literal)"; a bare context name is its value."""
   try:

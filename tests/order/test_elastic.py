@@ -145,8 +145,9 @@ def test_states_whose_order_depends_on_the_count_are_refused_in_one_line(
 
 def test_a_position_that_is_no_whole_global_batch_is_refused(odd_dir):  # noqa: F811
   state = state_after(make(odd_dir, shard_count=2, batch_size=6), 1)  # position 12
-  with pytest.raises(StateError, match="12 is not a multiple of the global batch 8"):
+  with pytest.raises(StateError, match="12 is not a multiple of the global batch 8") as e:
     iter(make(odd_dir, shard_count=1, batch_size=8)).set_state(state)
+  assert e.value.global_batch == 12 and e.value.fix.endswith("keep the global batch 12")
   it = iter(make(odd_dir, shard_count=1, batch_size=3))  # another global batch that divides
   it.set_state(state)
   assert it.get_state()["position"] == 12
@@ -210,7 +211,7 @@ def test_a_block_order_state_in_the_global_order_names_the_order_to_pass(odd_dir
   assert str(e.value) == (
     "iterator state of order='blocks' cannot continue in order='global': pass order='blocks'"
   )
-  assert e.value.passes == {"order": "blocks"}
+  assert e.value.passes == {"order": "blocks"} and e.value.fix == "pass order='blocks'"
 
 
 def test_a_block_order_state_in_other_windows_names_the_window_blocks_to_pass(

@@ -78,6 +78,15 @@ def test_head_ops_compile_to_the_fused_heads_settings():
   pipeline.Augment(**train.augment), pipeline.Augment(**ev.augment)  # valid settings
 
 
+def test_a_pp_string_says_the_size_its_head_makes_or_that_the_dataset_fills_it():
+  assert pp.image_size(BIT_TRAIN) == pp.image_size(BIT_EVAL) == 224
+  assert pp.image_size("decode|resize_small(36)|central_crop((32, 32))|onehot(num_classes)") == 32
+  assert pp.image_size("decode_jpeg_and_inception_crop(image_size)|flip_lr") is None
+  assert pp.image_size("decode|resize_small(image_size)|central_crop(image_size)") is None
+  with pytest.raises(ValueError, match="does not start with a decode"):
+    pp.image_size("flip_lr|value_range(-1, 1)")
+
+
 def test_vit_i1k_strings_with_randaug_and_an_empty_slot_compile():
   vit = "decode_jpeg_and_inception_crop(224)|flip_lr|randaug(2,15)" + COMMON
   compiled = pp.compile(vit, num_classes=4)
