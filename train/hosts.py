@@ -220,7 +220,7 @@ def compare(everyone: list[dict]) -> list[str]:
   return [
     f"{name} differs per host: "
     + ", ".join(f"process {i} {p['own'].get(name)}" for i, p in enumerate(everyone))
-    for name in own
+    for name in everyone[0]["own"]
     if len({p["own"].get(name) for p in everyone}) > 1
   ]
 
