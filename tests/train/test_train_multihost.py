@@ -135,6 +135,19 @@ def start_fields(digits_dir, workdir, **changes) -> dict:
   return {"error": None, "fields": list(fields.items()), "own": agreement.host_settings(config)}
 
 
+@pytest.fixture(scope="module")
+def process_0(digits_dir, tmp_path_factory) -> dict:
+  return start_fields(digits_dir, tmp_path_factory.mktemp("w"))
+
+
+def test_settings_that_change_no_batch_are_named_per_host_by_the_start_check(
+  digits_dir, tmp_path, process_0
+):
+  threads = "input.performance.num_threads"
+  sent = [process_0, start_fields(digits_dir, tmp_path, **{threads: 1})]
+  assert hosts.compare(sent) == [f"config.{threads} differs per host: process 0 None, process 1 1"]
+
+
 @pytest.mark.parametrize(
   "changes",
   [
@@ -147,12 +160,12 @@ def start_fields(digits_dir, workdir, **changes) -> dict:
   ids=["seed", "batch_size", "image_size", "optimizer", "data_dir"],
 )
 def test_processes_that_disagree_are_refused_naming_the_field(
-  digits_dir, photos_dir, tmp_path, changes
+  digits_dir, photos_dir, tmp_path, process_0, changes
 ):
   """In this process (the start check's comparison of what each process sent); the two
   processes' refusal, each in one line before saving, is the end-to-end case below."""
   changes = {k: str(photos_dir) if v == "photos" else v for k, v in changes.items()}
-  sent = [start_fields(digits_dir, tmp_path), start_fields(digits_dir, tmp_path, **changes)]
+  sent = [process_0, start_fields(digits_dir, tmp_path, **changes)]
   (name,) = changes
   with pytest.raises(UsageError) as refused:
     hosts.compare(sent)
