@@ -331,7 +331,7 @@ def last_line(out: str) -> str:
 
 
 def test_a_process_that_never_starts_is_named_after_the_join_timeout(digits_dir, tmp_path):
-  run = Run(tmp_path, tmp_path / "w", digits_dir, "--join_timeout=20", started=(0,))
+  run = Run(tmp_path, tmp_path / "w", digits_dir, "--join_timeout=8", started=(0,))
   run.wait_for("process 0: waiting for process 1 to join", timeout=60)
   assert run.wait(timeout=130) == [1], run.output(0)[-3000:]
   assert "Traceback" not in run.output(0)
