@@ -18,7 +18,6 @@ take turns: round 1 runs each once, then round 2...; each row's best round is sh
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import os
 import tempfile
@@ -143,11 +142,15 @@ def main(argv: list[str]) -> dict:
       src, out, args.shard_size_mb
     ),
     "pipeline.convert, 1 worker": lambda out: _count(
-      images.convert(src, out, shard_size_mb=args.shard_size_mb, workers=1, progress=False)
+      images.convert(
+        images.Request(src, out, shard_size_mb=args.shard_size_mb), workers=1, progress=False
+      )
     ),
     f"pipeline.convert, {args.workers} workers": lambda out: _count(
       images.convert(
-        src, out, shard_size_mb=args.shard_size_mb, workers=args.workers, progress=False
+        images.Request(src, out, shard_size_mb=args.shard_size_mb),
+        workers=args.workers,
+        progress=False,
       )
     ),
   }
@@ -158,9 +161,9 @@ def main(argv: list[str]) -> dict:
       contenders[f"pipeline.convert gs:// to gs:// (emulator), {args.workers} workers"] = (
         lambda out: _count(
           images.convert(
-            "gs://bkt/src",
-            f"gs://bkt/{os.path.basename(out)}",
-            shard_size_mb=args.shard_size_mb,
+            images.Request(
+              "gs://bkt/src", f"gs://bkt/{os.path.basename(out)}", shard_size_mb=args.shard_size_mb
+            ),
             workers=args.workers,
             progress=False,
           )
@@ -170,14 +173,13 @@ def main(argv: list[str]) -> dict:
       from pipeline.convert import beam
 
       dask_args = stack.enter_context(_dask(args.workers))
-      dask = functools.partial(
-        beam.convert_images,
-        src,
-        shard_size_mb=args.shard_size_mb,
-        runner="DaskRunner",
-        pipeline_args=dask_args,
-        progress=False,
-      )
+
+      def dask(out: str):
+        request = images.Request(src, out, shard_size_mb=args.shard_size_mb)
+        return beam.convert_images(
+          request, runner="DaskRunner", pipeline_args=dask_args, progress=False
+        )
+
       with tempfile.TemporaryDirectory(prefix="bench-convert-") as out:
         dask(out)  # warms the workers: Beam and the converters imported
       contenders[f"Beam DaskRunner, warm cluster of {args.workers} workers"] = lambda out: _count(

@@ -95,12 +95,14 @@ def prepare(
       recs = sorted(recs, key=lambda r: records.parse(r, meta.keys)[1])
     peers.write_tfrecord(tmp / "all.tfrecord", recs)
     tfrecord.convert(
-      str(tmp / "all.tfrecord"),
-      dataset,
-      split=split,
-      keys=meta.keys,
-      classes=meta.classes,
-      shard_size_mb=shard_size_mb,
+      tfrecord.Request(
+        str(tmp / "all.tfrecord"),
+        dataset,
+        split=split,
+        keys=meta.keys,
+        classes=meta.classes,
+        shard_size_mb=shard_size_mb,
+      ),
       workers=1,
       progress=False,
     )

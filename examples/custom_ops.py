@@ -67,7 +67,7 @@ def make_digits(data_dir: pathlib.Path, num_images: int) -> None:
 
   raw = data_dir.parent / f"{data_dir.name}-raw"
   builtin.make_digits(raw, num_images=num_images)
-  images.convert(raw, data_dir, val_fraction=0.2, seed=0, progress=False)
+  images.convert(images.Request(raw, data_dir, val_fraction=0.2, seed=0), progress=False)
 
 
 def main(argv: list[str] | None = None) -> int:

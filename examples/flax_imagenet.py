@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
 
     raw = args.data_dir.parent / f"{args.data_dir.name}-raw"
     builtin.make_digits(raw, num_images=args.make_digits)
-    images.convert(raw, args.data_dir, val_fraction=0.2, seed=0, progress=False)
+    images.convert(images.Request(raw, args.data_dir, val_fraction=0.2, seed=0), progress=False)
 
   make = functools.partial(create_input_iter, args.data_dir, batch_size=args.batch_size)
   train_iter = make("train", image_size=args.image_size, dtype=jnp.float32, train=True)

@@ -23,7 +23,7 @@ MODES = {"threads": 0, "workers": 1}
 def convert(out: pathlib.Path) -> pathlib.Path:
   from pipeline.convert import images
 
-  images.convert(JPEGS, out, val_fraction=0.25, seed=0, workers=1, progress=False)
+  images.convert(images.Request(JPEGS, out, val_fraction=0.25, seed=0), workers=1, progress=False)
   return out
 
 

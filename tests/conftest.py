@@ -58,7 +58,9 @@ def pytest_runtest_makereport(item, call):
 def converted(raw: pathlib.Path, val_fraction: float) -> pathlib.Path:
   """The image folder RAW converted into data/ beside it, `val_fraction` of it validation."""
   out = raw.parent / "data"
-  images.convert(raw, out, val_fraction=val_fraction, seed=0, workers=1, progress=False)
+  images.convert(
+    images.Request(raw, out, val_fraction=val_fraction, seed=0), workers=1, progress=False
+  )
   return out
 
 

@@ -189,7 +189,7 @@ def test_narrow_windows_are_mirrored_alike_on_both_paths(tmp_path):
   raw.mkdir(parents=True)
   for width in range(1, 33):  # mirrored rows of every width, SIMD's 5 pixels at a time and not
     (raw / f"{width:02d}.jpg").write_bytes(jpeg(width, size=(9, width)))
-  images.convert(tmp_path / "raw", tmp_path / "data", workers=1, progress=False)
+  images.convert(images.Request(tmp_path / "raw", tmp_path / "data"), workers=1, progress=False)
   spec = dataset.Spec.of(tmp_path / "data", batch_size=32, image_size=12, seed=5)
   stages = dataset.build(spec)
   flipped = assert_native_batch_is_the_python_paths(stages, 32)

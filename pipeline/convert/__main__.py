@@ -21,9 +21,11 @@ for usage errors); --verbose shows the traceback.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import math
 import sys
+from collections.abc import Callable
 
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import records
@@ -108,16 +110,7 @@ def _beam(p: argparse.ArgumentParser) -> None:
   )
 
 
-def _parser() -> argparse.ArgumentParser:
-  parser = _Parser(
-    prog="python -m pipeline.convert",
-    description=__doc__,
-    formatter_class=argparse.RawDescriptionHelpFormatter,
-  )
-  sub = parser.add_subparsers(dest="command", required=True)
-  options = [_options()]
-
-  p = sub.add_parser("images", help="an image folder SRC/CLASS/IMAGE", parents=options)
+def _images_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("src", help="image folder laid out as SRC/CLASS/IMAGE")
   p.add_argument("out", help="output folder for shards and manifest.json")
   p.add_argument(
@@ -151,9 +144,8 @@ def _parser() -> argparse.ArgumentParser:
   _common(p)
   _beam(p)
 
-  p = sub.add_parser(
-    "tfrecord", help="TFRecord files of tf.train.Example, bytes copied", parents=options
-  )
+
+def _tfrecord_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("pattern", help="glob of TFRecord files (quote it)")
   p.add_argument("out", help="output folder")
   group = p.add_mutually_exclusive_group(required=True)
@@ -165,7 +157,8 @@ def _parser() -> argparse.ArgumentParser:
   _common(p)
   _beam(p)
 
-  p = sub.add_parser("tfds", help="a TFDS dataset prepared in a local data dir", parents=options)
+
+def _tfds_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("name", help="dataset name, e.g. imagenet2012 or mnist:3.0.1")
   p.add_argument("out", help="output folder")
   p.add_argument(
@@ -183,16 +176,15 @@ def _parser() -> argparse.ArgumentParser:
   )
   _common(p, split=False)
 
-  p = sub.add_parser("verify", help="re-read and check a converted dataset", parents=options)
+
+def _verify_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("out", help="converted dataset folder (holding manifest.json)")
 
-  p = sub.add_parser(
-    "builtin", help="build the built-in digits and photos datasets", parents=options
-  )
+
+def _builtin_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument(
     "data_dir", nargs="?", default="data", help="a folder or a gs:// URL (default: data)"
   )
-  return parser
 
 
 def _keys(text: str | None) -> records.Keys | None:
@@ -202,19 +194,6 @@ def _keys(text: str | None) -> records.Keys | None:
   if len(parts) not in (2, 3) or not all(parts[:2]):
     raise ValueError(f"--keys wants IMAGE,LABEL[,FILENAME], got {text!r}")
   return records.Keys(*parts)
-
-
-def _verify(args: argparse.Namespace) -> int:
-  from pipeline.convert import verify
-
-  try:
-    manifest_lib.load(args.out)  # a wrong folder is a usage error (exit 2), raised here
-  except manifest_lib.ManifestError as e:
-    print(f"{args.out}: {e}")
-    return 1
-  report = verify.verify(args.out, workers=args.workers, progress=args.progress)
-  print(report)
-  return 0 if report.ok else 1
 
 
 def _quiet_engine(runner: str) -> None:
@@ -229,80 +208,124 @@ def _quiet_engine(runner: str) -> None:
     logging.getLogger("distributed").setLevel(logging.WARNING)
 
 
-def _run(args: argparse.Namespace, beam_args: list[str]) -> int:
-  """Runs one command; returns the exit status."""
-  from pipeline.convert import beam, builtin, images, tfds, tfrecord  # fast --help
-
-  if args.command == "verify":
-    return _verify(args)
-  if args.command == "builtin":
-    for name, m in builtin.build(
-      args.data_dir, workers=args.workers, progress=args.progress
-    ).items():
-      print(f"{args.data_dir}/{name}: {shards.summary(m)}")
-    return 0
-  common = {
-    "shard_size_mb": args.shard_size_mb,
-    "max_pixels": args.max_pixels,
-    "overwrite": args.overwrite,
-  }
-  if args.command == "images":
-    kwargs = dict(
-      split=args.split,
-      val_fraction=args.val_fraction,
-      seed=args.seed,
-      label_map=args.label_map,
-      max_size=args.max_size,
-      follow_symlinks=args.follow_symlinks,
-      labels=args.labels,
-      **common,
-    )
-    if args.runner:
-      _quiet_engine(args.runner)
-      m = beam.convert_images(
-        args.src,
-        args.out,
-        runner=args.runner,
-        pipeline_args=beam_args,
-        progress=args.progress,
-        **kwargs,
-      )
-    else:
-      m = images.convert(args.src, args.out, workers=args.workers, progress=args.progress, **kwargs)
-  elif args.command == "tfrecord":
-    kwargs = dict(
-      split=args.split,
-      keys=_keys(args.keys),
-      num_classes=args.num_classes,
-      classes=args.classes,
-      **common,
-    )
-    if args.runner:
-      _quiet_engine(args.runner)
-      m = beam.convert_tfrecord(
-        args.pattern,
-        args.out,
-        runner=args.runner,
-        pipeline_args=beam_args,
-        progress=args.progress,
-        **kwargs,
-      )
-    else:
-      m = tfrecord.convert(
-        args.pattern, args.out, workers=args.workers, progress=args.progress, **kwargs
-      )
-  else:
-    m = tfds.convert(
-      args.name,
-      args.out,
-      data_dir=args.data_dir,
-      split=args.split,
-      workers=args.workers,
-      progress=args.progress,
-      **common,
-    )
-  print(f"{args.out}: {shards.summary(m)}")
+def _done(out: str, m: manifest_lib.Manifest) -> int:
+  print(f"{out}: {shards.summary(m)}")
   return 0
+
+
+def _images(args: argparse.Namespace, beam_args: list[str]) -> int:
+  from pipeline.convert import beam, images  # here: a fast --help
+
+  request = images.Request(
+    args.src,
+    args.out,
+    split=args.split,
+    val_fraction=args.val_fraction,
+    seed=args.seed,
+    label_map=args.label_map,
+    shard_size_mb=args.shard_size_mb,
+    max_size=args.max_size,
+    max_pixels=args.max_pixels,
+    follow_symlinks=args.follow_symlinks,
+    labels=args.labels,
+    overwrite=args.overwrite,
+  )
+  if not args.runner:
+    return _done(args.out, images.convert(request, args.workers, args.progress))
+  _quiet_engine(args.runner)
+  on = {"runner": args.runner, "pipeline_args": beam_args, "progress": args.progress}
+  return _done(args.out, beam.convert_images(request, **on))
+
+
+def _tfrecord(args: argparse.Namespace, beam_args: list[str]) -> int:
+  from pipeline.convert import beam, tfrecord
+
+  request = tfrecord.Request(
+    args.pattern,
+    args.out,
+    split=args.split,
+    keys=_keys(args.keys),
+    num_classes=args.num_classes,
+    classes=args.classes,
+    shard_size_mb=args.shard_size_mb,
+    max_pixels=args.max_pixels,
+    overwrite=args.overwrite,
+  )
+  if not args.runner:
+    return _done(args.out, tfrecord.convert(request, args.workers, args.progress))
+  _quiet_engine(args.runner)
+  on = {"runner": args.runner, "pipeline_args": beam_args, "progress": args.progress}
+  return _done(args.out, beam.convert_tfrecord(request, **on))
+
+
+def _tfds(args: argparse.Namespace, beam_args: list[str]) -> int:
+  from pipeline.convert import tfds
+
+  request = tfds.Request(
+    args.name,
+    args.out,
+    data_dir=args.data_dir,
+    split=args.split,
+    shard_size_mb=args.shard_size_mb,
+    max_pixels=args.max_pixels,
+    overwrite=args.overwrite,
+  )
+  return _done(args.out, tfds.convert(request, args.workers, args.progress))
+
+
+def _verify(args: argparse.Namespace, beam_args: list[str]) -> int:
+  from pipeline.convert import verify
+
+  try:
+    manifest_lib.load(args.out)  # a wrong folder is a usage error (exit 2), raised here
+  except manifest_lib.ManifestError as e:
+    print(f"{args.out}: {e}")
+    return 1
+  report = verify.verify(args.out, workers=args.workers, progress=args.progress)
+  print(report)
+  return 0 if report.ok else 1
+
+
+def _builtin(args: argparse.Namespace, beam_args: list[str]) -> int:
+  from pipeline.convert import builtin
+
+  built = builtin.build(args.data_dir, workers=args.workers, progress=args.progress)
+  for name, m in built.items():
+    print(f"{args.data_dir}/{name}: {shards.summary(m)}")
+  return 0
+
+
+@dataclasses.dataclass(frozen=True)
+class Command:
+  """A command: its line in --help, its arguments, and what it runs (with Beam's flags)."""
+
+  help: str
+  arguments: Callable[[argparse.ArgumentParser], None]
+  run: Callable[[argparse.Namespace, list[str]], int]
+
+
+COMMANDS = {
+  "images": Command("an image folder SRC/CLASS/IMAGE", _images_arguments, _images),
+  "tfrecord": Command(
+    "TFRecord files of tf.train.Example, bytes copied", _tfrecord_arguments, _tfrecord
+  ),
+  "tfds": Command("a TFDS dataset prepared in a local data dir", _tfds_arguments, _tfds),
+  "verify": Command("re-read and check a converted dataset", _verify_arguments, _verify),
+  "builtin": Command("build the built-in digits and photos datasets", _builtin_arguments, _builtin),
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+  parser = _Parser(
+    prog="python -m pipeline.convert",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
+  sub = parser.add_subparsers(dest="command", required=True)
+  options = [_options()]
+  for name, command in COMMANDS.items():
+    command.arguments(sub.add_parser(name, help=command.help, parents=options))
+  return parser
 
 
 def _one_line(e: BaseException) -> str:
@@ -316,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
   if rest and not getattr(args, "runner", None):
     parser.error(f"unrecognized arguments: {' '.join(rest)}")
   try:
-    return _run(args, rest)
+    return COMMANDS[args.command].run(args, rest)
   except KeyboardInterrupt:
     if args.verbose:
       raise

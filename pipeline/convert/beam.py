@@ -26,6 +26,7 @@ docs/DATA.md shows the Dataflow command; Dataflow itself has not been run by the
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import dataclasses
 import errno
 import functools
@@ -34,11 +35,10 @@ import json
 import os
 import shutil
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
-from typing import Any, BinaryIO
+from typing import BinaryIO
 
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.convert import bucket, images, shards, tfrecord
@@ -99,32 +99,6 @@ def _put(target: str, write) -> None:
     write(f)
   if tmp != target:
     os.replace(tmp, target)
-
-
-class _Copier(shards._ShardBuilder):
-  """A shard written in a local folder and copied into OUT's build folder when complete."""
-
-  def done(self, result: shards.ShardResult) -> shards.ShardResult:
-    target = _filesystems().join(self.job.out, shards.BUILD_DIR, result.name)
-    with open(self.shard.path, "rb") as src:
-      _put(target, lambda f: shutil.copyfileobj(src, f, 8 << 20))
-    os.unlink(self.shard.path)
-    marker = {"fingerprint": self.job.fp, "result": dataclasses.asdict(result)}
-    _put(target + ".done", lambda f: f.write(json.dumps(marker).encode()))
-    return result
-
-
-def write_shard(plan: shards.ShardPlan, job: shards.Job) -> str:
-  """Writes one whole shard in this worker and copies it to OUT (Beam's unit of work)."""
-  bucket._remove_stale_stages()
-  stage = tempfile.mkdtemp(prefix=f"{bucket._STAGE}{os.getpid()}-")
-  try:
-    builder = _Copier(job, plan, stage)
-    for task in shards._tasks(plan):
-      builder.add(task, job.process(task))
-  finally:
-    shutil.rmtree(stage, ignore_errors=True)
-  return plan.name
 
 
 class _Progress:
@@ -191,39 +165,75 @@ def require(runner: str) -> None:
       raise ModuleNotFoundError(f"No module named {name!r}", name=name)
 
 
-def _write(
-  job: shards.Job,
-  todo: list[shards.ShardPlan],
-  runner: str,
-  pipeline_args: Sequence[str],
-  progress: bool,
-  desc: str,
-) -> None:
-  """Runs the pipeline that writes the shards `todo` (one element each)."""
-  import apache_beam as beam
-  from apache_beam.options.pipeline_options import PipelineOptions
+def _write_element(plan: shards.ShardPlan, target: shards.Target, job: shards.Job) -> str:
+  """Beam's unit of work: one whole shard, written by one worker."""
+  return target.write_shard(job, plan).name
 
-  runner = _RUNNERS.get(runner, runner)
-  args = list(pipeline_args)
-  dask = runner == DASK_RUNNER
-  if dask and not any(a.startswith(("--dask_npartitions", "--dask_partition_size")) for a in args):
-    args.append("--dask_partition_size=1")  # one task per shard (Dask's default: 128)
-  worker_job = dataclasses.replace(job, plans=[], skipped=[])  # each element carries its plan
-  p = beam.Pipeline(options=PipelineOptions(args, runner=runner))
-  _ = (
-    p
-    | "Plan" >> beam.Create(todo)
-    | "Spread" >> beam.Reshuffle()
-    | "WriteShard" >> beam.Map(write_shard, worker_job)
-  )
-  with _Progress(job, todo, f"{desc} ({runner.rsplit('.', 1)[-1]})", progress) as bar:
-    result = p.run()
-    try:
-      result.wait_until_finish()
-    finally:
-      if dask:  # the runner's own client: closed, or it outlives the cluster it joined
-        result.client.close()
-    bar.report(final=True)
+
+class BeamTarget(shards.Target):
+  """Shards written by Beam workers, one element each, through Beam's FileSystems into the
+  build folder of `inner`: OUT's own target (a folder's or a bucket's), which holds the lock,
+  starts and commits as it does without Beam."""
+
+  def __init__(self, inner: shards.Target, runner: str, pipeline_args: Sequence[str] = ()):
+    self.inner, self.runner = inner, _RUNNERS.get(runner, runner)
+    self.pipeline_args = list(pipeline_args)
+
+  def locked(self, out: str) -> contextlib.AbstractContextManager[None]:
+    return self.inner.locked(out)
+
+  def start(self, job: shards.Job, overwrite: bool) -> manifest_lib.Manifest | None:
+    return self.inner.start(job, overwrite)
+
+  def written(self, job: shards.Job) -> dict[str, shards.ShardResult]:
+    return self.inner.written(job)
+
+  def finish(self, job: shards.Job, results: Sequence[shards.ShardResult]) -> manifest_lib.Manifest:
+    return self.inner.finish(job, results)
+
+  def open_shard(self, job: shards.Job, plan: shards.ShardPlan) -> shards.ShardWriter:
+    """A shard written in a local folder and copied into OUT's build folder when complete."""
+
+    def done(result: shards.ShardResult, path: str) -> shards.ShardResult:
+      target = _filesystems().join(job.out, shards.BUILD_DIR, result.name)
+      with open(path, "rb") as src:
+        _put(target, lambda f: shutil.copyfileobj(src, f, 8 << 20))
+      os.unlink(path)
+      marker = {"fingerprint": job.fp, "result": dataclasses.asdict(result)}
+      _put(target + ".done", lambda f: f.write(json.dumps(marker).encode()))
+      return result
+
+    return bucket.local_shard(plan, done)
+
+  def write(
+    self, job: shards.Job, todo: list[shards.ShardPlan], *, workers: int, progress: bool, desc: str
+  ) -> dict[str, shards.ShardResult]:
+    """Runs the pipeline that writes the shards `todo` (the runner places them, whatever
+    `workers` is); the shards written, from their done markers."""
+    import apache_beam as beam
+    from apache_beam.options.pipeline_options import PipelineOptions
+
+    args, dask = list(self.pipeline_args), self.runner == DASK_RUNNER
+    partitions = ("--dask_npartitions", "--dask_partition_size")
+    if dask and not any(a.startswith(partitions) for a in args):
+      args.append("--dask_partition_size=1")  # one task per shard (Dask's default: 128)
+    worker_job = dataclasses.replace(job, plans=[], skipped=[])  # each element carries its plan
+    p = beam.Pipeline(options=PipelineOptions(args, runner=self.runner))
+    _ = (
+      p
+      | "Plan" >> beam.Create(todo)
+      | "Spread" >> beam.Reshuffle()
+      | "WriteShard" >> beam.Map(_write_element, self, worker_job)
+    )
+    with _Progress(job, todo, f"{desc} ({self.runner.rsplit('.', 1)[-1]})", progress) as bar:
+      result = p.run()
+      try:
+        result.wait_until_finish()
+      finally:
+        if dask:  # the runner's own client: closed, or it outlives the cluster it joined
+          result.client.close()
+      bar.report(final=True)
+    return self.inner.written(job)  # the markers, checked as a re-run checks them
 
 
 def run(
@@ -236,69 +246,48 @@ def run(
   desc: str = "convert",
 ) -> manifest_lib.Manifest:
   """Writes a planned job's unfinished shards with Beam, then commits the manifest in OUT."""
-  if bucket.is_url(job.out):
-    bucket.check(job.out)
-    with bucket.locked(job.out):
-      m, results = bucket.start(job, overwrite)
-      if m is not None:
-        return m
-      todo = [p for p in job.plans if p.name not in results]
-      _write(job, todo, runner, pipeline_args, progress, desc)
-      results = bucket._resume(job)  # the markers, checked against the objects' listing
-      if missing := [p.name for p in job.plans if p.name not in results]:
-        raise RuntimeError(f"{job.out}: shards not written: {missing[:5]}...")
-      return bucket.finish(job, [results[p.name] for p in job.plans])
-  with shards.locked(job.out):
-    if (m := shards.start(job, overwrite)) is not None:
-      return m
-    _write(job, shards.pending(job), runner, pipeline_args, progress, desc)
-    return shards.finish(job)
+  target = BeamTarget(bucket.target(job.out), runner, pipeline_args)
+  return shards.run(job, target, progress=progress, desc=desc, overwrite=overwrite)
 
 
 def convert_images(
-  src: str | os.PathLike,
-  out: str | os.PathLike,
+  request: images.Request,
   *,
   runner: str = "DirectRunner",
   pipeline_args: Sequence[str] = (),
-  overwrite: bool = False,
   progress: bool = True,
-  **kwargs: Any,
 ) -> manifest_lib.Manifest:
-  """`images.convert` on Beam; `kwargs` are `images.plan`'s (split, val_fraction, ...)."""
+  """`images.convert` on Beam: the same plan, its files read through Beam's FileSystems."""
   require(runner)
-  job = images.plan(src, out, **kwargs)
+  job = images.plan(request)
   job = dataclasses.replace(job, process=functools.partial(job.process, read_many=read_many))
-  name = os.path.basename(os.path.normpath(os.fspath(src)))
+  name = os.path.basename(os.path.normpath(os.fspath(request.src)))
   return run(
     job,
     runner=runner,
     pipeline_args=pipeline_args,
-    overwrite=overwrite,
+    overwrite=request.overwrite,
     progress=progress,
     desc=f"convert {name}",
   )
 
 
 def convert_tfrecord(
-  pattern: str | Sequence[str],
-  out: str | os.PathLike,
+  request: tfrecord.Request,
   *,
   runner: str = "DirectRunner",
   pipeline_args: Sequence[str] = (),
-  overwrite: bool = False,
   progress: bool = True,
-  **kwargs: Any,
 ) -> manifest_lib.Manifest:
-  """`tfrecord.convert` on Beam; `kwargs` are `tfrecord.plan`'s (split, num_classes, ...)."""
+  """`tfrecord.convert` on Beam: the same plan, its files read through Beam's FileSystems."""
   require(runner)
-  job = tfrecord.plan(pattern, out, **kwargs)
+  job = tfrecord.plan(request)
   job = dataclasses.replace(job, process=functools.partial(job.process, open_file=open_file))
   return run(
     job,
     runner=runner,
     pipeline_args=pipeline_args,
-    overwrite=overwrite,
+    overwrite=request.overwrite,
     progress=progress,
     desc="convert tfrecord",
   )

@@ -4,9 +4,9 @@ Reading: a source folder is listed once (`list_files`: names, sizes and generati
 same plan as a local folder of the same files); a worker fetches its task's files (up to 256,
 4 MiB) concurrently (`read_many`); TFRecords are read through gcsfs with 8 MiB read-ahead.
 
-Writing (`run`): the plan and the bytes are the local converter's. Each shard is written to
-a local temporary folder (at most one shard per worker at a time), uploaded as it finishes
-to `OUT/.convert-build/NAME`, checked against the CRC32C GCS computed of the object, and
+Writing (`BucketTarget`): the plan and the bytes are the local converter's. Each shard is
+written to a local temporary folder (at most one shard per worker at a time), uploaded as it
+finishes to `OUT/.convert-build/NAME`, checked against the CRC32C GCS computed of the object, and
 removed locally; a done marker beside it (the job's fingerprint, records, size, sha256,
 crc32c, generation) lets a re-run of the same job keep it. At the end `swap.json` (the new
 manifest: the commit point) is written to the build folder, the shards are copied into OUT
@@ -25,7 +25,6 @@ import base64
 import contextlib
 import dataclasses
 import errno
-import functools
 import json
 import os
 import re
@@ -39,7 +38,6 @@ from etils import epath
 
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.convert import shards
-from pipeline.convert.shards import Progress
 from pipeline.storage import remote
 
 T = TypeVar("T")
@@ -250,30 +248,9 @@ def upload(out: str, path: str, result: shards.ShardResult, fp: str) -> shards.S
   return result
 
 
-class _Builder(shards._ShardBuilder):
-  """A shard written in a local folder and uploaded when complete."""
-
-  def done(self, result: shards.ShardResult) -> shards.ShardResult:
-    return upload(self.job.out, self.shard.path, result, self.job.fp)
-
-
-def write_shard(job: shards.Job, stage: str, plan: shards.ShardPlan) -> shards.ShardResult:
-  """Writes and uploads one whole shard in this process (a worker's unit of work)."""
-  builder, result = _Builder(job, plan, stage), None
-  for task in shards._tasks(plan):
-    result = builder.add(task, job.process(task))
-  return result
-
-
-def _resume(job: shards.Job) -> dict[str, shards.ShardResult]:
-  """Shards an interrupted run of this very job uploaded (marker, size and CRC32C agree);
-  another plan's build folder is removed."""
+def _uploaded(job: shards.Job) -> dict[str, shards.ShardResult]:
+  """Shards an interrupted run of this very job uploaded (marker, size and CRC32C agree)."""
   build = join(job.out, shards.BUILD_DIR)
-  plan = _read_json(join(build, _PLAN))
-  if not isinstance(plan, dict) or plan.get("fingerprint") != job.fp:
-    _remove(build, recursive=True)
-    _write_json(join(build, _PLAN), {"fingerprint": job.fp})
-    return {}
   objects, done = _objects(build), {}
   for p in job.plans:
     if p.name not in objects or p.name + ".done" not in objects:
@@ -314,18 +291,6 @@ def swap_in(out: str) -> None:
     if f not in files and f in there:
       _remove(join(out, f))
   _remove(build, recursive=True)
-
-
-def finish(job: shards.Job, results: list[shards.ShardResult]) -> manifest_lib.Manifest:
-  """Commits the manifest of the uploaded shards and swaps the build into OUT."""
-  try:
-    m, remove = shards.manifest_of(job, results, shards._load_existing(job.out, overwrite=True))
-  except shards.ConversionError:
-    _remove(join(job.out, shards.BUILD_DIR), recursive=True)
-    raise
-  _write_json(join(job.out, shards.BUILD_DIR, _SWAP), {"manifest": m.to_json(), "remove": remove})
-  swap_in(job.out)
-  return m
 
 
 def _create(url: str, data: bytes) -> bool:
@@ -395,63 +360,66 @@ def _remove_stale_stages() -> None:
       pass
 
 
-def run(
-  job: shards.Job, *, workers: int | None, progress: bool, desc: str, overwrite: bool = False
-) -> manifest_lib.Manifest:
-  """`shards.run` for OUT in a bucket: writes and uploads every shard not already there,
-  then swaps the result into OUT. Local disk holds at most one shard per worker."""
-  shards.check_workers(workers)
-  check(job.out)
-  with locked(job.out):
-    return _run(job, workers, progress, desc, overwrite)
-
-
-def start(
-  job: shards.Job, overwrite: bool
-) -> tuple[manifest_lib.Manifest | None, dict[str, shards.ShardResult]]:
-  """`shards.start` for OUT in a bucket (call it holding `locked(job.out)`): OUT's manifest
-  if this job is already done there, else None and the shards already uploaded."""
-  if _SWAP in _names(join(job.out, shards.BUILD_DIR)):
-    swap_in(job.out)
-  there = None
-
-  def exists(name: str) -> bool:
-    nonlocal there
-    there = _names(job.out) if there is None else there
-    return name in there
-
-  if (m := shards.check_target(job, overwrite, exists)) is not None:
-    _remove(join(job.out, shards.BUILD_DIR), recursive=True)
-    return m, {}
-  return None, _resume(job)
-
-
-def _run(
-  job: shards.Job, workers: int | None, progress: bool, desc: str, overwrite: bool
-) -> manifest_lib.Manifest:
-  m, results = start(job, overwrite)
-  if m is not None:
-    return m
-  todo = [p for p in job.plans if p.name not in results]
-  workers = workers or os.cpu_count() or 1
+def local_shard(
+  plan: shards.ShardPlan, done: Callable[[shards.ShardResult, str], shards.ShardResult]
+) -> shards.ShardWriter:
+  """A writer of `plan` in a new local temporary folder, removed when the writer is closed
+  (those of killed conversions first); `done(result, path)` sends the finished file away."""
   _remove_stale_stages()
   stage = tempfile.mkdtemp(prefix=f"{_STAGE}{os.getpid()}-")
-  try:
-    with Progress(sum(len(p.items) for p in todo), desc, "file", progress) as bar:
-      if workers > 1 and len(todo) >= workers:
-        write = functools.partial(write_shard, dataclasses.replace(job, plans=[]), stage)
-        for plan, result in zip(todo, shards.ordered_map(write, todo, workers)):
-          results[plan.name] = result
-          bar.update(len(plan.items))
-      else:
-        tasks = [(p, t) for p in todo for t in shards._tasks(p)]
-        outcomes = shards.ordered_map(job.process, [t for _, t in tasks], min(workers, len(tasks)))
-        builder = None
-        for (plan, task), found in zip(tasks, outcomes):
-          builder = builder or _Builder(job, plan, stage)
-          if result := builder.add(task, found):
-            results[plan.name], builder = result, None
-          bar.update(len(task))
-  finally:
-    shutil.rmtree(stage, ignore_errors=True)
-  return finish(job, [results[p.name] for p in job.plans])
+  return shards.ShardWriter(
+    plan, stage, done, cleanup=lambda: shutil.rmtree(stage, ignore_errors=True)
+  )
+
+
+class BucketTarget(shards.Target):
+  """OUT a folder in a bucket: a lock object, shards written locally (at most one per worker
+  at a time) and uploaded to `OUT/.convert-build/`, copied into OUT inside the bucket."""
+
+  def locked(self, out: str) -> contextlib.AbstractContextManager[None]:
+    check(out)  # no gcsfs, credentials or network: one line, before anything is written
+    return locked(out)
+
+  def start(self, job: shards.Job, overwrite: bool) -> manifest_lib.Manifest | None:
+    """Finishes a committed swap, checks OUT (`shards.check_target`) and removes another
+    plan's build folder."""
+    build = join(job.out, shards.BUILD_DIR)
+    if _SWAP in _names(build):
+      swap_in(job.out)
+    there = None
+
+    def exists(name: str) -> bool:
+      nonlocal there
+      there = _names(job.out) if there is None else there
+      return name in there
+
+    if (m := shards.check_target(job, overwrite, exists)) is not None:
+      _remove(build, recursive=True)
+      return m
+    plan = _read_json(join(build, _PLAN))
+    if not isinstance(plan, dict) or plan.get("fingerprint") != job.fp:
+      _remove(build, recursive=True)
+      _write_json(join(build, _PLAN), {"fingerprint": job.fp})
+    return None
+
+  def written(self, job: shards.Job) -> dict[str, shards.ShardResult]:
+    return _uploaded(job)
+
+  def open_shard(self, job: shards.Job, plan: shards.ShardPlan) -> shards.ShardWriter:
+    return local_shard(plan, lambda result, path: upload(job.out, path, result, job.fp))
+
+  def finish(self, job: shards.Job, results: Sequence[shards.ShardResult]) -> manifest_lib.Manifest:
+    try:
+      m, remove = shards.manifest_of(job, results, shards._load_existing(job.out, overwrite=True))
+    except shards.ConversionError:
+      _remove(join(job.out, shards.BUILD_DIR), recursive=True)
+      raise
+    build = join(job.out, shards.BUILD_DIR)
+    _write_json(join(build, _SWAP), {"manifest": m.to_json(), "remove": remove})
+    swap_in(job.out)
+    return m
+
+
+def target(out: str | os.PathLike) -> shards.Target:
+  """The target of a conversion into `out`: a bucket's or a local folder's."""
+  return BucketTarget() if is_url(out) else shards.LocalTarget()

@@ -213,16 +213,15 @@ def _build(
   for name, make in makers.items():
     raw, out = os.path.join(raw_dir, name), os.path.join(data_dir, name)
     _make_once(raw, functools.partial(make, progress=progress))
-    manifests[name] = images.convert(
+    request = images.Request(
       raw,
       out,
       val_fraction=VAL_FRACTION,
       seed=0,
       shard_size_mb=SHARD_SIZE_MB,
-      workers=workers,
-      progress=progress,
       overwrite=_made_from(out, raw),
     )
+    manifests[name] = images.convert(request, workers=workers, progress=progress)
   return manifests
 
 

@@ -11,6 +11,7 @@ depend on `workers`.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import functools
 import json
 import os
@@ -175,6 +176,19 @@ def _scan(
       by_class[entry.name] = []
       walk(entry.path, entry.name, entry.name, not entry.is_symlink())
 
+  _one_label(src, found, by_class, skipped)
+  return by_class, skipped
+
+
+def _one_label(
+  src: str,
+  found: list[tuple[str, str, os.stat_result, bool]],
+  by_class: dict[str, list[tuple[str, os.stat_result]]],
+  skipped: list[dict[str, str]],
+) -> None:
+  """Puts each found file in its class, once per file (by inode, real files before links):
+  another path to the same file, in another class, is skipped."""
+
   def identity(rel: str, st: os.stat_result) -> tuple[int, int] | str:
     return (st.st_dev, st.st_ino) if st.st_ino else os.path.realpath(os.path.join(src, rel))
 
@@ -192,7 +206,6 @@ def _scan(
           "reason": f"same file as {first} in class {first_class}; an image gets one label",
         }
       )
-  return by_class, skipped
 
 
 def _scan_bucket(
@@ -377,64 +390,74 @@ def _split_files(
   return out
 
 
-def _check_arguments(
-  split: str, val_fraction: float, max_size: int | None, max_pixels: int
-) -> None:
-  shards.check_split_name(split)
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """An image folder `src` to convert into `out`, and how (`convert images`' flags).
+
+  With `val_fraction` > 0 it writes splits `split` and "validation" (split per class).
+  With `labels`, a CSV of FILE,CLASS rows, `src` is a flat folder (ImageNet's `val/`).
+  Splits of another conversion already in `out` are replaced only with `overwrite`.
+  """
+
+  src: str | os.PathLike
+  out: str | os.PathLike
+  _: dataclasses.KW_ONLY
+  split: str = "train"
+  val_fraction: float = 0.0
+  seed: int = 0
+  label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB
+  max_size: int | None = None
+  max_pixels: int = checks.MAX_PIXELS
+  follow_symlinks: bool = False
+  keys: records.Keys = records.DEFAULT_KEYS
+  labels: str | os.PathLike | None = None
+  overwrite: bool = False
+
+
+def _check_arguments(request: Request) -> None:
+  shards.check_split_name(request.split)
+  split, val_fraction = request.split, request.val_fraction
   if not 0.0 <= val_fraction < 1.0:
     raise ValueError(f"val_fraction must be in [0, 1), got {val_fraction}")
   if val_fraction > 0 and split == VALIDATION:
     raise ValueError(
       f"split {split!r} is the name of the split val_fraction makes; choose another --split"
     )
-  if max_size is not None and max_size < 1:
-    raise ValueError(f"max_size must be a positive number of pixels, got {max_size}")
-  if max_pixels < 1:
-    raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
+  if request.max_size is not None and request.max_size < 1:
+    raise ValueError(f"max_size must be a positive number of pixels, got {request.max_size}")
+  if request.max_pixels < 1:
+    raise ValueError(f"max_pixels must be a positive number of pixels, got {request.max_pixels}")
 
 
-def plan(
-  src: str | os.PathLike,
-  out: str | os.PathLike,
-  *,
-  split: str = "train",
-  val_fraction: float = 0.0,
-  seed: int = 0,
-  label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
-  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
-  max_size: int | None = None,
-  max_pixels: int = checks.MAX_PIXELS,
-  follow_symlinks: bool = False,
-  keys: records.Keys = records.DEFAULT_KEYS,
-  labels: str | os.PathLike | None = None,
-) -> shards.Job:
-  """Scans `src`, numbers its classes, splits and orders its files and plans the shards.
-
-  `out` is left out of the scan when it lies inside `src`. With `labels` (a CSV of
-  FILE,CLASS rows) `src` is a flat folder, such as ImageNet's `val/`.
-  """
-  src, out = os.fspath(src), os.fspath(out)
-  _check_arguments(split, val_fraction, max_size, max_pixels)
-  shard_bytes = shards.shard_bytes(shard_size_mb)
+def _list(request: Request) -> tuple[dict[str, list], list[dict[str, str]]]:
+  """The image files per class of SRC (a folder here or in a bucket) and what was left out;
+  a missing SRC, or OUT being SRC itself, is an error."""
+  src, out = os.fspath(request.src), os.fspath(request.out)
   in_bucket = bucket.is_url(src)
-  same = out.rstrip("/") == src.rstrip("/")
   if in_bucket:
     bucket.check(src)
   elif os.path.exists(src) and not os.path.isdir(src):
     raise NotADirectoryError(f"{src} is a file, not an image folder")
   elif not os.path.isdir(src):
     raise FileNotFoundError(f"image folder {src} not found")
+  same = out.rstrip("/") == src.rstrip("/")
   if same or (not in_bucket and os.path.realpath(out) == os.path.realpath(src)):
     raise ValueError(f"the output folder must not be the image folder {src} itself")
-  labelled = None if labels is None else load_labels(labels)
-  if in_bucket:
-    by_class, skipped = _scan_bucket(src, [out], labelled)
-    if not by_class and not skipped:
-      raise FileNotFoundError(f"image folder {src} not found (no objects under it)")
-  else:
-    by_class, skipped = _scan(src, follow_symlinks, [out], labelled)
-  if label_map is not None:
-    classes = load_label_map(label_map)
+  labelled = None if request.labels is None else load_labels(request.labels)
+  if not in_bucket:
+    return _scan(src, request.follow_symlinks, [out], labelled)
+  by_class, skipped = _scan_bucket(src, [out], labelled)
+  if not by_class and not skipped:
+    raise FileNotFoundError(f"image folder {src} not found (no objects under it)")
+  return by_class, skipped
+
+
+def _classes(request: Request, by_class: dict[str, list]) -> list[str]:
+  """The class names in label order: the label map's, or the class folders sorted."""
+  src = os.fspath(request.src)
+  if request.label_map is not None:
+    classes = load_label_map(request.label_map)
     unknown = sorted(set(by_class) - set(classes))
     if unknown:
       raise LabelMapError(
@@ -445,16 +468,43 @@ def plan(
   if not classes:
     raise ValueError(
       f"no class folders in {src} (expected SRC/CLASS/IMAGE)"
-      if labels is None
-      else f"no file in {src} is named in the labels file {labels}"
+      if request.labels is None
+      else f"no file in {src} is named in the labels file {request.labels}"
     )
+  return classes
+
+
+def _arguments(request: Request) -> dict:
+  """The arguments that shape the output, as the manifest records them."""
+  return {
+    "split": request.split,
+    "val_fraction": request.val_fraction,
+    "seed": request.seed,
+    "label_map": None if request.label_map is None else str(request.label_map),
+    "shard_size_mb": request.shard_size_mb,
+    "max_size": request.max_size,
+    "max_pixels": request.max_pixels,
+    "follow_symlinks": request.follow_symlinks,
+    "labels": None if request.labels is None else str(request.labels),
+  }
+
+
+def plan(request: Request) -> shards.Job:
+  """Scans SRC, numbers its classes, splits and orders its files and plans the shards.
+
+  OUT is left out of the scan when it lies inside SRC.
+  """
+  _check_arguments(request)
+  shard_bytes = shards.shard_bytes(request.shard_size_mb)
+  by_class, skipped = _list(request)
+  classes = _classes(request, by_class)
   skipped += [
     {"path": name + "/", "reason": "empty class folder"}
     for name in sorted(by_class)
     if not by_class[name]
   ]
   label_of = {name: i for i, name in enumerate(classes)}
-  split_items = _split_files(by_class, label_of, val_fraction, seed, split)
+  split_items = _split_files(by_class, label_of, request.val_fraction, request.seed, request.split)
   plans, inputs = [], []
   for name, items in split_items.items():
     plans += shards.plan_split(
@@ -464,23 +514,14 @@ def plan(
       shard_bytes,
     )
     inputs.append([name, [(rel, label, st.st_size, st.st_mtime_ns) for rel, label, st in items]])
-  args = {
-    "split": split,
-    "val_fraction": val_fraction,
-    "seed": seed,
-    "label_map": None if label_map is None else str(label_map),
-    "shard_size_mb": shard_size_mb,
-    "max_size": max_size,
-    "max_pixels": max_pixels,
-    "follow_symlinks": follow_symlinks,
-    "labels": None if labels is None else str(labels),
-  }
+  src, keys, args = os.fspath(request.src), request.keys, _arguments(request)
+  work = functools.partial(
+    process, src=src, keys=keys, max_size=request.max_size, max_pixels=request.max_pixels
+  )
   return shards.Job(
-    out=out,
+    out=os.fspath(request.out),
     plans=plans,
-    process=functools.partial(
-      process, src=src, keys=keys, max_size=max_size, max_pixels=max_pixels
-    ),
+    process=work,
     fp=shards.fingerprint(__version__, args, classes, keys, inputs),
     classes=classes,
     splits=list(split_items),
@@ -490,54 +531,29 @@ def plan(
       "tool": "pipeline.convert images",
       "version": __version__,
       "args": args,
-      "source": src if in_bucket else os.path.abspath(src),
+      "source": src if bucket.is_url(src) else os.path.abspath(src),
     },
   )
 
 
 def convert(
-  src: str | os.PathLike,
-  out: str | os.PathLike,
-  *,
-  split: str = "train",
-  val_fraction: float = 0.0,
-  seed: int = 0,
-  label_map: str | os.PathLike | Mapping[str, int] | Sequence[str] | None = None,
-  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
-  workers: int | None = None,
-  max_size: int | None = None,
-  max_pixels: int = checks.MAX_PIXELS,
-  follow_symlinks: bool = False,
-  keys: records.Keys = records.DEFAULT_KEYS,
-  labels: str | os.PathLike | None = None,
-  progress: bool = True,
-  overwrite: bool = False,
+  request: Request, workers: int | None = None, progress: bool = True
 ) -> manifest_lib.Manifest:
-  """Converts an image folder to ArrayRecord shards and manifest.json in `out`.
+  """Converts an image folder to ArrayRecord shards and manifest.json in OUT.
 
-  With `val_fraction` > 0 it writes splits `split` and "validation" (split per class).
-  With `labels`, a CSV of FILE,CLASS rows, `src` is a flat folder (ImageNet's `val/`).
-  Into a dataset already in `out` it adds the splits (classes must match); splits of
-  another conversion are replaced only with `overwrite`. Re-running after an interruption
-  keeps finished shards; the result is the same.
+  Into a dataset already in OUT it adds the splits (classes must match). Re-running after
+  an interruption keeps finished shards; the result is the same whatever `workers` is.
   """
   shards.check_workers(workers)
-  if bucket.is_url(out):
-    bucket.check(os.fspath(out))  # no gcsfs, credentials or network: one line, at once
-  job = plan(
-    src,
-    out,
-    split=split,
-    val_fraction=val_fraction,
-    seed=seed,
-    label_map=label_map,
-    shard_size_mb=shard_size_mb,
-    max_size=max_size,
-    max_pixels=max_pixels,
-    follow_symlinks=follow_symlinks,
-    keys=keys,
-    labels=labels,
+  if bucket.is_url(request.out):
+    bucket.check(os.fspath(request.out))  # no gcsfs, credentials or network: one line, at once
+  job = plan(request)
+  name = os.path.basename(os.path.normpath(os.fspath(request.src)))
+  return shards.run(
+    job,
+    bucket.target(job.out),
+    workers=workers,
+    progress=progress,
+    desc=f"convert {name}",
+    overwrite=request.overwrite,
   )
-  name = os.path.basename(os.path.normpath(os.fspath(src)))
-  run = bucket.run if bucket.is_url(out) else shards.run
-  return run(job, workers=workers, progress=progress, desc=f"convert {name}", overwrite=overwrite)

@@ -462,48 +462,22 @@ def check_target(
   return None
 
 
-def start(job: Job, overwrite: bool = False) -> manifest_lib.Manifest | None:
-  """Readies OUT for `job` (call it holding `locked(job.out)`); returns the manifest if the
-  job is already done there.
+class ShardWriter:
+  """Collects one shard's outcomes in plan order in `directory`; once complete, commits it
+  and hands (result, path) to `done`, which marks it done (or sends it away first)."""
 
-  Finishes a swap an interrupted run had committed, then checks OUT (`check_target`).
-  Another plan's unfinished build is removed.
-  """
-  out = job.out
-  if os.path.exists(os.path.join(build_dir(out), _SWAP_FILE)):
-    swap_in(out)
-  _remove_stale_files(out)
-  done = check_target(job, overwrite, lambda name: os.path.lexists(os.path.join(out, name)))
-  if done is not None:
-    shutil.rmtree(build_dir(out), ignore_errors=True)  # another plan's unfinished work
-    return done
-  _prepare_build(job)
-  return None
-
-
-def pending(job: Job) -> list[ShardPlan]:
-  """The shards an earlier, interrupted run of this very job did not finish.
-
-  A shard file without its done marker (the disk filled up between the shard's rename and
-  its marker) cannot be trusted, as its skipped files are unknown: it is removed, so
-  writing it again needs no room for a second copy.
-  """
-  todo = [p for p in job.plans if _load_done(job.out, p.name, job.fp) is None]
-  for p in todo:
-    with contextlib.suppress(FileNotFoundError):
-      os.unlink(os.path.join(build_dir(job.out), p.name))
-  return todo
-
-
-class _ShardBuilder:
-  """Collects one shard's outcomes in plan order and commits it with its done marker (in
-  `directory`, by default the build folder; `done` says where the finished shard goes)."""
-
-  def __init__(self, job: Job, plan: ShardPlan, directory: str | None = None):
-    self.job, self.plan, self.left = job, plan, len(plan.items)
-    self.shard = AtomicShard(directory or build_dir(job.out), plan.name)
+  def __init__(
+    self,
+    plan: ShardPlan,
+    directory: str,
+    done: Callable[[ShardResult, str], ShardResult],
+    cleanup: Callable[[], None] | None = None,
+  ):
+    self.plan, self.left = plan, len(plan.items)
+    self.shard = AtomicShard(directory, plan.name)
     self.skipped: list[dict[str, str]] = []
     self.reencoded: list[dict[str, str]] = []
+    self._done, self._cleanup = done, cleanup
 
   def add(self, task: tuple[Any, ...], outcomes: list[Outcome]) -> ShardResult | None:
     """Writes a task's outcomes; returns the result once the shard is complete and done."""
@@ -519,52 +493,165 @@ class _ShardBuilder:
       return None
     count, sha256, size, crc32c = self.shard.commit()
     result = ShardResult(self.plan.name, count, sha256, size, self.skipped, self.reencoded, crc32c)
-    return self.done(result)
+    return self._done(result, self.shard.path)
 
-  def done(self, result: ShardResult) -> ShardResult:
-    _mark_done(self.job.out, result, self.job.fp)
+  def close(self) -> None:
+    """Runs `cleanup` (a local temporary folder removed), once."""
+    cleanup, self._cleanup = self._cleanup, None
+    if cleanup is not None:
+      cleanup()
+
+  def __enter__(self) -> ShardWriter:
+    return self
+
+  def __exit__(self, *exc) -> None:
+    self.close()
+
+
+class Target:
+  """Where a job's shards go and how OUT takes them: its lock, its build folder (kept shards
+  of an interrupted run of the same job), the shards' writers and the swap into OUT.
+
+  `LocalTarget` (a folder), `bucket.BucketTarget` (gs://) and `beam.BeamTarget` (shards
+  written by Beam workers) implement it; `run` drives one, so every target writes the same
+  bytes and manifest.
+  """
+
+  def locked(self, out: str) -> contextlib.AbstractContextManager[None]:
+    """Holds OUT's lock for one conversion: a second one into OUT is refused in one line."""
+    raise NotImplementedError
+
+  def start(self, job: Job, overwrite: bool) -> manifest_lib.Manifest | None:
+    """Readies OUT for `job` (holding the lock): OUT's manifest if this very job is done there,
+    else None, the build folder holding no other job's work (`check_target` refuses)."""
+    raise NotImplementedError
+
+  def written(self, job: Job) -> dict[str, ShardResult]:
+    """The shards of `job` already in the build folder (checked), by name."""
+    raise NotImplementedError
+
+  def open_shard(self, job: Job, plan: ShardPlan) -> ShardWriter:
+    """A writer of one shard that ends in the build folder beside its done marker."""
+    raise NotImplementedError
+
+  def finish(self, job: Job, results: Sequence[ShardResult]) -> manifest_lib.Manifest:
+    """Commits the manifest of the shards' `results` (in plan order) and swaps it into OUT."""
+    raise NotImplementedError
+
+  def write_shard(self, job: Job, plan: ShardPlan) -> ShardResult:
+    """Writes one whole shard in this process (a worker's unit of work)."""
+    with self.open_shard(job, plan) as shard:
+      for task in _tasks(plan):
+        result = shard.add(task, job.process(task))
     return result
 
+  def write(
+    self, job: Job, todo: list[ShardPlan], *, workers: int, progress: bool, desc: str
+  ) -> dict[str, ShardResult]:
+    """Writes the shards `todo` with `workers` processes; their results by name.
 
-def write_shard(job: Job, plan: ShardPlan) -> str:
-  """Writes one whole shard in this process (the unit of work of the Beam pipeline)."""
-  builder = _ShardBuilder(job, plan)
-  for task in _tasks(plan):
-    builder.add(task, job.process(task))
-  return plan.name
+    With at least as many shards as workers, each worker writes whole shards (no record
+    crosses a process boundary); otherwise workers check records and this process writes
+    them in plan order. Either way a shard's bytes follow from the plan alone.
+    """
+    results = {}
+    with Progress(sum(len(p.items) for p in todo), desc, "file", progress) as bar:
+      if workers > 1 and len(todo) >= workers:
+        write = functools.partial(self.write_shard, dataclasses.replace(job, plans=[]))
+        for plan, result in zip(todo, ordered_map(write, todo, workers)):
+          results[plan.name] = result
+          bar.update(len(plan.items))
+        return results
+      tasks = [(p, t) for p in todo for t in _tasks(p)]
+      outcomes = ordered_map(job.process, [t for _, t in tasks], min(workers, len(tasks)))
+      shard = None
+      try:
+        for (plan, task), found in zip(tasks, outcomes):
+          shard = shard or self.open_shard(job, plan)
+          if result := shard.add(task, found):
+            results[plan.name] = result
+            shard.close()
+            shard = None
+          bar.update(len(task))
+      finally:
+        if shard is not None:
+          shard.close()
+    return results
 
 
 def run(
-  job: Job, *, workers: int | None, progress: bool, desc: str, overwrite: bool = False
+  job: Job,
+  target: Target,
+  *,
+  workers: int | None = None,
+  progress: bool = True,
+  desc: str = "convert",
+  overwrite: bool = False,
 ) -> manifest_lib.Manifest:
-  """Writes every shard not already done, then swaps the result into OUT.
-
-  With at least as many shards to write as workers, each worker writes whole shards (no
-  record crosses a process boundary); otherwise workers check records and this process
-  writes them in plan order. Either way a shard's bytes follow from the plan alone.
-  Finished shards of an interrupted run of the same job are kept.
-  """
+  """Writes every shard of `job` not already done into `target`, then swaps the result into
+  OUT. Finished shards of an interrupted run of the same job are kept."""
   check_workers(workers)
-  with locked(job.out):
-    if (m := start(job, overwrite)) is not None:
+  with target.locked(job.out):
+    if (m := target.start(job, overwrite)) is not None:
       return m
-    todo = pending(job)
+    results = target.written(job)
+    todo = [p for p in job.plans if p.name not in results]
     workers = workers or os.cpu_count() or 1
-    with Progress(sum(len(p.items) for p in todo), desc, "file", progress) as bar:
-      if workers > 1 and len(todo) >= workers:
-        write = functools.partial(write_shard, dataclasses.replace(job, plans=[]))
-        for plan, _ in zip(todo, ordered_map(write, todo, workers)):
-          bar.update(len(plan.items))
-      else:
-        tasks = [(p, t) for p in todo for t in _tasks(p)]
-        outcomes = ordered_map(job.process, [t for _, t in tasks], min(workers, len(tasks)))
-        builder = None
-        for (plan, task), results in zip(tasks, outcomes):
-          builder = builder or _ShardBuilder(job, plan)
-          if builder.add(task, results):
-            builder = None
-          bar.update(len(task))
-    return finish(job)
+    results.update(target.write(job, todo, workers=workers, progress=progress, desc=desc))
+    if missing := [p.name for p in job.plans if p.name not in results]:
+      raise RuntimeError(f"{job.out}: shards not written: {missing[:5]}...")
+    return target.finish(job, [results[p.name] for p in job.plans])
+
+
+class LocalTarget(Target):
+  """OUT a folder on this machine: an flock, and shards built in `OUT/.convert-build/`."""
+
+  def locked(self, out: str) -> contextlib.AbstractContextManager[None]:
+    return locked(out)
+
+  def start(self, job: Job, overwrite: bool) -> manifest_lib.Manifest | None:
+    """Finishes a swap an interrupted run had committed, then checks OUT (`check_target`).
+    Another plan's unfinished build is removed, and so is a shard file without its done
+    marker (the disk filled up between them): its skipped files are unknown, and writing it
+    again then needs no room for a second copy."""
+    out = job.out
+    if os.path.exists(os.path.join(build_dir(out), _SWAP_FILE)):
+      swap_in(out)
+    _remove_stale_files(out)
+    done = check_target(job, overwrite, lambda name: os.path.lexists(os.path.join(out, name)))
+    if done is not None:
+      shutil.rmtree(build_dir(out), ignore_errors=True)  # another plan's unfinished work
+      return done
+    _prepare_build(job)
+    for p in job.plans:
+      if _load_done(out, p.name, job.fp) is None:
+        with contextlib.suppress(FileNotFoundError):
+          os.unlink(os.path.join(build_dir(out), p.name))
+    return None
+
+  def written(self, job: Job) -> dict[str, ShardResult]:
+    found = {p.name: _load_done(job.out, p.name, job.fp) for p in job.plans}
+    return {name: r for name, r in found.items() if r is not None}
+
+  def open_shard(self, job: Job, plan: ShardPlan) -> ShardWriter:
+    def done(result: ShardResult, path: str) -> ShardResult:
+      _mark_done(job.out, result, job.fp)
+      return result
+
+    return ShardWriter(plan, build_dir(job.out), done)
+
+  def finish(self, job: Job, results: Sequence[ShardResult]) -> manifest_lib.Manifest:
+    """Zero records in a split is an error (and the build is removed)."""
+    try:
+      m, remove = manifest_of(job, results, _load_existing(job.out, overwrite=True))
+    except ConversionError:
+      shutil.rmtree(build_dir(job.out), ignore_errors=True)
+      raise
+    _write_json(
+      os.path.join(build_dir(job.out), _SWAP_FILE), {"manifest": m.to_json(), "remove": remove}
+    )
+    swap_in(job.out)
+    return m
 
 
 def _reasons(skipped: list[dict[str, str]]) -> str:
@@ -643,24 +730,6 @@ def manifest_of(
     [] if old is None else sorted({sh.file for s in old.splits.values() for sh in s.shards} - files)
   )
   return m, remove
-
-
-def finish(job: Job) -> manifest_lib.Manifest:
-  """Builds the manifest from the done markers, commits it to the build folder and swaps
-  it into OUT (call it holding the lock). Zero records in a split is an error."""
-  results = [_load_done(job.out, p.name, job.fp) for p in job.plans]
-  if missing := [p.name for p, r in zip(job.plans, results) if r is None]:
-    raise RuntimeError(f"{job.out}: shards not written: {missing[:5]}...")
-  try:
-    m, remove = manifest_of(job, results, _load_existing(job.out, overwrite=True))
-  except ConversionError:
-    shutil.rmtree(build_dir(job.out), ignore_errors=True)
-    raise
-  _write_json(
-    os.path.join(build_dir(job.out), _SWAP_FILE), {"manifest": m.to_json(), "remove": remove}
-  )
-  swap_in(job.out)
-  return m
 
 
 def swap_in(out: str) -> None:

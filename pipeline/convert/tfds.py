@@ -10,6 +10,7 @@ on: it is skipped with one line on stderr, and the other splits are converted.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 from collections.abc import Sequence
@@ -20,47 +21,53 @@ from pipeline.catalog import records, tfds_folder
 from pipeline.convert import bucket, checks, shards, tfrecord
 
 
-def convert(
-  name: str,
-  out: str | os.PathLike,
-  *,
-  data_dir: str | os.PathLike | None = None,
-  split: str | Sequence[str] | None = None,
-  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
-  workers: int | None = None,
-  max_pixels: int = checks.MAX_PIXELS,
-  progress: bool = True,
-  overwrite: bool = False,
-) -> manifest_lib.Manifest:
-  """Converts the prepared TFDS dataset `name` (e.g. "imagenet2012" or "mnist:3.0.1").
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """The prepared TFDS dataset `name` (e.g. "imagenet2012" or "mnist:3.0.1") to convert into
+  `out`, and how (`convert tfds`' flags).
 
   `data_dir` is a TFDS data dir (default: $TFDS_DATA_DIR or ~/tensorflow_datasets, as
   tfds:// reads) or the build's version folder. `split` picks one split or several
-  (default: all); unlabeled ones are skipped. Records keep their TFDS order. Splits of
-  another conversion already in `out` are replaced only with `overwrite`.
+  (default: all); unlabeled ones are skipped. Splits of another conversion already in `out`
+  are replaced only with `overwrite`.
   """
-  shards.check_workers(workers)
-  shards.shard_bytes(shard_size_mb)
-  if bucket.is_url(out):
-    bucket.check(os.fspath(out))  # no gcsfs, credentials or network: one line, at once
-  if max_pixels < 1:
-    raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
+
+  name: str
+  out: str | os.PathLike
+  _: dataclasses.KW_ONLY
+  data_dir: str | os.PathLike | None = None
+  split: str | Sequence[str] | None = None
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB
+  max_pixels: int = checks.MAX_PIXELS
+  overwrite: bool = False
+
+
+def _data_dir(request: Request) -> str:
+  """The TFDS data dir to read, checked: it is there."""
   import tensorflow_datasets as tfds
 
-  data_dir = os.fspath(data_dir or tfds.core.constants.get_default_data_dir())
+  data_dir = os.fspath(request.data_dir or tfds.core.constants.get_default_data_dir())
   if "://" not in data_dir and not os.path.isdir(data_dir):
     raise FileNotFoundError(
-      f"{name}: TFDS data dir {data_dir} not found: run `tfds build {name} "
+      f"{request.name}: TFDS data dir {data_dir} not found: run `tfds build {request.name} "
       "--file_format=array_record`, or pass --data-dir"
     )
-  builder = _builder(name, data_dir)
-  info = builder.info
-  keys, classes = tfds_folder.keys_and_classes(info, builder.data_dir)
+  return data_dir
+
+
+def _file_format(info) -> str:
   file_format = info.file_format.value if info.file_format else "tfrecord"
   if file_format not in ("tfrecord", "array_record"):
     raise ValueError(f"{info.full_name}: unsupported file format {file_format}")
-  checked = tfds_folder.checked_splits(info, builder.data_dir)
-  names = list(checked) if split is None else [split] if isinstance(split, str) else split
+  return file_format
+
+
+def _splits(
+  builder, checked: dict, names: Sequence[str], keys: records.Keys, file_format: str
+) -> tuple[list[str], dict]:
+  """The files of the labelled splits among `names` (of the `checked` ones) and their
+  records, as `copy_job` takes them; an unlabeled split is skipped with a line on stderr."""
+  info = builder.info
   files: list[str] = []
   split_items = {}
   for s in names:
@@ -77,31 +84,56 @@ def convert(
     split_items[s] = (items, sizes)
   if not split_items:
     raise ValueError(f"{info.full_name}: no split with labels among {names}")
+  return files, split_items
+
+
+def plan(request: Request) -> shards.Job:
+  """Finds the prepared build, reads its splits' record locations and plans the shards;
+  records keep their TFDS order."""
+  shards.shard_bytes(request.shard_size_mb)
+  if request.max_pixels < 1:
+    raise ValueError(f"max_pixels must be a positive number of pixels, got {request.max_pixels}")
+  data_dir = _data_dir(request)
+  builder = _builder(request.name, data_dir)
+  keys, classes = tfds_folder.keys_and_classes(builder.info, builder.data_dir)
+  file_format = _file_format(builder.info)
+  checked = tfds_folder.checked_splits(builder.info, builder.data_dir)
+  split = request.split
+  names = list(checked) if split is None else [split] if isinstance(split, str) else split
+  files, split_items = _splits(builder, checked, names, keys, file_format)
   args = {
-    "name": name,
+    "name": request.name,
     "data_dir": data_dir,
     "split": names,
-    "shard_size_mb": shard_size_mb,
-    "max_pixels": max_pixels,
+    "shard_size_mb": request.shard_size_mb,
+    "max_pixels": request.max_pixels,
   }
   created_by = {
     "tool": "pipeline.convert tfds",
     "version": __version__,
     "args": args,
-    "source": f"{info.full_name} in {os.path.abspath(data_dir)}",
+    "source": f"{builder.info.full_name} in {os.path.abspath(data_dir)}",
   }
-  job = tfrecord.copy_job(
-    split_items,
-    files,
-    out,
-    classes=classes,
-    keys=keys,
-    created_by=created_by,
-    shard_size_mb=shard_size_mb,
-    max_pixels=max_pixels,
+  return tfrecord.copy_job(split_items, files, request, classes, keys, created_by)
+
+
+def convert(
+  request: Request, workers: int | None = None, progress: bool = True
+) -> manifest_lib.Manifest:
+  """Converts a prepared TFDS dataset to ArrayRecord shards and manifest.json in OUT."""
+  shards.check_workers(workers)
+  shards.shard_bytes(request.shard_size_mb)
+  if bucket.is_url(request.out):
+    bucket.check(os.fspath(request.out))  # no gcsfs, credentials or network: one line, at once
+  job = plan(request)
+  return shards.run(
+    job,
+    bucket.target(job.out),
+    workers=workers,
+    progress=progress,
+    desc=f"convert {request.name}",
+    overwrite=request.overwrite,
   )
-  run = bucket.run if bucket.is_url(out) else shards.run
-  return run(job, workers=workers, progress=progress, desc=f"convert {name}", overwrite=overwrite)
 
 
 def _builder(name: str, data_dir: str):

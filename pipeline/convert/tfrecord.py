@@ -10,6 +10,7 @@ file and record index.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import glob
 import os
@@ -216,31 +217,49 @@ def load_classes(
   return [str(i) for i in range(num_classes)]
 
 
+@dataclasses.dataclass(frozen=True)
+class Request:
+  """TFRecord files (a glob or several, sorted) to copy into `out`, and how (`convert
+  tfrecord`'s flags). Keys are detected from the first record unless given; labels must lie
+  in [0, num_classes), or index `classes` (a names-per-line file or a list). Splits of
+  another conversion already in `out` are replaced only with `overwrite`."""
+
+  pattern: str | Sequence[str]
+  out: str | os.PathLike
+  _: dataclasses.KW_ONLY
+  split: str = "train"
+  keys: records.Keys | None = None
+  num_classes: int | None = None
+  classes: str | os.PathLike | Sequence[str] | None = None
+  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB
+  max_pixels: int = checks.MAX_PIXELS
+  overwrite: bool = False
+
+
 def copy_job(
   split_items: dict[str, tuple[list[tuple], list[int]]],
   files: list[str],
-  out: str | os.PathLike,
-  *,
+  request: Any,  # this module's Request or tfds': out, shard_size_mb, max_pixels
   classes: list[str],
   keys: records.Keys,
   created_by: dict[str, Any],
-  shard_size_mb: float,
-  max_pixels: int,
 ) -> shards.Job:
-  """Plans copying records located by `read_items` items, per split in order, to `out`."""
-  shard_bytes = shards.shard_bytes(shard_size_mb)
+  """Plans copying records located by `read_items` items, per split in order, into the
+  request's OUT (in its shard size, checking images against its `max_pixels`)."""
+  shard_bytes = shards.shard_bytes(request.shard_size_mb)
   plans = [
     p
     for split, (items, sizes) in split_items.items()
     for p in shards.plan_split(split, items, sizes, shard_bytes)
   ]
   stats = [(f, st.st_size, st.st_mtime_ns) for f in files for st in [bucket.stat(f)]]
+  work = functools.partial(
+    process, files=files, keys=keys, num_classes=len(classes), max_pixels=request.max_pixels
+  )
   return shards.Job(
-    out=os.fspath(out),
+    out=os.fspath(request.out),
     plans=plans,
-    process=functools.partial(
-      process, files=files, keys=keys, num_classes=len(classes), max_pixels=max_pixels
-    ),
+    process=work,
     fp=shards.fingerprint(
       __version__, created_by["args"], classes, keys, stats, [(p.name, len(p.items)) for p in plans]
     ),
@@ -251,29 +270,39 @@ def copy_job(
   )
 
 
-def plan(
-  pattern: str | Sequence[str],
-  out: str | os.PathLike,
-  *,
-  split: str = "train",
-  keys: records.Keys | None = None,
-  num_classes: int | None = None,
-  classes: str | os.PathLike | Sequence[str] | None = None,
-  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
-  max_pixels: int = checks.MAX_PIXELS,
-) -> shards.Job:
-  """Lists the TFRecord files (glob, sorted), checks record headers and plans the shards."""
-  shards.check_split_name(split)
-  shards.shard_bytes(shard_size_mb)
-  if max_pixels < 1:
-    raise ValueError(f"max_pixels must be a positive number of pixels, got {max_pixels}")
-  patterns = [pattern] if isinstance(pattern, str) else [os.fspath(p) for p in pattern]
+def _files(patterns: list[str]) -> list[str]:
+  """The files matching any of `patterns` (local globs or gs:// ones), sorted."""
   files = sorted(
     {f for p in patterns for f in (bucket.glob(p) if bucket.is_url(p) else glob.glob(p))}
   )
   if not files:
     raise FileNotFoundError(f"no TFRecord files match {patterns}")
-  names = load_classes(classes, num_classes)
+  return files
+
+
+def _detect_keys(files: list[str], first: tuple) -> records.Keys:
+  """The feature keys of the record `first` (a TFRecord item) names."""
+  _, file_index, index, offset, length = first
+  with bucket.open_file(files[file_index]) as f:
+    data = read_record(f, files[file_index], index, offset, length)
+  try:
+    return records.detect_keys(data)
+  except protobuf_message.DecodeError as e:
+    raise records.RecordError(
+      f"{files[file_index]}:{index}: not a tf.train.Example ({e})"
+    ) from None
+
+
+def plan(request: Request) -> shards.Job:
+  """Lists the TFRecord files (glob, sorted), checks record headers and plans the shards."""
+  shards.check_split_name(request.split)
+  shards.shard_bytes(request.shard_size_mb)
+  if request.max_pixels < 1:
+    raise ValueError(f"max_pixels must be a positive number of pixels, got {request.max_pixels}")
+  pattern, classes = request.pattern, request.classes
+  patterns = [pattern] if isinstance(pattern, str) else [os.fspath(p) for p in pattern]
+  files = _files(patterns)
+  names = load_classes(classes, request.num_classes)
   items, sizes = [], []
   for file_index, path in enumerate(files):
     for index, (offset, length) in enumerate(scan(path)):
@@ -281,23 +310,14 @@ def plan(
       sizes.append(length)
   if not items:
     raise TFRecordError(f"no records in {files}")
-  if keys is None:
-    _, file_index, index, offset, length = items[0]
-    with bucket.open_file(files[file_index]) as f:
-      first = read_record(f, files[file_index], index, offset, length)
-    try:
-      keys = records.detect_keys(first)
-    except protobuf_message.DecodeError as e:
-      raise records.RecordError(
-        f"{files[file_index]}:{index}: not a tf.train.Example ({e})"
-      ) from None
+  keys = request.keys if request.keys is not None else _detect_keys(files, items[0])
   args = {
     "pattern": patterns,
-    "split": split,
+    "split": request.split,
     "num_classes": len(names),
     "classes": os.fspath(classes) if isinstance(classes, (str, os.PathLike)) else None,
-    "shard_size_mb": shard_size_mb,
-    "max_pixels": max_pixels,
+    "shard_size_mb": request.shard_size_mb,
+    "max_pixels": request.max_pixels,
   }
   created_by = {
     "tool": "pipeline.convert tfrecord",
@@ -305,50 +325,23 @@ def plan(
     "args": args,
     "source": [f if bucket.is_url(f) else os.path.abspath(f) for f in files],
   }
-  return copy_job(
-    {split: (items, sizes)},
-    files,
-    out,
-    classes=names,
-    keys=keys,
-    created_by=created_by,
-    shard_size_mb=shard_size_mb,
-    max_pixels=max_pixels,
-  )
+  return copy_job({request.split: (items, sizes)}, files, request, names, keys, created_by)
 
 
 def convert(
-  pattern: str | Sequence[str],
-  out: str | os.PathLike,
-  *,
-  split: str = "train",
-  keys: records.Keys | None = None,
-  num_classes: int | None = None,
-  classes: str | os.PathLike | Sequence[str] | None = None,
-  shard_size_mb: float = shards.DEFAULT_SHARD_SIZE_MB,
-  workers: int | None = None,
-  max_pixels: int = checks.MAX_PIXELS,
-  progress: bool = True,
-  overwrite: bool = False,
+  request: Request, workers: int | None = None, progress: bool = True
 ) -> manifest_lib.Manifest:
-  """Copies the records of TFRecord files (glob, sorted) into ArrayRecord shards in `out`.
-
-  Record bytes are unchanged and keep their order. Keys are detected from the first record
-  unless given; labels must lie in [0, num_classes). Adds the split to a dataset already in
-  `out` (same classes); replaces one of another conversion only with `overwrite`.
-  """
+  """Copies the records of TFRecord files into ArrayRecord shards in OUT, their bytes
+  unchanged and in their order; adds the split to a dataset already in OUT (same classes)."""
   shards.check_workers(workers)
-  if bucket.is_url(out):
-    bucket.check(os.fspath(out))  # no gcsfs, credentials or network: one line, at once
-  job = plan(
-    pattern,
-    out,
-    split=split,
-    keys=keys,
-    num_classes=num_classes,
-    classes=classes,
-    shard_size_mb=shard_size_mb,
-    max_pixels=max_pixels,
+  if bucket.is_url(request.out):
+    bucket.check(os.fspath(request.out))  # no gcsfs, credentials or network: one line, at once
+  job = plan(request)
+  return shards.run(
+    job,
+    bucket.target(job.out),
+    workers=workers,
+    progress=progress,
+    desc="convert tfrecord",
+    overwrite=request.overwrite,
   )
-  run = bucket.run if bucket.is_url(out) else shards.run
-  return run(job, workers=workers, progress=progress, desc="convert tfrecord", overwrite=overwrite)

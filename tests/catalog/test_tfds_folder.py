@@ -129,7 +129,9 @@ def folder(tfds_dir) -> pathlib.Path:
 @pytest.fixture(scope="module")
 def converted(tfds_dir, tmp_path_factory) -> pathlib.Path:
   out = tmp_path_factory.mktemp("converted") / "tiny_pets"
-  convert_tfds.convert("tiny_pets", out, data_dir=tfds_dir, workers=1, progress=False)
+  convert_tfds.convert(
+    convert_tfds.Request("tiny_pets", out, data_dir=tfds_dir), workers=1, progress=False
+  )
   return out
 
 
@@ -363,7 +365,9 @@ def test_dataset_info_is_checked_as_strictly_as_a_manifest_in_place_and_by_conve
     pipeline.load_manifest(copy)
   assert str(e.value) == f"{copy}/dataset_info.json: {message}"
   with pytest.raises(manifest.ManifestError) as e:
-    convert_tfds.convert("tiny_pets", tmp_path / "out", data_dir=copy, progress=False)
+    convert_tfds.convert(
+      convert_tfds.Request("tiny_pets", tmp_path / "out", data_dir=copy), progress=False
+    )
   assert str(e.value) == f"{copy}/dataset_info.json: {message}"
   assert not (tmp_path / "out").exists()
 
@@ -376,7 +380,9 @@ def test_a_class_named_twice_in_the_label_file_is_refused(folder, tmp_path):
   refusal = f"{copy}/label.labels.txt: class 'cat' is named twice (labels 0 and 1)"
   assert str(e.value) == refusal
   with pytest.raises(manifest.ManifestError) as e:
-    convert_tfds.convert("tiny_pets", tmp_path / "out", data_dir=copy, progress=False)
+    convert_tfds.convert(
+      convert_tfds.Request("tiny_pets", tmp_path / "out", data_dir=copy), progress=False
+    )
   assert str(e.value) == refusal
   assert not (tmp_path / "out").exists()
 

@@ -74,10 +74,13 @@ def dask_runner(cluster) -> dict:
 
 def test_beam_image_conversion_matches_the_local_one(photos_raw, tmp_path):
   local = images.convert(
-    photos_raw, tmp_path / "local", val_fraction=0.25, shard_size_mb=1, workers=1, progress=False
+    images.Request(photos_raw, tmp_path / "local", val_fraction=0.25, shard_size_mb=1),
+    workers=1,
+    progress=False,
   )
   on_beam = convert_beam.convert_images(
-    photos_raw, tmp_path / "beam", runner="DirectRunner", val_fraction=0.25, shard_size_mb=1
+    images.Request(photos_raw, tmp_path / "beam", val_fraction=0.25, shard_size_mb=1),
+    runner="DirectRunner",
   )
   assert on_beam == local and len(local.splits["train"].shards) > 1
   same_files(tmp_path / "local", tmp_path / "beam")
@@ -88,9 +91,13 @@ def test_beam_tfrecord_conversion_matches_the_local_one(photos_dir, tmp_path):
 
   source = photos_tfrecord(photos_dir, tmp_path)
   local = tfrecord.convert(
-    source, tmp_path / "local", num_classes=4, shard_size_mb=1, workers=1, progress=False
+    tfrecord.Request(source, tmp_path / "local", num_classes=4, shard_size_mb=1),
+    workers=1,
+    progress=False,
   )
-  on_beam = convert_beam.convert_tfrecord(source, tmp_path / "beam", num_classes=4, shard_size_mb=1)
+  on_beam = convert_beam.convert_tfrecord(
+    tfrecord.Request(source, tmp_path / "beam", num_classes=4, shard_size_mb=1)
+  )
   assert on_beam == local
   same_files(tmp_path / "local", tmp_path / "beam")
 
@@ -99,9 +106,11 @@ def test_two_dask_workers_write_the_local_converters_bytes_and_report_progress(
   dask_cluster, photos_raw, tmp_path, capsys
 ):
   kwargs = dict(val_fraction=0.25, shard_size_mb=0.5)
-  local = images.convert(photos_raw, tmp_path / "local", workers=1, progress=False, **kwargs)
+  local = images.convert(
+    images.Request(photos_raw, tmp_path / "local", **kwargs), workers=1, progress=False
+  )
   on_dask = convert_beam.convert_images(
-    photos_raw, tmp_path / "dask", **dask_runner(dask_cluster), **kwargs
+    images.Request(photos_raw, tmp_path / "dask", **kwargs), **dask_runner(dask_cluster)
   )
   shards_written = sum(len(s.shards) for s in local.splits.values())
   assert on_dask == local and shards_written >= 4
@@ -119,9 +128,13 @@ def test_two_dask_workers_convert_tfrecords_to_the_local_converters_bytes(
 
   source = photos_tfrecord(photos_dir, tmp_path)
   kwargs = dict(num_classes=4, shard_size_mb=0.5)
-  local = tfrecord.convert(source, tmp_path / "local", workers=1, progress=False, **kwargs)
+  local = tfrecord.convert(
+    tfrecord.Request(source, tmp_path / "local", **kwargs), workers=1, progress=False
+  )
   on_dask = convert_beam.convert_tfrecord(
-    source, tmp_path / "dask", progress=False, **dask_runner(dask_cluster), **kwargs
+    tfrecord.Request(source, tmp_path / "dask", **kwargs),
+    progress=False,
+    **dask_runner(dask_cluster),
   )
   assert on_dask == local and len(local.splits["train"].shards) >= 4
   same_files(tmp_path / "local", tmp_path / "dask")
@@ -132,9 +145,9 @@ def test_skipped_and_reencoded_files_reach_the_manifest_from_the_workers(
   messy,  # noqa: F811 - the fixture imported above
   tmp_path,
 ):
-  local = images.convert(messy, tmp_path / "local", workers=1, progress=False)
+  local = images.convert(images.Request(messy, tmp_path / "local"), workers=1, progress=False)
   on_dask = convert_beam.convert_images(
-    messy, tmp_path / "dask", progress=False, **dask_runner(dask_cluster)
+    images.Request(messy, tmp_path / "dask"), progress=False, **dask_runner(dask_cluster)
   )
   assert on_dask == local
   assert len(on_dask.skipped) == 10 and len(on_dask.created_by["reencoded"]) == 3
@@ -172,9 +185,11 @@ def test_a_worker_killed_in_the_middle_of_a_shard_is_retried_with_the_same_bytes
   total = sum(f.stat().st_size for f in (tmp_path / "src").rglob("*.jpg"))
   shard_mb = total * 0.55 / (1 << 20)  # two shards of 300 files: two worker tasks each
   local = images.convert(
-    tmp_path / "src", tmp_path / "local", shard_size_mb=shard_mb, workers=1, progress=False
+    images.Request(tmp_path / "src", tmp_path / "local", shard_size_mb=shard_mb),
+    workers=1,
+    progress=False,
   )
-  job = images.plan(tmp_path / "src", tmp_path / "dask", shard_size_mb=shard_mb)
+  job = images.plan(images.Request(tmp_path / "src", tmp_path / "dask", shard_size_mb=shard_mb))
   second = job.plans[1].items[shards._TASK_ITEMS]  # its first task is written when it dies
   assert len(job.plans) == 2 and len(job.plans[1].items) > shards._TASK_ITEMS
   flag = tmp_path / "killed"
@@ -204,7 +219,9 @@ def test_from_a_bucket_into_a_bucket_through_beams_filesystems(
   assert run(put, env=gcs, args=[str(photos_raw), "bkt/beam/raw"]).returncode == 0
   flags = ["--val-fraction", "0.25", "--shard-size-mb", "0.5"]
   images.convert(
-    photos_raw, tmp_path / "local", val_fraction=0.25, shard_size_mb=0.5, workers=1, progress=False
+    images.Request(photos_raw, tmp_path / "local", val_fraction=0.25, shard_size_mb=0.5),
+    workers=1,
+    progress=False,
   )
   cli = ["-m", "pipeline.convert", "images", "gs://bkt/beam/raw", "gs://bkt/beam/out"]
   with local_cluster(gcs) as cluster:

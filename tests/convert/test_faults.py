@@ -19,7 +19,9 @@ ARGS = ["--shard-size-mb", "0.5", "--val-fraction", "0.1", "--no-progress"]
 @pytest.fixture(scope="module")
 def whole(big_src, tmp_path_factory):
   out = tmp_path_factory.mktemp("faults") / "whole"
-  images.convert(big_src, out, shard_size_mb=0.5, val_fraction=0.1, workers=1, progress=False)
+  images.convert(
+    images.Request(big_src, out, shard_size_mb=0.5, val_fraction=0.1), workers=1, progress=False
+  )
   return out
 
 

@@ -100,7 +100,9 @@ def test_validation_split_is_per_class_disjoint_and_seeded(photos_raw, photos_di
   counts = {c: sum(f.startswith(c + "/") for f in val) for c in manifest.load(photos_dir).classes}
   assert set(counts.values()) == {4}  # 25% of each 16-image class
   other = images.convert(
-    photos_raw, tmp_path / "seed1", val_fraction=0.25, seed=1, workers=1, progress=False
+    images.Request(photos_raw, tmp_path / "seed1", val_fraction=0.25, seed=1),
+    workers=1,
+    progress=False,
   )
   assert other.splits["validation"].num_records == 16
   assert {f for _, _, f in read_split(tmp_path / "seed1", "validation")} != set(val)
@@ -112,9 +114,7 @@ def test_validation_split_is_per_class_disjoint_and_seeded(photos_raw, photos_di
 def test_output_is_byte_identical_for_any_worker_count(photos_raw, tmp_path, shard_size_mb):
   for workers in (1, 2):
     images.convert(
-      photos_raw,
-      tmp_path / f"w{workers}",
-      shard_size_mb=shard_size_mb,
+      images.Request(photos_raw, tmp_path / f"w{workers}", shard_size_mb=shard_size_mb),
       workers=workers,
       progress=False,
     )
@@ -126,7 +126,9 @@ def test_output_is_byte_identical_for_any_worker_count(photos_raw, tmp_path, sha
 
 
 def test_shards_are_sized_by_bytes_and_named_like_tfds(photos_raw, tmp_path):
-  m = images.convert(photos_raw, tmp_path / "out", shard_size_mb=1, workers=1, progress=False)
+  m = images.convert(
+    images.Request(photos_raw, tmp_path / "out", shard_size_mb=1), workers=1, progress=False
+  )
   total = sum(p.stat().st_size for p in photos_raw.rglob("*.jpg"))
   names = [s.file for s in m.splits["train"].shards]
   assert len(names) == -(-total // (1 << 20))
@@ -169,7 +171,7 @@ def messy(tmp_path) -> pathlib.Path:
 
 
 def test_bad_inputs_are_skipped_with_reasons_and_odd_ones_reencoded(messy, tmp_path):
-  m = images.convert(messy, tmp_path / "out", workers=1, progress=False)
+  m = images.convert(images.Request(messy, tmp_path / "out"), workers=1, progress=False)
   skipped = {s["path"]: s["reason"] for s in m.skipped}
   assert skipped["dog/empty.jpg"] == "empty file"
   assert skipped["dog/truncated.jpg"].startswith("truncated or corrupt JPEG")
@@ -217,7 +219,7 @@ def test_a_jpeg_libjpeg_decodes_with_a_warning_is_stored_untouched(photos_raw, t
     at = photo.index(marker)
     strays[marker.hex()] = photo[:at] + b"\x00" + photo[at:]
     write(tmp_path / "src" / "a" / f"{marker.hex()}.jpg", strays[marker.hex()])
-  m = images.convert(tmp_path / "src", tmp_path / "out", workers=1, progress=False)
+  m = images.convert(images.Request(tmp_path / "src", tmp_path / "out"), workers=1, progress=False)
   assert m.created_by["reencoded"] == [] and m.skipped == []
   stored = {f: image for image, _, f in read_split(tmp_path / "out", "train")}
   assert stored == {f"a/{name}.jpg": data for name, data in strays.items()}
@@ -225,7 +227,9 @@ def test_a_jpeg_libjpeg_decodes_with_a_warning_is_stored_untouched(photos_raw, t
 
 
 def test_symlinks_outside_source_are_followed_only_when_asked(messy, tmp_path):
-  m = images.convert(messy, tmp_path / "out", follow_symlinks=True, workers=1, progress=False)
+  m = images.convert(
+    images.Request(messy, tmp_path / "out", follow_symlinks=True), workers=1, progress=False
+  )
   assert "dog/link_out.jpg" not in {s["path"] for s in m.skipped}
   assert m.splits["train"].num_records == 9
 
@@ -233,7 +237,9 @@ def test_symlinks_outside_source_are_followed_only_when_asked(messy, tmp_path):
 def test_max_size_reencodes_only_large_images(tmp_path):
   write(tmp_path / "src" / "a" / "big.jpg", jpeg((300, 200, 3)))
   write(tmp_path / "src" / "a" / "small.jpg", jpeg((90, 120, 3)))
-  m = images.convert(tmp_path / "src", tmp_path / "out", max_size=100, workers=1, progress=False)
+  m = images.convert(
+    images.Request(tmp_path / "src", tmp_path / "out", max_size=100), workers=1, progress=False
+  )
   stored = {f: Image.open(io.BytesIO(b)).size for b, _, f in read_split(tmp_path / "out", "train")}
   assert stored == {"a/big.jpg": (100, 150), "a/small.jpg": (120, 90)}
   assert [r["path"] for r in m.created_by["reencoded"]] == ["a/big.jpg"]
@@ -243,7 +249,9 @@ def test_pixel_limit_is_configurable(tmp_path):
   write(tmp_path / "src" / "a" / "x.jpg", jpeg((400, 500, 3)))
   write(tmp_path / "src" / "a" / "y.jpg", jpeg((40, 60, 3)))
   m = images.convert(
-    tmp_path / "src", tmp_path / "out", max_pixels=100_000, workers=1, progress=False
+    images.Request(tmp_path / "src", tmp_path / "out", max_pixels=100_000),
+    workers=1,
+    progress=False,
   )
   assert m.skipped == [
     {"path": "a/x.jpg", "reason": "decompression bomb: 500x400 pixels > limit 100000"}
@@ -256,7 +264,9 @@ def test_label_map_orders_classes_and_rejects_bad_maps(tmp_path):
   json_map = tmp_path / "map.json"
   json_map.write_text(json.dumps({"dog": 0, "cat": 1, "bird": 2}))
   m = images.convert(
-    tmp_path / "src", tmp_path / "out", label_map=json_map, workers=1, progress=False
+    images.Request(tmp_path / "src", tmp_path / "out", label_map=json_map),
+    workers=1,
+    progress=False,
   )
   assert m.classes == ["dog", "cat", "bird"]
   assert {f: label for _, label, f in read_split(tmp_path / "out", "train")} == {
@@ -266,7 +276,9 @@ def test_label_map_orders_classes_and_rejects_bad_maps(tmp_path):
   text_map = tmp_path / "map.txt"
   text_map.write_text("dog\ncat\n")
   assert images.convert(
-    tmp_path / "src", tmp_path / "out2", label_map=text_map, workers=1, progress=False
+    images.Request(tmp_path / "src", tmp_path / "out2", label_map=text_map),
+    workers=1,
+    progress=False,
   ).classes == ["dog", "cat"]
   bad = {
     "unknown class": ({"cat": 0}, r"\['dog'\].*not in the label map"),
@@ -278,7 +290,9 @@ def test_label_map_orders_classes_and_rejects_bad_maps(tmp_path):
   for label_map, message in bad.values():
     with pytest.raises(images.LabelMapError, match=message):
       images.convert(
-        tmp_path / "src", tmp_path / "bad", label_map=label_map, workers=1, progress=False
+        images.Request(tmp_path / "src", tmp_path / "bad", label_map=label_map),
+        workers=1,
+        progress=False,
       )
   assert not (tmp_path / "bad" / "manifest.json").exists()
 
@@ -293,10 +307,12 @@ def test_cli_reports_label_map_errors_with_exit_status(tmp_path):
 
 
 def test_finished_conversion_is_not_redone(photos_raw, tmp_path):
-  first = images.convert(photos_raw, tmp_path / "out", workers=1, progress=False)
+  first = images.convert(images.Request(photos_raw, tmp_path / "out"), workers=1, progress=False)
   shard = tmp_path / "out" / first.splits["train"].shards[0].file
   stamp = shard.stat().st_mtime_ns
-  assert images.convert(photos_raw, tmp_path / "out", workers=1, progress=False) == first
+  assert (
+    images.convert(images.Request(photos_raw, tmp_path / "out"), workers=1, progress=False) == first
+  )
   assert shard.stat().st_mtime_ns == stamp
 
 
@@ -317,9 +333,13 @@ def test_resume_after_sigkill_keeps_finished_shards_and_matches(photos_raw, tmp_
   done = {p.stem: (build / p.stem).stat().st_mtime_ns for p in build.glob("*.done")}
   assert len(done) >= 3
 
-  resumed = images.convert(src, out, shard_size_mb=0.5, val_fraction=0.1, workers=2, progress=False)
+  resumed = images.convert(
+    images.Request(src, out, shard_size_mb=0.5, val_fraction=0.1), workers=2, progress=False
+  )
   whole = images.convert(
-    src, tmp_path / "whole", shard_size_mb=0.5, val_fraction=0.1, workers=1, progress=False
+    images.Request(src, tmp_path / "whole", shard_size_mb=0.5, val_fraction=0.1),
+    workers=1,
+    progress=False,
   )
   assert resumed == whole
   for name, stamp in done.items():
@@ -331,9 +351,13 @@ def test_resume_after_sigkill_keeps_finished_shards_and_matches(photos_raw, tmp_
 
 
 def test_stale_shards_of_an_earlier_conversion_are_removed(photos_raw, tmp_path):
-  images.convert(photos_raw, tmp_path / "out", shard_size_mb=1, workers=1, progress=False)
+  images.convert(
+    images.Request(photos_raw, tmp_path / "out", shard_size_mb=1), workers=1, progress=False
+  )
   m = images.convert(
-    photos_raw, tmp_path / "out", shard_size_mb=4, workers=1, progress=False, overwrite=True
+    images.Request(photos_raw, tmp_path / "out", shard_size_mb=4, overwrite=True),
+    workers=1,
+    progress=False,
   )
   assert sorted(p.name for p in (tmp_path / "out").iterdir()) == sorted(
     ["manifest.json"] + [s.file for s in m.splits["train"].shards]
@@ -342,9 +366,9 @@ def test_stale_shards_of_an_earlier_conversion_are_removed(photos_raw, tmp_path)
 
 def test_missing_source_and_no_classes_are_clear_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="not found"):
-    images.convert(tmp_path / "nope", tmp_path / "out", progress=False)
+    images.convert(images.Request(tmp_path / "nope", tmp_path / "out"), progress=False)
   (tmp_path / "flat").mkdir()
   write(tmp_path / "flat" / "x.jpg", jpeg())
   with pytest.raises(ValueError, match="no class folders"):
-    images.convert(tmp_path / "flat", tmp_path / "out", progress=False)
+    images.convert(images.Request(tmp_path / "flat", tmp_path / "out"), progress=False)
   shutil.rmtree(tmp_path / "flat")

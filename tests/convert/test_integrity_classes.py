@@ -41,7 +41,7 @@ def test_hidden_and_tool_folders_are_not_classes(tmp_path):
   write(src / ".DS_Store", b"\x00\x00\x00\x01Bud1")
   write(src / "cat" / ".ipynb_checkpoints" / "c1-checkpoint.jpg", jpeg(seed=1))
   write(src / "cat" / "._c2.jpg", b"\x00\x05\x16\x07 AppleDouble")
-  m = images.convert(src, tmp_path / "out", workers=1, progress=False)
+  m = images.convert(images.Request(src, tmp_path / "out"), workers=1, progress=False)
   assert m.classes == ["cat", "dog"]
   assert stored(tmp_path / "out") == {
     **{f"cat/c{i}.jpg": "cat" for i in range(3)},
@@ -57,12 +57,12 @@ def test_hidden_and_tool_folders_are_not_classes(tmp_path):
 def test_an_output_folder_inside_the_source_is_not_a_class(tmp_path):
   src = tmp_path / "src"
   two_classes(src)
-  first = images.convert(src, src / "converted", workers=1, progress=False)
+  first = images.convert(images.Request(src, src / "converted"), workers=1, progress=False)
   stamps = {p.name: p.stat().st_mtime_ns for p in (src / "converted").iterdir()}
-  again = images.convert(src, src / "converted", workers=1, progress=False)
+  again = images.convert(images.Request(src, src / "converted"), workers=1, progress=False)
   assert again == first and first.classes == ["cat", "dog"]
   assert {p.name: p.stat().st_mtime_ns for p in (src / "converted").iterdir()} == stamps
-  elsewhere = images.convert(src, tmp_path / "elsewhere", workers=1, progress=False)
+  elsewhere = images.convert(images.Request(src, tmp_path / "elsewhere"), workers=1, progress=False)
   assert elsewhere.classes == ["cat", "dog"]  # another conversion's output is no class either
   assert {"path": "converted", "reason": "a converted dataset, not a class"} in elsewhere.skipped
 
@@ -71,7 +71,7 @@ def test_a_class_folder_linking_into_the_source_is_not_a_second_class(tmp_path):
   src = tmp_path / "src"
   two_classes(src)
   os.symlink(src / "cat", src / "kitty")
-  m = images.convert(src, tmp_path / "out", workers=1, progress=False)
+  m = images.convert(images.Request(src, tmp_path / "out"), workers=1, progress=False)
   assert m.classes == ["cat", "dog"]
   assert set(stored(tmp_path / "out").values()) == {"cat", "dog"}
   assert len(stored(tmp_path / "out")) == 6
@@ -87,7 +87,7 @@ def test_an_image_linked_from_another_class_keeps_its_one_label(tmp_path):
   os.link(src / "cat" / "c1.jpg", src / "dog" / "hardlink_to_cat.jpg")
   os.symlink(src / "zebra" / "z0.jpg", src / "cat" / "a_link_to_zebra.jpg")  # listed first
   os.symlink(src / "dog", src / "cat" / "more_dogs")
-  m = images.convert(src, tmp_path / "out", workers=1, progress=False)
+  m = images.convert(images.Request(src, tmp_path / "out"), workers=1, progress=False)
   got = stored(tmp_path / "out")
   assert got == {
     **{f"cat/c{i}.jpg": "cat" for i in range(3)},
@@ -107,7 +107,9 @@ def test_a_class_folder_linked_from_outside_is_followed_once(tmp_path):
   write(birds / "b0.jpg", jpeg(seed=30))
   os.symlink(birds, src / "bird")
   os.symlink(birds, src / "bird_again")
-  m = images.convert(src, tmp_path / "out", follow_symlinks=True, workers=1, progress=False)
+  m = images.convert(
+    images.Request(src, tmp_path / "out", follow_symlinks=True), workers=1, progress=False
+  )
   assert m.classes == ["bird", "cat", "dog"]
   assert stored(tmp_path / "out")["bird/b0.jpg"] == "bird"
   assert {"path": "bird_again", "reason": "symlink to a folder already listed"} in m.skipped
@@ -119,10 +121,15 @@ def test_a_class_named_twice_in_a_label_map_or_classes_file_is_refused(tmp_path)
   names = tmp_path / "classes.txt"
   names.write_text("cat\ndog\ncat\n")
   with pytest.raises(manifest.ManifestError) as e:
-    images.convert(src, tmp_path / "out", label_map=names, workers=1, progress=False)
+    images.convert(
+      images.Request(src, tmp_path / "out", label_map=names), workers=1, progress=False
+    )
   assert str(e.value) == f"label map {names}: class 'cat' is named twice (labels 0 and 2)"
   write_tfrecord(tmp_path / "a.tfrecord", [records.encode(jpeg(seed=0), 0, "c0.jpg")])
   with pytest.raises(manifest.ManifestError) as e:
-    tfrecord.convert(str(tmp_path / "a.tfrecord"), tmp_path / "out", classes=names, progress=False)
+    tfrecord.convert(
+      tfrecord.Request(str(tmp_path / "a.tfrecord"), tmp_path / "out", classes=names),
+      progress=False,
+    )
   assert str(e.value) == f"{names}: class 'cat' is named twice (labels 0 and 2)"
   assert not (tmp_path / "out").exists()

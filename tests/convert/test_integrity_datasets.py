@@ -109,7 +109,7 @@ def test_converting_into_another_dataset_is_refused_and_changes_nothing(
   photos_raw, tmp_path, reversed_map, capsys
 ):
   out = tmp_path / "out"
-  images.convert(photos_raw, out, workers=1, progress=False)
+  images.convert(images.Request(photos_raw, out), workers=1, progress=False)
   before = snapshot(out)
   refused = cli("images", photos_raw, out, "--label-map", reversed_map, "--no-progress")
   assert refused.returncode == 2
@@ -139,7 +139,7 @@ def test_converting_into_another_dataset_is_refused_and_changes_nothing(
 
 def test_imagenet_layout_train_then_val_adds_a_validation_split(photos_raw, tmp_path, capsys):
   out, val = tmp_path / "out", val_folder(photos_raw, tmp_path / "val")
-  images.convert(photos_raw, out, shard_size_mb=1, workers=1, progress=False)
+  images.convert(images.Request(photos_raw, out, shard_size_mb=1), workers=1, progress=False)
   train = {n: b for n, b in snapshot(out).items() if n.startswith("train.")}
   added = main(
     capsys, "images", val, out, "--split", "validation", "--no-progress", "--workers", "1"
@@ -158,7 +158,7 @@ def test_imagenet_layout_train_then_val_adds_a_validation_split(photos_raw, tmp_
   assert verify.verify(out, workers=1, progress=False).ok
 
   stamps = {p.name: p.stat().st_mtime_ns for p in out.iterdir()}
-  again = images.convert(val, out, split="validation", workers=1, progress=False)
+  again = images.convert(images.Request(val, out, split="validation"), workers=1, progress=False)
   assert again == m  # the same command again: nothing to do, nothing rewritten
   assert {p.name: p.stat().st_mtime_ns for p in out.iterdir()} == stamps
 
@@ -167,7 +167,7 @@ def test_a_split_whose_classes_differ_is_refused_naming_the_difference(
   photos_raw, tmp_path, capsys
 ):
   out = tmp_path / "out"
-  images.convert(photos_raw, out, workers=1, progress=False)
+  images.convert(images.Request(photos_raw, out), workers=1, progress=False)
   before = snapshot(out)
   val = val_folder(
     photos_raw, tmp_path / "val", classes=["astronaut", "chelsea", "coffee", "zebra"]
@@ -185,7 +185,7 @@ def test_an_overwrite_killed_midway_leaves_the_old_dataset_whole(
 ):
   out = tmp_path / "out"
   args = ["--shard-size-mb", "0.5", "--workers", "1", "--no-progress"]
-  images.convert(big_src, out, shard_size_mb=0.5, workers=1, progress=False)
+  images.convert(images.Request(big_src, out, shard_size_mb=0.5), workers=1, progress=False)
   old = labelled(out)
   child = start_cli("images", big_src, out, "--label-map", reversed_map, "--overwrite", *args)
   wait_for_done_shards(out, child, 3)
@@ -200,13 +200,9 @@ def test_an_overwrite_killed_midway_leaves_the_old_dataset_whole(
   assert not any(p.name.startswith(".") for p in out.iterdir())  # the other plan's work
 
   images.convert(
-    big_src,
-    out,
-    label_map=reversed_map,
-    shard_size_mb=0.5,
+    images.Request(big_src, out, label_map=reversed_map, shard_size_mb=0.5, overwrite=True),
     workers=1,
     progress=False,
-    overwrite=True,
   )
   assert manifest.load(out).classes == CLASSES[::-1] and len(labelled(out)) == 384
 
@@ -225,7 +221,7 @@ def test_readers_see_the_old_dataset_or_none_or_the_new_one_at_any_kill(
   big_src, tmp_path, reversed_map, point
 ):
   out = tmp_path / "out"
-  images.convert(big_src, out, shard_size_mb=0.5, workers=2, progress=False)
+  images.convert(images.Request(big_src, out, shard_size_mb=0.5), workers=2, progress=False)
   old = labelled(out)
   child = start_cli(
     "images",
@@ -248,13 +244,9 @@ def test_readers_see_the_old_dataset_or_none_or_the_new_one_at_any_kill(
   seen = labelled(out)  # fails if a check fails or a record is labelled off its folder
   assert seen is None or seen == old
   images.convert(
-    big_src,
-    out,
-    label_map=reversed_map,
-    shard_size_mb=0.5,
+    images.Request(big_src, out, label_map=reversed_map, shard_size_mb=0.5, overwrite=True),
     workers=2,
     progress=False,
-    overwrite=True,
   )
   assert manifest.load(out).classes == CLASSES[::-1] and labelled(out) == old
   assert not any(p.name.startswith(".") for p in out.iterdir())
@@ -270,9 +262,9 @@ def test_a_rerun_with_other_arguments_never_reuses_shards_of_another_plan(
   wait_for_done_shards(out, child, 3)
   child.send_signal(signal.SIGKILL)
   child.wait()
-  other = {"label_map": reversed_map, "shard_size_mb": 1, "workers": 1, "progress": False}
-  images.convert(big_src, out, **other)
-  images.convert(big_src, clean, **other)
+  other = {"label_map": reversed_map, "shard_size_mb": 1}
+  images.convert(images.Request(big_src, out, **other), workers=1, progress=False)
+  images.convert(images.Request(big_src, clean, **other), workers=1, progress=False)
   assert snapshot(out) == snapshot(clean)  # no stale shard, marker or temporary file left
 
 
@@ -292,7 +284,7 @@ def test_a_second_conversion_into_the_same_folder_is_refused_while_the_first_run
   finally:
     first.send_signal(signal.SIGCONT)
   assert first.wait(timeout=300) == 0
-  images.convert(big_src, clean, shard_size_mb=0.5, workers=1, progress=False)
+  images.convert(images.Request(big_src, clean, shard_size_mb=0.5), workers=1, progress=False)
   assert snapshot(out) == snapshot(clean)
 
 
@@ -305,7 +297,7 @@ def test_a_killed_conversion_does_not_keep_the_folder_locked(big_src, tmp_path):
   child.send_signal(signal.SIGKILL)
   child.wait()
   assert (out / shards.LOCK_FILE).exists()
-  images.convert(big_src, out, shard_size_mb=0.5, workers=1, progress=False)
+  images.convert(images.Request(big_src, out, shard_size_mb=0.5), workers=1, progress=False)
   assert not (out / shards.LOCK_FILE).exists()
 
 
@@ -332,7 +324,7 @@ def test_files_skipped_for_one_reason_are_counted_once_with_the_first_ones_hint(
     (outside / f"{i}.jpg").write_bytes(b"\xff\xd8\xff")
     (tmp_path / "src" / "a" / f"{i}.jpg").symlink_to(outside / f"{i}.jpg")
   with pytest.raises(shards.ConversionError) as refused:
-    images.convert(tmp_path / "src", tmp_path / "out", workers=1, progress=False)
+    images.convert(images.Request(tmp_path / "src", tmp_path / "out"), workers=1, progress=False)
   assert str(refused.value) == (
     "split 'train' would hold no records (skipped 51: 1 empty class folder, "
     "50 symlink outside the source folder "
@@ -351,7 +343,7 @@ def test_zero_records_is_an_error_and_writes_no_dataset(tmp_path, capsys):
     match="split 'train' would hold no records "
     r"\(skipped 3: 1 empty class folder, 1 empty file, 1 not an image\)",
   ):
-    images.convert(src, tmp_path / "out", workers=1, progress=False)
+    images.convert(images.Request(src, tmp_path / "out"), workers=1, progress=False)
   assert not (tmp_path / "out" / manifest.FILENAME).exists()
   (src / "b" / "notes.txt").unlink()
   (src / "b" / "empty.jpg").unlink()
@@ -382,13 +374,13 @@ def test_bad_arguments_are_one_line_with_exit_status_2(photos_raw, tmp_path, cap
 
 
 def test_the_library_refuses_bad_arguments_too(photos_raw, tmp_path):
-  for kwargs, message in [
-    ({"shard_size_mb": 0}, "shard_size_mb must be a positive"),
-    ({"workers": 0}, "workers must be a positive"),
-    ({"max_pixels": 0}, "max_pixels must be a positive"),
+  for kwargs, workers, message in [
+    ({"shard_size_mb": 0}, None, "shard_size_mb must be a positive"),
+    ({}, 0, "workers must be a positive"),
+    ({"max_pixels": 0}, None, "max_pixels must be a positive"),
   ]:
     with pytest.raises(ValueError, match=message):
-      images.convert(photos_raw, tmp_path / "out", progress=False, **kwargs)
+      images.convert(images.Request(photos_raw, tmp_path / "out", **kwargs), workers, False)
 
 
 def test_every_converter_records_each_shards_size(photos_dir, tmp_path):
@@ -397,7 +389,9 @@ def test_every_converter_records_each_shards_size(photos_dir, tmp_path):
 
   source = photos_tfrecord(photos_dir, tmp_path)
   tfrecord.convert(
-    source, tmp_path / "tf", num_classes=4, shard_size_mb=1, workers=1, progress=False
+    tfrecord.Request(source, tmp_path / "tf", num_classes=4, shard_size_mb=1),
+    workers=1,
+    progress=False,
   )
   for out in (photos_dir, tmp_path / "tf"):
     data = json.loads((out / manifest.FILENAME).read_text())
@@ -410,7 +404,7 @@ def test_a_flat_val_folder_with_a_labels_csv_adds_the_validation_split(
   photos_raw, tmp_path, capsys
 ):
   out, val = tmp_path / "out", tmp_path / "val"
-  images.convert(photos_raw, out, workers=1, progress=False)
+  images.convert(images.Request(photos_raw, out), workers=1, progress=False)
   val.mkdir()
   rows = ["ImageId,PredictionString"]  # ImageNet's LOC_val_solution.csv: header, boxes
   for i, cls in enumerate(CLASSES * 2):
@@ -471,5 +465,5 @@ def test_temporary_files_of_killed_runs_are_removed_and_nothing_else(photos_raw,
     (out / name).parent.mkdir(exist_ok=True)
     (out / name).write_text("left by a killed run")
   (out / ".notes.tmp-mine").write_text("the user's")
-  images.convert(photos_raw, out, workers=1, progress=False)
+  images.convert(images.Request(photos_raw, out), workers=1, progress=False)
   assert sorted(p.name for p in out.iterdir() if p.name.startswith(".")) == [".notes.tmp-mine"]

@@ -109,7 +109,9 @@ def test_prepared_tfds_dataset_converts_with_its_classes_and_keys(tmp_path, file
   builder = TinyShapes(data_dir=str(tmp_path / "tfds"), file_format=file_format)
   builder.download_and_prepare()
   m = convert_tfds.convert(
-    "tiny_shapes", tmp_path / "out", data_dir=tmp_path / "tfds", workers=1, progress=False
+    convert_tfds.Request("tiny_shapes", tmp_path / "out", data_dir=tmp_path / "tfds"),
+    workers=1,
+    progress=False,
   )
   assert m.classes == ["circle", "square", "star"]
   assert m.keys == records.Keys(image="image", label="label", filename="file_name")
@@ -128,17 +130,15 @@ def test_prepared_tfds_dataset_converts_with_its_classes_and_keys(tmp_path, file
       f"img{i}.jpg" for i in range(len(stored))
     )
   one = convert_tfds.convert(
-    "tiny_shapes",
-    tmp_path / "one",
-    data_dir=tmp_path / "tfds",
-    split="test",
+    convert_tfds.Request("tiny_shapes", tmp_path / "one", data_dir=tmp_path / "tfds", split="test"),
     workers=1,
     progress=False,
   )
   assert list(one.splits) == ["test"]
   with pytest.raises(KeyError, match="split 'nope' not in"):
     convert_tfds.convert(
-      "tiny_shapes", tmp_path / "x", data_dir=tmp_path / "tfds", split="nope", progress=False
+      convert_tfds.Request("tiny_shapes", tmp_path / "x", data_dir=tmp_path / "tfds", split="nope"),
+      progress=False,
     )
   assert manifest.load(tmp_path / "out").created_by["tool"] == "pipeline.convert tfds"
 

@@ -70,10 +70,7 @@ def test_records_are_copied_byte_for_byte_in_order(examples, tmp_path):
   write_tfrecord(tmp_path / "train-00000-of-00002", examples[:25])
   write_tfrecord(tmp_path / "train-00001-of-00002", examples[25:])
   m = tfrecord.convert(
-    str(tmp_path / "train-*"),
-    tmp_path / "out",
-    num_classes=4,
-    shard_size_mb=1,
+    tfrecord.Request(str(tmp_path / "train-*"), tmp_path / "out", num_classes=4, shard_size_mb=1),
     workers=2,
     progress=False,
   )
@@ -88,22 +85,26 @@ def test_class_names_from_a_file(examples, tmp_path):
   write_tfrecord(tmp_path / "a.tfrecord", examples[:8])
   (tmp_path / "classes.txt").write_text("ant\nbee\ncat\ndog\n")
   m = tfrecord.convert(
-    str(tmp_path / "*.tfrecord"),
-    tmp_path / "out",
-    classes=tmp_path / "classes.txt",
+    tfrecord.Request(
+      str(tmp_path / "*.tfrecord"), tmp_path / "out", classes=tmp_path / "classes.txt"
+    ),
     workers=1,
     progress=False,
   )
   assert m.classes == ["ant", "bee", "cat", "dog"]
   with pytest.raises(ValueError, match="needs the class count"):
-    tfrecord.convert(str(tmp_path / "*.tfrecord"), tmp_path / "o2", progress=False)
+    tfrecord.convert(
+      tfrecord.Request(str(tmp_path / "*.tfrecord"), tmp_path / "o2"), progress=False
+    )
 
 
 def test_label_out_of_range_is_an_error_naming_file_and_record(examples, tmp_path):
   write_tfrecord(tmp_path / "a.tfrecord", examples[:10])
   with pytest.raises(records.RecordError, match=r"a.tfrecord:3: label 3 out of range \[0, 3\)"):
     tfrecord.convert(
-      str(tmp_path / "a.tfrecord"), tmp_path / "out", num_classes=3, workers=1, progress=False
+      tfrecord.Request(str(tmp_path / "a.tfrecord"), tmp_path / "out", num_classes=3),
+      workers=1,
+      progress=False,
     )
 
 
@@ -115,7 +116,9 @@ def test_corrupt_data_checksum_names_file_and_record(examples, tmp_path):
   data[second + 12 + 100] ^= 0x01  # one bit inside record 1's payload
   path.write_bytes(bytes(data))
   with pytest.raises(tfrecord.TFRecordError, match=r"record 1 at byte \d+: data checksum"):
-    tfrecord.convert(str(path), tmp_path / "out", num_classes=4, workers=1, progress=False)
+    tfrecord.convert(
+      tfrecord.Request(str(path), tmp_path / "out", num_classes=4), workers=1, progress=False
+    )
 
 
 def test_truncated_file_and_bad_length_checksum_are_errors(examples, tmp_path):
@@ -124,12 +127,12 @@ def test_truncated_file_and_bad_length_checksum_are_errors(examples, tmp_path):
   whole = path.read_bytes()
   path.write_bytes(whole[:-50])
   with pytest.raises(tfrecord.TFRecordError, match=r"record 2 at byte \d+: truncated record"):
-    tfrecord.convert(str(path), tmp_path / "out", num_classes=4, progress=False)
+    tfrecord.convert(tfrecord.Request(str(path), tmp_path / "out", num_classes=4), progress=False)
   path.write_bytes(whole[:8] + b"\0\0\0\0" + whole[12:])
   with pytest.raises(tfrecord.TFRecordError, match="record 0 at byte 0: length checksum"):
-    tfrecord.convert(str(path), tmp_path / "out", num_classes=4, progress=False)
+    tfrecord.convert(tfrecord.Request(str(path), tmp_path / "out", num_classes=4), progress=False)
   with pytest.raises(FileNotFoundError, match="no TFRecord files match"):
-    tfrecord.convert(str(tmp_path / "missing-*"), tmp_path / "out", num_classes=4)
+    tfrecord.convert(tfrecord.Request(str(tmp_path / "missing-*"), tmp_path / "out", num_classes=4))
 
 
 def test_records_whose_image_does_not_decode_are_skipped_and_listed(examples, tmp_path):
@@ -137,7 +140,9 @@ def test_records_whose_image_does_not_decode_are_skipped_and_listed(examples, tm
   broken = records.encode(image[: len(image) // 2], label, name, OTHER_KEYS)
   write_tfrecord(tmp_path / "a.tfrecord", [examples[1], broken, examples[2]])
   m = tfrecord.convert(
-    str(tmp_path / "a.tfrecord"), tmp_path / "out", num_classes=4, workers=1, progress=False
+    tfrecord.Request(str(tmp_path / "a.tfrecord"), tmp_path / "out", num_classes=4),
+    workers=1,
+    progress=False,
   )
   assert read_all(tmp_path / "out") == [examples[1], examples[2]]
   assert [s["path"] for s in m.skipped] == [f"{tmp_path / 'a.tfrecord'}:1"]
@@ -148,9 +153,8 @@ def test_unparseable_record_is_an_error(tmp_path):
   write_tfrecord(tmp_path / "a.tfrecord", [records.encode(b"x", 0), b"\xff\xff not a proto"])
   with pytest.raises(records.RecordError, match="a.tfrecord:1: not a tf.train.Example"):
     tfrecord.convert(
-      str(tmp_path / "a.tfrecord"),
-      tmp_path / "out",
-      num_classes=1,
-      keys=records.DEFAULT_KEYS,
+      tfrecord.Request(
+        str(tmp_path / "a.tfrecord"), tmp_path / "out", num_classes=1, keys=records.DEFAULT_KEYS
+      ),
       progress=False,
     )

@@ -435,7 +435,9 @@ def _two_datasets(tmp_path: pathlib.Path) -> tuple[pathlib.Path, pathlib.Path]:
 
 
 def _convert(src, out, **kw):
-  return images.convert(src, out, workers=1, progress=False, shard_size_mb=0.01, **kw)
+  return images.convert(
+    images.Request(src, out, shard_size_mb=0.01, **kw), workers=1, progress=False
+  )
 
 
 def _pinned(tmp_path):

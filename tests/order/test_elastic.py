@@ -186,7 +186,9 @@ def test_a_state_resumed_over_the_same_records_in_other_shards_names_their_count
 ):
   state = state_after(make(odd_dir, shard_count=1), 2)
   count = state["stream"]["shards"]["count"]
-  images.convert(odd_dir.parent / "raw", tmp_path, shard_size_mb=1, workers=1, progress=False)
+  images.convert(
+    images.Request(odd_dir.parent / "raw", tmp_path, shard_size_mb=1), workers=1, progress=False
+  )
   with pytest.raises(
     StateError, match=f"shard list \\({count} shard\\(s\\) in the state, 1 here\\)"
   ):

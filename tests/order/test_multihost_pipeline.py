@@ -29,7 +29,9 @@ def odd_dir(tmp_path_factory) -> pathlib.Path:
   """45 digits in several small shards, converted by the real converter."""
   root = tmp_path_factory.mktemp("multihost")
   builtin.make_digits(root / "raw", num_images=NUM_RECORDS)
-  images.convert(root / "raw", root / "data", shard_size_mb=0.01, workers=1, progress=False)
+  images.convert(
+    images.Request(root / "raw", root / "data", shard_size_mb=0.01), workers=1, progress=False
+  )
   assert len(pipeline.load_manifest(root / "data").splits["train"].shards) > 2
   return root / "data"
 

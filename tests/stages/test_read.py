@@ -32,7 +32,7 @@ from tests.stage_chain import stages
 def sharded_dir(photos_raw, tmp_path_factory):
   """The 64 photos in ~8 shards (a bucket's dataset has many)."""
   out = tmp_path_factory.mktemp("sharded") / "data"
-  images.convert(photos_raw, out, shard_size_mb=0.4, workers=1, progress=False)
+  images.convert(images.Request(photos_raw, out, shard_size_mb=0.4), workers=1, progress=False)
   return out
 
 

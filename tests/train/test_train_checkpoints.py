@@ -240,7 +240,9 @@ def test_a_checkpoint_resumed_over_another_shard_list_is_refused_and_kept(
   workdir = interrupted_copy(finished, tmp_path)
   resharded = tmp_path / "resharded"  # the same images, converted into smaller shards
   images.convert(
-    digits_raw, resharded, val_fraction=0.2, seed=0, shard_size_mb=0.1, workers=1, progress=False
+    images.Request(digits_raw, resharded, val_fraction=0.2, seed=0, shard_size_mb=0.1),
+    workers=1,
+    progress=False,
   )
   line = refused_and_kept(train(workdir, resharded), workdir)
   assert re.search(r"another shard list \(1 shard\(s\) in the state, \d+ here\)", line)

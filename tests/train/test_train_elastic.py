@@ -87,7 +87,9 @@ def test_one_process_resumed_on_two(digits_dir, tmp_path):
 def test_owned_shards_on_another_process_count_are_refused_in_one_line(digits_raw, tmp_path):
   data, workdir = tmp_path / "data", tmp_path / "w"
   images.convert(
-    digits_raw, data, val_fraction=0.2, seed=0, shard_size_mb=0.1, workers=1, progress=False
+    images.Request(digits_raw, data, val_fraction=0.2, seed=0, shard_size_mb=0.1),
+    workers=1,
+    progress=False,
   )
   owned = ("--config.input.sharding=shards", "--config.eval_input.sharding=records")
   one_process(workdir, data, *owned, "--config.num_steps=6")

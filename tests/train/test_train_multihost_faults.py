@@ -26,7 +26,9 @@ def sharded(digits_raw, tmp_path_factory):
   """The digits converted into shards of 0.1 MB: several a split."""
   out = tmp_path_factory.mktemp("sharded") / "data"
   images.convert(
-    digits_raw, out, val_fraction=0.2, seed=0, shard_size_mb=0.1, workers=1, progress=False
+    images.Request(digits_raw, out, val_fraction=0.2, seed=0, shard_size_mb=0.1),
+    workers=1,
+    progress=False,
   )
   return out
 
