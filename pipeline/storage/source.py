@@ -40,7 +40,10 @@ class ShardedSource:
     self.paths = [os.fspath(p) for p in paths]
     # what each shard was when opened (backend.pin): a shard replaced since is refused
     self.pins = list(pins) if pins is not None else [backend.pin(p) for p in self.paths]
-    self.backends = [backend.of(p) for p in self.paths]  # how each shard's reads wait
+    # how each shard's reads wait (`backend.of`), looked up once per folder
+    folders = {os.path.dirname(p): p for p in reversed(self.paths)}  # each folder's first
+    found = {folder: backend.of(p) for folder, p in folders.items()}
+    self.backends = [found[os.path.dirname(p)] for p in self.paths]
     self.names = [epath.Path(p).name for p in paths]
     self.starts = [0]
     for c in counts:
