@@ -1,25 +1,22 @@
 """`manifest.json` read and written (its schema: `pipeline.catalog.schema`), and the checks a reader
-makes of the files it lists.
+makes of the files it lists, through their storage backend (`pipeline.storage.backend`).
 
 `checked_shards` is what a reader calls at open: it refuses a dataset whose files do not
 match the manifest (missing, not regular files, another size, counts that do not add up, and
 for gs:// objects another CRC32C than the shard's: GCS keeps every object's CRC32C, so one
 metadata request per shard checks its content; and, in the folder a conversion into a bucket
-wrote, another generation than the one recorded). `pin` and `check_pinned` keep a reader on the
-files it checked (local: device, inode, size, mtime; gs://: the object's generation): a shard
-replaced later (a `convert --overwrite`, an object overwritten) is refused when the reader
-opens it. Manifests written before shards had a "crc32c" still open, with the size check.
+wrote, another generation than the one recorded). `pinned_shards` also returns each shard's
+pin (`pipeline.storage.backend.pin`), taken by the same stat or request, which keeps a reader
+on the files it checked. Manifests written before shards had a "crc32c" still open, with the
+size check.
 """
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
-import importlib.util
 import json
 import os
-import stat
 
 from etils import epath
 
@@ -37,47 +34,25 @@ from pipeline.catalog.schema import (  # noqa: F401
   from_json,
   splits_from_json,
 )
-from pipeline.storage import remote
+from pipeline.storage import backend
 
-DEADLINE = "performance.read_deadline_s"  # the setting of a mount's wait at open
 BUILD_DIR = ".convert-build"  # where a conversion into the folder writes until it is done
 VERIFY_LEVELS = ("none", "size", "sha256")
-
-
-class ShardReplacedError(OSError):
-  """A shard that is not the file its reader pinned when the dataset was opened."""
-
-
-def _is_local(path: epath.Path) -> bool:
-  return "://" not in os.fspath(path)
-
-
-def _stat(path, deadline_s: float | None) -> os.stat_result:
-  """os.stat of a local `path`; on a FUSE mount within `deadline_s` (`remote.on_mount`)."""
-  return remote.on_mount(lambda: os.stat(path), path, deadline_s, DEADLINE)
-
-
-def _regular_size(path: epath.Path, deadline_s: float | None) -> int | None:
-  """The size of a regular file, None if `path` is something else; never opens it."""
-  if _is_local(path):
-    st = _stat(path, deadline_s)
-    return st.st_size if stat.S_ISREG(st.st_mode) else None
-  st = remote.call(path.stat, path)
-  return None if st.is_directory else st.length
 
 
 def load(data_dir, deadline_s: float | None = None) -> Manifest:
   """Reads `data_dir/manifest.json`; a missing one is `FileNotFoundError`, a damaged one
   `ManifestError`, each naming the file; a bucket this host cannot read (no gcsfs, no
-  credentials) is one `RemoteStorageError` line (`pipeline.storage.remote.check`), a mount
+  credentials) is one `RemoteStorageError` line (`pipeline.storage.backend.check`), a mount
   that does not answer within `deadline_s` too. A TFDS ArrayRecord build (its version folder,
   or tfds://name[:version]) has none: `pipeline.catalog.tfds_folder` makes its Manifest."""
   if tfds_folder.is_uri(data_dir):
     return tfds_folder.load(data_dir)
-  remote.check(data_dir)
+  backend.check(data_dir)
   path, missing = epath.Path(data_dir) / FILENAME, False
+  storage = backend.of(path)
   try:
-    size = _regular_size(path, deadline_s)
+    size = storage.size(path, deadline_s)
   except FileNotFoundError:
     missing = True
   except NotADirectoryError:
@@ -85,7 +60,7 @@ def load(data_dir, deadline_s: float | None = None) -> Manifest:
   if missing and tfds_folder.is_build(data_dir):
     return tfds_folder.load(data_dir)
   if missing:
-    if _is_local(path) and os.path.isdir(os.path.join(os.fspath(data_dir), BUILD_DIR)):
+    if storage.scheme is None and os.path.isdir(os.path.join(os.fspath(data_dir), BUILD_DIR)):
       raise FileNotFoundError(
         f"{path} not found: a conversion into {data_dir} is running or was interrupted; "
         "re-run it to finish"
@@ -96,10 +71,7 @@ def load(data_dir, deadline_s: float | None = None) -> Manifest:
     ) from None
   if size is None:
     raise ManifestError(f"{path} is not a regular file")
-  if _is_local(path):
-    text = remote.on_mount(path.read_bytes, path, deadline_s, DEADLINE)
-  else:
-    text = remote.call(path.read_bytes, path)
+  text = storage.guard(path.read_bytes, path, deadline_s)
   try:
     data = json.loads(text)
   except (ValueError, UnicodeDecodeError) as e:
@@ -130,46 +102,11 @@ def _sha256(path: epath.Path) -> str:
   return h.hexdigest()
 
 
-def _gcs_object(path) -> dict | None:
-  """A gs:// object's metadata (size, generation, crc32c) from gcsfs, fresh (not a listing
-  cached earlier): one request. None where gcsfs is not installed (then only a size is known)."""
-  if importlib.util.find_spec("gcsfs") is None:
-    return None
-  from etils.epath.backend import fsspec_backend
-
-  fs = fsspec_backend.fs(os.fspath(path))
-  fs.invalidate_cache(os.fspath(path))
-  return fs.info(os.fspath(path))
-
-
-def _look(path, deadline_s: float | None = None) -> tuple[int | None, tuple | None, str | None]:
-  """(size, pin, crc32c) of a shard from one stat or one object metadata request, never a read:
-  size None if it is not a regular file (or object); pin (see `pin`) and crc32c (8 hex digits,
-  gs:// objects only) None where not known. On a mount the stat waits at most `deadline_s`."""
-  if _is_local(path):
-    st = _stat(path, deadline_s)
-    if not stat.S_ISREG(st.st_mode):
-      return None, None, None
-    return st.st_size, (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns), None
-  gs = os.fspath(path).startswith("gs://")
-  info = remote.call(lambda: _gcs_object(path), path) if gs else None  # deadline, retries
-  if info is None:
-    st = remote.call(epath.Path(path).stat, path)
-    return (None if st.is_directory else st.length), None, None
-  if info.get("type") != "file":
-    return None, None, None
-  size, crc = int(info["size"]), info.get("crc32c")
-  return (
-    size,
-    ("gs", str(info.get("generation")), size),
-    base64.b64decode(crc).hex() if crc else None,
-  )
-
-
 def _checked(
   data_dir, meta: Manifest, split: str, verify: str, deadline_s: float | None = None
 ) -> tuple[list[epath.Path], list]:
-  """`checked_shards`, plus the pin of each shard taken by the same stat or request."""
+  """`checked_shards`, plus the pin of each shard taken by the same stat or request
+  (`pipeline.storage.backend.look`)."""
   if verify not in VERIFY_LEVELS:
     raise ValueError(f"verify must be one of {VERIFY_LEVELS}, not {verify!r}")
   where = epath.Path(data_dir) / meta.read_from
@@ -186,16 +123,16 @@ def _checked(
   pins = []
   if verify == "none":  # but never a FIFO or device a reader would block on (local: one stat)
     for path in paths:
-      pinned = None
-      if _is_local(path):
+      pinned, storage = None, backend.of(path)
+      if storage.scheme is None:
         with contextlib.suppress(FileNotFoundError):  # missing: the reader says so at open
-          if not (pinned := _look(path, deadline_s)[1]):
+          if not (pinned := storage.look(path, deadline_s)[1]):
             raise ManifestError(f"shard {path} is not a regular file")
       pins.append(pinned)
     return paths, pins
   for path, sh in zip(paths, s.shards):
     try:
-      size, pinned, crc = _look(path, deadline_s)
+      size, pinned, crc = backend.look(path, deadline_s)
     except FileNotFoundError:
       raise ManifestError(f"shard {path} is missing") from None
     if size is None:
@@ -225,10 +162,10 @@ def _checked(
 
 
 def written_here(data_dir, meta: Manifest) -> bool:
-  """Whether `data_dir` is the gs:// folder a conversion wrote `meta` into, whose objects' its
+  """Whether `data_dir` is the bucket folder a conversion wrote `meta` into, whose objects' its
   shard generations are (not a copy of the dataset elsewhere)."""
   here = os.fspath(data_dir).rstrip("/")
-  return here.startswith("gs://") and meta.written_to == here
+  return meta.written_to == here and backend.of(here).scheme is not None
 
 
 def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -> list[epath.Path]:
@@ -242,41 +179,6 @@ def checked_shards(data_dir, meta: Manifest, split: str, verify: str = "size") -
   reader would block forever on a FIFO). Raises `ManifestError` naming the file.
   """
   return _checked(data_dir, meta, split, verify)[0]
-
-
-def pin(path) -> tuple | None:
-  """What identifies the shard at `path` now, without reading it: local files (device, inode,
-  size, mtime), one stat; gs:// objects ("gs", generation, size), one metadata request; None
-  where neither is known (gs:// without gcsfs)."""
-  return _look(path)[1]
-
-
-def cache_key(pinned: tuple | None) -> str:
-  """The part of a pin that names the shard's content across restarts and remounts (not the
-  inode, which gcsfuse numbers anew per mount): what record cache entries are tied to."""
-  if pinned is None:
-    return "unpinned"
-  return f"gs:{pinned[1]}" if pinned[0] == "gs" else f"{pinned[2]}:{pinned[3]}"
-
-
-def check_pinned(path, pinned: tuple | None) -> None:
-  """Refuses a shard that is no longer the file pinned when the dataset was opened.
-
-  Call it just after opening the shard: files are replaced by rename (objects by a new
-  generation), so if the path is still the pinned one then, the reader opened the pinned file.
-  Raises `ShardReplacedError` (an OSError, as readers report a file that went away).
-  """
-  if pinned is None:
-    return
-  try:
-    now = pin(path)
-  except FileNotFoundError:
-    now = None
-  if now != tuple(pinned):
-    raise ShardReplacedError(
-      f"shard {path} was replaced after this dataset was opened (a conversion with "
-      "--overwrite, an object written again?): open the dataset again to read the new one"
-    )
 
 
 def pinned_shards(

@@ -25,8 +25,8 @@ from typing import Any
 from etils import epath
 
 from pipeline.catalog.records import Keys
+from pipeline.storage.backend import FILENAME  # storage probes it: the name is storage's
 
-FILENAME = "manifest.json"
 FORMAT = "grain-pipeline/1"
 
 

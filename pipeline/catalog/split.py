@@ -9,7 +9,7 @@ from etils import epath
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import tfds_folder
 from pipeline.host import guards
-from pipeline.storage import remote
+from pipeline.storage import backend
 from pipeline.storage.source import ShardedSource
 
 
@@ -17,17 +17,14 @@ def open(data_dir, split: str, verify: str = "size", deadline_s: float | None = 
   """(manifest, source, pins): the split's shards, checked against the manifest (`verify`:
   `pipeline.catalog.manifest.pinned_shards`), each pinned to the file as opened, those listed
   with 0 records opened to check they hold none (no read would); on a mount
-  each stat and read waits at most `deadline_s` (None: `remote.on_mount`'s)."""
+  each stat and read waits at most `deadline_s` (None: `backend.Mount`'s)."""
   data_dir = tfds_folder.resolve(data_dir)
-  remote.check(data_dir, probe=False)  # manifest_lib.load probes it
+  backend.check(data_dir, probe=False)  # manifest_lib.load probes it
   data_dir = epath.Path(data_dir)
   meta = manifest_lib.load(data_dir, deadline_s)
   paths, pins = manifest_lib.pinned_shards(data_dir, meta, split, verify, deadline_s)
   counts = [s.num_records for s in meta.splits[split].shards]
   source = ShardedSource(paths, counts, pins)
-  if remote.scheme(data_dir) is not None:
-    remote.call(source.open_empty, data_dir)
-  else:
-    remote.on_mount(source.open_empty, data_dir, deadline_s, manifest_lib.DEADLINE)
+  backend.of(data_dir).guard(source.open_empty, data_dir, deadline_s)
   guards.check_address_space(f"split {split!r} of {data_dir}")
   return meta, source, pins

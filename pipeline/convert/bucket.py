@@ -38,7 +38,7 @@ from etils import epath
 
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.convert import shards
-from pipeline.storage import remote
+from pipeline.storage import backend, remote
 
 T = TypeVar("T")
 _PLAN = "plan.json"
@@ -79,7 +79,7 @@ def _writing(fn: Callable[[], T], what: str) -> T:
 def check(url: str) -> None:
   """One line at once if this host cannot use `url` (gs:// only: no gcsfs, no credentials,
   no network)."""
-  remote.check(url)
+  backend.check(url)
 
 
 def read_bytes(path: str) -> bytes:

@@ -24,6 +24,7 @@ from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import records
 from pipeline.convert import bucket, checks, shards
 from pipeline.convert.shards import Progress
+from pipeline.storage import backend
 
 _RANGE = 256  # records per verification task
 _READ_ERRORS = (RuntimeError, ValueError, OSError)
@@ -56,7 +57,7 @@ def _size(path: str) -> tuple[int | None, str | None]:
   """(size, generation) of a regular file or object: size None for anything else, generation
   a gs:// object's (else None)."""
   if bucket.is_url(path):
-    size, pinned, _ = manifest_lib._look(path)
+    size, pinned, _ = backend.look(path)
     return size, pinned[1] if pinned and pinned[0] == "gs" else None
   st = os.stat(path)
   return (st.st_size if stat.S_ISREG(st.st_mode) else None), None

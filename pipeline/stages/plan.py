@@ -23,7 +23,6 @@ from pipeline.host.parallelism import process_shard
 from pipeline.order import blocks as blocks_lib
 from pipeline.order.blocks import WINDOW_BATCHES, Blocks
 from pipeline.order.sampling import PAD, Sampler
-from pipeline.storage import remote
 
 
 @dataclasses.dataclass
@@ -102,7 +101,7 @@ def sampler(spec, meta, source) -> Sampler:
   shard_index, shard_count = process_shard(spec.shard_index, spec.shard_count)
   split = meta.splits[spec.split]
   counts = tuple(s.num_records for s in split.shards)
-  order = spec.order or ("blocks" if remote.in_bucket(source.paths[0]) else "global")
+  order = spec.order or ("blocks" if source.backends[0].remote else "global")
   return Sampler(
     num_records=split.num_records,
     seed=spec.seed,

@@ -32,7 +32,7 @@ import numpy as np
 from pipeline.host import memory, parallelism
 from pipeline.stages.ahead import Threads
 from pipeline.stages.plan import Batch
-from pipeline.storage import blockstore, remote
+from pipeline.storage import backend, blockstore, remote
 from pipeline.storage.blockstore import SHM_DIR
 from pipeline.storage.budget import ReadAhead, reads_in_flight
 from pipeline.storage.cache import RecordCache, record_cache
@@ -41,7 +41,6 @@ from pipeline.storage.source import ShardedSource
 
 __all__ = ["ReadRecords", "ReadStats", "describe", "probe", "reads_in_flight", "requests", "stage"]
 
-DEADLINE = "performance.read_deadline_s"
 MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait, not compute)
 POLL_S = 1.0  # how often a batch waiting for its reads looks at storage's silence
 
@@ -117,7 +116,7 @@ class ReadRecords:
           silent = self.fetcher.silence() or (0.0, shard)
         if silent[0] >= self.fetcher.wait_s():
           path = self.source.paths[silent[1]]
-          raise remote.no_answer(path, self.fetcher.wait_s(), DEADLINE) from None
+          raise remote.no_answer(path, self.fetcher.wait_s(), backend.DEADLINE) from None
 
 
 def stage(
@@ -180,11 +179,8 @@ def probe(
   """(seconds, bytes) of one record read, the shard already open: the fastest of a few
   (a loaded machine's stalls are not storage latency). The read stage starts from it
   before it measures its own reads. On a mount each read waits at most `deadline_s`."""
-  path = source.paths[0] if source.paths else ""
-  if remote.scheme(path) is not None:  # with deadlines, retries
-    read = lambda indices: remote.call(lambda: source.read(indices), path)
-  else:
-    read = lambda indices: remote.on_mount(lambda: source.read(indices), path, deadline_s, DEADLINE)
+  path, storage = source.paths[0], source.backends[0]  # a bucket's: with deadlines, retries
+  read = lambda indices: storage.guard(lambda: source.read(indices), path, deadline_s)
   read([0])  # opens the first shard (its footer reads cost latency too)
   times, sizes = [], []
   for index in range(1, min(reads, len(source) - 1) + 1) or [0]:

@@ -26,8 +26,8 @@ from collections.abc import Callable
 import google_crc32c
 import numpy as np
 
-from pipeline.catalog import manifest as manifest_lib
 from pipeline.host import parallelism
+from pipeline.storage import backend
 
 SLOW_READ_S = 0.002  # reads at least this slow get the record cache by default
 CACHE_MEMORY_SHARE = 0.25  # of the available memory the default record cache may take
@@ -102,7 +102,7 @@ class RecordCache:
   """Global record index -> record bytes: RAM (`ram_bytes`) then disk (`directory`).
 
   `names`: the shards' file names; `shard_keys`: each shard's identity as opened
-  (`manifest.cache_key` of its pin), so entries read from another version of a shard are
+  (`backend.cache_key` of its pin), so entries read from another version of a shard are
   never served. RAM holds this process's reads of this open, keyed by record index.
   """
 
@@ -261,5 +261,5 @@ def record_cache(
     # a TFDS build records no digests: its dataset info's fingerprint names it instead
     dataset_id([s.sha256 or meta.created_by.get("fingerprint", "") for s in shards], names),
     names,
-    [manifest_lib.cache_key(p) for p in pins],
+    [backend.cache_key(p) for p in pins],
   )

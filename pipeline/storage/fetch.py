@@ -177,9 +177,7 @@ class Fetcher:
       if self.budget is not None:
         self.budget.take(requests)
       with self._in_flight(shard):
-        if remote.scheme(self.source.paths[shard]) is None:
-          return read()
-        return remote.within(read, self.wait_s())
+        return self.source.backends[shard].request(read, self.wait_s())
 
     return remote.retry(attempt, self.source.paths[shard], self._retried)
 

@@ -1,14 +1,6 @@
-"""Datasets in a bucket: what a `gs://` data_dir needs, checked before anything is read.
-
-Two readers touch a `gs://bucket/ds` dataset: `etils.epath` reads manifest.json and stats
-the shards (through TensorFlow's gfile when TensorFlow is installed, else fsspec + gcsfs),
-and array_record's C++ reader opens the shards itself (google-cloud-cpp: application
-default credentials, and `CLOUD_STORAGE_EMULATOR_ENDPOINT` for an emulator). `check` turns
-what would otherwise surface as a long traceback (no gcsfs, no credentials, no network, an
-emulator set for one reader only, a scheme array_record cannot open) into one line naming
-the fix; what retrying cannot mend (a storage host that does not resolve: no DNS, no network)
-is that line at once, naming missing credentials too. A local path (or a gcsfuse mount)
-passes without a look.
+"""Reads of storage that may stall or fail (a bucket, a FUSE mount): deadlines, retries, and
+one line naming the fix (`RemoteStorageError`) instead of a long traceback or a hang. What a
+kind of storage needs before it is read is its backend's (`pipeline.storage.backend`).
 
 `call` runs each read of a bucket that Python makes (the manifest, the shards' sizes, the
 first records at open) with a deadline per attempt and retries with exponential backoff and
@@ -25,22 +17,17 @@ shows as latency; `retry` sees what a FUSE mount or a Python reader raises.
 from __future__ import annotations
 
 import errno
-import importlib.util
 import logging
 import os
 import random
 import re
-import socket
 import threading
 import time
-import urllib.parse
 from collections.abc import Callable
 from typing import TypeVar
 
 from absl import logging as absl_logging
-from etils import epath
 
-from pipeline.catalog.schema import FILENAME
 from pipeline.storage import stalled
 
 T = TypeVar("T")
@@ -50,17 +37,11 @@ BACKOFF_S = 1.0  # before the second attempt; doubled for each next, times 0.5-1
 SLOW_DOWN_ATTEMPTS = 6  # of a read storage answers "slow down": waits of ~1+2+4+8+16 s
 SAID_EVERY_S = 10.0  # a warning per retry of a read, at most this often
 
-INSTALL = "pip install -e '.[gcs]' in the checkout (or pip install gcsfs)"
 LOGIN = (
   "run `gcloud auth application-default login`, or on a TPU/GCE VM give its service account "
   "Storage Object Viewer on the bucket"
 )
-GCS_HOST = "storage.googleapis.com"
 GCSFUSE = "or mount the bucket with gcsfuse and pass the mount path"
-# gcsfs (and so epath without TensorFlow) reads this; array_record's reader reads the other.
-EMULATOR_VARS = ("STORAGE_EMULATOR_HOST", "CLOUD_STORAGE_EMULATOR_ENDPOINT")
-
-_HNS = "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT"  # read by gcsfs when imported; on by default
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
 _NO_ACCESS = (
   "401",
@@ -121,39 +102,6 @@ def scheme(path) -> str | None:
   return match[1].lower() if match else None
 
 
-def in_bucket(path) -> bool:
-  """Whether `path` is read from a bucket: gs://, or a FUSE mount (gcsfuse, the rig's), found
-  in /proc/self/mountinfo (absent off Linux: then only gs://)."""
-  if scheme(path) is not None:
-    return scheme(path) == "gs"
-  try:
-    with open("/proc/self/mountinfo") as f:
-      mounts = [line.split(" - ") for line in f]
-  except OSError:
-    return False
-
-  def fuse(path: str) -> bool:
-    best, fstype = "", ""
-    for head, tail in (m for m in mounts if len(m) == 2):
-      point = head.split()[4].replace("\\040", " ")
-      inside = path == point or path.startswith(point.rstrip("/") + "/")
-      if inside and len(point) >= len(best):
-        best, fstype = point, tail.split()[0]
-    return fstype.startswith("fuse")
-
-  # the path as written first: resolving links looks up each name, which a stalled mount holds
-  return fuse(os.path.abspath(path)) or fuse(os.path.realpath(path))
-
-
-def gs_reader() -> str | None:
-  """What `etils.epath` reads gs:// paths with here: "tensorflow" (its gfile, chosen by epath
-  whenever TensorFlow is installed and EPATH_USE_TF is not false), "gcsfs", or None."""
-  use_tf = os.environ.get("EPATH_USE_TF", "").lower() not in ("false", "no", "f", "0")
-  if use_tf and importlib.util.find_spec("tensorflow") is not None:
-    return "tensorflow"
-  return "gcsfs" if importlib.util.find_spec("gcsfs") is not None else None
-
-
 def _first_line(e: BaseException) -> str:
   lines = [line.strip() for line in str(e).splitlines() if line.strip()]
   return f"{type(e).__name__}: {lines[0] if lines else '(no message)'}"[:300]
@@ -167,100 +115,6 @@ def explain(e: BaseException) -> str:
   if any(s in text for s in _NO_NETWORK) or isinstance(e, (ConnectionError, TimeoutError)):
     return f"cannot reach Cloud Storage ({_first_line(e)}): check the network"
   return _first_line(e)
-
-
-def check(data_dir, probe: bool = True) -> None:
-  """Raises `RemoteStorageError` (one line) if `data_dir` is a URL this host cannot read.
-
-  A local path returns at once. For gs://: an emulator must be set for both readers or
-  neither (and for gcsfs as it needs), a reader for the manifest must be installed, and
-  (`probe`) manifest.json is
-  stat'ed once, so missing credentials or network are named here; a missing manifest is
-  left to `manifest.load`, which says how to make one.
-  """
-  kind = scheme(data_dir)
-  if kind is None:
-    return
-  if kind != "gs":
-    raise RemoteStorageError(
-      f"cannot read {data_dir}: shards are read by array_record, which opens local paths "
-      f"and gs:// only; mount the {kind}:// storage and pass the mount path"
-    )
-  emulator = [v for v in EMULATOR_VARS if os.environ.get(v)]
-  if len(emulator) == 1:
-    (other,) = set(EMULATOR_VARS) - set(emulator)
-    raise RemoteStorageError(
-      f"{emulator[0]} is set but {other} is not: the manifest and the shards would be read "
-      "from different places (gcsfs reads the first, array_record the second); set both to "
-      "the emulator's URL, or neither"
-    )
-  if gs_reader() is None:
-    raise RemoteStorageError(f"reading {data_dir} needs gcsfs: {INSTALL}; {GCSFUSE}")
-  if emulator and gs_reader() == "tensorflow":
-    raise RemoteStorageError(
-      "STORAGE_EMULATOR_HOST is set but epath reads gs:// with TensorFlow's gfile here, "
-      "which ignores it: set EPATH_USE_TF=false (epath then uses gcsfs)"
-    )
-  if emulator and os.environ.get(_HNS, "").lower() not in ("false", "0"):
-    raise RemoteStorageError(
-      f"{emulator[0]} is set: also set {_HNS}=false (else gcsfs asks the emulator for "
-      "the bucket's layout over gRPC, which it does not serve: a 60 s wait per call)"
-    )
-  if not probe:
-    return
-  unresolved = _unresolved()
-  if unresolved:
-    missing = None if emulator else _no_credentials()
-    also = f"; no credentials either ({missing}): {LOGIN}" if missing else ""
-    raise RemoteStorageError(
-      f"cannot read {data_dir}: cannot reach Cloud Storage ({unresolved}): check the network "
-      f"and DNS{also}; {GCSFUSE}"
-    )
-  path = epath.Path(data_dir) / FILENAME
-  try:
-    call(path.stat, path)
-  except FileNotFoundError:
-    return
-  except RemoteStorageError:
-    raise
-  except Exception as e:  # noqa: BLE001 - gcsfs, aiohttp, google-auth and TF raise their own
-    raise RemoteStorageError(f"cannot read {path}: {explain(e)}; {GCSFUSE}") from None
-
-
-def _host() -> tuple[str, int]:
-  """(host, port) that gs:// reads go to: the emulator's, else Cloud Storage's."""
-  url = os.environ.get(EMULATOR_VARS[0]) or f"https://{GCS_HOST}"
-  parts = urllib.parse.urlsplit(url if "://" in url else f"http://{url}")
-  return parts.hostname or GCS_HOST, parts.port or (443 if parts.scheme == "https" else 80)
-
-
-def _unresolved() -> str | None:
-  """Why the storage host's name does not resolve (gcsfs would retry that for a minute),
-  or None; a resolver that does not answer in time is left to the reads' deadlines."""
-  host, port = _host()
-  try:
-    within(lambda: socket.getaddrinfo(host, port), ATTEMPT_S)
-  except socket.gaierror as e:
-    return f"{host} does not resolve: {e.strerror or e}"
-  except (NoAnswer, OSError):
-    pass
-  return None
-
-
-def _no_credentials() -> str | None:
-  """google-auth's reason when it finds no Application Default Credentials, else None."""
-  try:
-    import google.auth
-    from google.auth import exceptions
-  except ImportError:
-    return None
-  try:
-    within(google.auth.default, ATTEMPT_S)
-  except exceptions.DefaultCredentialsError as e:
-    return str(e).split(". ")[0]
-  except Exception:  # noqa: BLE001 - a slow or odd lookup: say nothing of credentials
-    pass
-  return None
 
 
 def _transient(e: BaseException) -> bool:
@@ -375,20 +229,6 @@ def no_answer(path, deadline_s: float, setting: str | None = None) -> RemoteStor
   )
   said = f" ({setting} sets the wait)" if setting else ""
   return _no_answer(f"cannot read {path}: no answer within {deadline_s:g} s: {fix}{said}")
-
-
-def on_mount(
-  fn: Callable[[], T], path, deadline_s: float | None = None, setting: str | None = None
-) -> T:
-  """`fn()`, a read of local `path`: within a deadline (None: `ATTEMPT_S` x `ATTEMPTS`) where
-  `path` is on a FUSE mount, whose reads may never return; else `no_answer`."""
-  if not in_bucket(path):
-    return fn()
-  deadline_s = deadline_s or ATTEMPT_S * ATTEMPTS
-  try:
-    return within(fn, deadline_s)
-  except NoAnswer:
-    raise no_answer(path, deadline_s, setting) from None
 
 
 def within(fn: Callable[[], T], deadline_s: float) -> T:

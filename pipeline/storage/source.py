@@ -17,7 +17,7 @@ import numpy as np
 from array_record.python import array_record_module
 from etils import epath
 
-from pipeline.catalog import manifest as manifest_lib
+from pipeline.storage import backend
 
 # Random access: no sequential read-ahead (`max_parallelism` only governs that read-ahead:
 # a batched `read(indices)` of 2+ records still runs on array_record's global pool). No
@@ -38,8 +38,12 @@ class ShardedSource:
 
   def __init__(self, paths: Sequence[epath.Path], counts: Sequence[int], pins=None):
     self.paths = [os.fspath(p) for p in paths]
-    # what each shard was when opened (manifest.pin): a shard replaced since is refused
-    self.pins = list(pins) if pins is not None else [manifest_lib.pin(p) for p in self.paths]
+    # what each shard was when opened (backend.pin): a shard replaced since is refused
+    self.pins = list(pins) if pins is not None else [backend.pin(p) for p in self.paths]
+    # how each shard's reads wait (`backend.of`), looked up once per folder
+    folders = {os.path.dirname(p): p for p in reversed(self.paths)}  # each folder's first
+    found = {folder: backend.of(p) for folder, p in folders.items()}
+    self.backends = [found[os.path.dirname(p)] for p in self.paths]
     self.names = [epath.Path(p).name for p in paths]
     self.starts = [0]
     for c in counts:
@@ -96,7 +100,7 @@ class ShardedSource:
             f"{expected}: it changed after conversion"
           )
         try:
-          manifest_lib.check_pinned(self.paths[shard], self.pins[shard])
+          backend.check_pinned(self.paths[shard], self.pins[shard])
         except OSError:
           reader.close()
           raise

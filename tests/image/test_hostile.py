@@ -26,6 +26,7 @@ from pipeline.catalog import manifest, records
 from pipeline.convert import checks, images, shards
 from pipeline.image import augment, decode, fallback
 from pipeline.stages.decode import batch_decoder
+from pipeline.storage import backend
 from pipeline.storage.source import ShardedSource
 from tests import jpeg_modes
 
@@ -455,7 +456,7 @@ def test_shards_replaced_by_convert_overwrite_are_refused_at_open(tmp_path):
   out, meta, paths, pins, new_src = _pinned(tmp_path)
   assert len(paths) >= 3
   for path, pinned in zip(paths, pins):
-    manifest.check_pinned(path, pinned)  # unchanged: fine
+    backend.check_pinned(path, pinned)  # unchanged: fine
   _convert(new_src, out, overwrite=True)
   new = manifest.load(out)
   assert [s.file for s in new.splits["train"].shards] == [p.name for p in paths]
@@ -463,8 +464,8 @@ def test_shards_replaced_by_convert_overwrite_are_refused_at_open(tmp_path):
     s.num_records for s in meta.splits["train"].shards
   ]
   for path, pinned in zip(paths, pins):
-    with pytest.raises(manifest.ShardReplacedError, match=f"shard {path} was replaced after"):
-      manifest.check_pinned(path, pinned)
+    with pytest.raises(backend.ShardReplacedError, match=f"shard {path} was replaced after"):
+      backend.check_pinned(path, pinned)
   with pytest.raises(manifest.ManifestError, match="changed while the dataset was being opened"):
     manifest.pinned_shards(out, meta, "train")  # the manifest it was given is gone
 
@@ -477,7 +478,7 @@ def test_a_source_opened_before_convert_overwrite_refuses_the_new_shards(tmp_pat
   first = source.read([0])
   _convert(new_src, out, overwrite=True)
   assert source.read([0]) == first  # an open reader keeps reading the file it opened
-  with pytest.raises(manifest.ShardReplacedError, match="was replaced after"):
+  with pytest.raises(backend.ShardReplacedError, match="was replaced after"):
     source.read([len(source) - 1])
 
 

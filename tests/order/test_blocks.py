@@ -18,7 +18,7 @@ from pipeline.order.blocks import Blocks, label_distance
 from pipeline.order.sampling import Sampler, permute
 from pipeline.stages import plan as plan_lib
 from pipeline.stages import read
-from pipeline.storage import remote
+from pipeline.storage import backend, remote
 from pipeline.storage.budget import RequestBudget
 from pipeline.storage.ranges import BlockReads
 from pipeline.storage.source import ShardedSource
@@ -139,7 +139,7 @@ def test_sizes_are_checked_and_the_order_defaults_by_where_the_shards_are(tmp_pa
     pipeline.Spec.of("data", batch_size=8, block_records=0)
   with pytest.raises(ValueError, match="order must be 'global', 'blocks' or None, not 'tf'"):
     pipeline.Spec.of("data", batch_size=8, order="tf")
-  assert remote.in_bucket("gs://bucket/ds") and not remote.in_bucket(tmp_path)
+  assert backend.of("gs://bucket/ds").remote and not backend.of(tmp_path).remote
   assert Blocks(SHARDS).window_blocks == blocks.WINDOW_BATCHES * 128
 
 

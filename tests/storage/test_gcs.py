@@ -10,7 +10,6 @@ run in fresh processes, because epath picks and caches its gs:// backend per pro
 from __future__ import annotations
 
 import importlib.util
-import inspect
 import json
 import os
 import re
@@ -23,7 +22,8 @@ import urllib.request
 
 import pytest
 
-from pipeline.storage import remote
+from pipeline.storage import backend, remote
+from pipeline.storage.gcs import EMULATOR_VARS
 from tests import gcs_emulator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -59,18 +59,18 @@ def run(
 
 
 def test_a_local_data_dir_is_not_looked_at():
-  remote.check("/no/such/dir")
-  remote.check("relative/dir")
+  backend.check("/no/such/dir")
+  backend.check("relative/dir")
 
 
 def test_a_scheme_array_record_cannot_open_is_refused_in_one_line():
   with pytest.raises(remote.RemoteStorageError, match=r"^cannot read s3://b/ds: .*mount") as e:
-    remote.check("s3://b/ds")
+    backend.check("s3://b/ds")
   assert "\n" not in str(e.value)
 
 
 def test_gs_without_gcsfs_says_what_to_install():
-  p = run(WITHOUT_GCSFS + "from pipeline.storage import remote; remote.check('gs://bucket/ds')")
+  p = run(WITHOUT_GCSFS + "from pipeline.storage import backend; backend.check('gs://bucket/ds')")
   last = p.stderr.strip().splitlines()[-1]
   assert last == (
     "pipeline.storage.remote.RemoteStorageError: reading gs://bucket/ds needs gcsfs: "
@@ -79,15 +79,6 @@ def test_gs_without_gcsfs_says_what_to_install():
   )
 
 
-def _make_dataset_checks() -> bool:
-  from pipeline import dataset
-
-  return "remote.check" in inspect.getsource(dataset)
-
-
-@pytest.mark.skipif(
-  not _make_dataset_checks(), reason="make_dataset does not call pipeline.storage.remote.check yet"
-)
 def test_make_dataset_of_gs_without_gcsfs_is_one_line():
   p = run(WITHOUT_GCSFS + "import pipeline; pipeline.make_dataset('gs://bucket/ds', batch_size=2)")
   assert p.returncode == 1
@@ -122,7 +113,7 @@ def test_the_trainer_on_gs_without_gcsfs_is_one_line_naming_the_install():
 
 def test_an_emulator_set_for_one_reader_only_is_refused():
   p = run(
-    "from pipeline.storage import remote; remote.check('gs://bucket/ds')",
+    "from pipeline.storage import backend; backend.check('gs://bucket/ds')",
     env={"STORAGE_EMULATOR_HOST": "http://127.0.0.1:1", "CLOUD_STORAGE_EMULATOR_ENDPOINT": ""},
   )
   assert p.stderr.strip().splitlines()[-1] == (
@@ -136,7 +127,7 @@ def test_an_emulator_set_for_one_reader_only_is_refused():
 @needs_emulator
 def test_an_emulator_without_the_gcsfs_setting_it_needs_is_refused():
   p = run(
-    "from pipeline.storage import remote; remote.check('gs://bucket/ds')",
+    "from pipeline.storage import backend; backend.check('gs://bucket/ds')",
     env={
       "STORAGE_EMULATOR_HOST": "http://127.0.0.1:1",
       "CLOUD_STORAGE_EMULATOR_ENDPOINT": "http://127.0.0.1:1",
@@ -212,12 +203,12 @@ def test_a_dataset_in_a_bucket_reads_as_it_does_from_disk(gcs, digits_dir):
     import numpy as np
     from pipeline import make_dataset
     from pipeline.catalog import manifest
-    from pipeline.storage import remote
+    from pipeline.storage import backend
     from pipeline.storage.source import ShardedSource
 
     local, url = sys.argv[1], "gs://bkt/digits"
     gcsfs.GCSFileSystem(token="anon").put(local, "bkt/digits", recursive=True)
-    remote.check(url)
+    backend.check(url)
 
     meta = manifest.load(url)
     assert meta == manifest.load(local)
@@ -353,8 +344,8 @@ def test_from_a_bucket_the_block_order_reads_many_images_per_get(gcs, photos_dir
 @needs_emulator
 def test_a_missing_dataset_in_a_bucket_says_convert_first(gcs):
   p = run(
-    "from pipeline.catalog import manifest; from pipeline.storage import remote; "
-    "remote.check('gs://bkt/none'); "
+    "from pipeline.catalog import manifest; from pipeline.storage import backend; "
+    "backend.check('gs://bkt/none'); "
     "manifest.load('gs://bkt/none')",
     env=gcs,
   )
@@ -408,7 +399,7 @@ NO_DNS = (
 
 def no_credentials(home) -> dict:
   """An environment without Application Default Credentials or an emulator."""
-  unset = ("GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", *remote.EMULATOR_VARS)
+  unset = ("GOOGLE_APPLICATION_CREDENTIALS", "CLOUDSDK_CONFIG", *EMULATOR_VARS)
   return {"HOME": str(home), "EPATH_USE_TF": "false", **dict.fromkeys(unset, "")}
 
 
@@ -432,7 +423,7 @@ def test_the_trainer_without_dns_or_credentials_says_both_in_one_line_at_once(tm
 
 def test_an_emulator_host_that_does_not_resolve_is_one_line_naming_it(tmp_path):
   url = "http://gcs-emulator.internal:9023"
-  env = {**no_credentials(tmp_path), **dict.fromkeys(remote.EMULATOR_VARS, url)}
+  env = {**no_credentials(tmp_path), **dict.fromkeys(EMULATOR_VARS, url)}
   p = run(
     NO_DNS + "import pipeline; pipeline.make_dataset('gs://bkt/ds', batch_size=2)",
     env={**env, "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false"},
