@@ -448,11 +448,16 @@ def plan(
       if labels is None
       else f"no file in {src} is named in the labels file {labels}"
     )
-  skipped += [
-    {"path": name + "/", "reason": "empty class folder"}
-    for name in sorted(by_class)
-    if not by_class[name]
-  ]
+  empty = [name for name in sorted(by_class) if not by_class[name]]
+  if empty and label_map is None:  # a bucket lists no empty folders: its labels would differ
+    left = next((s for s in skipped if s["path"].startswith(empty[0] + "/")), None)
+    why = f" (skipped {left['path']}: {left['reason']})" if left else ""
+    raise ValueError(
+      f"class folder {os.path.join(src, empty[0])} holds no files to convert{why}: remove it "
+      "(a copy in a bucket has no empty folders, so the labels of the classes after it "
+      "would differ), or pin every label with --label-map"
+    )
+  skipped += [{"path": name + "/", "reason": "empty class folder"} for name in empty]
   label_of = {name: i for i, name in enumerate(classes)}
   split_items = _split_files(by_class, label_of, val_fraction, seed, split)
   plans, inputs = [], []
