@@ -636,9 +636,19 @@ def test_an_empty_class_folder_is_refused_locally_as_its_bucket_copy_would_lack_
     "or pin every label with --label-map\n",
   )
   assert not (tmp_path / "local").exists()
+  # As the refusal says: a label map numbers the empty class alike on both ...
+  label_map = tmp_path / "classes.txt"
+  label_map.write_text("\n".join(sorted(p.name for p in src.iterdir())))
+  pinned = [*BUCKET_CONVERT, "--label-map", str(label_map)]
+  in_bucket = convert("gs://bkt/empty/raw", "gs://bkt/empty/pinned", *pinned, env=gcs)
+  assert in_bucket.returncode == 0, in_bucket.stderr[-2000:]
+  local = convert(str(src), str(tmp_path / "pinned"), *pinned, env=gcs)
+  assert local.returncode == 0, local.stderr[-2000:]
+  same_as_local(gcs, "bkt/empty/pinned", tmp_path / "pinned")
+  # ... and without the folder both number the classes alike too.
   in_bucket = convert("gs://bkt/empty/raw", "gs://bkt/empty/out", *BUCKET_CONVERT, env=gcs)
   assert in_bucket.returncode == 0, in_bucket.stderr[-2000:]
-  (src / "1_new").rmdir()  # as the refusal says: then both number the classes alike
+  (src / "1_new").rmdir()
   local = convert(str(src), str(tmp_path / "local"), *BUCKET_CONVERT, env=gcs)
   assert local.returncode == 0, local.stderr[-2000:]
   same_as_local(gcs, "bkt/empty/out", tmp_path / "local")
