@@ -163,6 +163,7 @@ def chain(stages: Stages) -> grain.IterDataset:
   it = AheadIterDataset(it, decode_stage, (recorder, "decode"))
   it = it.map(stats.Timed(stages.finish, recorder, "finish", stages.read))
   if stages.workers:
+    lifecycle.exit_on_sigterm()
     if writer is not None:
       it = handoff.SendIterDataset(it, writer)
     it = it.mp_prefetch(

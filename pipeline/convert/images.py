@@ -474,6 +474,21 @@ def _classes(request: Request, by_class: dict[str, list]) -> list[str]:
   return classes
 
 
+def _empty_classes(request: Request, by_class: dict[str, list], skipped: list[dict]) -> list[dict]:
+  """The skipped entries of class folders with nothing to convert; refuses them without a
+  label map: a bucket lists no empty folders, so a copy there would number the rest apart."""
+  empty = [name for name in sorted(by_class) if not by_class[name]]
+  if empty and request.label_map is None:
+    left = next((s for s in skipped if s["path"].startswith(empty[0] + "/")), None)
+    why = f" (skipped {left['path']}: {left['reason']})" if left else ""
+    raise ValueError(
+      f"class folder {os.path.join(os.fspath(request.src), empty[0])} holds no files to convert"
+      f"{why}: remove it (a copy in a bucket has no empty folders, so the labels of the classes "
+      "after it would differ), or pin every label with --label-map"
+    )
+  return [{"path": name + "/", "reason": "empty class folder"} for name in empty]
+
+
 def _arguments(request: Request) -> dict:
   """The arguments that shape the output, as the manifest records them."""
   return {
@@ -498,11 +513,7 @@ def plan(request: Request) -> shards.Job:
   shard_bytes = shards.shard_bytes(request.shard_size_mb)
   by_class, skipped = _list(request)
   classes = _classes(request, by_class)
-  skipped += [
-    {"path": name + "/", "reason": "empty class folder"}
-    for name in sorted(by_class)
-    if not by_class[name]
-  ]
+  skipped += _empty_classes(request, by_class, skipped)
   label_of = {name: i for i, name in enumerate(classes)}
   split_items = _split_files(by_class, label_of, request.val_fraction, request.seed, request.split)
   plans, inputs = [], []

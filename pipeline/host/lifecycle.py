@@ -1,6 +1,6 @@
 """Iterators closed at interpreter exit, so users never see Grain's shutdown noise; worker
 processes that start light (no JAX: `pipeline.host.light`), ignore Ctrl-C and end with the
-process that started them.
+process that started them, which a plain SIGTERM ends through that same exit.
 
 Grain iterators still alive when Python exits print errors from `__del__` (their modules
 are already torn down; grain #1031) and leak shared-memory warnings. Datasets returned by
@@ -10,6 +10,7 @@ this library register each iterator they create and close the live ones at exit.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import multiprocessing
 import multiprocessing.util
 import os
@@ -72,6 +73,33 @@ def _close_live_iterators() -> None:
   for it in live:
     for node in iterators(it):  # their __del__ would close again, after modules are gone
       node.close = _noop
+
+
+def exit_on_sigterm() -> None:
+  """With worker processes: a plain SIGTERM exits as `sys.exit(143)` does, so the iterators
+  close and Grain's semaphores are unlinked (killed outright, the resource tracker warns of
+  them leaked). Only where nothing (Python or C, such as JAX's preemption notifier) handles
+  SIGTERM yet; a second SIGTERM kills at once."""
+  if threading.current_thread() is not threading.main_thread():
+    return
+  if signal.getsignal(signal.SIGTERM) != signal.SIG_DFL or not _default_in_c(signal.SIGTERM):
+    return
+  signal.signal(signal.SIGTERM, _exit)
+
+
+def _default_in_c(signum: int) -> bool:
+  """Whether the process's own handler of `signum` is SIG_DFL (`sigaction` sees handlers that
+  C code installed, which `signal.getsignal` does not)."""
+  action = ctypes.create_string_buffer(512)  # a struct sigaction, its handler first
+  if ctypes.CDLL(None).sigaction(signum, None, action) != 0:
+    return False
+  return ctypes.c_void_p.from_buffer(action).value is None
+
+
+def _exit(signum: int, frame) -> None:
+  del frame
+  signal.signal(signum, signal.SIG_DFL)
+  raise SystemExit(128 + signum)
 
 
 def die_with_parent() -> None:

@@ -162,7 +162,6 @@ def messy(tmp_path) -> pathlib.Path:
   bomb[sof + 5 : sof + 9] = struct.pack(">HH", 30000, 30000)  # height, width in the SOF0 frame
   write(src / "dog" / "bomb.jpg", bytes(bomb))
   write(src / "dog" / "ok.jpg", jpeg(seed=10))
-  (src / "empty_class").mkdir()
   write(src / "stray.jpg", jpeg(seed=11))
   write(tmp_path / "outside" / "elsewhere.jpg", jpeg(seed=12))
   os.symlink(tmp_path / "outside" / "elsewhere.jpg", src / "dog" / "link_out.jpg")
@@ -171,7 +170,11 @@ def messy(tmp_path) -> pathlib.Path:
 
 
 def test_bad_inputs_are_skipped_with_reasons_and_odd_ones_reencoded(messy, tmp_path):
-  m = images.convert(images.Request(messy, tmp_path / "out"), workers=1, progress=False)
+  (messy / "empty_class").mkdir()  # refused, unless a label map numbers it
+  classes = ["cat", "dog", "empty_class"]
+  m = images.convert(
+    images.Request(messy, tmp_path / "out", label_map=classes), workers=1, progress=False
+  )
   skipped = {s["path"]: s["reason"] for s in m.skipped}
   assert skipped["dog/empty.jpg"] == "empty file"
   assert skipped["dog/truncated.jpg"].startswith("truncated or corrupt JPEG")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import glob
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -75,6 +76,35 @@ def test_workers_die_with_a_sigkilled_main_process(digits_dir, tmp_path):
   new = set(glob.glob(f"{shm.SHM_DIR}/{shm.PREFIX}-*")) - blocks
   left = [path for path in new if shm._orphaned(path)]  # not another test run's, held
   assert not left  # the workers unlinked their ring blocks on the way out
+
+
+def test_a_plain_sigterm_exits_cleanly_with_no_leaked_semaphores(digits_dir, tmp_path):
+  """Grain's worker queues hold named semaphores; killed by SIGTERM's default action, the
+  main process left them to multiprocessing's resource tracker, which warned of 50 leaked."""
+  script = tmp_path / "main.py"
+  script.write_text(WORKERS)
+  main = subprocess.Popen(
+    [sys.executable, str(script), str(digits_dir)],
+    stdin=subprocess.PIPE,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    cwd=tmp_path,
+    env=ENV,
+  )
+  try:
+    assert main.stdout.readline() == "ready\n"
+    children = psutil.Process(main.pid).children(recursive=True)
+    main.send_signal(signal.SIGTERM)
+    _, err = main.communicate(timeout=60)  # the resource tracker's warning comes before EOF
+  finally:
+    main.kill()
+  assert main.returncode == 128 + signal.SIGTERM, err
+  assert "leaked semaphore" not in err and "Traceback" not in err, err
+  deadline = time.monotonic() + 10
+  while not all(map(_gone, children)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  assert all(map(_gone, children)), "worker processes outlived their SIGTERMed main process"
 
 
 SMALL_SHM = """

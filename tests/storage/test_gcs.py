@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -605,6 +606,43 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
   seed = "from pipeline.catalog import manifest; "
   seed += "print(manifest.load('gs://bkt/conv/out').created_by['args']['seed'])"
   assert run(seed, env=gcs).stdout == "1\n"
+
+
+@needs_emulator
+def test_an_empty_class_folder_is_refused_locally_as_its_bucket_copy_would_lack_it(
+  gcs, digits_raw, tmp_path
+):
+  """Sorted class folders are the labels; a bucket keeps no empty folder, so one here would
+  shift every label after it between the local and the bucket conversion of the same data."""
+  src = tmp_path / "raw"
+  shutil.copytree(digits_raw, src)
+  (src / "1_new").mkdir()  # sorts between classes 1 and 2
+  code = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
+  assert run(code, env=gcs, args=[str(src), "bkt/empty/raw"]).returncode == 0
+  refused = convert(str(src), str(tmp_path / "local"), *BUCKET_CONVERT, env=gcs)
+  assert (refused.returncode, refused.stderr) == (
+    2,
+    f"error: class folder {src / '1_new'} holds no files to convert: remove it (a copy in a "
+    "bucket has no empty folders, so the labels of the classes after it would differ), "
+    "or pin every label with --label-map\n",
+  )
+  assert not (tmp_path / "local").exists()
+  # As the refusal says: a label map numbers the empty class alike on both ...
+  label_map = tmp_path / "classes.txt"
+  label_map.write_text("\n".join(sorted(p.name for p in src.iterdir())))
+  pinned = [*BUCKET_CONVERT, "--label-map", str(label_map)]
+  in_bucket = convert("gs://bkt/empty/raw", "gs://bkt/empty/pinned", *pinned, env=gcs)
+  assert in_bucket.returncode == 0, in_bucket.stderr[-2000:]
+  local = convert(str(src), str(tmp_path / "pinned"), *pinned, env=gcs)
+  assert local.returncode == 0, local.stderr[-2000:]
+  same_as_local(gcs, "bkt/empty/pinned", tmp_path / "pinned")
+  # ... and without the folder both number the classes alike too.
+  in_bucket = convert("gs://bkt/empty/raw", "gs://bkt/empty/out", *BUCKET_CONVERT, env=gcs)
+  assert in_bucket.returncode == 0, in_bucket.stderr[-2000:]
+  (src / "1_new").rmdir()
+  local = convert(str(src), str(tmp_path / "local"), *BUCKET_CONVERT, env=gcs)
+  assert local.returncode == 0, local.stderr[-2000:]
+  same_as_local(gcs, "bkt/empty/out", tmp_path / "local")
 
 
 @needs_emulator
