@@ -63,7 +63,7 @@ device-check:  ## on a GPU host: install .whl/, build the C decoder, write runs/
 	bench/device_check.sh $(ARGS)
 
 test: $(STAMP) $(BEAM_STAMP)  ## the test suite (fast tests; `make test-slow` for the slow ones too)
-	@$(if $(ARGS),true,echo "make test: the fast suite, about 20 minutes on 2 quiet cores (30+ loaded; a dot a test, \
+	@$(if $(ARGS),true,echo "make test: the fast suite, about 40 minutes on 2 quiet cores (60 loaded; a dot a test, \
 	some take a minute); make test-slow adds the slow ones (multi-host faults that wait out heartbeats)")
 	$(PY) -m pytest $(ARGS); main=$$?; \
 	$(if $(ARGS),exit $$main,$(BEAM_PY) -m pytest $(BEAM_TESTS); beam=$$?; [ $$main$$beam = 00 ])
