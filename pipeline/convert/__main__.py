@@ -213,6 +213,15 @@ def _done(out: str, m: manifest_lib.Manifest) -> int:
   return 0
 
 
+def _convert(args: argparse.Namespace, beam_args: list[str], request, here, on_beam) -> int:
+  """`request` converted in this process's workers (`here`), or by Beam's --runner."""
+  if not args.runner:
+    return _done(args.out, here(request, args.workers, args.progress))
+  _quiet_engine(args.runner)
+  on = {"runner": args.runner, "pipeline_args": beam_args, "progress": args.progress}
+  return _done(args.out, on_beam(request, **on))
+
+
 def _images(args: argparse.Namespace, beam_args: list[str]) -> int:
   from pipeline.convert import beam, images  # here: a fast --help
 
@@ -230,11 +239,7 @@ def _images(args: argparse.Namespace, beam_args: list[str]) -> int:
     labels=args.labels,
     overwrite=args.overwrite,
   )
-  if not args.runner:
-    return _done(args.out, images.convert(request, args.workers, args.progress))
-  _quiet_engine(args.runner)
-  on = {"runner": args.runner, "pipeline_args": beam_args, "progress": args.progress}
-  return _done(args.out, beam.convert_images(request, **on))
+  return _convert(args, beam_args, request, images.convert, beam.convert_images)
 
 
 def _tfrecord(args: argparse.Namespace, beam_args: list[str]) -> int:
@@ -251,11 +256,7 @@ def _tfrecord(args: argparse.Namespace, beam_args: list[str]) -> int:
     max_pixels=args.max_pixels,
     overwrite=args.overwrite,
   )
-  if not args.runner:
-    return _done(args.out, tfrecord.convert(request, args.workers, args.progress))
-  _quiet_engine(args.runner)
-  on = {"runner": args.runner, "pipeline_args": beam_args, "progress": args.progress}
-  return _done(args.out, beam.convert_tfrecord(request, **on))
+  return _convert(args, beam_args, request, tfrecord.convert, beam.convert_tfrecord)
 
 
 def _tfds(args: argparse.Namespace, beam_args: list[str]) -> int:

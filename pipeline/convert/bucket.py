@@ -423,3 +423,15 @@ class BucketTarget(shards.Target):
 def target(out: str | os.PathLike) -> shards.Target:
   """The target of a conversion into `out`: a bucket's or a local folder's."""
   return BucketTarget() if is_url(out) else shards.LocalTarget()
+
+
+def convert(plan: Callable, request, workers: int | None, progress: bool, desc: str):
+  """`plan(request)`'s job written into `request.out`, a bucket's or a local folder's target
+  (checked first: no gcsfs, credentials or network is one line, at once)."""
+  shards.check_workers(workers)
+  if is_url(request.out):
+    check(os.fspath(request.out))
+  job = plan(request)
+  return shards.run(
+    job, target(job.out), workers=workers, progress=progress, desc=desc, overwrite=request.overwrite
+  )

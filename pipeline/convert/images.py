@@ -555,16 +555,5 @@ def convert(
   Into a dataset already in OUT it adds the splits (classes must match). Re-running after
   an interruption keeps finished shards; the result is the same whatever `workers` is.
   """
-  shards.check_workers(workers)
-  if bucket.is_url(request.out):
-    bucket.check(os.fspath(request.out))  # no gcsfs, credentials or network: one line, at once
-  job = plan(request)
   name = os.path.basename(os.path.normpath(os.fspath(request.src)))
-  return shards.run(
-    job,
-    bucket.target(job.out),
-    workers=workers,
-    progress=progress,
-    desc=f"convert {name}",
-    overwrite=request.overwrite,
-  )
+  return bucket.convert(plan, request, workers, progress, f"convert {name}")

@@ -121,19 +121,8 @@ def convert(
   request: Request, workers: int | None = None, progress: bool = True
 ) -> manifest_lib.Manifest:
   """Converts a prepared TFDS dataset to ArrayRecord shards and manifest.json in OUT."""
-  shards.check_workers(workers)
   shards.shard_bytes(request.shard_size_mb)
-  if bucket.is_url(request.out):
-    bucket.check(os.fspath(request.out))  # no gcsfs, credentials or network: one line, at once
-  job = plan(request)
-  return shards.run(
-    job,
-    bucket.target(job.out),
-    workers=workers,
-    progress=progress,
-    desc=f"convert {request.name}",
-    overwrite=request.overwrite,
-  )
+  return bucket.convert(plan, request, workers, progress, f"convert {request.name}")
 
 
 def _builder(name: str, data_dir: str):

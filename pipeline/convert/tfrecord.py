@@ -333,15 +333,4 @@ def convert(
 ) -> manifest_lib.Manifest:
   """Copies the records of TFRecord files into ArrayRecord shards in OUT, their bytes
   unchanged and in their order; adds the split to a dataset already in OUT (same classes)."""
-  shards.check_workers(workers)
-  if bucket.is_url(request.out):
-    bucket.check(os.fspath(request.out))  # no gcsfs, credentials or network: one line, at once
-  job = plan(request)
-  return shards.run(
-    job,
-    bucket.target(job.out),
-    workers=workers,
-    progress=progress,
-    desc="convert tfrecord",
-    overwrite=request.overwrite,
-  )
+  return bucket.convert(plan, request, workers, progress, "convert tfrecord")
