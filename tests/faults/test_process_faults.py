@@ -45,55 +45,59 @@ def _gone(process: psutil.Process) -> bool:
     return True
 
 
-def test_workers_die_with_a_sigkilled_main_process(digits_dir, tmp_path):
+def _start_workers(digits_dir, tmp_path, stderr) -> subprocess.Popen:
+  """The WORKERS script (2 worker processes) started and ready to be stopped."""
   script = tmp_path / "main.py"
   script.write_text(WORKERS)
-  blocks = set(glob.glob(f"{shm.SHM_DIR}/{shm.PREFIX}-*"))
   main = subprocess.Popen(
     [sys.executable, str(script), str(digits_dir)],
     stdin=subprocess.PIPE,
     stdout=subprocess.PIPE,
-    stderr=subprocess.DEVNULL,
+    stderr=stderr,
     text=True,
     cwd=tmp_path,
     env=ENV,
   )
+  if main.stdout.readline() != "ready\n":
+    main.kill()
+    pytest.fail(f"the script did not start: exit {main.wait()}")
+  return main
+
+
+def _left_behind(children: list[psutil.Process], blocks: set[str]) -> tuple[list[int], list[str]]:
+  """The `children` still alive after 10 s (killed, so none is left to the next test) and the
+  ring blocks new since `blocks` that no live process holds."""
+  deadline = time.monotonic() + 10
+  while not all(map(_gone, children)) and time.monotonic() < deadline:
+    time.sleep(0.1)
+  alive = [c.pid for c in children if not _gone(c)]
+  for pid in alive:
+    os.kill(pid, 9)
+  new = set(glob.glob(f"{shm.SHM_DIR}/{shm.PREFIX}-*")) - blocks
+  return alive, [path for path in new if shm._orphaned(path)]  # not another test run's, held
+
+
+def test_workers_die_with_a_sigkilled_main_process(digits_dir, tmp_path):
+  blocks = set(glob.glob(f"{shm.SHM_DIR}/{shm.PREFIX}-*"))
+  main = _start_workers(digits_dir, tmp_path, subprocess.DEVNULL)
   try:
-    assert main.stdout.readline() == "ready\n"
     children = psutil.Process(main.pid).children(recursive=True)
     workers = [c for c in children if "spawn_main" in " ".join(c.cmdline())]
     assert len(workers) == 2, [c.cmdline() for c in children]
   finally:
     main.kill()
     main.wait()
-  deadline = time.monotonic() + 10
-  while not all(map(_gone, children)) and time.monotonic() < deadline:
-    time.sleep(0.1)
-  alive = [c.pid for c in children if not _gone(c)]
-  for pid in alive:  # do not leave them to the next test
-    os.kill(pid, 9)
+  alive, left = _left_behind(children, blocks)
   assert not alive, "worker processes outlived their SIGKILLed main process"
-  new = set(glob.glob(f"{shm.SHM_DIR}/{shm.PREFIX}-*")) - blocks
-  left = [path for path in new if shm._orphaned(path)]  # not another test run's, held
   assert not left  # the workers unlinked their ring blocks on the way out
 
 
 def test_a_plain_sigterm_exits_cleanly_with_no_leaked_semaphores(digits_dir, tmp_path):
   """Grain's worker queues hold named semaphores; killed by SIGTERM's default action, the
   main process left them to multiprocessing's resource tracker, which warned of 50 leaked."""
-  script = tmp_path / "main.py"
-  script.write_text(WORKERS)
-  main = subprocess.Popen(
-    [sys.executable, str(script), str(digits_dir)],
-    stdin=subprocess.PIPE,
-    stdout=subprocess.PIPE,
-    stderr=subprocess.PIPE,
-    text=True,
-    cwd=tmp_path,
-    env=ENV,
-  )
+  blocks = set(glob.glob(f"{shm.SHM_DIR}/{shm.PREFIX}-*"))
+  main = _start_workers(digits_dir, tmp_path, subprocess.PIPE)
   try:
-    assert main.stdout.readline() == "ready\n"
     children = psutil.Process(main.pid).children(recursive=True)
     main.send_signal(signal.SIGTERM)
     _, err = main.communicate(timeout=60)  # the resource tracker's warning comes before EOF
@@ -101,10 +105,9 @@ def test_a_plain_sigterm_exits_cleanly_with_no_leaked_semaphores(digits_dir, tmp
     main.kill()
   assert main.returncode == 128 + signal.SIGTERM, err
   assert "leaked semaphore" not in err and "Traceback" not in err, err
-  deadline = time.monotonic() + 10
-  while not all(map(_gone, children)) and time.monotonic() < deadline:
-    time.sleep(0.1)
-  assert all(map(_gone, children)), "worker processes outlived their SIGTERMed main process"
+  alive, left = _left_behind(children, blocks)
+  assert not alive, "worker processes outlived their SIGTERMed main process"
+  assert not left
 
 
 SMALL_SHM = """
