@@ -176,5 +176,5 @@ def chain(stages: Stages) -> grain.IterDataset:
   else:
     it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=1)
   return lifecycle.ClosedAtExit(
-    stages.stream_type(it, stages.stream, recorder, stages.stats_every_s, stages.read)
+    stages.stream_type(it, stages.stream, recorder, stages.stats_every_s, stages.read, plan)
   )

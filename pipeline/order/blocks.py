@@ -133,6 +133,44 @@ class Blocks:
         )
     return epochs, out
 
+  def epoch_start(self, epoch: int, host: int, hosts: int, shuffle: bool = True) -> int:
+    """The position of process `host`'s training stream (of `hosts`) where `epoch` begins."""
+    loads = self.loads(hosts, shuffle)
+    if self.fixed_shares(hosts, shuffle):
+      return epoch * int(loads[host])
+    cycles, k = divmod(epoch, hosts)
+    return cycles * int(loads.sum()) + int(np.roll(loads, -host)[:k].sum())
+
+  def rest(self, left: np.ndarray, key: int | None, host: int, hosts: int) -> np.ndarray:
+    """Process `host`'s part (of `hosts`) of the records `left` of an epoch keyed `key` (None:
+    in record order), in its order: their blocks dealt out whole, the blocks with more records
+    left first, each to the part then smallest, each part served as an epoch's share is, in
+    rounds over windows (a block's records in the order of its rounds)."""
+    first, sizes = self._blocks
+    block = np.searchsorted(first, left, side="right") - 1
+    ids, counts = np.unique(block, return_counts=True)
+    rank = np.empty(self.count, np.int64)
+    rank[np.arange(self.count) if key is None else _shuffled(self, key)] = np.arange(self.count)
+    by = np.lexsort((rank[ids], -counts))
+    ids, counts = ids[by], counts[by]
+    loads, share = np.zeros(hosts, np.int64), np.empty(len(ids), np.int64)
+    for i, n in enumerate(counts.tolist()):
+      share[i] = int(np.argmin(loads))
+      loads[share[i]] += n
+    bits = max(1, (self.largest - 1).bit_length())
+    lanes = []
+    for b in ids[share == host].tolist():
+      mine = left[block == b]
+      rounds = np.argsort(_ranks(bits, int(sizes[b])))[mine - first[b]]
+      lanes.append(mine[np.argsort(rounds)])
+    out, width = [], lanes_per_host(self, hosts)
+    for w in range(0, len(lanes), width):
+      window = lanes[w : w + width]
+      rounds = np.concatenate([np.arange(len(x)) for x in window])
+      lane = np.concatenate([np.full(len(x), j) for j, x in enumerate(window)])
+      out.append(np.concatenate(window)[np.lexsort((lane, rounds))])
+    return np.concatenate(out) if out else np.zeros(0, np.int64)
+
   def fixed_shares(self, hosts: int, shuffle: bool = True) -> bool:
     """Whether each of `hosts` processes takes the same share of the blocks every epoch: where
     every share holds records and none more than 1 / FIXED_SPREAD of the smallest more (so a

@@ -5,8 +5,12 @@ Under global sharding (`pipeline.order.sampling`) batch k of every process toget
 positions [k*G, (k+1)*G), G = shard_count * batch_size. A state's "position" is k*G; set into
 m processes with batch b' it is batch k' = k*G / (m*b') of each of them: the same global
 batches from there on, whatever m is (the state of any process of the saving run will do).
-Owned shards (`sharding="shards"`), padded eval streams and the block order (each process
-its own blocks) order records per process count: their states resume on the same count only.
+Owned shards (`sharding="shards"`) and padded eval streams order records per process count:
+their states resume on the same count only. The block order (each process its own blocks)
+resumes on another count by its layouts (`resumed`): the records of the interrupted epoch that
+no process read, dealt out in blocks to the new processes (`rest_of_epoch`), which then read
+the next epochs as a fresh run on their count (other global batches than the uninterrupted
+run's; a mixture's block order resumes on its own count only).
 A position means the same records only over the same shard list (names, record counts, order)
 and contents: a state names it (`shard_list`, with the manifest's digests), and one of another
 list, or of shards converted again under the same names, is refused; a state saved before
@@ -15,11 +19,16 @@ states named it resumes with a warning.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import hashlib
 import json
 import re
 
+import numpy as np
 from absl import logging
+
+from pipeline.order.shuffle import epoch_key
 
 LAYOUT = ("shard_index", "shard_count", "batch_size")  # what may change between runs
 PER_COUNT = (  # stream tags whose order depends on the process count: (key, what, what does not)
@@ -28,6 +37,7 @@ PER_COUNT = (  # stream tags whose order depends on the process count: (key, wha
   ("order", "the block order (each process reads its own blocks)", "order='global'"),
 )
 OWN_CHECKS = ("shards", "order")  # checked apart from the rest, each refused with its own fix
+OUTER = ("stream", "skipped", "position", "resumed")  # a state's keys around the chain's own
 
 
 class StateError(ValueError):
@@ -60,6 +70,16 @@ def shard_list(shards: list[tuple[str, int, str | None]]) -> dict:
   return tag
 
 
+def order_tag(sampler) -> str:
+  """The stream tag of `sampler`'s block order (a state continues only in the same)."""
+  b = sampler.blocks
+  fixed = sampler.shard_records is None and b.fixed_shares(sampler.shard_count, sampler.shuffle)
+  return (
+    f"blocks of {b.block_records}, each process its own{' share every epoch' * fixed}, in "
+    f"rounds over windows of {b.window_blocks}"
+  )
+
+
 def global_batch(stream: dict) -> int:
   """Records in one step's batches of all processes together."""
   return stream["shard_count"] * stream["batch_size"]
@@ -88,12 +108,13 @@ def at_batch(template: dict, k: int) -> dict:
   }
 
 
-def resize(state: dict, stream: dict, template: dict) -> dict:
+def resize(state: dict, stream: dict, template: dict, sampler=None) -> dict:
   """The inner state that continues `state` (saved with stream tag `state["stream"]`, maybe on
   another process count or batch size) in the stream tagged `stream`; `template` is this
-  chain's own state. Raises StateError, in one line, where it cannot."""
+  chain's own state; `sampler`, its order where a block-order state saved on another count
+  continues in it (with `resumed`). Raises StateError, in one line, where it cannot."""
   saved = state.get("stream") or {}
-  inner = {k: v for k, v in state.items() if k not in ("stream", "skipped", "position")}
+  inner = {k: v for k, v in state.items() if k not in OUTER}
   order = {k: v for k, v in stream.items() if k not in LAYOUT + OWN_CHECKS}
   if {k: v for k, v in saved.items() if k not in LAYOUT + OWN_CHECKS} != order or not saved:
     diff = ", ".join(
@@ -108,15 +129,25 @@ def resize(state: dict, stream: dict, template: dict) -> dict:
   was = f"{saved['shard_count']} process(es) x batch {saved['batch_size']}"
   now = f"{stream['shard_count']} x {stream['batch_size']}"
   for key, what, keep in PER_COUNT:
+    if key == "order" and sampler is not None:
+      continue  # the block order continues in `sampler`: Sampler.resumed
     if not same and key in stream and key in saved:
       raise StateError(
         f"iterator state of {what} saved on {was} cannot continue on {now}: its order "
         f"depends on the process count; resume on {saved['shard_count']} process(es) with "
         f"batch {saved['batch_size']} ({keep} continues on any count)"
       )
-  _check_order(saved, stream)
+  if not same and sampler is not None and "order" in saved and "order" in stream:
+    on_saved = dataclasses.replace(
+      sampler, shard_index=0, shard_count=saved["shard_count"], block=saved["batch_size"]
+    )
+    _check_order(saved, {**stream, "order": order_tag(on_saved)})
+  else:
+    _check_order(saved, stream)
   if same:
     return inner  # every process is at the same batch: any process's state will do
+  if sampler is not None and "order" in stream:
+    return at_batch(template, 0)  # at the start of the rest of the epoch (`Sampler.resumed`)
   if "position" not in state:
     raise StateError(
       f"iterator state saved on {was} has no global position (an older pipeline's): resume "
@@ -202,3 +233,73 @@ def _blocks_of(order: str) -> tuple[int, int]:
   """(block_records, window_blocks) of a stream's "order" tag."""
   records, window = re.findall(r"\d+", order)
   return int(records), int(window)
+
+
+def resumed(state: dict, stream: dict) -> tuple[tuple[int, int, int], ...]:
+  """The layouts (processes, batch, batches read) a block-order stream resumed on another
+  process count was read in before (`Sampler.resumed`): `state`'s, and its own layout where
+  it was saved on another count or batch."""
+  earlier = state.get("resumed", [])
+  if not isinstance(earlier, list) or not all(
+    isinstance(s, list) and len(s) == 3 and all(isinstance(v, int) and v >= 0 for v in s)
+    for s in earlier
+  ):
+    raise StateError(f"iterator state: 'resumed' is no list of layouts, got {earlier!r:.80}")
+  history = tuple(tuple(s) for s in earlier)
+  saved = state["stream"]
+  if all(saved[k] == stream[k] for k in ("shard_count", "batch_size")):
+    return history
+  inner = {k: v for k, v in state.items() if k not in OUTER}
+  layout = (saved["shard_count"], saved["batch_size"], batches_done(inner))
+  logging.warning(
+    f"iterator state of the block order saved on {saved['shard_count']} process(es) x batch "
+    f"{saved['batch_size']} continues on {stream['shard_count']} x {stream['batch_size']}: "
+    "the interrupted epoch's other records once each, in blocks, in other global batches "
+    "than the uninterrupted run's; the next epochs as a fresh run on this count"
+  )
+  return (*history, layout)
+
+
+@functools.lru_cache(maxsize=16)
+def rest_of_epoch(sampler) -> tuple[int, np.ndarray]:
+  """(epoch, records): the epoch a block-order `sampler` resumed on this process count
+  (`sampler.resumed`) was interrupted in, and this process's part of its records that no
+  earlier layout read, in blocks (`Blocks.rest`), which its stream takes first."""
+  epoch, read = _interrupted(sampler)
+  left = np.setdiff1d(np.arange(sampler.num_records), read)
+  key = epoch_key(sampler.seed, epoch) if sampler.shuffle else None
+  return epoch, sampler.blocks.rest(left, key, sampler.shard_index, sampler.shard_count)
+
+
+@functools.lru_cache(maxsize=16)
+def _interrupted(sampler) -> tuple[int, np.ndarray]:
+  """(epoch, records read of it) after the layouts of `sampler.resumed`: the epoch the last
+  layout's slowest process was in, the records of it that its processes read, and the earlier
+  layouts' back to the last one that began before that epoch (one that resumed into an earlier
+  epoch reads this one whole, as a fresh run does)."""
+  history = sampler.resumed
+  n, b, k = history[-1]
+  epoch = min(int(s.records(np.array([k * b]))[0][0]) for s in _layout(sampler, len(history) - 1))
+  bases = [
+    _interrupted(dataclasses.replace(sampler, resumed=history[:j]))[0]
+    for j in range(1, len(history))
+  ]
+  since = max([j for j, base in enumerate(bases, 1) if base < epoch], default=0)
+  read = [np.zeros(0, np.int64)]
+  for j in range(since, len(history)):
+    _, b, k = history[j]
+    for s in _layout(sampler, j):
+      lo, hi = s.epoch_start(epoch), min(k * b, s.epoch_start(epoch + 1))
+      epochs, records = s.records(np.arange(lo, max(lo, hi)))
+      read.append(records[epochs == epoch])
+  return epoch, np.concatenate(read)
+
+
+def _layout(sampler, j: int) -> list:
+  """The processes' samplers of layout `j` of `sampler.resumed`."""
+  n, b, _ = sampler.resumed[j]
+  history = sampler.resumed[:j]
+  return [
+    dataclasses.replace(sampler, shard_index=p, shard_count=n, block=b, resumed=history)
+    for p in range(n)
+  ]

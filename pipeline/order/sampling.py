@@ -39,6 +39,7 @@ import sys
 import numpy as np
 
 from pipeline.order import blocks as blocks_lib
+from pipeline.order import elastic
 from pipeline.order.blocks import Blocks
 from pipeline.order.shuffle import PAD, epoch_key, permute
 
@@ -55,6 +56,8 @@ class Sampler:
   shard_records: tuple[int, ...] | None = None  # set: this process owns whole shards
   block: int = 1  # global order: positions a process takes in a row (its batch size)
   blocks: Blocks | None = None  # set: the block order (`pipeline.order.blocks`) instead of permute
+  resumed: tuple[tuple[int, int, int], ...] = ()  # the block order resumed on this count: the
+  # (processes, batch, batches) it was read in before (`pipeline.order.elastic.resumed`)
 
   def __post_init__(self):
     if self.shard_records is not None and len(self.shard_records) < self.shard_count:
@@ -72,6 +75,8 @@ class Sampler:
       raise ValueError(f"{self.num_records} records cannot feed {self.shard_count} processes")
     if not 0 <= self.seed < 2**32:
       raise ValueError(f"seed must be in [0, 2**32), got {self.seed}")
+    if self.resumed and (self.blocks is None or not self.global_order):
+      raise ValueError("only a training stream in the block order resumes on another count")
 
   @property
   def dealt_to(self) -> int:
@@ -160,6 +165,8 @@ class Sampler:
     """(epoch, global record index or PAD) of each position of this process's stream."""
     if self.shard_records is not None:
       return self._owned_records(positions)
+    if self.resumed:
+      return self._resumed_records(np.asarray(positions, np.int64))
     if self.blocks is not None:
       seed = self.seed if self.shuffle else None
       pad = self.remainder == "pad"
@@ -179,6 +186,30 @@ class Sampler:
         g[at] = permute(g[at], self.num_records, epoch_key(self.seed, epoch))
     g[pad] = PAD
     return epochs, g
+
+  def epoch_start(self, epoch: int) -> int:
+    """The position where `epoch` begins in this process's training stream in the block order
+    (0 for the epochs before the one it resumed in)."""
+    if not self.resumed:
+      return self.blocks.epoch_start(epoch, self.shard_index, self.shard_count, self.shuffle)
+    first, rest = elastic.rest_of_epoch(self)
+    if epoch <= first:
+      return 0
+    fresh = dataclasses.replace(self, resumed=())
+    return len(rest) + fresh.epoch_start(epoch) - fresh.epoch_start(first + 1)
+
+  def _resumed_records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """`records` of a block order resumed on this count: first this process's part of the
+    interrupted epoch's records that were not read (`elastic.rest_of_epoch`), then the next
+    epochs as a fresh run on this count reads them."""
+    epoch, rest = elastic.rest_of_epoch(self)
+    fresh = dataclasses.replace(self, resumed=())
+    inside = positions < len(rest)
+    later = positions[~inside] - len(rest) + fresh.epoch_start(epoch + 1)
+    epochs, records = np.full_like(positions, epoch), np.empty_like(positions)
+    records[inside] = rest[positions[inside]]
+    epochs[~inside], records[~inside] = fresh.records(later)
+    return epochs, records
 
   def _owned_records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """`records` when this process owns whole shards: its records, shuffled per epoch."""

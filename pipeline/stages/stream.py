@@ -15,6 +15,7 @@ process's latest.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import time
@@ -50,19 +51,15 @@ def describe(spec: Spec, sampler: Sampler, shards: list) -> dict:
   if not spec.train:  # padded per epoch: the order depends on shard_count (pipeline.order.elastic)
     stream["remainder"] = "pad"
   if sampler.blocks is not None:
-    b = sampler.blocks
-    fixed = sampler.shard_records is None and b.fixed_shares(sampler.shard_count, sampler.shuffle)
-    stream["order"] = (
-      f"blocks of {b.block_records}, each process its own{' share every epoch' * fixed}, in "
-      f"rounds over windows of {b.window_blocks}"
-    )
+    stream["order"] = elastic.order_tag(sampler)
   return stream
 
 
 class StreamIterDataset(grain.IterDataset):
   """Passes batches through; tags, validates and restores iterator states; keeps each
   process's stage counters (`recorder`: this process's; `read`: its read stage, for storage's),
-  printed every `stats_every_s`."""
+  printed every `stats_every_s`. `plan`: the plan stage's step (a `stats.Timed` `PlanBatches`),
+  whose order a block-order state saved on another process count resumes (`Sampler.resumed`)."""
 
   def __init__(
     self,
@@ -71,14 +68,20 @@ class StreamIterDataset(grain.IterDataset):
     recorder: stats.Recorder | None = None,
     stats_every_s: float | None = None,
     read=None,
+    plan: stats.Timed | None = None,
   ):
     super().__init__(parent)
     self._stream, self._recorder, self._every, self._read = stream, recorder, stats_every_s, read
+    self._plan = plan
 
   def __iter__(self) -> grain.DatasetIterator:
     recorder = self._recorder or stats.Recorder()
     parent = self._parent.__iter__()
-    return StreamIterator(parent, self._stream, recorder, self._every, self._read)
+    it = StreamIterator(parent, self._stream, recorder, self._every, self._read)
+    sampler = self._plan and self._plan.fn.sampler
+    if sampler and sampler.blocks is not None and sampler.global_order:
+      it.plan, it.source = self._plan, self._parent
+    return it
 
   def __str__(self) -> str:
     return "StreamIterDataset"
@@ -92,6 +95,7 @@ class StreamIterator(grain.DatasetIterator):
     self._since: dict[int, np.ndarray] | None = None  # the snapshots of the last `stats()`
     self._printed = time.monotonic()
     self.skipped = 0
+    self.plan = self.source = None  # where a block-order state of another count resumes
 
   def __next__(self) -> dict[str, np.ndarray]:
     t = time.perf_counter()
@@ -119,7 +123,9 @@ class StreamIterator(grain.DatasetIterator):
   def get_state(self) -> dict:
     inner = self._parent.get_state()
     position = elastic.batches_done(inner) * elastic.global_batch(self._stream)
-    return {**inner, "stream": self._stream, "skipped": self.skipped, "position": position}
+    state = {**inner, "stream": self._stream, "skipped": self.skipped, "position": position}
+    resumed = self.plan and self.plan.fn.sampler.resumed
+    return {**state, "resumed": [list(s) for s in resumed]} if resumed else state
 
   def set_state(self, state: dict) -> None:
     state = plain(state)
@@ -129,13 +135,27 @@ class StreamIterator(grain.DatasetIterator):
     if not isinstance(position, int) or position < 0:
       raise StateError(f"iterator state: 'position' must be a count, got {position!r}")
     template = self._parent.get_state()
-    inner = elastic.resize(state, self._stream, template)
+    sampler = self.plan and self.plan.fn.sampler
+    inner = elastic.resize(state, self._stream, template, sampler)
     skipped = state.get("skipped", 0)
     if not isinstance(skipped, int) or skipped < 0:
       raise StateError(f"iterator state: 'skipped' must be a count, got {skipped!r}")
     _check_like(inner, template, "state")
+    if self.plan:
+      self._replan(elastic.resumed(state, self._stream))
     self._parent.set_state(inner)
     self.skipped = skipped
+
+  def _replan(self, history: tuple) -> None:
+    """Sets the plan's order to its block order resumed after `history` (`Sampler.resumed`),
+    then reads from a fresh iterator of the chain: worker processes took the plan when they
+    started, threads may have planned ahead."""
+    sampler = dataclasses.replace(self.plan.fn.sampler, resumed=history)
+    if sampler == self.plan.fn.sampler:
+      return
+    self.plan.fn = dataclasses.replace(self.plan.fn, sampler=sampler)
+    old, self._parents = self._parent, (self.source.__iter__(),)
+    old.close()
 
 
 def stats_of(it: grain.DatasetIterator) -> stats.Stats:

@@ -128,9 +128,8 @@ def state_after(ds, batches: int) -> dict:
   [
     (dict(sharding="shards"), "owned shards (sharding='shards') saved on 2 process(es)"),
     (dict(train=False, num_epochs=2), "a padded eval stream saved on 2 process(es)"),
-    (dict(order="blocks"), "the block order (each process reads its own blocks) saved on 2"),
   ],
-  ids=["owned_shards", "eval", "block_order"],
+  ids=["owned_shards", "eval"],
 )
 def test_states_whose_order_depends_on_the_count_are_refused_in_one_line(
   odd_dir,  # noqa: F811
