@@ -110,7 +110,9 @@ def build(spec: Spec) -> Stages:
   keys = spec.keys or meta.keys
   stages = Stages(
     plan=PlanBatches(sampler, spec.batch_size),
-    sizes=Sizes.of(sampler, spec.batch_size, spec.drop_remainder, repr(spec.split)),
+    sizes=Sizes.of(sampler, spec.batch_size, spec.drop_remainder, repr(spec.split)).up_to(
+      spec.num_batches
+    ),
     manifest=meta,
     read=read,
     decode=DecodeImages(

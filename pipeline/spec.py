@@ -57,6 +57,8 @@ class Spec:
     seed: seeds the shuffle (a new order per epoch) and the augmentation.
     image_size: S, the side of the square output images (default 224, or pp's size).
     num_epochs: None repeats forever (train default); eval default is 1.
+    num_batches: the batches this process takes at most (a run of known length: its steps);
+      the stream ends there, and its read-ahead never reads past it. None: no limit.
     shuffle: default `train`.
     drop_remainder: drop the last partial batch of a finite stream (default: train).
     shard_index, shard_count: this process's slice; default jax.process_index()/count(). A
@@ -112,6 +114,7 @@ class Spec:
   image_size: int | None = None
   # the epochs
   num_epochs: int | None = None
+  num_batches: int | None = None
   shuffle: bool | None = None
   drop_remainder: bool | None = None
   # the sharding
@@ -162,6 +165,8 @@ class Spec:
       raise ValueError(f"order must be 'global', 'blocks' or None, not {values['order']!r}")
     sizes = [1 if values[k] is None else values[k] for k in ("block_records", "window_blocks")]
     blocks.Blocks((), *sizes)  # checks them
+    if values["num_batches"] is not None and values["num_batches"] < 1:
+      raise ValueError(f"num_batches must be None or positive, got {values['num_batches']}")
     if values["image_size"] is not None and values["image_size"] < 1:
       raise ValueError(f"image_size must be positive, got {values['image_size']}")
     train = values["train"]

@@ -89,6 +89,12 @@ class Sizes:
     forever = sampler.num_epochs is None
     return cls(batch_size, steps, _batches(len(sampler), batch_size, drop_remainder or forever))
 
+  def up_to(self, num_batches: int | None) -> Sizes:
+    """These sizes, the stream ending after `num_batches` at most (None: where it ends)."""
+    if num_batches is None:
+      return self
+    return dataclasses.replace(self, num_batches=min(self.num_batches, num_batches))
+
 
 def _batches(positions: int, batch_size: int, drop_remainder: bool) -> int:
   return positions // batch_size if drop_remainder else -(-positions // batch_size)
