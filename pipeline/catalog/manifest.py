@@ -94,10 +94,12 @@ def save(manifest: Manifest, data_dir) -> None:
   tmp.replace(path)
 
 
-def _sha256(path: epath.Path) -> str:
-  h = hashlib.sha256()
-  with path.open("rb") as f:
-    while block := f.read(1 << 22):
+def _sha256(path: epath.Path, deadline_s: float | None = None) -> str:
+  """The file's digest; on a mount its open and each read of 4 MiB wait at most `deadline_s`."""
+  h, storage = hashlib.sha256(), backend.of(path)
+  f = storage.guard(lambda: path.open("rb"), path, deadline_s)
+  with f:
+    while block := storage.guard(lambda: f.read(1 << 22), path, deadline_s):
       h.update(block)
   return h.hexdigest()
 
@@ -152,7 +154,7 @@ def _checked(
       )
     if verify == "sha256" and not sh.sha256:
       raise ManifestError(f"{where} records no sha256 of {path.name}: use verify='size'")
-    if verify == "sha256" and (digest := _sha256(path)) != sh.sha256:
+    if verify == "sha256" and (digest := _sha256(path, deadline_s)) != sh.sha256:
       raise ManifestError(
         f"shard {path} has sha256 {digest[:12]}..., {where} says "
         f"{sh.sha256[:12]}...: it changed after conversion"

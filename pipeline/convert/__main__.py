@@ -31,6 +31,7 @@ from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import records
 from pipeline.convert import checks, shards
 from pipeline.host import extras
+from pipeline.storage import stalled
 
 
 class _Parser(argparse.ArgumentParser):
@@ -179,6 +180,12 @@ def _tfds_arguments(p: argparse.ArgumentParser) -> None:
 
 def _verify_arguments(p: argparse.ArgumentParser) -> None:
   p.add_argument("out", help="converted dataset folder (holding manifest.json)")
+  p.add_argument(
+    "--read-deadline-s",
+    type=_number(float, 0, low_ok=False),
+    default=None,
+    help="on a mount, the longest wait for the manifest (default: 60 s)",
+  )
 
 
 def _builtin_arguments(p: argparse.ArgumentParser) -> None:
@@ -278,11 +285,13 @@ def _verify(args: argparse.Namespace, beam_args: list[str]) -> int:
   from pipeline.convert import verify
 
   try:
-    manifest_lib.load(args.out)  # a wrong folder is a usage error (exit 2), raised here
+    manifest_lib.load(args.out, args.read_deadline_s)  # a wrong folder: exit 2, raised here
   except manifest_lib.ManifestError as e:
     print(f"{args.out}: {e}")
     return 1
-  report = verify.verify(args.out, workers=args.workers, progress=args.progress)
+  report = verify.verify(
+    args.out, workers=args.workers, progress=args.progress, deadline_s=args.read_deadline_s
+  )
   print(report)
   return 0 if report.ok else 1
 
@@ -374,4 +383,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  code = main()
+  if stalled.happened():  # reads wait on in their threads: an orderly exit would wait for them
+    stalled.leave(code)
+  sys.exit(code)

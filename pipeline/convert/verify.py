@@ -168,11 +168,18 @@ def _check_range(
   return read, problems
 
 
-def verify(out: str | os.PathLike, *, workers: int | None = None, progress: bool = True) -> Report:
-  """Checks every shard and record of the dataset in `out` against its manifest."""
+def verify(
+  out: str | os.PathLike,
+  *,
+  workers: int | None = None,
+  progress: bool = True,
+  deadline_s: float | None = None,
+) -> Report:
+  """Checks every shard and record of the dataset in `out` against its manifest (on a mount,
+  read within `deadline_s`; the shards' reads have no deadline)."""
   out = os.fspath(out)
   try:
-    m = manifest_lib.load(out)
+    m = manifest_lib.load(out, deadline_s)
   except (FileNotFoundError, ValueError, KeyError, TypeError) as e:
     return Report(out, {}, [f"manifest: {e}"])
   info = {s.file: s for split in m.splits.values() for s in split.shards}

@@ -176,3 +176,41 @@ def test_the_trainer_on_a_mount_that_stops_answering_mid_run_exits_1_in_one_line
   said = [line for line in lines if line.startswith("python -m train: ")]
   assert len(said) == 1 and "Traceback" not in "\n".join(lines), "\n".join(lines[-40:])
   no_answer(said, f"{m.path}/train.array_record-")
+
+
+def on_the_mount(data, mount: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.Path:
+  """A local copy of `data`'s manifest.json beside links to its shards on `mount`: the manifest
+  answers, the shards' bytes wait where the mount stalls."""
+  local = tmp_path / "local"
+  local.mkdir()
+  (local / "manifest.json").write_bytes((data / "manifest.json").read_bytes())
+  for shard in data.glob("*.array_record-*"):
+    (local / shard.name).symlink_to(mount / shard.name)
+  return local
+
+
+def test_a_mount_that_stops_answering_while_open_checks_every_byte_ends_the_process(
+  storage_rig, photos_dir, tmp_path
+):
+  script = tmp_path / "open.py"
+  script.write_text(
+    "import sys, pipeline\n"
+    "if __name__ == '__main__':\n"
+    "  pipeline.make_dataset(sys.argv[1], batch_size=4, shard_count=1, shard_index=0,\n"
+    f"    verify='sha256', performance=dict(read_deadline_s={DEADLINE_S}, num_workers=0))\n"
+  )
+  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
+    local = on_the_mount(photos_dir, m.path, tmp_path)
+    code, lines = ended(start([sys.executable, str(script), str(local)]))
+  assert code == 1, lines[-20:]
+  assert not any("terminate called" in line for line in lines), lines[-20:]
+  no_answer(lines, f"{local}/train.array_record-")
+
+
+def test_convert_verify_on_a_mount_that_stops_answering_exits_in_one_line(storage_rig, photos_dir):
+  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
+    verify = ["verify", str(m.path), f"--read-deadline-s={DEADLINE_S}"]
+    proc = start([sys.executable, "-m", "pipeline.convert", *verify])
+    code, lines = ended(proc)
+  assert code != 0 and len(lines) == 1, lines[-20:]
+  no_answer(lines, f"{m.path}/manifest.json")
