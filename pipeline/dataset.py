@@ -96,7 +96,10 @@ def build(spec: Spec) -> Stages:
   head, image_ops, batch_ops = transforms(spec, meta.num_classes)
   features = spec.transforms.features
   if features:
-    features = features_lib.parse_specs(features, sample=source.read([0])[0])
+    first = source.backends[0].guard(
+      lambda: source.read([0]), source.paths[0], perf.read_deadline_s
+    )
+    features = features_lib.parse_specs(features, sample=first[0])
   window = WINDOW_BATCHES if sampler.blocks is not None else None
   chosen = memory.workers(spec, head.image_size, window)
   gpus = None  # decoding.on="device": nvImageCodec on these local GPUs ([]: its CPU backend)

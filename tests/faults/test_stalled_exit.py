@@ -189,15 +189,20 @@ def on_the_mount(data, mount: pathlib.Path, tmp_path: pathlib.Path) -> pathlib.P
   return local
 
 
-def test_a_mount_that_stops_answering_while_open_checks_every_byte_ends_the_process(
-  storage_rig, photos_dir, tmp_path
+@pytest.mark.parametrize(
+  "keywords",
+  ["verify='sha256'", "features=dict(name='image/filename')"],
+  ids=["checking_every_byte", "reading_a_features_sample"],
+)
+def test_a_mount_that_stops_answering_after_the_manifest_at_open_ends_the_process(
+  storage_rig, photos_dir, tmp_path, keywords
 ):
   script = tmp_path / "open.py"
   script.write_text(
     "import sys, pipeline\n"
     "if __name__ == '__main__':\n"
     "  pipeline.make_dataset(sys.argv[1], batch_size=4, shard_count=1, shard_index=0,\n"
-    f"    verify='sha256', performance=dict(read_deadline_s={DEADLINE_S}, num_workers=0))\n"
+    f"    {keywords}, performance=dict(read_deadline_s={DEADLINE_S}, num_workers=0))\n"
   )
   with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
     local = on_the_mount(photos_dir, m.path, tmp_path)
