@@ -5,7 +5,9 @@ divides a window's batches a block's records fall to several workers. `BlockStor
 them share one read: the first worker that wants a block claims it (creates NAME.part
 exclusively and holds a lock on it), reads it whole in one storage request and publishes it
 (renames it to NAME); the others wait for that lock, then take their records from the file
-(one pread each: no copy of the block kept in any process). A worker unlinks the blocks it
+(one pread each: no copy of the block kept in any process). A read that fails is not read
+again by those waiting for it: the claimant writes its error into the claimed file before
+it lets go, and they raise it (a later take reads the block again). A worker unlinks the blocks it
 published, oldest first, past `budget_bytes`; a block wanted after it went is read again
 (one more request, the same records). Names hold the dataset's token (`new`, in the main
 process, which holds a lock on TOKEN.lock while the store lives): the main process unlinks
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import fcntl
 import glob
 import multiprocessing.util
@@ -27,12 +30,13 @@ import threading
 import weakref
 from collections.abc import Callable
 
-from pipeline.storage import stalled
+from pipeline.storage import remote, stalled
 
 SHM_DIR = "/dev/shm"
 PREFIX = "pipeline-blocks"
 HEAD = 4096  # bytes read first: the header of a block of up to 510 records
 IOV = 512  # records per write
+FAILED = b"pipeline-blocks failed\n"  # a claimed file's first bytes where its read failed
 
 _STORES: weakref.WeakSet[BlockStore] = weakref.WeakSet()  # those that published blocks here
 _MADE: list[weakref.finalize] = []  # each removes a store this process made (`new`)
@@ -83,11 +87,13 @@ class BlockStore:
       return got
     claim = _claim(name + ".part")
     if claim is None:  # another worker (or thread) reads it: wait for its lock
-      _wait(name + ".part")
+      failed = _wait(name + ".part")
       got = _pread(name, wanted)
       if got is not None:
         return got
-      records = read()  # its read failed, or the block went already
+      if failed is not None:
+        raise failed
+      records = read()  # the block went already
       self.reread += 1
       return [records[i] for i in wanted]
     try:
@@ -97,7 +103,9 @@ class BlockStore:
         return got
       records = read()
       self._publish(claim, name, records)
-    except BaseException:
+    except BaseException as e:
+      if isinstance(e, Exception):  # not an interrupt: the read's own error
+        _failed(claim, e)
       _unlink(name + ".part")
       raise
     finally:
@@ -173,16 +181,38 @@ def _claim(path: str) -> int | None:
   return fd
 
 
-def _wait(path: str) -> None:
-  """Until the process that claimed a block (holding the lock on `path`) is done with it."""
+def _wait(path: str) -> BaseException | None:
+  """Until the process that claimed a block (holding the lock on `path`) is done with it;
+  the error its read raised, if it failed (`_failed`)."""
   try:
     fd = os.open(path, os.O_RDONLY)
   except FileNotFoundError:  # published (renamed) already
-    return
+    return None
   try:
     fcntl.flock(fd, fcntl.LOCK_SH)
+    said = os.pread(fd, HEAD, 0)
   finally:
     os.close(fd)
+  if not said.startswith(FAILED):
+    return None
+  kind, _, message = said[len(FAILED) :].decode(errors="replace").partition("\n")
+  if kind == "":
+    return OSError(message)
+  error = remote.RemoteStorageError(message)
+  if kind == "stalled":  # as the claimant's: its read may wait on, and so may this process's
+    error.stalled = True
+    stalled.mark()
+  return error
+
+
+def _failed(fd: int, error: BaseException) -> None:
+  """Writes `error`, in one line, where the claimed file `fd` would hold the block: for those
+  waiting on its lock to raise (`_wait`) instead of reading the block again."""
+  stall = isinstance(error, remote.RemoteStorageError) and error.stalled
+  kind = "stalled" if stall else "remote" if isinstance(error, remote.RemoteStorageError) else ""
+  line = (str(error).splitlines() or [type(error).__name__])[0]
+  with contextlib.suppress(OSError):
+    os.pwrite(fd, FAILED + f"{kind}\n{line}".encode()[: HEAD - len(FAILED)], 0)
 
 
 def _lock_path(token: str) -> str:
