@@ -142,13 +142,15 @@ class Blocks:
     return cycles * int(loads.sum()) + int(np.roll(loads, -host)[:k].sum())
 
   def rest(self, left: np.ndarray, key: int | None, host: int, hosts: int) -> np.ndarray:
-    """Process `host`'s part (of `hosts`) of the records `left` of an epoch keyed `key` (None:
-    in record order), in its order: their blocks dealt out whole, the blocks with more records
-    left first, each to the part then smallest, each part served as an epoch's share is, in
-    rounds over windows (a block's records in the order of its rounds)."""
+    """Process `host`'s part (of `hosts`) of the records `left` (sorted) of an epoch keyed
+    `key` (None: in record order), in its order: their blocks dealt out whole, the blocks with
+    more records left first, each to the part then smallest, each part served as an epoch's
+    share is, in rounds over windows (a block's records in the order of its rounds)."""
     first, sizes = self._blocks
     block = np.searchsorted(first, left, side="right") - 1
-    ids, counts = np.unique(block, return_counts=True)
+    counts = np.bincount(block, minlength=self.count)
+    ids = np.flatnonzero(counts)
+    counts = counts[ids]
     rank = np.empty(self.count, np.int64)
     rank[np.arange(self.count) if key is None else _shuffled(self, key)] = np.arange(self.count)
     by = np.lexsort((rank[ids], -counts))
@@ -158,9 +160,10 @@ class Blocks:
       share[i] = int(np.argmin(loads))
       loads[share[i]] += n
     bits = max(1, (self.largest - 1).bit_length())
+    starts = np.searchsorted(block, ids)  # `left` is sorted: a block's records are a run
     lanes = []
-    for b in ids[share == host].tolist():
-      mine = left[block == b]
+    for b, start, n in zip(ids[share == host], starts[share == host], counts[share == host]):
+      mine = left[start : start + n]
       rounds = np.argsort(_ranks(bits, int(sizes[b])))[mine - first[b]]
       lanes.append(mine[np.argsort(rounds)])
     out, width = [], lanes_per_host(self, hosts)

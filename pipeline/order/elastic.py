@@ -266,7 +266,9 @@ def rest_of_epoch(sampler) -> tuple[int, np.ndarray]:
   (`sampler.resumed`) was interrupted in, and this process's part of its records that no
   earlier layout read, in blocks (`Blocks.rest`), which its stream takes first."""
   epoch, read = _interrupted(sampler)
-  left = np.setdiff1d(np.arange(sampler.num_records), read)
+  unread = np.ones(sampler.num_records, bool)
+  unread[read] = False
+  left = np.flatnonzero(unread)
   key = epoch_key(sampler.seed, epoch) if sampler.shuffle else None
   return epoch, sampler.blocks.rest(left, key, sampler.shard_index, sampler.shard_count)
 

@@ -16,6 +16,7 @@ import pytest
 
 from pipeline.order.blocks import Blocks
 from pipeline.order.sampling import Sampler
+from tests.conftest import assert_same_batches, take
 from tests.elastic_pipeline_worker import make_dataset
 from tests.order.test_blocks import block_of
 from tests.order.test_multihost_pipeline import NUM_RECORDS, odd_dir  # noqa: F401 - a fixture
@@ -113,3 +114,24 @@ def test_make_dataset_continues_a_block_order_state_of_two_processes_on_one(
   assert resumed.get_state()["resumed"] == [[2, 6, 2]]
   resumed.close()
   np.testing.assert_array_equal(got, labels_by_record(odd_dir)[order.records(np.arange(72))[1]])
+
+
+def test_a_state_saved_after_such_a_resume_continues_on_its_count_and_on_another(
+  odd_dir,  # noqa: F811
+):
+  blocks = dict(order="blocks", block_records=4)
+  it = iter(make_dataset(odd_dir, 1, 2, **blocks))
+  take(it, 2)
+  resumed = iter(make_dataset(odd_dir, 0, 1, **blocks))
+  resumed.set_state(it.get_state())
+  take(resumed, 2)
+  state = resumed.get_state()
+  expected = take(resumed, 3)
+  again = iter(make_dataset(odd_dir, 0, 1, **blocks))
+  again.set_state(state)
+  assert_same_batches(expected, take(again, 3))
+  elsewhere = iter(make_dataset(odd_dir, 2, 3, **blocks))
+  elsewhere.set_state(state)
+  assert elsewhere.plan.fn.sampler.resumed == ((2, 6, 2), (1, 12, 2))
+  for x in (it, resumed, again, elsewhere):
+    x.close()
