@@ -32,6 +32,7 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import split as split_lib
 from pipeline.catalog.schema import Manifest, Split
 from pipeline.host import guards, memory
@@ -219,6 +220,18 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   )
 
 
+def label_tables(data_dir: Mapping, labels: str | None = None) -> dict[str, np.ndarray]:
+  """Each source's label -> the mixture's (`labels=` as `stages` maps them), by name: to
+  evaluate a source on its own stream with the classes the mixture trained."""
+  labels = labels or "own"
+  if labels not in LABELS:
+    raise ValueError(f"labels must be one of {LABELS}, not {labels!r}")
+  names = [str(n) for n in data_dir]
+  dirs = [s.data_dir if isinstance(s, Source) else s for s in data_dir.values()]
+  metas = [manifest_lib.load(os.fspath(d)) for d in dirs]
+  return dict(zip(names, _classes(names, metas, labels)[1]))
+
+
 def _check_mixable(base: Spec, keywords: dict) -> None:
   """A mixture is a training stream in the global order over every process's records."""
   if not base.train:
@@ -298,4 +311,4 @@ def _announce(mixture: Mixture, records: list[int], chosen, read) -> None:
   )
 
 
-__all__ = ["LABELS", "Source", "is_mixture", "signature", "stages"]
+__all__ = ["LABELS", "Source", "is_mixture", "label_tables", "signature", "stages"]
