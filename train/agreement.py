@@ -48,7 +48,8 @@ def start_fields(
   token: str,
 ) -> dict[str, str]:
   """What every process must agree on before the first step, in the order to check it:
-  `data` is the train input and the eval inputs (`train.inputs.Evals`), `token` what this process read of the workdir's token."""
+  `data` is the train input and the eval inputs (`train.inputs.Evals`), `token` what this
+  process read of the workdir's token."""
   fields = {"code": code_version()}
   for name, value in flatten(config.to_dict(), "config."):
     if not per_host(name):
