@@ -28,7 +28,7 @@ import dataclasses
 import inspect
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
@@ -43,6 +43,7 @@ from pipeline.options import Augment
 from pipeline.order import elastic
 from pipeline.order.mixture import MixSampler, Schedule
 from pipeline.pp import features as features_lib
+from pipeline.pp import ops as ops_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import Spec
 from pipeline.stages import plan as plan_lib
@@ -60,13 +61,17 @@ MIXTURE_KEYWORDS = ("weights", "labels")
 @dataclasses.dataclass(frozen=True)
 class Source:
   """One source of a mixture: its dataset, split (default: the mixture's), weight (or in
-  `weights=`), and its own pp string or `Augment` (default: the mixture's)."""
+  `weights=`), and its own pp string, `Augment`, image_size, image ops or extra features
+  (each by default the mixture's); every source's images and features must come out alike."""
 
   data_dir: str | os.PathLike
   split: str | None = None
   weight: float | None = None
   pp: str | None = None
   augment: Augment | Mapping | None = None
+  image_size: int | None = None
+  ops: str | Sequence | None = None
+  features: Mapping | None = None
 
 
 def is_mixture(data_dir) -> bool:
@@ -128,16 +133,22 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   offsets = np.cumsum([0] + [len(src) for _, src, _ in opened])[:-1]
   shard = process_shard(base.shard_index, base.shard_count)
   sampler = MixSampler(schedule, samplers, offsets.tolist(), *shard, block=base.batch_size)
-  heads = []
-  for name, spec, (meta, _, _) in zip(names, specs, opened):
-    head, image_ops, batch_ops = transforms(spec, meta.num_classes)
+  heads, features = [], []
+  for name, spec, (meta, src, _) in zip(names, specs, opened):
+    try:
+      head, image_ops, batch_ops = transforms(spec, meta.num_classes)
+      wanted = spec.transforms.features
+      features.append(features_lib.parse_specs(wanted, src.read([0])[0] if wanted else None))
+    except ValueError as e:
+      raise ValueError(f"source {name!r}: {e}") from None
     if batch_ops and spec.transforms.pp is not None and spec.transforms.pp != base.transforms.pp:
       raise ValueError(
         f"source {name!r}: its pp's batch ops run on the whole mixed batch: give them in the "
         "mixture's pp= or batch_ops="
       )
     heads.append((head, image_ops))
-  _check_sizes(names, [h for h, _ in heads])
+  image = _check_alike(names, [_image(h, ops, base.seed) for h, ops in heads], "images")
+  _check_alike(names, [_described(f) for f in features], "features")
   _, _, batch_ops = transforms(base, len(classes))  # the mixture's own: on the mixed batch
   image_size = heads[0][0].image_size
   chosen = memory.workers(base, image_size)
@@ -170,16 +181,16 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
         on_error=base.on_error,
         with_mask=True,
         image_ops=image_ops,
+        features=own or None,
       )
-      for (_, image_ops), (m, _, _) in zip(heads, opened)
+      for (_, image_ops), (m, _, _), own in zip(heads, opened, features)
     ],
     tables=tables,
     names=names,
     prefetch=perf.prefetch,
+    image=image,
+    features=features[0],
   )
-  features = base.transforms.features
-  if features:
-    features = features_lib.parse_specs(features, sample=merged.read([0])[0])
   finish = FinishBatch(
     num_classes=len(classes),
     seed=base.seed,
@@ -187,7 +198,6 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     on_error=base.on_error,
     with_mask=False,
     batch_ops=batch_ops,
-    features=features or None,
   )
   for check in decode.checks:  # the sources' ops run on the mixture's one ops pool
     check.threads = finish.threads
@@ -254,20 +264,48 @@ def _source_spec(source: Source, split: str, keywords: dict) -> Spec:
     for k in ("pp", "ops", "batch_ops", "image_size"):
       own.pop(k, None)
     own["pp"] = source.pp
-  if source.augment is not None:
-    own["augment"] = source.augment
-  own.pop("features", None)
+  for k in ("augment", "image_size", "ops", "features"):
+    if getattr(source, k) is not None:
+      own[k] = getattr(source, k)
   return Spec.of(os.fspath(source.data_dir), source.split or split, **own)
 
 
-def _check_sizes(names: list[str], heads: list) -> None:
-  sizes = [h.image_size for h in heads]
-  for name, size in zip(names, sizes):
-    if size != sizes[0]:
+def _image(head, image_ops, seed: int) -> tuple[tuple, np.dtype] | None:
+  """(shape, dtype) of the images a source's head and image ops make: its ops run on a blank
+  image of the head's size (None where they cannot: its ops need a real example)."""
+  blank = np.zeros((head.image_size, head.image_size, 3), np.uint8)
+  try:
+    out = ops_lib.apply(image_ops, blank, ops_lib.reused_example_rng(seed, 0, 0))
+  except Exception:  # noqa: BLE001 - a user's op on a blank image: checked per batch instead
+    return None
+  return out.shape, out.dtype
+
+
+def _described(features: dict) -> dict:
+  """Each feature's dtype and shape per example: what a source's batch holds of it."""
+  kind = lambda f: f.dtype if f.dtype == features_lib.BYTES else f.numpy_dtype
+  return {n: f"{kind(f)}{[*f.example_shape]}" for n, f in features.items()}
+
+
+def _check_alike(names: list[str], made: list, what: str):
+  """The first source's `made` (its images' (shape, dtype), or its features); one line names
+  a source whose differ from it."""
+  for name, mine in zip(names, made):
+    if mine is not None and made[0] is not None and mine != made[0]:
       raise ValueError(
-        f"source {name!r} makes {size}x{size} images, {names[0]!r} {sizes[0]}x{sizes[0]}: "
-        "give every source the same image size (image_size= or its pp's)"
+        f"source {name!r} makes {_say(mine)} {what}, {names[0]!r} {_say(made[0])}: every "
+        f"source's {what} must come out alike (its image_size=, pp=, ops= or features=)"
       )
+  return made[0]
+
+
+def _say(made) -> str:
+  if isinstance(made, dict):
+    return ", ".join(f"{n} {d}" for n, d in made.items()) or "no"
+  (shape, dtype) = made
+  if dtype == np.uint8 and len(shape) == 3 and shape[2] == 3:
+    return f"{shape[0]}x{shape[1]}"
+  return f"{dtype}{list(shape)}"
 
 
 def _classes(names: list[str], metas: list, labels: str) -> tuple[list[str], list[np.ndarray]]:

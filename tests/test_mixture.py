@@ -215,3 +215,48 @@ def test_a_state_continues_on_another_process_count(digits_dir, photos_dir):
   for k, whole in enumerate(after):
     for key in ("image", "label", "source"):
       np.testing.assert_array_equal(np.concatenate([h[k][key] for h in halves]), whole[key])
+
+
+@registry.register("test_mix_corner", "image")
+def corner(size: int = 16):
+  return lambda image, rng: np.ascontiguousarray(image[:size, :size])
+
+
+def two(digits_dir, photos_dir, in1k=None, extra=None, **keywords):
+  """The two sources, each a `Source` with `in1k` / `extra` as its own settings."""
+  sources = {
+    "in1k": pipeline.Source(digits_dir, **(in1k or {})),
+    "extra": pipeline.Source(photos_dir, **(extra or {})),
+  }
+  keywords = {"batch_size": 32, "image_size": 64, "seed": 0, **keywords}
+  return pipeline.make_dataset(sources, "train", weights={"in1k": 1, "extra": 1}, **keywords)
+
+
+def test_each_source_has_its_own_image_size_ops_and_features(digits_dir, photos_dir):
+  both = {"image_size": 48, "ops": "test_mix_corner(40)", "features": {"file": "image/filename"}}
+  b = next(iter(two(digits_dir, photos_dir, both, {**both, "ops": "test_mix_corner(40)"})))
+  assert b["image"].shape == (32, 40, 40, 3)  # the sources' size and ops, not the mixture's 64
+  assert b["file"].dtype == object and all(isinstance(f, bytes) and f for f in b["file"])
+  files = {s: {f for f, k in zip(b["file"], b["source"]) if k == s} for s in (0, 1)}
+  assert files[0] and files[1] and not files[0] & files[1]  # each row's own record's
+  blank = next(iter(two(digits_dir, photos_dir, extra={"ops": "test_mix_blank"})))
+  assert (blank["image"][blank["source"] == 1] == 0).all()
+  assert (blank["image"][blank["source"] == 0].reshape(-1, 64 * 64 * 3).max(axis=1) > 0).all()
+
+
+@pytest.mark.parametrize(
+  "extra, said",
+  [
+    ({"image_size": 32}, "source 'extra' makes 32x32 images, 'in1k' 64x64: "),
+    ({"ops": "test_mix_corner(16)"}, "source 'extra' makes 16x16 images, 'in1k' 64x64: "),
+    (
+      {"features": {"file": "image/filename"}},
+      "source 'extra' makes file bytes.* features, 'in1k' no",
+    ),
+    ({"ops": "no_such_op"}, "source 'extra': .*no_such_op"),
+  ],
+)
+def test_a_source_whose_output_differs_is_named_in_one_line(digits_dir, photos_dir, extra, said):
+  with pytest.raises(ValueError, match=said) as e:
+    two(digits_dir, photos_dir, extra=extra)
+  assert "\n" not in str(e.value)
