@@ -41,6 +41,7 @@ from pipeline.mixing.stages import MixDecode, MixPlan
 from pipeline.mixing.stream import MixStreamIterDataset, Mixture
 from pipeline.options import Augment
 from pipeline.order import elastic
+from pipeline.order.blocks import WINDOW_BATCHES
 from pipeline.order.mixture import MixSampler, Schedule
 from pipeline.pp import features as features_lib
 from pipeline.pp import ops as ops_lib
@@ -132,7 +133,11 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   classes, tables = _classes(names, [m for m, _, _ in opened], labels)
   offsets = np.cumsum([0] + [len(src) for _, src, _ in opened])[:-1]
   shard = process_shard(base.shard_index, base.shard_count)
-  sampler = MixSampler(schedule, samplers, offsets.tolist(), *shard, block=base.batch_size)
+  order = base.order or ("blocks" if any(src.backends[0].remote for _, src, _ in opened) else None)
+  if order == "blocks":
+    samplers = _block_samplers(base, specs, opened, shard)
+  local = order == "blocks"
+  sampler = MixSampler(schedule, samplers, offsets.tolist(), *shard, base.batch_size, local)
   heads, features = [], []
   for name, spec, (meta, src, _) in zip(names, specs, opened):
     try:
@@ -212,6 +217,11 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     )
   )
   stream["mixture"] = sorted(names)
+  if local:  # the blocks' size and the windows all sources share: not the weights or sources
+    stream["order"] = (
+      f"blocks of {samplers[0].blocks.block_records}, each source its own, each process its "
+      f"own, in rounds over windows of {_windows(base, shard[1])} blocks shared by the sources"
+    )
   mixture = Mixture(names, schedule, sampler, chosen.workers, digests)
   _announce(mixture, [len(src) for _, src, _ in opened], chosen, read)
   return dict(
@@ -250,11 +260,34 @@ def _check_mixable(base: Spec, keywords: dict) -> None:
     )
   if keywords.get("num_epochs") is not None:
     raise ValueError("a mixture repeats each source on its own: leave num_epochs unset")
-  if base.order == "blocks" or base.sharding != "records":
+  if base.sharding != "records":
     raise ValueError(
-      "a mixture reads in order='global' with sharding='records' (the block order is per "
-      "source): leave order and sharding unset"
+      "a mixture deals each source's records out to the processes (sharding='records'): "
+      "leave sharding unset"
     )
+
+
+def _block_samplers(base: Spec, specs: list, opened: list, shard: tuple) -> list:
+  """Each source's block order in this process (`plan.sampler`, order="blocks"): blocks of
+  one size (the read stage reads one: the smallest of the sources' own, or block_records=),
+  each source's windows 1/K of one dataset's (`window_blocks=`, or its default), so that the
+  K sources' windows hold what one dataset's does."""
+  p, n = shard
+  own = [dataclasses.replace(s, order="blocks", shard_index=p, shard_count=n) for s in specs]
+  size = base.block_records or min(
+    plan_lib.sampler(s, m, src).blocks.block_records for s, (m, src, _) in zip(own, opened)
+  )
+  windows = _windows(base, n)
+  own = [
+    dataclasses.replace(s, block_records=size, window_blocks=max(1, windows // len(own)))
+    for s in own
+  ]
+  return [plan_lib.sampler(s, m, src) for s, (m, src, _) in zip(own, opened)]
+
+
+def _windows(base: Spec, processes: int) -> int:
+  """The blocks of all sources' windows together: as one dataset's (`plan.sampler`)."""
+  return base.window_blocks or WINDOW_BATCHES * base.batch_size * processes
 
 
 def _source_spec(source: Source, split: str, keywords: dict) -> Spec:

@@ -260,3 +260,93 @@ def test_a_source_whose_output_differs_is_named_in_one_line(digits_dir, photos_d
   with pytest.raises(ValueError, match=said) as e:
     two(digits_dir, photos_dir, extra=extra)
   assert "\n" not in str(e.value)
+
+
+def blocked(digits_dir, photos_dir, shard=(0, 1), workers=0, weights=None):
+  """The stages of the two sources in the block order (blocks of 16 records), process
+  `shard[0]` of `shard[1]`, batches of 16 a process."""
+  keywords = dict(batch_size=16, image_size=16, seed=0, order="blocks", block_records=16)
+  keywords.update(shard_index=shard[0], shard_count=shard[1])
+  keywords["performance"] = dict(num_workers=workers, record_cache_mb=0, read_ahead=2)
+  sources = {"in1k": digits_dir, "extra": photos_dir}
+  weights = weights or {"in1k": 0.3, "extra": 0.7}
+  return dataset.Stages(**mixture.stages(sources, "train", weights=weights, **keywords))
+
+
+def source_records(sampler, s: int, uses: int) -> np.ndarray:
+  """Source `s`'s own record index at each of its first `uses` uses in a process's stream."""
+  positions = np.flatnonzero(sampler.sources(np.arange(uses * 4)) == s)[:uses]
+  return sampler.records(positions)[1] - sampler.offsets[s]
+
+
+def test_in_the_block_order_each_source_reads_its_own_blocks_once_an_epoch(digits_dir, photos_dir):
+  st = blocked(digits_dir, photos_dir)
+  sampler = st.plan.sampler
+  for s, own in enumerate(sampler.samplers):
+    assert own.blocks is not None and own.blocks.block_records == 16
+    n = own.num_records
+    epochs = source_records(sampler, s, 2 * n)  # each epoch every record once, a new order
+    assert sorted(epochs[:n]) == sorted(epochs[n:]) == list(range(n))
+    assert list(epochs[:n]) != list(epochs[n:])
+  it = iter(dataset.chain(st))
+  batches = take(it, 50)  # 800 images: an epoch of the digits' 240, 16 of the photos' 48
+  assert abs(np.mean(np.concatenate([b["source"] for b in batches]) == 1) - 0.7) < 0.01
+  # every block of each epoch begun read once: no more (read ahead: 2 batches), no fewer
+  begun, done = sampler.used((50 + 2) * 16), sampler.used(50 * 16)
+  counts = [own.blocks.count for own in sampler.samplers]
+  sizes = [own.num_records for own in sampler.samplers]
+  most = sum(c * -(-u // n) for c, u, n in zip(counts, begun.tolist(), sizes))
+  least = sum(c * (u // n) for c, u, n in zip(counts, done.tolist(), sizes))
+  assert least <= st.read.stats.requests <= most
+  assert st.read.stats.request_records / st.read.stats.requests >= 8  # not one per image
+  assert "blocks of 16, each source its own" in st.stream["order"]
+
+
+def test_in_the_block_order_each_process_reads_its_own_share_of_each_sources_blocks(
+  digits_dir, photos_dir
+):
+  samplers = [blocked(digits_dir, photos_dir, (p, 2)).plan.sampler for p in range(2)]
+  positions = np.arange(5 * 16)
+  np.testing.assert_array_equal(*(m.sources(positions) for m in samplers))  # the same slots
+  for s, own in enumerate(samplers[0].samplers):
+    loads = own.blocks.loads(2)
+    shares = [set(source_records(m, s, int(loads[p])).tolist()) for p, m in enumerate(samplers)]
+    assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(own.num_records))
+    block_of = lambda records: {r // 16 for r in records}  # one shard a source: blocks of 16
+    assert not block_of(shares[0]) & block_of(shares[1])  # a block is one process's
+
+
+def test_a_block_ordered_mixture_resumes_exactly_also_in_worker_processes(digits_dir, photos_dir):
+  expected = take(iter(dataset.chain(blocked(digits_dir, photos_dir))), 12)
+  assert_same_batches(
+    expected, take(iter(dataset.chain(blocked(digits_dir, photos_dir, workers=1))), 12)
+  )
+  it = iter(dataset.chain(blocked(digits_dir, photos_dir)))
+  take(it, 7)
+  state = it.get_state()
+  resumed = iter(dataset.chain(blocked(digits_dir, photos_dir)))
+  resumed.set_state(state)
+  assert_same_batches(expected[7:], take(resumed, 5))
+  halves = iter(dataset.chain(blocked(digits_dir, photos_dir, weights={"in1k": 1, "extra": 1})))
+  halves.set_state(state)  # other weights: each source continues its own block order
+  assert abs(np.mean(np.concatenate([b["source"] for b in take(halves, 4)])) - 0.5) < 0.02
+  with pytest.raises(StateError, match="read in blocks of 16.*this one reads in the global order"):
+    iter(mixed(digits_dir, photos_dir, batch_size=16)).set_state(state)
+  two = iter(dataset.chain(blocked(digits_dir, photos_dir, (0, 2))))
+  with pytest.raises(StateError, match="block order saved on 1 process.* cannot continue on 2"):
+    two.set_state(state)
+
+
+def test_through_the_rig_a_mixture_reads_in_the_block_order_few_requests_per_image(
+  storage_rig, digits_dir, photos_dir
+):
+  with storage_rig.mount(photos_dir, latency_ms=1) as m:
+    sources = {"in1k": digits_dir, "extra": str(m.path)}  # one source on a mount
+    keywords = dict(batch_size=8, image_size=16, seed=0, shard_index=0, shard_count=1)
+    keywords["performance"] = dict(num_workers=0, record_cache_mb=0)
+    st = dataset.Stages(
+      **mixture.stages(sources, "train", weights={"in1k": 1, "extra": 1}, **keywords)
+    )
+    assert st.read.ranges is not None and "each source its own" in st.stream["order"]
+    take(iter(dataset.chain(st)), 2 * 48 // 4)  # two epochs of the photos
+    assert st.read.stats.request_records / st.read.stats.requests >= 8
