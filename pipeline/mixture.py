@@ -7,10 +7,12 @@
 The sources' shards are one merged index space (each source's records after the previous
 sources') read by ONE read stage, decoded by ONE pool of threads, in ONE set of worker
 processes, within ONE `performance.memory_mb`: nothing is per source but its order, its
-decode head and its ops. Which source fills each slot is `pipeline.order.mixture.Schedule`
-(a pure function of the position: a source's count over any prefix within one slot of its
-weight's); each source has its own order, epochs and shuffle (`plan.sampler`, global order),
-all over the global stream, dealt out to the processes as one dataset's global order.
+decode head, its ops and features. Which source fills each slot is
+`pipeline.order.mixture.Schedule` (a pure function of the position: a source's count over any
+prefix within one slot of its weight's); each source has its own order, epochs and shuffle
+(`plan.sampler`): in the global order all over the global stream, dealt out to the
+processes as one dataset's global order; in the block order (where a source's storage asks
+for it, or order="blocks") every source in its own blocks, over each process's positions.
 
 Labels (`labels=`): "own" (default) each source's own label indices; "offset" source k's
 after the classes of sources 0..k-1 (classes "name/class"); "joined" one class per distinct
