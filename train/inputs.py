@@ -131,10 +131,11 @@ def evaluate(eval_step, state, evals: Evals) -> dict:
   total, sources = {"top1": 0.0, "top5": 0.0, "loss": 0.0, "count": 0.0}, {}
   for name, stream in evals.streams.items():
     table = evals.tables[name]
+    table = None if table is None else jnp.asarray(table, jnp.int32)
     sums = dict.fromkeys(total, 0.0)
     for batch in iter(stream):
       if table is not None:
-        batch = {**batch, "label": _relabel(batch["label"], jnp.asarray(table, jnp.int32))}
+        batch = {**batch, "label": _relabel(batch["label"], table)}
       for k, v in eval_step(state, batch).items():
         sums[k] += float(v)
     n = max(sums["count"], 1.0)
