@@ -140,22 +140,7 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     samplers = _block_samplers(base, specs, opened, shard)
   local = order == "blocks"
   sampler = MixSampler(schedule, samplers, offsets.tolist(), *shard, base.batch_size, local)
-  heads, features = [], []
-  for name, spec, (meta, src, _) in zip(names, specs, opened):
-    try:
-      head, image_ops, batch_ops = transforms(spec, meta.num_classes)
-      wanted = spec.transforms.features
-      features.append(features_lib.parse_specs(wanted, src.read([0])[0] if wanted else None))
-    except ValueError as e:
-      raise ValueError(f"source {name!r}: {e}") from None
-    if batch_ops and spec.transforms.pp is not None and spec.transforms.pp != base.transforms.pp:
-      raise ValueError(
-        f"source {name!r}: its pp's batch ops run on the whole mixed batch: give them in the "
-        "mixture's pp= or batch_ops="
-      )
-    heads.append((head, image_ops))
-  image = _check_alike(names, [_image(h, ops, base.seed) for h, ops in heads], "images")
-  _check_alike(names, [_described(f) for f in features], "features")
+  heads, features, image = _outputs(base, names, specs, opened)
   _, _, batch_ops = transforms(base, len(classes))  # the mixture's own: on the mixed batch
   image_size = heads[0][0].image_size
   chosen = memory.workers(base, image_size)
@@ -303,6 +288,28 @@ def _source_spec(source: Source, split: str, keywords: dict) -> Spec:
     if getattr(source, k) is not None:
       own[k] = getattr(source, k)
   return Spec.of(os.fspath(source.data_dir), source.split or split, **own)
+
+
+def _outputs(base: Spec, names: list, specs: list, opened: list) -> tuple[list, list, tuple]:
+  """Each source's (head, image ops) and features, and the (shape, dtype) of the images they
+  all make: one line names a source whose images or features differ from the first's."""
+  heads, features = [], []
+  for name, spec, (meta, src, _) in zip(names, specs, opened):
+    try:
+      head, image_ops, batch_ops = transforms(spec, meta.num_classes)
+      wanted = spec.transforms.features
+      features.append(features_lib.parse_specs(wanted, src.read([0])[0] if wanted else None))
+    except ValueError as e:
+      raise ValueError(f"source {name!r}: {e}") from None
+    if batch_ops and spec.transforms.pp is not None and spec.transforms.pp != base.transforms.pp:
+      raise ValueError(
+        f"source {name!r}: its pp's batch ops run on the whole mixed batch: give them in the "
+        "mixture's pp= or batch_ops="
+      )
+    heads.append((head, image_ops))
+  image = _check_alike(names, [_image(h, ops, base.seed) for h, ops in heads], "images")
+  _check_alike(names, [_described(f) for f in features], "features")
+  return heads, features, image
 
 
 def _image(head, image_ops, seed: int) -> tuple[tuple, np.dtype] | None:
