@@ -1,6 +1,6 @@
 """`python -m bench mixture DATA_DIR`: a 2-source mixture's images/s beside one source's.
 
-    python -m bench mixture data/photos --rounds 5 --batches 20
+    python -m bench mixture data/photos --rounds 5 --batches 20 [--order blocks]
 
 The same images both ways: the split alone, and a mixture of two sources that are both the
 split (weights 1:1: the same decode work per image, through the mixture's plan, per-source
@@ -21,8 +21,12 @@ def main(argv: list[str]) -> dict:
   p = measure.parser(
     "mixture", __doc__, "split", "batch_size", "image_size", "rounds", "batches", "json"
   )
+  p.add_argument(
+    "--order", choices=("global", "blocks"), help="both streams' order (default: by storage)"
+  )
   args = p.parse_args(argv)
   keywords = dict(batch_size=args.batch_size, image_size=args.image_size, seed=0)
+  keywords.update(order=args.order)
   keywords.update(shard_index=0, shard_count=1)
   made = {
     "one source": lambda: pipeline.make_dataset(args.data_dir, args.split, **keywords),

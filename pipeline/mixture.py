@@ -7,10 +7,12 @@
 The sources' shards are one merged index space (each source's records after the previous
 sources') read by ONE read stage, decoded by ONE pool of threads, in ONE set of worker
 processes, within ONE `performance.memory_mb`: nothing is per source but its order, its
-decode head and its ops. Which source fills each slot is `pipeline.order.mixture.Schedule`
-(a pure function of the position: a source's count over any prefix within one slot of its
-weight's); each source has its own order, epochs and shuffle (`plan.sampler`, global order),
-all over the global stream, dealt out to the processes as one dataset's global order.
+decode head, its ops and features. Which source fills each slot is
+`pipeline.order.mixture.Schedule` (a pure function of the position: a source's count over any
+prefix within one slot of its weight's); each source has its own order, epochs and shuffle
+(`plan.sampler`): in the global order all over the global stream, dealt out to the
+processes as one dataset's global order; in the block order (where a source's storage asks
+for it, or order="blocks") every source in its own blocks, over each process's positions.
 
 Labels (`labels=`): "own" (default) each source's own label indices; "offset" source k's
 after the classes of sources 0..k-1 (classes "name/class"); "joined" one class per distinct
@@ -28,10 +30,11 @@ import dataclasses
 import inspect
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import split as split_lib
 from pipeline.catalog.schema import Manifest, Split
 from pipeline.host import guards, memory
@@ -40,8 +43,10 @@ from pipeline.mixing.stages import MixDecode, MixPlan
 from pipeline.mixing.stream import MixStreamIterDataset, Mixture
 from pipeline.options import Augment
 from pipeline.order import elastic
+from pipeline.order.blocks import WINDOW_BATCHES
 from pipeline.order.mixture import MixSampler, Schedule
 from pipeline.pp import features as features_lib
+from pipeline.pp import ops as ops_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import Spec
 from pipeline.stages import plan as plan_lib
@@ -59,13 +64,17 @@ MIXTURE_KEYWORDS = ("weights", "labels")
 @dataclasses.dataclass(frozen=True)
 class Source:
   """One source of a mixture: its dataset, split (default: the mixture's), weight (or in
-  `weights=`), and its own pp string or `Augment` (default: the mixture's)."""
+  `weights=`), and its own pp string, `Augment`, image_size, image ops or extra features
+  (each by default the mixture's); every source's images and features must come out alike."""
 
   data_dir: str | os.PathLike
   split: str | None = None
   weight: float | None = None
   pp: str | None = None
   augment: Augment | Mapping | None = None
+  image_size: int | None = None
+  ops: str | Sequence | None = None
+  features: Mapping | None = None
 
 
 def is_mixture(data_dir) -> bool:
@@ -126,17 +135,12 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   classes, tables = _classes(names, [m for m, _, _ in opened], labels)
   offsets = np.cumsum([0] + [len(src) for _, src, _ in opened])[:-1]
   shard = process_shard(base.shard_index, base.shard_count)
-  sampler = MixSampler(schedule, samplers, offsets.tolist(), *shard, block=base.batch_size)
-  heads = []
-  for name, spec, (meta, _, _) in zip(names, specs, opened):
-    head, image_ops, batch_ops = transforms(spec, meta.num_classes)
-    if batch_ops and spec.transforms.pp is not None and spec.transforms.pp != base.transforms.pp:
-      raise ValueError(
-        f"source {name!r}: its pp's batch ops run on the whole mixed batch: give them in the "
-        "mixture's pp= or batch_ops="
-      )
-    heads.append((head, image_ops))
-  _check_sizes(names, [h for h, _ in heads])
+  order = base.order or ("blocks" if any(src.backends[0].remote for _, src, _ in opened) else None)
+  if order == "blocks":
+    samplers = _block_samplers(base, specs, opened, shard)
+  local = order == "blocks"
+  sampler = MixSampler(schedule, samplers, offsets.tolist(), *shard, base.batch_size, local)
+  heads, features, image = _outputs(base, names, specs, opened)
   _, _, batch_ops = transforms(base, len(classes))  # the mixture's own: on the mixed batch
   image_size = heads[0][0].image_size
   chosen = memory.workers(base, image_size)
@@ -169,16 +173,16 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
         on_error=base.on_error,
         with_mask=True,
         image_ops=image_ops,
+        features=own or None,
       )
-      for (_, image_ops), (m, _, _) in zip(heads, opened)
+      for (_, image_ops), (m, _, _), own in zip(heads, opened, features)
     ],
     tables=tables,
     names=names,
     prefetch=perf.prefetch,
+    image=image,
+    features=features[0],
   )
-  features = base.transforms.features
-  if features:
-    features = features_lib.parse_specs(features, sample=merged.read([0])[0])
   finish = FinishBatch(
     num_classes=len(classes),
     seed=base.seed,
@@ -186,7 +190,6 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     on_error=base.on_error,
     with_mask=False,
     batch_ops=batch_ops,
-    features=features or None,
   )
   for check in decode.checks:  # the sources' ops run on the mixture's one ops pool
     check.threads = finish.threads
@@ -201,6 +204,11 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     )
   )
   stream["mixture"] = sorted(names)
+  if local:  # the blocks' size and the windows all sources share: not the weights or sources
+    stream["order"] = (
+      f"blocks of {samplers[0].blocks.block_records}, each source its own, each process its "
+      f"own, in rounds over windows of {_windows(base, shard[1])} blocks shared by the sources"
+    )
   mixture = Mixture(names, schedule, sampler, chosen.workers, digests)
   _announce(mixture, [len(src) for _, src, _ in opened], chosen, read)
   return dict(
@@ -219,6 +227,18 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   )
 
 
+def label_tables(data_dir: Mapping, labels: str | None = None) -> dict[str, np.ndarray]:
+  """Each source's label -> the mixture's (`labels=` as `stages` maps them), by name: to
+  evaluate a source on its own stream with the classes the mixture trained."""
+  labels = labels or "own"
+  if labels not in LABELS:
+    raise ValueError(f"labels must be one of {LABELS}, not {labels!r}")
+  names = [str(n) for n in data_dir]
+  dirs = [s.data_dir if isinstance(s, Source) else s for s in data_dir.values()]
+  metas = [manifest_lib.load(os.fspath(d)) for d in dirs]
+  return dict(zip(names, _classes(names, metas, labels)[1]))
+
+
 def _check_mixable(base: Spec, keywords: dict) -> None:
   """A mixture is a training stream in the global order over every process's records."""
   if not base.train:
@@ -227,11 +247,34 @@ def _check_mixable(base: Spec, keywords: dict) -> None:
     )
   if keywords.get("num_epochs") is not None:
     raise ValueError("a mixture repeats each source on its own: leave num_epochs unset")
-  if base.order == "blocks" or base.sharding != "records":
+  if base.sharding != "records":
     raise ValueError(
-      "a mixture reads in order='global' with sharding='records' (the block order is per "
-      "source): leave order and sharding unset"
+      "a mixture deals each source's records out to the processes (sharding='records'): "
+      "leave sharding unset"
     )
+
+
+def _block_samplers(base: Spec, specs: list, opened: list, shard: tuple) -> list:
+  """Each source's block order in this process (`plan.sampler`, order="blocks"): blocks of
+  one size (the read stage reads one: the smallest of the sources' own, or block_records=),
+  each source's windows 1/K of one dataset's (`window_blocks=`, or its default), so that the
+  K sources' windows hold what one dataset's does."""
+  p, n = shard
+  own = [dataclasses.replace(s, order="blocks", shard_index=p, shard_count=n) for s in specs]
+  size = base.block_records or min(
+    plan_lib.sampler(s, m, src).blocks.block_records for s, (m, src, _) in zip(own, opened)
+  )
+  windows = _windows(base, n)
+  own = [
+    dataclasses.replace(s, block_records=size, window_blocks=max(1, windows // len(own)))
+    for s in own
+  ]
+  return [plan_lib.sampler(s, m, src) for s, (m, src, _) in zip(own, opened)]
+
+
+def _windows(base: Spec, processes: int) -> int:
+  """The blocks of all sources' windows together: as one dataset's (`plan.sampler`)."""
+  return base.window_blocks or WINDOW_BATCHES * base.batch_size * processes
 
 
 def _source_spec(source: Source, split: str, keywords: dict) -> Spec:
@@ -241,20 +284,70 @@ def _source_spec(source: Source, split: str, keywords: dict) -> Spec:
     for k in ("pp", "ops", "batch_ops", "image_size"):
       own.pop(k, None)
     own["pp"] = source.pp
-  if source.augment is not None:
-    own["augment"] = source.augment
-  own.pop("features", None)
+  for k in ("augment", "image_size", "ops", "features"):
+    if getattr(source, k) is not None:
+      own[k] = getattr(source, k)
   return Spec.of(os.fspath(source.data_dir), source.split or split, **own)
 
 
-def _check_sizes(names: list[str], heads: list) -> None:
-  sizes = [h.image_size for h in heads]
-  for name, size in zip(names, sizes):
-    if size != sizes[0]:
+def _outputs(base: Spec, names: list, specs: list, opened: list) -> tuple[list, list, tuple]:
+  """Each source's (head, image ops) and features, and the (shape, dtype) of the images they
+  all make: one line names a source whose images or features differ from the first's."""
+  heads, features = [], []
+  for name, spec, (meta, src, _) in zip(names, specs, opened):
+    try:
+      head, image_ops, batch_ops = transforms(spec, meta.num_classes)
+      wanted = spec.transforms.features
+      features.append(features_lib.parse_specs(wanted, src.read([0])[0] if wanted else None))
+    except ValueError as e:
+      raise ValueError(f"source {name!r}: {e}") from None
+    if batch_ops and spec.transforms.pp is not None and spec.transforms.pp != base.transforms.pp:
       raise ValueError(
-        f"source {name!r} makes {size}x{size} images, {names[0]!r} {sizes[0]}x{sizes[0]}: "
-        "give every source the same image size (image_size= or its pp's)"
+        f"source {name!r}: its pp's batch ops run on the whole mixed batch: give them in the "
+        "mixture's pp= or batch_ops="
       )
+    heads.append((head, image_ops))
+  image = _check_alike(names, [_image(h, ops, base.seed) for h, ops in heads], "images")
+  _check_alike(names, [_described(f) for f in features], "features")
+  return heads, features, image
+
+
+def _image(head, image_ops, seed: int) -> tuple[tuple, np.dtype] | None:
+  """(shape, dtype) of the images a source's head and image ops make: its ops run on a blank
+  image of the head's size (None where they cannot: its ops need a real example)."""
+  blank = np.zeros((head.image_size, head.image_size, 3), np.uint8)
+  try:
+    out = ops_lib.apply(image_ops, blank, ops_lib.reused_example_rng(seed, 0, 0))
+  except Exception:  # noqa: BLE001 - a user's op on a blank image: checked per batch instead
+    return None
+  return out.shape, out.dtype
+
+
+def _described(features: dict) -> dict:
+  """Each feature's dtype and shape per example: what a source's batch holds of it."""
+  kind = lambda f: f.dtype if f.dtype == features_lib.BYTES else f.numpy_dtype
+  return {n: f"{kind(f)}{[*f.example_shape]}" for n, f in features.items()}
+
+
+def _check_alike(names: list[str], made: list, what: str):
+  """The first source's `made` (its images' (shape, dtype), or its features); one line names
+  a source whose differ from it."""
+  for name, mine in zip(names, made):
+    if mine is not None and made[0] is not None and mine != made[0]:
+      raise ValueError(
+        f"source {name!r} makes {_say(mine)} {what}, {names[0]!r} {_say(made[0])}: every "
+        f"source's {what} must come out alike (its image_size=, pp=, ops= or features=)"
+      )
+  return made[0]
+
+
+def _say(made) -> str:
+  if isinstance(made, dict):
+    return ", ".join(f"{n} {d}" for n, d in made.items()) or "no"
+  (shape, dtype) = made
+  if dtype == np.uint8 and len(shape) == 3 and shape[2] == 3:
+    return f"{shape[0]}x{shape[1]}"
+  return f"{dtype}{list(shape)}"
 
 
 def _classes(names: list[str], metas: list, labels: str) -> tuple[list[str], list[np.ndarray]]:
@@ -298,4 +391,4 @@ def _announce(mixture: Mixture, records: list[int], chosen, read) -> None:
   )
 
 
-__all__ = ["LABELS", "Source", "is_mixture", "signature", "stages"]
+__all__ = ["LABELS", "Source", "is_mixture", "label_tables", "signature", "stages"]

@@ -215,3 +215,138 @@ def test_a_state_continues_on_another_process_count(digits_dir, photos_dir):
   for k, whole in enumerate(after):
     for key in ("image", "label", "source"):
       np.testing.assert_array_equal(np.concatenate([h[k][key] for h in halves]), whole[key])
+
+
+@registry.register("test_mix_corner", "image")
+def corner(size: int = 16):
+  return lambda image, rng: np.ascontiguousarray(image[:size, :size])
+
+
+def two(digits_dir, photos_dir, in1k=None, extra=None, **keywords):
+  """The two sources, each a `Source` with `in1k` / `extra` as its own settings."""
+  sources = {
+    "in1k": pipeline.Source(digits_dir, **(in1k or {})),
+    "extra": pipeline.Source(photos_dir, **(extra or {})),
+  }
+  keywords = {"batch_size": 32, "image_size": 64, "seed": 0, **keywords}
+  return pipeline.make_dataset(sources, "train", weights={"in1k": 1, "extra": 1}, **keywords)
+
+
+def test_each_source_has_its_own_image_size_ops_and_features(digits_dir, photos_dir):
+  both = {"image_size": 48, "ops": "test_mix_corner(40)", "features": {"file": "image/filename"}}
+  b = next(iter(two(digits_dir, photos_dir, both, {**both, "ops": "test_mix_corner(40)"})))
+  assert b["image"].shape == (32, 40, 40, 3)  # the sources' size and ops, not the mixture's 64
+  assert b["file"].dtype == object and all(isinstance(f, bytes) and f for f in b["file"])
+  files = {s: {f for f, k in zip(b["file"], b["source"]) if k == s} for s in (0, 1)}
+  assert files[0] and files[1] and not files[0] & files[1]  # each row's own record's
+  blank = next(iter(two(digits_dir, photos_dir, extra={"ops": "test_mix_blank"})))
+  assert (blank["image"][blank["source"] == 1] == 0).all()
+  assert (blank["image"][blank["source"] == 0].reshape(-1, 64 * 64 * 3).max(axis=1) > 0).all()
+
+
+@pytest.mark.parametrize(
+  "extra, said",
+  [
+    ({"image_size": 32}, "source 'extra' makes 32x32 images, 'in1k' 64x64: "),
+    ({"ops": "test_mix_corner(16)"}, "source 'extra' makes 16x16 images, 'in1k' 64x64: "),
+    (
+      {"features": {"file": "image/filename"}},
+      "source 'extra' makes file bytes.* features, 'in1k' no",
+    ),
+    ({"ops": "no_such_op"}, "source 'extra': .*no_such_op"),
+  ],
+)
+def test_a_source_whose_output_differs_is_named_in_one_line(digits_dir, photos_dir, extra, said):
+  with pytest.raises(ValueError, match=said) as e:
+    two(digits_dir, photos_dir, extra=extra)
+  assert "\n" not in str(e.value)
+
+
+def blocked(digits_dir, photos_dir, shard=(0, 1), workers=0, weights=None):
+  """The stages of the two sources in the block order (blocks of 16 records), process
+  `shard[0]` of `shard[1]`, batches of 16 a process."""
+  keywords = dict(batch_size=16, image_size=16, seed=0, order="blocks", block_records=16)
+  keywords.update(shard_index=shard[0], shard_count=shard[1])
+  keywords["performance"] = dict(num_workers=workers, record_cache_mb=0, read_ahead=2)
+  sources = {"in1k": digits_dir, "extra": photos_dir}
+  weights = weights or {"in1k": 0.3, "extra": 0.7}
+  return dataset.Stages(**mixture.stages(sources, "train", weights=weights, **keywords))
+
+
+def source_records(sampler, s: int, uses: int) -> np.ndarray:
+  """Source `s`'s own record index at each of its first `uses` uses in a process's stream."""
+  positions = np.flatnonzero(sampler.sources(np.arange(uses * 4)) == s)[:uses]
+  return sampler.records(positions)[1] - sampler.offsets[s]
+
+
+def test_in_the_block_order_each_source_reads_its_own_blocks_once_an_epoch(digits_dir, photos_dir):
+  st = blocked(digits_dir, photos_dir)
+  sampler = st.plan.sampler
+  for s, own in enumerate(sampler.samplers):
+    assert own.blocks is not None and own.blocks.block_records == 16
+    n = own.num_records
+    epochs = source_records(sampler, s, 2 * n)  # each epoch every record once, a new order
+    assert sorted(epochs[:n]) == sorted(epochs[n:]) == list(range(n))
+    assert list(epochs[:n]) != list(epochs[n:])
+  it = iter(dataset.chain(st))
+  batches = take(it, 50)  # 800 images: an epoch of the digits' 240, 16 of the photos' 48
+  assert abs(np.mean(np.concatenate([b["source"] for b in batches]) == 1) - 0.7) < 0.01
+  # every block of each epoch begun read once: no more (read ahead: 2 batches), no fewer
+  begun, done = sampler.used((50 + 2) * 16), sampler.used(50 * 16)
+  counts = [own.blocks.count for own in sampler.samplers]
+  sizes = [own.num_records for own in sampler.samplers]
+  most = sum(c * -(-u // n) for c, u, n in zip(counts, begun.tolist(), sizes))
+  least = sum(c * (u // n) for c, u, n in zip(counts, done.tolist(), sizes))
+  assert least <= st.read.stats.requests <= most
+  assert st.read.stats.request_records / st.read.stats.requests >= 8  # not one per image
+  assert "blocks of 16, each source its own" in st.stream["order"]
+
+
+def test_in_the_block_order_each_process_reads_its_own_share_of_each_sources_blocks(
+  digits_dir, photos_dir
+):
+  samplers = [blocked(digits_dir, photos_dir, (p, 2)).plan.sampler for p in range(2)]
+  positions = np.arange(5 * 16)
+  np.testing.assert_array_equal(*(m.sources(positions) for m in samplers))  # the same slots
+  for s, own in enumerate(samplers[0].samplers):
+    loads = own.blocks.loads(2)
+    shares = [set(source_records(m, s, int(loads[p])).tolist()) for p, m in enumerate(samplers)]
+    assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(own.num_records))
+    block_of = lambda records: {r // 16 for r in records}  # one shard a source: blocks of 16
+    assert not block_of(shares[0]) & block_of(shares[1])  # a block is one process's
+
+
+def test_a_block_ordered_mixture_resumes_exactly_also_in_worker_processes(digits_dir, photos_dir):
+  expected = take(iter(dataset.chain(blocked(digits_dir, photos_dir))), 12)
+  assert_same_batches(
+    expected, take(iter(dataset.chain(blocked(digits_dir, photos_dir, workers=1))), 12)
+  )
+  it = iter(dataset.chain(blocked(digits_dir, photos_dir)))
+  take(it, 7)
+  state = it.get_state()
+  resumed = iter(dataset.chain(blocked(digits_dir, photos_dir)))
+  resumed.set_state(state)
+  assert_same_batches(expected[7:], take(resumed, 5))
+  halves = iter(dataset.chain(blocked(digits_dir, photos_dir, weights={"in1k": 1, "extra": 1})))
+  halves.set_state(state)  # other weights: each source continues its own block order
+  assert abs(np.mean(np.concatenate([b["source"] for b in take(halves, 4)])) - 0.5) < 0.02
+  with pytest.raises(StateError, match="read in blocks of 16.*this one reads in the global order"):
+    iter(mixed(digits_dir, photos_dir, batch_size=16)).set_state(state)
+  two = iter(dataset.chain(blocked(digits_dir, photos_dir, (0, 2))))
+  with pytest.raises(StateError, match="block order saved on 1 process.* cannot continue on 2"):
+    two.set_state(state)
+
+
+def test_through_the_rig_a_mixture_reads_in_the_block_order_few_requests_per_image(
+  storage_rig, digits_dir, photos_dir
+):
+  with storage_rig.mount(photos_dir, latency_ms=1) as m:
+    sources = {"in1k": digits_dir, "extra": str(m.path)}  # one source on a mount
+    keywords = dict(batch_size=8, image_size=16, seed=0, shard_index=0, shard_count=1)
+    keywords["performance"] = dict(num_workers=0, record_cache_mb=0)
+    st = dataset.Stages(
+      **mixture.stages(sources, "train", weights={"in1k": 1, "extra": 1}, **keywords)
+    )
+    assert st.read.ranges is not None and "each source its own" in st.stream["order"]
+    take(iter(dataset.chain(st)), 2 * 48 // 4)  # two epochs of the photos
+    assert st.read.stats.request_records / st.read.stats.requests >= 8

@@ -41,24 +41,30 @@ def host_settings(config: ml_collections.ConfigDict) -> dict[str, str]:
 
 def start_fields(
   config: ml_collections.ConfigDict,
-  data: tuple[pipeline.Input, pipeline.Input],
+  data: tuple[pipeline.Input, object],
   plan: config_lib.Plan,
   mesh: jax.sharding.Mesh,
   workdir: epath.Path,
   token: str,
 ) -> dict[str, str]:
   """What every process must agree on before the first step, in the order to check it:
-  `data` is the (train, eval) input, `token` what this process read of the workdir's token."""
+  `data` is the train input and the eval inputs (`train.inputs.Evals`), `token` what this
+  process read of the workdir's token."""
   fields = {"code": code_version()}
   for name, value in flatten(config.to_dict(), "config."):
     if not per_host(name):
       fields[name] = repr(value)
-  for evaluation, stream in zip((False, True), data):
-    data_dir = config_lib.dataset_kwargs(config, evaluation)["data_dir"]
+  train, evals = data
+  named = [("data", "order", train, config_lib.dataset_kwargs(config)["data_dir"])]
+  eval_dir = config_lib.dataset_kwargs(config, evaluation=True)["data_dir"]
+  for name, stream in evals.streams.items():  # `train.inputs.Evals`: "" for one dataset
+    at = f"eval data {name}".strip(), f"eval order {name}".strip()
+    named.append((*at, stream, eval_dir[name] if name else eval_dir))
+  for data_field, order_field, stream, data_dir in named:
     meta = json.dumps(stream.manifest.to_json(), sort_keys=True).encode()
     digest = hashlib.sha256(meta).hexdigest()
-    fields["eval data" if evaluation else "data"] = f"{data_dir} (manifest {digest[:12]})"
-    fields["eval order" if evaluation else "order"] = input_order(stream)
+    fields[data_field] = f"{data_dir} (manifest {digest[:12]})"
+    fields[order_field] = input_order(stream)
   fields["plan"] = plan.describe()
   fields["mesh"] = repr(dict(mesh.shape))
   fields["workdir"] = token

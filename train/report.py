@@ -188,13 +188,14 @@ class Reporter:
           },
         )
 
-  def eval(self, step: int, ev: dict[str, float]) -> None:
+  def eval(self, step: int, ev: dict) -> None:
     if self.chief:
       print(
-        f"eval at step {step}: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f}",
+        f"eval at step {step}: top-1 {ev['eval_top1']:.4f}  top-5 {ev['eval_top5']:.4f}  "
+        f"loss {ev['eval_loss']:.4f}{per_source(ev)}",
         flush=True,
       )
-      self.log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
+      self.log.scalars(step, "eval", eval_scalars(ev))
 
   def close(self) -> None:
     if self.chief:
@@ -233,6 +234,12 @@ class Reporter:
         f"{summary['verdict'] + podview.which(hosts) if hosts else 'no steps timed'}",
         flush=True,
       )
+      for name, e in ev.get("eval_sources", {}).items():
+        print(
+          f"eval {name}: top-1 {e['top1']:.4f}  top-5 {e['top5']:.4f}  loss {e['loss']:.4f} "
+          f"over {e['examples']} examples",
+          flush=True,
+        )
       if hosts:
         print(
           f"peak RSS {summary['peak_rss_mb']:,.0f} MB on the largest host (its process tree: "
@@ -241,11 +248,27 @@ class Reporter:
           f"{summary['host_us_per_step']:,.0f} us per step (bench scaling --step-us)",
           flush=True,
         )
-      self.log.scalars(step, "eval", {"top1": ev["eval_top1"], "top5": ev["eval_top5"]})
+      self.log.scalars(step, "eval", eval_scalars(ev))
       self.log.close()
       text = json.dumps(summary, indent=2) + "\n"
       write_atomically(self.workdir / "summary.json", text.encode())
     return summary
+
+
+def per_source(ev: dict) -> str:
+  """Each eval source's top-1 and loss (`train.inputs.evaluate`), as the eval line's tail."""
+  said = [
+    f"{n} top-1 {e['top1']:.4f} loss {e['loss']:.4f}" for n, e in ev.get("eval_sources", {}).items()
+  ]
+  return f"; {', '.join(said)}" if said else ""
+
+
+def eval_scalars(ev: dict) -> dict[str, float]:
+  """The eval's TensorBoard scalars: top-1, top-5 and loss, overall and per source."""
+  out = {"top1": ev["eval_top1"], "top5": ev["eval_top5"], "loss": ev["eval_loss"]}
+  for name, e in ev.get("eval_sources", {}).items():
+    out.update({f"{name}_{k}": e[k] for k in ("top1", "top5", "loss")})
+  return out
 
 
 def duration(seconds: float) -> str:

@@ -130,7 +130,10 @@ def make_steps(graphdef, num_classes, config):
     logits = model(pipeline.normalize_images(batch["image"], dtype))
     top5 = jax.lax.top_k(logits, min(5, num_classes))[1]
     mask = batch["mask"].astype(jnp.float32)
+    onehot = jax.nn.one_hot(batch["label"], num_classes)  # a padded row's (-1): zeros
+    loss = optax.softmax_cross_entropy(logits.astype(jnp.float32), onehot)
     return {
+      "loss": jnp.sum(loss * mask),
       "top1": jnp.sum((top5[:, 0] == batch["label"]) * mask),
       "top5": jnp.sum(jnp.any(top5 == batch["label"][:, None], -1) * mask),
       "count": jnp.sum(mask),
@@ -146,7 +149,7 @@ class Setup:
   mesh: jax.sharding.Mesh
   plan: config_lib.Plan
   train: pipeline.Input
-  eval: pipeline.Input
+  eval: inputs.Evals
   notes: str  # what the pipeline chose for this host
 
 
@@ -160,25 +163,12 @@ def prepare(config: ml_collections.ConfigDict) -> Setup:
   notes = io.StringIO()
   with contextlib.redirect_stderr(notes):  # the pipeline's notes: shown with the plan
     train = inputs.open_input(config, mesh, evaluation=False)
-    val = inputs.open_input(config, mesh, evaluation=True, beside=train)
+    val = inputs.open_evals(config, mesh, beside=train)
   abstract = nnx.eval_shape(lambda: create_model(config, train.num_classes))
   fit.check(abstract, train.image_size, config.compute_dtype, train.batch_size, data_devices)
   plan = config_lib.resolve(config, train.num_examples, jax.process_count(), data_devices)
   make_optimizer(config, plan)  # an unknown optimizer is refused here
   return Setup(mesh, plan, train, val, notes.getvalue() + plan.notes())
-
-
-def evaluate(eval_step, state, eval_ds) -> dict[str, float]:
-  sums = {"top1": 0.0, "top5": 0.0, "count": 0.0}
-  for batch in iter(eval_ds):
-    for k, v in eval_step(state, batch).items():
-      sums[k] += float(v)
-  n = max(sums["count"], 1.0)
-  return {
-    "eval_top1": sums["top1"] / n,
-    "eval_top5": sums["top5"] / n,
-    "eval_examples": int(sums["count"]),
-  }
 
 
 def synthetic_step_time(train_step, scratch, batch, steps: int) -> float:
@@ -259,7 +249,7 @@ class Run:
   state: nnx.State  # the model's and the optimizer's
   step: int
   train: pipeline.Input
-  eval: pipeline.Input
+  eval: inputs.Evals
   ckpt: checkpoints.Checkpoints
   reporter: report.Reporter
   lock: Lock
@@ -351,7 +341,7 @@ def train_loop(run: Run) -> None:
       raise SystemExit(128 + run.stop.signum)
     if eval_now:
       with window.pause():
-        run.reporter.eval(step, evaluate(run.eval_step, run.state, run.eval))
+        run.reporter.eval(step, inputs.evaluate(run.eval_step, run.state, run.eval))
   if run.ckpt.latest_step() != run.step:
     run.ckpt.save(run.step, run.state, run.train)
 
@@ -370,7 +360,7 @@ def compile_and_time(run: Run, batch: Batch) -> float:
 
 def finish(run: Run) -> dict:
   """The final evaluation and the run's summary (written by process 0); everything closed."""
-  ev = evaluate(run.eval_step, run.state, run.eval)
+  ev = inputs.evaluate(run.eval_step, run.state, run.eval)
   summary = run.reporter.summary(ev, run.step, checkpoints.checksum(run.state))
   run.ckpt.close()
   run.train.close()

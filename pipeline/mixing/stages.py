@@ -1,6 +1,7 @@
 """A mixture's plan and decode stages (`pipeline.mixture`): each slot's source, and each
-source's slots decoded by its own head on the one decode pool, checked and mapped into one
-batch (a source's slots gathered into a pooled buffer, decoded, then copied into place).
+source's slots decoded by its own head on the one decode pool, checked, its ops run and its
+features read, and mapped into one batch (a source's slots gathered into a pooled buffer,
+decoded, then copied into place).
 """
 
 from __future__ import annotations
@@ -10,6 +11,7 @@ import dataclasses
 import numpy as np
 
 from pipeline.host.pool import BatchPool
+from pipeline.pp import features as features_lib
 from pipeline.stages.plan import Batch, PlanBatches
 
 
@@ -35,6 +37,8 @@ class MixDecode:
   tables: list
   names: list
   prefetch: int
+  image: tuple | None = None  # (shape, dtype) of every source's images; None: the heads'
+  features: dict | None = None  # each source's features (alike: `pipeline.mixture`)
   allocate: object = None
 
   def __post_init__(self):
@@ -53,8 +57,11 @@ class MixDecode:
 
   def start(self, batch: Batch) -> tuple[Batch, list]:
     n, size = len(batch.indices), self.head.image_size
-    batch.images = self.allocate((n, size, size, 3), np.uint8)
+    shape, dtype = self.image or ((size, size, 3), np.uint8)
+    batch.images = self.allocate((n, *shape), dtype)
     batch.labels, batch.bad = np.zeros(n, np.int64), np.zeros(n, bool)
+    if self.features:
+      batch.extras = features_lib.allocate(self.features, n)
     started = []
     for s in np.unique(batch.sources).tolist():
       slots = np.flatnonzero(batch.sources == s)
@@ -77,10 +84,12 @@ class MixDecode:
       if image.shape[1:] != batch.images.shape[1:] or image.dtype != batch.images.dtype:
         raise ValueError(
           f"source {self.names[s]!r}'s ops give {image.dtype}{list(image.shape[1:])}, the "
-          f"mixture's images are uint8{list(batch.images.shape[1:])}: a source's ops must keep "
-          "the image's shape (give shape-changing ops to the whole mixture: ops=)"
+          f"mixture's images are {batch.images.dtype}{list(batch.images.shape[1:])}: every "
+          "source's images must come out alike (its image_size=, pp= or ops=)"
         )
       batch.images[slots] = image
+      for key, array in (batch.extras or {}).items():
+        array[slots] = out[key]
       batch.bad[slots] = ~out["mask"]
       batch.labels[slots] = self.tables[s][np.where(out["mask"], sub.labels, 0)]
     return batch

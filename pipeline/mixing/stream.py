@@ -117,6 +117,21 @@ class MixStreamIterator(stream_lib.StreamIterator):
         f"iterator state of a mixture with seed {was.get('seed')}, this one "
         f"{self._stream['seed']}: resume with the same seed"
       )
+    layout = [
+      f"{d.get('shard_count')} process(es) x batch {d.get('batch_size')}"
+      for d in (was, self._stream)
+    ]
+    if m.sampler.local and layout[0] != layout[1]:
+      raise StateError(
+        f"iterator state of a mixture in the block order saved on {layout[0]} cannot continue "
+        f"on {layout[1]}: each process reads its own blocks; resume on {layout[0]}"
+      )
+    if was.get("order") != self._stream.get("order"):
+      said = [tag.get("order") or "the global order" for tag in (was, self._stream)]
+      raise StateError(
+        f"iterator state of a mixture read in {said[0]}, this one reads in {said[1]}: "
+        "resume with the same order= (block_records=, window_blocks=)"
+      )
     position = state.get("position")
     if not isinstance(position, int) or position < 0:
       raise StateError(f"iterator state: 'position' must be a count, got {position!r}")

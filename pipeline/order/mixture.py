@@ -13,6 +13,12 @@ its own `Sampler` (its own epochs, shuffle and process slice): the record at tha
 its own order, shifted into the mixture's merged index space (each source's records after
 the previous sources'). A resume with other weights starts a new segment at the position it
 resumes from (`resume`): each source's uses continue from its count there.
+
+In the block order (`local`) the schedule runs over each process's own positions instead:
+every process's batch k holds the same sources in the same slots (the global batch's shares
+are the schedule's), so all processes are at the same count of each source, and each
+source's own `Sampler` is its block order for this process of the n (`Blocks.records`): its
+own share of the source's blocks, each read by this process only, once an epoch.
 """
 
 from __future__ import annotations
@@ -95,9 +101,10 @@ class MixSampler:
   state's uses, are the same on any process count. `samplers`: each source's own order over
   the whole stream (one process's, of one); `offsets`: where each source's records start in
   the merged index space. Holds a segment (`resume`): from global position `start` on,
-  source s's uses continue from `base[s]`."""
+  source s's uses continue from `base[s]`. `local`: the block order (the module's
+  docstring): the schedule over this process's positions, `samplers` this process's."""
 
-  blocks = None  # the block order is per source: not in a mixture (pipeline.mixture)
+  blocks = None  # the block order is each source's own (`samplers`), none of the mixture's
   shard_records = None
   num_epochs = None  # each source repeats on its own
   kept_fraction = 1.0  # every process reads all of each source over its epochs
@@ -110,10 +117,12 @@ class MixSampler:
     shard_index: int = 0,
     shard_count: int = 1,
     block: int = 1,
+    local: bool = False,
   ):
     self.schedule, self.samplers = schedule, list(samplers)
     self.offsets = np.asarray(offsets, np.int64)
     self.shard_index, self.shard_count, self.block = shard_index, shard_count, block
+    self.local = local
     self.seed = self.samplers[0].seed
     self.num_records = sum(s.num_records for s in self.samplers)
     self.resume(0, np.zeros(len(self.samplers), np.int64))
@@ -121,11 +130,20 @@ class MixSampler:
   def resume(self, start: int, base: Sequence[int]) -> None:
     """From position `start` on, source s's uses continue from its count `base[s]`."""
     self.start, self.base = int(start), np.asarray(base, np.int64)
-    self._shift = self.base - self.schedule.counts(self.start)
+    self._shift = self.base - self.schedule.counts(self._scheduled(self.start))
 
   def used(self, position: int) -> np.ndarray:
-    """int64[K]: each source's uses before `position` (at or after the segment's start)."""
-    return self.schedule.counts(position) + self._shift
+    """int64[K]: each source's uses before global `position` (at or after the segment's
+    start): over all processes, or in the block order this process's."""
+    return self.schedule.counts(self._scheduled(position)) + self._shift
+
+  def _scheduled(self, position: int) -> int:
+    """The schedule's position at a state's global position (a whole global batch's)."""
+    return position // self.shard_count if self.local else position
+
+  def _places(self, positions: np.ndarray) -> np.ndarray:
+    """The schedule's positions of this process's `positions`."""
+    return np.asarray(positions, np.int64) if self.local else self.global_positions(positions)
 
   @property
   def per_epoch(self) -> int:
@@ -141,12 +159,12 @@ class MixSampler:
     return (block * self.shard_count + self.shard_index) * self.block + rest
 
   def sources(self, positions: np.ndarray) -> np.ndarray:
-    return self.schedule.at(self.global_positions(positions))[0]
+    return self.schedule.at(self._places(positions))[0]
 
   def records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(epoch of its source, merged record index) of each of this process's positions (at or
     after the segment's start)."""
-    source, uses = self.schedule.at(self.global_positions(positions))
+    source, uses = self.schedule.at(self._places(positions))
     uses = uses + self._shift[source]
     epochs, indices = np.zeros_like(uses), np.zeros_like(uses)
     for s in np.unique(source).tolist():
@@ -155,14 +173,27 @@ class MixSampler:
       indices[at] = local + self.offsets[s]
     return epochs, indices
 
+  @property
+  def _blocks(self) -> list:
+    """Each source's `Blocks` in the block order, else []."""
+    return [s.blocks for s in self.samplers] if self.local else []
+
   def shares_blocks(self, workers: int) -> bool:
-    return False
+    """In the block order, a block's records fall to every worker process: a source's rounds
+    do not follow the batches, whose slots the schedule deals out."""
+    return bool(self._blocks) and workers > 1
 
-  def block_pieces(self, workers: int, shared: bool) -> None:
-    return None
+  def block_pieces(self, workers: int, shared: bool) -> int | None:
+    """Every source's blocks read whole (all of one size: `pipeline.mixture`)."""
+    return self._blocks[0].block_records if self._blocks else None
 
-  def epoch_requests(self, workers: int, shared: bool) -> None:
-    return None
+  def epoch_requests(self, workers: int, shared: bool) -> float | None:
+    """The block reads of this process (of one worker, where the workers share them) an
+    epoch of every source."""
+    if not self._blocks:
+      return None
+    return sum(b.count for b in self._blocks) / self.shard_count / (workers if shared else 1)
 
   def window_bytes(self, record_bytes: float) -> int:
-    return 0
+    """What every source's window holds in this process, together."""
+    return sum(s.window_bytes(record_bytes) for s in self.samplers) if self.local else 0

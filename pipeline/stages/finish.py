@@ -72,8 +72,9 @@ class FinishBatch:
     out = {"image": images, "label": batch.labels.astype(np.int32)}
     if arrays is not None:
       out.update(arrays)
-    if batch.sources is not None:  # a mixture's (`pipeline.mixture`)
+    if batch.sources is not None:  # a mixture's (`pipeline.mixture`), with its features
       out["source"] = batch.sources.astype(np.int32)
+      out.update(batch.extras or {})
     if self.with_mask:
       out["label"][~ok] = PAD_LABEL
       out["mask"] = ok

@@ -38,6 +38,7 @@ class Batch:
   bad: np.ndarray | None = None  # decode and ops: bool[n], slots whose record failed
   where: Callable[[int], str] = str  # read: names a record index for errors (shard, record)
   sources: np.ndarray | None = None  # plan, in a mixture: the source of each slot
+  extras: dict | None = None  # decode, in a mixture: its sources' features (`pipeline.mixing`)
 
   @property
   def real(self) -> np.ndarray:
