@@ -9,7 +9,7 @@ sources') read by ONE read stage, decoded by ONE pool of threads, in ONE set of 
 processes, within ONE `performance.memory_mb`: nothing is per source but its order, its
 decode head and its ops. Which source fills each slot is `pipeline.order.mixture.Schedule`
 (a pure function of the position: a source's count over any prefix within one slot of its
-weight's); each source has its own order, epochs and shuffle (`plan.sampler`, global order),
+weight's); each source has its own order, epochs and shuffle (`planner.sampler_of`, global order),
 all over the global stream, dealt out to the processes as one dataset's global order.
 
 Labels (`labels=`): "own" (default) each source's own label indices; "offset" source k's
@@ -32,9 +32,10 @@ from collections.abc import Mapping
 
 import numpy as np
 
+from pipeline import planner
 from pipeline.catalog import split as split_lib
 from pipeline.catalog.schema import Manifest, Split
-from pipeline.host import guards, memory
+from pipeline.host import guards
 from pipeline.host.parallelism import process_shard
 from pipeline.mixing.stages import MixDecode, MixPlan
 from pipeline.mixing.stream import MixStreamIterDataset, Mixture
@@ -44,9 +45,6 @@ from pipeline.order.mixture import MixSampler, Schedule
 from pipeline.pp import features as features_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import Spec
-from pipeline.stages import plan as plan_lib
-from pipeline.stages import read as read_lib
-from pipeline.stages import stream as stream_lib
 from pipeline.stages.decode import DecodeImages, arena_bytes, batch_decoder
 from pipeline.stages.finish import FinishBatch
 from pipeline.stages.plan import Sizes
@@ -122,7 +120,7 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     meta, src, pins = split_lib.open(spec.data_dir, spec.split, spec.verify)
     specs.append(spec)
     opened.append((meta, src, pins))
-    samplers.append(plan_lib.sampler(spec, meta, src))
+    samplers.append(planner.sampler_of(spec, meta, src))
   classes, tables = _classes(names, [m for m, _, _ in opened], labels)
   offsets = np.cumsum([0] + [len(src) for _, src, _ in opened])[:-1]
   shard = process_shard(base.shard_index, base.shard_count)
@@ -138,13 +136,14 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     heads.append((head, image_ops))
   _check_sizes(names, [h for h, _ in heads])
   _, _, batch_ops = transforms(base, len(classes))  # the mixture's own: on the mixed batch
-  image_size = heads[0][0].image_size
-  chosen = memory.workers(base, image_size)
-  batch_bytes = base.batch_size * image_size**2 * 3
-  held = memory.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
   merged, meta = _merged(names, specs, opened, classes, base.split)
   arena = max(arena_bytes(h) for h, _ in heads)
-  read = read_lib.stage(base, meta, merged, merged.pins, sampler, chosen, arena, held)
+  host = planner.plan(
+    base, meta, merged, image_size=heads[0][0].image_size, arena_bytes=arena, sampler=sampler
+  )
+  planner.announce(host)
+  chosen = host.parallel
+  read = planner.read_stage(host, meta, base.split, merged)
   decode = MixDecode(
     parts=[
       DecodeImages(
@@ -190,17 +189,11 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   )
   for check in decode.checks:  # the sources' ops run on the mixture's one ops pool
     check.threads = finish.threads
-  stream = stream_lib.describe(base, sampler, [])
   digests = {
     n: elastic.shard_list([(s.file, s.num_records, s.sha256) for s in m.splits[spec.split].shards])
     for n, spec, (m, _, _) in zip(names, specs, opened)
   }
-  stream.update(
-    shards=elastic.shard_list(
-      [(s.file, s.num_records, s.sha256) for s in meta.splits[base.split].shards]
-    )
-  )
-  stream["mixture"] = sorted(names)
+  stream = {**host.stream, "mixture": sorted(names)}
   mixture = Mixture(names, schedule, sampler, chosen.workers, digests)
   _announce(mixture, [len(src) for _, src, _ in opened], chosen, read)
   return dict(
@@ -216,6 +209,7 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     stats_every_s=perf.stats_every_s,
     worker_jax=perf.worker_jax,
     stream_type=lambda parent, *a: MixStreamIterDataset(parent, *a, mixture=mixture),
+    host=host,
   )
 
 
