@@ -54,10 +54,29 @@ def plan(
   a few times: `fetch.probe`), images of `image_size`, decode arenas of `arena_bytes`;
   `sampler`: a mixture's (default: `sampler_of(spec, meta, source)`); `gpus`: decoding on them."""
   opened = fetch.probe(source, deadline_s=spec.performance.read_deadline_s)
-  return decide(spec, meta, source, opened, image_size, arena_bytes, sampler, gpus)
+  return decide(
+    spec,
+    meta,
+    source,
+    opened,
+    image_size=image_size,
+    arena_bytes=arena_bytes,
+    sampler=sampler,
+    gpus=gpus,
+  )
 
 
-def decide(spec, meta, source, opened, image_size, arena_bytes=0, sampler=None, gpus=None):
+def decide(
+  spec: Spec,
+  meta,
+  source,
+  opened: tuple[float, float],
+  *,
+  image_size: int,
+  arena_bytes: int = 0,
+  sampler: Sampler | None = None,
+  gpus: list[int] | None = None,
+) -> HostPlan:
   """`plan` for a read measured at open as `opened`, (seconds, bytes): a function of its
   arguments and of this host (cores, available memory, /dev/shm)."""
   perf = spec.performance

@@ -53,7 +53,7 @@ class ReadStats:
 class Fetcher:
   """Records of `source` by (shard, index within the shard).
 
-  opened: (seconds, bytes) of one read measured at open (`pipeline.stages.read.probe`);
+  opened: (seconds, bytes) of one read measured at open (`probe`);
   block_records: records per block read (the block order; None: one batched read per shard
   of a batch); kept_bytes: the most record bytes the block reads keep; max_requests_per_s:
   the request budget (None or inf: none); deadline_s: the longest a request from a bucket
