@@ -25,19 +25,15 @@ import dataclasses
 
 import grain
 
-from pipeline import mixture
+from pipeline import mixture, planner
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import split as split_lib
-from pipeline.host import guards, lifecycle, memory, shm
+from pipeline.host import guards, lifecycle, shm
 from pipeline.image import nvdecode
-from pipeline.order.blocks import WINDOW_BATCHES
 from pipeline.pp import features as features_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import SIGNATURE, Spec
 from pipeline.stages import device_decode, handoff, stats
-from pipeline.stages import plan as plan_lib
-from pipeline.stages import read as read_lib
-from pipeline.stages import stream as stream_lib
 from pipeline.stages.ahead import AheadIterDataset
 from pipeline.stages.decode import DecodeImages, arena_bytes, batch_decoder
 from pipeline.stages.errors import BadRecordError
@@ -65,6 +61,7 @@ class Stages:
   stats_every_s: float | None = None
   worker_jax: bool = False
   stream_type: type = StreamIterDataset  # a mixture's keeps its sources' positions
+  host: planner.HostPlan | None = None  # the plan they were made by
 
 
 def make_dataset(data_dir, split: str = "train", **keywords) -> grain.IterDataset:
@@ -85,14 +82,13 @@ make_dataset.__signature__ = mixture.signature(SIGNATURE).replace(
 
 
 def build(spec: Spec) -> Stages:
-  """The stages `make_dataset` joins, for `spec`."""
+  """The stages `make_dataset` joins, for `spec`: planned once (`pipeline.planner`), then made."""
   perf = spec.performance
   if perf.num_workers is None:  # this host may choose none; a host with more cores will not
     guards.check_main_guard("worker processes, which make_dataset starts on many-core hosts,")
   elif perf.num_workers:
     guards.check_main_guard()
-  meta, source, pins = split_lib.open(spec.data_dir, spec.split, spec.verify, perf.read_deadline_s)
-  sampler = plan_lib.sampler(spec, meta, source)
+  meta, source, _ = split_lib.open(spec.data_dir, spec.split, spec.verify, perf.read_deadline_s)
   head, image_ops, batch_ops = transforms(spec, meta.num_classes)
   features = spec.transforms.features
   if features:
@@ -100,29 +96,27 @@ def build(spec: Spec) -> Stages:
       lambda: source.read([0]), source.paths[0], perf.read_deadline_s
     )
     features = features_lib.parse_specs(features, sample=first[0])
-  window = WINDOW_BATCHES if sampler.blocks is not None else None
-  chosen = memory.workers(spec, head.image_size, window)
   gpus = None  # decoding.on="device": nvImageCodec on these local GPUs ([]: its CPU backend)
   if spec.decoding.on == "device":
     device_decode.check(spec.decoding)
     gpus = nvdecode.local_gpus()
-    chosen = device_decode.plan(chosen, perf.num_workers, gpus)
-  batch_bytes = spec.batch_size * head.image_size**2 * 3
-  held = memory.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
-  read = read_lib.stage(spec, meta, source, pins, sampler, chosen, arena_bytes(head), held)
-  keys = spec.keys or meta.keys
+  host = planner.plan(
+    spec, meta, source, image_size=head.image_size, arena_bytes=arena_bytes(head), gpus=gpus
+  )
+  planner.announce(host)
+  keys, threads = spec.keys or meta.keys, host.parallel.threads
   stages = Stages(
-    plan=PlanBatches(sampler, spec.batch_size),
-    sizes=Sizes.of(sampler, spec.batch_size, spec.drop_remainder, repr(spec.split)).up_to(
+    plan=PlanBatches(host.sampler, spec.batch_size),
+    sizes=Sizes.of(host.sampler, spec.batch_size, spec.drop_remainder, repr(spec.split)).up_to(
       spec.num_batches
     ),
     manifest=meta,
-    read=read,
+    read=planner.read_stage(host, meta, spec.split, source),
     decode=DecodeImages(
       head,
       keys=keys,
       seed=spec.seed,
-      num_threads=chosen.threads,
+      num_threads=threads,
       prefetch=perf.prefetch,
       on_error=spec.on_error,
       cache_mb=spec.decoding.cache_mb,
@@ -131,18 +125,19 @@ def build(spec: Spec) -> Stages:
     finish=FinishBatch(
       num_classes=meta.num_classes,
       seed=spec.seed,
-      num_threads=chosen.threads,
+      num_threads=threads,
       on_error=spec.on_error,
       with_mask=not spec.train,
       image_ops=image_ops,
       batch_ops=batch_ops,
       features=features or None,
     ),
-    workers=chosen.workers,
+    workers=host.parallel.workers,
     prefetch=perf.prefetch,
-    stream=stream_lib.describe(spec, sampler, meta.splits[spec.split].shards),
+    stream=host.stream,
     stats_every_s=perf.stats_every_s,
     worker_jax=perf.worker_jax,
+    host=host,
   )
   if gpus is not None:
     stages.decode = device_decode.stage(stages.decode, gpus)

@@ -10,7 +10,7 @@ processes, within ONE `performance.memory_mb`: nothing is per source but its ord
 decode head, its ops and features. Which source fills each slot is
 `pipeline.order.mixture.Schedule` (a pure function of the position: a source's count over any
 prefix within one slot of its weight's); each source has its own order, epochs and shuffle
-(`plan.sampler`): in the global order all over the global stream, dealt out to the
+(`planner.sampler_of`): in the global order all over the global stream, dealt out to the
 processes as one dataset's global order; in the block order (where a source's storage asks
 for it, or order="blocks") every source in its own blocks, over each process's positions.
 
@@ -34,10 +34,11 @@ from collections.abc import Mapping, Sequence
 
 import numpy as np
 
+from pipeline import planner
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import split as split_lib
 from pipeline.catalog.schema import Manifest, Split
-from pipeline.host import guards, memory
+from pipeline.host import guards
 from pipeline.host.parallelism import process_shard
 from pipeline.mixing.stages import MixDecode, MixPlan
 from pipeline.mixing.stream import MixStreamIterDataset, Mixture
@@ -49,9 +50,6 @@ from pipeline.pp import features as features_lib
 from pipeline.pp import ops as ops_lib
 from pipeline.pp.transforms import transforms
 from pipeline.spec import Spec
-from pipeline.stages import plan as plan_lib
-from pipeline.stages import read as read_lib
-from pipeline.stages import stream as stream_lib
 from pipeline.stages.decode import DecodeImages, arena_bytes, batch_decoder
 from pipeline.stages.finish import FinishBatch
 from pipeline.stages.plan import Sizes
@@ -131,7 +129,7 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     meta, src, pins = split_lib.open(spec.data_dir, spec.split, spec.verify)
     specs.append(spec)
     opened.append((meta, src, pins))
-    samplers.append(plan_lib.sampler(spec, meta, src))
+    samplers.append(planner.sampler_of(spec, meta, src))
   classes, tables = _classes(names, [m for m, _, _ in opened], labels)
   offsets = np.cumsum([0] + [len(src) for _, src, _ in opened])[:-1]
   shard = process_shard(base.shard_index, base.shard_count)
@@ -142,13 +140,14 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   sampler = MixSampler(schedule, samplers, offsets.tolist(), *shard, base.batch_size, local)
   heads, features, image = _outputs(base, names, specs, opened)
   _, _, batch_ops = transforms(base, len(classes))  # the mixture's own: on the mixed batch
-  image_size = heads[0][0].image_size
-  chosen = memory.workers(base, image_size)
-  batch_bytes = base.batch_size * image_size**2 * 3
-  held = memory.held_bytes(chosen.workers, batch_bytes, perf.prefetch)
   merged, meta = _merged(names, specs, opened, classes, base.split)
   arena = max(arena_bytes(h) for h, _ in heads)
-  read = read_lib.stage(base, meta, merged, merged.pins, sampler, chosen, arena, held)
+  host = planner.plan(
+    base, meta, merged, image_size=heads[0][0].image_size, arena_bytes=arena, sampler=sampler
+  )
+  planner.announce(host)
+  chosen = host.parallel
+  read = planner.read_stage(host, meta, base.split, merged)
   decode = MixDecode(
     parts=[
       DecodeImages(
@@ -193,17 +192,11 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
   )
   for check in decode.checks:  # the sources' ops run on the mixture's one ops pool
     check.threads = finish.threads
-  stream = stream_lib.describe(base, sampler, [])
   digests = {
     n: elastic.shard_list([(s.file, s.num_records, s.sha256) for s in m.splits[spec.split].shards])
     for n, spec, (m, _, _) in zip(names, specs, opened)
   }
-  stream.update(
-    shards=elastic.shard_list(
-      [(s.file, s.num_records, s.sha256) for s in meta.splits[base.split].shards]
-    )
-  )
-  stream["mixture"] = sorted(names)
+  stream = {**host.stream, "mixture": sorted(names)}
   if local:  # the blocks' size and the windows all sources share: not the weights or sources
     stream["order"] = (
       f"blocks of {samplers[0].blocks.block_records}, each source its own, each process its "
@@ -224,6 +217,7 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
     stats_every_s=perf.stats_every_s,
     worker_jax=perf.worker_jax,
     stream_type=lambda parent, *a: MixStreamIterDataset(parent, *a, mixture=mixture),
+    host=host,
   )
 
 
@@ -255,25 +249,25 @@ def _check_mixable(base: Spec, keywords: dict) -> None:
 
 
 def _block_samplers(base: Spec, specs: list, opened: list, shard: tuple) -> list:
-  """Each source's block order in this process (`plan.sampler`, order="blocks"): blocks of
+  """Each source's block order in this process (`planner.sampler_of`, order="blocks"): blocks of
   one size (the read stage reads one: the smallest of the sources' own, or block_records=),
   each source's windows 1/K of one dataset's (`window_blocks=`, or its default), so that the
   K sources' windows hold what one dataset's does."""
   p, n = shard
   own = [dataclasses.replace(s, order="blocks", shard_index=p, shard_count=n) for s in specs]
   size = base.block_records or min(
-    plan_lib.sampler(s, m, src).blocks.block_records for s, (m, src, _) in zip(own, opened)
+    planner.sampler_of(s, m, src).blocks.block_records for s, (m, src, _) in zip(own, opened)
   )
   windows = _windows(base, n)
   own = [
     dataclasses.replace(s, block_records=size, window_blocks=max(1, windows // len(own)))
     for s in own
   ]
-  return [plan_lib.sampler(s, m, src) for s, (m, src, _) in zip(own, opened)]
+  return [planner.sampler_of(s, m, src) for s, (m, src, _) in zip(own, opened)]
 
 
 def _windows(base: Spec, processes: int) -> int:
-  """The blocks of all sources' windows together: as one dataset's (`plan.sampler`)."""
+  """The blocks of all sources' windows together: as one dataset's (`planner.sampler_of`)."""
   return base.window_blocks or WINDOW_BATCHES * base.batch_size * processes
 
 

@@ -27,7 +27,8 @@ stage always holds). If even that does not fit, one line refuses, naming the set
 (`BudgetError`, which says how much the least is).
 Default budget: half the memory available at open, as tf.data's default RAM budget. None of
 this changes a batch: a smaller cache or read-ahead reads the same records again, later.
-`workers` plans the worker processes within the budget and /dev/shm's room.
+The host plan (`pipeline.planner.workers`) plans the worker processes within the budget and
+/dev/shm's room.
 """
 
 from __future__ import annotations
@@ -152,32 +153,6 @@ def held_bytes(workers: int, batch_bytes: int, prefetch: int) -> int:
   if workers:
     return shm.needed(workers, batch_bytes, prefetch, parallelism.WORKER_BATCHES)
   return (prefetch + 2 + pool.spare(batch_bytes)) * batch_bytes
-
-
-def workers(spec, image_size: int, window_batches: int | None = None) -> parallelism.Plan:
-  """`spec`'s worker processes and threads on this host (`parallelism.plan`) within its
-  budget: in the block order (`window_batches` a window's batches) without /dev/shm to share
-  blocks, a number of workers that divides `window_batches` (each then reads its blocks
-  whole); no workers when /dev/shm cannot hold their rings of batches (a SIGBUS later)."""
-  perf, batch_size = spec.performance, spec.batch_size
-  chosen = parallelism.plan(
-    num_workers=perf.num_workers,
-    num_threads=perf.num_threads,
-    batch_size=batch_size,
-    image_bytes=image_size**2 * 3,
-    prefetch=perf.prefetch,
-    memory_bytes=budget(perf.memory_mb),
-    costs=dataclasses.replace(parallelism.COSTS, worker_mb=parallelism.worker_mb(perf.worker_jax)),
-    divide=window_batches if not shm.available() else None,
-  )
-  if chosen.workers and shm.available():
-    batch_bytes = batch_size * image_size**2 * 3
-    needed = shm.needed(chosen.workers, batch_bytes, perf.prefetch, parallelism.WORKER_BATCHES)
-    short = shm.check(chosen.workers, needed)
-    if short:
-      chosen = parallelism.plan(num_workers=0, batch_size=batch_size, prefetch=perf.prefetch)
-      chosen = dataclasses.replace(chosen, why=short)
-  return chosen
 
 
 def working(threads: int, arena_bytes: int, batch_records: int) -> int:

@@ -14,24 +14,10 @@ from __future__ import annotations
 import dataclasses
 
 from pipeline.catalog import records
-from pipeline.host import parallelism
 from pipeline.image import augment, decode, nvdecode
 from pipeline.stages.decode import DecodeImages
 from pipeline.stages.plan import Batch
 from pipeline.storage.source import CorruptRecordsError
-
-
-def plan(chosen: parallelism.Plan, num_workers: int | None, gpus: list[int]) -> parallelism.Plan:
-  """The plan with decoding in this process, which owns the devices: no worker processes; refuses
-  `performance.num_workers` > 0 in one line."""
-  if num_workers:
-    raise ValueError(
-      f"decoding.on='device' decodes in the process that owns the devices, so it runs no worker "
-      f"processes: set performance.num_workers=0 or None, got {num_workers}"
-    )
-  threads = chosen.threads if chosen.workers == 0 else chosen.workers * chosen.threads
-  threads = min(threads, parallelism.available_cores())
-  return parallelism.Plan(0, max(1, threads), f"windows decoded by {nvdecode.describe(gpus)}")
 
 
 def check(decoding) -> None:

@@ -19,9 +19,6 @@ from collections.abc import Callable
 import numpy as np
 
 from pipeline.host import guards
-from pipeline.host.parallelism import process_shard
-from pipeline.order import blocks as blocks_lib
-from pipeline.order.blocks import WINDOW_BATCHES, Blocks
 from pipeline.order.sampling import PAD, Sampler
 
 
@@ -99,37 +96,3 @@ class Sizes:
 
 def _batches(positions: int, batch_size: int, drop_remainder: bool) -> int:
   return positions // batch_size if drop_remainder else -(-positions // batch_size)
-
-
-def sampler(spec, meta, source) -> Sampler:
-  """`spec`'s order of the split's records in this process (`pipeline.order.sampling`): by
-  default the block order (`pipeline.order.blocks`) when the shards are in a bucket, the
-  global shuffle otherwise."""
-  shard_index, shard_count = process_shard(spec.shard_index, spec.shard_count)
-  split = meta.splits[spec.split]
-  counts = tuple(s.num_records for s in split.shards)
-  order = spec.order or ("blocks" if source.backends[0].remote else "global")
-  return Sampler(
-    num_records=split.num_records,
-    seed=spec.seed,
-    shuffle=spec.shuffle,
-    num_epochs=spec.num_epochs,
-    shard_index=shard_index,
-    shard_count=shard_count,
-    remainder="drop" if spec.train else "pad",
-    shard_records=counts if spec.sharding == "shards" else None,
-    blocks=_blocks(spec, split.shards, shard_count) if order == "blocks" else None,
-    block=spec.batch_size,
-  )
-
-
-def _blocks(spec, shards: list, shard_count: int) -> Blocks:
-  """The block order: blocks of 2 MiB or more by default (`blocks_lib.block_records`, from
-  the manifest's shard sizes), windows of `WINDOW_BATCHES` global batches of blocks (a
-  process's own batches when it owns its shards)."""
-  counts = tuple(s.num_records for s in shards)
-  known = all(s.bytes is not None for s in shards)
-  record_bytes = sum(s.bytes for s in shards) / max(1, sum(counts)) if known else None
-  size = spec.block_records or blocks_lib.block_records(record_bytes)
-  batch = spec.batch_size * (shard_count if spec.sharding == "records" else 1)
-  return Blocks(counts, size, spec.window_blocks or WINDOW_BATCHES * batch)

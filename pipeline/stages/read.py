@@ -24,25 +24,78 @@ mount cannot be interrupted, but the iterator need not wait for it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
 import numpy as np
 
-from pipeline.host import memory, parallelism
+from pipeline.host.memory import Split
 from pipeline.stages.ahead import Threads
 from pipeline.stages.plan import Batch
 from pipeline.storage import backend, blockstore, remote
 from pipeline.storage.blockstore import SHM_DIR
 from pipeline.storage.budget import ReadAhead, reads_in_flight
-from pipeline.storage.cache import RecordCache, record_cache
+from pipeline.storage.cache import RecordCache
 from pipeline.storage.fetch import Fetcher, ReadStats
 from pipeline.storage.source import ShardedSource
 
-__all__ = ["ReadRecords", "ReadStats", "describe", "probe", "reads_in_flight", "requests", "stage"]
+__all__ = ["ReadPlan", "ReadRecords", "ReadStats", "reads_in_flight", "requests", "stage"]
 
 MAX_READ_THREADS = 512  # I/O threads per process (started as needed; they wait, not compute)
 POLL_S = 1.0  # how often a batch waiting for its reads looks at storage's silence
+
+
+@dataclasses.dataclass(frozen=True)
+class ReadPlan:
+  """The read stage's numbers for one process, as the host plan (`pipeline.planner`) decided
+  them: a read measured at open, the read-ahead, the record cache and the storage requests."""
+
+  latency_s: float  # one record read at open (`pipeline.storage.fetch.probe`)
+  record_bytes: float  # and its size
+  batch_size: int
+  rate_per_s: float  # the records/s this process is planned to decode
+  ahead_bytes: int  # the most record bytes of batches read ahead
+  depth: tuple[int, int]  # (floor, ceiling) of the batches read ahead at open (`ReadAhead`)
+  max_depth: int | None = None  # performance.read_ahead
+  cache_bytes: int = 0  # the record cache's RAM
+  cache_wanted: int = 0  # and what it wanted before the memory budget cut it
+  cache_dir: str | None = None  # performance.record_cache_dir
+  block_records: int | None = None  # records a block read brings (None: one read per shard)
+  kept_bytes: int = 0  # the most record bytes block reads keep
+  store_bytes: int | None = None  # each worker's part of the host's shared blocks (None: none)
+  epoch_requests: float | None = None  # the block reads of this process in an epoch
+  max_requests_per_s: float | None = None  # this process's request budget
+  deadline_s: float | None = None  # performance.read_deadline_s
+
+  def describe(self) -> str:
+    """The read plan in one line, as make_dataset prints it."""
+    depth, ceiling = self.depth
+    held = depth * self.batch_size * self.record_bytes / 2**20
+    wanted, ram = self.cache_wanted, self.cache_bytes
+    cut = f" of the {wanted / 2**20:,.0f} MB it wanted: performance.memory_mb" * (wanted > ram)
+    if not (ram or self.cache_dir) and cut:
+      kept = f"record cache off: the memory budget left none{cut}"
+    elif not (ram or self.cache_dir):
+      kept = "record cache off (performance.record_cache_mb / record_cache_dir)"
+    else:
+      where = [f"{ram / 2**20:,.0f} MB RAM"] if ram else []
+      where += [self.cache_dir] if self.cache_dir else []
+      kept = "record cache " + " + ".join(where) + (f" ({cut.lstrip()})" if cut else "")
+    per_s = self.max_requests_per_s
+    planned = _requests(
+      self.block_records,
+      self.epoch_requests,
+      self.store_bytes,
+      self.kept_bytes,
+      per_s if per_s and per_s < math.inf else None,
+    )
+    return (
+      f"reads: {self.latency_s * 1e3:.1f} ms per read at open -> {depth} batches read ahead "
+      f"(up to {depth * self.batch_size} reads in flight, ~{held:.0f} MB; up to {ceiling} "
+      f"batches while throughput grows with them; performance.read_ahead overrides); {kept}; "
+      f"{planned}"
+    )
 
 
 class ReadRecords:
@@ -52,7 +105,7 @@ class ReadRecords:
   planned within (`pipeline.host.memory`). Picklable: threads, counters and the cache's RAM
   are made anew in each process."""
 
-  def __init__(self, fetcher: Fetcher, ahead: ReadAhead, memory: memory.Split | None = None):
+  def __init__(self, fetcher: Fetcher, ahead: ReadAhead, memory: Split | None = None):
     self.fetcher, self.ahead, self.memory = fetcher, ahead, memory
     self.threads = Threads(MAX_READ_THREADS, "pipeline-read")
 
@@ -120,117 +173,45 @@ class ReadRecords:
 
 
 def stage(
-  spec, meta, source, pins, sampler, chosen, arena_bytes: int = 0, held_bytes: int = 0
+  source: ShardedSource,
+  plan: ReadPlan,
+  split: Split | None = None,
+  cache: RecordCache | None = None,
 ) -> ReadRecords:
-  """`spec`'s read stage: read-ahead for the latency measured now, the record cache first, both
-  within the memory budget (`pipeline.host.memory`; `arena_bytes`: a decode thread's arena,
-  `held_bytes`: the batches the host's processes hold); the choices printed once."""
-  perf = spec.performance
-  latency_s, record_bytes = probe(source, deadline_s=perf.read_deadline_s)
-  cache = record_cache(meta, spec.split, perf, latency_s, record_bytes, chosen, sampler, pins)
-  window_bytes = sampler.window_bytes(record_bytes)
-  split = memory.fit(
-    memory.budget(perf.memory_mb),
-    workers=chosen.workers,
-    read_ahead=int(perf.read_ahead_mb * 2**20),
-    least_read_ahead=int(spec.batch_size * record_bytes),
-    record_cache=cache.ram_bytes if cache is not None else 0,
-    blocks=2 * window_bytes,
-    batches=held_bytes,
-    working=memory.working(chosen.threads, arena_bytes, spec.batch_size * record_bytes),
-    worker_bytes=int(parallelism.worker_mb(perf.worker_jax) * memory.MB),
-  )
-  wanted = cache.ram_bytes if cache is not None else 0
-  if cache is not None and cache.ram_bytes > split.per_process("record_cache"):
-    cache.ram_bytes = split.per_process("record_cache")
-    cache = cache if cache.ram_bytes or cache.directory else None
-  ahead_bytes = split.per_process("read_ahead")
-  store = None
-  if sampler.shares_blocks(chosen.workers) and blockstore.available():
-    # each worker publishes about 1/workers of the blocks: its share of two windows
-    store = blockstore.BlockStore.new(ahead_bytes + 2 * window_bytes // chosen.workers)
+  """The read stage of `plan` over `source` (`split`: the memory split it was planned within,
+  `cache`: its record cache): the host's shared blocks where the plan shares them."""
+  store = None if plan.store_bytes is None else blockstore.BlockStore.new(plan.store_bytes)
   fetcher = Fetcher(
     source,
-    (latency_s, record_bytes),
+    (plan.latency_s, plan.record_bytes),
     cache=cache,
-    block_records=sampler.block_pieces(chosen.workers, store is not None),
-    kept_bytes=ahead_bytes + 2 * window_bytes,
-    max_requests_per_s=perf.max_requests_per_s and perf.max_requests_per_s / max(1, chosen.workers),
-    deadline_s=perf.read_deadline_s,
-    epoch_requests=sampler.epoch_requests(chosen.workers, store is not None),
+    block_records=plan.block_records,
+    kept_bytes=plan.kept_bytes,
+    max_requests_per_s=plan.max_requests_per_s,
+    deadline_s=plan.deadline_s,
+    epoch_requests=plan.epoch_requests,
     store=store,
   )
   ahead = ReadAhead(
     fetcher,
-    batch_size=spec.batch_size,
-    rate_per_s=parallelism.project(parallelism.available_cores(), parallelism.COSTS, chosen)
-    / max(1, chosen.workers),
-    ahead_bytes=ahead_bytes,
-    max_depth=perf.read_ahead,
+    batch_size=plan.batch_size,
+    rate_per_s=plan.rate_per_s,
+    ahead_bytes=plan.ahead_bytes,
+    max_depth=plan.max_depth,
   )
-  read = ReadRecords(fetcher, ahead, split)
-  parallelism.announce(chosen, describe(read, cache, wanted), split.describe())
-  return read
-
-
-def probe(
-  source: ShardedSource, reads: int = 3, deadline_s: float | None = None
-) -> tuple[float, float]:
-  """(seconds, bytes) of one record read, the shard already open: the fastest of a few
-  (a loaded machine's stalls are not storage latency). The read stage starts from it
-  before it measures its own reads. On a mount each read waits at most `deadline_s`."""
-  path, storage = source.paths[0], source.backends[0]  # a bucket's: with deadlines, retries
-  read = lambda indices: storage.guard(lambda: source.read(indices), path, deadline_s)
-  read([0])  # opens the first shard (its footer reads cost latency too)
-  times, sizes = [], []
-  for index in range(1, min(reads, len(source) - 1) + 1) or [0]:
-    begin = time.perf_counter()
-    sizes.append(len(read([index])[0]))
-    times.append(time.perf_counter() - begin)
-  return min(times), float(np.mean(sizes))
-
-
-def describe(read: ReadRecords, cache: RecordCache | None, wanted: int = 0) -> str:
-  """The read plan in one line, as make_dataset prints it; `wanted`: the record cache's RAM
-  before the memory budget cut it."""
-  s, depth = read.stats, read.depth()
-  held = depth * read.batch_size * s.record_bytes / 2**20
-  ceiling = read.bounds()[1]
-  ram = cache.ram_bytes if cache is not None else 0
-  cut = f" of the {wanted / 2**20:,.0f} MB it wanted: performance.memory_mb" if wanted > ram else ""
-  if cache is None and cut:
-    kept = f"record cache off: the memory budget left none{cut}"
-  elif cache is None:
-    kept = "record cache off (performance.record_cache_mb / record_cache_dir)"
-  else:
-    where = [f"{cache.ram_bytes / 2**20:,.0f} MB RAM"] if cache.ram_bytes else []
-    where += [cache.directory] if cache.directory else []
-    kept = "record cache " + " + ".join(where) + (f" ({cut.lstrip()})" if cut else "")
-  return (
-    f"reads: {s.latency_s * 1e3:.1f} ms per read at open -> {depth} batches read ahead "
-    f"(up to {depth * read.batch_size} reads in flight, ~{held:.0f} MB; up to {ceiling} "
-    f"batches while throughput grows with them; performance.read_ahead overrides); {kept}; "
-    f"{requests(read)}"
-  )
+  return ReadRecords(fetcher, ahead, split)
 
 
 def requests(read: ReadRecords) -> str:
   """The storage requests: how they are planned and, once made, the counts."""
-  s = read.stats
-  if read.ranges is None:
-    plan = "requests: one per record (order='global')"
-  else:
-    r = read.ranges
-    plan = f"requests: one per block of {r.block_records} records"
-    if read.fetcher.epoch_requests:
-      plan += f", about {read.fetcher.epoch_requests:,.0f} an epoch from this process's own blocks"
-    if r.store is not None:
-      kept = f"each read once for the host's worker processes, shared in {SHM_DIR}"
-      plan += f" ({kept}, each keeping {r.store.budget_bytes / 2**20:,.0f} MB of them)"
-    else:
-      plan += f" (order='blocks'; blocks kept within {r.budget_bytes / 2**20:,.0f} MB)"
-  if read.budget is not None:
-    plan += f", at most {read.budget.per_s:,.6g}/s (performance.max_requests_per_s)"
+  s, r, budget = read.stats, read.ranges, read.budget
+  plan = _requests(
+    None if r is None else r.block_records,
+    read.fetcher.epoch_requests,
+    None if r is None or r.store is None else r.store.budget_bytes,
+    None if r is None else r.budget_bytes,
+    None if budget is None else budget.per_s,
+  )
   if not s.requests:
     return plan
   elapsed = time.perf_counter() - s.started_s
@@ -241,3 +222,22 @@ def requests(read: ReadRecords) -> str:
     f"ahead (controller: {read.control.state})"
   )
   return said + (f", {s.retries:,} read again after a slow-down" if s.retries else "")
+
+
+def _requests(block_records, epoch_requests, store_bytes, kept_bytes, per_s) -> str:
+  """The storage requests as planned: per record, or per block (shared by the host's workers
+  in `store_bytes` each, or kept within `kept_bytes`), within `per_s` a second."""
+  if block_records is None:
+    plan = "requests: one per record (order='global')"
+  else:
+    plan = f"requests: one per block of {block_records} records"
+    if epoch_requests:
+      plan += f", about {epoch_requests:,.0f} an epoch from this process's own blocks"
+    if store_bytes is not None:
+      kept = f"each read once for the host's worker processes, shared in {SHM_DIR}"
+      plan += f" ({kept}, each keeping {store_bytes / 2**20:,.0f} MB of them)"
+    else:
+      plan += f" (order='blocks'; blocks kept within {kept_bytes / 2**20:,.0f} MB)"
+  if per_s:
+    plan += f", at most {per_s:,.6g}/s (performance.max_requests_per_s)"
+  return plan

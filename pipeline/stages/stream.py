@@ -27,32 +27,10 @@ import numpy as np
 from pipeline.host import lifecycle
 from pipeline.order import elastic
 from pipeline.order.elastic import StateError
-from pipeline.order.sampling import Sampler
-from pipeline.spec import Spec
 from pipeline.stages import stats
 from pipeline.stages.finish import SKIPPED_KEY
 
-__all__ = ["StateError", "StreamIterDataset", "describe", "plain", "stats_of"]
-
-
-def describe(spec: Spec, sampler: Sampler, shards: list) -> dict:
-  """The stream a state indexes, which it is checked against when restored: the process's
-  slice, seed, batch size, the split's records and `shards`, and what changes the order."""
-  stream = {
-    "shard_index": sampler.shard_index,
-    "shard_count": sampler.shard_count,
-    "seed": spec.seed,
-    "batch_size": spec.batch_size,
-    "num_records": sampler.num_records,
-    "shards": elastic.shard_list([(s.file, s.num_records, s.sha256) for s in shards]),
-  }
-  if spec.sharding != "records":
-    stream["sharding"] = spec.sharding
-  if not spec.train:  # padded per epoch: the order depends on shard_count (pipeline.order.elastic)
-    stream["remainder"] = "pad"
-  if sampler.blocks is not None:
-    stream["order"] = elastic.order_tag(sampler)
-  return stream
+__all__ = ["StateError", "StreamIterDataset", "plain", "stats_of"]
 
 
 class StreamIterDataset(grain.IterDataset):

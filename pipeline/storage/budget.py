@@ -149,6 +149,27 @@ class Controller:
     return self.depth
 
 
+def depth_bounds(
+  rate: float,
+  capped: float | None,
+  latency_s: float,
+  record_bytes: float,
+  batch_size: int,
+  ahead_bytes: int,
+  max_depth: int | None,
+) -> tuple[int, int]:
+  """(floor, ceiling) of the batches to read ahead (`ReadAhead.bounds`) for `rate` records/s,
+  or at most `capped` under a request budget, at `latency_s` a read."""
+  if capped is not None:
+    rate = min(rate, capped)
+  floor = 1 + math.ceil(reads_in_flight(rate, latency_s) / batch_size)
+  ceiling = max(1, int(ahead_bytes // max(1.0, record_bytes * batch_size)))
+  if capped is not None:
+    ceiling = min(ceiling, floor)
+  ceiling = min(ceiling, GROWTH * floor, max_depth or ceiling)
+  return min(floor, ceiling), ceiling
+
+
 class ReadAhead:
   """The batches the read stage keeps reading: `Controller`'s depth within `bounds()`.
 
@@ -190,16 +211,10 @@ class ReadAhead:
     measured, when higher) rate at the latency measured at open; `GROWTH` times that, within
     the bytes allowed. Both within `performance.read_ahead`, and under a request budget
     within what the budget's rate needs at the latency measured at open."""
-    s, capped = self.reads.stats, self.reads.records_per_s()
-    rate = max(self.rate_per_s, s.rate_per_s)
-    if capped is not None:
-      rate = min(rate, capped)
-    floor = 1 + math.ceil(reads_in_flight(rate, self.reads.opened[0]) / self.batch_size)
-    ceiling = max(1, int(self.ahead_bytes // max(1.0, s.record_bytes * self.batch_size)))
-    if capped is not None:
-      ceiling = min(ceiling, floor)
-    ceiling = min(ceiling, GROWTH * floor, self.max_depth or ceiling)
-    return min(floor, ceiling), ceiling
+    s, latency_s = self.reads.stats, self.reads.opened[0]
+    rate, capped = max(self.rate_per_s, s.rate_per_s), self.reads.records_per_s()
+    bytes_, most = s.record_bytes, self.max_depth
+    return depth_bounds(rate, capped, latency_s, bytes_, self.batch_size, self.ahead_bytes, most)
 
   def depth(self) -> int:
     """Batches to keep reading: the controller's depth, within `bounds()`'s ceiling."""

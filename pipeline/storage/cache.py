@@ -26,7 +26,6 @@ from collections.abc import Callable
 import google_crc32c
 import numpy as np
 
-from pipeline.host import parallelism
 from pipeline.storage import backend
 
 SLOW_READ_S = 0.002  # reads at least this slow get the record cache by default
@@ -234,32 +233,16 @@ def dataset_id(digests: list[str], names: list[str]) -> str:
   return h.hexdigest()[:16]
 
 
-def record_cache(
-  meta, split, perf, latency_s, record_bytes, chosen, sampler, pins
-) -> RecordCache | None:
-  """The record cache `perf` (`pipeline.Performance`) asks for; by default the whole split in
-  RAM when storage is slow (>= SLOW_READ_S a read) and every process's copy (`chosen.workers`)
-  fits CACHE_MEMORY_SHARE of memory, `sampler`'s share when it reads one (owned shards, fixed
-  shares of the blocks). Its entries are tied to the shards as opened (`pins`)."""
-  shards = meta.splits[split].shards
-  ram_mb = perf.record_cache_mb
-  if ram_mb is None:
-    split_bytes = sum(s.bytes or 0 for s in shards)
-    if any(s.bytes is None for s in shards):  # sizes not recorded (a TFDS build): estimated
-      split_bytes = int(record_bytes * meta.splits[split].num_records)
-    split_bytes = int(split_bytes * sampler.kept_fraction)
-    copies = max(1, chosen.workers)
-    fits = copies * split_bytes <= CACHE_MEMORY_SHARE * parallelism.available_memory()
-    ram_mb = split_bytes * 1.05 / 2**20 if latency_s >= SLOW_READ_S and fits else 0.0
-  if not ram_mb and not perf.record_cache_dir:
-    return None
+def record_cache(shards, created_by: dict, ram_bytes: int, directory, pins) -> RecordCache:
+  """The record cache of `shards` (a manifest's, `created_by` its provenance) with `ram_bytes`
+  of RAM and `directory` (or None) on disk; its entries tied to the shards as opened (`pins`).
+  How much it holds is the host plan's (`pipeline.planner.cache_bytes`)."""
   names = [s.file for s in shards]
-  directory = os.fspath(perf.record_cache_dir) if perf.record_cache_dir else None
   return RecordCache(
-    int(ram_mb * 2**20),
+    ram_bytes,
     directory,
     # a TFDS build records no digests: its dataset info's fingerprint names it instead
-    dataset_id([s.sha256 or meta.created_by.get("fingerprint", "") for s in shards], names),
+    dataset_id([s.sha256 or created_by.get("fingerprint", "") for s in shards], names),
     names,
     [backend.cache_key(p) for p in pins],
   )

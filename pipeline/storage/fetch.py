@@ -21,6 +21,8 @@ import math
 import threading
 import time
 
+import numpy as np
+
 from pipeline.storage import remote, stalled
 from pipeline.storage.blockstore import BlockStore
 from pipeline.storage.budget import RequestBudget
@@ -51,7 +53,7 @@ class ReadStats:
 class Fetcher:
   """Records of `source` by (shard, index within the shard).
 
-  opened: (seconds, bytes) of one read measured at open (`pipeline.stages.read.probe`);
+  opened: (seconds, bytes) of one read measured at open (`probe`);
   block_records: records per block read (the block order; None: one batched read per shard
   of a batch); kept_bytes: the most record bytes the block reads keep; max_requests_per_s:
   the request budget (None or inf: none); deadline_s: the longest a request from a bucket
@@ -229,3 +231,21 @@ class Fetcher:
     if self.ranges is not None:
       r, s = self.ranges, self.stats
       s.requests, s.request_bytes, s.request_records = r.requests, r.bytes, r.taken
+
+
+def probe(
+  source: ShardedSource, reads: int = 3, deadline_s: float | None = None
+) -> tuple[float, float]:
+  """(seconds, bytes) of one record read, the shard already open: the fastest of a few
+  (a loaded machine's stalls are not storage latency). The host plan (`pipeline.planner`)
+  starts from it before the read stage measures its own reads. On a mount each read waits at
+  most `deadline_s`."""
+  path, storage = source.paths[0], source.backends[0]  # a bucket's: with deadlines, retries
+  read = lambda indices: storage.guard(lambda: source.read(indices), path, deadline_s)
+  read([0])  # opens the first shard (its footer reads cost latency too)
+  times, sizes = [], []
+  for index in range(1, min(reads, len(source) - 1) + 1) or [0]:
+    begin = time.perf_counter()
+    sizes.append(len(read([index])[0]))
+    times.append(time.perf_counter() - begin)
+  return min(times), float(np.mean(sizes))

@@ -11,12 +11,11 @@ import numpy as np
 import pytest
 
 import pipeline
-from pipeline import dataset
+from pipeline import dataset, planner
 from pipeline.catalog import manifest, split
 from pipeline.order import blocks
 from pipeline.order.blocks import Blocks, label_distance
 from pipeline.order.sampling import Sampler, permute
-from pipeline.stages import plan as plan_lib
 from pipeline.stages import read
 from pipeline.storage import backend, remote
 from pipeline.storage.budget import RequestBudget
@@ -146,7 +145,7 @@ def test_sizes_are_checked_and_the_order_defaults_by_where_the_shards_are(tmp_pa
 def test_make_dataset_in_block_order_reads_every_record_once_per_epoch(digits_dir):
   spec = pipeline.Spec.of(digits_dir, batch_size=16, order="blocks", num_epochs=1, seed=2)
   meta, source, _ = split.open(spec.data_dir, spec.split)
-  s = plan_lib.sampler(spec, meta, source)
+  s = planner.sampler_of(spec, meta, source)
   shards = meta.splits["train"].shards
   record_bytes = sum(sh.bytes for sh in shards) / meta.splits["train"].num_records
   size = blocks.block_records(record_bytes)  # 2 MiB, or 256 of these 1.6 KB digits
@@ -155,7 +154,7 @@ def test_make_dataset_in_block_order_reads_every_record_once_per_epoch(digits_di
   assert s.blocks == Blocks(counts, size, window_blocks=blocks.WINDOW_BATCHES * 16)
   records = s.records(np.arange(s.per_epoch))[1]
   assert sorted(records) == list(range(meta.splits["train"].num_records))
-  default = plan_lib.sampler(pipeline.Spec.of(digits_dir, batch_size=16), meta, source)
+  default = planner.sampler_of(pipeline.Spec.of(digits_dir, batch_size=16), meta, source)
   assert default.blocks is None  # local disk: the global shuffle
 
 
