@@ -30,7 +30,7 @@ import time
 import grain
 import numpy as np
 
-from bench import ceiling, measure
+from bench import ceiling, first_batch, measure
 from bench import costs as costs_lib
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.host import parallelism
@@ -150,26 +150,30 @@ def make_loader(name: str, args) -> callable:
   if name == "pipeline":
     from pipeline import dataset
 
-    spec = dataset.Spec.of(
-      args.data_dir,
-      args.split,
-      batch_size=args.batch_size,
-      image_size=args.image_size,
-      order=args.order,
-      shard_index=0,
-      shard_count=1,
-      performance=dict(
-        num_threads=args.threads,
-        prefetch=args.prefetch,
-        num_workers=args.workers,
-        memory_mb=args.memory_mb,
-      ),
-    )
-
-    def make():  # keeps its stages: the memory split planned (`pipeline.host.memory`)
+    def make():  # keeps its stages (the memory split planned); notes its first batch's phases
+      make.start = time.perf_counter()
+      spec = dataset.Spec.of(
+        args.data_dir,
+        args.split,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        order=args.order,
+        shard_index=0,
+        shard_count=1,
+        performance=dict(
+          num_threads=args.threads,
+          prefetch=args.prefetch,
+          num_workers=args.workers,
+          memory_mb=args.memory_mb,
+        ),
+      )
       make.stages = dataset.build(spec)
-      return iter(dataset.chain(make.stages))
+      planned = time.perf_counter()
+      it = iter(dataset.chain(make.stages))
+      make.points = (make.start, planned, time.perf_counter())
+      return it
 
+    make.timeline = first_batch.Timeline()  # main() runs the loader within its patches
     return make
   from bench import peers
 
@@ -205,9 +209,15 @@ def main(argv: list[str]) -> dict:
   num_images = int(args.epochs * meta.splits[args.split].num_records)
   loader, before = make_loader(args.loader, args), measure.tree_pss() if args.pss else 0
   with measure.RssSampler(pss=True) if args.pss else contextlib.nullcontext() as pss:
-    result = measure.run(args.loader, loader, args.batch_size, num_images)
+    timeline = loader.timeline if args.loader == "pipeline" else None
+    with timeline.patched() if timeline else contextlib.nullcontext():
+      result = measure.run(args.loader, loader, args.batch_size, num_images)
   out = {**result.__dict__}
   print(result.row())
+  if args.loader == "pipeline":  # where the first batch's time went
+    end = loader.start + result.first_batch_s
+    out["first_batch_phases_s"] = loader.timeline.phases(*loader.points, end)
+    print(f"{'':28s} {first_batch.line(out['first_batch_phases_s'], result.first_batch_s)}")
   if args.pss:  # the tree's peak PSS: whole, and above its PSS once the loader's imports are done
     out["peak_pss_mb"] = round(pss.peak / 2**20)
     out["loader_pss_mb"] = round((pss.peak - before) / 2**20)
