@@ -5,7 +5,9 @@ A stage is two calls: `start(element)` submits the element's work to the stage's
 threads and returns at once; `finish(started)` waits for it and returns the result. The
 iterator keeps up to `stage.depth()` elements started (asked again as it runs, so the depth
 may follow measured latency; until the first element is handed out, that one alone, so that
-the first batch does not share the cores with work for later ones), and its state is its
+the first batch does not share the cores with work for later ones; while it finishes, a
+parent that is itself a stage ahead starts its next ones, so the first batch's decode overlaps
+the next batches' reads), and its state is its
 parent's state after the element it yielded last: work started ahead is discarded on
 `set_state`, so a resumed stream is the stream. Reads (`pipeline.stages.read`) and decoding
 (`pipeline.stages.decode`) are such stages; their work runs on `Threads`, a pool each process
@@ -122,6 +124,8 @@ class AheadIterator(grain.DatasetIterator):
     started, state = self._started.popleft()
     if self._handed:
       self._fill()  # keep the pipe full while this element finishes
+    elif isinstance(self._parent, AheadIterator):
+      self._parent._fill()  # the first alone here; the stage before starts its next ones
     queued = len(self._started)
     t = time.perf_counter()
     out = self.stage.finish(started)
