@@ -25,6 +25,7 @@ COMMANDS = {
   "scaling": "one process's ceiling (GIL), worker costs, projected img/s on many-core hosts",
   "mixture": "a 2-source mixture's images/s beside one source of the same images",
   "host": "this host's pipeline (local, rig; block, global order) beside the model's figure",
+  "photos": "a reproducible set of JPEGs of ImageNet's sizes (~110 KB), converted",
   "all": "everything above on one dataset; writes REPORT.md",
 }
 

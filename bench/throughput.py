@@ -30,7 +30,7 @@ import time
 import grain
 import numpy as np
 
-from bench import ceiling, measure
+from bench import ceiling, first_batch, measure
 from bench import costs as costs_lib
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.host import parallelism
@@ -74,10 +74,11 @@ def crop_ceiling(
   threads = threads or parallelism.available_cores()
   crop = lambda data, box, _: decode.decode_crop(data, box, head.dct_scale(box))
   rate = max(ceiling.decode_rate(crop, jpegs, boxes, 1, threads) for _ in range(2))
-  stage = decode_stage_rate(data_dir, split, head, len(jpegs), threads, batch_size)
+  stage, stage_cpu = decode_stage_rate(data_dir, split, head, len(jpegs), threads, batch_size)
   return {
     "images_per_sec": round(rate, 1),
     "decode_stage_images_per_sec": round(stage, 1),
+    "decode_stage_cpu_us_per_image": round(stage_cpu, 1),
     "threads": threads,
     "images": len(jpegs),
   }
@@ -86,10 +87,10 @@ def crop_ceiling(
 def decode_stage_rate(
   data_dir: str, split: str, head: augment.Head, images: int, threads: int, batch_size: int
 ) -> float:
-  """Images/s of the pipeline's decode stage alone (`stages.decode.DecodeImages`: the native
-  decoder's windows, flipped, resized into batches) on `threads` threads, over the split's first
-  `images` records already in memory, best of 2 passes after one to warm it: no reading, no
-  hand-off."""
+  """(images/s, CPU us per image) of the pipeline's decode stage alone
+  (`stages.decode.DecodeImages`: the native decoder's windows, flipped, resized into batches)
+  on `threads` threads, over the split's first `images` records already in memory, best of 2
+  passes after one to warm it: no reading, no hand-off."""
   meta = manifest_lib.load(data_dir)
   source = grain.sources.ArrayRecordDataSource(
     [os.fspath(p) for p in meta.shard_paths(data_dir, split)]
@@ -110,14 +111,15 @@ def decode_stage_rate(
     indices = np.arange(first, min(first + batch_size, len(raw)))
     return plan.Batch(i, np.zeros(len(indices), np.int64), indices, raw[first : indices[-1] + 1])
 
-  seconds = []
+  seconds, cpu = [], []
   for _ in range(3):  # the first pass warms the threads and their arenas
     todo = [batch(i, first) for i, first in enumerate(range(0, len(raw), batch_size))]
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     for started in [stage.start(b) for b in todo]:
       stage.finish(started)
     seconds.append(time.perf_counter() - start)
-  return len(raw) / min(seconds[1:])
+    cpu.append(time.process_time() - start_cpu)
+  return len(raw) / min(seconds[1:]), min(cpu[1:]) / len(raw) * 1e6
 
 
 def beside_tfdata(argv: list[str], ours: dict) -> dict:
@@ -150,26 +152,30 @@ def make_loader(name: str, args) -> callable:
   if name == "pipeline":
     from pipeline import dataset
 
-    spec = dataset.Spec.of(
-      args.data_dir,
-      args.split,
-      batch_size=args.batch_size,
-      image_size=args.image_size,
-      order=args.order,
-      shard_index=0,
-      shard_count=1,
-      performance=dict(
-        num_threads=args.threads,
-        prefetch=args.prefetch,
-        num_workers=args.workers,
-        memory_mb=args.memory_mb,
-      ),
-    )
-
-    def make():  # keeps its stages: the memory split planned (`pipeline.host.memory`)
+    def make():  # keeps its stages (the memory split planned); notes its first batch's phases
+      make.start = time.perf_counter()
+      spec = dataset.Spec.of(
+        args.data_dir,
+        args.split,
+        batch_size=args.batch_size,
+        image_size=args.image_size,
+        order=args.order,
+        shard_index=0,
+        shard_count=1,
+        performance=dict(
+          num_threads=args.threads,
+          prefetch=args.prefetch,
+          num_workers=args.workers,
+          memory_mb=args.memory_mb,
+        ),
+      )
       make.stages = dataset.build(spec)
-      return iter(dataset.chain(make.stages))
+      planned = time.perf_counter()
+      it = iter(dataset.chain(make.stages))
+      make.points = (make.start, planned, time.perf_counter())
+      return it
 
+    make.timeline = first_batch.Timeline()  # main() runs the loader within its patches
     return make
   from bench import peers
 
@@ -204,10 +210,24 @@ def main(argv: list[str]) -> dict:
   meta = manifest_lib.load(args.data_dir)
   num_images = int(args.epochs * meta.splits[args.split].num_records)
   loader, before = make_loader(args.loader, args), measure.tree_pss() if args.pss else 0
+
+  def cpu_timed(starting: bool) -> None:
+    cpu_timed.spent = time.process_time() - cpu_timed.at if not starting else 0.0
+    cpu_timed.at = time.process_time()
+
+  cpu_timed.spent = 0.0
   with measure.RssSampler(pss=True) if args.pss else contextlib.nullcontext() as pss:
-    result = measure.run(args.loader, loader, args.batch_size, num_images)
+    timeline = loader.timeline if args.loader == "pipeline" else None
+    with timeline.patched() if timeline else contextlib.nullcontext():
+      result = measure.run(args.loader, loader, args.batch_size, num_images, cpu_timed)
   out = {**result.__dict__}
+  if cpu_timed.spent:  # the steady state's CPU per image, this process (workers: not counted)
+    out["cpu_us_per_image"] = round(cpu_timed.spent / result.images * 1e6, 1)
   print(result.row())
+  if args.loader == "pipeline":  # where the first batch's time went
+    end = loader.start + result.first_batch_s
+    out["first_batch_phases_s"] = loader.timeline.phases(*loader.points, end)
+    print(f"{'':28s} {first_batch.line(out['first_batch_phases_s'], result.first_batch_s)}")
   if args.pss:  # the tree's peak PSS: whole, and above its PSS once the loader's imports are done
     out["peak_pss_mb"] = round(pss.peak / 2**20)
     out["loader_pss_mb"] = round((pss.peak - before) / 2**20)
@@ -223,6 +243,9 @@ def main(argv: list[str]) -> dict:
     limit["pipeline_share"] = round(result.images_per_sec / limit["images_per_sec"], 3)
     stage = result.images_per_sec / limit["decode_stage_images_per_sec"]
     limit["pipeline_share_of_decode_stage"] = round(stage, 3)
+    if not args.workers and out.get("cpu_us_per_image"):  # the same share by CPU per image
+      by_cpu = limit["decode_stage_cpu_us_per_image"] / out["cpu_us_per_image"]
+      limit["pipeline_share_of_decode_stage_by_cpu"] = round(by_cpu, 3)
     out["crop_ceiling"] = limit
     print(
       f"{'':28s} {limit['pipeline_share']:.0%} of the cores' raw crop-window decode "
@@ -230,6 +253,12 @@ def main(argv: list[str]) -> dict:
       f"{stage:.0%} of its decode stage alone ({limit['decode_stage_images_per_sec']:.0f} "
       "img/s: the same windows flipped and resized into batches, records in memory)"
     )
+    if "pipeline_share_of_decode_stage_by_cpu" in limit:
+      print(
+        f"{'':28s} by CPU per image: the pipeline {out['cpu_us_per_image']:.0f} us, its decode "
+        f"stage alone {limit['decode_stage_cpu_us_per_image']:.0f} us: "
+        f"{limit['pipeline_share_of_decode_stage_by_cpu']:.0%} (steadier on a loaded machine)"
+      )
     out["tfdata"] = tf = beside_tfdata(argv, out)
     if "skipped" in tf:
       print(f"{'':28s} tf.data: skipped, {tf['skipped']}")

@@ -83,8 +83,19 @@ def make_digits(
   return count
 
 
-def _photo(source: np.ndarray, rng: np.random.Generator) -> Image.Image:
-  """A random crop (8-100% of the area, aspect 3:4-4:3), scaled, flipped and jittered."""
+def _builtin_size(rng: np.random.Generator) -> tuple[int, int]:
+  """The built-in photos' (width, height): PHOTO_SIZE +- 40 px."""
+  return PHOTO_SIZE[0] + int(rng.integers(-40, 41)), PHOTO_SIZE[1] + int(rng.integers(-40, 41))
+
+
+def _photo(
+  source: np.ndarray,
+  rng: np.random.Generator,
+  size_of: Callable[[np.random.Generator], tuple[int, int]] = _builtin_size,
+  noise: float = 14.0,
+) -> Image.Image:
+  """A random crop (8-100% of the area, aspect 3:4-4:3), scaled to `size_of(rng)` (width,
+  height), flipped, jittered, sharpened and given Gaussian noise of std `noise`."""
   height, width = source.shape[:2]
   for _ in range(10):
     area = height * width * rng.uniform(0.08, 1.0)
@@ -95,7 +106,7 @@ def _photo(source: np.ndarray, rng: np.random.Generator) -> Image.Image:
   else:
     w, h = width, height
   x, y = rng.integers(0, width - w + 1), rng.integers(0, height - h + 1)
-  size = (PHOTO_SIZE[0] + int(rng.integers(-40, 41)), PHOTO_SIZE[1] + int(rng.integers(-40, 41)))
+  size = size_of(rng)
   im = Image.fromarray(source[y : y + h, x : x + w]).resize(size, Image.BICUBIC)
   if rng.random() < 0.5:
     im = im.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
@@ -104,7 +115,7 @@ def _photo(source: np.ndarray, rng: np.random.Generator) -> Image.Image:
   # Sharpening and sensor-like noise: upscaled crops are smoother than camera photos, and
   # JPEG size (hence decode cost) follows detail; this brings them to ~100 KB.
   im = im.filter(ImageFilter.UnsharpMask(radius=2, percent=120, threshold=2))
-  noisy = np.asarray(im, np.float32) + rng.normal(0.0, 14.0, (size[1], size[0], 3))
+  noisy = np.asarray(im, np.float32) + rng.normal(0.0, noise, (size[1], size[0], 3))
   return Image.fromarray(np.clip(noisy, 0, 255).astype(np.uint8))
 
 

@@ -4,10 +4,14 @@ are asked for, and hands them out in order.
 A stage is two calls: `start(element)` submits the element's work to the stage's own
 threads and returns at once; `finish(started)` waits for it and returns the result. The
 iterator keeps up to `stage.depth()` elements started (asked again as it runs, so the depth
-may follow measured latency), and its state is its parent's state after the element it
-yielded last: work started ahead is discarded on `set_state`, so a resumed stream is the
-stream. Reads (`pipeline.stages.read`) and decoding (`pipeline.stages.decode`) are such stages;
-their work runs on `Threads`, a pool each process makes on first use.
+may follow measured latency; until the first element is handed out, that one alone, so that
+the first batch does not share the cores with work for later ones; while it finishes, a
+parent that is itself a stage ahead starts its next ones, so the first batch's decode overlaps
+the next batches' reads), and its state is its
+parent's state after the element it yielded last: work started ahead is discarded on
+`set_state`, so a resumed stream is the stream. Reads (`pipeline.stages.read`) and decoding
+(`pipeline.stages.decode`) are such stages; their work runs on `Threads`, a pool each process
+makes on first use.
 """
 
 from __future__ import annotations
@@ -100,9 +104,11 @@ class AheadIterator(grain.DatasetIterator):
     self._started: collections.deque = collections.deque()  # (started, parent state after)
     self._state = copy.deepcopy(parent.get_state())
     self._exhausted = False
+    self._handed = False  # an element handed out since the start or the last set_state
 
   def _fill(self) -> None:
-    while not self._exhausted and len(self._started) < max(1, self.stage.depth()):
+    most = max(1, self.stage.depth()) if self._handed else 1
+    while not self._exhausted and len(self._started) < most:
       try:
         element = next(self._parent)
       except StopIteration:
@@ -116,13 +122,16 @@ class AheadIterator(grain.DatasetIterator):
     if not self._started:
       raise StopIteration
     started, state = self._started.popleft()
-    self._fill()  # keep the pipe full while this element finishes
+    if self._handed:
+      self._fill()  # keep the pipe full while this element finishes
+    elif isinstance(self._parent, AheadIterator):
+      self._parent._fill()  # the first alone here; the stage before starts its next ones
     queued = len(self._started)
     t = time.perf_counter()
     out = self.stage.finish(started)
     if self._timed is not None:
       self._timed[0].handed(self._timed[1], time.perf_counter() - t, queued)
-    self._state = state
+    self._state, self._handed = state, True
     return out
 
   def get_state(self) -> dict:
@@ -130,6 +139,6 @@ class AheadIterator(grain.DatasetIterator):
 
   def set_state(self, state: dict) -> None:
     self._started.clear()  # work started for the old position is dropped
-    self._exhausted = False
+    self._exhausted, self._handed = False, False
     self._parent.set_state(state)
     self._state = copy.deepcopy(self._parent.get_state())

@@ -168,6 +168,10 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
   assert memory["plan"].startswith(f"memory: {memory['planned_mb']:,} of")
   assert memory["measured_mb"] == out["loader_pss_mb"] <= out["peak_pss_mb"]
   assert out["images"] >= 24
+  phases = out["first_batch_phases_s"]  # where the first batch's time went, in order
+  assert list(phases) == ["open", "probe", "plan", "chain", "first reads", "decode", "hand-off"]
+  assert all(v >= 0 for v in phases.values()) and phases["decode"] > 0
+  assert sum(phases.values()) <= out["first_batch_s"] + 1e-3
   stages = out["stages_ms_per_image"]
   assert {"read", "parse", "decode", "resize_flip", "batch"} <= stages.keys()
   assert all(v >= 0 for v in stages.values()) and stages["decode"] > 0
@@ -177,6 +181,8 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
   # and of its decode stage alone on the same records in memory (no reading, no hand-off)
   stage = out["images_per_sec"] / limit["decode_stage_images_per_sec"]
   assert limit["pipeline_share_of_decode_stage"] == round(stage, 3)
+  by_cpu = limit["decode_stage_cpu_us_per_image"] / out["cpu_us_per_image"]  # the same, by CPU
+  assert limit["pipeline_share_of_decode_stage_by_cpu"] == round(by_cpu, 3) and by_cpu > 0
   if importlib.util.find_spec("tensorflow") is None:
     assert "tensorflow not installed" in out["tfdata"]["skipped"]
   else:
