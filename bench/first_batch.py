@@ -18,6 +18,7 @@ import time
 from pipeline.catalog import split as split_lib
 from pipeline.stages import decode as decode_lib
 from pipeline.stages import read as read_lib
+from pipeline.storage import fetch
 
 PHASES = ("open", "probe", "plan", "chain", "first reads", "decode", "hand-off")
 
@@ -66,7 +67,7 @@ class Timeline:
     read_finish.fn = read_lib.ReadRecords.finish
     saved = [
       (split_lib, "open", *self._wrap(split_lib, "open", after="open")),
-      (read_lib, "probe", *self._wrap(read_lib, "probe", after="probe")),
+      (fetch, "probe", *self._wrap(fetch, "probe", after="probe")),
       (decode_lib.DecodeImages, "load", load.fn, load),
       (read_lib.ReadRecords, "finish", read_finish.fn, read_finish),
     ]
