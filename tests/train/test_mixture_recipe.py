@@ -2,6 +2,8 @@
 
 import re
 
+import pytest
+
 from configs import mixture
 from tests.train.test_train_config import plan_line, run_train
 from train import config as config_lib
@@ -31,6 +33,7 @@ def test_the_trainer_plans_a_mixture(digits_dir, photos_dir, tmp_path):
   assert "mixture of 2 sources (digits 30.0% of 240 records, photos 70.0% of 48" in out.stdout
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_on_a_mixture_and_logs_each_sources_share(
   digits_dir, photos_dir, tmp_path
 ):
