@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.request
@@ -742,14 +743,14 @@ def _tree_bytes(root: str) -> int:
 
 @needs_emulator
 def test_a_conversion_between_buckets_holds_under_3_shards_per_worker_on_local_disk(
-  gcs, photos_raw, tmp_path
+  gcs, photos_raw
 ):
   """Issue 39: local disk used stays under 3 shards per worker, sampled from another process
   while `convert images gs:// gs:// --workers 2` runs with its temporary folder in TMPDIR."""
   put = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
   assert run(put, env=gcs, args=[str(photos_raw), "bkt/disk/raw"]).returncode == 0
-  tmp, workers = tmp_path / "tmp", 2
-  tmp.mkdir()
+  # A short TMPDIR: multiprocessing's sockets go there, and a socket path is at most 107 bytes.
+  tmp, workers = tempfile.mkdtemp(prefix="t", dir="/tmp"), 2
   flags = ["--val-fraction", "0.25", "--shard-size-mb", "0.5", "--no-progress"]
   command = [sys.executable, "-m", "pipeline.convert", "images", "gs://bkt/disk/raw"]
   command += ["gs://bkt/disk/out", *flags, "--workers", str(workers)]
@@ -770,6 +771,7 @@ def test_a_conversion_between_buckets_holds_under_3_shards_per_worker_on_local_d
   print(f"peak local disk {peak} bytes; shards up to {max(sizes)} bytes, {workers} workers")
   assert 0 < peak <= 3 * max(sizes) * workers
   assert _tree_bytes(str(tmp)) == 0  # its temporary folder is gone
+  shutil.rmtree(tmp)
 
 
 @pytest.mark.slow
