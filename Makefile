@@ -62,17 +62,23 @@ device-wheels:  ## download into .whl/ the wheels bench/device_check.sh installs
 device-check:  ## on a GPU host: install .whl/, build the C decoder, write runs/device_check/device_check.json
 	bench/device_check.sh $(ARGS)
 
-test: $(STAMP) $(BEAM_STAMP)  ## the test suite (fast tests; `make test-slow` for the slow ones too)
-	@$(if $(ARGS),true,echo "make test: the fast suite, about 40 minutes on 2 quiet cores (60 loaded; a dot a test, \
-	some take a minute); make test-slow adds the slow ones (multi-host faults that wait out heartbeats)")
-	$(PY) -m pytest $(ARGS); main=$$?; \
+# pytest-xdist processes for the tests: one a core, at most 4 (each loads JAX, and the tests
+# that start processes need cores beside them); JOBS=0 runs them in this process.
+JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
+PYTEST := $(PY) -m pytest -n $(JOBS) --dist loadfile
+
+test: $(STAMP) $(BEAM_STAMP)  ## the fast tier (~TIER_FAST on 2 quiet cores); `make test-slow`: the slow tier
+	@$(if $(ARGS),true,echo "make test: the fast tier, about TIER_FAST on 2 quiet cores (a dot a test); \
+	make test-slow runs the slow tier (about TIER_SLOW: trainer runs, bucket conversions, benchmarks' \
+	end to end runs, multi-host faults that wait out heartbeats); CI runs both")
+	$(PYTEST) $(ARGS); main=$$?; \
 	$(if $(ARGS),exit $$main,$(BEAM_PY) -m pytest $(BEAM_TESTS); beam=$$?; [ $$main$$beam = 00 ])
 
 test-beam: $(BEAM_STAMP)  ## the Beam tests alone, in .venv-beam (DaskRunner, 2 worker processes)
 	$(BEAM_PY) -m pytest $(BEAM_TESTS) $(ARGS)
 
-test-slow: $(STAMP)
-	$(PY) -m pytest -m '' $(ARGS)
+test-slow: $(STAMP)  ## the slow tier (tests marked slow; ~TIER_SLOW on 2 quiet cores)
+	$(PYTEST) -m slow $(ARGS)
 
 format: $(STAMP)  ## rewrite the sources in the project's format
 	$(PY) -m ruff format $(SOURCES)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import fcntl
 import json
 import os
 import pathlib
@@ -71,9 +72,14 @@ def ensure_built() -> pathlib.Path:
   if not os.path.exists("/dev/fuse"):
     raise RigUnavailable("no /dev/fuse on this machine: the storage rig needs FUSE")
   if not _have_fuse3():
-    _install_fuse3()
-    if not _have_fuse3():
-      raise RigUnavailable("fuse3 and libfuse3-dev were installed but pkg-config finds no fuse3")
+    # One install at a time (test processes under pytest-xdist call this at once): the
+    # others wait for the lock, then find FUSE installed.
+    with open(os.path.join(tempfile.gettempdir(), "pipeline-rig-apt.lock"), "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)
+      if not _have_fuse3():
+        _install_fuse3()
+      if not _have_fuse3():
+        raise RigUnavailable("fuse3 and libfuse3-dev were installed but pkg-config finds no fuse3")
   flags = subprocess.run(
     ["pkg-config", "--cflags", "--libs", "fuse3"], capture_output=True, text=True, check=True
   ).stdout.split()

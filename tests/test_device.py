@@ -239,6 +239,7 @@ def test_bytes_entries_stay_on_the_host_with_this_processs_rows_padded():
   assert pmapped["id"].shape == (8, 1) and pmapped["id"][3, 0] == b"id3"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("shape", ["8", "4,2"])
 def test_two_processes_each_feed_their_slice_of_one_global_batch(tmp_path, shape):
   run_processes("multihost_device_worker.py", 2, 240, mesh=shape, out=tmp_path / "{i}.npz")

@@ -6,6 +6,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 EXAMPLE = ROOT / "examples" / "custom_ops.py"
 
@@ -23,6 +25,7 @@ def losses(stdout: str) -> dict[int, str]:
   return {int(s): loss for s, loss in re.findall(r"step (\d+): loss (\S+)", stdout)}
 
 
+@pytest.mark.slow
 def test_custom_ops_example_trains_and_resumes_exactly_from_any_folder(tmp_path):
   flags = ["--steps", "6", "--log-every", "1", "--batch-size", "16", "--image-size", "16"]
   data = tmp_path / "digits"
@@ -54,6 +57,7 @@ def test_the_example_says_what_is_missing_without_data(tmp_path):
   assert out.stderr.strip().endswith("convert a dataset there first, or pass --make-digits N")
 
 
+@pytest.mark.slow
 def test_the_flax_imagenet_port_evaluates_every_image_once_per_epoch(tmp_path):
   """Its eval loop calls next() steps_per_eval times per evaluation (repeat=True), and its
   metrics count the rows of the mask: each evaluation is one whole pass of the 60 images."""

@@ -217,6 +217,7 @@ def test_orbax_saves_the_iterator_beside_the_model_state_and_resumes_it(digits_d
   manager.close()
 
 
+@pytest.mark.slow
 def test_two_processes_each_read_their_share_of_every_global_batch(digits_dir, tmp_path):
   run_processes("multihost_input_worker.py", 2, data_dir=digits_dir, out=tmp_path / "{i}.npz")
   seen = [np.load(tmp_path / f"{i}.npz") for i in range(2)]

@@ -41,6 +41,7 @@ def data_dir(request) -> pathlib.Path:
   return request.getfixturevalue(request.param)
 
 
+@pytest.mark.slow
 def test_readme_flax_example_runs_as_written(data_dir, tmp_path):
   classes = pipeline.load_manifest(data_dir).num_classes
   blocks = python_blocks("Using the pipeline in your own Flax experiment")
@@ -127,6 +128,7 @@ def test_readme_convert_and_doctor_commands_parse_as_written():
   assert {"images", "tfrecord", "tfds", "verify", "builtin", "bench.doctor"} <= checked
 
 
+@pytest.mark.slow
 def test_readme_big_vision_pp_example_runs_as_written(data_dir, tmp_path):
   classes = pipeline.load_manifest(data_dir).num_classes
   blocks = python_blocks("Coming from big_vision / the Flax ImageNet example")

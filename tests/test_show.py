@@ -56,6 +56,7 @@ def run_show(*args: str) -> subprocess.CompletedProcess:
   return run_command([sys.executable, "-m", "pipeline.show", *args])
 
 
+@pytest.mark.slow
 def test_the_cli_writes_a_grid_png_and_never_replaces_one_unasked(classes20_dir, tmp_path):
   out = tmp_path / "sheets" / "grid.png"
   p = run_show(classes20_dir, "--batch", "12", "--image-size", "32", "--out", out)

@@ -73,6 +73,7 @@ def test_storage_can_reshard_in_class_order_as_an_image_folder_converts(photos_d
   assert labels == sorted(labels) and len(set(labels)) > 1 and len(paths) > 1
 
 
+@pytest.mark.slow
 def test_storage_reshards_once_and_reads_through_the_rig_and_locally(
   storage_rig, photos_dir, tmp_path
 ):
@@ -268,6 +269,7 @@ def pictures(markdown: pathlib.Path) -> list[pathlib.Path]:
   return [(markdown.parent / link).resolve() for link in links]
 
 
+@pytest.mark.slow
 def test_all_writes_a_report_with_machine_and_command_beside_every_figure(photos_dir, tmp_path):
   out = tmp_path / "bench"
   names = ["ceiling", "throughput", "doctor"]
@@ -342,6 +344,7 @@ def test_committed_pictures_are_pngs_under_docs_and_every_shown_one_exists():
   ), pictures_kept
 
 
+@pytest.mark.slow
 def test_a_failing_tool_prints_one_line_and_the_traceback_only_when_asked(run_python, tmp_path):
   missing = str(tmp_path / "missing")
   proc = run_python("-m", "bench.ceiling", missing)  # bad input: exit 2, as a usage error

@@ -30,6 +30,7 @@ def test_reports_rates_for_every_contender_on_the_same_images(photos_dir, tmp_pa
   assert "| pipeline.convert, 2 workers |" in table
 
 
+@pytest.mark.slow
 def test_the_emulator_row_converts_the_same_images_from_gs_into_gs(photos_dir, tmp_path):
   """`--emulator`: SRC copied into a local Cloud Storage emulator and converted gs:// to gs://
   (its own process: it points gcsfs at the emulator for good)."""

@@ -11,6 +11,7 @@ from pipeline.host import parallelism
 from pipeline.stages import read as read_lib
 
 
+@pytest.mark.slow
 def test_scaling_measures_costs_and_projects_hosts(photos_dir, tmp_path):
   out = tmp_path / "scaling.json"
   result = scaling.main(

@@ -454,6 +454,7 @@ def test_a_build_in_a_bucket_reads_in_place_as_it_does_from_disk(gcs, folder):  
   assert "same batches" in p.stdout
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_on_a_tfds_build(folder, tmp_path):
   before = snapshot(folder)
   cmd = [

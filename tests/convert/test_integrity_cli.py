@@ -174,6 +174,7 @@ def _forkserver_started(pid: int) -> bool:
   return False
 
 
+@pytest.mark.slow
 def test_ctrl_c_while_workers_start_is_one_line_and_the_same_command_resumes(photos_raw, tmp_path):
   args = convert_photos(photos_raw, tmp_path)[:-1] + ["2"]
   child = subprocess.Popen(

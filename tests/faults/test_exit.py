@@ -7,6 +7,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 SCRIPT = textwrap.dedent(
   """
   import sys
@@ -21,6 +23,7 @@ SCRIPT = textwrap.dedent(
 )
 
 
+@pytest.mark.slow
 def test_scripts_with_open_streams_exit(digits_dir, tmp_path):
   script = tmp_path / "leave_open.py"
   script.write_text(SCRIPT)

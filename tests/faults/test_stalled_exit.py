@@ -162,6 +162,7 @@ def test_the_trainer_on_a_mount_that_stops_answering_at_open_exits_2_in_one_line
   no_answer(lines, f"{m.path}/manifest.json")
 
 
+@pytest.mark.slow
 def test_the_trainer_on_a_mount_that_stops_answering_mid_run_exits_1_in_one_line(
   storage_rig, digits_dir, tmp_path
 ):

@@ -85,6 +85,7 @@ it.close()
 """
 
 
+@pytest.mark.slow
 def test_an_unguarded_script_is_refused_at_start_even_where_no_worker_would_start(
   tmp_path, digits_dir
 ):

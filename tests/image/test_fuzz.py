@@ -673,7 +673,8 @@ import importlib.util, random, sys
 import numpy as np
 from pipeline.image import augment, decode
 from pipeline.catalog import records
-from tests import jpeg_modes, test_fuzz as f
+from tests import jpeg_modes
+from tests.image import test_fuzz as f
 spec = importlib.util.spec_from_file_location("sanitized._jpeg", sys.argv[1])
 native = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(native)

@@ -356,6 +356,7 @@ def test_owned_shards_fill_the_record_cache_in_block_reads_and_then_read_nothing
     assert m.stats()["reads"] == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kept_windows", [0, 2])
 def test_block_reads_keep_two_windows_so_each_block_is_read_once(kept_windows):
   shards, size, batch = (1024,) * 64, 1000, 128  # records of 1,000 bytes

@@ -95,6 +95,7 @@ def test_the_processes_blocks_of_a_step_are_the_one_process_batch(n):
     np.testing.assert_array_equal(together, expected)  # epochs and records, in place
 
 
+@pytest.mark.slow  # clusters of 1-4 real processes
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_every_process_count_reads_the_same_global_batches(runs, reference, n):
   results = runs["fresh"][n]
@@ -103,6 +104,7 @@ def test_every_process_count_reads_the_same_global_batches(runs, reference, n):
     assert all(len(step) == GLOBAL_BATCH // n for step in r["steps"])
 
 
+@pytest.mark.slow  # the clusters of `runs`
 @pytest.mark.parametrize("saved_on, resumed_on", PAIRS, ids=[f"{n}to{m}" for n, m in PAIRS])
 @pytest.mark.parametrize("step", SAVES, ids=["mid_epoch", "past_a_spanning_batch"])
 def test_a_state_continues_on_another_process_count(runs, reference, saved_on, resumed_on, step):

@@ -17,6 +17,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 import urllib.request
@@ -80,6 +81,7 @@ def test_gs_without_gcsfs_says_what_to_install():
   )
 
 
+@pytest.mark.slow
 def test_make_dataset_of_gs_without_gcsfs_is_one_line():
   p = run(WITHOUT_GCSFS + "import pipeline; pipeline.make_dataset('gs://bucket/ds', batch_size=2)")
   assert p.returncode == 1
@@ -94,6 +96,7 @@ def test_make_dataset_of_gs_without_gcsfs_is_one_line():
   )
 
 
+@pytest.mark.slow
 def test_the_trainer_on_gs_without_gcsfs_is_one_line_naming_the_install():
   # As `python -m train ...` on a plain install: the manifest is the first thing it reads.
   argv = ["train", "--config", "default", "--workdir", "w", "--dry_run"]
@@ -195,6 +198,7 @@ def gcs(tmp_path_factory):
     yield {**env, "GCS_EMULATOR_COUNT": count}
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_a_dataset_in_a_bucket_reads_as_it_does_from_disk(gcs, digits_dir):
   code = textwrap.dedent(
@@ -239,6 +243,7 @@ def test_a_dataset_in_a_bucket_reads_as_it_does_from_disk(gcs, digits_dir):
   assert "same" in p.stdout
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_a_shard_written_again_in_the_bucket_is_refused_not_served(gcs, digits_dir, tmp_path):
   """Issue 31: a shard object overwritten after conversion (same size, its records in another
@@ -308,6 +313,7 @@ def test_a_shard_written_again_in_the_bucket_is_refused_not_served(gcs, digits_d
   assert restored == "restored: same batches"
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_from_a_bucket_the_block_order_reads_many_images_per_get(gcs, photos_dir):
   code = textwrap.dedent(
@@ -363,6 +369,7 @@ def bucket_names(gcs: dict, prefix: str) -> list[str]:
     return sorted(item["name"] for item in json.load(r).get("items", []))
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_a_run_with_its_workdir_in_a_bucket_writes_everything_there_and_nothing_here(
   gcs, digits_dir, tmp_path
@@ -404,6 +411,7 @@ def no_credentials(home) -> dict:
   return {"HOME": str(home), "EPATH_USE_TF": "false", **dict.fromkeys(unset, "")}
 
 
+@pytest.mark.slow
 def test_the_trainer_without_dns_or_credentials_says_both_in_one_line_at_once(tmp_path):
   argv = ["train", "--config", "default", "--workdir", "w", "--dry_run"]
   argv.append("--config.input.data_dir=gs://bkt/ds")
@@ -534,6 +542,7 @@ def same_as_local(gcs: dict, prefix: str, local, shards: int = 1) -> None:
   assert check.returncode == 0, check.stderr[-2000:]
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits_raw, tmp_path):
   code = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
@@ -608,6 +617,7 @@ def test_images_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits
   assert run(seed, env=gcs).stdout == "1\n"
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_an_empty_class_folder_is_refused_locally_as_its_bucket_copy_would_lack_it(
   gcs, digits_raw, tmp_path
@@ -645,6 +655,7 @@ def test_an_empty_class_folder_is_refused_locally_as_its_bucket_copy_would_lack_
   same_as_local(gcs, "bkt/empty/out", tmp_path / "local")
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_a_conversion_into_a_bucket_killed_mid_run_resumes_with_the_same_bytes(
   gcs, digits_raw, tmp_path
@@ -732,14 +743,14 @@ def _tree_bytes(root: str) -> int:
 
 @needs_emulator
 def test_a_conversion_between_buckets_holds_under_3_shards_per_worker_on_local_disk(
-  gcs, photos_raw, tmp_path
+  gcs, photos_raw
 ):
   """Issue 39: local disk used stays under 3 shards per worker, sampled from another process
   while `convert images gs:// gs:// --workers 2` runs with its temporary folder in TMPDIR."""
   put = "import gcsfs, sys; gcsfs.GCSFileSystem(token='anon').put(*sys.argv[1:], recursive=True)"
   assert run(put, env=gcs, args=[str(photos_raw), "bkt/disk/raw"]).returncode == 0
-  tmp, workers = tmp_path / "tmp", 2
-  tmp.mkdir()
+  # A short TMPDIR: multiprocessing's sockets go there, and a socket path is at most 107 bytes.
+  tmp, workers = tempfile.mkdtemp(prefix="t", dir="/tmp"), 2
   flags = ["--val-fraction", "0.25", "--shard-size-mb", "0.5", "--no-progress"]
   command = [sys.executable, "-m", "pipeline.convert", "images", "gs://bkt/disk/raw"]
   command += ["gs://bkt/disk/out", *flags, "--workers", str(workers)]
@@ -760,8 +771,10 @@ def test_a_conversion_between_buckets_holds_under_3_shards_per_worker_on_local_d
   print(f"peak local disk {peak} bytes; shards up to {max(sizes)} bytes, {workers} workers")
   assert 0 < peak <= 3 * max(sizes) * workers
   assert _tree_bytes(str(tmp)) == 0  # its temporary folder is gone
+  shutil.rmtree(tmp)
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_tfrecords_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, digits_dir, tmp_path):
   from array_record.python.array_record_module import ArrayRecordReader
@@ -789,6 +802,7 @@ def test_tfrecords_from_a_bucket_into_a_bucket_are_the_local_conversion(gcs, dig
   assert verify.returncode == 0 and verify.stdout.endswith("; OK\n"), verify.stdout
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_a_tfds_build_converts_into_a_bucket_as_into_a_folder(gcs, tmp_path):
   from tests.convert.test_tfds import TinyShapes, prepared
@@ -834,6 +848,7 @@ def test_a_workers_files_are_read_from_a_bucket_at_once_and_a_missing_one_is_ski
   ]
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_a_second_conversion_into_a_bucket_is_refused_by_the_lock_object(gcs, digits_raw):
   lock = json.dumps({"host": socket.gethostname(), "pid": os.getpid()})  # alive: this test
@@ -867,6 +882,7 @@ def docs_commands(heading: str) -> list[str]:
   return [line for line in block.replace("\\\n", " ").splitlines() if line.strip()]
 
 
+@pytest.mark.slow
 @needs_emulator
 def test_the_tpu_vm_commands_of_docs_data_md_run_as_written(gcs, photos_raw, tmp_path):
   """docs/DATA.md's ImageNet commands, BUCKET replaced, from gs:// into gs:// (64 photos in

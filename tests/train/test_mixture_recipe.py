@@ -81,6 +81,7 @@ def test_the_trainer_plans_a_mixture(digits_dir, photos_dir, tmp_path):
   assert "mixture of 2 sources (digits 30.0% of 240 records, photos 70.0% of 48" in out.stdout
 
 
+@pytest.mark.slow
 def test_the_trainer_trains_on_a_mixture_and_logs_each_sources_share_and_eval(
   digits_dir, photos_dir, tmp_path
 ):

@@ -31,6 +31,9 @@ KERAS_PARAM_COUNTS = [
 ]
 
 
+pytestmark = pytest.mark.slow  # the models against Keras, step by step: `make test-slow`
+
+
 def images(batch: int = 2, size: int = 32, seed: int = 0) -> jax.Array:
   return jax.random.uniform(jax.random.key(seed), (batch, size, size, 3), minval=-1, maxval=1)
 

@@ -97,6 +97,7 @@ def test_hosts_agree_on_all_but_the_settings_that_change_no_batch_and_on_the_c_d
   assert agreement.code_version().endswith(", C JPEG decoder")
 
 
+@pytest.mark.slow
 def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path):
   steps = ["--config.num_steps=12", "--config.checkpoint_every_steps=4"]
   whole = subprocess.run(
@@ -157,6 +158,7 @@ def test_killed_run_resumes_to_bitwise_identical_parameters(digits_dir, tmp_path
   assert summary(killed)["steps"] == 12
 
 
+@pytest.mark.slow
 def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(digits_dir, tmp_path):
   steps = ["--config.num_steps=400", "--config.checkpoint_every_steps=1000"]
   proc = subprocess.Popen(
@@ -196,6 +198,7 @@ def test_a_bad_record_ends_the_run_in_one_line_naming_it_and_the_option_to_skip(
   assert "--config.input.on_error=skip skips bad records" in out.stderr
 
 
+@pytest.mark.slow
 def test_short_run_on_eight_devices(digits_dir, tmp_path):
   assert jax.device_count() == 8
   from configs import default

@@ -18,6 +18,8 @@ from pipeline.convert import images
 from tests.train.test_train import ROOT, env, summary, train_cmd, wait_for
 from train import checkpoints
 
+pytestmark = pytest.mark.slow  # trainer runs (a module-scoped one shared): `make test-slow`
+
 STEPS = ["--config.num_steps=6", "--config.checkpoint_every_steps=2", "--config.keep_checkpoints=3"]
 
 

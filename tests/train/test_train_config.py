@@ -46,6 +46,7 @@ def plan_line(out) -> dict[str, float]:
   return dict(zip(keys, map(float, numbers.groups())))
 
 
+@pytest.mark.slow
 def test_the_learning_rate_and_schedule_follow_the_batch_size_given_on_the_command_line(
   digits_dir, tmp_path
 ):
@@ -81,6 +82,7 @@ def test_the_learning_rate_and_schedule_follow_the_batch_size_given_on_the_comma
   assert steps["steps"] == 7  # a count in steps, when given, wins over the epochs
 
 
+@pytest.mark.slow
 def test_recipes_are_found_by_name_or_path_from_any_folder(digits_dir, tmp_path):
   data = f"--config.input.data_dir={digits_dir}"
   for recipe in (
@@ -104,6 +106,7 @@ def test_the_default_recipe_reads_the_repos_data_from_any_folder():
   )
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
   "override, says",
   [
@@ -150,6 +153,7 @@ def test_a_misspelt_field_of_the_default_recipe_is_one_line_too(tmp_path):
   assert not (tmp_path / "run").exists()
 
 
+@pytest.mark.slow
 def test_verbose_shows_the_traceback(digits_dir, tmp_path):
   out = run_train(
     "--config",
@@ -177,6 +181,7 @@ def test_the_input_block_is_exactly_make_datasets_keywords_with_every_option_set
     assert config_lib.dataset_kwargs(config, evaluation=True)["split"] == "validation"
 
 
+@pytest.mark.slow
 def test_options_left_to_the_host_are_typed_placeholders_that_overrides_can_set(
   digits_dir, tmp_path
 ):
@@ -208,6 +213,7 @@ def test_every_make_dataset_keyword_is_a_config_input_field():
     assert set(config.eval_input) == keywords
 
 
+@pytest.mark.slow
 def test_config_input_takes_sharding_and_pp_on_the_command_line(digits_dir, tmp_path):
   out = run_train(
     "--config",
@@ -286,6 +292,7 @@ def test_the_dry_run_says_in_one_line_what_a_big_vision_pp_string_would_fail_on(
   assert out.stderr.startswith("python -m train: config.input.pp makes float32 images")
 
 
+@pytest.mark.slow
 def test_the_image_size_is_the_pp_strings_where_it_sets_one(digits_dir, tmp_path):
   config = default.get_config()  # image_size=32
   config.input.data_dir = str(digits_dir)
@@ -413,6 +420,7 @@ def test_keywords_the_trainer_sets_or_make_dataset_lacks_are_refused():
     config_lib.dataset_kwargs(config, evaluation=True)
 
 
+@pytest.mark.slow
 def test_a_batch_too_large_for_the_host_is_refused_before_compiling(digits_dir, tmp_path):
   free, _ = fit.available_bytes()
   if free > 300 * 2**30:

@@ -24,6 +24,9 @@ from tests.train.test_train_multihost import Run, own_lines, summary
 FLAGS = ("--config.checkpoint_every_steps=6", "--config.log_every=1", "--config.dropout=0")
 
 
+pytestmark = pytest.mark.slow  # trainer runs on one and two processes: `make test-slow`
+
+
 def losses(workdir) -> dict[int, float]:
   rows = [json.loads(line) for line in (workdir / "metrics.jsonl").read_text().splitlines()]
   return {r["step"]: r["train/loss"] for r in rows if "train/loss" in r}

@@ -26,6 +26,8 @@ from tests.conftest import free_port
 from tests.train.test_train import damage_train_records, env, train_cmd
 from train import UsageError, agreement, hosts, train
 
+pytestmark = pytest.mark.slow  # two or three trainer processes a test: `make test-slow`
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 VALIDATION = 60  # records in digits_dir's validation split
 

@@ -18,6 +18,8 @@ import pytest
 from pipeline.convert import images
 from tests.train.test_train_multihost import VALIDATION, Run, own_lines, summary
 
+pytestmark = pytest.mark.slow  # two trainer processes a test: `make test-slow`
+
 STEPS = ("--config.checkpoint_every_steps=2",)
 
 

@@ -204,6 +204,7 @@ def test_a_runs_per_host_figures_leave_out_the_first_window_but_not_its_peak_mem
   assert podview.mean([]) == []
 
 
+@pytest.mark.slow
 def test_a_profiler_trace_of_a_run_shows_the_pipeline_stages(digits_dir, tmp_path):
   out = subprocess.run(
     train_cmd(tmp_path, digits_dir, "--config.num_steps=6", "--config.profile_steps=(2, 5)"),
