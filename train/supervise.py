@@ -49,12 +49,12 @@ def lost_process(text: str) -> str:
 
 
 def verdict_line(verdict: str, me: str | None, stopped_s: float, heartbeat: int) -> str:
-  """What ended this process (`me`), stopped for `stopped_s` at most, when the service's
-  `verdict` came: itself, if the verdict names it or it was stopped long enough to miss the
-  heartbeats (sent every `heartbeat`/2 s: a stop of half the timeout can be why), else the
-  process the verdict names (a stop of its own leaves it waking to any verdict)."""
+  """What the service's `verdict` ended this process (`me`, stopped `stopped_s` at longest) for:
+  its own stop, if the verdict names it or the stop could miss the heartbeats (sent every
+  `heartbeat`/2 s; it then wakes to the coordinator gone), else the process the verdict names."""
   ids = lost_ids(verdict)
-  if stopped_s >= heartbeat or me in ids or (not ids and stopped_s >= heartbeat / 2):
+  missed = stopped_s >= heartbeat / 2 - 2 * TICK_S
+  if stopped_s >= heartbeat or me in ids or (not ids and missed):
     past = f"past --heartbeat_timeout={heartbeat}, so the run lost it"
     if stopped_s >= 2 * TICK_S:
       return f"this process ({me}) was stopped for {stopped_s:.0f} s: no heartbeat {past}"

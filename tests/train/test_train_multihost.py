@@ -439,6 +439,9 @@ def test_a_process_the_service_lost_for_its_own_stop_names_itself():
   stopped = "this process (1) was stopped for 24 s: no heartbeat past --heartbeat_timeout=30, so "
   assert verdict_line(WORKER_LOST, "1", 23.6, 30) == stopped + "the run lost it"
   assert verdict_line(LEADER_LOST, "1", 23.6, 30) == stopped + "the run lost it"
+  assert verdict_line(LEADER_LOST, "1", 14.6, 30).startswith(
+    "this process (1) was stopped for 15 s"
+  )
   assert verdict_line(WORKER_LOST, "1", 0.4, 30) == (
     "the distributed service heard no heartbeat from this process (1) past "
     "--heartbeat_timeout=30, so the run lost it"
