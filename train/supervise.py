@@ -6,8 +6,8 @@ processes `python -m train` runs the trainer as its child: it passes the output 
 signals through, and when the service ends the child it prints one line instead of JAX's:
 which process was lost, the last saved step and how to resume; unless the child said first,
 in its own line, why it ends: that line is then the last. A process that was itself stopped
-(SIGSTOP, a paused VM) past the heartbeat timeout names itself: the others lost it, and the
-service's words would blame whoever it reaches first. Imports nothing heavy.
+(SIGSTOP, a paused VM) long enough to miss the heartbeats names itself: the others lost it, and
+the service's words would blame whoever it reaches first. Imports nothing heavy.
 """
 
 from __future__ import annotations
@@ -29,18 +29,37 @@ TICK_S = 1.0  # how often `Stops` looks
 HEARTBEAT_S = 60  # --heartbeat_timeout's default (train/__main__.py)
 
 
-def lost_process(text: str) -> str:
-  """Which process the distributed service's error message says was lost."""
+def lost_ids(text: str) -> list[str]:
+  """The process ids the distributed service's error message names as lost (none: it names
+  no id, as when the coordinator is gone)."""
   unhealthy = re.search(r"unhealthy \(stopped sending heartbeats\):\s*([\d\s,]+)", text)
   if unhealthy:
-    ids = re.findall(r"\d+", unhealthy.group(1))
+    return re.findall(r"\d+", unhealthy.group(1))
+  return sorted(set(re.findall(r"/task:(\d+)", text)))
+
+
+def lost_process(text: str) -> str:
+  """Which process the distributed service's error message says was lost."""
+  ids = lost_ids(text)
+  if ids:
     return f"process{'es' if len(ids) > 1 else ''} {', '.join(ids)}"
-  tasks = sorted(set(re.findall(r"/task:(\d+)", text)))
-  if tasks:
-    return f"process{'es' if len(tasks) > 1 else ''} {', '.join(tasks)}"
   if "leader task" in text or "coordination service" in text:
     return "process 0 (the coordinator)"
   return "a process"
+
+
+def verdict_line(verdict: str, me: str | None, stopped_s: float, heartbeat: int) -> str:
+  """What the service's `verdict` ended this process (`me`, stopped `stopped_s` at longest) for:
+  its own stop, if the verdict names it or the stop could miss the heartbeats (sent every
+  `heartbeat`/2 s; it then wakes to the coordinator gone), else the process the verdict names."""
+  ids = lost_ids(verdict)
+  missed = stopped_s >= heartbeat / 2 - 2 * TICK_S
+  if stopped_s >= heartbeat or me in ids or (not ids and missed):
+    past = f"past --heartbeat_timeout={heartbeat}, so the run lost it"
+    if stopped_s >= 2 * TICK_S:
+      return f"this process ({me}) was stopped for {stopped_s:.0f} s: no heartbeat {past}"
+    return f"the distributed service heard no heartbeat from this process ({me}) {past}"
+  return f"lost {lost_process(verdict)} of the run"
 
 
 def flag(argv: list[str], name: str) -> str | None:
@@ -160,19 +179,10 @@ def run(argv: list[str]) -> int:
   if verdict and said:  # the child named the cause, and then the service its end
     return code if code > 0 else 1
   heartbeat = int(flag(argv, "heartbeat_timeout") or HEARTBEAT_S)
-  if verdict and stops.longest >= heartbeat:
-    print(
-      f"python -m train: this process ({flag(argv, 'process_id')}) was stopped for "
-      f"{stops.longest:.0f} s, past --heartbeat_timeout={heartbeat}, so the run lost it; "
-      f"{where}; re-run the same command on every host to resume from it",
-      file=sys.stderr,
-      flush=True,
-    )
-    return 1
   if verdict:
+    line = verdict_line("".join(verdict), flag(argv, "process_id"), stops.longest, heartbeat)
     print(
-      f"python -m train: lost {lost_process(''.join(verdict))} of the run; {where}; "
-      "re-run the same command on every host to resume from it",
+      f"python -m train: {line}; {where}; re-run the same command on every host to resume from it",
       file=sys.stderr,
       flush=True,
     )

@@ -412,19 +412,44 @@ def test_a_bad_record_on_one_process_is_named_with_its_cause_on_both(digits_dir,
     assert "lost" not in run.output(i)
 
 
+# The texts jax 0.10.2 printed here when process 1, then process 0, was SIGKILLed.
+WORKER_LOST = (
+  "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\n"
+  "The tasks have crashed. Check the task logs for an earlier error"
+)
+LEADER_LOST = (
+  "absl::Status: UNAVAILABLE: Failed to send RPC to coordination service. Either the leader "
+  "task was preempted/died/restarted unexpectedly or this task is experiencing network issues."
+)
+
+
 def test_the_distributed_services_verdicts_name_the_lost_process():
-  """The texts jax 0.10.2 printed here when process 1, then process 0, was SIGKILLed."""
   from train import supervise
 
-  worker = (
-    "UNAVAILABLE: The following tasks are unhealthy (stopped sending heartbeats):\n1\n"
-    "The tasks have crashed. Check the task logs for an earlier error"
-  )
-  leader = (
-    "absl::Status: UNAVAILABLE: Failed to send RPC to coordination service. Either the leader "
-    "task was preempted/died/restarted unexpectedly or this task is experiencing network issues."
-  )
-  assert supervise.lost_process(worker) == "process 1"
-  assert supervise.lost_process(leader) == "process 0 (the coordinator)"
+  assert supervise.lost_process(WORKER_LOST) == "process 1"
+  assert supervise.lost_process(LEADER_LOST) == "process 0 (the coordinator)"
   assert supervise.flag(["--workdir", "a", "--workdir=b"], "workdir") == "b"  # as absl reads it
   assert supervise.wanted(["--num_processes=2"]) and not supervise.wanted(["--num_processes=1"])
+
+
+def test_a_process_the_service_lost_for_its_own_stop_names_itself():
+  """Heartbeats go every timeout/2 s, so a stop shorter than the timeout can lose a process:
+  woken, it may read the verdict naming it, or find the coordinator gone; either is its own
+  stop. Unstopped, it names whom the verdict names."""
+  from train.supervise import verdict_line
+
+  stopped = "this process (1) was stopped for 24 s: no heartbeat past --heartbeat_timeout=30, so "
+  assert verdict_line(WORKER_LOST, "1", 23.6, 30) == stopped + "the run lost it"
+  assert verdict_line(LEADER_LOST, "1", 23.6, 30) == stopped + "the run lost it"
+  assert verdict_line(LEADER_LOST, "1", 14.6, 30).startswith(
+    "this process (1) was stopped for 15 s"
+  )
+  assert verdict_line(WORKER_LOST, "1", 0.4, 30) == (
+    "the distributed service heard no heartbeat from this process (1) past "
+    "--heartbeat_timeout=30, so the run lost it"
+  )
+  assert verdict_line(WORKER_LOST, "0", 0.4, 30) == "lost process 1 of the run"
+  assert verdict_line(LEADER_LOST, "1", 3.0, 30) == "lost process 0 (the coordinator) of the run"
+  assert verdict_line(WORKER_LOST.replace("\n1\n", "\n2\n"), "1", 31.0, 30).startswith(
+    "this process (1) was stopped for 31 s"
+  )
