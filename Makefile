@@ -67,9 +67,9 @@ device-check:  ## on a GPU host: install .whl/, build the C decoder, write runs/
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 PYTEST := $(PY) -m pytest -n $(JOBS) --dist loadfile
 
-test: $(STAMP) $(BEAM_STAMP)  ## the fast tier (~TIER_FAST on 2 quiet cores); `make test-slow`: the slow tier
-	@$(if $(ARGS),true,echo "make test: the fast tier, about TIER_FAST on 2 quiet cores (a dot a test); \
-	make test-slow runs the slow tier (about TIER_SLOW: trainer runs, bucket conversions, benchmarks' \
+test: $(STAMP) $(BEAM_STAMP)  ## the fast tier (~10 min on 2 cores); `make test-slow`: the slow tier
+	@$(if $(ARGS),true,echo "make test: the fast tier, about 10 minutes on 2 cores (a dot a test); \
+	make test-slow runs the slow tier (about 30 minutes: trainer runs, bucket conversions, benchmarks' \
 	end to end runs, multi-host faults that wait out heartbeats); CI runs both")
 	$(PYTEST) $(ARGS); main=$$?; \
 	$(if $(ARGS),exit $$main,$(BEAM_PY) -m pytest $(BEAM_TESTS); beam=$$?; [ $$main$$beam = 00 ])
@@ -77,7 +77,7 @@ test: $(STAMP) $(BEAM_STAMP)  ## the fast tier (~TIER_FAST on 2 quiet cores); `m
 test-beam: $(BEAM_STAMP)  ## the Beam tests alone, in .venv-beam (DaskRunner, 2 worker processes)
 	$(BEAM_PY) -m pytest $(BEAM_TESTS) $(ARGS)
 
-test-slow: $(STAMP)  ## the slow tier (tests marked slow; ~TIER_SLOW on 2 quiet cores)
+test-slow: $(STAMP)  ## the slow tier (tests marked slow; ~30 min on 2 cores)
 	$(PYTEST) -m slow $(ARGS)
 
 format: $(STAMP)  ## rewrite the sources in the project's format

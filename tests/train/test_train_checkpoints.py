@@ -260,8 +260,8 @@ def test_a_checkpoint_resumed_over_another_shard_list_is_refused_and_kept(
     ),
     (
       ("--config.input.order=blocks", "--config.batch_size=16"),
-      "its order depends on the process count; resume on 1 process(es) with batch 32 "
-      "(order='global' continues on any count)",
+      "cannot continue in blocks of 256 and windows of 64 (global batch 16): pass "
+      "--config.input.window_blocks=128",
     ),
   ],
   ids=["order", "global_batch"],
