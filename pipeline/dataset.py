@@ -62,6 +62,7 @@ class Stages:
   worker_jax: bool = False
   stream_type: type = StreamIterDataset  # a mixture's keeps its sources' positions
   host: planner.HostPlan | None = None  # the plan they were made by
+  spec: Spec | None = None  # what they were built from, its image size resolved (not a mixture's)
 
 
 def make_dataset(data_dir, split: str = "train", **keywords) -> grain.IterDataset:
@@ -138,6 +139,7 @@ def build(spec: Spec) -> Stages:
     stats_every_s=perf.stats_every_s,
     worker_jax=perf.worker_jax,
     host=host,
+    spec=dataclasses.replace(spec, image_size=head.image_size),
   )
   if gpus is not None:
     stages.decode = device_decode.stage(stages.decode, gpus)

@@ -126,6 +126,7 @@ def input(
     train=train,
     stream=stages.stream,
     repeat=repeat,
+    spec=stages.spec,
   )
 
 
@@ -180,7 +181,9 @@ class Input(grain.DatasetIterator):
   default); `batch_ops` the ops run on each whole batch (pp's or `batch_ops=`), in order;
   `memory` the loader's share of `performance.memory_mb` as planned (`pipeline.host.memory`),
   `memory_mb` that setting as given (None: the default budget);
-  `stream` what decides its order (seed, order, sharding, shards: the tag its states carry).
+  `stream` what decides its order (seed, order, sharding, shards: the tag its states carry);
+  `spec` the dataset's `Spec`, its image size resolved (None: a mixture), as
+  `pipeline.explain.from_stats` reads it beside `stats()`.
   """
 
   def __init__(
@@ -199,6 +202,7 @@ class Input(grain.DatasetIterator):
     train: bool,
     stream: dict,
     repeat: bool = False,
+    spec: Spec | None = None,
   ):
     super().__init__()
     self.dataset = dataset
@@ -215,6 +219,7 @@ class Input(grain.DatasetIterator):
     self.train = train
     self.stream = stream
     self.repeat = repeat
+    self.spec = spec
     self._it: grain.DatasetIterator | None = None
 
   @property

@@ -6,9 +6,12 @@ are the planner's model at that plan, and what it proposes for processes x threa
 planner's choice. Nothing here depends on this machine's speed.
 """
 
+import dataclasses
+
 import pytest
 
-from pipeline.explain import Cost, Measured, Requests, Run, binding, explain
+import pipeline
+from pipeline.explain import Cost, Measured, Requests, Run, binding, explain, from_stats
 from pipeline.host import parallelism
 from pipeline.spec import Spec
 
@@ -93,3 +96,32 @@ def test_an_input_faster_than_the_step_names_the_step_and_changes_nothing():
   e = explain(spec(), measured(rate=900.0), step_ms=1000.0)  # the step needs 128 img/s
   assert e.bottleneck == "train step" and e.recommendations == []
   assert "keeps up with a 1000 ms step (128 img/s)" in e.notes[0]
+
+
+def test_a_running_streams_own_stats_are_evidence_the_explanation_reads(photos_dir):
+  """`from_stats`: each stage's busy and CPU time per image over the stream's processes, its
+  rate and storage requests, from `iterator.stats()` of a real stream."""
+  keywords = dict(batch_size=8, image_size=64, shard_index=0, shard_count=1)
+  spec = Spec.of(photos_dir, **keywords, performance={"num_workers": 0, "num_threads": 1})
+  it = iter(pipeline.make_dataset(photos_dir, **keywords, performance=spec.performance))
+  for _ in range(12):
+    next(it)
+  stats = it.stats()
+  it.close()
+  m = from_stats(spec, stats, cores=8)
+  (finish,) = [r for r in stats.rows if r.stage == "finish"]
+  assert m.run.images_per_sec == pytest.approx(finish.images_per_s, rel=0.01)
+  decode = m.costs["decode"]
+  assert 0 < decode.cpu_ms <= 1.1 * decode.wall_ms and m.costs["parse"].wall_ms == 0.0
+  assert m.run.cpu_ms_per_image >= decode.cpu_ms + m.costs["read"].cpu_ms
+  assert m.run.requests.made == stats.storage.requests > 0 and m.cache_mb is m.dct_share is None
+  # on 8 cores one decode thread binds; the planner's plan for the measured costs is proposed
+  e = explain(spec, m, cores=8)
+  assert (
+    e.limit.startswith("num_threads=1 decode threads per process") and e.input_stage == "decode"
+  )
+  assert [r.field for r in e.recommendations][:1] == ["num_workers x num_threads"]
+  assert not [r for r in e.recommendations if r.field in ("cache_mb", "dct_scaling")]
+  assert not [n for n in e.notes if "DCT" in n or "caching" in n]  # neither was measured
+  with pytest.raises(ValueError, match="no finished batch"):
+    from_stats(spec, dataclasses.replace(stats, rows=()), cores=8)

@@ -9,7 +9,9 @@ that wait, `next()` would also count time the devices were still busy). Compilat
 first log window, and the step right after each eval or checkpoint save are left out; the
 steps' own time (`synthetic_steps` on a batch already on the devices) is reported beside it.
 With several processes each log line gathers every host's numbers (`train.podview`) and the
-verdict is the worst host's, named.
+verdict is the worst host's, named. Each process whose input was input-bound over the run says,
+at its end, what bounds it and which settings would raise it (`advise`: `pipeline.explain` on
+its last window's stage figures, its host's cores and the step on device data).
 """
 
 from __future__ import annotations
@@ -27,7 +29,10 @@ import jax
 import numpy as np
 from etils import epath
 
+from pipeline import explain
+from pipeline.host import parallelism
 from pipeline.host.memory import Split, mb
+from pipeline.spec import Spec
 from pipeline.stages.stats import Stats
 from train import podview
 from train.checkpoints import one_line
@@ -42,6 +47,15 @@ EXPLAIN_WAIT = (
 
 PROGRESS_EVERY_S = 10.0  # between log lines, a progress line at most this often
 FIRST_PROGRESS_S = 3.0  # the first one this soon after compilation
+
+
+def advise(spec: Spec, stages: Stats, step_s: float, cores: int) -> list[str]:
+  """What bounds this host's input and what to change, as config.input settings:
+  `pipeline.explain` on a window's stage figures (`stages`) with a step of `step_s`."""
+  measured = explain.from_stats(spec, stages, cores)
+  return explain.brief(
+    explain.explain(spec, measured, step_ms=step_s * 1e3), prefix="config.input."
+  )
 
 
 def verdict(wait_share: float) -> str:
@@ -116,10 +130,18 @@ class Reporter:
   with the Reporter: after a refused restore, nothing is written)."""
 
   def __init__(
-    self, workdir: epath.Path, plan: Plan, chief: bool, memory: Split, eval_memory: Split
+    self,
+    workdir: epath.Path,
+    plan: Plan,
+    chief: bool,
+    memory: Split,
+    eval_memory: Split,
+    spec: Spec | None = None,
   ):
     self.workdir, self.plan, self.chief = workdir, plan, chief
     self.memory, self.eval_memory = memory, eval_memory
+    self.spec = spec  # the train stream's (None: a mixture's), for `advise`
+    self.stages: Stats | None = None  # the last window's stage figures
     self.log = Log(workdir) if chief else None
     self.images_per_sec: list[float] = []  # per window, all processes together
     self.hosts: list[list[podview.Host]] = []  # per window, each process's
@@ -144,6 +166,7 @@ class Reporter:
     self.host_us.append(host_us)
     ips = window.steps * self.plan.batch_size / elapsed
     requests = stages.storage.requests  # the window's: `stats()` counts since its last call
+    self.stages = stages
     # The gather comes last: the next window starts on every host together.
     mine = window.steps * self.plan.local_batch_size / elapsed
     hosts = podview.gather(mine, wait, requests / elapsed, podview.rss_mb())
@@ -252,7 +275,20 @@ class Reporter:
       self.log.close()
       text = json.dumps(summary, indent=2) + "\n"
       write_atomically(self.workdir / "summary.json", text.encode())
+    self.advise([h for h in hosts if h.process == jax.process_index()])
     return summary
+
+  def advise(self, mine: list[podview.Host]) -> None:
+    """Where this process's input was at least moderately input-bound over the run (`mine`: its
+    row, if timed), what bounds it and what to change, from its last window (`advise`)."""
+    if not (mine and self.spec and self.stages and mine[0].input_wait_share >= MODERATE):
+      return
+    try:
+      said = advise(self.spec, self.stages, self.synthetic, parallelism.available_cores())
+    except ValueError:  # the last window's stats hold no batch finished within it
+      return
+    who = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
+    print("\n".join(who + line for line in said), flush=True)
 
 
 def per_source(ev: dict) -> str:

@@ -270,6 +270,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup,
     chief=jax.process_index() == 0,
     memory=setup.train.memory,
     eval_memory=setup.eval.memory,
+    spec=setup.train.spec,
   )
   if step:
     reporter.say(ckpt.resumed(step))

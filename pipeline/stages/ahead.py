@@ -61,12 +61,12 @@ class Threads:
 
 
 def _timed(timed: tuple[Recorder, str], fn, *args):
-  t = time.perf_counter()
+  t, cpu = time.perf_counter(), time.thread_time()
   try:
     with annotation(timed[1]):
       return fn(*args)
   finally:
-    timed[0].task(timed[1], time.perf_counter() - t)
+    timed[0].task(timed[1], time.perf_counter() - t, cpu_s=time.thread_time() - cpu)
 
 
 class Stage(Protocol):

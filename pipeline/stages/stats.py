@@ -2,17 +2,17 @@
 
 A `Recorder` belongs to one stream and travels with its stages into Grain's worker processes,
 where it starts again from zero (counters are per process). Each stage adds what it did:
-elements handed on, the seconds its threads were busy and each task's duration (a log2
-histogram, for p50/p99), the seconds its consumer waited for it and how many elements it had
-started then (queue occupancy). Storage counters come from the read stage's `ReadStats`. A
-process's counters ride on every batch it makes (STATS_KEY, a small float64 array, as the skip
-count does), so the main process sees every worker's latest figures without a channel of its
-own; `Stats` turns them into rows over the interval since the previous `stats()` call, in
-images per second, names the slowest stage and makes a table, with each process's memory
-(RSS), how long it took to start (a worker: interpreter, imports, its stages unpickled) and
-whether it loaded JAX (`pipeline.host.light`: workers do not). In a process that has
-imported jax, each task is also a profiler trace annotation named `pipeline.STAGE`, with the
-`_ipl_stage_*` metadata Grain gives its own stages, so a `jax.profiler` trace shows the
+elements handed on, the seconds its threads were busy (and their CPU seconds) and each task's
+duration (a log2 histogram, for p50/p99), the seconds its consumer waited for it and how many
+elements it had started then (queue occupancy). Storage counters come from the read stage's
+`ReadStats`. A process's counters ride on every batch it makes (STATS_KEY, a small float64
+array, as the skip count does), so the main process sees every worker's latest figures without
+a channel of its own; `Stats` turns them into rows over the interval since the previous
+`stats()` call, in images per second, names the slowest stage and makes a table, with each
+process's memory (RSS), how long it took to start (a worker: interpreter, imports, its stages
+unpickled) and whether it loaded JAX (`pipeline.host.light`: workers do not). In a process that
+has imported jax, each task is also a profiler trace annotation named `pipeline.STAGE`, with
+the `_ipl_stage_*` metadata Grain gives its own stages, so a `jax.profiler` trace shows the
 stages beside the steps.
 """
 
@@ -33,7 +33,7 @@ STAGES = ("plan", "read", "decode", "finish", "handoff")
 _ROW = {stage: row for row, stage in enumerate(STAGES)}
 _CATEGORIES = {"read": "read", "handoff": "prefetch"}  # Grain's; the rest "preprocessing"
 BINS = 40  # task durations in log2 bins of microseconds: 1 us .. ~6 days
-_COUNTS = ("items", "busy_s", "tasks", "wait_s", "waits", "started", "queues")  # then BINS
+_COUNTS = ("items", "busy_s", "tasks", "wait_s", "waits", "started", "queues", "cpu_s")  # BINS
 STORAGE = ("requests", "request_bytes", "request_records", "retries", "reads", "cached")
 _HEAD = 2  # the first row: pid, seconds since the recorder's start, RSS, start-up, JAX loaded;
 # the second: the storage counters
@@ -58,14 +58,16 @@ class Recorder:
   def __setstate__(self, state):
     self._reset()
 
-  def task(self, stage: str, seconds: float, items: int = 0) -> None:
-    """A task of `stage` ran `seconds` on one of its threads (`items`: elements it finished)."""
+  def task(self, stage: str, seconds: float, items: int = 0, cpu_s: float = 0.0) -> None:
+    """A task of `stage` ran `seconds` on one of its threads, `cpu_s` of them on a CPU
+    (`items`: elements it finished)."""
     b = len(_COUNTS) + min(int(math.log2(max(seconds * 1e6, 1.0))), BINS - 1)
     c = self._counts[_ROW[stage]]
     with self._lock:
       c[0] += items
       c[1] += seconds
       c[2] += 1
+      c[7] += cpu_s
       c[b] += 1
 
   def handed(self, stage: str, waited_s: float, started: int | None = None) -> None:
@@ -140,10 +142,10 @@ class Timed:
     self.fn, self.recorder, self.stage, self.read = fn, recorder, stage, read
 
   def __call__(self, element):
-    t = time.perf_counter()
+    t, cpu = time.perf_counter(), time.thread_time()
     with annotation(self.stage):
       out = self.fn(element)
-    self.recorder.task(self.stage, time.perf_counter() - t, 1)
+    self.recorder.task(self.stage, time.perf_counter() - t, 1, time.thread_time() - cpu)
     if self.read is not None:
       out[STATS_KEY] = self.recorder.snapshot(self.read)
     return out
@@ -152,9 +154,9 @@ class Timed:
 @dataclasses.dataclass(frozen=True)
 class Row:
   """One stage in one process over the interval (`collect`). `items`: batches it handed on;
-  `busy`: its threads' busy seconds per second (threads kept busy); `wait_share`: of the
-  interval's seconds, those its consumer waited for it; `queued`: elements it had started, on
-  average, when one was asked for (None: not seen)."""
+  `busy`: its threads' busy seconds per second (threads kept busy), `cpu` their CPU seconds per
+  second; `wait_share`: of the interval's seconds, those its consumer waited for it; `queued`:
+  elements it had started, on average, when one was asked for (None: not seen)."""
 
   process: str
   stage: str
@@ -165,6 +167,7 @@ class Row:
   queued: float | None
   p50_ms: float
   p99_ms: float
+  cpu: float = 0.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -311,6 +314,7 @@ def _row(process: str, stage: str, c: np.ndarray, elapsed: float, batch_size: in
     queued=float(c[5] / c[6]) if c[6] else None,
     p50_ms=_quantile(hist, 0.5),
     p99_ms=_quantile(hist, 0.99),
+    cpu=float(c[7] / elapsed),
   )
 
 

@@ -50,6 +50,8 @@ def test_one_process_counts_every_stage_and_each_storage_read(digits_dir):
   for stage in STAGES:  # work started ahead is counted too, never less than what came out
     assert main[stage].items >= 10, (stage, s.table())
   assert main["decode"].busy > 0 and main["decode"].p99_ms >= main["decode"].p50_ms > 0
+  # the CPU seconds of the stage's threads: within their busy seconds (the clocks read apart)
+  assert 0 < main["decode"].cpu <= 1.05 * main["decode"].busy + 1e-3, s.table()
   assert main["read"].queued is not None
   # the global order reads one record per request; a digits record is ~1 KB
   assert s.storage.requests == s.storage.reads >= 80

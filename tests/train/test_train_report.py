@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
+import pipeline
 from tests.conftest import free_port
 from tests.train.test_train import ROOT, env, train_cmd
 from train import podview, report
@@ -219,3 +220,20 @@ def test_a_profiler_trace_of_a_run_shows_the_pipeline_stages(digits_dir, tmp_pat
   data = trace.read_bytes()
   for stage in ("read", "decode", "finish", "handoff"):  # plan runs ahead, before the trace
     assert f"pipeline.{stage}".encode() in data, stage
+
+
+def test_an_input_bound_host_is_told_what_bounds_its_input_and_what_to_change(photos_dir):
+  """`report.advise`: `pipeline.explain` on a real stream's window (`Input.stats()`), the
+  host's cores and the step on device data, as config.input settings to try."""
+  one_thread = {"num_workers": 0, "num_threads": 1}
+  data = pipeline.input(photos_dir, global_batch_size=8, image_size=64, performance=one_thread)
+  for _ in range(12):
+    next(data)
+  window = data.stats()
+  data.close()
+  first, *tries = report.advise(data.spec, window, step_s=1e-6, cores=8)
+  assert first.startswith("what bounds the input: decode (num_threads=1 decode threads per "), first
+  assert tries[0].startswith("  try config.input.performance.num_workers="), tries
+  assert "config.input.performance.num_threads=" in tries[0] and "expected " in tries[0]
+  (keeps_up,) = report.advise(data.spec, window, step_s=100.0, cores=8)
+  assert "keeps up with a 100000 ms step" in keeps_up and "no input change" in keeps_up
