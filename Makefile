@@ -53,7 +53,7 @@ tensorboard: $(STAMP)  ## view a run's curves: make tensorboard WORKDIR=runs/def
 bench: data  ## benchmarks on the built-in photos; report, figures and logs in runs/bench
 	$(PY) -m bench all $(DATA)/photos --out runs/bench $(ARGS)
 
-bench-report: data  ## the same, rewriting the committed bench/REPORT.md, docs/bench and docs/study
+bench-report: data  ## the same, rewriting the committed bench/REPORT.md and docs/bench
 	$(PY) -m bench all $(DATA)/photos --out runs/bench --refresh $(ARGS)
 
 device-wheels:  ## download into .whl/ the wheels bench/device_check.sh installs on a GPU host (PYVER=3.12)

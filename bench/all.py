@@ -8,7 +8,8 @@ Each benchmark runs in its own fresh process (its start-up, memory and cores are
 and one that fails leaves the others' figures), writes OUT/NAME.json and OUT/NAME.log, and
 gets a section of REPORT.md: its tables and pictures, the machine and the exact command.
 REPORT.md and the pictures go to OUT too, unless --refresh asks for the committed copies:
-bench/REPORT.md, its pictures in docs/bench/ and the study in docs/study/.
+bench/REPORT.md and its pictures in docs/bench/. Figures measured by hand go to docs/HISTORY.md,
+finished studies to docs/study/: neither is rewritten here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ from importlib import metadata
 import tqdm
 from matplotlib import figure
 
-from bench import ceiling, layout, measure, scaling
+from bench import ceiling, measure, scaling
 from pipeline.catalog import manifest as manifest_lib
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
@@ -37,21 +38,20 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 
 @dataclasses.dataclass(frozen=True)
 class Outputs:
-  """Where a run writes: the benchmarks' JSON and logs, the report, its pictures, the study."""
+  """Where a run writes: the benchmarks' JSON and logs, the report, its pictures."""
 
   work: pathlib.Path
   report: pathlib.Path
   pictures: pathlib.Path
-  study: pathlib.Path
 
   @classmethod
   def at(cls, out: pathlib.Path, refresh: bool) -> Outputs:
     """Everything in `out`; with `refresh`, the report and pictures in the repository's
     committed places (named relative to the working directory, as commands show them)."""
     if not refresh:
-      return cls(out, out / "REPORT.md", out, out / "study")
+      return cls(out, out / "REPORT.md", out)
     here = lambda *parts: pathlib.Path(os.path.relpath(ROOT.joinpath(*parts)))
-    return cls(out, here("bench", "REPORT.md"), here("docs", "bench"), here("docs", "study"))
+    return cls(out, here("bench", "REPORT.md"), here("docs", "bench"))
 
   def link(self, path: pathlib.Path) -> str:
     """`path` as a link from the report."""
@@ -86,31 +86,12 @@ def _flags(args, **values) -> list[str]:
 
 def _figure_line(info: dict, command: str) -> str:
   took = f" ({info['bench_seconds']:.0f} s)" if "bench_seconds" in info else ""
-  return f"*Machine: {info.get('machine', measure.machine())}. Command: `{command}`{took}*"
+  machine = info.get("machine", measure.machine())
+  return f"*Machine: {machine}; {datetime.date.today()}. Command: `{command}`{took}*"
 
 
 def _ceiling(out: Outputs, info, command) -> str:
   return f"{ceiling.table(info)}\n\n{_figure_line(info, command)}"
-
-
-def _layout(out: Outputs, info, command) -> str:
-  fs = info["filesystem"]
-  picture = out.pictures / "layout.png"
-  _bars(
-    picture,
-    "layout: records/s (higher is better)",
-    {f"{r['reader']}, {r['order']}, {r['cache']}": r["records_per_sec"] for r in info["rows"]},
-  )
-  return (
-    f"{info['records']} records: {info['files_mb']} MB as one file per image "
-    f"({fs['files']}), {info['shards_mb']} MB in {info['shards']} ArrayRecord shard(s) "
-    f"({fs['shards']}); {'same' if fs['same_device'] else 'different'} device. "
-    "Warm rows read with every page in the page cache; cold rows after dropping the "
-    "files' pages with posix_fadvise(DONTNEED), the cached share measured by mincore "
-    "just before.\n\n"
-    f"{layout.table(info['rows'])}\n\n![layout]({out.link(picture)})\n\n"
-    f"{_figure_line(info, command)}"
-  )
 
 
 def _throughput(out: Outputs, info, command) -> str:
@@ -213,20 +194,6 @@ def _scaling(out: Outputs, info, command) -> str:
   )
 
 
-def _study(out: Outputs, info, command) -> str:
-  pictures = " ".join(
-    f"![{n}]({out.link(out.study / f'{n}.png')})"
-    for n in ("naive_chain", "optimized_chain")
-    if (out.study / f"{n}.png").exists()
-  )
-  log = (out.work / "study.log").read_text().strip()
-  results = out.link(out.study / "RESULTS.md")
-  return (
-    f"{log}\n\n{pictures}\n\nEvery variant's timeline: [{results}]({results}).\n\n"
-    f"{_figure_line(info, command)}"
-  )
-
-
 def _bars(path: pathlib.Path, title: str, values: dict[str, float]) -> None:
   fig = figure.Figure(figsize=(9, 0.6 + 0.32 * len(values)))
   ax = fig.subplots()
@@ -262,12 +229,6 @@ STEPS = [
     _ceiling,
   ),
   Step(
-    "layout",
-    "Layout: one file per image vs ArrayRecord shards",
-    lambda a, o: [a.data_dir, *_flags(a, repeats=(2, 1), json=o.work / "layout.json")],
-    _layout,
-  ),
-  Step(
     "throughput",
     "Throughput of the pipeline, with the per-stage breakdown",
     lambda a, o: [
@@ -296,12 +257,6 @@ STEPS = [
     "Conversion: images/s and MB/s",
     lambda a, o: [a.data_dir, *_flags(a, repeats=(2, 1), json=o.work / "convert.json")],
     lambda o, i, c: _log_section(o, i, c, "convert"),
-  ),
-  Step(
-    "study",
-    "The tf.data guide's artificial study on Grain",
-    lambda a, o: _flags(a, out=o.study, repeats=(3, 1), scale=(1.0, 0.2)),
-    _study,
   ),
   Step(
     "scaling",
@@ -385,8 +340,10 @@ def _header(args, argv, load: float) -> str:
     f"{metadata.version('grain')}; load average {load:.1f} at the start (figures from a "
     "shared machine are noisy: compare ratios within one run, not against other runs).\n"
     f"Data: `{args.data_dir}`; {_cached(args.data_dir)} of its shards' pages were in the "
-    "page cache at the start (mincore), so every benchmark but layout's cold rows "
-    "reads from a warm cache.\n"
+    "page cache at the start (mincore).\n\n"
+    "Figures measured by hand, round by round, each with its date and command: "
+    "[docs/HISTORY.md](../docs/HISTORY.md); finished studies: "
+    "[docs/study/](../docs/study/RESULTS.md).\n"
   )
 
 
@@ -394,7 +351,7 @@ def _cached(data_dir: str) -> str:
   try:
     meta = manifest_lib.load(data_dir)
     paths = [os.fspath(p) for split in meta.splits for p in meta.shard_paths(data_dir, split)]
-    return f"{layout.cached_share(paths):.0%}"
+    return f"{measure.cached_share(paths):.0%}"
   except (OSError, KeyError, ValueError):
     return "an unknown share"
 
@@ -424,18 +381,6 @@ def _summary(out: pathlib.Path) -> str:
       f"{a['first_batch_s'] / b['first_batch_s']:.2f}, peak RSS x"
       f"{a['peak_rss_mb'] / b['peak_rss_mb']:.2f}."
     )
-  st = _load(out / "layout.json")
-  if st:
-    cold = {
-      r["reader"]: r["records_per_sec"]
-      for r in st["rows"]
-      if r["cache"] == "cold" and r["order"] == "random"
-    }
-    lines.append(
-      "- Random reads, cold cache (records/s): "
-      + "; ".join(f"{k}: {v:.0f}" for k, v in cold.items())
-      + "."
-    )
   doc = _load(out / "doctor.json")
   if doc:
     recs = (
@@ -456,11 +401,6 @@ def _summary(out: pathlib.Path) -> str:
       f"cores projected {host['projected_img_s']:,} img/s with {host['workers']} workers x "
       f"{host['threads']} threads (batch {host['batch']})."
     )
-  study = out / "study.log"
-  if study.exists():
-    lines += [
-      f"- Study: {x}" for x in study.read_text().splitlines() if x.startswith("Optimized chain")
-    ]
   return "## Summary\n\n" + "\n".join(lines) + "\n" if lines else ""
 
 
@@ -475,13 +415,13 @@ def main(argv: list[str]) -> pathlib.Path:
     "--out",
     default="runs/bench",
     help="directory for the JSON figures and logs, and (without --refresh) "
-    "REPORT.md, the pictures and the study (default: runs/bench)",
+    "REPORT.md and the pictures (default: runs/bench)",
   )
   p.add_argument(
     "--refresh",
     action="store_true",
-    help="rewrite the committed report: bench/REPORT.md, docs/bench/*.png and "
-    "docs/study/ (every benchmark, full size)",
+    help="rewrite the committed report: bench/REPORT.md and docs/bench/*.png (every "
+    "benchmark, full size)",
   )
   p.add_argument(
     "--only",

@@ -1,6 +1,7 @@
 """How we measure a loader: first-batch latency, steady-state images/s, peak RSS; and what
 every benchmark shares: the machine line, the command line's common flags, JSON output,
-one-line failures, measuring children, worker processes' CPU, the C helpers' builds.
+one-line failures, measuring children, worker processes' CPU, the C helpers' builds, the
+share of a dataset's pages in the page cache.
 
 Throughput counts only batches after the first (steady state); the first batch's latency
 (from creating the iterator) is its own number. Peak RSS is sampled for this process and
@@ -10,9 +11,11 @@ its children (worker processes), so a loader with workers pays for them.
 from __future__ import annotations
 
 import argparse
+import ctypes
 import dataclasses
 import hashlib
 import json
+import mmap
 import os
 import pathlib
 import platform
@@ -21,12 +24,25 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import psutil
 
 from pipeline.host import memory
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mmap.restype = ctypes.c_void_p
+_libc.mmap.argtypes = [
+  ctypes.c_void_p,
+  ctypes.c_size_t,
+  ctypes.c_int,
+  ctypes.c_int,
+  ctypes.c_int,
+  ctypes.c_long,
+]
+_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
 
 
 @dataclasses.dataclass
@@ -314,3 +330,26 @@ def compiled(
     raise error(f"building {source.name} failed: {first}")
   os.replace(tmp, out)
   return out
+
+
+def cached_share(paths: Sequence[str]) -> float:
+  """Share of the files' pages now in the page cache (mincore(2); does not read them)."""
+  cached = total = 0
+  for path in paths:
+    size = os.path.getsize(path)
+    if not size:
+      continue
+    pages = -(-size // mmap.PAGESIZE)
+    with open(path, "rb") as f:
+      addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, f.fileno(), 0)
+      if addr in (None, ctypes.c_void_p(-1).value):
+        raise OSError(ctypes.get_errno(), f"mmap failed on {path}")
+      try:
+        vec = ctypes.create_string_buffer(pages)
+        if _libc.mincore(addr, size, vec):
+          raise OSError(ctypes.get_errno(), f"mincore failed on {path}")
+        cached += sum(b & 1 for b in vec.raw)
+      finally:
+        _libc.munmap(addr, size)
+    total += pages
+  return cached / total if total else 1.0

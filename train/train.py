@@ -110,7 +110,7 @@ def loss_fn(model, batch, num_classes, label_smoothing, dtype):
 def make_steps(graphdef, num_classes, config):
   """The jitted, pure train and eval steps over the (model, optimizer) state. The train step
   donates its state: updated in place, and a third less of the step's host work (buffers
-  to dispatch; bench/REPORT.md)."""
+  to dispatch; docs/HISTORY.md)."""
   dtype = jnp.dtype(config.compute_dtype)
 
   @functools.partial(jax.jit, donate_argnums=0)

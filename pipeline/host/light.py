@@ -25,7 +25,7 @@ import threading
 
 BLOCKED = ("jax", "jaxlib")
 # What importing JAX adds to a worker's RSS: 244-248 MB against 108-110 (light), 2 workers on
-# 8-image batches of 32 px under a script that imports JAX (2026-11-28, bench/REPORT.md).
+# 8-image batches of 32 px under a script that imports JAX (2026-11-28, docs/HISTORY.md).
 JAX_MB = 140
 _MAIN_KEYS = ("init_main_from_name", "init_main_from_path")  # spawn's re-import of __main__
 

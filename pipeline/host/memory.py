@@ -14,7 +14,7 @@ main process alone; P = max(W, 1) processes read and decode):
                    windows, and three batches' records (being decoded, read, and freed but
                    kept by malloc). Measured at 224 px (`bench throughput --pss`: peak PSS
                    above the imports) from batch 8 to 2048, every run held 88% of its plan
-                   or less (bench/REPORT.md, "The working memory at batch 8 to 2048"); the
+                   or less (docs/HISTORY.md, "The working memory at batch 8 to 2048"); the
                    rule it replaced, 8 batches' images, planned 1/20 of batch 8's and 1.9-2.2x
                    batch 2048's
     workers        W x `parallelism.worker_mb` (110 MB: a worker's RSS before its batches,

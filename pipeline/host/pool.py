@@ -4,7 +4,7 @@ nothing holds the first.
 Without it every batch (19 MB at 128 x 224 px) was a fresh allocation freed a few batches later:
 glibc then raised its mmap threshold past a batch's size and kept batches in its arenas, where
 they fragmented them (the loader held ~310 MB above its imports on 2 cores, ~245 MB with this;
-bench/REPORT.md, "The loader's memory and glibc's allocator"). Worker processes have their
+docs/HISTORY.md, "The loader's memory and glibc's allocator"). Worker processes have their
 rings of shared memory instead (`shm`).
 """
 

@@ -154,7 +154,7 @@ class ValueRange:
   the same values faster. This op is here so big_vision's pp strings run as written.
   Its output arrays are reused once nothing references them any more: a new 77 MB array per
   batch costs as much in page faults and zeroing as the arithmetic (without the reuse,
-  bit_i1k's pp_train took ~1.1x the CPU per image; bench/REPORT.md, issue 38). One you hold
+  bit_i1k's pp_train took ~1.1x the CPU per image; docs/HISTORY.md, issue 38). One you hold
   is never overwritten.
   """
 

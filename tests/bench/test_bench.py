@@ -14,7 +14,7 @@ import grain
 import pytest
 
 from bench import all as bench_all
-from bench import ceiling, gets, host, layout, peers, storage, throughput
+from bench import ceiling, gets, host, measure, peers, storage, throughput
 from pipeline.catalog import manifest, records
 from pipeline.convert import tfrecord
 
@@ -33,36 +33,6 @@ def test_ceiling_decodes_every_image_whole_and_scaled(photos_dir, tmp_path):
   assert set(result["ceiling_images_per_sec"]) == {"1/1", "1/2"}
   saved = json.loads(out.read_text())
   assert saved["command"].startswith("python -m bench ceiling") and saved["machine"]
-
-
-def test_layout_reads_both_layouts_warm_and_cold_and_cleans_up(photos_dir, tmp_path):
-  work = tmp_path / "tmp"
-  work.mkdir()
-  result = layout.main(
-    [
-      str(photos_dir),
-      "--repeats",
-      "1",
-      "--batch-size",
-      "8",
-      "--threads",
-      "2",
-      "--tmp-dir",
-      str(work),
-      "--json",
-      str(tmp_path / "s.json"),
-    ]
-  )
-  assert list(work.iterdir()) == []  # the one-file-per-image copy is gone
-  rows = result["rows"]
-  assert len(rows) == 4 * 2 * 2  # readers x orders x cache states
-  assert {r["records"] for r in rows} == {48}
-  assert all(r["records_per_sec"] > 0 and r["mb_per_sec"] > 0 for r in rows)
-  # Files hold the JPEG bytes; shards hold them inside Examples (a little more).
-  assert 0 < result["files_mb"] <= result["shards_mb"]
-  assert all(r["cached_share_before"] == 1.0 for r in rows if r["cache"] == "warm")
-  if result["filesystem"]["files"] not in ("tmpfs", "ramfs", "overlay"):
-    assert all(r["cached_share_before"] < 0.5 for r in rows if r["cache"] == "cold")
 
 
 def test_storage_can_reshard_in_class_order_as_an_image_folder_converts(photos_dir, tmp_path):
@@ -138,13 +108,28 @@ def test_host_runs_both_orders_locally_and_through_the_rig_beside_the_model(
 
 
 def test_page_cache_share_follows_reads_and_eviction(tmp_path):
+  """`measure.cached_share` (the report's header): the pages of a file just read, then none
+  once dropped (where the filesystem drops them: not tmpfs or an overlay's upper layer)."""
   path = tmp_path / "blob"
-  path.write_bytes(os.urandom(1 << 20))  # dirty pages: evict() writes them back first
+  path.write_bytes(os.urandom(1 << 20))
   path.read_bytes()
-  assert layout.cached_share([str(path)]) == 1.0
-  layout.evict([str(path)])
-  if layout.filesystem(str(path)) not in ("tmpfs", "ramfs", "overlay"):
-    assert layout.cached_share([str(path)]) < 0.5
+  assert measure.cached_share([str(path)]) == 1.0
+  fd = os.open(path, os.O_RDONLY)
+  try:
+    os.fdatasync(fd)  # dirty pages cannot be dropped: written back first
+    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+  finally:
+    os.close(fd)
+  if filesystem(path) not in ("tmpfs", "ramfs", "overlay"):
+    assert measure.cached_share([str(path)]) < 0.5
+
+
+def filesystem(path: pathlib.Path) -> str:
+  """The type of the filesystem holding `path`: its longest mount point in /proc/mounts."""
+  real = os.path.realpath(path)
+  mounts = [line.split()[1:3] for line in pathlib.Path("/proc/mounts").read_text().splitlines()]
+  under = [m for m in mounts if real == m[0] or real.startswith(m[0].rstrip("/") + "/")]
+  return max(under, key=lambda m: len(m[0]))[1]
 
 
 def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
@@ -290,7 +275,7 @@ def test_all_runs_every_benchmark(photos_dir, tmp_path):
   report = bench_all.main([str(photos_dir), "--out", str(out), "--quick"]).read_text()
   check_report(report, [s.name for s in bench_all.STEPS])
   shown = pictures(out / "REPORT.md")
-  for picture in ("layout.png", "throughput.png", "study/naive_chain.png"):
+  for picture in ("throughput.png", "doctor_timeline.png"):
     assert (out / picture).read_bytes()[:4] == b"\x89PNG" and (out / picture).resolve() in shown
 
 
@@ -318,11 +303,10 @@ def test_refresh_writes_the_committed_report_with_links_into_docs():
   out = bench_all.Outputs.at(pathlib.Path("runs/bench"), refresh=True)
   assert out.report.resolve() == ROOT / "bench" / "REPORT.md"
   assert out.pictures.resolve() == ROOT / "docs" / "bench"
-  assert out.study.resolve() == ROOT / "docs" / "study"
-  assert out.link(out.pictures / "layout.png") == "../docs/bench/layout.png"
+  assert out.link(out.pictures / "throughput.png") == "../docs/bench/throughput.png"
   plain = bench_all.Outputs.at(pathlib.Path("runs/bench"), refresh=False)
   assert plain.report == pathlib.Path("runs/bench/REPORT.md")
-  assert plain.link(plain.study / "naive.png") == "study/naive.png"
+  assert plain.link(plain.pictures / "throughput.png") == "throughput.png"
 
 
 def test_committed_pictures_are_pngs_under_docs_and_every_shown_one_exists():
@@ -382,7 +366,7 @@ def test_import_pipeline_loads_neither_the_tools_nor_their_dependencies(run_pyth
   assert not loaded & tools, loaded & tools
 
 
-@pytest.mark.parametrize("module", [layout, storage, gets, ceiling, host, bench_all])
+@pytest.mark.parametrize("module", [storage, gets, ceiling, host, bench_all])
 def test_cli_help(module, capsys):
   with pytest.raises(SystemExit) as exit_:
     module.main(["--help"])
