@@ -150,13 +150,19 @@ RULES = {
   "pipeline.image": lambda other: (
     other.startswith("pipeline.image") or other == ("pipeline.catalog.records")
   ),
+  "pipeline.explain": lambda other: (
+    other.startswith(
+      ("pipeline.explain", "pipeline.host", "pipeline.stages", "pipeline.order", "pipeline.image")
+    )
+    or other == "pipeline.spec"
+  ),
 }
 
 
 def test_each_role_folder_imports_only_what_its_rule_allows():
   """`order/`, `storage/` and `host/` never import a stage, `storage/` nothing of the catalog (a
   shard's backend and pins are storage's; the catalog describes); `image/` imports only the record
-  schema."""
+  schema; `explain/` reads the host model, the stages' figures and the spec, never the face."""
   if not GRAPH:
     test_pipeline_modules_import_each_other_at_the_top_and_in_no_circle()
   assert {m.rpartition(".")[0] for m in GRAPH if m.count(".") == 2} >= set(RULES)
