@@ -34,10 +34,11 @@ def open_input(
 ) -> pipeline.Input:
   """The train or eval stream (`pipeline.input` of `config.input` or `config.eval_input`,
   `source`'s dataset and its own settings (split, pp, image_size, ops...) over them, if
-  given); batches the steps cannot take are refused (`check_batches`). Unless config.eval_input sets its own
-  `performance.memory_mb`, the eval stream plans `beside` the train stream, within the one
-  budget (config.input's, or the default). `config.input.image_size` fills a pp string's
-  `image_size`; a pp string's head that writes its own size keeps it."""
+  given); batches the steps cannot take are refused (`check_batches`). Unless
+  config.eval_input sets its own `performance.memory_mb`, the eval stream plans `beside` the
+  train stream, within the one budget (config.input's, or the default).
+  `config.input.image_size` fills a pp string's `image_size`; a pp string's head that writes
+  its own size keeps it."""
   where = "config.eval_input" if evaluation else "config.input"
   kwargs = config_lib.dataset_kwargs(config, evaluation)
   eval_input = config.get("eval_input", {})

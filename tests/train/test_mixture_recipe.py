@@ -7,7 +7,6 @@ import jax.numpy as jnp
 import pytest
 
 import pipeline
-
 from configs import mixture
 from tests.train.test_train_config import plan_line, run_train
 from train import UsageError, inputs, train
