@@ -12,6 +12,7 @@ import numpy as np
 
 from pipeline.host.pool import BatchPool
 from pipeline.pp import features as features_lib
+from pipeline.stages.decode import task_size
 from pipeline.stages.plan import Batch, PlanBatches
 
 
@@ -62,7 +63,7 @@ class MixDecode:
     batch.labels, batch.bad = np.zeros(n, np.int64), np.zeros(n, bool)
     if self.features:
       batch.extras = features_lib.allocate(self.features, n)
-    started = []
+    started, step = [], task_size(n, self.parts[0].num_threads)  # the batch's tasks, not more
     for s in np.unique(batch.sources).tolist():
       slots = np.flatnonzero(batch.sources == s)
       sub = Batch(
@@ -72,7 +73,7 @@ class MixDecode:
         records=[batch.records[k] for k in slots],
         where=batch.where,
       )
-      started.append((s, slots, self.parts[s].start(sub)))
+      started.append((s, slots, self.parts[s].start(sub, step)))
     return batch, started
 
   def finish(self, started: tuple[Batch, list]) -> Batch:

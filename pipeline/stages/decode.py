@@ -78,11 +78,12 @@ class DecodeImages:
   def depth(self) -> int:
     return self.prefetch
 
-  def start(self, batch: Batch) -> tuple[Batch, list]:
+  def start(self, batch: Batch, step: int | None = None) -> tuple[Batch, list]:
+    """Submits the batch's decode tasks of `step` images (default: `task_size` of it)."""
     n, size = len(batch.indices), self.head.image_size
     batch.images = self.allocate((n, size, size, 3), np.uint8)
     batch.labels, batch.bad = np.zeros(n, np.int64), np.zeros(n, bool)
-    step = task_size(n, self.num_threads)
+    step = step or task_size(n, self.num_threads)
     native = [r if isinstance(r, bytes) else None for r in batch.records]
     return batch, [
       self.threads.submit(self.load, batch, native, k, min(k + step, n)) for k in range(0, n, step)
