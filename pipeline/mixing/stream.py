@@ -100,9 +100,7 @@ class MixStreamIterator(stream_lib.StreamIterator):
       "sources": m.digests,
     }
     resumed = {
-      n: [list(x) for x in s.resumed]
-      for n, s in zip(m.names, m.sampler.samplers)
-      if getattr(s, "resumed", ())
+      n: [list(x) for x in s.resumed] for n, s in zip(m.names, m.sampler.samplers) if s.resumed
     }
     if resumed:
       state["mixture"]["resumed"] = resumed
