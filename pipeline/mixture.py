@@ -20,7 +20,8 @@ class name. Every batch holds "source" (int32, the index into the mixture's name
 
 A state names each source's uses so far: restored into a mixture with other weights, or with
 sources added or removed, each source continues from its own position (one line says so),
-on any process count (`pipeline.order.elastic`); a state of a mixture with no source in
+on any process count (`pipeline.order.elastic`; in the block order each source's interrupted
+epoch is dealt out anew, `pipeline.mixing.stream`); a state of a mixture with no source in
 common, or of a single dataset, is refused.
 """
 
@@ -202,7 +203,8 @@ def stages(data_dir: Mapping, split: str = "train", **keywords) -> dict:
       f"blocks of {samplers[0].blocks.block_records}, each source its own, each process its "
       f"own, in rounds over windows of {_windows(base, shard[1])} blocks shared by the sources"
     )
-  mixture = Mixture(names, schedule, sampler, chosen.workers, digests)
+  windows = _windows(base, shard[1]) if local else None
+  mixture = Mixture(names, schedule, sampler, chosen.workers, digests, windows)
   _announce(mixture, [len(src) for _, src, _ in opened], chosen, read)
   return dict(
     plan=MixPlan(sampler, base.batch_size),

@@ -33,11 +33,12 @@ def open_input(
   source: pipeline.Source | None = None,
 ) -> pipeline.Input:
   """The train or eval stream (`pipeline.input` of `config.input` or `config.eval_input`,
-  `source`'s dataset, split and pp in place of its own, if given); batches the steps cannot
-  take are refused (`check_batches`). Unless config.eval_input sets its own
-  `performance.memory_mb`, the eval stream plans `beside` the train stream, within the one
-  budget (config.input's, or the default). `config.input.image_size` fills a pp string's
-  `image_size`; a pp string's head that writes its own size keeps it."""
+  `source`'s dataset and its own settings (split, pp, image_size, ops...) over them, if
+  given); batches the steps cannot take are refused (`check_batches`). Unless
+  config.eval_input sets its own `performance.memory_mb`, the eval stream plans `beside` the
+  train stream, within the one budget (config.input's, or the default).
+  `config.input.image_size` fills a pp string's `image_size`; a pp string's head that writes
+  its own size keeps it."""
   where = "config.eval_input" if evaluation else "config.input"
   kwargs = config_lib.dataset_kwargs(config, evaluation)
   eval_input = config.get("eval_input", {})
@@ -46,7 +47,11 @@ def open_input(
   if source is not None:
     kwargs.pop("weights", None), kwargs.pop("labels", None)
     kwargs["data_dir"] = str(source.data_dir)
-    kwargs.update({k: v for k, v in (("split", source.split), ("pp", source.pp)) if v})
+    if source.pp is not None:  # its head and ops in place of config.eval_input's
+      for key in ("pp", "ops"):
+        kwargs.pop(key, None)
+    own = ("split", "pp", "augment", "image_size", "ops", "features")
+    kwargs.update({k: getattr(source, k) for k in own if getattr(source, k) is not None})
   try:
     if "pp" in kwargs and pipeline.pp.image_size(kwargs["pp"]) is not None:
       kwargs.pop("image_size", None)

@@ -1,7 +1,8 @@
 """A mixture's plan and decode stages (`pipeline.mixture`): each slot's source, and each
 source's slots decoded by its own head on the one decode pool, checked, its ops run and its
 features read, and mapped into one batch (a source's slots gathered into a pooled buffer,
-decoded, then copied into place).
+decoded, then copied into place; or, where its head makes the batch's images as they are,
+decoded straight into its rows).
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 
 from pipeline.host.pool import BatchPool
 from pipeline.pp import features as features_lib
+from pipeline.stages.decode import task_size
 from pipeline.stages.plan import Batch, PlanBatches
 
 
@@ -62,7 +64,7 @@ class MixDecode:
     batch.labels, batch.bad = np.zeros(n, np.int64), np.zeros(n, bool)
     if self.features:
       batch.extras = features_lib.allocate(self.features, n)
-    started = []
+    started, step = [], task_size(n, self.parts[0].num_threads)  # the batch's tasks, not more
     for s in np.unique(batch.sources).tolist():
       slots = np.flatnonzero(batch.sources == s)
       sub = Batch(
@@ -72,22 +74,36 @@ class MixDecode:
         records=[batch.records[k] for k in slots],
         where=batch.where,
       )
-      started.append((s, slots, self.parts[s].start(sub)))
+      if self._in_place(s, batch.images):  # decoded straight into its rows: no copy
+        sub.images, sub.rows = batch.images, slots
+      started.append((s, slots, self.parts[s].start(sub, step)))
     return batch, started
+
+  def _in_place(self, s: int, images: np.ndarray) -> bool:
+    """Whether source `s`'s head makes the batch's images as they are (no image ops after it)."""
+    size = self.parts[s].head.image_size
+    return (
+      not self.checks[s].image_ops
+      and images.shape[1:] == (size, size, 3)
+      and (images.dtype == np.uint8)
+    )
 
   def finish(self, started: tuple[Batch, list]) -> Batch:
     batch, parts = started
     for s, slots, part in parts:
       sub = self.parts[s].finish(part)
+      if sub.rows is not None:  # its images in place: the checks see none (it has no ops)
+        sub.images = np.empty((len(slots), 0, 0, 3), np.uint8)
       out = self.checks[s](sub)
       image = out["image"]
-      if image.shape[1:] != batch.images.shape[1:] or image.dtype != batch.images.dtype:
-        raise ValueError(
-          f"source {self.names[s]!r}'s ops give {image.dtype}{list(image.shape[1:])}, the "
-          f"mixture's images are {batch.images.dtype}{list(batch.images.shape[1:])}: every "
-          "source's images must come out alike (its image_size=, pp= or ops=)"
-        )
-      batch.images[slots] = image
+      if sub.rows is None:
+        if image.shape[1:] != batch.images.shape[1:] or image.dtype != batch.images.dtype:
+          raise ValueError(
+            f"source {self.names[s]!r}'s ops give {image.dtype}{list(image.shape[1:])}, the "
+            f"mixture's images are {batch.images.dtype}{list(batch.images.shape[1:])}: every "
+            "source's images must come out alike (its image_size=, pp= or ops=)"
+          )
+        batch.images[slots] = image
       for key, array in (batch.extras or {}).items():
         array[slots] = out[key]
       batch.bad[slots] = ~out["mask"]

@@ -10,7 +10,8 @@ their states resume on the same count only. The block order (each process its ow
 resumes on another count by its layouts (`resumed`): the records of the interrupted epoch that
 no process read, dealt out in blocks to the new processes (`rest_of_epoch`), which then read
 the next epochs as a fresh run on their count (other global batches than the uninterrupted
-run's; a mixture's block order resumes on its own count only).
+run's). A mixture's sources do so each on its own (`pipeline.mixing.stream`), their layouts
+naming also the windows they were read in (a source added or removed changes the others').
 A position means the same records only over the same shard list (names, record counts, order)
 and contents: a state names it (`shard_list`, with the manifest's digests), and one of another
 list, or of shards converted again under the same names, is refused; a state saved before
@@ -239,13 +240,7 @@ def resumed(state: dict, stream: dict) -> tuple[tuple[int, int, int], ...]:
   """The layouts (processes, batch, batches read) a block-order stream resumed on another
   process count was read in before (`Sampler.resumed`): `state`'s, and its own layout where
   it was saved on another count or batch."""
-  earlier = state.get("resumed", [])
-  if not isinstance(earlier, list) or not all(
-    isinstance(s, list) and len(s) == 3 and all(isinstance(v, int) and v >= 0 for v in s)
-    for s in earlier
-  ):
-    raise StateError(f"iterator state: 'resumed' is no list of layouts, got {earlier!r:.80}")
-  history = tuple(tuple(s) for s in earlier)
+  history = layouts(state.get("resumed", []))
   saved = state["stream"]
   if all(saved[k] == stream[k] for k in ("shard_count", "batch_size")):
     return history
@@ -258,6 +253,22 @@ def resumed(state: dict, stream: dict) -> tuple[tuple[int, int, int], ...]:
     "than the uninterrupted run's; the next epochs as a fresh run on this count"
   )
   return (*history, layout)
+
+
+def layouts(earlier) -> tuple[tuple[int, ...], ...]:
+  """A state's list of earlier layouts (`resumed`), checked: each (processes, batch, batches
+  read), and in a mixture's the blocks of its windows then (`Sampler.resumed`)."""
+  if not isinstance(earlier, list) or not all(
+    isinstance(s, list)
+    and len(s) in (3, 4)
+    and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in s)
+    and s[0] > 0
+    and s[1] > 0
+    and (len(s) == 3 or s[3] > 0)
+    for s in earlier
+  ):
+    raise StateError(f"iterator state: 'resumed' is no list of layouts, got {earlier!r:.80}")
+  return tuple(tuple(s) for s in earlier)
 
 
 @functools.lru_cache(maxsize=16)
@@ -280,7 +291,7 @@ def _interrupted(sampler) -> tuple[int, np.ndarray]:
   layouts' back to the last one that began before that epoch (one that resumed into an earlier
   epoch reads this one whole, as a fresh run does)."""
   history = sampler.resumed
-  n, b, k = history[-1]
+  n, b, k = history[-1][:3]
   epoch = min(int(s.records(np.array([k * b]))[0][0]) for s in _layout(sampler, len(history) - 1))
   bases = [
     _interrupted(dataclasses.replace(sampler, resumed=history[:j]))[0]
@@ -289,7 +300,7 @@ def _interrupted(sampler) -> tuple[int, np.ndarray]:
   since = max([j for j, base in enumerate(bases, 1) if base < epoch], default=0)
   read = [np.zeros(0, np.int64)]
   for j in range(since, len(history)):
-    _, b, k = history[j]
+    _, b, k = history[j][:3]
     for s in _layout(sampler, j):
       lo, hi = s.epoch_start(epoch), min(k * b, s.epoch_start(epoch + 1))
       epochs, records = s.records(np.arange(lo, max(lo, hi)))
@@ -298,10 +309,16 @@ def _interrupted(sampler) -> tuple[int, np.ndarray]:
 
 
 def _layout(sampler, j: int) -> list:
-  """The processes' samplers of layout `j` of `sampler.resumed`."""
-  n, b, _ = sampler.resumed[j]
+  """The processes' samplers of layout `j` of `sampler.resumed` (in its windows, if it names
+  them: a mixture's source)."""
+  n, b, _, *windows = sampler.resumed[j]
   history = sampler.resumed[:j]
+  blocks = sampler.blocks
+  if windows:
+    blocks = dataclasses.replace(blocks, window_blocks=windows[0])
   return [
-    dataclasses.replace(sampler, shard_index=p, shard_count=n, block=b, resumed=history)
+    dataclasses.replace(
+      sampler, shard_index=p, shard_count=n, block=b, blocks=blocks, resumed=history
+    )
     for p in range(n)
   ]

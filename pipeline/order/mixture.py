@@ -127,8 +127,10 @@ class MixSampler:
     self.num_records = sum(s.num_records for s in self.samplers)
     self.resume(0, np.zeros(len(self.samplers), np.int64))
 
-  def resume(self, start: int, base: Sequence[int]) -> None:
-    """From position `start` on, source s's uses continue from its count `base[s]`."""
+  def resume(self, start: int, base: Sequence[int], samplers: Sequence | None = None) -> None:
+    """From position `start` on, source s's uses continue from its count `base[s]` (of its
+    order in `samplers[s]`, where given: a block order resumed after other layouts)."""
+    self.samplers = list(samplers or self.samplers)
     self.start, self.base = int(start), np.asarray(base, np.int64)
     self._shift = self.base - self.schedule.counts(self._scheduled(self.start))
 

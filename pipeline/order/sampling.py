@@ -56,8 +56,8 @@ class Sampler:
   shard_records: tuple[int, ...] | None = None  # set: this process owns whole shards
   block: int = 1  # global order: positions a process takes in a row (its batch size)
   blocks: Blocks | None = None  # set: the block order (`pipeline.order.blocks`) instead of permute
-  resumed: tuple[tuple[int, int, int], ...] = ()  # the block order resumed on this count: the
-  # (processes, batch, batches) it was read in before (`pipeline.order.elastic.resumed`)
+  resumed: tuple[tuple[int, ...], ...] = ()  # the block order resumed on this count: the
+  # (processes, batch, batches[, window_blocks]) it was read in before (`elastic.resumed`)
 
   def __post_init__(self):
     if self.shard_records is not None and len(self.shard_records) < self.shard_count:

@@ -78,11 +78,14 @@ class DecodeImages:
   def depth(self) -> int:
     return self.prefetch
 
-  def start(self, batch: Batch) -> tuple[Batch, list]:
+  def start(self, batch: Batch, step: int | None = None) -> tuple[Batch, list]:
+    """Submits the batch's decode tasks of `step` images (default: `task_size` of it). With
+    `batch.rows`, slot k fills row `rows[k]` of the `batch.images` given (a mixture's)."""
     n, size = len(batch.indices), self.head.image_size
-    batch.images = self.allocate((n, size, size, 3), np.uint8)
+    if batch.rows is None:
+      batch.images = self.allocate((n, size, size, 3), np.uint8)
     batch.labels, batch.bad = np.zeros(n, np.int64), np.zeros(n, bool)
-    step = task_size(n, self.num_threads)
+    step = step or task_size(n, self.num_threads)
     native = [r if isinstance(r, bytes) else None for r in batch.records]
     return batch, [
       self.threads.submit(self.load, batch, native, k, min(k + step, n)) for k in range(0, n, step)
@@ -116,6 +119,7 @@ class DecodeImages:
     """One GIL-free call decodes the chunk's windows into this thread's arena; each is then
     resized into its slot. Returns the (slot, message) it handed back."""
     head, slot_bytes, images = self.head, self.slot_bytes, batch.images
+    rows = range(len(real)) if batch.rows is None else batch.rows.tolist()
     arena = getattr(_ARENAS, "arena", None)
     if arena is None or len(arena) < (stop - start) * slot_bytes:
       arena = _ARENAS.arena = np.empty((stop - start) * slot_bytes, np.uint8)
@@ -128,15 +132,17 @@ class DecodeImages:
         window = arena[at : at + h * w * 3].reshape(h, w, 3)
         if full is None:
           interpolation = augment.interpolation(h, w, head.image_size, head.bicubic)
-          cv2.resize(window, (head.image_size,) * 2, dst=images[slot], interpolation=interpolation)
+          out = images[rows[slot]]
+          cv2.resize(window, (head.image_size,) * 2, dst=out, interpolation=interpolation)
         else:  # resize_then_crop: the whole (DCT-scaled) image, its full size from the header
-          head.finish(window, tuple(full[slot]), images[slot])
+          head.finish(window, tuple(full[slot]), images[rows[slot]])
     return handed_back
 
   def _python_slot(self, batch: Batch, slot: int) -> None:
     try:
       data, batch.labels[slot], _ = records.parse(batch.records[slot], self.keys)
-      self.python_image(data, int(batch.epochs[slot]), int(batch.indices[slot]), batch.images[slot])
+      row = slot if batch.rows is None else int(batch.rows[slot])
+      self.python_image(data, int(batch.epochs[slot]), int(batch.indices[slot]), batch.images[row])
     except (records.RecordError, decode.DecodeError) as e:
       self._fail(batch, slot, str(e))
 

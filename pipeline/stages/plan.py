@@ -36,6 +36,7 @@ class Batch:
   where: Callable[[int], str] = str  # read: names a record index for errors (shard, record)
   sources: np.ndarray | None = None  # plan, in a mixture: the source of each slot
   extras: dict | None = None  # decode, in a mixture: its sources' features (`pipeline.mixing`)
+  rows: np.ndarray | None = None  # decode, a mixture's source: the row of `images` of each slot
 
   @property
   def real(self) -> np.ndarray:

@@ -6,6 +6,7 @@ import re
 import jax.numpy as jnp
 import pytest
 
+import pipeline
 from configs import mixture
 from tests.train.test_train_config import plan_line, run_train
 from train import UsageError, inputs, train
@@ -117,3 +118,30 @@ def test_the_trainer_trains_on_a_mixture_and_logs_each_sources_share_and_eval(
   ]
   logged = set().union(*rows)
   assert {"eval/loss", "eval/digits_top1", "eval/photos_top1", "eval/photos_loss"} <= logged
+
+
+def test_eval_sources_may_be_pipeline_sources_with_their_own_split_pp_and_size(
+  digits_dir, photos_dir
+):
+  config = recipe(digits_dir, photos_dir)
+  config.eval_input.data_dir = {
+    "digits": pipeline.Source(digits_dir, split="train", image_size=24),
+    "photos": pipeline.Source(photos_dir, pp="decode|resize_small(48)|central_crop(40)"),
+  }
+  shapes = []
+
+  def step(state, batch):
+    shapes.append(batch["image"].shape[1:])
+    return in_photos_classes(state, batch)
+
+  setup = train.prepare(config)
+  try:
+    streams = setup.eval.streams
+    assert streams["digits"].num_examples == 240  # its own split: train, not validation's 60
+    ev = inputs.evaluate(step, None, setup.eval)
+  finally:
+    setup.train.close()
+    setup.eval.close()
+  assert shapes == [(24, 24, 3)] * 2 + [(40, 40, 3)]  # digits in 2 batches of 128, photos 1
+  assert ev["eval_sources"]["photos"]["top1"] == 1.0  # in the mixture's classes
+  assert ev["eval_sources"]["digits"]["examples"] == 240
