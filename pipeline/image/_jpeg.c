@@ -6,8 +6,10 @@
  * the crop window and the flip from a counter-based hash of (seed, epoch, record index) (so a
  * record's augmentation does not depend on threads, workers or the resume point), and decodes
  * only that window (libjpeg-turbo's jpeg_crop_scanline and jpeg_skip_scanlines, DCT-scaled when
- * the window is >= 2x the target: tf.data's decode_and_crop_jpeg), mirrored on the way, into the
- * caller's arena. The caller resizes each window into its batch slot (OpenCV). Records it cannot
+ * the window is >= 2x the target: tf.data's decode_and_crop_jpeg) into the caller's arena, then
+ * resizes it into its batch slot, mirrored on the way, with OpenCV's bilinear pixels to the bit
+ * (resize_linear); windows for another filter go back to the caller mirrored, for OpenCV to
+ * resize (without a batch array: all of them, mirrored while decoded). Records it cannot
  * take (not a JPEG, CMYK, an unusual Example) are handed back for the Python path; broken ones
  * with the message the Python path would give.
  *
