@@ -19,13 +19,17 @@ from pipeline import dataset
 class Waits:
   """A stand-in for `_jpeg.BatchDecoder` (same call) that decodes nothing: each chunk waits
   `wait_us` per image without the GIL (time.sleep) and hands back every window at `size` x
-  `size`, so the stage's resize is a copy (train heads: resize_then_crop's still resizes)."""
+  `size`, so the stage's resize is a copy (train heads: resize_then_crop's still resizes),
+  unless given the batch's `images` to resize into, as the decoder's bilinear resize is."""
 
   def __init__(self, size: int, wait_us: float):
     self.size, self.wait_s = size, wait_us / 1e6
 
-  def __call__(self, records, epochs, indices, labels, dims, arena, start, stop, sizes=None):
-    dims[start:stop] = self.size
+  def __call__(
+    self, records, epochs, indices, labels, dims, arena, start, stop, sizes=None, images=None
+  ):
+    # with `images` the decoder resizes into the batch itself: no window left to the stage
+    dims[start:stop] = 0 if images is not None else self.size
     if sizes is not None:
       sizes[start:stop] = self.size
     time.sleep(self.wait_s * (stop - start))

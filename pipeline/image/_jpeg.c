@@ -6,8 +6,10 @@
  * the crop window and the flip from a counter-based hash of (seed, epoch, record index) (so a
  * record's augmentation does not depend on threads, workers or the resume point), and decodes
  * only that window (libjpeg-turbo's jpeg_crop_scanline and jpeg_skip_scanlines, DCT-scaled when
- * the window is >= 2x the target: tf.data's decode_and_crop_jpeg), mirrored on the way, into the
- * caller's arena. The caller resizes each window into its batch slot (OpenCV). Records it cannot
+ * the window is >= 2x the target: tf.data's decode_and_crop_jpeg) into the caller's arena, then
+ * resizes it into its batch slot, mirrored on the way, with OpenCV's bilinear pixels to the bit
+ * (resize_linear); windows for another filter go back to the caller mirrored, for OpenCV to
+ * resize (without a batch array: all of them, mirrored while decoded). Records it cannot
  * take (not a JPEG, CMYK, an unusual Example) are handed back for the Python path; broken ones
  * with the message the Python path would give.
  *
@@ -476,6 +478,159 @@ static void mirror_row(uint8_t *to, const uint8_t *from, long w) {
   for (; i < w; i++) memcpy(to + 3 * i, from + 3 * (w - 1 - i), 3);
 }
 
+/* Whether resize_linear gives OpenCV's pixels for an h x w window at size x size: bilinear,
+ * not area averaging (augment.interpolation: a shorter side over 2 x size), and not the exact
+ * 2:1 shrink cv2.resize turns into area averaging itself. */
+static int linear_resizable(long h, long w, long size) {
+  return (h < w ? h : w) <= 2 * size && !(h == 2 * size && w == 2 * size);
+}
+
+/* OpenCV's (imgproc/resize.cpp) coefficient of output position d for a src -> dst resize:
+ * the source index, the fraction in float, as cv2.resize computes them. */
+static float resize_at(long d, long src, long dst, long *s) {
+  double scale = 1. / ((double)dst / (double)src);
+  float f = (float)((d + 0.5) * scale - 0.5);
+  long i = (long)f;
+  i -= (float)i > f; /* cvFloor */
+  *s = i;
+  return f - (float)i;
+}
+
+/* The horizontal pass's taps of output column dx: the source pixels at byte offsets lo[dx] and
+ * hi[dx] (hi = lo + 3, or lo at a clamped edge) and their coefficients, packed as
+ * coef[dx] = c_lo | c_hi << 16. */
+typedef struct {
+  int32_t *lo, *hi, *coef, *rows[2];
+} taps_t;
+
+static int16_t coef_lo(int32_t coef) { return (int16_t)(coef & 0xffff); }
+static int16_t coef_hi(int32_t coef) { return (int16_t)((uint32_t)coef >> 16); }
+
+/* Output column dx of the horizontal pass: h[3 dx + c] = c_lo * row[lo + c] + c_hi * row[hi + c]. */
+static inline void resize_tap(int32_t *restrict h, const uint8_t *restrict row, const taps_t *t,
+                              long dx) {
+  const uint8_t *p = row + t->lo[dx], *q = row + t->hi[dx];
+  int32_t c0 = coef_lo(t->coef[dx]), c1 = coef_hi(t->coef[dx]);
+  h[3 * dx] = p[0] * c0 + q[0] * c1;
+  h[3 * dx + 1] = p[1] * c0 + q[1] * c1;
+  h[3 * dx + 2] = p[2] * c0 + q[2] * c1;
+}
+
+static void resize_row(int32_t *restrict h, const uint8_t *restrict row, const taps_t *t,
+                       long size) {
+  for (long dx = 0; dx < size; dx++) resize_tap(h, row, t, dx);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+/* resize_row with SSSE3: per column one 8-byte load of both taps, a shuffle into (lo, hi) pairs
+ * of 16-bit channels and one multiply-add (the same integers: pixels and coefficients fit in
+ * 16 bits, their sums in 32). A column whose load would pass the row's end is done as
+ * resize_row does it; `h` has room for one int32 past 3 x size. */
+__attribute__((target("ssse3"))) static void resize_row_ssse3(int32_t *restrict h,
+                                                              const uint8_t *restrict row,
+                                                              const taps_t *t, long w, long size) {
+  const __m128i pairs = _mm_setr_epi8(0, -128, 3, -128, 1, -128, 4, -128, 2, -128, 5, -128, -128,
+                                      -128, -128, -128);
+  for (long dx = 0; dx < size; dx++) {
+    if (t->lo[dx] + 8 > 3 * w) {
+      resize_tap(h, row, t, dx);
+      continue;
+    }
+    __m128i v = _mm_loadl_epi64((const __m128i *)(row + t->lo[dx]));
+    __m128i m = _mm_madd_epi16(_mm_shuffle_epi8(v, pairs), _mm_set1_epi32(t->coef[dx]));
+    _mm_storeu_si128((__m128i *)(h + 3 * dx), m);
+  }
+}
+#endif
+
+/* One output row from two horizontal rows: OpenCV's ((b0 * (s0 >> 4)) >> 16 + (b1 * (s1 >> 4))
+ * >> 16 + 2) >> 2, 8 values at a time as its SSE2 code (16-bit multiplies keeping the high
+ * half), the rest one at a time. */
+static void resize_column(uint8_t *restrict out, const int32_t *s0, const int32_t *s1, int16_t b0,
+                          int16_t b1, long n) {
+  long x = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  const __m128i v0 = _mm_set1_epi16(b0), v1 = _mm_set1_epi16(b1), two = _mm_set1_epi16(2);
+  for (; x + 8 <= n; x += 8) {
+    __m128i a = _mm_packs_epi32(_mm_srai_epi32(_mm_loadu_si128((const __m128i *)(s0 + x)), 4),
+                                _mm_srai_epi32(_mm_loadu_si128((const __m128i *)(s0 + x + 4)), 4));
+    __m128i b = _mm_packs_epi32(_mm_srai_epi32(_mm_loadu_si128((const __m128i *)(s1 + x)), 4),
+                                _mm_srai_epi32(_mm_loadu_si128((const __m128i *)(s1 + x + 4)), 4));
+    __m128i r = _mm_add_epi16(_mm_mulhi_epi16(a, v0), _mm_mulhi_epi16(b, v1));
+    r = _mm_srai_epi16(_mm_add_epi16(r, two), 2);
+    _mm_storel_epi64((__m128i *)(out + x), _mm_packus_epi16(r, r));
+  }
+#endif
+  for (; x < n; x++) {
+    int32_t v = (((b0 * (s0[x] >> 4)) >> 16) + ((b1 * (s1[x] >> 4)) >> 16) + 2) >> 2;
+    out[x] = (uint8_t)(v < 0 ? 0 : v > 255 ? 255 : v);
+  }
+}
+
+/* cv2.resize(window, (size, size), interpolation=INTER_LINEAR) of an RGB h x w window into
+ * `dst`, to the bit: OpenCV's 11-bit fixed-point coefficients (x clamped at the edges, y not:
+ * its rows clamped instead), its horizontal pass in int32 and its vertical rounding
+ * (resize_column). With `flip` the window's columns are read right to left: the resize of the
+ * mirrored window, without mirroring it. `work`: room for resize_work(size) bytes. */
+static size_t resize_work(long size) { return (size_t)(3 * size + 2 * (3 * size + 4)) * 4; }
+
+static void resize_linear(const uint8_t *src, long h, long w, uint8_t *dst, long size, int flip,
+                          void *work) {
+  taps_t t;
+  t.lo = (int32_t *)work, t.hi = t.lo + size, t.coef = t.hi + size;
+  t.rows[0] = t.coef + size, t.rows[1] = t.rows[0] + 3 * size + 4;
+  for (long dx = 0; dx < size; dx++) {
+    long sx;
+    float fx = resize_at(dx, w, size, &sx);
+    if (sx < 0) fx = 0, sx = 0;
+    if (sx >= w - 1) fx = 0, sx = w - 1;
+    long sx1 = sx + 1 < w ? sx + 1 : w - 1;
+    int32_t a0 = (int16_t)lrintf((1.f - fx) * 2048.f), a1 = (int16_t)lrintf(fx * 2048.f);
+    if (flip) sx = w - 1 - sx, sx1 = w - 1 - sx1;
+    int swap = sx1 < sx; /* mirrored: the second tap is the lower address */
+    t.lo[dx] = (int32_t)(3 * (swap ? sx1 : sx)), t.hi[dx] = (int32_t)(3 * (swap ? sx : sx1));
+    t.coef[dx] = (int32_t)((uint32_t)(uint16_t)(swap ? a1 : a0) |
+                           (uint32_t)(uint16_t)(swap ? a0 : a1) << 16);
+  }
+  int ssse3 = 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  ssse3 = __builtin_cpu_supports("ssse3");
+#endif
+  long have[2] = {-1, -1};
+  for (long dy = 0; dy < size; dy++) {
+    long sy;
+    float fy = resize_at(dy, h, size, &sy);
+    int16_t b0 = (int16_t)lrintf((1.f - fy) * 2048.f), b1 = (int16_t)lrintf(fy * 2048.f);
+    long r[2] = {sy < 0 ? 0 : sy >= h ? h - 1 : sy, sy + 1 < 0 ? 0 : sy + 1 >= h ? h - 1 : sy + 1};
+    int at[2];
+    for (int k = 0; k < 2; k++) {
+      at[k] = have[0] == r[k] ? 0 : have[1] == r[k] ? 1 : -1;
+      if (at[k] < 0) { /* into the row this output row does not need */
+        at[k] = k == 0 ? (have[1] == r[1] ? 0 : 1) : 1 - at[0];
+        const uint8_t *row = src + (size_t)r[k] * w * 3;
+#if defined(__x86_64__) && defined(__GNUC__)
+        if (ssse3)
+          resize_row_ssse3(t.rows[at[k]], row, &t, w, size);
+        else
+#endif
+          resize_row(t.rows[at[k]], row, &t, size);
+        have[at[k]] = r[k];
+      }
+    }
+    resize_column(dst + (size_t)dy * size * 3, t.rows[at[0]], t.rows[at[1]], b0, b1, 3 * size);
+  }
+}
+
+/* A window's pixels in reverse order, row by row, in place (for a window resized elsewhere). */
+static void mirror_in_place(uint8_t *buf, long h, long w) {
+  for (long r = 0; r < h; r++)
+    for (uint8_t *a = buf + (size_t)r * w * 3, *b = a + (w - 1) * 3; a < b; a += 3, b -= 3)
+      for (int c = 0; c < 3; c++) {
+        uint8_t t = a[c];
+        a[c] = b[c], b[c] = t;
+      }
+}
+
 /* Decodes window (y, x, h, w) at 1/denom into `buf` (RGB, rows of `*out_w`), mirrored if
  * `flip`. 0 on success; else an error with `message`: -1 in the image data, -4 in the header
  * (libjpeg's jpeg_read_header refused it), -5 the window outside the frame libjpeg reads or that
@@ -615,9 +770,10 @@ typedef struct {
   PyObject *args; /* the constructor's arguments: kept for the keys and for pickling */
 } decoder_t;
 
-/* One image, without the GIL: parse, header, window, decode (mirrored) into its arena slot. */
+/* One image, without the GIL: parse, header, window, decode (mirrored) into its arena slot; with
+ * `out` (its batch slot) resized there instead where resize_linear can (dims then (0, 0)). */
 static void load_one(item_t *it, const decoder_t *d, scratch_t *slot, int32_t *dims,
-                     int32_t *full, int64_t *label, scratch_t *rows) {
+                     int32_t *full, int64_t *label, scratch_t *rows, uint8_t *out, void *work) {
   const params_t *p = &d->p;
   span_t image = {NULL, NULL};
   long h, w, box[4];
@@ -633,9 +789,18 @@ static void load_one(item_t *it, const decoder_t *d, scratch_t *slot, int32_t *d
   uint64_t key = example_key(d->seed, (uint64_t)it->epoch, (uint64_t)it->index);
   crop_box(p, h, w, key, box);
   if (full != NULL) full[0] = (int32_t)h, full[1] = (int32_t)w;
+  int flip = flip_of(p, key);
   int rc = decode_window(image.p, (size_t)(image.end - image.p), box[0], box[1], box[2], box[3],
-                         dct_denom(p, box), p->fast_dct, flip_of(p, key), slot, rows, &oh, &ow,
+                         dct_denom(p, box), p->fast_dct, flip && out == NULL, slot, rows, &oh, &ow,
                          message);
+  if (rc == 0 && out != NULL) {
+    if (linear_resizable(oh, ow, p->size)) { /* resized here, mirrored on the way: no window */
+      resize_linear(slot->p, oh, ow, out, p->size, flip, work);
+      oh = ow = 0;
+    } else if (flip) {
+      mirror_in_place(slot->p, oh, ow);
+    }
+  }
   if (rc == -1 || rc == -4) {
     it->status = BROKEN;
     snprintf(it->message, sizeof(it->message), rc == -1 ? DECODE_FAILED "%s" : UNREADABLE_HEADER,
@@ -706,22 +871,26 @@ static PyObject *decoder_reduce(PyObject *self, PyObject *Py_UNUSED(ignored)) {
   return Py_BuildValue("(OO)", Py_TYPE(self), ((decoder_t *)self)->args);
 }
 
-/* decoder(records, epochs, indices, labels, dims, arena, start, stop, sizes=None): records
- * [start, stop) of a batch (None: no record); record i's mirrored crop window goes to
+/* decoder(records, epochs, indices, labels, dims, arena, start, stop, sizes=None, images=None):
+ * records [start, stop) of a batch (None: no record); record i's mirrored crop window goes to
  * arena[(i - start) * slot_bytes:] as dims[i] = (rows, cols) RGB pixels ((0, 0): no window), its
  * label to labels[i], its full-resolution (height, width) to sizes[i] when given (int32[n, 2]).
+ * With `images` (uint8[n, size, size, 3]), a window cv2.resize would resize bilinearly is
+ * resized into images[i] here instead, with OpenCV's pixels (resize_linear; dims[i] (0, 0)).
  * Returns [(i, message)] of the records it hands back: message None for the Python path, else
  * why the record is broken. */
 static PyObject *decoder_call(PyObject *self, PyObject *args, PyObject *kwargs) {
   static char *names[] = {"records", "epochs", "indices", "labels", "dims", "arena", "start",
-                          "stop", "sizes", NULL};
+                          "stop", "sizes", "images", NULL};
   const decoder_t *d = (const decoder_t *)self;
   PyObject *recs, *epochs_o, *indices_o, *labels_o, *dims_o, *arena_o, *sizes_o = Py_None;
-  Py_buffer labels, dims, arena, epochs, indices, sizes = {0};
+  PyObject *images_o = Py_None;
+  Py_buffer labels, dims, arena, epochs, indices, sizes = {0}, images = {0};
+  long size = d->p.size;
   Py_ssize_t start, stop, slot_bytes = d->slot_bytes;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOnn|O", names, &PyList_Type, &recs,
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOnn|OO", names, &PyList_Type, &recs,
                                    &epochs_o, &indices_o, &labels_o, &dims_o, &arena_o, &start,
-                                   &stop, &sizes_o))
+                                   &stop, &sizes_o, &images_o))
     return NULL;
   Py_ssize_t n = PyList_GET_SIZE(recs);
   if (start < 0 || stop > n || start > stop) {
@@ -735,13 +904,17 @@ static PyObject *decoder_call(PyObject *self, PyObject *args, PyObject *kwargs) 
   if (PyObject_GetBuffer(indices_o, &indices, PyBUF_C_CONTIGUOUS)) goto release_epochs;
   int have_sizes = sizes_o != Py_None;
   if (have_sizes && writable(sizes_o, &sizes, 8, n, "sizes")) goto release_indices;
+  int have_images = images_o != Py_None;
+  if (have_images && writable(images_o, &images, size * size * 3, n, "images")) goto release_sizes;
   item_t *items = NULL;
+  void *work = NULL;
   if (epochs.len != 8 * n || indices.len != 8 * n) {
     PyErr_SetString(PyExc_ValueError, "epochs and indices must be int64[n]");
     goto release_all;
   }
   items = calloc((size_t)(stop - start) + 1, sizeof(item_t));
-  if (items == NULL) {
+  if (have_images) work = malloc(resize_work(size));
+  if (items == NULL || (have_images && work == NULL)) {
     PyErr_NoMemory();
     goto release_all;
   }
@@ -765,7 +938,8 @@ static PyObject *decoder_call(PyObject *self, PyObject *args, PyObject *kwargs) 
     window[0] = window[1] = 0; /* no window, unless decoded below */
     if (it->data != NULL)
       load_one(it, d, &slot, window, have_sizes ? (int32_t *)sizes.buf + 2 * i : NULL,
-               (int64_t *)labels.buf + i, &rows);
+               (int64_t *)labels.buf + i, &rows,
+               have_images ? (uint8_t *)images.buf + i * size * size * 3 : NULL, work);
   }
   free(rows.p);
   Py_END_ALLOW_THREADS
@@ -778,13 +952,16 @@ static PyObject *decoder_call(PyObject *self, PyObject *args, PyObject *kwargs) 
     if (t == NULL || PyList_Append(handed_back, t)) Py_CLEAR(handed_back);
     Py_XDECREF(t);
   }
-  free(items);
+  free(items), free(work);
+  if (have_images) PyBuffer_Release(&images);
   if (have_sizes) PyBuffer_Release(&sizes);
   PyBuffer_Release(&indices), PyBuffer_Release(&epochs), PyBuffer_Release(&arena);
   PyBuffer_Release(&dims), PyBuffer_Release(&labels);
   return handed_back;
 release_all:
-  free(items);
+  free(items), free(work);
+  if (have_images) PyBuffer_Release(&images);
+release_sizes:
   if (have_sizes) PyBuffer_Release(&sizes);
 release_indices:
   PyBuffer_Release(&indices);

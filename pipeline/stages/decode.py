@@ -4,9 +4,11 @@
 records, one decode-thread task each (fewer tasks: less GIL-held hand-off per image), keeping
 `prefetch` batches in flight. A task takes MAX_CHUNK records at a time, each chunk ONE call of
 its `decoder` (`batch_decoder`), which without the GIL parses, draws the windows and flips
-from (seed, epoch, index) and decodes them (mirrored) into this thread's arena; OpenCV resizes
-each into its batch slot. A broken JPEG comes back with its message; what else the decoder hands
-back (other formats, odd records; all without a decoder) takes the per-image Python path.
+from (seed, epoch, index), decodes them into this thread's arena and resizes each bilinear one
+into its batch slot, mirrored on the way (OpenCV's pixels, to the bit); OpenCV resizes the
+others (area averaging, bicubic, resize_then_crop). A broken JPEG comes back with its message;
+what else the decoder hands back (other formats, odd records; all without a decoder) takes the
+per-image Python path.
 """
 
 from __future__ import annotations
@@ -123,10 +125,12 @@ class DecodeImages:
     arena = getattr(_ARENAS, "arena", None)
     if arena is None or len(arena) < (stop - start) * slot_bytes:
       arena = _ARENAS.arena = np.empty((stop - start) * slot_bytes, np.uint8)
+    # bilinear windows are resized (and mirrored) into their slots by the decoder itself
+    fused = images if full is None and not head.bicubic else None
     handed_back = self.decoder(
-      records_, batch.epochs, batch.indices, batch.labels, dims, arena, start, stop, full
+      records_, batch.epochs, batch.indices, batch.labels, dims, arena, start, stop, full, fused
     )
-    for slot, (h, w) in enumerate(dims[start:stop].tolist(), start):  # a view, one resize
+    for slot, (h, w) in enumerate(dims[start:stop].tolist(), start):  # the rest: OpenCV
       if h and real[slot]:
         at = (slot - start) * slot_bytes
         window = arena[at : at + h * w * 3].reshape(h, w, 3)
