@@ -26,7 +26,18 @@ class Waits:
     self.size, self.wait_s = size, wait_us / 1e6
 
   def __call__(
-    self, records, epochs, indices, labels, dims, arena, start, stop, sizes=None, images=None
+    self,
+    records,
+    epochs,
+    indices,
+    labels,
+    dims,
+    arena,
+    start,
+    stop,
+    sizes=None,
+    images=None,
+    rows=None,
   ):
     # with `images` the decoder resizes into the batch itself: no window left to the stage
     dims[start:stop] = 0 if images is not None else self.size

@@ -871,26 +871,28 @@ static PyObject *decoder_reduce(PyObject *self, PyObject *Py_UNUSED(ignored)) {
   return Py_BuildValue("(OO)", Py_TYPE(self), ((decoder_t *)self)->args);
 }
 
-/* decoder(records, epochs, indices, labels, dims, arena, start, stop, sizes=None, images=None):
+/* decoder(records, epochs, indices, labels, dims, arena, start, stop, sizes=None, images=None,
+ *         rows=None):
  * records [start, stop) of a batch (None: no record); record i's mirrored crop window goes to
  * arena[(i - start) * slot_bytes:] as dims[i] = (rows, cols) RGB pixels ((0, 0): no window), its
  * label to labels[i], its full-resolution (height, width) to sizes[i] when given (int32[n, 2]).
  * With `images` (uint8[n, size, size, 3]), a window cv2.resize would resize bilinearly is
- * resized into images[i] here instead, with OpenCV's pixels (resize_linear; dims[i] (0, 0)).
+ * resized into images[i] here instead, with OpenCV's pixels (resize_linear; dims[i] (0, 0)); with
+ * `rows` (int64[n], a mixture's rows) into images[rows[i]].
  * Returns [(i, message)] of the records it hands back: message None for the Python path, else
  * why the record is broken. */
 static PyObject *decoder_call(PyObject *self, PyObject *args, PyObject *kwargs) {
   static char *names[] = {"records", "epochs", "indices", "labels", "dims", "arena", "start",
-                          "stop", "sizes", "images", NULL};
+                          "stop", "sizes", "images", "rows", NULL};
   const decoder_t *d = (const decoder_t *)self;
   PyObject *recs, *epochs_o, *indices_o, *labels_o, *dims_o, *arena_o, *sizes_o = Py_None;
-  PyObject *images_o = Py_None;
-  Py_buffer labels, dims, arena, epochs, indices, sizes = {0}, images = {0};
+  PyObject *images_o = Py_None, *rows_o = Py_None;
+  Py_buffer labels, dims, arena, epochs, indices, sizes = {0}, images = {0}, rows_b = {0};
   long size = d->p.size;
   Py_ssize_t start, stop, slot_bytes = d->slot_bytes;
-  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOnn|OO", names, &PyList_Type, &recs,
+  if (!PyArg_ParseTupleAndKeywords(args, kwargs, "O!OOOOOnn|OOO", names, &PyList_Type, &recs,
                                    &epochs_o, &indices_o, &labels_o, &dims_o, &arena_o, &start,
-                                   &stop, &sizes_o, &images_o))
+                                   &stop, &sizes_o, &images_o, &rows_o))
     return NULL;
   Py_ssize_t n = PyList_GET_SIZE(recs);
   if (start < 0 || stop > n || start > stop) {
@@ -904,13 +906,27 @@ static PyObject *decoder_call(PyObject *self, PyObject *args, PyObject *kwargs) 
   if (PyObject_GetBuffer(indices_o, &indices, PyBUF_C_CONTIGUOUS)) goto release_epochs;
   int have_sizes = sizes_o != Py_None;
   if (have_sizes && writable(sizes_o, &sizes, 8, n, "sizes")) goto release_indices;
-  int have_images = images_o != Py_None;
-  if (have_images && writable(images_o, &images, size * size * 3, n, "images")) goto release_sizes;
+  int have_images = images_o != Py_None, have_rows = have_images && rows_o != Py_None;
+  Py_ssize_t image_bytes = size * size * 3;
+  if (have_images && writable(images_o, &images, image_bytes, have_rows ? 1 : n, "images"))
+    goto release_sizes;
+  if (have_rows && PyObject_GetBuffer(rows_o, &rows_b, PyBUF_C_CONTIGUOUS)) {
+    PyBuffer_Release(&images);
+    goto release_sizes;
+  }
   item_t *items = NULL;
   void *work = NULL;
-  if (epochs.len != 8 * n || indices.len != 8 * n) {
-    PyErr_SetString(PyExc_ValueError, "epochs and indices must be int64[n]");
+  if (epochs.len != 8 * n || indices.len != 8 * n || (have_rows && rows_b.len != 8 * n)) {
+    PyErr_SetString(PyExc_ValueError, "epochs, indices and rows must be int64[n]");
     goto release_all;
+  }
+  for (Py_ssize_t i = start; have_rows && i < stop; i++) {
+    int64_t row = ((int64_t *)rows_b.buf)[i];
+    if (row < 0 || row >= images.len / image_bytes) {
+      PyErr_Format(PyExc_ValueError, "rows[%zd] = %lld outside the %zd images", i,
+                   (long long)row, images.len / image_bytes);
+      goto release_all;
+    }
   }
   items = calloc((size_t)(stop - start) + 1, sizeof(item_t));
   if (have_images) work = malloc(resize_work(size));
@@ -939,7 +955,10 @@ static PyObject *decoder_call(PyObject *self, PyObject *args, PyObject *kwargs) 
     if (it->data != NULL)
       load_one(it, d, &slot, window, have_sizes ? (int32_t *)sizes.buf + 2 * i : NULL,
                (int64_t *)labels.buf + i, &rows,
-               have_images ? (uint8_t *)images.buf + i * size * size * 3 : NULL, work);
+               have_images ? (uint8_t *)images.buf +
+                                 (have_rows ? ((int64_t *)rows_b.buf)[i] : i) * image_bytes
+                           : NULL,
+               work);
   }
   free(rows.p);
   Py_END_ALLOW_THREADS
@@ -953,6 +972,7 @@ static PyObject *decoder_call(PyObject *self, PyObject *args, PyObject *kwargs) 
     Py_XDECREF(t);
   }
   free(items), free(work);
+  if (have_rows) PyBuffer_Release(&rows_b);
   if (have_images) PyBuffer_Release(&images);
   if (have_sizes) PyBuffer_Release(&sizes);
   PyBuffer_Release(&indices), PyBuffer_Release(&epochs), PyBuffer_Release(&arena);
@@ -960,6 +980,7 @@ static PyObject *decoder_call(PyObject *self, PyObject *args, PyObject *kwargs) 
   return handed_back;
 release_all:
   free(items), free(work);
+  if (have_rows) PyBuffer_Release(&rows_b);
   if (have_images) PyBuffer_Release(&images);
 release_sizes:
   if (have_sizes) PyBuffer_Release(&sizes);

@@ -125,11 +125,20 @@ class DecodeImages:
     arena = getattr(_ARENAS, "arena", None)
     if arena is None or len(arena) < (stop - start) * slot_bytes:
       arena = _ARENAS.arena = np.empty((stop - start) * slot_bytes, np.uint8)
-    # bilinear windows are resized (and mirrored) into their slots by the decoder itself; a
-    # mixture's rows (slot k -> row rows[k]) are OpenCV's, as the decoder writes slot k to row k
-    fused = images if full is None and not head.bicubic and batch.rows is None else None
+    # bilinear windows are resized (and mirrored) into their rows by the decoder itself
+    fused = images if full is None and not head.bicubic else None
     handed_back = self.decoder(
-      records_, batch.epochs, batch.indices, batch.labels, dims, arena, start, stop, full, fused
+      records_,
+      batch.epochs,
+      batch.indices,
+      batch.labels,
+      dims,
+      arena,
+      start,
+      stop,
+      full,
+      fused,
+      batch.rows,
     )
     for slot, (h, w) in enumerate(dims[start:stop].tolist(), start):  # the rest: OpenCV
       if h and real[slot]:

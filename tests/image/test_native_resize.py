@@ -78,3 +78,30 @@ def test_windows_over_twice_the_size_are_left_to_opencvs_area_filter_unmirrored(
   got, left = decoded(head, datas, fused=True)
   np.testing.assert_array_equal(got, want)
   assert left > 0
+
+
+@pytest.mark.usefixtures("native")
+def test_with_rows_each_image_goes_to_its_row_and_no_other_row_is_touched():
+  """A mixture's source fills only its rows of the batch's images (slot k -> rows[k]); a row
+  outside the images is refused before anything is decoded."""
+  datas, size = photos(8, seed=2), 32
+  head = augment.Head(size, train=True)
+  want, _ = decoded(head, datas, fused=True)
+  keys, slot = records.Keys(), head.slot_bytes()
+  decoder = decode.native().BatchDecoder(
+    head.native_params(), size, slot, 3, keys.image.encode(), keys.label.encode()
+  )
+  index, rows = np.arange(8, dtype=np.int64), np.arange(1, 17, 2, dtype=np.int64)
+  labels, dims, arena = (
+    np.zeros(8, np.int64),
+    np.zeros((8, 2), np.int32),
+    np.zeros(8 * slot, np.uint8),
+  )
+  images = np.full((17, size, size, 3), 7, np.uint8)
+  encoded = [records.encode(d, 1) for d in datas]
+  assert decoder(encoded, index, index, labels, dims, arena, 0, 8, None, images, rows) == []
+  assert not dims.any()  # every window resized by the decoder
+  np.testing.assert_array_equal(images[rows], want)
+  assert (images[::2] == 7).all()  # the other source's rows untouched
+  with pytest.raises(ValueError, match=r"rows\[3\] = 17 outside the 17 images"):
+    decoder(encoded, index, index, labels, dims, arena, 0, 8, None, images, rows + (rows == 7) * 10)
