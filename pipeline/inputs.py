@@ -33,7 +33,7 @@ from pipeline.host.memory import Split
 from pipeline.options import Performance, coerce
 from pipeline.spec import Spec
 from pipeline.stages import plan, stats
-from pipeline.stages.stream import stats_of
+from pipeline.stages.stream import stats_of, stop_after
 
 
 def input(
@@ -181,6 +181,7 @@ class Input(grain.DatasetIterator):
   `memory` the loader's share of `performance.memory_mb` as planned (`pipeline.host.memory`),
   `memory_mb` that setting as given (None: the default budget);
   `stream` what decides its order (seed, order, sharding, shards: the tag its states carry).
+  `stop_after(n)` ends a pass n batches from where it stands: a run's remaining steps.
   """
 
   def __init__(
@@ -216,6 +217,7 @@ class Input(grain.DatasetIterator):
     self.stream = stream
     self.repeat = repeat
     self._it: grain.DatasetIterator | None = None
+    self._stop: int | None = None  # stop_after's count, for this pass
 
   @property
   def num_classes(self) -> int:
@@ -232,7 +234,12 @@ class Input(grain.DatasetIterator):
     try:
       return next(it)
     except StopIteration:
+      stop = self._stop
       self.reset()
+      if stop is not None:
+        raise StopIteration(
+          f"end of the stream: the {stop} batches stop_after({stop}) asked for"
+        ) from None
       if self.repeat:
         return next(self._live())
       raise StopIteration(
@@ -243,9 +250,18 @@ class Input(grain.DatasetIterator):
 
   def reset(self) -> None:
     """Drops the current pass; the next batch is the first of a new one."""
+    self._stop = None
     if self._it is not None:
       self._it.close()
       self._it = None
+
+  def stop_after(self, num_batches: int) -> None:
+    """Ends this pass `num_batches` batches from where it stands (its start, or the state just
+    set, which may count other batches than the run's steps: a state saved at another global
+    batch): read-ahead plans none past them. Call it before the first batch and before
+    `start_prefetch`; the next pass (`reset`) is whole again."""
+    stop_after(self._live(), num_batches)
+    self._stop = num_batches
 
   def get_state(self) -> dict[str, Any]:
     return self._live().get_state()
