@@ -220,3 +220,17 @@ def test_convert_verify_on_a_mount_that_stops_answering_exits_in_one_line(storag
     code, lines = ended(proc)
   assert code != 0 and len(lines) == 1, lines[-20:]
   no_answer(lines, f"{m.path}/manifest.json")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_convert_verify_on_shards_that_stop_answering_exits_2_in_one_line(
+  storage_rig, photos_dir, tmp_path, workers
+):
+  """The manifest answers; the shards' reads, in verify's worker processes too, wait at most
+  --read-deadline-s."""
+  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
+    local = on_the_mount(photos_dir, m.path, tmp_path)
+    verify = ["verify", str(local), f"--read-deadline-s={DEADLINE_S}", f"--workers={workers}"]
+    code, lines = ended(start([sys.executable, "-m", "pipeline.convert", *verify]))
+  assert code == 2 and len(lines) == 1, lines[-20:]
+  no_answer(lines, f"{local}/")
