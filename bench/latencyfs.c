@@ -1,7 +1,7 @@
 /* latencyfs: a read-only FUSE passthrough of a directory where every read waits.
 
    latencyfs SOURCE MOUNTPOINT -f -o latency_ms=20 [-o threads=1024]
-             [-o requests_per_s=250] [-o mb_per_s=100]
+             [-o requests_per_s=250] [-o mb_per_s=100] [-o attr_timeout_s=60]
 
    Stands in for object storage (a GCS bucket through gcsfuse): every read request of a
    file is answered no sooner than `latency_ms` after it arrived, and never from the page
@@ -13,7 +13,9 @@
    starts no sooner than 1/requests_per_s after the one before it started (a token bucket
    holding one token: requests over the cap queue, as a client that backs off waits), and
    with `mb_per_s` the requests' bytes leave one after another at that rate, after the
-   latency. Both default to 0: no cap.
+   latency. Both default to 0: no cap. The kernel keeps names and attributes `attr_timeout_s`
+   (default 60: metadata is not what we measure; 0: every stat asks us, as gcsfuse without its
+   stat cache).
 
    Two virtual files at the root, absent from listings, report the counters as one line of
    JSON (reads, bytes, reads in flight now and at most, opens, reads that waited for the
@@ -25,6 +27,10 @@
                    syscall; one the kernel interrupts, as when its process exits, ends with
                    EINTR, as gcsfuse cancels it). Not lookups: one stalled would hold every
                    lookup in its folder, /.rig-resume's too.
+     /.rig-stall-stats  as /.rig-stall, and so do the attribute requests of data files (a stat
+                   or lookup the kernel's cache does not answer): for a process that ends
+                   before /.rig-resume is read (its stalled lookup interrupted). Not the root's:
+                   every path's walk asks for them (default_permissions).
      /.rig-resume  a snapshot, then the waiting reads go on
 
    Built and mounted by bench/rig.py; `python -m bench.rig --help` runs it by hand. */
@@ -54,22 +60,25 @@
 #define RESET_PATH "/.rig-reset"
 #define STALL_PATH "/.rig-stall"
 #define RESUME_PATH "/.rig-resume"
+#define STALL_STATS_PATH "/.rig-stall-stats"
 
 static struct {
   char *source;      /* absolute path of the source directory */
   char *latency_ms;  /* as given; parsed into latency_ns */
   char *requests_per_s; /* as given; parsed into gap_ns */
   char *mb_per_s;    /* as given; parsed into ns_per_byte */
+  char *attr_timeout_s; /* as given; parsed into attr_s */
   unsigned threads;  /* libfuse's max_threads and max_idle_threads */
   int64_t latency_ns;
   int64_t gap_ns;    /* between two requests' starts; 0: no request cap */
   double ns_per_byte; /* 0: no bandwidth cap */
+  double attr_s;     /* how long the kernel keeps names and attributes */
 } config;
 
 static atomic_llong reads, bytes_read, opens, in_flight, max_in_flight, capped, slowed;
 static pthread_mutex_t caps = PTHREAD_MUTEX_INITIALIZER;
 static int64_t next_start_ns, next_byte_ns; /* under `caps` */
-static atomic_int stalled;
+static atomic_int stalled; /* 0: answering; 1: reads and opens wait; 2: stats too */
 
 struct handle {
   int fd;      /* the source file, or -1 for a virtual file */
@@ -85,7 +94,8 @@ static char *source_path(const char *path) {
 
 static int is_virtual(const char *path) {
   return strcmp(path, STATS_PATH) == 0 || strcmp(path, RESET_PATH) == 0 ||
-         strcmp(path, STALL_PATH) == 0 || strcmp(path, RESUME_PATH) == 0;
+         strcmp(path, STALL_PATH) == 0 || strcmp(path, RESUME_PATH) == 0 ||
+         strcmp(path, STALL_STATS_PATH) == 0;
 }
 
 /* Polls, holding no lock: libfuse cancels its workers at exit, stalled ones included. A
@@ -137,7 +147,7 @@ static void *rig_init(struct fuse_conn_info *conn, struct fuse_config *cfg) {
   cfg->use_ino = 1;
   cfg->direct_io = 1;   /* no page cache, no readahead: every read reaches us */
   cfg->kernel_cache = 0;
-  cfg->entry_timeout = cfg->attr_timeout = 60; /* metadata is not what we measure */
+  cfg->entry_timeout = cfg->attr_timeout = config.attr_s;
   return NULL;
 }
 
@@ -149,6 +159,10 @@ static int rig_getattr(const char *path, struct stat *st, struct fuse_file_info 
     st->st_nlink = 1;
     st->st_size = 0; /* direct_io: reads are not cut at the size */
     return 0;
+  }
+  if (atomic_load(&stalled) == 2 && strcmp(path, "/") != 0) {
+    int stop = wait_while_stalled();
+    if (stop) return stop;
   }
   char *full = source_path(path);
   if (!full) return -ENOMEM;
@@ -187,6 +201,7 @@ static int rig_open(const char *path, struct fuse_file_info *fi) {
     h->text = snapshot(strcmp(path, RESET_PATH) == 0);
     if (strcmp(path, STALL_PATH) == 0 || strcmp(path, RESUME_PATH) == 0)
       atomic_store(&stalled, strcmp(path, STALL_PATH) == 0);
+    if (strcmp(path, STALL_STATS_PATH) == 0) atomic_store(&stalled, 2);
     if (!h->text) {
       free(h);
       return -ENOMEM;
@@ -301,6 +316,7 @@ static const struct fuse_opt rig_opts[] = {
   {"threads=%u", offsetof(typeof(config), threads), 0},
   {"requests_per_s=%s", offsetof(typeof(config), requests_per_s), 0},
   {"mb_per_s=%s", offsetof(typeof(config), mb_per_s), 0},
+  {"attr_timeout_s=%s", offsetof(typeof(config), attr_timeout_s), 0},
   FUSE_OPT_END,
 };
 
@@ -340,6 +356,12 @@ int main(int argc, char *argv[]) {
   double mb = config.mb_per_s ? strtod(config.mb_per_s, NULL) : 0.0;
   if (rate < 0 || rate > 1e9 || mb < 0 || mb > 1e9) {
     fprintf(stderr, "latencyfs: requests_per_s and mb_per_s must be in [0, 1e9]\n");
+    return 2;
+  }
+  config.attr_s = config.attr_timeout_s ? strtod(config.attr_timeout_s, NULL) : 60.0;
+  if (config.attr_s < 0 || config.attr_s > 1e6) {
+    fprintf(stderr, "latencyfs: attr_timeout_s must be in [0, 1e6], got %s\n",
+            config.attr_timeout_s);
     return 2;
   }
   config.gap_ns = rate > 0 ? (int64_t)(1e9 / rate) : 0;

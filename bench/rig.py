@@ -12,8 +12,10 @@ rations requests: `requests_per_s` starts requests no closer than 1/requests_per
 (the rest queue), `mb_per_s` lets their bytes out at that rate. It counts read requests,
 bytes, reads in flight (now and at most) and reads that waited for a cap: `Mount.stats()`,
 or `cat MOUNTPOINT/.rig-stats`; reading `.rig-reset` zeroes the counters. Reading `.rig-stall`
-makes every read and open wait until `.rig-resume` is read (`Mount.stall()`): a mount
-that stops answering (a request interrupted by its process's exit ends, as in gcsfuse).
+makes every read and open wait until `.rig-resume` is read (`Mount.stall()`): a mount that
+stops answering (a request interrupted by its process's exit ends, as in gcsfuse);
+`.rig-stall-stats` stalls the stats that reach it too (`Mount.stall(stats=True)`; the kernel
+keeps names and attributes `attr_timeout_s`, 60 s; 0: every stat reaches the rig).
 
 `ensure_built()` compiles it once into ~/.cache/pipeline-rig (keyed by the source's hash),
 installing fuse3 and libfuse3-dev with apt-get first when they are missing and we are root;
@@ -95,6 +97,7 @@ class Mount:
   latency_ms: float
   requests_per_s: float = 0.0
   mb_per_s: float = 0.0
+  attr_timeout_s: float = 60.0
 
   def stats(self) -> dict:
     """reads, bytes, in_flight, max_in_flight, opens (data files only), capped and slowed
@@ -106,10 +109,12 @@ class Mount:
     return json.loads((self.path / ".rig-reset").read_text())
 
   @contextlib.contextmanager
-  def stall(self) -> Iterator[None]:
-    """Reads and opens of data files wait (blocked in their syscall) until the `with`
-    block ends, or the kernel interrupts them (their process exits)."""
-    (self.path / ".rig-stall").read_text()
+  def stall(self, stats: bool = False) -> Iterator[None]:
+    """Reads and opens of data files (and their stats the kernel's cache does not answer,
+    with `stats`) wait (blocked in their syscall) until the `with` block ends, or the kernel
+    interrupts them (their process exits). A stalled stat holds every lookup in its folder:
+    only for processes that end within the block."""
+    (self.path / (".rig-stall-stats" if stats else ".rig-stall")).read_text()
     try:
       yield
     finally:
@@ -142,11 +147,13 @@ def mount(
   threads: int = 1024,
   requests_per_s: float = 0.0,
   mb_per_s: float = 0.0,
+  attr_timeout_s: float = 60.0,
 ) -> Iterator[Mount]:
   """Serves `source_dir` read-only at `mountpoint` (default: a fresh temporary folder,
   removed afterwards) with `latency_ms` per read request, at most `requests_per_s` requests
-  and `mb_per_s` MB a second (0: no cap), for the `with` block. The filesystem also
-  unmounts itself if this process dies."""
+  and `mb_per_s` MB a second (0: no cap), names and attributes kept by the kernel
+  `attr_timeout_s`, for the `with` block. The filesystem also unmounts itself if this
+  process dies."""
   source = pathlib.Path(source_dir).resolve()
   if not source.is_dir():
     raise FileNotFoundError(f"rig source {source_dir} is not a directory")
@@ -154,6 +161,7 @@ def mount(
     ("latency_ms", latency_ms),
     ("requests_per_s", requests_per_s),
     ("mb_per_s", mb_per_s),
+    ("attr_timeout_s", attr_timeout_s),
   ):
     if value < 0:
       raise ValueError(f"{name} must be >= 0, got {value}")
@@ -168,7 +176,7 @@ def mount(
     [
       *(str(binary), str(source), str(path), "-f", "-o"),
       f"latency_ms={latency_ms},threads={threads},requests_per_s={requests_per_s},"
-      f"mb_per_s={mb_per_s}",
+      f"mb_per_s={mb_per_s},attr_timeout_s={attr_timeout_s}",
     ],
     stdin=subprocess.DEVNULL,
     stdout=log,
@@ -182,7 +190,9 @@ def mount(
         lines = log.read().strip().splitlines() or ["no output"]
         raise RigUnavailable(f"latencyfs could not mount {path}: {lines[-1]}")
       time.sleep(0.01)
-    yield Mount(path, source, float(latency_ms), float(requests_per_s), float(mb_per_s))
+    yield Mount(
+      path, source, float(latency_ms), float(requests_per_s), float(mb_per_s), attr_timeout_s
+    )
   finally:
     _unmount(path, proc)
     log.close()

@@ -2,7 +2,7 @@
 
 The chain, in Grain terms: one stage per step of the data flow, each in its own module:
 
-    MapDataset.range(num_batches)
+    BatchIndices(num_batches)         the batch indices (a range; stop_after cuts it)
       .map(PlanBatches)               plan: the (epoch, record) of each slot     stages/plan.py
       .to_iter_dataset()
     AheadIterDataset(ReadRecords)     read: next batches' records, many reads    stages/read.py
@@ -40,7 +40,7 @@ from pipeline.stages.errors import BadRecordError
 from pipeline.stages.finish import FinishBatch
 from pipeline.stages.plan import PlanBatches, Sizes
 from pipeline.stages.read import ReadRecords
-from pipeline.stages.stream import StreamIterDataset
+from pipeline.stages.stream import BatchIndices, StreamIterDataset
 
 __all__ = ["BadRecordError", "Spec", "Stages", "build", "chain", "make_dataset"]
 
@@ -159,7 +159,8 @@ def chain(stages: Stages) -> grain.IterDataset:
   stages.read.threads.timed(recorder, "read")
   decode_stage.threads.timed(recorder, "decode")
   plan = stats.Timed(stages.plan, recorder, "plan")
-  ds = grain.MapDataset.range(stages.sizes.num_batches).map(plan)
+  batches = BatchIndices(stages.sizes.num_batches)
+  ds = batches.map(plan)
   it = ds.to_iter_dataset(grain.ReadOptions(num_threads=0, prefetch_buffer_size=0))
   it = AheadIterDataset(it, stages.read, (recorder, "read"))
   it = AheadIterDataset(it, decode_stage, (recorder, "decode"))
@@ -178,5 +179,7 @@ def chain(stages: Stages) -> grain.IterDataset:
   else:
     it = grain.experimental.ThreadPrefetchIterDataset(it, prefetch_buffer_size=1)
   return lifecycle.ClosedAtExit(
-    stages.stream_type(it, stages.stream, recorder, stages.stats_every_s, stages.read, plan)
+    stages.stream_type(
+      it, stages.stream, recorder, stages.stats_every_s, stages.read, plan, batches
+    )
   )

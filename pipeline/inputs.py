@@ -33,7 +33,7 @@ from pipeline.host.memory import Split
 from pipeline.options import Performance, coerce
 from pipeline.spec import Spec
 from pipeline.stages import plan, stats
-from pipeline.stages.stream import stats_of
+from pipeline.stages.stream import stats_of, stop_after
 
 
 def input(
@@ -184,6 +184,7 @@ class Input(grain.DatasetIterator):
   `stream` what decides its order (seed, order, sharding, shards: the tag its states carry);
   `spec` the dataset's `Spec`, its image size resolved (None: a mixture), as
   `pipeline.explain.from_stats` reads it beside `stats()`.
+  `stop_after(n)` ends a pass n batches from where it stands: a run's remaining steps.
   """
 
   def __init__(
@@ -221,6 +222,7 @@ class Input(grain.DatasetIterator):
     self.repeat = repeat
     self.spec = spec
     self._it: grain.DatasetIterator | None = None
+    self._stop: int | None = None  # stop_after's count, for this pass
 
   @property
   def num_classes(self) -> int:
@@ -237,7 +239,12 @@ class Input(grain.DatasetIterator):
     try:
       return next(it)
     except StopIteration:
+      stop = self._stop
       self.reset()
+      if stop is not None:
+        raise StopIteration(
+          f"end of the stream: the {stop} batches stop_after({stop}) asked for"
+        ) from None
       if self.repeat:
         return next(self._live())
       raise StopIteration(
@@ -248,9 +255,18 @@ class Input(grain.DatasetIterator):
 
   def reset(self) -> None:
     """Drops the current pass; the next batch is the first of a new one."""
+    self._stop = None
     if self._it is not None:
       self._it.close()
       self._it = None
+
+  def stop_after(self, num_batches: int) -> None:
+    """Ends this pass `num_batches` batches from where it stands (its start, or the state just
+    set, which may count other batches than the run's steps: a state saved at another global
+    batch): read-ahead plans none past them. Call it before the first batch and before
+    `start_prefetch`; the next pass (`reset`) is whole again."""
+    stop_after(self._live(), num_batches)
+    self._stop = num_batches
 
   def get_state(self) -> dict[str, Any]:
     return self._live().get_state()

@@ -154,7 +154,6 @@ class Checkpoints:
       data.set_state(json.loads(text))
     except StateError as e:
       raise UsageError(self._cannot_continue(step, e)) from e
-    data.start_prefetch()
 
   def _cannot_continue(self, step: int, error: StateError) -> str:
     """Why this run cannot continue checkpoint `step`'s data, with the flags that would."""

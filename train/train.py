@@ -264,6 +264,9 @@ def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup,
   train_step, eval_step = make_steps(graphdef, num_classes, config)
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, setup.train)
+  # the steps left, in the stream's batches from where it resumed: no read past the last step
+  setup.train.stop_after(max(setup.plan.num_steps - step, 0))
+  setup.train.start_prefetch()
   reporter = report.Reporter(
     workdir,
     setup.plan,

@@ -47,7 +47,7 @@ def load(data_dir, deadline_s: float | None = None) -> Manifest:
   that does not answer within `deadline_s` too. A TFDS ArrayRecord build (its version folder,
   or tfds://name[:version]) has none: `pipeline.catalog.tfds_folder` makes its Manifest."""
   if tfds_folder.is_uri(data_dir):
-    return tfds_folder.load(data_dir)
+    return tfds_folder.load(data_dir, deadline_s)
   backend.check(data_dir)
   path, missing = epath.Path(data_dir) / FILENAME, False
   storage = backend.of(path)
@@ -57,17 +57,19 @@ def load(data_dir, deadline_s: float | None = None) -> Manifest:
     missing = True
   except NotADirectoryError:
     raise NotADirectoryError(f"{data_dir} is a file, not a dataset folder") from None
-  if missing and tfds_folder.is_build(data_dir):
-    return tfds_folder.load(data_dir)
+  info = epath.Path(data_dir) / tfds_folder.INFO  # a TFDS build's, maybe elsewhere (a link)
+  if missing and backend.of(info).guard(lambda: tfds_folder.is_build(data_dir), info, deadline_s):
+    return tfds_folder.load(data_dir, deadline_s)
   if missing:
-    if storage.scheme is None and os.path.isdir(os.path.join(os.fspath(data_dir), BUILD_DIR)):
+    building = os.path.join(os.fspath(data_dir), BUILD_DIR)
+    if storage.scheme is None and storage.guard(lambda: os.path.isdir(building), path, deadline_s):
       raise FileNotFoundError(
         f"{path} not found: a conversion into {data_dir} is running or was interrupted; "
         "re-run it to finish"
       ) from None
     raise FileNotFoundError(
       f"{path} not found: convert the dataset first (python -m pipeline.convert --help)"
-      + tfds_folder.hint(data_dir)
+      + storage.guard(lambda: tfds_folder.hint(data_dir), path, deadline_s)
     ) from None
   if size is None:
     raise ManifestError(f"{path} is not a regular file")

@@ -18,7 +18,7 @@ def open(data_dir, split: str, verify: str = "size", deadline_s: float | None = 
   `pipeline.catalog.manifest.pinned_shards`), each pinned to the file as opened, those listed
   with 0 records opened to check they hold none (no read would); on a mount
   each stat and read waits at most `deadline_s` (None: `backend.Mount`'s)."""
-  data_dir = tfds_folder.resolve(data_dir)
+  data_dir = tfds_folder.resolve(data_dir, deadline_s)
   backend.check(data_dir, probe=False)  # manifest_lib.load probes it
   data_dir = epath.Path(data_dir)
   meta = manifest_lib.load(data_dir, deadline_s)

@@ -9,7 +9,8 @@ the classes and the image and label keys from features.json and the label files,
 strictly as a manifest.json (counts, shard names, classes named once). TFDS records
 no digest or size per shard, so `Shard.sha256` is "" and `Shard.bytes` None: at open,
 verify="size" checks each shard is a regular file, the reader checks its record count against
-shardLengths, and verify="sha256" is refused.
+shardLengths, and verify="sha256" is refused. On a mount (or gs://) the look-up of tfds:// in
+$TFDS_DATA_DIR, and the build's metadata files, are each one read within the read deadline.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from etils import epath
 
 from pipeline.catalog import records, schema
 from pipeline.catalog.schema import Manifest, ManifestError, Split
+from pipeline.storage import backend
 
 SCHEME = "tfds://"
 INFO = "dataset_info.json"
@@ -59,15 +61,22 @@ def hint(folder) -> str:
   return ""
 
 
-def resolve(data_dir):
+def resolve(data_dir, deadline_s: float | None = None):
   """The version folder of `tfds://name[/config][:version]` (latest version if none) under
-  $TFDS_DATA_DIR (default ~/tensorflow_datasets); any other data_dir as it is."""
+  $TFDS_DATA_DIR (default ~/tensorflow_datasets), looked up within `deadline_s` on a mount
+  (`backend.Mount.guard`); any other data_dir as it is."""
   if not is_uri(data_dir):
     return data_dir
   import tensorflow_datasets as tfds
 
   name = os.fspath(data_dir)[len(SCHEME) :]
   root = tfds.core.constants.get_default_data_dir()
+  return backend.of(root).guard(lambda: _resolve(data_dir, name, root), root, deadline_s)
+
+
+def _resolve(data_dir, name: str, root) -> str:
+  import tensorflow_datasets as tfds
+
   try:
     return os.fspath(tfds.core.read_only_builder.builder_from_files(name, data_dir=root).data_dir)
   except Exception:  # noqa: BLE001 - TFDS raises several kinds, each with a long story
@@ -118,12 +127,19 @@ def keys_and_classes(info, folder) -> tuple[records.Keys, list[str]]:
   return records.Keys(image=image, label=label, filename=filename), classes
 
 
-def load(data_dir) -> Manifest:
+def load(data_dir, deadline_s: float | None = None) -> Manifest:
   """The Manifest of a TFDS ArrayRecord build (a version folder or tfds://); refusals are one
-  line (`ManifestError`) naming the file and what to do."""
+  line (`ManifestError`) naming the file and what to do. On a mount, tfds:// is looked up and
+  the build's metadata read each within `deadline_s`, else `RemoteStorageError`, one line."""
+  import tensorflow_datasets  # noqa: F401 - imported before the wait: an import is no read
+
+  where = epath.Path(resolve(data_dir, deadline_s)) / INFO
+  return backend.of(where).guard(lambda: _load(where.parent), where, deadline_s)
+
+
+def _load(folder: epath.Path) -> Manifest:
   import tensorflow_datasets as tfds
 
-  folder = epath.Path(resolve(data_dir))
   where = folder / INFO
   try:
     builder = tfds.builder_from_directory(folder)

@@ -184,7 +184,8 @@ def _verify_arguments(p: argparse.ArgumentParser) -> None:
     "--read-deadline-s",
     type=_number(float, 0, low_ok=False),
     default=None,
-    help="on a mount, the longest wait for the manifest (default: 60 s)",
+    help="on a mount, the longest wait for any read, the shards' in the worker processes too "
+    "(default: 60 s)",
   )
 
 

@@ -27,6 +27,7 @@ import json
 import math
 import multiprocessing
 import multiprocessing.forkserver
+import multiprocessing.resource_tracker
 import os
 import re
 import shutil
@@ -304,15 +305,19 @@ def ordered_map(process: Callable[[Any], Any], tasks: list, workers: int) -> Ite
     return
   ctx = _context()
   # Ctrl-C reaches the whole process group: the server the workers fork from starts with
-  # SIGINT ignored, as they do (ignored here too for the few ms that takes), and this process
-  # answers it once the pool is whole (a traceback from each half-started worker otherwise).
+  # SIGINT ignored, as they do (ignored here too for the few ms that takes, and blocked, so
+  # that one arriving then waits instead of being dropped), and this process answers it once
+  # the pool is whole (a traceback from each half-started worker otherwise).
   main, interrupted = threading.current_thread() is threading.main_thread(), []
   if main:
+    multiprocessing.resource_tracker.ensure_running()  # its start unblocks SIGINT: first
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
     old = signal.signal(signal.SIGINT, signal.SIG_IGN)
     try:
       multiprocessing.forkserver.ensure_running()
     finally:
       signal.signal(signal.SIGINT, lambda *_: interrupted.append(True))
+      signal.pthread_sigmask(signal.SIG_SETMASK, mask)
   try:
     pool = ctx.Pool(workers)
   finally:

@@ -4,7 +4,8 @@ dataset_info.json).
 Checks each shard's existence, size, sha256 (and crc32c, and a gs:// object's generation)
 where recorded and record count, parses every record, checks every label against the class
 count and fully decodes every image. Problems name the shard and record index; the CLI exits
-non-zero if there is any.
+non-zero if there is any. On a mount every read waits at most the deadline (`--read-deadline-s`),
+in the worker processes too: a mount that stops answering is one line, not a wait forever.
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import functools
 import hashlib
 import os
 import stat
+from collections.abc import Callable
+from typing import TypeVar
 
 import google_crc32c
 from array_record.python import array_record_module
@@ -24,10 +27,12 @@ from pipeline.catalog import manifest as manifest_lib
 from pipeline.catalog import records
 from pipeline.convert import bucket, checks, shards
 from pipeline.convert.shards import Progress
-from pipeline.storage import backend
+from pipeline.storage import backend, remote
 
 _RANGE = 256  # records per verification task
 _READ_ERRORS = (RuntimeError, ValueError, OSError)
+T = TypeVar("T")
+Wait = Callable[[Callable[[], T]], T]  # how a read of one file waits (`_waits`)
 
 
 @dataclasses.dataclass
@@ -53,35 +58,44 @@ class Report:
     return "\n".join(lines + [f"  {p}" for p in self.problems])
 
 
-def _size(path: str) -> tuple[int | None, str | None]:
+def _waits(path: str, deadline_s: float | None) -> Wait:
+  """How each read of `path` waits: on a mount at most `deadline_s` (`backend.Mount.guard`:
+  then one `RemoteStorageError` line), elsewhere as it is (gs:// reads have their own)."""
+  storage = backend.of(path)
+  if bucket.is_url(path):
+    return lambda fn: fn()
+  return lambda fn: storage.guard(fn, path, deadline_s)
+
+
+def _size(path: str, wait: Wait) -> tuple[int | None, str | None]:
   """(size, generation) of a regular file or object: size None for anything else, generation
   a gs:// object's (else None)."""
   if bucket.is_url(path):
     size, pinned, _ = backend.look(path)
     return size, pinned[1] if pinned and pinned[0] == "gs" else None
-  st = os.stat(path)
+  st = wait(lambda: os.stat(path))
   return (st.st_size if stat.S_ISREG(st.st_mode) else None), None
 
 
-def _digests(path: str) -> tuple[str, str]:
+def _digests(path: str, wait: Wait) -> tuple[str, str]:
   """(sha256, crc32c) of a file, or of an object as read back (not its stored CRC32C)."""
-  if not bucket.is_url(path):
-    return shards.digests(path)
   h, crc = hashlib.sha256(), google_crc32c.Checksum()
-  with epath.Path(path).open("rb") as f:
-    while block := f.read(1 << 22):
+  with wait(lambda: epath.Path(path).open("rb")) as f:
+    while block := wait(lambda: f.read(1 << 22)):
       h.update(block)
       crc.update(block)
   return h.hexdigest(), crc.hexdigest().decode()
 
 
-def _check_file(path: str, shard: manifest_lib.Shard, source: str) -> tuple[bool, list[str]]:
+def _check_file(
+  path: str, shard: manifest_lib.Shard, source: str, wait: Wait
+) -> tuple[bool, list[str]]:
   """Shard-level checks (a regular file, size, sha256, record count): (readable, problems).
 
   The file is stat'ed before it is opened: opening a FIFO would wait forever. A gs:// object
   is looked up (one metadata request) and read once for its digests."""
   try:
-    size, generation = _size(path)
+    size, generation = _size(path, wait)
   except FileNotFoundError:
     return False, [f"{shard.file}: missing"]
   if size is None:
@@ -95,15 +109,17 @@ def _check_file(path: str, shard: manifest_lib.Shard, source: str) -> tuple[bool
   if shard.bytes is not None and size != shard.bytes:
     problems.append(f"{shard.file}: {size} bytes, {source} says {shard.bytes}")
   if shard.sha256 or shard.crc32c is not None:
-    digest, crc32c = _digests(path)
+    digest, crc32c = _digests(path, wait)
     if shard.sha256 and digest != shard.sha256:
       problems.append(f"{shard.file}: sha256 {digest[:12]}... != {source} {shard.sha256[:12]}...")
     if shard.crc32c is not None and crc32c != shard.crc32c:
       problems.append(f"{shard.file}: crc32c {crc32c} != {source} {shard.crc32c}")
   try:
-    reader = array_record_module.ArrayRecordReader(path)
+    reader = wait(lambda: array_record_module.ArrayRecordReader(path))
     count = reader.num_records()
-    reader.close()
+    wait(reader.close)
+  except remote.RemoteStorageError:
+    raise
   except _READ_ERRORS as e:  # what the C++ reader raises on a damaged file
     return False, problems + [f"{shard.file}: unreadable ArrayRecord file ({e})"]
   if count != shard.num_records:
@@ -133,19 +149,24 @@ def _check_range(
   num_classes: int,
   shard_info: dict[str, manifest_lib.Shard],
   source: str,
+  deadline_s: float | None = None,
 ) -> tuple[int, list[str]]:
-  """Worker: (records read, problems) for records [start, stop) of a shard."""
+  """Worker: (records read, problems) for records [start, stop) of a shard; on a mount each
+  read waits at most `deadline_s`."""
   name, start, stop = task
   path = os.path.join(data_dir, name)
+  wait = _waits(path, deadline_s)
   if start == 0:
-    readable, problems = _check_file(path, shard_info[name], source)
+    readable, problems = _check_file(path, shard_info[name], source, wait)
   else:  # the task starting at record 0 reports a missing or odd file
-    readable, problems = bucket.is_url(path) or os.path.isfile(path), []
+    readable, problems = bucket.is_url(path) or wait(lambda: os.path.isfile(path)), []
   if not readable:
     return 0, problems
   read = 0
   try:
-    reader = array_record_module.ArrayRecordReader(path)
+    reader = wait(lambda: array_record_module.ArrayRecordReader(path))
+  except remote.RemoteStorageError:
+    raise
   except _READ_ERRORS:  # reported by the task that starts at record 0
     return 0, problems
   try:
@@ -155,14 +176,22 @@ def _check_range(
         batch = reader.read(list(range(start, stop)))
     for index in range(start, stop):
       try:
-        data = batch[index - start] if batch is not None else reader.read([index])[0]
+        data = (
+          batch[index - start]
+          if batch is not None
+          else wait(functools.partial(reader.read, [index]))[0]
+        )
+      except remote.RemoteStorageError:
+        raise
       except _READ_ERRORS as e:
         problems.append(f"{name} record {index}: unreadable ({e})")
         continue
       read += 1
       if (problem := _check_record(data, keys, num_classes)) is not None:
         problems.append(f"{name} record {index}: {problem}")
-    reader.close()
+    wait(reader.close)
+  except remote.RemoteStorageError:
+    raise
   except _READ_ERRORS as e:  # a damaged file can fail in close() as well
     problems.append(f"{name}: unreadable after record {start + read} ({e})")
   return read, problems
@@ -175,8 +204,9 @@ def verify(
   progress: bool = True,
   deadline_s: float | None = None,
 ) -> Report:
-  """Checks every shard and record of the dataset in `out` against its manifest (on a mount,
-  read within `deadline_s`; the shards' reads have no deadline)."""
+  """Checks every shard and record of the dataset in `out` against its manifest; on a mount
+  each read (the manifest's, the shards', in the worker processes too) waits at most
+  `deadline_s` (None: `backend.Mount`'s), then raises `RemoteStorageError`."""
   out = os.fspath(out)
   try:
     m = manifest_lib.load(out, deadline_s)
@@ -198,6 +228,7 @@ def verify(
     num_classes=m.num_classes,
     shard_info=info,
     source=m.read_from,
+    deadline_s=deadline_s,
   )
   read: dict[str, int] = {}
   problems: list[str] = []

@@ -46,9 +46,11 @@ class MixStreamIterDataset(stream_lib.StreamIterDataset):
 
   def __iter__(self):
     recorder = self._recorder or stats.Recorder()
-    return MixStreamIterator(
+    it = MixStreamIterator(
       self._parent, self._stream, recorder, self._every, self._read, self.mixture
     )
+    it.source, it.batches = self._parent, self._batches
+    return it
 
 
 @dataclasses.dataclass(frozen=True)

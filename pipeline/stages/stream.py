@@ -10,7 +10,8 @@ and checked against the shape of this iterator's own state before Grain sees the
 of records skipped under `on_error="skip"` travels with each batch (also out of worker
 processes) and is summed here: `iterator.skipped`, and `get_state()["skipped"]`. So do the
 counters of the process that made it (`pipeline.stages.stats`): `iterator.stats()` holds every
-process's latest.
+process's latest. `stop_after(n)` ends the stream n batches after where it stands (a run's
+remaining steps after a resume, in this stream's batches): its plan stage plans none past them.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 
 import grain
 import numpy as np
+from grain._src.python.dataset.transformations.source import RangeMapDataset
 
 from pipeline.host import lifecycle
 from pipeline.order import elastic
@@ -30,7 +32,20 @@ from pipeline.order.elastic import StateError
 from pipeline.stages import stats
 from pipeline.stages.finish import SKIPPED_KEY
 
-__all__ = ["StateError", "StreamIterDataset", "plain", "stats_of"]
+__all__ = ["BatchIndices", "StateError", "StreamIterDataset", "plain", "stats_of", "stop_after"]
+
+
+class BatchIndices(RangeMapDataset):
+  """The batch indices a stream plans, 0 to `most` - 1, whose end `end_at` brings nearer for
+  iterators made after it (each takes its length when made)."""
+
+  def __init__(self, most: int):
+    super().__init__(0, most)
+    self.most = most
+
+  def end_at(self, stop: int | None) -> None:
+    """Indices up to `stop` (None or past `most`: `most`) for the iterators made from now."""
+    super().__init__(0, self.most if stop is None else min(stop, self.most))
 
 
 class StreamIterDataset(grain.IterDataset):
@@ -47,18 +62,20 @@ class StreamIterDataset(grain.IterDataset):
     stats_every_s: float | None = None,
     read=None,
     plan: stats.Timed | None = None,
+    batches: BatchIndices | None = None,
   ):
     super().__init__(parent)
     self._stream, self._recorder, self._every, self._read = stream, recorder, stats_every_s, read
-    self._plan = plan
+    self._plan, self._batches = plan, batches
 
   def __iter__(self) -> grain.DatasetIterator:
     recorder = self._recorder or stats.Recorder()
     parent = self._parent.__iter__()
     it = StreamIterator(parent, self._stream, recorder, self._every, self._read)
+    it.source, it.batches = self._parent, self._batches
     sampler = self._plan and self._plan.fn.sampler
     if sampler and sampler.blocks is not None and sampler.global_order:
-      it.plan, it.source = self._plan, self._parent
+      it.plan = self._plan
     return it
 
   def __str__(self) -> str:
@@ -73,13 +90,16 @@ class StreamIterator(grain.DatasetIterator):
     self._since: dict[int, np.ndarray] | None = None  # the snapshots of the last `stats()`
     self._printed = time.monotonic()
     self.skipped = 0
-    self.plan = self.source = None  # where a block-order state of another count resumes
+    self.plan = None  # where a block-order state of another count resumes
+    self.source = self.batches = None  # what a fresh parent is made of; the indices it plans
+    self._handed = 0  # batches since this iterator was made or set
 
   def __next__(self) -> dict[str, np.ndarray]:
     t = time.perf_counter()
     with stats.annotation("handoff"):
       batch = next(self._parent)
     self._recorder.handed("handoff", time.perf_counter() - t)
+    self._handed += 1
     self.skipped += int(batch.pop(SKIPPED_KEY))
     snapshot = batch.pop(stats.STATS_KEY, None)
     if snapshot is not None:
@@ -122,18 +142,42 @@ class StreamIterator(grain.DatasetIterator):
     if self.plan:
       self._replan(elastic.resumed(state, self._stream))
     self._parent.set_state(inner)
-    self.skipped = skipped
+    self.skipped, self._handed = skipped, 0
+
+  def stop_after(self, num_batches: int) -> None:
+    """Ends the stream `num_batches` batches after its position (its start, or the state just
+    set), where it ends already if sooner: the plan stage plans none past them, so no stage
+    reads past them. Call it before the stream's first batch; closing it undoes the cut."""
+    if not isinstance(num_batches, int) or num_batches < 0:
+      raise ValueError(f"stop_after takes a count of batches, got {num_batches!r}")
+    if self._handed:
+      raise ValueError("stop_after ends a stream before its first batch; this one has begun")
+    if self.batches is None:
+      raise ValueError(f"{self} plans no batch indices of its own: it cannot stop after a count")
+    state = self._parent.get_state()
+    self.batches.end_at(elastic.batches_done(state) + num_batches)
+    self._fresh_parent()
+    self._parent.set_state(state)
+
+  def close(self) -> None:
+    if self.batches is not None:
+      self.batches.end_at(None)
+    super().close()
+
+  def _fresh_parent(self) -> None:
+    """Reads from a fresh iterator of the chain: worker processes took the plan and the batch
+    indices when they started, threads may have planned ahead."""
+    old, self._parents = self._parent, (self.source.__iter__(),)
+    old.close()
 
   def _replan(self, history: tuple) -> None:
     """Sets the plan's order to its block order resumed after `history` (`Sampler.resumed`),
-    then reads from a fresh iterator of the chain: worker processes took the plan when they
-    started, threads may have planned ahead."""
+    then reads from a fresh iterator of the chain."""
     sampler = dataclasses.replace(self.plan.fn.sampler, resumed=history)
     if sampler == self.plan.fn.sampler:
       return
     self.plan.fn = dataclasses.replace(self.plan.fn, sampler=sampler)
-    old, self._parents = self._parent, (self.source.__iter__(),)
-    old.close()
+    self._fresh_parent()
 
 
 def stats_of(it: grain.DatasetIterator) -> stats.Stats:
@@ -142,6 +186,14 @@ def stats_of(it: grain.DatasetIterator) -> stats.Stats:
   if not streams:
     raise ValueError(f"{it} holds no make_dataset stream: it has no stage stats")
   return streams[0].stats()
+
+
+def stop_after(it: grain.DatasetIterator, num_batches: int) -> None:
+  """`StreamIterator.stop_after` of the `make_dataset` stream `it` holds."""
+  streams = [x for x in lifecycle.iterators(it) if isinstance(x, StreamIterator)]
+  if not streams:
+    raise ValueError(f"{it} holds no make_dataset stream: it cannot stop after a count")
+  streams[0].stop_after(num_batches)
 
 
 def plain(value: Any) -> Any:

@@ -112,8 +112,38 @@ def _on_fuse(path) -> bool:
         best, fstype = point, tail.split()[0]
     return fstype.startswith("fuse")
 
-  # the path as written first: resolving links looks up each name, which a stalled mount holds
-  return fuse(os.path.abspath(path)) or fuse(os.path.realpath(path))
+  return fuse(os.path.abspath(path)) or _lands_on(os.path.abspath(path), fuse)
+
+
+def _lands_on(path: str, fuse: Callable[[str], bool]) -> bool:
+  """Whether absolute `path`, its links followed (as `os.path.realpath`), lands where `fuse`
+  holds; a name is looked up only outside such a mount, which may not answer (a stalled
+  mount holds every lookup and stat without a deadline)."""
+  todo, real, links = path.split("/")[::-1], "/", 0
+  while todo:
+    name = todo.pop()
+    if name in ("", "."):
+      continue
+    if name == "..":
+      real = os.path.dirname(real)
+      continue
+    step = os.path.join(real, name)
+    if fuse(step):
+      return True
+    try:
+      st = os.lstat(step)
+    except OSError:  # missing or unreadable: the rest as written
+      return fuse(os.path.normpath(os.path.join(step, *todo[::-1])))
+    if not stat.S_ISLNK(st.st_mode):
+      real = step
+      continue
+    links += 1
+    if links > 40:  # a loop: not a path to read
+      return False
+    target = os.readlink(step)
+    real = "/" if target.startswith("/") else real
+    todo += target.split("/")[::-1]
+  return fuse(real)
 
 
 def of(path) -> Backend:

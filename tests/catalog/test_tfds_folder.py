@@ -32,6 +32,7 @@ from pipeline.stages import errors
 from tests import stage_chain
 from tests.conftest import assert_same_batches
 from tests.convert.test_tfds import Builder, UnlabeledShapes, jpeg_feature
+from tests.faults import test_stalled_exit as stalled
 from tests.storage.test_gcs import gcs, needs_emulator, run  # noqa: F401 - gcs is a fixture
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -479,3 +480,35 @@ def test_the_trainer_trains_on_a_tfds_build(folder, tmp_path):
   summary = json.loads((tmp_path / "work" / "summary.json").read_text())
   assert summary["steps"] == 2
   assert snapshot(folder) == before
+
+
+@pytest.mark.parametrize("how", ["tfds://", "a folder linking to it"])
+def test_a_build_on_a_mount_that_stops_answering_ends_the_process_at_open(
+  storage_rig, tfds_dir, tmp_path, how
+):
+  """tfds:// looked up in a $TFDS_DATA_DIR that does not answer, or a build's metadata read
+  there, waits at most the read deadline: one line, then the process is gone."""
+  script = tmp_path / "open.py"
+  script.write_text(
+    "import sys, pipeline\n"
+    "if __name__ == '__main__':\n"
+    "  pipeline.make_dataset(sys.argv[1], batch_size=4, shard_count=1, shard_index=0,\n"
+    f"    performance=dict(read_deadline_s={stalled.DEADLINE_S}, num_workers=0))\n"
+  )
+  with storage_rig.mount(tfds_dir, latency_ms=1) as m, m.stall():
+    os.environ["TFDS_DATA_DIR"] = str(m.path)  # the process started next inherits it
+    try:
+      if how == "tfds://":
+        data_dir, named = "tfds://tiny_pets", m.path
+      else:  # the manifest's absence answers at once, the build's files wait
+        data_dir = tmp_path / "linked"
+        data_dir.mkdir()
+        for name in os.listdir(tfds_dir / "tiny_pets" / "1.0.0"):
+          (data_dir / name).symlink_to(m.path / "tiny_pets" / "1.0.0" / name)
+        named = data_dir / "dataset_info.json"
+      proc = stalled.start([sys.executable, str(script), str(data_dir)])
+    finally:
+      del os.environ["TFDS_DATA_DIR"]
+    code, lines = stalled.ended(proc)
+  assert code == 1, lines[-20:]
+  stalled.no_answer(lines, str(named))

@@ -21,6 +21,7 @@ from pipeline.catalog import manifest
 from pipeline.convert import __main__ as cli
 from pipeline.convert import verify
 from tests.conftest import REPO, run_command
+from tests.faults import test_stalled_exit as stalled
 
 CONVERT = [sys.executable, "-m", "pipeline.convert"]
 
@@ -190,3 +191,43 @@ def test_ctrl_c_while_workers_start_is_one_line_and_the_same_command_resumes(pho
   assert lines == ["interrupted: finished shards are kept; re-run the same command to resume"]
   assert run_command(args).returncode == 0
   assert verify.verify(tmp_path / "out", progress=False).ok
+
+
+CTRL_C_AS_THE_SERVER_STARTS = """
+import multiprocessing.util, os, signal
+from pipeline.convert import shards
+
+spawn = multiprocessing.util.spawnv_passfds
+
+def spawn_then_ctrl_c(*args):
+  pid = spawn(*args)  # the server the workers fork from, starting
+  os.killpg(0, signal.SIGINT)  # a terminal's Ctrl-C, to the whole process group, now
+  return pid
+
+if __name__ == "__main__":
+  multiprocessing.util.spawnv_passfds = spawn_then_ctrl_c
+  print(list(shards.ordered_map(abs, [-1, -2, -3], 2)))
+"""
+
+
+def test_ctrl_c_as_the_workers_server_starts_interrupts_and_leaves_no_process(tmp_path):
+  """A Ctrl-C in the few ms the server the workers fork from takes to start is answered
+  (it was ignored there, and the work went on), by this process alone."""
+  script = tmp_path / "ctrl_c.py"
+  script.write_text(CTRL_C_AS_THE_SERVER_STARTS)
+  child = subprocess.Popen(
+    [sys.executable, str(script)],
+    cwd=REPO,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
+    text=True,
+    start_new_session=True,  # its own process group, and a session naming what it starts
+  )
+  out, err = child.communicate(timeout=120)
+  assert child.returncode in (130, -signal.SIGINT) and out == "", (out, err[-3000:])
+  assert err.strip().splitlines()[-1] == "KeyboardInterrupt", err[-3000:]
+  for _ in range(100):  # the server goes once its parent is gone
+    if not stalled.descendants(child.pid):
+      break
+    time.sleep(0.1)
+  assert stalled.descendants(child.pid) == []

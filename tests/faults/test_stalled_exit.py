@@ -139,6 +139,22 @@ def test_a_mount_that_stops_answering_at_open_ends_the_process(storage_rig, phot
   no_answer(lines, f"{m.path}/manifest.json")
 
 
+def test_a_mount_whose_stat_stops_answering_at_open_ends_the_process(
+  storage_rig, photos_dir, tmp_path
+):
+  """Attributes the kernel keeps no time (gcsfuse without its stat cache): the manifest's
+  stat itself waits, at open."""
+  script = tmp_path / "read.py"
+  script.write_text(SCRIPT)
+  with storage_rig.mount(photos_dir, latency_ms=1, attr_timeout_s=0) as m:
+    assert (m.path / "manifest.json").stat().st_size  # looked up once: now only its stat waits
+    with m.stall(stats=True):
+      code, lines = ended(start([sys.executable, str(script), str(m.path), "train", "0"]))
+  assert code == 1, lines[-20:]
+  assert not any("terminate called" in line for line in lines), lines[-20:]
+  no_answer(lines, f"{m.path}/manifest.json")
+
+
 def trainer(workdir: pathlib.Path, data_dir) -> subprocess.Popen:
   """`python -m train` on `data_dir` (digits), long enough to be stalled mid-run."""
   args = [
@@ -213,6 +229,25 @@ def test_a_mount_that_stops_answering_after_the_manifest_at_open_ends_the_proces
   no_answer(lines, f"{local}/train.array_record-")
 
 
+def test_shards_linked_from_a_mount_whose_stats_stop_answering_end_the_process_at_open(
+  storage_rig, photos_dir, tmp_path
+):
+  """Which storage holds a linked shard is found without a look-up on the mount (its
+  lookups wait too): the shard's stat then waits at most the deadline."""
+  script = tmp_path / "open.py"
+  script.write_text(
+    "import sys, pipeline\n"
+    "if __name__ == '__main__':\n"
+    "  pipeline.make_dataset(sys.argv[1], batch_size=4, shard_count=1, shard_index=0,\n"
+    f"    performance=dict(read_deadline_s={DEADLINE_S}, num_workers=0))\n"
+  )
+  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall(stats=True):
+    local = on_the_mount(photos_dir, m.path, tmp_path)
+    code, lines = ended(start([sys.executable, str(script), str(local)]))
+  assert code == 1, lines[-20:]
+  no_answer(lines, f"{local}/train.array_record-")
+
+
 def test_convert_verify_on_a_mount_that_stops_answering_exits_in_one_line(storage_rig, photos_dir):
   with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
     verify = ["verify", str(m.path), f"--read-deadline-s={DEADLINE_S}"]
@@ -220,3 +255,17 @@ def test_convert_verify_on_a_mount_that_stops_answering_exits_in_one_line(storag
     code, lines = ended(proc)
   assert code != 0 and len(lines) == 1, lines[-20:]
   no_answer(lines, f"{m.path}/manifest.json")
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_convert_verify_on_shards_that_stop_answering_exits_2_in_one_line(
+  storage_rig, photos_dir, tmp_path, workers
+):
+  """The manifest answers; the shards' reads, in verify's worker processes too, wait at most
+  --read-deadline-s."""
+  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
+    local = on_the_mount(photos_dir, m.path, tmp_path)
+    verify = ["verify", str(local), f"--read-deadline-s={DEADLINE_S}", f"--workers={workers}"]
+    code, lines = ended(start([sys.executable, "-m", "pipeline.convert", *verify]))
+  assert code == 2 and len(lines) == 1, lines[-20:]
+  no_answer(lines, f"{local}/")
