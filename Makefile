@@ -70,7 +70,7 @@ PYTEST := $(PY) -m pytest -n $(JOBS) --dist loadfile
 test: $(STAMP) $(BEAM_STAMP)  ## the fast tier (~10 min on 2 cores); `make test-slow`: the slow tier
 	@$(if $(ARGS),true,echo "make test: the fast tier, about 10 minutes on 2 cores (a dot a test); \
 	make test-slow runs the slow tier (about 30 minutes: trainer runs, bucket conversions, benchmarks' \
-	end to end runs, multi-host faults that wait out heartbeats); CI runs both")
+	end to end runs, multi-host faults that wait out heartbeats); CI runs the fast tier")
 	$(PYTEST) $(ARGS); main=$$?; \
 	$(if $(ARGS),exit $$main,$(BEAM_PY) -m pytest $(BEAM_TESTS); beam=$$?; [ $$main$$beam = 00 ])
 
