@@ -39,6 +39,29 @@ from tests.cluster import free_port  # noqa: F401 - test_train_*.py import it fr
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
 _fixture_errors: dict[int, tuple[BaseException, str]] = {}
+# Files whose tests run several trainer processes joined into one run (`make test-slow`): under
+# pytest-xdist they form one unit of work, so one worker runs them one after another and at most
+# one such run compiles beside the other workers' tests on a loaded machine.
+TRAINER_CLUSTER_FILES = frozenset(
+  f"tests/train/{name}.py"
+  for name in ("test_train_multihost", "test_train_multihost_faults", "test_train_elastic")
+)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  """`--dist loadfile` (each file's module-scoped runs in one process), with the files of
+  `TRAINER_CLUSTER_FILES` in one unit of work."""
+  if config.getoption("dist") != "loadfile":
+    return None
+  from xdist.scheduler import LoadFileScheduling
+
+  class TrainerClustersTogether(LoadFileScheduling):
+    def _split_scope(self, nodeid: str) -> str:
+      path = super()._split_scope(nodeid)
+      return "trainer clusters" if path in TRAINER_CLUSTER_FILES else path
+
+  return TrainerClustersTogether(config, log)
 
 
 @pytest.hookimpl(hookwrapper=True)

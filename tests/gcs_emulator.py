@@ -9,7 +9,11 @@ shard's footer) and answers them with the whole object from byte 0, which the re
 takes for the file's tail ("Invalid Riegeli/records file: chunk boundary is ..."). The
 wrapper turns `bytes=-N` into the equivalent `bytes=SIZE-N-` before the emulator sees it.
 And it serves one connection at a time with a backlog of 5, which drops the connections of
-array_record's parallel reads (54 s for 1,438 records); here each gets a thread (1.8 s).
+array_record's parallel reads (54 s for 1,438 records); here each gets a thread (1.8 s), and
+its handlers run one at a time under a lock: its storage (one in-memory dict, dumped whole to
+JSON on each write) is not thread-safe, and a write beside another failed with "dictionary
+changed size during iteration", the upload stored but never answered, gcsfs's retry then
+refused (404) and its cancel (DELETE of the session, which the emulator lacks) a bare 501.
 Downloads name the object's generation (`x-goog-generation`), as from GCS: TensorStore's
 conditional writes (Orbax's checkpoints) fail on "Malformed StorageGeneration" without it.
 An upload with the precondition ifGenerationMatch=0 (create only if absent, what a lock
@@ -39,6 +43,7 @@ import urllib.request
 _COUNT = os.environ.get("GCS_EMULATOR_COUNT")
 _REQUESTS, _requests = os.environ.get("GCS_EMULATOR_REQUESTS"), {}
 _gets, _lock = [0], threading.Lock()
+_handling = threading.RLock()  # one handler at a time (see above)
 _SUFFIX = re.compile(r"^\s*bytes=-(?P<n>[0-9]+)\s*$")
 
 
@@ -156,6 +161,20 @@ def _patch():
       k: _counted(f"batch {k}", v) for k, v in objects._BATCH_METHOD_HANDLERS.items()
     }
   from gcp_storage_emulator import server  # after the patch above
+
+  def one_at_a_time(handler):
+    @functools.wraps(handler)
+    def locked(*args, **kwargs):
+      with _handling:
+        return handler(*args, **kwargs)
+
+    return locked
+
+  server.HANDLERS = tuple(
+    (route, {method: one_at_a_time(h) for method, h in handlers.items()})
+    for route, handlers in server.HANDLERS
+  )
+  objects.insert = one_at_a_time(objects.insert)  # the router's fallback for POST uploads
 
   class ThreadingHTTPServer(http.server.ThreadingHTTPServer):
     request_queue_size = 256

@@ -1,8 +1,9 @@
 """MobileNet V1/V2: Keras' parameter counts and BatchNorm settings, shapes, modes, training.
 
 Shape and count checks trace the models abstractly (`nnx.eval_shape`), so every alpha is
-cheap; behaviour runs alpha 0.25 models on 32x32 images. The slow test loads Keras' weights
-and compares outputs, when TensorFlow (the `peers` extra) is installed.
+cheap; behaviour runs alpha 0.25 models on 32x32 images, compiled step by step (`make
+test-slow`). The slowest loads Keras' weights and compares outputs, when TensorFlow (the
+`peers` extra) is installed.
 """
 
 from __future__ import annotations
@@ -29,9 +30,6 @@ KERAS_PARAM_COUNTS = [
   ("mobilenet_v2", 1.0, 3_538_984),
   ("mobilenet_v2", 1.4, 6_156_712),  # alpha > 1 also widens the last 1x1 conv
 ]
-
-
-pytestmark = pytest.mark.slow  # the models against Keras, step by step: `make test-slow`
 
 
 def images(batch: int = 2, size: int = 32, seed: int = 0) -> jax.Array:
@@ -126,6 +124,7 @@ def test_v2_takes_the_shared_config_but_no_real_depth_multiplier():
     build(2)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", sorted(models.MODELS))
 def test_eval_mode_is_deterministic_and_leaves_statistics_alone(small_models, name):
   model = nnx.clone(small_models[name])
@@ -138,6 +137,7 @@ def test_eval_mode_is_deterministic_and_leaves_statistics_alone(small_models, na
   jax.tree.map(np.testing.assert_array_equal, before, nnx.state(model, nnx.BatchStat))
 
 
+@pytest.mark.slow
 def test_bfloat16_compute_keeps_float32_params_and_logits(small_models):
   reference = nnx.clone(small_models["mobilenet_v2"])
   model = nnx.eval_shape(
@@ -157,6 +157,7 @@ def test_bfloat16_compute_keeps_float32_params_and_logits(small_models):
   np.testing.assert_allclose(logits, expected, rtol=0.1, atol=0.05 * np.abs(expected).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name, momentum", [("mobilenet_v1", 0.99), ("mobilenet_v2", 0.999)])
 def test_one_adam_step_reduces_the_loss_and_moves_statistics_as_keras(small_models, name, momentum):
   model = nnx.clone(small_models[name])

@@ -12,8 +12,9 @@ import time
 
 import jax
 import pytest
+from etils import epath
 
-from train import agreement, report, train
+from train import agreement, checkpoints, report, train
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -95,6 +96,15 @@ def test_hosts_agree_on_all_but_the_settings_that_change_no_batch_and_on_the_c_d
   (tmp_path / "_jpeg.c").write_text("int y;\n")
   assert agreement.sources_digest(tmp_path) != before
   assert agreement.code_version().endswith(", C JPEG decoder")
+
+
+def test_a_resume_on_one_host_of_a_checkpoint_saved_on_two_says_so_in_good_english(tmp_path):
+  ckpt = checkpoints.Checkpoints(epath.Path(tmp_path), keep=1)
+  ckpt.saved_on = 2  # as restoring a checkpoint of 2 processes sets it
+  assert ckpt.resumed(12) == (
+    f"resumed from step 12 on 1 host (saved on 2) ({tmp_path / 'checkpoints'})"
+  )
+  ckpt.close()
 
 
 @pytest.mark.slow

@@ -12,11 +12,9 @@ import signal
 import subprocess
 
 import pytest
-from etils import epath
 
 from pipeline.convert import images
 from tests.train.test_train import ROOT, env, summary, train_cmd, wait_for
-from train import checkpoints
 
 pytestmark = pytest.mark.slow  # trainer runs (a module-scoped one shared): `make test-slow`
 
@@ -187,15 +185,6 @@ def test_when_no_checkpoint_restores_the_run_is_refused_in_one_line(finished, di
   assert "no checkpoint in" in out.stderr and "step 2:" in out.stderr
   assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["2", "4", "6"]
   assert not (workdir / "summary.json").exists()
-
-
-def test_a_resume_on_one_host_of_a_checkpoint_saved_on_two_says_so_in_good_english(tmp_path):
-  ckpt = checkpoints.Checkpoints(epath.Path(tmp_path), keep=1)
-  ckpt.saved_on = 2  # as restoring a checkpoint of 2 processes sets it
-  assert ckpt.resumed(12) == (
-    f"resumed from step 12 on 1 host (saved on 2) ({tmp_path / 'checkpoints'})"
-  )
-  ckpt.close()
 
 
 def without_shard_list(workdir, step):

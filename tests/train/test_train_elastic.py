@@ -71,7 +71,6 @@ def check_resumed(workdir, unresized, hosts: int, saved_on: int, out: str) -> No
   assert resumed[13] == pytest.approx(expected[13], rel=1e-5, abs=0)
 
 
-@pytest.mark.slow  # 36 s under load; one process resumed on two is in the fast suite
 def test_two_processes_resumed_on_one(digits_dir, tmp_path):
   unresized, workdir = tmp_path / "unresized", tmp_path / "resized"
   two_processes(tmp_path, unresized, digits_dir)
@@ -86,7 +85,6 @@ def test_one_process_resumed_on_two(digits_dir, tmp_path):
   check_resumed(workdir, unresized, 2, 1, two_processes(tmp_path, workdir, digits_dir))
 
 
-@pytest.mark.slow  # 18 s under load; the elastic order's refusals: order/test_elastic.py
 def test_owned_shards_on_another_process_count_are_refused_in_one_line(digits_raw, tmp_path):
   data, workdir = tmp_path / "data", tmp_path / "w"
   images.convert(

@@ -101,7 +101,6 @@ def test_a_cut_metrics_file_is_set_aside_with_one_warning_and_the_rerun_finishes
   assert summary(workdir)["steps"] == 4
 
 
-@pytest.mark.slow  # ~55 s; one process: tests/order/test_blocks.py
 def test_blocks_past_every_shard_train_on_two_hosts_as_blocks_of_a_shard(sharded, tmp_path):
   """block_records and window_blocks of 2**40 (row 5: no answer in 120 s, 8.5 GB): each
   block is a shard, dealt out to the hosts; every validation record evaluated once."""
