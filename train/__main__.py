@@ -241,10 +241,16 @@ def main(argv):
   except remote.RemoteStorageError as e:
     # Storage that stopped answering mid-run: its reads may hang on in their threads (and an
     # orderly exit joins them), the other processes wait in a collective for this one (and
-    # an orderly exit waits for them): leave at once, in one line; the others name this one.
+    # an orderly exit waits for them): leave at once, in one line, told to the others, which
+    # print it and leave too (not a heartbeat timeout later, naming no cause).
     if VERBOSE.value:
       traceback.print_exc()
-    print(f"python -m train: {e}", file=sys.stderr, flush=True)
+    if jax.process_count() == 1:
+      print(f"python -m train: {e}", file=sys.stderr, flush=True)
+    else:
+      line = f"python -m train: process {jax.process_index()} failed: {e}"
+      print(line, file=sys.stderr, flush=True)
+      hosts.report_failure(line)
     stalled.leave(1)
   except Exception as e:
     if hosts.lost_peer(e):  # the distributed service will say which process

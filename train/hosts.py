@@ -33,6 +33,10 @@ POLL_S = 1.0  # how often a process checks whether another reported an error
 REPORT_S = 10  # for the others to read a failing process's cause before it exits
 JOIN_GRACE_S = 10  # JAX's own join timeout is this much later: `train.join` names who is missing
 TOKEN = "processes.token"  # written by process 0 into the workdir, read by the others
+ORDER_FIX = (  # an input order (global or blocks) that differs with the same config
+  "config.input.order unset, each host chose it from its own storage (global on a local "
+  "disk, blocks on a mount or bucket): set --config.input.order=blocks (or global) on every host"
+)
 _heartbeat_s = 0  # as given to `initialize`
 
 
@@ -173,6 +177,11 @@ def shared_workdir(workdir: epath.Path) -> str:
     return ""
 
 
+def _kind(order: str) -> str:
+  """The kind of an input order field, global or blocks (`train.agreement.input_order`)."""
+  return order.split(";")[0].split()[0]
+
+
 def _show(value: str) -> str:
   return value if len(value) <= 60 else value[:57] + "..."
 
@@ -210,9 +219,12 @@ def compare(everyone: list[dict]) -> list[str]:
         "wrote into it; put --workdir on a bucket (gs://...) or a disk every host mounts"
       )
     theirs = dict(everyone[differ[0]]["fields"]).get(name, "(missing)")
+    fix = "start every host with the same command, config and data"
+    if (name == "order" or name.startswith("eval order")) and _kind(theirs) != _kind(value):
+      fix = ORDER_FIX
     raise UsageError(
       f"processes disagree on {name}: process 0 has {_show(reference[name])}, {who} "
-      f"{_show(theirs)}; start every host with the same command, config and data"
+      f"{_show(theirs)}; {fix}"
     )
   extra = {n for p in everyone for n, _ in p["fields"]} - set(reference)
   if extra:

@@ -126,3 +126,26 @@ def test_a_process_the_service_lost_for_its_own_stop_names_itself():
   assert verdict_line(WORKER_LOST.replace("\n1\n", "\n2\n"), "1", 31.0, 30).startswith(
     "this process (1) was stopped for 31 s"
   )
+
+
+def test_hosts_whose_storage_chose_different_input_orders_are_told_to_set_the_order(
+  digits_dir, storage_rig, tmp_path, monkeypatch
+):
+  """The same command on a host reading its local disk (the global order) and on one reading
+  through a mount (the block order), data at the same path: the refusal names the setting
+  that makes them agree, not the command they already share (in this process)."""
+  local, mounted = tmp_path / "local", tmp_path / "mounted"
+  local.mkdir()
+  (local / "data").symlink_to(digits_dir)
+  sent = []
+  with storage_rig.mount(digits_dir, latency_ms=1, mountpoint=mounted / "data"):
+    for host in (local, mounted):
+      monkeypatch.chdir(host)
+      sent.append(start_fields(digits_dir, tmp_path / "w", **{"input.data_dir": "data"}))
+  with pytest.raises(UsageError) as refused:
+    hosts.compare(sent)
+  line = str(refused.value)
+  assert line.startswith("processes disagree on order: process 0 has global;"), line
+  assert ", process 1 blocks of " in line and line.endswith(
+    "set --config.input.order=blocks (or global) on every host"
+  )
