@@ -24,8 +24,11 @@ def test_a_failing_module_fixture_is_one_error_and_its_other_users_are_skipped(t
       """
     )
   )
+  # its own basetemp: pytest's cleanup of old /tmp/pytest-of-* folders would walk into any
+  # stalled FUSE mount another run left there (it hung 671 s once on a shared machine)
+  inner = ["--basetemp", str(tmp_path / "basetemp"), str(tmp_path / "test_cluster.py")]
   out = subprocess.run(
-    [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-rs", str(tmp_path)],
+    [sys.executable, "-m", "pytest", "-p", "tests.conftest", "-rs", *inner],
     cwd=REPO,
     capture_output=True,
     text=True,
