@@ -225,6 +225,7 @@ def main(argv):
       print(f"plan: {setup.plan.describe()}; fits\n{setup.notes}", end="")
     else:
       train.train_and_evaluate(config, WORKDIR.value)
+      supervise.completed()  # JAX's exit may still abort: the parent then says it lost nothing
   except UsageError as e:  # the same on every process (`hosts.agree`)
     if VERBOSE.value:
       raise

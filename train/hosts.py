@@ -12,6 +12,7 @@ all. A lost process is reported by `train.supervise`.
 
 from __future__ import annotations
 
+import atexit
 import errno
 import json
 import os
@@ -95,7 +96,16 @@ def initialize(
     signal.signal(signal.SIGTERM, previous)
     jax.config.update("jax_enable_preemption_service", preemption)
   distributed.global_state.initialize_preemption_sync_manager()
-  threading.Thread(target=_watch_failures, daemon=True, name="train-failures").start()
+  watcher = threading.Thread(target=_watch_failures, daemon=True, name="train-failures")
+  watcher.start()
+  atexit.register(_stop_watching, watcher)  # runs before JAX's own exit handler (registered first)
+
+
+def _stop_watching(watcher: threading.Thread) -> None:
+  """Ends `_watch_failures` before the process exits: a thread inside a call of JAX's client
+  as the interpreter finalizes aborts the process (SIGABRT, after a completed run)."""
+  _stopping.set()
+  watcher.join(timeout=2 * POLL_S)
 
 
 def port_in_use(coordinator: str) -> str | None:
@@ -259,6 +269,7 @@ def await_verdict(error: BaseException) -> None:
   raise error
 
 
+_stopping = threading.Event()  # set as the process exits: `_watch_failures` returns
 _failing = False  # this process reported its own error: it no longer ends for others'
 
 
@@ -285,8 +296,7 @@ def report_failure(line: str) -> None:
 def _watch_failures() -> None:
   """Ends this process with the line another process reported as its error."""
   client, me, read = _client(), jax.process_index(), set()
-  while True:
-    time.sleep(POLL_S)
+  while not _stopping.wait(POLL_S):
     try:
       reports = client.key_value_dir_get("train/failed/")
     except Exception:  # noqa: BLE001 - the service is gone: the supervisor says so

@@ -18,10 +18,12 @@ import re
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
 ENV = "TRAIN_SUPERVISED"  # set in the child
+DONE = "TRAIN_DONE"  # in the child: the file it writes once the run has completed (`completed`)
 FATAL = "JAX distributed service detected fatal errors"
 OWN = "python -m train: "  # how the trainer's own one-line errors begin
 EXIT_GRACE_S = 15  # after the service's verdict, for the child to exit before it is killed
@@ -130,6 +132,31 @@ def _die_with_parent() -> None:
     pass
 
 
+def completed() -> None:
+  """In the child: tells the parent that the run completed (summary and final checkpoint
+  written), so an exit that fails after it (JAX's shutdown aborting) loses nothing."""
+  if os.environ.get(DONE):
+    with open(os.environ[DONE], "w") as f:
+      f.write("done")
+
+
+def end_line(code: int, done: bool, where: str) -> tuple[int, str | None]:
+  """The exit status and last line for a child that ended with `code` (no verdict of the
+  service): a run that `done` leaves with 0 whatever its exit, a signal otherwise is named."""
+  died = f"died of {signal.Signals(-code).name}" if code < 0 else f"failed with status {code}"
+  if done and code != 0:
+    return 0, (
+      f"python -m train: the run completed ({where}); the trainer process then {died} while "
+      "exiting, which loses nothing"
+    )
+  if done or code >= 0:
+    return code, None
+  return 128 - code, (
+    f"python -m train: the trainer process {died}; {where}; re-run the same command on every "
+    "host to resume from it"
+  )
+
+
 def wanted(argv: list[str]) -> bool:
   """Whether `python -m train ARGV` runs as one of several processes (and not as the child)."""
   if os.environ.get(ENV):
@@ -147,11 +174,21 @@ def wanted(argv: list[str]) -> bool:
   )
 
 
-def run(argv: list[str]) -> int:
-  """Runs `python -m train ARGV` as a child; returns the exit status to leave with."""
+def run(argv: list[str], command: list[str] | None = None) -> int:
+  """Runs `python -m train ARGV` (or `command`) as a child; returns the exit status to leave
+  with."""
+  done = tempfile.NamedTemporaryFile(prefix="train-done-", delete=False)
+  done.close()
+  try:
+    return _supervise(argv, command or [sys.executable, "-m", "train", *argv], done.name)
+  finally:
+    os.unlink(done.name)
+
+
+def _supervise(argv: list[str], command: list[str], done: str) -> int:
   child = subprocess.Popen(
-    [sys.executable, "-m", "train", *argv],
-    env={**os.environ, ENV: "1"},
+    command,
+    env={**os.environ, ENV: "1", DONE: done},
     stderr=subprocess.PIPE,
     start_new_session=True,  # Ctrl-C reaches it once, through this process
     preexec_fn=_die_with_parent,
@@ -176,10 +213,11 @@ def run(argv: list[str]) -> int:
     sys.stderr.flush()
   code = child.wait()
   where = last_saved_step(flag(argv, "workdir"))
-  if verdict and said:  # the child named the cause, and then the service its end
+  finished = os.path.getsize(done) > 0
+  if verdict and said and not finished:  # the child named the cause, and then the service its end
     return code if code > 0 else 1
   heartbeat = int(flag(argv, "heartbeat_timeout") or HEARTBEAT_S)
-  if verdict:
+  if verdict and not finished:
     line = verdict_line("".join(verdict), flag(argv, "process_id"), stops.longest, heartbeat)
     print(
       f"python -m train: {line}; {where}; re-run the same command on every host to resume from it",
@@ -187,12 +225,7 @@ def run(argv: list[str]) -> int:
       flush=True,
     )
     return 1
-  if code < 0:
-    print(
-      f"python -m train: the trainer process died of {signal.Signals(-code).name}; {where}; "
-      "re-run the same command on every host to resume from it",
-      file=sys.stderr,
-      flush=True,
-    )
-    return 128 - code
-  return code
+  status, line = end_line(code, finished, where)
+  if line:
+    print(line, file=sys.stderr, flush=True)
+  return status

@@ -4,7 +4,10 @@ difference refused naming the field), a taken coordinator port is found before J
 crash on it, and the distributed service's verdicts name the lost process. The trainer's
 processes doing so end to end: test_train_multihost.py (`make test-slow`)."""
 
+import pathlib
+import signal
 import socket
+import sys
 
 import pytest
 
@@ -126,6 +129,41 @@ def test_a_process_the_service_lost_for_its_own_stop_names_itself():
   assert verdict_line(WORKER_LOST.replace("\n1\n", "\n2\n"), "1", 31.0, 30).startswith(
     "this process (1) was stopped for 31 s"
   )
+
+
+def supervised(workdir, child: str) -> int:
+  """`train.supervise.run` of a real child process running `child` (Python) for a run in
+  `workdir`; this process's signal handlers (which it passes to the child) left as they were."""
+  from train import supervise
+
+  root = str(pathlib.Path(__file__).parents[2])
+  command = [sys.executable, "-c", f"import sys; sys.path.insert(0, {root!r}); {child}"]
+  handlers = {s: signal.getsignal(s) for s in (signal.SIGTERM, signal.SIGINT)}
+  try:
+    return supervise.run(["--workdir", str(workdir)], command)
+  finally:
+    for s, handler in handlers.items():
+      signal.signal(s, handler)
+
+
+@pytest.mark.filterwarnings("ignore:os.fork:RuntimeWarning")  # JAX's, in this process only
+def test_a_completed_run_whose_trainer_aborts_while_exiting_exits_0_saying_so(tmp_path, capfd):
+  """JAX's exit can abort a process after the run completed (summary and final checkpoint
+  written): the parent says so and exits 0; a child that aborts before completing is a death."""
+  (tmp_path / "checkpoints" / "60").mkdir(parents=True)
+  aborts = "import os; os.abort()"
+  assert supervised(tmp_path, f"from train import supervise; supervise.completed(); {aborts}") == 0
+  assert capfd.readouterr().err.splitlines()[-1] == (
+    "python -m train: the run completed (the last checkpoint is step 60); the trainer process "
+    "then died of SIGABRT while exiting, which loses nothing"
+  )
+  assert supervised(tmp_path, aborts) == 128 + signal.SIGABRT
+  assert capfd.readouterr().err.splitlines()[-1] == (
+    "python -m train: the trainer process died of SIGABRT; the last checkpoint is step 60; "
+    "re-run the same command on every host to resume from it"
+  )
+  assert supervised(tmp_path, "from train import supervise; supervise.completed()") == 0
+  assert capfd.readouterr().err == ""
 
 
 def test_hosts_whose_storage_chose_different_input_orders_are_told_to_set_the_order(
