@@ -166,6 +166,18 @@ def test_a_completed_run_whose_trainer_aborts_while_exiting_exits_0_saying_so(tm
   assert capfd.readouterr().err == ""
 
 
+@pytest.mark.slow  # two processes joining three times: about 40 s
+def test_processes_exit_0_however_busy_their_failure_watcher_is(tmp_path):
+  """A thread inside a call of JAX's client as the interpreter ends aborts the process
+  (SIGABRT after a completed run): the trainer's failure watcher stops before JAX's exit.
+  Polling every millisecond, a process aborted in 3 of 4 such runs before that."""
+  from tests.cluster import run_processes
+
+  for run in range(3):
+    run_processes("multihost_exit_worker.py", 2, 120, out=tmp_path / f"{run}-{{i}}")
+    assert [(tmp_path / f"{run}-{i}").read_text() for i in (0, 1)] == ["done", "done"]
+
+
 def test_hosts_whose_storage_chose_different_input_orders_are_told_to_set_the_order(
   digits_dir, storage_rig, tmp_path, monkeypatch
 ):
