@@ -7,7 +7,8 @@ signals through, and when the service ends the child it prints one line instead 
 which process was lost, the last saved step and how to resume; unless the child said first,
 in its own line, why it ends: that line is then the last. A process that was itself stopped
 (SIGSTOP, a paused VM) long enough to miss the heartbeats names itself: the others lost it, and
-the service's words would blame whoever it reaches first. Imports nothing heavy.
+the service's words would blame whoever it reaches first. A run the child says completed
+(`completed`) leaves with 0 even if the child's exit then fails. Imports nothing heavy.
 """
 
 from __future__ import annotations
