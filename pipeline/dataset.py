@@ -89,22 +89,23 @@ def build(spec: Spec) -> Stages:
     guards.check_main_guard("worker processes, which make_dataset starts on many-core hosts,")
   elif perf.num_workers:
     guards.check_main_guard()
+  gpus = None  # decoding.on="device": nvImageCodec on these local GPUs ([]: its CPU backend)
+  if spec.decoding.on == "device":
+    device_decode.check(spec.decoding)
+    gpus = nvdecode.local_gpus()
   meta, source, _ = split_lib.open(spec.data_dir, spec.split, spec.verify, perf.read_deadline_s)
-  head, image_ops, batch_ops = transforms(spec, meta.num_classes)
   features = spec.transforms.features
   if features:
     first = source.backends[0].guard(
       lambda: source.read([0]), source.paths[0], perf.read_deadline_s
     )
     features = features_lib.parse_specs(features, sample=first[0])
-  gpus = None  # decoding.on="device": nvImageCodec on these local GPUs ([]: its CPU backend)
-  if spec.decoding.on == "device":
-    device_decode.check(spec.decoding)
-    gpus = nvdecode.local_gpus()
+  head, image_ops, batch_ops = transforms(spec, meta.num_classes)
   host = planner.plan(
     spec, meta, source, image_size=head.image_size, arena_bytes=arena_bytes(head), gpus=gpus
   )
   planner.announce(host)
+  read = planner.read_stage(host, meta, spec.split, source)
   keys, threads = spec.keys or meta.keys, host.parallel.threads
   stages = Stages(
     plan=PlanBatches(host.sampler, spec.batch_size),
@@ -112,7 +113,7 @@ def build(spec: Spec) -> Stages:
       spec.num_batches
     ),
     manifest=meta,
-    read=planner.read_stage(host, meta, spec.split, source),
+    read=read,
     decode=DecodeImages(
       head,
       keys=keys,

@@ -142,6 +142,34 @@ def test_converting_a_folder_loads_neither_grain_nor_jax_nor_beam(tmp_path):
 
 GRAPH: dict[str, set[str]] = {}  # module -> the pipeline modules it imports (filled above)
 
+# The layers, top down (docs/ARCHITECTURE.md, "Folders and their rules"): a module imports its
+# own folder (or, at the top, the face's other modules) and lower layers only. The settings
+# (`spec`, then `options`) sit below the pp ops and the stages that read them.
+LAYERS = (
+  ("pipeline",),  # the face: dataset, planner, mixture, inputs, device, show
+  ("pipeline.explain", "pipeline.mixing"),
+  ("pipeline.stages",),
+  ("pipeline.pp",),
+  ("pipeline.spec",),
+  ("pipeline.options", "pipeline.convert"),
+  ("pipeline.image", "pipeline.order"),
+  ("pipeline.catalog",),
+  ("pipeline.storage",),
+  ("pipeline.host",),
+)
+
+
+def unit(module: str) -> str:
+  """The folder (or settings module) of the layer table that holds `module`."""
+  prefixes = [p for row in LAYERS for p in row if module == p or module.startswith(p + ".")]
+  return max(prefixes, key=len)
+
+
+def layer(module: str) -> int:
+  """`module`'s layer: 0 is the face, larger numbers lie lower."""
+  return next(i for i, row in enumerate(LAYERS) if unit(module) in row)
+
+
 # Folder rules: what each role folder may import from the rest of the library.
 RULES = {
   "pipeline.order": lambda other: not other.startswith("pipeline.stages"),
@@ -196,3 +224,18 @@ def test_old_module_paths_are_gone():
   assert proc.stderr.strip().splitlines()[-1] == (
     "ModuleNotFoundError: No module named 'pipeline.sampling'"
   ), proc.stderr
+
+
+def test_imports_go_down_the_layers_never_up_or_across():
+  """No module imports a higher layer, nor another folder of its own layer: the layers hold no
+  circle between folders."""
+  if not GRAPH:
+    test_pipeline_modules_import_each_other_at_the_top_and_in_no_circle()
+  assert {unit(m) for m in GRAPH} == {p for row in LAYERS for p in row}  # every folder placed
+  upward = [
+    f"{module} (layer {layer(module)}) -> {other} (layer {layer(other)})"
+    for module, imported in GRAPH.items()
+    for other in imported
+    if unit(other) != unit(module) and layer(other) <= layer(module)
+  ]
+  assert not upward, upward

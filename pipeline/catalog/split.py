@@ -19,9 +19,8 @@ def open(data_dir, split: str, verify: str = "size", deadline_s: float | None = 
   with 0 records opened to check they hold none (no read would); on a mount
   each stat and read waits at most `deadline_s` (None: `backend.Mount`'s)."""
   data_dir = tfds_folder.resolve(data_dir, deadline_s)
-  backend.check(data_dir, probe=False)  # manifest_lib.load probes it
+  meta = manifest_lib.load(data_dir, deadline_s)  # first checks that this host can read it
   data_dir = epath.Path(data_dir)
-  meta = manifest_lib.load(data_dir, deadline_s)
   paths, pins = manifest_lib.pinned_shards(data_dir, meta, split, verify, deadline_s)
   counts = [s.num_records for s in meta.splits[split].shards]
   source = ShardedSource(paths, counts, pins)
