@@ -5,7 +5,8 @@
 `--loader` picks the contender (ours by default; `peers` runs each in its own process).
 The per-stage breakdown times each stage alone on one thread over a sample of records
 (`bench.costs`, as the doctor does): what one image costs in read, parse, decode (header,
-crop window, crop-aware decode), resize+flip and batch.
+crop window, crop-aware decode), resize+flip and batch. The timed run's CPU per image is split
+by thread (`bench.threads`: decode, read, Grain's prefetch, main; with page faults).
 For ours, the same run also measures the physical limit: the cores' raw decode of the crop
 windows the pipeline decodes (its train crops, DCT-scaled as it scales them; decode alone, a
 thread per core, `bench.ceiling`'s timing) after the pipeline's run, and quotes img/s as a
@@ -32,6 +33,7 @@ import numpy as np
 
 from bench import ceiling, first_batch, measure
 from bench import costs as costs_lib
+from bench import threads as by_thread
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.host import parallelism
 from pipeline.image import augment, decode
@@ -214,6 +216,9 @@ def main(argv: list[str]) -> dict:
   def cpu_timed(starting: bool) -> None:
     cpu_timed.spent = time.process_time() - cpu_timed.at if not starting else 0.0
     cpu_timed.at = time.process_time()
+    snapshot = by_thread.Snapshot()
+    cpu_timed.by_thread = None if starting else snapshot.since(cpu_timed.threads)
+    cpu_timed.threads = snapshot
 
   cpu_timed.spent = 0.0
   with measure.RssSampler(pss=True) if args.pss else contextlib.nullcontext() as pss:
@@ -223,11 +228,14 @@ def main(argv: list[str]) -> dict:
   out = {**result.__dict__}
   if cpu_timed.spent:  # the steady state's CPU per image, this process (workers: not counted)
     out["cpu_us_per_image"] = round(cpu_timed.spent / result.images * 1e6, 1)
+    out["cpu_by_thread"] = by_thread.per_image(cpu_timed.by_thread, result.images)
   print(result.row())
   if args.loader == "pipeline":  # where the first batch's time went
     end = loader.start + result.first_batch_s
     out["first_batch_phases_s"] = loader.timeline.phases(*loader.points, end)
     print(f"{'':28s} {first_batch.line(out['first_batch_phases_s'], result.first_batch_s)}")
+  if out.get("cpu_by_thread"):  # where this process's CPU went, by thread
+    print(f"{'':28s} {by_thread.line(out['cpu_by_thread'])}")
   if args.pss:  # the tree's peak PSS: whole, and above its PSS once the loader's imports are done
     out["peak_pss_mb"] = round(pss.peak / 2**20)
     out["loader_pss_mb"] = round((pss.peak - before) / 2**20)

@@ -169,6 +169,8 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
   assert limit["pipeline_share_of_decode_stage"] == round(stage, 3)
   by_cpu = limit["decode_stage_cpu_us_per_image"] / out["cpu_us_per_image"]  # the same, by CPU
   assert limit["pipeline_share_of_decode_stage_by_cpu"] == round(by_cpu, 3) and by_cpu > 0
+  by_thread = out["cpu_by_thread"]  # this process's CPU per image, by thread group
+  assert "pipeline-decode" in by_thread and sum(g["share"] for g in by_thread.values()) <= 1.001
   if importlib.util.find_spec("tensorflow") is None:
     assert "tensorflow not installed" in out["tfdata"]["skipped"]
   else:
