@@ -158,6 +158,7 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
   assert list(phases) == ["open", "probe", "plan", "chain", "first reads", "decode", "hand-off"]
   assert all(v >= 0 for v in phases.values()) and phases["decode"] > 0
   assert sum(phases.values()) <= out["first_batch_s"] + 1e-3
+  assert out["first_batch_cpu_s"] > 0  # this process's CPU to the first batch, all its threads
   stages = out["stages_ms_per_image"]
   assert {"read", "parse", "decode", "resize_flip", "batch"} <= stages.keys()
   assert all(v >= 0 for v in stages.values()) and stages["decode"] > 0
@@ -175,6 +176,7 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
     assert "tensorflow not installed" in out["tfdata"]["skipped"]
   else:
     assert out["tfdata"]["ours_x_peak_rss"] > 0 and out["tfdata"]["ours_x_peak_pss"] > 0
+    assert out["tfdata"]["ours_x_first_batch_cpu"] > 0
 
 
 def test_peers_runs_each_contender_in_its_own_process(photos_dir, tmp_path):

@@ -8,7 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 import pytest
 
-from bench import threads
+from bench import measure, threads
 
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="reads /proc/self/task")
 
@@ -50,3 +50,9 @@ def test_a_thread_that_ended_between_snapshots_is_not_counted():
   t.start()
   t.join()
   assert "gone" not in threads.Snapshot().since(before)
+
+
+def test_the_bench_rss_sampler_runs_as_a_thread_group_of_its_own():
+  with measure.RssSampler(interval=0.01):
+    groups = {name for name, *_ in threads.Snapshot().threads.values()}
+  assert measure.SAMPLER in groups
