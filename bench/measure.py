@@ -70,8 +70,8 @@ class RssSampler:
   """Peak RSS of this process tree: the kernel's exact peak for this process, plus its
   worker processes sampled every `interval` seconds (rarely: sampling holds the GIL, and
   a frequent sampler slowed the loaders it measured by up to 30%; at 0.5 s it still took
-  1.9-2.9% of a 2-core pipeline run's CPU, reading each thread's children). `pss`: the tree's PSS
-  instead (`tree_pss`), pages shared between its processes counted once."""
+  1.4-2.9% of a 2-core pipeline run's CPU, reading each thread's children). `pss`: the
+  tree's PSS instead (`tree_pss`), pages shared between its processes counted once."""
 
   def __init__(self, interval: float = 0.5, pss: bool = False):
     self.interval, self.peak, self.pss = interval, 0, pss
