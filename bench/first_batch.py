@@ -88,7 +88,9 @@ class Timeline:
     return {name: round(b - a, 4) for name, a, b in zip(PHASES, points, points[1:])}
 
 
-def line(phases: dict, total: float) -> str:
-  """The phases in one line, as `bench throughput` prints them."""
+def line(phases: dict, total: float, cpu_s: float | None = None) -> str:
+  """The phases in one line, as `bench throughput` prints them (`cpu_s`: the process's CPU
+  to the first batch, all its threads)."""
   parts = ", ".join(f"{name} {s * 1e3:.0f}" for name, s in phases.items())
-  return f"first batch {total:.3f} s (ms: {parts})"
+  cpu = f", {cpu_s:.3f} s of CPU" if cpu_s is not None else ""
+  return f"first batch {total:.3f} s{cpu} (ms: {parts})"

@@ -53,6 +53,8 @@ class Result:
   peak_rss_mb: float
   images: int
   seconds: float
+  # this process's CPU (all its threads; worker processes not counted) to the first batch
+  first_batch_cpu_s: float = 0.0
 
   def row(self) -> str:
     return (
@@ -61,16 +63,20 @@ class Result:
     )
 
 
+SAMPLER = "bench-rss-sampler"  # its thread's name: its CPU is the bench's, not the loader's
+
+
 class RssSampler:
   """Peak RSS of this process tree: the kernel's exact peak for this process, plus its
   worker processes sampled every `interval` seconds (rarely: sampling holds the GIL, and
-  a frequent sampler slowed the loaders it measured by up to 30%). `pss`: the tree's PSS
-  instead (`tree_pss`), pages shared between its processes counted once."""
+  a frequent sampler slowed the loaders it measured by up to 30%; at 0.5 s it still took
+  1.4-2.9% of a 2-core pipeline run's CPU, reading each thread's children). `pss`: the
+  tree's PSS instead (`tree_pss`), pages shared between its processes counted once."""
 
   def __init__(self, interval: float = 0.5, pss: bool = False):
     self.interval, self.peak, self.pss = interval, 0, pss
     self._stop = threading.Event()
-    self._thread = threading.Thread(target=self._run, daemon=True)
+    self._thread = threading.Thread(target=self._run, daemon=True, name=SAMPLER)
 
   def _sample(self) -> int:
     if self.pss:
@@ -113,9 +119,10 @@ def run(
   """Times `num_images` images (after the first batch) from a fresh iterator. `timed(True)`
   is called when the timed part starts, `timed(False)` when it ends (e.g. to read counters)."""
   with RssSampler() as rss:
-    start = time.perf_counter()
+    start, start_cpu = time.perf_counter(), time.process_time()
     it = make_iterator()
     next(it)
+    first_cpu = time.process_time() - start_cpu
     if timed:
       timed(True)
     first = time.perf_counter()
@@ -129,7 +136,8 @@ def run(
     close = getattr(it, "close", None)
     if close:
       close()
-  return Result(name, seen / (end - first), first - start, rss.peak / 2**20, seen, end - first)
+  rate = seen / (end - first)
+  return Result(name, rate, first - start, rss.peak / 2**20, seen, end - first, first_cpu)
 
 
 def workers() -> list[psutil.Process]:

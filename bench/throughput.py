@@ -5,7 +5,8 @@
 `--loader` picks the contender (ours by default; `peers` runs each in its own process).
 The per-stage breakdown times each stage alone on one thread over a sample of records
 (`bench.costs`, as the doctor does): what one image costs in read, parse, decode (header,
-crop window, crop-aware decode), resize+flip and batch.
+crop window, crop-aware decode), resize+flip and batch. The timed run's CPU per image is split
+by thread (`bench.threads`: decode, read, Grain's prefetch, main; with page faults).
 For ours, the same run also measures the physical limit: the cores' raw decode of the crop
 windows the pipeline decodes (its train crops, DCT-scaled as it scales them; decode alone, a
 thread per core, `bench.ceiling`'s timing) after the pipeline's run, and quotes img/s as a
@@ -32,6 +33,7 @@ import numpy as np
 
 from bench import ceiling, first_batch, measure
 from bench import costs as costs_lib
+from bench import threads as by_thread
 from pipeline.catalog import manifest as manifest_lib
 from pipeline.host import parallelism
 from pipeline.image import augment, decode
@@ -136,11 +138,17 @@ def beside_tfdata(argv: list[str], ours: dict) -> dict:
   out = {
     "images_per_sec": tf["images_per_sec"],
     "first_batch_s": tf["first_batch_s"],
+    "first_batch_cpu_s": tf["first_batch_cpu_s"],
     "peak_rss_mb": tf["peak_rss_mb"],
     "ours_x_images_per_sec": round(ours["images_per_sec"] / tf["images_per_sec"], 3),
     "ours_x_first_batch": round(ours["first_batch_s"] / tf["first_batch_s"], 3),
+    # by CPU to the first batch: steadier than its time where other work shares the cores
+    "ours_x_first_batch_cpu": round(ours["first_batch_cpu_s"] / tf["first_batch_cpu_s"], 3),
     "ours_x_peak_rss": round(ours["peak_rss_mb"] / tf["peak_rss_mb"], 3),
   }
+  if ours.get("cpu_us_per_image") and tf.get("cpu_us_per_image"):  # images per CPU second
+    out["cpu_us_per_image"] = tf["cpu_us_per_image"]
+    out["ours_x_images_per_cpu_s"] = round(tf["cpu_us_per_image"] / ours["cpu_us_per_image"], 3)
   for k in ("peak_pss_mb", "loader_pss_mb"):  # with --pss
     if k in tf:
       out[k], out[f"ours_x_{k[:-3]}"] = tf[k], round(ours[k] / tf[k], 3)
@@ -214,6 +222,11 @@ def main(argv: list[str]) -> dict:
   def cpu_timed(starting: bool) -> None:
     cpu_timed.spent = time.process_time() - cpu_timed.at if not starting else 0.0
     cpu_timed.at = time.process_time()
+    snapshot = by_thread.Snapshot()
+    if not starting:  # the bench's own RSS sampler is no loader's CPU: not counted
+      cpu_timed.by_thread = snapshot.since(cpu_timed.threads)
+      cpu_timed.spent -= cpu_timed.by_thread.get(measure.SAMPLER, {}).get("cpu_s", 0.0)
+    cpu_timed.threads = snapshot
 
   cpu_timed.spent = 0.0
   with measure.RssSampler(pss=True) if args.pss else contextlib.nullcontext() as pss:
@@ -221,13 +234,19 @@ def main(argv: list[str]) -> dict:
     with timeline.patched() if timeline else contextlib.nullcontext():
       result = measure.run(args.loader, loader, args.batch_size, num_images, cpu_timed)
   out = {**result.__dict__}
-  if cpu_timed.spent:  # the steady state's CPU per image, this process (workers: not counted)
+  if cpu_timed.spent:  # the steady state's CPU per image, this process (workers, sampler: not)
     out["cpu_us_per_image"] = round(cpu_timed.spent / result.images * 1e6, 1)
+    out["cpu_by_thread"] = by_thread.per_image(cpu_timed.by_thread, result.images)
   print(result.row())
   if args.loader == "pipeline":  # where the first batch's time went
     end = loader.start + result.first_batch_s
     out["first_batch_phases_s"] = loader.timeline.phases(*loader.points, end)
-    print(f"{'':28s} {first_batch.line(out['first_batch_phases_s'], result.first_batch_s)}")
+    said = first_batch.line(
+      out["first_batch_phases_s"], result.first_batch_s, result.first_batch_cpu_s
+    )
+    print(f"{'':28s} {said}")
+  if out.get("cpu_by_thread"):  # where this process's CPU went, by thread
+    print(f"{'':28s} {by_thread.line(out['cpu_by_thread'])}")
   if args.pss:  # the tree's peak PSS: whole, and above its PSS once the loader's imports are done
     out["peak_pss_mb"] = round(pss.peak / 2**20)
     out["loader_pss_mb"] = round((pss.peak - before) / 2**20)
@@ -263,15 +282,19 @@ def main(argv: list[str]) -> dict:
     if "skipped" in tf:
       print(f"{'':28s} tf.data: skipped, {tf['skipped']}")
     else:
-      print(
-        f"{'':28s} x tf.data: img/s x{tf['ours_x_images_per_sec']:.2f}, first batch "
-        f"x{tf['ours_x_first_batch']:.2f}, peak RSS x{tf['ours_x_peak_rss']:.2f}"
-        + (
-          f", peak PSS x{tf['ours_x_peak_pss']:.2f} (above imports x{tf['ours_x_loader_pss']:.2f})"
-          if "ours_x_peak_pss" in tf
-          else ""
+      parts = [
+        f"img/s x{tf['ours_x_images_per_sec']:.2f}",
+        f"first batch x{tf['ours_x_first_batch']:.2f} (by CPU x{tf['ours_x_first_batch_cpu']:.2f})",
+      ]
+      if "ours_x_images_per_cpu_s" in tf:  # steadier than img/s where other work shares the cores
+        parts.append(f"images per CPU second x{tf['ours_x_images_per_cpu_s']:.2f}")
+      parts.append(f"peak RSS x{tf['ours_x_peak_rss']:.2f}")
+      if "ours_x_peak_pss" in tf:
+        pss = (
+          f"peak PSS x{tf['ours_x_peak_pss']:.2f} (above imports x{tf['ours_x_loader_pss']:.2f})"
         )
-      )
+        parts.append(pss)
+      print(f"{'':28s} x tf.data: " + ", ".join(parts))
   if not args.no_stages and args.loader == "pipeline":
     out["stages_ms_per_image"] = stage_breakdown(args.data_dir, args.split, args.image_size)
     print(

@@ -158,6 +158,7 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
   assert list(phases) == ["open", "probe", "plan", "chain", "first reads", "decode", "hand-off"]
   assert all(v >= 0 for v in phases.values()) and phases["decode"] > 0
   assert sum(phases.values()) <= out["first_batch_s"] + 1e-3
+  assert out["first_batch_cpu_s"] > 0  # this process's CPU to the first batch, all its threads
   stages = out["stages_ms_per_image"]
   assert {"read", "parse", "decode", "resize_flip", "batch"} <= stages.keys()
   assert all(v >= 0 for v in stages.values()) and stages["decode"] > 0
@@ -169,10 +170,13 @@ def test_throughput_reports_rate_and_stage_breakdown(photos_dir, tmp_path):
   assert limit["pipeline_share_of_decode_stage"] == round(stage, 3)
   by_cpu = limit["decode_stage_cpu_us_per_image"] / out["cpu_us_per_image"]  # the same, by CPU
   assert limit["pipeline_share_of_decode_stage_by_cpu"] == round(by_cpu, 3) and by_cpu > 0
+  by_thread = out["cpu_by_thread"]  # this process's CPU per image, by thread group
+  assert "pipeline-decode" in by_thread and sum(g["share"] for g in by_thread.values()) <= 1.001
   if importlib.util.find_spec("tensorflow") is None:
     assert "tensorflow not installed" in out["tfdata"]["skipped"]
   else:
     assert out["tfdata"]["ours_x_peak_rss"] > 0 and out["tfdata"]["ours_x_peak_pss"] > 0
+    assert out["tfdata"]["ours_x_first_batch_cpu"] > 0
 
 
 def test_peers_runs_each_contender_in_its_own_process(photos_dir, tmp_path):
