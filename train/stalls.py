@@ -11,10 +11,9 @@ import threading
 import time
 
 TICK_S = 0.5
-# Named from here: far above a loaded host's scheduling delays (the most late this file's
-# test saw on a 2-core machine at load 5 was well under a second), far below the heartbeat
-# timeout (60 s by default), past which the run loses the process and `train.supervise`
-# names it instead.
+# Named from here: far above a loaded host's scheduling delays (at most 0.074 s late over 120 s
+# on 2 cores at load 12-18, 2026-11-29), far below the heartbeat timeout (60 s by default),
+# past which the run loses the process and `train.supervise` names it instead.
 STALL_S = 5.0
 
 
