@@ -166,7 +166,7 @@ class Reporter:
     lr: float,
     stages: Stats,
     progress: Progress,
-    stall: tuple[float, int] = (0.0, 0),
+    stall: tuple[float, int],
   ) -> None:
     """The window's loss, speed and input wait: into the history, and printed and logged by
     process 0, with any host's `stall` (seconds it did not run, at step: `train.stalls`)."""
