@@ -1,7 +1,7 @@
 """Every host in process 0's log: at each log line every process's img/s, input wait,
 storage requests/s (`pipeline.stats_of`, its worker processes' included) and peak RSS (the
 process tree's: `rss_mb`), gathered with one small collective (all processes log at the
-same steps).
+same steps), and the longest time it did not run (`train.stalls`).
 
 Process 0 prints a row per host when they differ by more than `WAIT_POINTS` or
 `SPEED_SHARE`, and the run's verdict is the worst host's (the highest input wait), named.
@@ -15,6 +15,7 @@ import numpy as np
 from jax.experimental import multihost_utils
 
 from pipeline.host import memory
+from train import stalls
 
 WAIT_POINTS = 0.05  # rows when input waits differ by more than 5 points of step time
 SPEED_SHARE = 0.10  # or img/s by more than 10%
@@ -23,13 +24,16 @@ SPEED_SHARE = 0.10  # or img/s by more than 10%
 @dataclasses.dataclass(frozen=True)
 class Host:
   """One process's window: the images it fed per second, its share of input wait, the
-  storage requests it made per second and its process tree's peak RSS so far (MB)."""
+  storage requests it made per second, its process tree's peak RSS so far (MB) and its
+  longest stall (seconds it did not run, and the step it was at)."""
 
   process: int
   images_per_sec: float
   input_wait_share: float
   requests_per_sec: float = 0.0
   peak_rss_mb: float = 0.0
+  stall_s: float = 0.0
+  stall_step: int = 0
 
 
 def rss_mb() -> float:
@@ -38,12 +42,25 @@ def rss_mb() -> float:
 
 
 def gather(
-  images_per_sec: float, input_wait_share: float, requests_per_sec: float, peak_rss_mb: float = 0.0
+  images_per_sec: float,
+  input_wait_share: float,
+  requests_per_sec: float,
+  peak_rss_mb: float = 0.0,
+  stall: tuple[float, int] = (0.0, 0),
 ) -> list[Host]:
   """Every process's numbers, in process order; a collective, so every process calls it."""
-  mine = np.array([images_per_sec, input_wait_share, requests_per_sec, peak_rss_mb])
+  mine = np.array([images_per_sec, input_wait_share, requests_per_sec, peak_rss_mb, *stall])
   rows = multihost_utils.process_allgather(mine)
-  return [Host(i, *map(float, row)) for i, row in enumerate(rows)]
+  return [Host(i, *map(float, row[:-1]), int(row[-1])) for i, row in enumerate(rows)]
+
+
+def stalled(hosts: list[Host]) -> list[str]:
+  """A line for each host that did not run for `stalls.STALL_S` or more (`stalls.line`)."""
+  return [
+    stalls.line(h.process if len(hosts) > 1 else None, h.stall_s, h.stall_step)
+    for h in hosts
+    if h.stall_s >= stalls.STALL_S
+  ]
 
 
 def worst(hosts: list[Host]) -> Host:
@@ -73,15 +90,21 @@ def rows(hosts: list[Host], verdict) -> str:
 
 def mean(windows: list[list[Host]]) -> list[Host]:
   """Each process's mean over `windows` (the first left out when there are others: it
-  holds the steps right after compilation), and its peak RSS over all; [] for none."""
+  holds the steps right after compilation), and its peak RSS and longest stall over all; []
+  for none."""
   timed = windows[1:] or windows
-  return [
-    Host(
-      i,
-      float(np.mean([w[i].images_per_sec for w in timed])),
-      float(np.mean([w[i].input_wait_share for w in timed])),
-      float(np.mean([w[i].requests_per_sec for w in timed])),
-      max(w[i].peak_rss_mb for w in windows),
+  hosts = []
+  for i in range(len(windows[0]) if windows else 0):
+    longest = max((w[i] for w in windows), key=lambda h: h.stall_s)
+    hosts.append(
+      Host(
+        i,
+        float(np.mean([w[i].images_per_sec for w in timed])),
+        float(np.mean([w[i].input_wait_share for w in timed])),
+        float(np.mean([w[i].requests_per_sec for w in timed])),
+        max(w[i].peak_rss_mb for w in windows),
+        longest.stall_s,
+        longest.stall_step,
+      )
     )
-    for i in range(len(windows[0]) if windows else 0)
-  ]
+  return hosts

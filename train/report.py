@@ -9,9 +9,11 @@ that wait, `next()` would also count time the devices were still busy). Compilat
 first log window, and the step right after each eval or checkpoint save are left out; the
 steps' own time (`synthetic_steps` on a batch already on the devices) is reported beside it.
 With several processes each log line gathers every host's numbers (`train.podview`) and the
-verdict is the worst host's, named. Each process whose input was input-bound over the run says,
-at its end, what bounds it and which settings would raise it (`advise`: `pipeline.explain` on
-its last window's stage figures, its host's cores and the step on device data).
+verdict is the worst host's, named; so is a host that did not run for seconds (`train.stalls`),
+which the others spent waiting for it in a collective, not for input. Each process whose input
+was input-bound over the run says, at its end, what bounds it and which settings would raise it
+(`advise`: `pipeline.explain` on its last window's stage figures, its host's cores and the step
+on device data).
 """
 
 from __future__ import annotations
@@ -157,10 +159,17 @@ class Reporter:
       print(progress.line(step, self.plan.batch_size, window.wait()), flush=True)
 
   def window(
-    self, step: int, window: Window, metrics: dict, lr: float, stages: Stats, progress: Progress
+    self,
+    step: int,
+    window: Window,
+    metrics: dict,
+    lr: float,
+    stages: Stats,
+    progress: Progress,
+    stall: tuple[float, int],
   ) -> None:
     """The window's loss, speed and input wait: into the history, and printed and logged by
-    process 0."""
+    process 0, with any host's `stall` (seconds it did not run, at step: `train.stalls`)."""
     elapsed, host_us = window.elapsed(), window.host_us_per_step()
     wait = min(1.0, window.blocked / elapsed)
     self.host_us.append(host_us)
@@ -169,7 +178,7 @@ class Reporter:
     self.stages = stages
     # The gather comes last: the next window starts on every host together.
     mine = window.steps * self.plan.local_batch_size / elapsed
-    hosts = podview.gather(mine, wait, requests / elapsed, podview.rss_mb())
+    hosts = podview.gather(mine, wait, requests / elapsed, podview.rss_mb(), stall)
     self.images_per_sec.append(ips)
     self.hosts.append(hosts)
     if not self.chief:
@@ -184,6 +193,8 @@ class Reporter:
     )
     if podview.differ(hosts):
       print(podview.rows(hosts, verdict), flush=True)
+    for line in podview.stalled(hosts):
+      print(line, flush=True)
     sources = getattr(stages, "sources", ())  # a mixture's (`pipeline.mixture`)
     if sources:
       total = max(1, sum(images for _, images, _, _ in sources))

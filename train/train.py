@@ -29,7 +29,18 @@ from etils import epath
 from flax import nnx
 
 import pipeline
-from train import UsageError, agreement, checkpoints, fit, hosts, inputs, models, preemption, report
+from train import (
+  UsageError,
+  agreement,
+  checkpoints,
+  fit,
+  hosts,
+  inputs,
+  models,
+  preemption,
+  report,
+  stalls,
+)
 from train import config as config_lib
 
 Batch = dict[str, jax.Array]
@@ -229,12 +240,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         flush=True,
       )
     return done
-  run = set_up(config, workdir, setup, lock)
-  try:
-    train_loop(run)
-  finally:
-    run.stop.restore()
-  return finish(run)
+  with stalls.Watchdog() as watchdog:
+    run = set_up(config, workdir, setup, lock, watchdog)
+    try:
+      train_loop(run)
+    finally:
+      run.stop.restore()
+    return finish(run)
 
 
 @dataclasses.dataclass
@@ -254,9 +266,16 @@ class Run:
   reporter: report.Reporter
   lock: Lock
   stop: preemption.Stop
+  watchdog: stalls.Watchdog  # told the step; each log window takes its longest stall
 
 
-def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup, lock: Lock) -> Run:
+def set_up(
+  config: ml_collections.ConfigDict,
+  workdir: epath.Path,
+  setup: Setup,
+  lock: Lock,
+  watchdog: stalls.Watchdog,
+) -> Run:
   """The state (restored from the last checkpoint, if any) and the jitted steps."""
   report.begin(setup.plan, setup.notes)
   num_classes = setup.train.num_classes
@@ -264,6 +283,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup,
   train_step, eval_step = make_steps(graphdef, num_classes, config)
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, setup.train)
+  watchdog.step = step
   # the steps left, in the stream's batches from where it resumed: no read past the last step
   setup.train.stop_after(max(setup.plan.num_steps - step, 0))
   setup.train.start_prefetch()
@@ -291,6 +311,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup,
     reporter=reporter,
     lock=lock,
     stop=preemption.Stop(),
+    watchdog=watchdog,
   )
 
 
@@ -319,6 +340,7 @@ def train_loop(run: Run) -> None:
         window, progress = report.Window(), report.Progress(run.step, plan.num_steps)
       run.state, metrics = run.train_step(run.state, batch)
     run.step += 1
+    run.watchdog.step = run.step
     window.steps += 1
     if profile and run.step == profile[1] and chief:
       jax.profiler.stop_trace()
@@ -332,7 +354,15 @@ def train_loop(run: Run) -> None:
       jax.block_until_ready(run.state)  # the steps' compute belongs to the window
     if log_now:
       lr = float(schedule(plan)(step))
-      run.reporter.window(step, window, jax.device_get(metrics), lr, run.train.stats(), progress)
+      run.reporter.window(
+        step,
+        window,
+        jax.device_get(metrics),
+        lr,
+        run.train.stats(),
+        progress,
+        run.watchdog.take(),
+      )
       window = report.Window()
     else:
       run.reporter.progress(progress, step, window)

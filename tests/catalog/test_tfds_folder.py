@@ -33,6 +33,7 @@ from tests import stage_chain
 from tests.conftest import assert_same_batches
 from tests.convert.test_tfds import Builder, UnlabeledShapes, jpeg_feature
 from tests.faults import test_stalled_exit as stalled
+from tests.leftovers import clean_mount
 from tests.storage.test_gcs import gcs, needs_emulator, run  # noqa: F401 - gcs is a fixture
 
 REPO = pathlib.Path(__file__).resolve().parents[2]
@@ -495,7 +496,7 @@ def test_a_build_on_a_mount_that_stops_answering_ends_the_process_at_open(
     "  pipeline.make_dataset(sys.argv[1], batch_size=4, shard_count=1, shard_index=0,\n"
     f"    performance=dict(read_deadline_s={stalled.DEADLINE_S}, num_workers=0))\n"
   )
-  with storage_rig.mount(tfds_dir, latency_ms=1) as m, m.stall():
+  with clean_mount(storage_rig.mount(tfds_dir, latency_ms=1)) as m, m.stall():
     os.environ["TFDS_DATA_DIR"] = str(m.path)  # the process started next inherits it
     try:
       if how == "tfds://":

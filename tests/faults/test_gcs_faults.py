@@ -13,6 +13,7 @@ from __future__ import annotations
 import http.server
 import json
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +23,7 @@ import urllib.request
 
 import pytest
 
+from tests import leftovers
 from tests.storage.test_gcs import REPO, gcs, needs_emulator  # noqa: F401 - the emulator fixture
 
 HOP = ("host", "content-length", "transfer-encoding", "connection")
@@ -29,14 +31,26 @@ SHORT = "from pipeline.storage import remote; remote.ATTEMPT_S, remote.BACKOFF_S
 
 
 def run(code: str, env: dict, timeout: float = 60, args=()) -> subprocess.CompletedProcess:
-  """`python -c CODE ARGS...` with this checkout first on the path; a hang fails at `timeout`."""
-  return subprocess.run(
+  """`python -c CODE ARGS...` with this checkout first on the path; a hang fails at `timeout`,
+  and so does anything it leaves (processes, shared memory of its pipeline)."""
+  before = leftovers.shared_memory()
+  proc = subprocess.Popen(
     [sys.executable, "-c", code, *args],
-    capture_output=True,
+    stdout=subprocess.PIPE,
+    stderr=subprocess.PIPE,
     text=True,
-    timeout=timeout,
     env={**os.environ, "PYTHONPATH": REPO, "TQDM_DISABLE": "1", **env},
+    start_new_session=True,  # its session id names what it started
   )
+  try:
+    out, err = proc.communicate(timeout=timeout)
+  finally:
+    if proc.poll() is None:  # hung: it and what it started
+      os.killpg(proc.pid, signal.SIGKILL)
+      proc.wait()
+  assert leftovers.outlived(proc.pid) == [], "processes it started outlived it"
+  assert leftovers.shared_memory_left(before) == []
+  return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
 class _Proxy(http.server.ThreadingHTTPServer):

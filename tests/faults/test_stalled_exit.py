@@ -1,6 +1,7 @@
 """A process whose mount stops answering exits: its one line, then it is gone, exit code and
 all, while the mount still does not answer (no read thread joined at exit, no abort, no
-worker process or shared memory left), at open, while reading and while evaluating.
+worker process or shared memory left, no file open on the mount: it unmounts), at open,
+while reading and while evaluating.
 
 The mount is the storage rig (bench/rig.py) stalled as a dead gcsfuse connection: every
 request waits, and one whose process dies is interrupted (the kernel holds a process until
@@ -14,11 +15,11 @@ import pathlib
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
 from tests.conftest import REPO
+from tests.leftovers import clean_mount, descendants, outlived
 
 DEADLINE_S = 3
 HANG_S = DEADLINE_S + 60  # a hang detector, not a speed target
@@ -57,19 +58,6 @@ def shm(tokens: list[str]) -> list[str]:
   return [name for name in os.listdir("/dev/shm") if any(t in name for t in tokens)]
 
 
-def descendants(pid: int) -> list[int]:
-  """Processes started by `pid` (left alive after it, their parent is init: found by the
-  session they share with it)."""
-  out = []
-  for entry in pathlib.Path("/proc").iterdir():
-    try:
-      if entry.name.isdigit() and int(entry.name) != pid and os.getsid(int(entry.name)) == pid:
-        out.append(int(entry.name))
-    except (OSError, ValueError):
-      pass
-  return out
-
-
 def start(args: list[str]) -> subprocess.Popen:
   return subprocess.Popen(
     args,
@@ -92,11 +80,7 @@ def ended(proc: subprocess.Popen) -> tuple[int, list[str]]:
     os.killpg(proc.pid, 9)
     err = proc.communicate()[1]
     pytest.fail(f"alive {HANG_S} s after the mount stopped ({len(left)} it started): {err[-3000:]}")
-  for _ in range(100):  # helpers that end with it (forkserver, resource tracker) go on their own
-    if not descendants(proc.pid):
-      break
-    time.sleep(0.1)
-  assert descendants(proc.pid) == [], "processes it started outlived it"
+  assert outlived(proc.pid) == [], "processes it started outlived it"
   return proc.returncode, [line for line in err.splitlines() if line.strip()]
 
 
@@ -113,7 +97,7 @@ def test_a_mount_that_stops_answering_mid_read_ends_the_process(
 ):
   script = tmp_path / "read.py"
   script.write_text(SCRIPT)
-  with storage_rig.mount(photos_dir, latency_ms=1) as m:
+  with clean_mount(storage_rig.mount(photos_dir, latency_ms=1)) as m:
     proc = start([sys.executable, str(script), str(m.path), split, str(workers)])
     said = proc.stdout.readline()
     assert said.startswith("read 2 batches:"), proc.communicate()[1][-3000:]
@@ -131,7 +115,7 @@ def test_a_mount_that_stops_answering_mid_read_ends_the_process(
 def test_a_mount_that_stops_answering_at_open_ends_the_process(storage_rig, photos_dir, tmp_path):
   script = tmp_path / "read.py"
   script.write_text(SCRIPT)
-  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
+  with clean_mount(storage_rig.mount(photos_dir, latency_ms=1)) as m, m.stall():
     proc = start([sys.executable, str(script), str(m.path), "train", "0"])
     code, lines = ended(proc)
   assert code == 1, lines[-20:]
@@ -146,7 +130,7 @@ def test_a_mount_whose_stat_stops_answering_at_open_ends_the_process(
   stat itself waits, at open."""
   script = tmp_path / "read.py"
   script.write_text(SCRIPT)
-  with storage_rig.mount(photos_dir, latency_ms=1, attr_timeout_s=0) as m:
+  with clean_mount(storage_rig.mount(photos_dir, latency_ms=1, attr_timeout_s=0)) as m:
     assert (m.path / "manifest.json").stat().st_size  # looked up once: now only its stat waits
     with m.stall(stats=True):
       code, lines = ended(start([sys.executable, str(script), str(m.path), "train", "0"]))
@@ -171,7 +155,7 @@ def trainer(workdir: pathlib.Path, data_dir) -> subprocess.Popen:
 def test_the_trainer_on_a_mount_that_stops_answering_at_open_exits_2_in_one_line(
   storage_rig, digits_dir, tmp_path
 ):
-  with storage_rig.mount(digits_dir, latency_ms=1) as m, m.stall():
+  with clean_mount(storage_rig.mount(digits_dir, latency_ms=1)) as m, m.stall():
     code, lines = ended(trainer(tmp_path / "w", m.path))
   assert code == 2, lines[-20:]
   assert len(lines) == 1 and lines[0].startswith("python -m train: "), "\n".join(lines[-30:])
@@ -182,7 +166,7 @@ def test_the_trainer_on_a_mount_that_stops_answering_at_open_exits_2_in_one_line
 def test_the_trainer_on_a_mount_that_stops_answering_mid_run_exits_1_in_one_line(
   storage_rig, digits_dir, tmp_path
 ):
-  with storage_rig.mount(digits_dir, latency_ms=1) as m:
+  with clean_mount(storage_rig.mount(digits_dir, latency_ms=1)) as m:
     proc = trainer(tmp_path / "w", m.path)
     for line in proc.stdout:
       if "step" in line and " 2" in line.split("step", 1)[1][:10]:
@@ -221,7 +205,7 @@ def test_a_mount_that_stops_answering_after_the_manifest_at_open_ends_the_proces
     "  pipeline.make_dataset(sys.argv[1], batch_size=4, shard_count=1, shard_index=0,\n"
     f"    {keywords}, performance=dict(read_deadline_s={DEADLINE_S}, num_workers=0))\n"
   )
-  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
+  with clean_mount(storage_rig.mount(photos_dir, latency_ms=1)) as m, m.stall():
     local = on_the_mount(photos_dir, m.path, tmp_path)
     code, lines = ended(start([sys.executable, str(script), str(local)]))
   assert code == 1, lines[-20:]
@@ -241,7 +225,7 @@ def test_shards_linked_from_a_mount_whose_stats_stop_answering_end_the_process_a
     "  pipeline.make_dataset(sys.argv[1], batch_size=4, shard_count=1, shard_index=0,\n"
     f"    performance=dict(read_deadline_s={DEADLINE_S}, num_workers=0))\n"
   )
-  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall(stats=True):
+  with clean_mount(storage_rig.mount(photos_dir, latency_ms=1)) as m, m.stall(stats=True):
     local = on_the_mount(photos_dir, m.path, tmp_path)
     code, lines = ended(start([sys.executable, str(script), str(local)]))
   assert code == 1, lines[-20:]
@@ -249,7 +233,7 @@ def test_shards_linked_from_a_mount_whose_stats_stop_answering_end_the_process_a
 
 
 def test_convert_verify_on_a_mount_that_stops_answering_exits_in_one_line(storage_rig, photos_dir):
-  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
+  with clean_mount(storage_rig.mount(photos_dir, latency_ms=1)) as m, m.stall():
     verify = ["verify", str(m.path), f"--read-deadline-s={DEADLINE_S}"]
     proc = start([sys.executable, "-m", "pipeline.convert", *verify])
     code, lines = ended(proc)
@@ -263,7 +247,7 @@ def test_convert_verify_on_shards_that_stop_answering_exits_2_in_one_line(
 ):
   """The manifest answers; the shards' reads, in verify's worker processes too, wait at most
   --read-deadline-s."""
-  with storage_rig.mount(photos_dir, latency_ms=1) as m, m.stall():
+  with clean_mount(storage_rig.mount(photos_dir, latency_ms=1)) as m, m.stall():
     local = on_the_mount(photos_dir, m.path, tmp_path)
     verify = ["verify", str(local), f"--read-deadline-s={DEADLINE_S}", f"--workers={workers}"]
     code, lines = ended(start([sys.executable, "-m", "pipeline.convert", *verify]))

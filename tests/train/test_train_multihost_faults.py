@@ -16,6 +16,7 @@ import subprocess
 import pytest
 
 from pipeline.convert import images
+from tests.leftovers import clean_mount
 from tests.train.test_train_multihost import VALIDATION, Run, own_lines, summary
 
 pytestmark = pytest.mark.slow  # two trainer processes a test: `make test-slow`
@@ -125,11 +126,11 @@ def test_a_stalled_mount_on_one_host_ends_it_in_one_line_naming_the_shard_and_th
   mounts the bucket at the same path; host 1's stops answering mid-run. Host 1 says so in
   one line naming itself and leaves, telling host 0 (waiting for it in a collective), which
   prints the same line and leaves too. Host 1 leaves while its mount still stalls, its reads
-  left blocked (tests/faults/test_stalled_exit.py)."""
+  left blocked (tests/faults/test_stalled_exit.py); no file is left open on either mount."""
   hosts = [tmp_path / f"host{i}" for i in range(2)]
   with (
-    storage_rig.mount(sharded, latency_ms=1, mountpoint=hosts[0] / "data"),
-    storage_rig.mount(sharded, latency_ms=1, mountpoint=hosts[1] / "data") as stalled,
+    clean_mount(storage_rig.mount(sharded, latency_ms=1, mountpoint=hosts[0] / "data")),
+    clean_mount(storage_rig.mount(sharded, latency_ms=1, mountpoint=hosts[1] / "data")) as stalled,
   ):
     run = Run(
       tmp_path,
