@@ -36,7 +36,7 @@ from pipeline.host import parallelism
 from pipeline.host.memory import Split, mb
 from pipeline.spec import Spec
 from pipeline.stages.stats import Stats
-from train import podview
+from train import podview, stalls
 from train.checkpoints import one_line
 from train.config import Plan
 
@@ -149,6 +149,7 @@ class Reporter:
     self.hosts: list[list[podview.Host]] = []  # per window, each process's
     self.synthetic: float | None = None  # seconds per step on a batch already on the devices
     self.host_us: list[float] = []  # per window, this process's host work per step
+    self.watchdog = stalls.Watchdog()  # run by the loop; each window takes its longest stall
 
   def say(self, line: str) -> None:
     if self.chief:
@@ -166,10 +167,9 @@ class Reporter:
     lr: float,
     stages: Stats,
     progress: Progress,
-    stall: tuple[float, int],
   ) -> None:
     """The window's loss, speed and input wait: into the history, and printed and logged by
-    process 0, with any host's `stall` (seconds it did not run, at step: `train.stalls`)."""
+    process 0, with any host's stall (seconds it did not run, at step: `train.stalls`)."""
     elapsed, host_us = window.elapsed(), window.host_us_per_step()
     wait = min(1.0, window.blocked / elapsed)
     self.host_us.append(host_us)
@@ -178,7 +178,7 @@ class Reporter:
     self.stages = stages
     # The gather comes last: the next window starts on every host together.
     mine = window.steps * self.plan.local_batch_size / elapsed
-    hosts = podview.gather(mine, wait, requests / elapsed, podview.rss_mb(), stall)
+    hosts = podview.gather(mine, wait, requests / elapsed, podview.rss_mb(), self.watchdog.take())
     self.images_per_sec.append(ips)
     self.hosts.append(hosts)
     if not self.chief:

@@ -29,18 +29,7 @@ from etils import epath
 from flax import nnx
 
 import pipeline
-from train import (
-  UsageError,
-  agreement,
-  checkpoints,
-  fit,
-  hosts,
-  inputs,
-  models,
-  preemption,
-  report,
-  stalls,
-)
+from train import UsageError, agreement, checkpoints, fit, hosts, inputs, models, preemption, report
 from train import config as config_lib
 
 Batch = dict[str, jax.Array]
@@ -240,13 +229,13 @@ def train_and_evaluate(config: ml_collections.ConfigDict, workdir: str) -> dict:
         flush=True,
       )
     return done
-  with stalls.Watchdog() as watchdog:
-    run = set_up(config, workdir, setup, lock, watchdog)
-    try:
+  run = set_up(config, workdir, setup, lock)
+  try:
+    with run.reporter.watchdog:
       train_loop(run)
-    finally:
-      run.stop.restore()
-    return finish(run)
+  finally:
+    run.stop.restore()
+  return finish(run)
 
 
 @dataclasses.dataclass
@@ -266,16 +255,9 @@ class Run:
   reporter: report.Reporter
   lock: Lock
   stop: preemption.Stop
-  watchdog: stalls.Watchdog  # told the step; each log window takes its longest stall
 
 
-def set_up(
-  config: ml_collections.ConfigDict,
-  workdir: epath.Path,
-  setup: Setup,
-  lock: Lock,
-  watchdog: stalls.Watchdog,
-) -> Run:
+def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup, lock: Lock) -> Run:
   """The state (restored from the last checkpoint, if any) and the jitted steps."""
   report.begin(setup.plan, setup.notes)
   num_classes = setup.train.num_classes
@@ -283,7 +265,6 @@ def set_up(
   train_step, eval_step = make_steps(graphdef, num_classes, config)
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, setup.train)
-  watchdog.step = step
   # the steps left, in the stream's batches from where it resumed: no read past the last step
   setup.train.stop_after(max(setup.plan.num_steps - step, 0))
   setup.train.start_prefetch()
@@ -311,7 +292,6 @@ def set_up(
     reporter=reporter,
     lock=lock,
     stop=preemption.Stop(),
-    watchdog=watchdog,
   )
 
 
@@ -323,6 +303,7 @@ def train_loop(run: Run) -> None:
   profile = tuple(config.profile_steps)
   window, metrics, progress = report.Window(), {}, None
   while run.step < plan.num_steps:
+    run.reporter.watchdog.step = run.step  # the step a stall of this process delays
     if profile and run.step == profile[0] and chief:
       jax.profiler.start_trace(os.fspath(run.workdir / "profile"))
     with jax.profiler.StepTraceAnnotation("train", step_num=run.step):
@@ -340,7 +321,6 @@ def train_loop(run: Run) -> None:
         window, progress = report.Window(), report.Progress(run.step, plan.num_steps)
       run.state, metrics = run.train_step(run.state, batch)
     run.step += 1
-    run.watchdog.step = run.step
     window.steps += 1
     if profile and run.step == profile[1] and chief:
       jax.profiler.stop_trace()
@@ -354,15 +334,7 @@ def train_loop(run: Run) -> None:
       jax.block_until_ready(run.state)  # the steps' compute belongs to the window
     if log_now:
       lr = float(schedule(plan)(step))
-      run.reporter.window(
-        step,
-        window,
-        jax.device_get(metrics),
-        lr,
-        run.train.stats(),
-        progress,
-        run.watchdog.take(),
-      )
+      run.reporter.window(step, window, jax.device_get(metrics), lr, run.train.stats(), progress)
       window = report.Window()
     else:
       run.reporter.progress(progress, step, window)

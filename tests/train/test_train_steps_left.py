@@ -8,7 +8,7 @@ import itertools
 import pytest
 
 from configs import default
-from train import stalls, train
+from train import train
 
 
 def prepared(data_dir, workdir, global_batch: int) -> train.Run:
@@ -16,7 +16,7 @@ def prepared(data_dir, workdir, global_batch: int) -> train.Run:
   config.input.data_dir = str(data_dir)
   config.batch_size = global_batch
   config.num_steps = 5
-  return train.set_up(config, workdir, train.prepare(config), None, stalls.Watchdog())
+  return train.set_up(config, workdir, train.prepare(config), None)
 
 
 def closed(run: train.Run) -> None:
