@@ -163,8 +163,9 @@ def test_a_host_behind_slow_storage_is_named_input_bound_in_process_0s_log(
   for each of its batches of 16, against 1 s a step on device data at load 16. Small buffers
   and no record cache (the same on both) hold a few batches, all read ahead during a long
   compilation (at load 16 they fed windows 1 and 2: 0.0% and 0.2% input wait, then 49% and
-  71%); 16 steps outlast them, so the last window waits for storage whatever the load. Both evaluate from the digits on local disk: the verdict is the train
-  stream's, and the final eval through 5 reads a second took half the test's time."""
+  71%); 16 steps outlast them, so the last window waits for storage whatever the load. Both
+  evaluate from the digits on local disk: the verdict is the train stream's, and the final
+  eval through 5 reads a second took half the test's time."""
   cwds = [tmp_path / f"host{i}" for i in range(2)]
   small = (
     "--config.input.order=global",
