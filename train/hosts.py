@@ -158,7 +158,8 @@ def _client():
 def together(name: str) -> None:
   """Waits, through the distributed service, until every process has reached `name`: the
   first collective after it sets up Gloo, which gives up on a process 30 s late (JAX 0.10
-  sets no longer), as a busy host compiling the model's init can be. A lost process ends it."""
+  sets no longer), as a busy host compiling the model's init can be. A process that reports
+  its error ends this one meanwhile (`_watch_failures`)."""
   if jax.process_count() > 1:
     _client().wait_at_barrier(f"train/{name}", TOGETHER_TIMEOUT_S * 1000)
 
