@@ -67,17 +67,18 @@ device-check:  ## on a GPU host: install .whl/, build the C decoder, write runs/
 JOBS ?= $(shell n=$$(nproc 2>/dev/null || echo 2); echo $$(( n < 4 ? n : 4 )))
 PYTEST := $(PY) -m pytest -n $(JOBS) --dist loadfile
 
-test: $(STAMP) $(BEAM_STAMP)  ## the fast tier (~10 min on 2 cores); `make test-slow`: the slow tier
-	@$(if $(ARGS),true,echo "make test: the fast tier, about 10 minutes on 2 cores (a dot a test); \
-	make test-slow runs the slow tier (about 30 minutes: trainer runs, bucket conversions, benchmarks' \
-	end to end runs, multi-host faults that wait out heartbeats); CI runs the fast tier")
+test: $(STAMP) $(BEAM_STAMP)  ## the fast tier (~8 min on 2 cores quiet); `make test-slow`: the slow tier
+	@$(if $(ARGS),true,echo "make test: the fast tier, about 8 minutes on 2 cores quiet, 20-27 at \
+	load 6-9 (a dot a test); make test-slow runs the slow tier (about 30 minutes quiet, over 48 at \
+	load 6-9: trainer runs, bucket conversions, benchmarks' end to end runs, multi-host faults that \
+	wait out heartbeats); CI runs the fast tier")
 	$(PYTEST) $(ARGS); main=$$?; \
 	$(if $(ARGS),exit $$main,$(BEAM_PY) -m pytest $(BEAM_TESTS); beam=$$?; [ $$main$$beam = 00 ])
 
 test-beam: $(BEAM_STAMP)  ## the Beam tests alone, in .venv-beam (DaskRunner, 2 worker processes)
 	$(BEAM_PY) -m pytest $(BEAM_TESTS) $(ARGS)
 
-test-slow: $(STAMP)  ## the slow tier (tests marked slow; ~30 min on 2 cores)
+test-slow: $(STAMP)  ## the slow tier (tests marked slow; ~30 min on 2 cores quiet, 48+ loaded)
 	$(PYTEST) -m slow $(ARGS)
 
 format: $(STAMP)  ## rewrite the sources in the project's format

@@ -30,6 +30,7 @@ from jax._src import clusters, distributed
 from train import UsageError, join
 
 START_TIMEOUT_S = 60  # for every process to reach the start check
+TOGETHER_TIMEOUT_S = 900  # for every process to reach a `together` point (a stuck one is lost)
 POLL_S = 1.0  # how often a process checks whether another reported an error
 REPORT_S = 10  # for the others to read a failing process's cause before it exits
 JOIN_GRACE_S = 10  # JAX's own join timeout is this much later: `train.join` names who is missing
@@ -152,6 +153,15 @@ def _say(line: str) -> None:
 
 def _client():
   return distributed.global_state.client
+
+
+def together(name: str) -> None:
+  """Waits, through the distributed service, until every process has reached `name`: the
+  first collective after it sets up Gloo, which gives up on a process 30 s late (JAX 0.10
+  sets no longer), as a busy host compiling the model's init can be. A process that reports
+  its error ends this one meanwhile (`_watch_failures`)."""
+  if jax.process_count() > 1:
+    _client().wait_at_barrier(f"train/{name}", TOGETHER_TIMEOUT_S * 1000)
 
 
 def _gather(name: str, value: str) -> list[str]:

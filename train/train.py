@@ -263,6 +263,7 @@ def set_up(config: ml_collections.ConfigDict, workdir: epath.Path, setup: Setup,
   num_classes = setup.train.num_classes
   graphdef, state = init_state(config, num_classes, setup.plan, setup.mesh)
   train_step, eval_step = make_steps(graphdef, num_classes, config)
+  hosts.together("set-up")  # Orbax's first collective, next, sets up Gloo
   ckpt = checkpoints.Checkpoints(workdir, config.keep_checkpoints)
   step, state = ckpt.restore(state, setup.train)
   # the steps left, in the stream's batches from where it resumed: no read past the last step

@@ -107,17 +107,30 @@ def summary(workdir) -> dict:
   return json.loads((pathlib.Path(workdir) / "summary.json").read_text())
 
 
-def test_two_processes_train_and_evaluate_every_validation_record_once(digits_dir, tmp_path):
-  run = Run(tmp_path, tmp_path / "w", digits_dir, "--config.checkpoint_every_steps=7")
+THREADS, AHEAD = "--config.input.performance.num_threads", "--config.input.performance.read_ahead"
+
+
+@pytest.fixture(scope="module")
+def finished(digits_dir, tmp_path_factory):
+  """A 14-step run of two processes with checkpoints at 7 and 14, whose hosts set decode
+  threads and read-ahead (which change no batch) each its own way: (workdir, run)."""
+  tmp_path = tmp_path_factory.mktemp("finished")
+  extra = ((f"{THREADS}=2",), (f"{THREADS}=1", f"{AHEAD}=1"))
+  run = Run(tmp_path, tmp_path / "w", digits_dir, "--config.checkpoint_every_steps=7", extra=extra)
   assert run.wait(timeout=400) == [0, 0], run.output(0)[-3000:] + run.output(1)[-3000:]
-  result = summary(tmp_path / "w")
+  return tmp_path / "w", run
+
+
+def test_two_processes_train_and_evaluate_every_validation_record_once(finished):
+  workdir, _ = finished
+  result = summary(workdir)
   assert result["processes"] == 2 and result["devices"] == 2
   assert result["steps"] == 14
   assert result["eval_examples"] == VALIDATION
   # each host's process tree measured itself (a JAX process alone holds well over 100 MB)
   assert [h["process"] for h in result["hosts"]] == [0, 1]
   assert all(h["peak_rss_mb"] > 100 for h in result["hosts"]), result["hosts"]
-  assert sorted(p.name for p in (tmp_path / "w" / "checkpoints").iterdir()) == ["14", "7"]
+  assert sorted(p.name for p in (workdir / "checkpoints").iterdir()) == ["14", "7"]
 
 
 def test_processes_that_disagree_refuse_in_one_line_before_saving(digits_dir, tmp_path):
@@ -129,11 +142,8 @@ def test_processes_that_disagree_refuse_in_one_line_before_saving(digits_dir, tm
   assert not (tmp_path / "w" / "checkpoints").exists()
 
 
-def test_settings_that_change_no_batch_may_differ_and_each_host_says_its_own(digits_dir, tmp_path):
-  threads, ahead = "--config.input.performance.num_threads", "--config.input.performance.read_ahead"
-  extra = ((f"{threads}=2",), (f"{threads}=1", f"{ahead}=1"))
-  run = Run(tmp_path, tmp_path / "w", digits_dir, extra=extra, steps=4)
-  assert run.wait(timeout=400) == [0, 0], run.output(0)[-3000:] + run.output(1)[-3000:]
+def test_settings_that_change_no_batch_may_differ_and_each_host_says_its_own(finished):
+  _, run = finished
   assert "pipeline: no worker processes, 2 decode threads" in run.output(0)
   assert "pipeline: no worker processes, 1 decode threads" in run.output(1)
   assert "process 1: follow process 0's log" in run.output(1)
@@ -143,18 +153,19 @@ def test_settings_that_change_no_batch_may_differ_and_each_host_says_its_own(dig
     assert (
       "config.input.performance.read_ahead differs per host: process 0 None, process 1 1" in out
     )
-  assert summary(tmp_path / "w")["steps"] == 4
 
 
 def test_a_host_behind_slow_storage_is_named_input_bound_in_process_0s_log(
   storage_rig, digits_dir, tmp_path
 ):
   """Each host reads the digits through its own mount ("data" in its own folder): host 0's
-  answers at once, host 1's after 50 ms, 5 reads a second. A request per record, small buffers
-  and no record cache (the same on both), so the second log window waits for storage (at 20
-  reads a second it did not on a loaded machine: the batches read during a 13 s compilation
-  fed the window). Both evaluate from the digits on local disk: the verdict is the train
-  stream's, and the final eval through 5 reads a second took half the test's time."""
+  answers at once, host 1's after 50 ms, 5 reads a second, a read per record: at least 3.2 s
+  for each of its batches of 16, against 1 s a step on device data at load 16. Small buffers
+  and no record cache (the same on both) hold a few batches, all read ahead during a long
+  compilation (at load 16 they fed windows 1 and 2: 0.0% and 0.2% input wait, then 49% and
+  71%); 16 steps outlast them, so the last window waits for storage whatever the load. Both
+  evaluate from the digits on local disk: the verdict is the train stream's, and the final
+  eval through 5 reads a second took half the test's time."""
   cwds = [tmp_path / f"host{i}" for i in range(2)]
   small = (
     "--config.input.order=global",
@@ -169,14 +180,16 @@ def test_a_host_behind_slow_storage_is_named_input_bound_in_process_0s_log(
     storage_rig.mount(digits_dir, latency_ms=50, mountpoint=cwds[1] / "data", requests_per_s=5),
   ):
     local_eval = f"--config.eval_input.data_dir={digits_dir}"
-    run = Run(tmp_path, tmp_path / "w", "data", *small, local_eval, steps=8, cwd=cwds)
+    run = Run(tmp_path, tmp_path / "w", "data", *small, local_eval, steps=16, cwd=cwds)
     codes = run.wait(timeout=400)
   assert codes == [0, 0], run.output(0)[-3000:] + run.output(1)[-3000:]
-  log_lines = [line for line in run.output(0).splitlines() if line.startswith("step ")]
-  named = ["(input-bound: process 1, the worst of 2;" in line for line in log_lines]
-  assert any(named[:2]), run.output(0)[-3000:]
-  rows = [line for line in run.output(0).splitlines() if line.startswith("  process 1: ")]
-  assert any("% (input-bound)  " in row for row in rows), run.output(0)[-3000:]
+  out = run.output(0)
+  log_lines = [line for line in out.splitlines() if line.startswith("step ")]
+  assert len(log_lines) == 4, out[-3000:]
+  assert "(input-bound: process 1, the worst of 2;" in log_lines[-1], out[-3000:]
+  after = out.split(log_lines[-1], 1)[1].splitlines()  # the last window's host rows follow it
+  row = next((line for line in after if line.startswith("  process 1: ")), "")
+  assert "% (input-bound)  " in row, out[-3000:]
   result = summary(tmp_path / "w")
   assert result["verdict"] == "input-bound" and result["verdict_process"] == 1
   assert [row["process"] for row in result["hosts"]] == [0, 1]
