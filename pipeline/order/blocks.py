@@ -11,21 +11,24 @@ of its blocks, in one fixed order of the window's blocks (its lanes), and the pr
 batches cut the rounds in turn. So a global batch holds one record of each of as many random
 blocks (its label mix is that of as many random records: a global shuffle's;
 `label_distance` measures it), WINDOW_BATCHES batches in a row hold distinct blocks, each
-block of an epoch is read by one process only, once, partial windows and splits smaller than
-a window included, and a block is done after `block_records` rounds.
+block of an epoch (each part of a block cut between shares) is read by one process only,
+once, partial windows and splits smaller than a window included, and a block is done after
+`block_records` rounds.
 
 Each process takes the same share every epoch, drawn once from the seed, not the epoch, in
 a new order each epoch: a host reads the same records every epoch, so its record cache, which
 need hold only its share, serves every epoch after the first (a pod reads the split once, as
 one host does). Where whole blocks make shares alike (`Blocks.cut_shares` false: each holds
 records, none 5% more than another, so from about 20 blocks a process), a share is whole
-blocks (the shares drawn before shares were cut, unchanged). Else (a few blocks a process)
+blocks. Else (a few blocks a process)
 the blocks, in the drawn order, are laid end to end and cut into `processes` runs of equal
 records (within one): a block on a boundary is split into parts, each a short block of its
 share, and a process reads only its part (`Blocks.cuts`, `pipeline.storage.ranges`), so every
-record is still read by one process once an epoch and the shares' records differ by one.
-(Rotating the shares with the epoch instead, as before, kept the shares whole but let no
-cache serve a next epoch: a pod of 2 read 1.72x one host's bytes on the built-in digits.) In
+record is still read by one process once an epoch and the shares' records differ by one;
+at most `processes` - 1 blocks are cut. (Rotating whole shares with the epoch instead, as
+before, let no cache serve a next epoch: 2 trainer hosts read 1.72x one host's bytes on the
+built-in digits. Cutting every block into a part per process would mix better on splits of
+a few blocks, but multiply the requests by the process count.) In
 training ("drop") a process's epochs end where its own share does, so a record is taken at
 most as much more often than another as the shares differ (ImageNet on 64 hosts, blocks of
 256: 1.3%; cut shares: one record). Evaluation ("pad") pads each epoch to the largest share.

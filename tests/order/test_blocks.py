@@ -209,7 +209,11 @@ def test_where_shares_are_cut_at_records_each_process_reads_only_its_part_of_a_b
     s = Sampler(sum(counts), seed=1, shard_index=p, shard_count=hosts, blocks=b)
     shared = blockstore.BlockStore.new(2**30) if store else None
     reads = BlockReads(
-      lambda *a: read.append(a) or source.read_range(*a), counts, 256, 2**30, shared,
+      lambda *a: read.append(a) or source.read_range(*a),
+      counts,
+      256,
+      2**30,
+      shared,
       fetch._by_shard(source, s.cuts),
     )
     mine = s.records(np.arange(s.per_epoch))[1].tolist()

@@ -169,15 +169,16 @@ def pod_run(storage_rig, data, tmp_path, hosts: int, **flags) -> list[dict]:
 
 
 def pod_reads(storage_rig, data, tmp_path, hosts: int) -> dict[str, float]:
-  """{split: the storage reads of `hosts` processes, summed, per (epoch, block) they took}:
-  the worker's `spec` of each split, each host behind its own rig mount."""
+  """{split: the storage reads of `hosts` processes, summed, per (epoch, block or part of a
+  cut block) they took}: the worker's `spec` of each split, each host behind its own rig
+  mount."""
   results = pod_run(storage_rig, data, tmp_path, hosts)
   splits = manifest.load(data).splits
   per_block = {}
   for split in ("train", "validation"):
     shards = [s.num_records for s in splits[split].shards]
     parts = [(np.array(r[split]["epochs"]), np.array(r[split]["records"])) for r in results]
-    taken = len(hosts_per_block(shards, parts, BLOCK_RECORDS))
+    taken = len(hosts_per_block(shards, parts, BLOCK_RECORDS, results[0][split]["cuts"]))
     per_block[split] = sum(r[split]["reads"] for r in results) / taken
   return per_block
 
