@@ -123,6 +123,7 @@ def decide(
     kept_bytes=ahead_bytes + 2 * window_bytes,
     # each worker publishes about 1/workers of the blocks: its share of two windows
     store_bytes=ahead_bytes + 2 * window_bytes // chosen.workers if shared else None,
+    cuts=sampler.cuts,
     epoch_requests=sampler.epoch_requests(chosen.workers, shared),
     max_requests_per_s=per_s,
     deadline_s=perf.read_deadline_s,
@@ -209,7 +210,7 @@ def cache_bytes(spec: Spec, meta, sampler, opened: tuple[float, float], workers:
   """The record cache's RAM `spec` asks for (`performance.record_cache_mb`); by default the
   whole split when storage is slow (>= `cache.SLOW_READ_S` a read) and every process's copy
   fits `cache.CACHE_MEMORY_SHARE` of memory, `sampler`'s share when it reads one (owned
-  shards, fixed shares of the blocks)."""
+  shards, its share of the blocks)."""
   ram_mb = spec.performance.record_cache_mb
   if ram_mb is None:
     split = meta.splits[spec.split]

@@ -5,8 +5,8 @@ bucket, and counts the storage reads it made.
 Joins an N-process JAX cluster on localhost; for the train split (--epochs epochs) and the
 validation split (as many evaluations) builds `make_dataset`'s stages, opens every shard (the
 footer reads of an open are not the blocks'), zeroes the rig's counters, takes every batch,
-and writes JSON: per split, the rig's read and byte counts and the (epoch, record) of each
-position it planned (PAD: -1).
+and writes JSON: per split, the rig's read and byte counts, the (epoch, record) of each
+position it planned (PAD: -1) and where its reads stop inside a block (`Sampler.cuts`).
 """
 
 import json
@@ -71,6 +71,7 @@ def reads(data: str, split: str, args) -> dict:
     "bytes": made["bytes"],
     "epochs": epochs.tolist(),
     "records": records.tolist(),
+    "cuts": list(sampler.cuts),
   }
 
 

@@ -312,8 +312,14 @@ def test_in_the_block_order_each_process_reads_its_own_share_of_each_sources_blo
     loads = own.blocks.loads(2)
     shares = [set(source_records(m, s, int(loads[p])).tolist()) for p, m in enumerate(samplers)]
     assert not shares[0] & shares[1] and shares[0] | shares[1] == set(range(own.num_records))
-    block_of = lambda records: {r // 16 for r in records}  # one shard a source: blocks of 16
-    assert not block_of(shares[0]) & block_of(shares[1])  # a block is one process's
+    cuts = np.asarray(own.cuts, np.int64)  # where shares cut at records split a block
+    # one shard a source: blocks of 16, each part between cuts a read of its own
+    block_of = lambda records, c=cuts: {
+      (r // 16, int(np.searchsorted(c, r, "right"))) for r in records
+    }
+    assert not block_of(shares[0]) & block_of(
+      shares[1]
+    )  # a block (a cut one's part): one process's
 
 
 def test_a_block_ordered_mixture_resumes_exactly_also_in_worker_processes(digits_dir, photos_dir):

@@ -11,21 +11,28 @@ of its blocks, in one fixed order of the window's blocks (its lanes), and the pr
 batches cut the rounds in turn. So a global batch holds one record of each of as many random
 blocks (its label mix is that of as many random records: a global shuffle's;
 `label_distance` measures it), WINDOW_BATCHES batches in a row hold distinct blocks, each
-block of an epoch is read by one process only, once, partial windows and splits smaller than
-a window included, and a block is done after `block_records` rounds.
+block of an epoch (each part of a block cut between shares) is read by one process only,
+once, partial windows and splits smaller than a window included, and a block is done after
+`block_records` rounds.
 
-Where the shares are alike (`Blocks.fixed_shares`: each holds records, none 5% more than
-another; a share differs from the others by one block at most, so from about 20 blocks a
-process), which blocks make up each share is drawn once, from the seed, not the epoch:
-process p takes share p every epoch, in a new order each epoch, so a host reads the same
-blocks every epoch and its record cache, which need hold only its share, serves every epoch
-after the first (a pod reads the split once, as one host does). In training ("drop") a
-process's epochs end where its own share does, so a record is taken at most as much more
-often than another as the shares differ (ImageNet on 64 hosts, blocks of 256: 1.3%). Else
-(a few blocks a process) process p takes share (p + e) % processes in epoch e, so
-`processes` epochs in a row give every process the whole split's records and its epochs
-stay within a few blocks of the others'. Evaluation ("pad") pads each epoch to the largest
-share. The order depends on the process count (a state resumes on its own).
+Each process takes the same share every epoch, drawn once from the seed, not the epoch, in
+a new order each epoch: a host reads the same records every epoch, so its record cache, which
+need hold only its share, serves every epoch after the first (a pod reads the split once, as
+one host does). Where whole blocks make shares alike (`Blocks.cut_shares` false: each holds
+records, none 5% more than another, so from about 20 blocks a process), a share is whole
+blocks. Else (a few blocks a process)
+the blocks, in the drawn order, are laid end to end and cut into `processes` runs of equal
+records (within one): a block on a boundary is split into parts, each a short block of its
+share, and a process reads only its part (`Blocks.cuts`, `pipeline.storage.ranges`), so every
+record is still read by one process once an epoch and the shares' records differ by one;
+at most `processes` - 1 blocks are cut. (Rotating whole shares with the epoch instead, as
+before, let no cache serve a next epoch: 2 trainer hosts read 1.72x one host's bytes on the
+built-in digits. Cutting every block into a part per process would mix better on splits of
+a few blocks, but multiply the requests by the process count.) In
+training ("drop") a process's epochs end where its own share does, so a record is taken at
+most as much more often than another as the shares differ (ImageNet on 64 hosts, blocks of
+256: 1.3%; cut shares: one record). Evaluation ("pad") pads each epoch to the largest share.
+The order depends on the process count (`rest`: a state resumed on another).
 
 Within a block, round r takes the record at the bit-reversal rank of r: a worker process
 that takes one batch in w (w / gcd(w, WINDOW_BATCHES) a power of two, P) takes one aligned
@@ -103,43 +110,27 @@ class Blocks:
     self, positions: np.ndarray, host: int, hosts: int, seed: int | None, pad: bool
   ) -> tuple[np.ndarray, np.ndarray]:
     """(epoch, record or PAD) at each of `positions` of process `host`'s stream of `hosts`:
-    it takes share `host` of the blocks (drawn from `seed`) every epoch where the shares are
-    alike (`fixed_shares`), else share (host + e) % hosts in epoch e; each share's blocks
-    whole, in the epoch's order. Padded (`pad`), each epoch takes as many positions as the
-    largest share, the rest PAD; else a process's epochs end where its own records do
-    (rotating, within a few blocks of the others': the shares of `hosts` epochs in a row add
-    up to the split). `seed` None: each share a run of blocks in record order."""
+    share `host` of the blocks (`_parts`, drawn from `seed`) every epoch, in the epoch's
+    order. Padded (`pad`), each epoch takes as many positions as the largest share, the rest
+    PAD; else a process's epochs end where its own records do. `seed` None: each share a run
+    of records in record order."""
     positions = np.asarray(positions, np.int64)
     loads = self.loads(hosts, seed is not None)
-    fixed = self.fixed_shares(hosts, seed is not None)
-    if pad or fixed:
-      epochs, offsets = np.divmod(positions, loads.max() if pad else loads[host])
-    else:
-      turn = np.concatenate([[0], np.cumsum(np.roll(loads, -host))])  # a cycle of shares
-      cycles, rest = np.divmod(positions, turn[-1])
-      k = np.searchsorted(turn, rest, side="right") - 1
-      epochs, offsets = cycles * hosts + k, rest - turn[k]
-    shares_key = None if seed is None else epoch_key(seed, SHARES_EPOCH)
+    epochs, offsets = np.divmod(positions, loads.max() if pad else loads[host])
+    shares_key = _shares_key(seed)
     out = np.full_like(positions, PAD)
     for e in np.unique(epochs).tolist():  # a batch spans one epoch, rarely two
-      share = host if fixed else (host + e) % hosts
-      at = (epochs == e) & (offsets < loads[share])
+      at = (epochs == e) & (offsets < loads[host])
       if seed is None:
-        out[at] = _first_record(self, hosts, share) + offsets[at]
+        out[at] = _first_record(self, hosts, host) + offsets[at]
       else:
         key = epoch_key(seed, e)
-        out[at] = _serve(
-          self, _epoch(self, key, hosts, share, shares_key if fixed else key), offsets[at]
-        )
+        out[at] = _serve(self, _epoch(self, key, hosts, host, shares_key), offsets[at])
     return epochs, out
 
   def epoch_start(self, epoch: int, host: int, hosts: int, shuffle: bool = True) -> int:
     """The position of process `host`'s training stream (of `hosts`) where `epoch` begins."""
-    loads = self.loads(hosts, shuffle)
-    if self.fixed_shares(hosts, shuffle):
-      return epoch * int(loads[host])
-    cycles, k = divmod(epoch, hosts)
-    return cycles * int(loads.sum()) + int(np.roll(loads, -host)[:k].sum())
+    return epoch * int(self.loads(hosts, shuffle)[host])
 
   def rest(self, left: np.ndarray, key: int | None, host: int, hosts: int) -> np.ndarray:
     """Process `host`'s part (of `hosts`) of the records `left` (sorted) of an epoch keyed
@@ -174,13 +165,18 @@ class Blocks:
       out.append(np.concatenate(window)[np.lexsort((lane, rounds))])
     return np.concatenate(out) if out else np.zeros(0, np.int64)
 
-  def fixed_shares(self, hosts: int, shuffle: bool = True) -> bool:
-    """Whether each of `hosts` processes takes the same share of the blocks every epoch: where
-    every share holds records and none more than 1 / FIXED_SPREAD of the smallest more (so a
-    record is taken at most that much more often than another); else the shares rotate."""
-    loads = self.loads(hosts, shuffle)
+  def cut_shares(self, hosts: int, shuffle: bool = True) -> bool:
+    """Whether the shares of `hosts` processes are cut at records (`_parts`): where whole
+    blocks leave a share empty or one more than 1 / FIXED_SPREAD of the smallest larger."""
+    loads = _whole_loads(self, hosts, shuffle)
     low, high = int(loads.min()), int(loads.max())
-    return hosts > 1 and low > 0 and (high - low) * FIXED_SPREAD <= low
+    return hosts > 1 and not (low > 0 and (high - low) * FIXED_SPREAD <= low)
+
+  def cuts(self, hosts: int, seed: int | None) -> np.ndarray:
+    """The records where a part of a cut block begins (`_parts`; sorted): a process reads a
+    cut block's records up to the next cut only."""
+    first, _, block, _ = _parts(self, hosts, _shares_key(seed))
+    return np.sort(first[first != self._blocks[0][block]])
 
 
 def _serve(blocks: Blocks, epoch: tuple, positions: np.ndarray) -> np.ndarray:
@@ -229,7 +225,8 @@ def _shares(blocks: Blocks, hosts: int, shuffle: bool) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
-def _loads(blocks: Blocks, hosts: int, shuffle: bool) -> np.ndarray:
+def _whole_loads(blocks: Blocks, hosts: int, shuffle: bool) -> np.ndarray:
+  """The records of each share of whole blocks (`_shares`)."""
   _, sizes = blocks._blocks
   if shuffle:
     sizes = np.sort(sizes)[::-1]  # an epoch's blocks, as `_epoch` orders them
@@ -237,10 +234,53 @@ def _loads(blocks: Blocks, hosts: int, shuffle: bool) -> np.ndarray:
 
 
 @functools.lru_cache(maxsize=8)
+def _loads(blocks: Blocks, hosts: int, shuffle: bool) -> np.ndarray:
+  """The records of each share: of whole blocks, or cut at records (`_parts`)."""
+  if not blocks.cut_shares(hosts, shuffle):
+    return _whole_loads(blocks, hosts, shuffle)
+  return np.diff(_cut_at(blocks, hosts))
+
+
+def _cut_at(blocks: Blocks, hosts: int) -> np.ndarray:
+  """Where each of `hosts` shares cut at records begins in the blocks laid end to end, and
+  the end: `hosts` runs of equal records (within one)."""
+  total = sum(blocks.shard_records)
+  return np.arange(hosts + 1, dtype=np.int64) * total // hosts
+
+
+def _shares_key(seed: int | None) -> int | None:
+  """The key that draws the shares (None: unshuffled, in record order)."""
+  return None if seed is None else epoch_key(seed, SHARES_EPOCH)
+
+
+@functools.lru_cache(maxsize=8)
+def _parts(
+  blocks: Blocks, hosts: int, key: int | None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+  """(first record, records, block, share) of each part of the blocks dealt to `hosts` shares
+  drawn with `key` (None: unshuffled): whole blocks (`_shares`) unless `cut_shares`; else the
+  blocks in the drawn order (`_shuffled`; unshuffled: record order) laid end to end and cut
+  into `hosts` runs of equal records (`_cut_at`), a block across a cut in parts."""
+  first, sizes = blocks._blocks
+  if not blocks.cut_shares(hosts, key is not None):
+    share = _shares(blocks, hosts, False) if key is None else _share_of(blocks, hosts, key)
+    return first, sizes, np.arange(blocks.count), share
+  order = np.arange(blocks.count) if key is None else _shuffled(blocks, key)
+  ends = np.cumsum(sizes[order])
+  cut = _cut_at(blocks, hosts)
+  bounds = np.union1d(np.concatenate([[0], ends]), cut)
+  lo, hi = bounds[:-1], bounds[1:]
+  k = np.searchsorted(ends, lo, side="right")  # each part's place in `order`
+  block = order[k]
+  part_first = first[block] + lo - (ends[k] - sizes[block])
+  return part_first, hi - lo, block, np.searchsorted(cut[1:-1], lo, side="right")
+
+
+@functools.lru_cache(maxsize=8)
 def _first_record(blocks: Blocks, hosts: int, share: int) -> int:
   """The first record of a share of blocks in record order."""
-  first, _ = blocks._blocks
-  mine = first[_shares(blocks, hosts, False) == share]
+  first, _, _, owner = _parts(blocks, hosts, None)
+  mine = first[owner == share]
   return int(mine[0]) if len(mine) else 0
 
 
@@ -279,15 +319,18 @@ def _share_of(blocks: Blocks, hosts: int, key: int) -> np.ndarray:
 def _epoch(
   blocks: Blocks, key: int, hosts: int, share: int, shares_key: int
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-  """A share's blocks (of the shares keyed `shares_key`) in the epoch keyed `key`, in order:
-  (first record of each, its records, the block each window of the share's lanes starts at
-  and where it ends in the share's positions). The whole blocks come first, so every round
-  of a whole window holds as many records as lanes and a process's part of the batches keeps
-  its lanes from round to round; then the shorter ones, longest first, so the blocks a round
-  takes are always a window's first lanes."""
-  first, sizes = blocks._blocks
-  order = _shuffled(blocks, key)
-  order = order[_share_of(blocks, hosts, shares_key)[order] == share]
+  """A share's blocks (its parts of the shares keyed `shares_key`: `_parts`) in the epoch
+  keyed `key`, in order: (first record of each, its records, the block each window of the
+  share's lanes starts at and where it ends in the share's positions). The whole blocks come
+  first, so every round of a whole window holds as many records as lanes and a process's part
+  of the batches keeps its lanes from round to round; then the shorter ones (a shard's last
+  block, a cut block's part), longest first, so the blocks a round takes are always a
+  window's first lanes."""
+  first, sizes, block, owner = _parts(blocks, hosts, shares_key)
+  rank = np.empty(blocks.count, np.int64)
+  rank[_shuffled(blocks, key)] = np.arange(blocks.count)
+  mine = np.flatnonzero(owner == share)
+  order = mine[np.lexsort((rank[block[mine]], -sizes[mine]))]
   first, sizes = first[order], sizes[order]
   full, lanes = int((sizes == blocks.block_records).sum()), lanes_per_host(blocks, hosts)
   starts = [*range(0, full, lanes), *range(full, len(order), lanes)]

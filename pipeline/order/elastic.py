@@ -73,11 +73,12 @@ def shard_list(shards: list[tuple[str, int, str | None]]) -> dict:
 
 def order_tag(sampler) -> str:
   """The stream tag of `sampler`'s block order (a state continues only in the same)."""
-  b = sampler.blocks
-  fixed = sampler.shard_records is None and b.fixed_shares(sampler.shard_count, sampler.shuffle)
+  b, hosts = sampler.blocks, sampler.dealt_to
+  shares = " share every epoch" * (hosts > 1)
+  shares += ", cut at records" * b.cut_shares(hosts, sampler.shuffle)
   return (
-    f"blocks of {b.block_records}, each process its own{' share every epoch' * fixed}, in "
-    f"rounds over windows of {b.window_blocks}"
+    f"blocks of {b.block_records}, each process its own{shares}, in rounds over windows of "
+    f"{b.window_blocks}"
   )
 
 

@@ -196,6 +196,13 @@ class MixSampler:
       return None
     return sum(b.count for b in self._blocks) / self.shard_count / (workers if shared else 1)
 
+  @property
+  def cuts(self) -> tuple[int, ...]:
+    """Every source's `Sampler.cuts`, in the merged index space."""
+    if not self.local:
+      return ()
+    return tuple(c + int(o) for s, o in zip(self.samplers, self.offsets) for c in s.cuts)
+
   def window_bytes(self, record_bytes: float) -> int:
     """What every source's window holds in this process, together."""
     return sum(s.window_bytes(record_bytes) for s in self.samplers) if self.local else 0

@@ -122,13 +122,22 @@ class Sampler:
   @property
   def kept_fraction(self) -> float:
     """The part of the split this process reads over all its epochs, what its record cache
-    need hold: 1 / shard_count of it when it owns shards, its share of the blocks when that
-    is the same every epoch, else all of it."""
+    need hold: 1 / shard_count of it when it owns shards, its share of the blocks (the same
+    every epoch) in the block order, else all of it."""
     if self.shard_records is not None:
       return 1 / self.shard_count
-    if self.blocks is not None and self.blocks.fixed_shares(self.shard_count, self.shuffle):
+    if self.blocks is not None:
       return int(self.blocks.loads(self.shard_count, self.shuffle).max()) / self.num_records
     return 1.0
+
+  @property
+  def cuts(self) -> tuple[int, ...]:
+    """The records where this order's reads stop inside a block: where a share of the blocks
+    cut at records begins (`Blocks.cuts`), so that each process reads only its part."""
+    if self.blocks is None or self.shard_records is not None:
+      return ()
+    seed = self.seed if self.shuffle else None
+    return tuple(self.blocks.cuts(self.shard_count, seed).tolist())
 
   def _owned(self, process: int) -> np.ndarray:
     """The shard numbers process `process` owns (sharding by shards)."""

@@ -64,6 +64,7 @@ class ReadPlan:
   block_records: int | None = None  # records a block read brings (None: one read per shard)
   kept_bytes: int = 0  # the most record bytes block reads keep
   store_bytes: int | None = None  # each worker's part of the host's shared blocks (None: none)
+  cuts: tuple[int, ...] = ()  # records where block reads stop: shares cut at records
   epoch_requests: float | None = None  # the block reads of this process in an epoch
   max_requests_per_s: float | None = None  # this process's request budget
   deadline_s: float | None = None  # performance.read_deadline_s
@@ -191,6 +192,7 @@ def stage(
     deadline_s=plan.deadline_s,
     epoch_requests=plan.epoch_requests,
     store=store,
+    cuts=plan.cuts,
   )
   ahead = ReadAhead(
     fetcher,

@@ -48,7 +48,7 @@ def available() -> bool:
 
 
 class BlockStore:
-  """Blocks keyed (shard, block number), shared by the processes that unpickle it."""
+  """Blocks keyed (shard, first record), shared by the processes that unpickle it."""
 
   def __init__(self, token: str, budget_bytes: int):
     self.token, self.budget_bytes = token, budget_bytes

@@ -59,8 +59,9 @@ class Fetcher:
   the request budget (None or inf: none); deadline_s: the longest a request from a bucket
   waits (None: `remote.ATTEMPT_S` x `remote.ATTEMPTS`); epoch_requests: the block reads this
   process makes in an epoch (its own blocks; said in the plan note); store: the host's
-  shared blocks (`pipeline.storage.blockstore`), when several workers share a block. Picklable:
-  counters and the cache's RAM are made anew in each process.
+  shared blocks (`pipeline.storage.blockstore`), when several workers share a block; cuts:
+  the records (of the whole source) where the block reads stop inside a block (`BlockReads`).
+  Picklable: counters and the cache's RAM are made anew in each process.
   """
 
   def __init__(
@@ -75,6 +76,7 @@ class Fetcher:
     deadline_s: float | None = None,
     epoch_requests: float | None = None,
     store: BlockStore | None = None,
+    cuts: tuple[int, ...] = (),
   ):
     self.source, self.opened, self.cache = source, opened, cache
     capped = max_requests_per_s and max_requests_per_s < math.inf
@@ -82,7 +84,9 @@ class Fetcher:
     self.ranges, self.epoch_requests = None, epoch_requests
     if block_records is not None:  # the block order: a block's records in one request
       counts = [b - a for a, b in zip(source.starts, source.starts[1:])]
-      self.ranges = BlockReads(source.read_range, counts, block_records, kept_bytes, store)
+      self.ranges = BlockReads(
+        source.read_range, counts, block_records, kept_bytes, store, _by_shard(source, cuts)
+      )
     self.deadline_s = deadline_s
     self._init_runtime()
 
@@ -231,6 +235,17 @@ class Fetcher:
     if self.ranges is not None:
       r, s = self.ranges, self.stats
       s.requests, s.request_bytes, s.request_records = r.requests, r.bytes, r.taken
+
+
+def _by_shard(source: ShardedSource, cuts: tuple[int, ...]) -> dict[int, list[int]]:
+  """{shard: its records (indices within it, sorted) among `cuts`}, a shard's first left out."""
+  out: dict[int, list[int]] = {}
+  starts = np.asarray(source.starts, np.int64)
+  for cut in sorted(cuts):
+    shard = int(np.searchsorted(starts, cut, side="right")) - 1
+    if cut > starts[shard]:
+      out.setdefault(shard, []).append(cut - int(starts[shard]))
+  return out
 
 
 def probe(

@@ -5,7 +5,9 @@ blocks, each block's records spread over the window. `BlockReads` reads a block 
 first time one of its records is wanted (one range read: one request, the block's bytes),
 hands each record out once, and keeps the rest for the batches that want them, within a
 byte budget (the oldest blocks go first; a record asked for after its block went is read
-again, with its block). Two batches read at once that want one block wait for one read, and
+again, with its block). Where the shares of the blocks are cut at records
+(`pipeline.order.blocks.Blocks.cuts`), a read stops at a cut: a process reads only its part of
+a cut block. Two batches read at once that want one block wait for one read, and
 share its failure: a block storage did not answer fails them all at once, not one deadline
 after another.
 Each range read runs through the caller's `request` (`pipeline.storage.fetch.Fetcher`'s: the
@@ -16,6 +18,7 @@ through shared memory instead, and none keeps blocks of its own.
 
 from __future__ import annotations
 
+import bisect
 import collections
 import copy
 import dataclasses
@@ -52,7 +55,9 @@ class BlockReads:
 
   read_range(shard, begin, end): the shard's records [begin, end), one request;
   shard_records: each shard's record count; budget_bytes: the most record bytes kept;
-  store: the host's blocks, shared by its worker processes (None: this process's own).
+  store: the host's blocks, shared by its worker processes (None: this process's own);
+  cuts: each shard's records (indices within it, sorted) where a read stops inside a block.
+  A block is keyed (shard, its first record): an aligned run of `block_records`, cut there.
   """
 
   def __init__(
@@ -62,9 +67,11 @@ class BlockReads:
     block_records: int,
     budget_bytes: int,
     store: BlockStore | None = None,
+    cuts: dict[int, list[int]] | None = None,
   ):
     self.read_range, self.shard_records = read_range, shard_records
     self.block_records, self.budget_bytes, self.store = block_records, budget_bytes, store
+    self.cuts = cuts or {}
     self._init_runtime()
 
   def _init_runtime(self):
@@ -77,7 +84,7 @@ class BlockReads:
     self.requests = self.bytes = self.taken = 0  # range reads, their bytes, records handed out
 
   def __getstate__(self):
-    keep = ("read_range", "shard_records", "block_records", "budget_bytes", "store")
+    keep = ("read_range", "shard_records", "block_records", "budget_bytes", "store", "cuts")
     return {k: self.__dict__[k] for k in keep}
 
   def __setstate__(self, state):
@@ -90,20 +97,32 @@ class BlockReads:
     out: list = [None] * len(local)
     wanted = collections.defaultdict(list)
     for k, i in enumerate(local):
-      wanted[(shard, i // self.block_records)].append(k)
+      wanted[(shard, self._bounds(shard, i)[0])].append(k)
     for block, ks in wanted.items():
       for k, rec in zip(ks, self._take(block, [local[k] for k in ks], request)):
         out[k] = rec
     return out
+
+  def _bounds(self, shard: int, i: int) -> tuple[int, int]:
+    """[begin, end) of the block read that brings record `i` of `shard`: its aligned run of
+    `block_records`, cut where a share's part of a cut block begins."""
+    begin = i - i % self.block_records
+    end = min(begin + self.block_records, self.shard_records[shard])
+    cuts = self.cuts.get(shard, ())
+    k = bisect.bisect_right(cuts, i)
+    if k:
+      begin = max(begin, cuts[k - 1])
+    if k < len(cuts):
+      end = min(end, cuts[k])
+    return begin, end
 
   def _take(self, block: tuple[int, int], local: list[int], request: Request) -> list:
     """Each of `local` (a batch across two epochs may name one twice) from the block's
     kept copies, after one more read of the block whole if those are too few (with a store:
     the host's copy, read once for all its processes)."""
     if self.store is not None:
-      first = block[1] * self.block_records
       got = self.store.take(
-        block, [i - first for i in local], lambda: self._read_block(block, request)
+        block, [i - block[1] for i in local], lambda: self._read_block(block, request)
       )
       with self._lock:
         self.taken += len(local)
@@ -124,7 +143,7 @@ class BlockReads:
         raise _again(waiting.error)
     try:
       records = self._read_block(block, request)
-      first = block[1] * self.block_records
+      first = block[1]
       with self._lock:
         kept = self._kept.setdefault(block, {})
         for i, rec in enumerate(records, first):
@@ -145,9 +164,8 @@ class BlockReads:
         self._reading.pop(block).done.set()
 
   def _read_block(self, block: tuple[int, int], request: Request) -> list:
-    shard, b = block
-    begin = b * self.block_records
-    end = min(begin + self.block_records, self.shard_records[shard])
+    shard, begin = block
+    end = self._bounds(shard, begin)[1]
     records = request(shard, lambda: self.read_range(shard, begin, end))
     with self._lock:
       self.requests += 1

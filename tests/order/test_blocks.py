@@ -17,7 +17,7 @@ from pipeline.order import blocks
 from pipeline.order.blocks import Blocks, label_distance
 from pipeline.order.sampling import Sampler, permute
 from pipeline.stages import read
-from pipeline.storage import backend, remote
+from pipeline.storage import backend, blockstore, fetch, remote
 from pipeline.storage.budget import RequestBudget
 from pipeline.storage.ranges import BlockReads
 from pipeline.storage.source import ShardedSource
@@ -191,6 +191,35 @@ def test_block_reads_give_the_records_and_read_each_block_once_an_epoch(digits_d
   # a batch across two epochs may want one record twice, from a block read once
   assert block_reads.read(0, [5, 5, 7]) == source.read_shard(0, [5, 5, 7])
   assert len(calls) == 1 + 2 * sum(-(-c // 16) for c in counts)
+
+
+@pytest.mark.parametrize("hosts", [2, 3])
+@pytest.mark.parametrize("store", [False, True], ids=["own_blocks", "shared_blocks"])
+def test_where_shares_are_cut_at_records_each_process_reads_only_its_part_of_a_block(
+  digits_dir, hosts, store
+):
+  """The digits' 240 training records are one block of 256: the shares are cut at records,
+  and each process's reads stop at the cuts (with its own blocks or a host's shared ones):
+  together the processes read each record once, in one range read per part."""
+  source, counts = shard_reads(digits_dir)
+  b = Blocks(tuple(counts), block_records=256)
+  assert b.cut_shares(hosts) and len(b.cuts(hosts, 1)) == hosts - 1
+  read = []
+  for p in range(hosts):
+    s = Sampler(sum(counts), seed=1, shard_index=p, shard_count=hosts, blocks=b)
+    shared = blockstore.BlockStore.new(2**30) if store else None
+    reads = BlockReads(
+      lambda *a: read.append(a) or source.read_range(*a),
+      counts,
+      256,
+      2**30,
+      shared,
+      fetch._by_shard(source, s.cuts),
+    )
+    mine = s.records(np.arange(s.per_epoch))[1].tolist()
+    assert reads.read(0, mine) == source.read_shard(0, mine)
+  assert sorted(np.concatenate([np.arange(a, z) for _, a, z in read]).tolist()) == list(range(240))
+  assert len(read) == hosts
 
 
 def test_block_reads_in_many_threads_and_within_a_small_budget_give_the_same_records(digits_dir):

@@ -1,7 +1,8 @@
 """Each block read once across the pod: in the block order every block of an epoch is read by
-exactly one process, whatever the process count and the split's size (partial windows and
-splits smaller than one window included), in training and in evaluation, shuffled or not,
-while every record still comes once per epoch and a batch still mixes many random blocks.
+exactly one process (a block cut between shares: each part by one), whatever the process count
+and the split's size (partial windows and splits smaller than one window included), in
+training and in evaluation, shuffled or not, while every record still comes once per epoch
+and a batch still mixes many random blocks.
 
 The processes' index lists come from the sampler alone (what `make_dataset` plans from), at
 the global batch of 32 per process with the default window of 4 global batches of blocks; and
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import pathlib
 
 import numpy as np
 import pytest
@@ -58,20 +60,27 @@ def streams(shards, hosts: int, train: bool = True, shuffle: bool = True) -> lis
   return out
 
 
-def block_ids(records: np.ndarray, shards, block: int) -> np.ndarray:
-  """A number for the (shard, block of `block` records) of each record."""
+def block_ids(records: np.ndarray, shards, block: int, cuts=()) -> np.ndarray:
+  """A number for the (shard, block of `block` records, part between `cuts`) of each record."""
   ends = np.cumsum(shards)
   shard = np.searchsorted(ends, records, side="right")
-  return shard * 10**6 + (records - (ends - shards)[shard]) // block
+  part = np.searchsorted(np.asarray(cuts, np.int64), records, side="right")
+  return (shard * 10**6 + (records - (ends - shards)[shard]) // block) * 10**3 + part
 
 
-def hosts_per_block(shards, parts, block: int = RECORDS) -> np.ndarray:
-  """For each (epoch, block) any process reads: how many processes read it."""
+def hosts_per_block(shards, parts, block: int = RECORDS, cuts=()) -> np.ndarray:
+  """For each (epoch, block or part of a cut block) any process reads: how many processes
+  read it."""
   pairs = []
   for epochs, records in parts:
     real = records != PAD
-    pairs.append(np.unique(epochs[real] * 10**9 + block_ids(records[real], shards, block)))
+    ids = block_ids(records[real], shards, block, cuts)
+    pairs.append(np.unique(epochs[real] * 10**12 + ids))
   return np.unique(np.concatenate(pairs), return_counts=True)[1]
+
+
+def cuts_of(shards, hosts: int, shuffle: bool = True) -> np.ndarray:
+  return Blocks(shards, RECORDS).cuts(hosts, 1 if shuffle else None)
 
 
 def assert_every_record_once_per_epoch(shards, parts, epochs) -> None:
@@ -94,7 +103,7 @@ def test_training_reads_each_block_of_an_epoch_on_one_process(hosts):
   for blocks in SIZES[hosts]:
     shards = shards_of(blocks)
     parts = streams(shards, hosts)
-    per_block[blocks] = float(hosts_per_block(shards, parts).mean())
+    per_block[blocks] = float(hosts_per_block(shards, parts, cuts=cuts_of(shards, hosts)).mean())
     # epochs run on into each other: all but the last are whole (the stream stops after
     # the last whole global batch of EPOCHS epochs, as the global order's does)
     assert_every_record_once_per_epoch(shards, parts, EPOCHS - 1)
@@ -108,7 +117,8 @@ def test_evaluation_reads_each_block_on_one_process_and_every_record_once(hosts,
   for blocks in SIZES[hosts]:
     shards = shards_of(blocks)
     parts = streams(shards, hosts, train=False, shuffle=shuffle)
-    per_block[blocks] = float(hosts_per_block(shards, parts).mean())
+    cuts = cuts_of(shards, hosts, shuffle)
+    per_block[blocks] = float(hosts_per_block(shards, parts, cuts=cuts).mean())
     assert_every_record_once_per_epoch(shards, parts, EPOCHS)
     assert len({len(r) for _, r in parts}) == 1  # as many batches on each process
   assert per_block == dict.fromkeys(SIZES[hosts], 1.0)
@@ -159,15 +169,16 @@ def pod_run(storage_rig, data, tmp_path, hosts: int, **flags) -> list[dict]:
 
 
 def pod_reads(storage_rig, data, tmp_path, hosts: int) -> dict[str, float]:
-  """{split: the storage reads of `hosts` processes, summed, per (epoch, block) they took}:
-  the worker's `spec` of each split, each host behind its own rig mount."""
+  """{split: the storage reads of `hosts` processes, summed, per (epoch, block or part of a
+  cut block) they took}: the worker's `spec` of each split, each host behind its own rig
+  mount."""
   results = pod_run(storage_rig, data, tmp_path, hosts)
   splits = manifest.load(data).splits
   per_block = {}
   for split in ("train", "validation"):
     shards = [s.num_records for s in splits[split].shards]
     parts = [(np.array(r[split]["epochs"]), np.array(r[split]["records"])) for r in results]
-    taken = len(hosts_per_block(shards, parts, BLOCK_RECORDS))
+    taken = len(hosts_per_block(shards, parts, BLOCK_RECORDS, results[0][split]["cuts"]))
     per_block[split] = sum(r[split]["reads"] for r in results) / taken
   return per_block
 
@@ -186,10 +197,10 @@ def test_processes_behind_the_rig_read_each_block_once_from_storage(
 def test_each_process_keeps_its_share_of_the_blocks_every_epoch_and_batches_still_mix():
   """Shares alike (about 20 blocks a process or more): the same blocks every epoch, in a new
   order, the processes' shares apart and together the split; a global batch's label mix stays
-  within 1.25x a global shuffle's. Shares too unlike (a few blocks each) rotate as before."""
+  within 1.25x a global shuffle's."""
   shards = shards_of(300)
   blocks = Blocks(shards, RECORDS, WINDOW_BATCHES * BATCH * 2)
-  assert blocks.fixed_shares(2) and not Blocks(shards_of(5), RECORDS, 256).fixed_shares(2)
+  assert not blocks.cut_shares(2) and not len(blocks.cuts(2, 1))
   parts = streams(shards, 2)
   sets = []
   for epochs, records in parts:
@@ -220,3 +231,80 @@ def test_with_a_record_cache_a_pod_reads_the_split_as_often_as_one_host(
     both = [host[split]["bytes"] for host in pod]
     assert sum(both) <= 1.15 * one, (split, one, both)
     assert min(both) > 0, both  # each host reads its own share
+
+
+@pytest.mark.parametrize("hosts", [2, 3])
+def test_shares_whole_blocks_cannot_make_alike_are_cut_at_records_and_kept_every_epoch(hosts):
+  """A few blocks a process (7 blocks of 16): whole blocks would leave one share a block
+  larger, so the shares are cut at records: each process takes the same records every epoch,
+  the shares within one record of each other, apart, together the split,
+  with at most hosts - 1 blocks cut; a global batch mixes labels (shards in class order, 8
+  records a class) within 1.25x a global shuffle's distance."""
+  shards = shards_of(7)
+  blocks = Blocks(shards, RECORDS, WINDOW_BATCHES * BATCH * hosts)
+  assert blocks.cut_shares(hosts) and len(blocks.cuts(hosts, 1)) <= hosts - 1
+  parts = streams(shards, hosts)
+  mine = []
+  for epochs, records in parts:
+    taken = [records[epochs == e] for e in range(EPOCHS - 1)]
+    assert set(taken[0]) == set(taken[1])
+    mine.append(set(taken[0]))
+  assert max(map(len, mine)) - min(map(len, mine)) <= 1
+  assert sorted(set().union(*mine)) == list(range(sum(shards))) == sorted(sum(map(list, mine), []))
+  labels = np.arange(sum(shards)) // 8
+  steps = min(len(r) for _, r in parts) // BATCH
+  global_batches = np.stack([r[: steps * BATCH].reshape(steps, BATCH) for _, r in parts], 1)
+  shuffled = np.random.default_rng(1).permutation(np.tile(np.arange(sum(shards)), EPOCHS))
+  ours = label_distance(labels[global_batches.reshape(-1)], hosts * BATCH)
+  assert ours <= 1.25 * label_distance(labels[shuffled], hosts * BATCH)
+
+
+def host_bytes(data, split: str, host: int, hosts: int) -> int:
+  """The bytes process `host` of `hosts` (emulated in this process: the order is a pure
+  function of the layout) reads through its mount `data` in EPOCHS epochs (training) or
+  evaluations of `split` in the block order, in the default blocks, with the default record
+  cache; the shards' open not counted."""
+  spec = pipeline.Spec.of(
+    data,
+    split,
+    batch_size=16,
+    train=split == "train",
+    num_epochs=EPOCHS,
+    seed=3,
+    image_size=8,
+    order="blocks",
+    shard_index=host,
+    shard_count=hosts,
+    performance=dict(num_workers=0, num_threads=1),
+  )
+  st = dataset.build(spec)
+  assert st.read.cache is not None  # the default: the rig's reads are slow
+  source = st.read.source
+  for shard in range(len(source.paths)):
+    source.read_range(shard, 0, 1)
+  (pathlib.Path(data) / ".rig-reset").read_text()
+  it = iter(dataset.chain(st))
+  for _ in it:
+    pass
+  it.close()
+  return json.loads((pathlib.Path(data) / ".rig-stats").read_text())["bytes"]
+
+
+@pytest.mark.parametrize("hosts", [2, pytest.param(3, marks=pytest.mark.slow)])
+def test_hosts_whose_shares_are_cut_read_the_split_once_between_them_with_the_record_cache(
+  storage_rig, digits_dir, tmp_path, hosts
+):
+  """The tests' digits (240 train, 60 validation records) in the default blocks: each split
+  one block, so whole blocks would leave all shares but one empty (they rotated with the
+  epoch: each host read the block again in its turn). One host alone, then each of `hosts`
+  behind its own rig mount (3 ms a read: the record cache on by default), 3 epochs and 3
+  evaluations: the mounts serve at most 1.15x the bytes one host reads; each host reads."""
+  with contextlib.ExitStack() as mounts:
+    path = [
+      mounts.enter_context(storage_rig.mount(digits_dir, 3, tmp_path / f"m{p}")).path
+      for p in range(hosts + 1)
+    ]
+    for split in ("train", "validation"):
+      one = host_bytes(path[hosts], split, 0, 1)
+      pod = [host_bytes(path[p], split, p, hosts) for p in range(hosts)]
+      assert sum(pod) <= 1.15 * one and min(pod) > 0, (split, one, pod)

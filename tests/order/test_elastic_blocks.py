@@ -4,8 +4,8 @@ resume, in blocks, then the next epochs as a fresh m-process run does.
 
 Processes are emulated in-process by their `Sampler`s (the order is a pure function of the
 layout and position); a global batch of 24 keeps the windows (4 global batches of blocks).
-One split has shares alike (each process its own blocks every epoch), the other so few
-blocks that the shares rotate (the processes' epochs end apart)."""
+One split has shares of whole blocks alike, the other so few blocks that the shares are cut
+at records (`Blocks.cut_shares`)."""
 
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from tests.elastic_pipeline_worker import make_dataset
 from tests.order.test_blocks import block_of
 from tests.order.test_multihost_pipeline import NUM_RECORDS, odd_dir  # noqa: F401 - a fixture
 
-FIXED, ROTATING = (300, 300, 250), (100, 90)
+FIXED, CUT = (300, 300, 250), (60, 50)
 
 
 def process(shards, p: int, n: int, resumed=()) -> Sampler:
@@ -42,7 +42,7 @@ def epoch_records(samplers, batches: int, epoch: int) -> list[np.ndarray]:
   return [r[e == epoch] for e, r in zip(epochs, records, strict=True)]
 
 
-@pytest.mark.parametrize("shards", [FIXED, ROTATING], ids=["fixed_shares", "rotating_shares"])
+@pytest.mark.parametrize("shards", [FIXED, CUT], ids=["whole_shares", "cut_shares"])
 @pytest.mark.parametrize("n, m, saved_after", [(3, 2, 25), (2, 3, 7), (3, 1, 40), (1, 4, 30)])
 def test_a_block_order_state_continues_on_another_count_with_every_record_once(
   shards, n, m, saved_after
@@ -63,7 +63,7 @@ def test_a_block_order_state_continues_on_another_count_with_every_record_once(
       np.testing.assert_array_equal(resumed, expected)
 
 
-@pytest.mark.parametrize("shards", [FIXED, ROTATING], ids=["fixed_shares", "rotating_shares"])
+@pytest.mark.parametrize("shards", [FIXED, CUT], ids=["whole_shares", "cut_shares"])
 def test_the_rest_of_the_epoch_is_read_in_blocks_each_on_one_process(shards):
   after = [process(shards, p, 2, resumed=((3, 8, 20),)) for p in range(2)]
   epoch = int(after[0].records(np.array([0]))[0][0])
