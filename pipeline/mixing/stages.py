@@ -22,10 +22,9 @@ class MixPlan(PlanBatches):
   """`PlanBatches` that also says each slot's source."""
 
   def __call__(self, batch_index: int) -> Batch:
-    batch = super().__call__(batch_index)
     first = batch_index * self.batch_size
-    batch.sources = self.sampler.sources(np.arange(first, first + len(batch.indices)))
-    return batch
+    epochs, indices, sources = self.sampler.planned(np.arange(first, first + self.batch_size))
+    return Batch(int(batch_index), epochs, indices, sources=sources)
 
 
 @dataclasses.dataclass(eq=False)

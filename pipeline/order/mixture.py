@@ -166,6 +166,10 @@ class MixSampler:
   def records(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """(epoch of its source, merged record index) of each of this process's positions (at or
     after the segment's start)."""
+    return self.planned(positions)[:2]
+
+  def planned(self, positions: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`records` and `sources` of `positions` from one look-up of the schedule (a batch's)."""
     source, uses = self.schedule.at(self._places(positions))
     uses = uses + self._shift[source]
     epochs, indices = np.zeros_like(uses), np.zeros_like(uses)
@@ -173,7 +177,7 @@ class MixSampler:
       at = source == s
       epochs[at], local = self.samplers[s].records(uses[at])
       indices[at] = local + self.offsets[s]
-    return epochs, indices
+    return epochs, indices, source
 
   @property
   def _blocks(self) -> list:

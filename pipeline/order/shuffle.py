@@ -10,12 +10,17 @@ PAD = -1  # the index of a padding position (masked out)
 ROUNDS = 4
 
 
+# splitmix64's constants as numpy scalars, made once: a batch's plan calls `_mix` ~40 times
+_GAMMA, _M1, _M2 = map(np.uint64, (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9, 0x94D049BB133111EB))
+_S30, _S27, _S31 = map(np.uint64, (30, 27, 31))
+
+
 def _mix(z: np.ndarray) -> np.ndarray:
   """splitmix64's finalizer on uint64 (wrapping arithmetic)."""
-  z = z + np.uint64(0x9E3779B97F4A7C15)
-  z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
-  z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
-  return z ^ (z >> np.uint64(31))
+  z = z + _GAMMA
+  z = (z ^ (z >> _S30)) * _M1
+  z = (z ^ (z >> _S27)) * _M2
+  return z ^ (z >> _S31)
 
 
 def epoch_key(seed: int, epoch: int) -> int:
@@ -36,13 +41,17 @@ def permute(x: np.ndarray, n: int, key: int) -> np.ndarray:
   with np.errstate(over="ignore"):
     keys = _mix(np.arange(ROUNDS, dtype=np.uint64) * np.uint64(2**61 - 1) + np.uint64(key))
 
+    half = (bits // 2, bits - bits // 2)  # bits of left and right
+    shift = [np.uint64(h) for h in half]
+    mask = [np.uint64((1 << h) - 1) for h in half]
+
     def once(v: np.ndarray) -> np.ndarray:
-      a, b = bits // 2, bits - bits // 2  # bits of left and right
-      left, right = v >> np.uint64(b), v & np.uint64((1 << b) - 1)
+      a, b = 0, 1  # which half is left, which right
+      left, right = v >> shift[b], v & mask[b]
       for k in keys:
-        left, right = right, left ^ (_mix(right ^ k) & np.uint64((1 << a) - 1))
+        left, right = right, left ^ (_mix(right ^ k) & mask[a])
         a, b = b, a
-      return (left << np.uint64(b)) | right
+      return (left << shift[b]) | right
 
     out = once(x)
     outside = np.flatnonzero(out >= np.uint64(n))

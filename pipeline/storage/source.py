@@ -130,7 +130,11 @@ class ShardedSource:
     if self.backends[shard].remote:
       read = lambda: self._reader(shard).read(local)
     else:
-      read = lambda: [self._reader(shard).read(i, i + 1)[0] for i in local]
+
+      def read():
+        reader = self._reader(shard)
+        return [reader.read(i, i + 1)[0] for i in local]
+
     return self._read(shard, read, f"{sorted(local)[:8]}...")
 
   def read_range(self, shard: int, begin: int, end: int) -> list[bytes]:

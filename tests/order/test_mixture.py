@@ -108,3 +108,12 @@ def test_each_process_reads_its_own_share_of_the_global_stream_on_any_count():
   np.testing.assert_array_equal(stream(4, 8, 16), one[:, :512])
   first = one[1][one[0] == 0][: sizes[0]]  # one epoch of each source between the processes
   assert sorted(first.tolist()) == list(range(sizes[0]))
+
+
+def test_a_batchs_plan_says_each_slots_source_and_a_record_of_that_source():
+  sampler = mix((0.3, 0.7), (50, 7))
+  for first in (0, 64, 640, 10**9):
+    positions = np.arange(first, first + 64)
+    _, indices, sources = sampler.planned(positions)
+    np.testing.assert_array_equal(sources, sampler.sources(positions))
+    assert np.all(np.where(sources == 0, indices < 50, (indices >= 50) & (indices < 57)))
