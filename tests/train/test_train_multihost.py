@@ -282,6 +282,30 @@ def test_a_host_frozen_past_the_heartbeat_names_itself_and_the_others_name_it(di
   assert "past --heartbeat_timeout=30, so the run lost it" in line
 
 
+def test_a_host_stopped_for_seconds_is_named_in_process_0s_log_and_the_run_finishes(
+  digits_dir, tmp_path
+):
+  """Process 1 and its trainer SIGSTOPped for 8 s (a paused VM, well within the heartbeat
+  timeout), then continued: the run finishes on both hosts, and process 0's log names
+  process 1 as the host that did not run, for about as long (`train.stalls`), where its own
+  input wait would blame no one."""
+  import psutil
+
+  run = Run(tmp_path, tmp_path / "w", digits_dir, "--config.checkpoint_every_steps=1000", steps=24)
+  run.wait_for("step      4")
+  frozen = [run.procs[1].pid, *(c.pid for c in psutil.Process(run.procs[1].pid).children())]
+  for pid in frozen:
+    os.kill(pid, signal.SIGSTOP)
+  time.sleep(8)
+  for pid in frozen:
+    os.kill(pid, signal.SIGCONT)
+  assert run.wait(timeout=600) == [0, 0], run.output(0)[-3000:]
+  said = [line for line in run.output(0).splitlines() if " did not run for " in line]
+  assert len(said) == 1 and said[0].startswith("process 1 did not run for "), run.output(0)
+  assert float(said[0].split()[5]) >= 7.0, said[0]  # 8 s, less at most one 0.5 s tick
+  assert said[0].endswith("(stopped or starved of CPU): the others waited for it"), said[0]
+
+
 def last_line(out: str) -> str:
   return out.rstrip().splitlines()[-1]
 
