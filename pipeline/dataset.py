@@ -94,6 +94,7 @@ def build(spec: Spec) -> Stages:
     device_decode.check(spec.decoding)
     gpus = nvdecode.local_gpus()
   meta, source, _ = split_lib.open(spec.data_dir, spec.split, spec.verify, perf.read_deadline_s)
+  source.by_ranges = planner.order_of(spec, source) == "blocks"  # before its first read
   features = spec.transforms.features
   if features:
     first = source.backends[0].guard(

@@ -133,6 +133,11 @@ def decide(
   return HostPlan(sampler, chosen, split, reads, stream(spec, sampler, shards), gpus)
 
 
+def order_of(spec: Spec, source) -> str:
+  """`spec`'s order, by default "blocks" when the shards are remote, "global" otherwise."""
+  return spec.order or ("blocks" if source.backends[0].remote else "global")
+
+
 def sampler_of(spec: Spec, meta, source) -> Sampler:
   """`spec`'s order of the split's records in this process (`pipeline.order.sampling`): by
   default the block order (`pipeline.order.blocks`) when the shards are remote (a bucket or
@@ -140,7 +145,7 @@ def sampler_of(spec: Spec, meta, source) -> Sampler:
   shard_index, shard_count = process_shard(spec.shard_index, spec.shard_count)
   split = meta.splits[spec.split]
   counts = tuple(s.num_records for s in split.shards)
-  order = spec.order or ("blocks" if source.backends[0].remote else "global")
+  order = order_of(spec, source)
   return Sampler(
     num_records=split.num_records,
     seed=spec.seed,

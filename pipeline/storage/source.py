@@ -28,6 +28,7 @@ from pipeline.storage import backend
 READER_OPTIONS = "readahead_buffer_size:0,max_parallelism:0,footer_prefetch_bytes:0"
 # A range read (`read_range`) on a reader with a read-ahead buffer is one request for the
 # range (FUSE still cuts it into 1 MiB requests); on the reader above it is one per record.
+# One record read through it is the same one request of that record's bytes.
 RANGE_OPTIONS = "readahead_buffer_size:4194304,max_parallelism:1,footer_prefetch_bytes:0"
 
 
@@ -51,6 +52,9 @@ class ShardedSource:
     for c in counts:
       self.starts.append(self.starts[-1] + c)
     self._ends = np.array(self.starts[1:], np.int64)
+    # reads come in ranges (the block order): single records too go through the range reader,
+    # so that each shard opens one reader and reads its footer once, not twice
+    self.by_ranges = False
     self._init_readers()
 
   def _init_readers(self):
@@ -126,13 +130,15 @@ class ShardedSource:
 
   def read_shard(self, shard: int, local: list[int]) -> list[bytes]:
     """Records `local` (indices within the shard) of one shard, in that order: in one batched
-    read from remote storage, one at a time in this thread from local files."""
+    read from remote storage, one at a time in this thread from local files; a single record
+    through the range reader when reads come in ranges (`by_ranges`)."""
+    ranges = self.by_ranges and len(local) == 1
     if self.backends[shard].remote:
-      read = lambda: self._reader(shard).read(local)
+      read = lambda: self._reader(shard, ranges).read(local)
     else:
 
       def read():
-        reader = self._reader(shard)
+        reader = self._reader(shard, ranges)
         return [reader.read(i, i + 1)[0] for i in local]
 
     return self._read(shard, read, f"{sorted(local)[:8]}...")

@@ -10,9 +10,11 @@ import math
 import threading
 
 import pytest
+from array_record.python.array_record_module import ArrayRecordReader
 
 from pipeline import dataset, options
 from pipeline.storage import remote
+from pipeline.storage.source import READER_OPTIONS
 from tests.conftest import assert_same_batches, take
 from tests.leftovers import clean_mount
 
@@ -145,3 +147,31 @@ def test_a_deadline_or_memory_budget_is_a_finite_number_above_0_or_one_line(name
   else:
     assert str(raised.value).startswith(f"performance.{name} must be None ({none}")
     assert str(raised.value).endswith(f"or a finite number > 0, got {value!r}")
+
+
+def test_opening_a_split_in_the_block_order_reads_each_shard_footer_once(storage_rig, digits_dir):
+  """Opened as `make_dataset` opens it (manifest read and read again once the shards are
+  pinned, the probe's few records, the first record for `features`), then its first batch:
+  each shard's footer (what opening one array_record reader reads) is read once, as the
+  block reads' reader opens it; before, the probe's own reader read it a second time."""
+  with storage_rig.mount(digits_dir, latency_ms=1) as m:
+    m.reset()
+    (m.path / "manifest.json").read_bytes()
+    manifest = m.reset()["bytes"]
+    source = make(m.path, order="blocks").read.source
+    footers = []
+    for path in source.paths:
+      m.reset()
+      ArrayRecordReader(path, READER_OPTIONS).close()
+      footers.append(m.reset()["bytes"])
+    st = make(m.path, features={"file": "image/filename"}, performance=dict(record_cache_mb=0))
+    opened = m.reset()
+    it = iter(dataset.chain(st))
+    next(it)
+    it.close()
+    first_batch = m.reset()
+    for index in (0, 1, 2, 3, 0):  # the probe's records, then the first for `features`
+      st.read.source.read([index])
+    records = m.reset()["bytes"]
+    assert opened["bytes"] - 2 * manifest - sum(footers) <= records < min(footers)
+    assert opened["opens"] + first_batch["opens"] == len(source.paths) + 2  # the manifest twice
